@@ -1,0 +1,283 @@
+"""shape-ledger: the shapes of ids, embeddings, hidden states, per-head q/k/v, attention weights and logits, each axis
+named by its symbolic dimension (B, T, d, h, h_kv, d_h, V, d_ff), checked against the layout attention requires.
+
+Naming must not rest on sizes being distinct (the seed's toy has T = d_h = 4), so a second, small pass runs with other
+B and T (chosen to collide with no size seen): an axis that follows B is B, one that follows T is T, and only axes that
+stay put are named by their size. Forward hooks give module outputs; the observation pass gives what each attention
+call received.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from fwdcheck.observe import Observation
+from fwdcheck.result import Check, CheckResult, Finding, Status
+
+# Which constant a size is named after when several share it and the layout does not decide.
+NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
+
+
+@dataclass
+class Entry:
+    name: str
+    role: str  # ids | hidden | q | k | v | scores_q | scores_k | weights | ffn | logits | mha_in
+    shape: tuple[int, ...]
+    probe_shape: tuple[int, ...] | None = None  # the same tensor in the second pass
+    module: str = ""
+    softmax_dim: int | None = None
+    row_sum_error: float | None = None
+    nonfinite_rows: int = 0
+    implied: bool = False  # weights SDPA and MHA compute internally: the shape they imply, not a tensor seen
+    seq: int = 0  # forward order
+
+
+# Expected symbolic layouts per role; alternatives are equally correct.
+TEMPLATES: dict[str, list[list[str]]] = {
+    "ids": [["B", "T"]],
+    "hidden": [["B", "T", "d"], ["T", "B", "d"]],
+    "q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
+    "k": [["B", "h_kv", "T", "d_h"], ["B", "h", "T", "d_h"], ["B*h", "T", "d_h"], ["B*h_kv", "T", "d_h"]],
+    "mha_in": [["T", "B", "d"]],
+    "scores_q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
+    "scores_k": [["B", "h", "d_h", "T"], ["B*h", "d_h", "T"]],
+    "weights": [["B", "h", "T", "T"], ["B*h", "T", "T"], ["B", "T", "T"]],
+    "ffn": [["B", "T", "d_ff"]],
+    "logits": [["B", "T", "V"]],
+}
+TEMPLATES["v"] = TEMPLATES["k"]
+TEMPLATES["scores_v"] = TEMPLATES["k"]
+
+
+class ShapeLedger(Check):
+    name = "shape-ledger"
+    description = "names every axis of ids, hidden states, per-head q/k/v, attention weights and logits"
+    codes = {
+        "FWD401": "a tensor's layout differs from the expected symbolic shape",
+        "FWD402": "attention runs over an axis that is not the sequence (e.g. heads and positions swapped)",
+        "FWD403": "the softmax normalises over the query axis instead of the keys being read",
+        "FWD404": "attention weights do not sum to 1 over the key axis, or hold NaN/Inf",
+    }
+    explain = """\
+Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call, attention
+weights, the feed-forward hidden state and the logits, and names each axis with a symbolic dimension:
+B batch, T sequence, d model width, h query heads, h_kv key/value heads, d_h head size, V vocabulary, d_ff
+feed-forward width. Names come from behaviour, not from sizes: a second small pass with other B and T shows which axes
+follow them, so T = d_h = 4 in the seed's toy is no ambiguity.
+Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q/k/v handed to attention [B,h,T,d_h] (GQA: k/v
+may have h_kv heads); weights [B,h,T,T]; feed-forward [B,T,d_ff]; logits [B,T,V]. The softmax must run along the
+positions being read (the key axis, last in q @ k^T), so each row of weights sums to 1.
+Why: a missing transpose(1, 2) hands SDPA [B,T,h,d_h], and attention then mixes heads instead of positions: nothing
+crashes and no future leaks, only this ledger shows it. A softmax over dim=-2 normalises over queries and lets later
+queries shift earlier outputs.
+How to fix: the failing row names the tensor, the module and the axis; compare its dims with the expected layout."""
+
+    def run(self, model, session) -> CheckResult:
+        first = session.observation()
+        B, T = session.inputs.shape
+        blocks = _blocks_prefix(model.module)
+        known = {k: v for k, v in model.dims.items() if k != "L"}
+        entries = collect(first, session.inputs.shape, first_logits_shape(first), blocks, known)
+        known = infer_dims(entries, known)
+
+        sizes = {s for e in entries for s in e.shape} | set(known.values())
+        B2, T2 = probe_sizes(B, T, sizes, model.max_positions)
+        second = session.observe(session.random_ids((B2, T2)))
+        by_name = {e.name: e for e in collect(second, (B2, T2), first_logits_shape(second), blocks, known)}
+        for e in entries:
+            other = by_name.get(e.name)
+            e.probe_shape = other.shape if other is not None and len(other.shape) == len(e.shape) else None
+
+        findings, rows = [], []
+        for e in entries:
+            dims = name_axes(e, (B, T), (B2, T2), known)
+            expected = TEMPLATES.get(e.role)
+            ok = expected is None or dims in expected
+            rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "role": e.role,
+                         "expected": expected[0] if expected else None, "ok": ok, "implied": e.implied})
+            findings += judge(e, dims, ok, expected)
+        findings = _merge_layers(findings)
+
+        attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
+        directions = sorted({_direction(e) for e in entries if e.role == "weights"})
+        data = {"entries": rows, "dims": known, "probe": {"batch_size": B2, "seq_len": T2},
+                "softmax": directions or ["no attention weights observed"]}
+        bad = [f for f in findings if f.status != Status.PASS]
+        summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in known.items())}); "
+                   f"softmax {directions[0] if directions else 'not observed'}"
+                   if not bad else f"{len(bad)} layout problem(s): {bad[0].message}")
+        if not attention:
+            summary += "; no attention call observed (custom kernel?): q/k/v not in the ledger"
+        return CheckResult.from_findings(self.name, findings, summary,
+                                         metrics={"tensors": len(rows), "probe_batch": B2, "probe_seq_len": T2},
+                                         data=data)
+
+
+def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
+    root = next((m for m in observation.modules if m.name == ""), None)
+    return root.output_shape if root else None
+
+
+def _blocks_prefix(module: nn.Module) -> str | None:
+    """The nn.ModuleList holding the most blocks: the transformer's layer stack."""
+    lists = [(name, len(m)) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=lambda item: item[1])[0] if lists else None
+
+
+def _block_of(name: str, blocks: str | None) -> str | None:
+    if blocks is None:
+        return None
+    match = re.match(rf"^{re.escape(blocks)}\.(\d+)(\.|$)", name)
+    return f"{blocks}.{match.group(1)}" if match else None
+
+
+def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known: dict[str, int]) -> list[Entry]:
+    """The ledger's entries in forward order, named so the same tensor gets the same name in both passes."""
+    entries = [Entry("input_ids", "ids", tuple(ids_shape))]
+    seen_embedding = False
+    for call in obs.modules:
+        if call.output_shape is None or not call.name:
+            continue
+        if call.cls == "Embedding" and call.input_shape == tuple(ids_shape):
+            label = "token embedding" if not seen_embedding else "embedding"
+            entries.append(Entry(f"{label} ({call.name})", "hidden", call.output_shape, call.name, seq=call.seq))
+            seen_embedding = True
+        elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name):
+            entries.append(Entry(f"{call.name} output", "hidden", call.output_shape, call.name, seq=call.seq))
+        elif call.cls == "Linear" and known.get("d_ff") and call.output_shape[-1:] == (known["d_ff"],) \
+                and _is_first_in_block(call.name, obs, blocks):
+            entries.append(Entry(f"{call.name} output", "ffn", call.output_shape, call.name, seq=call.seq))
+
+    per_module: dict[str, int] = {}
+    for call in obs.attention:
+        n = per_module[call.module] = per_module.get(call.module, -1) + 1
+        where = f"{call.module or 'model'}" + (f"#{n}" if n else "")
+        at = dict(module=call.module, seq=call.seq)
+        if call.api == "sdpa":
+            entries += [Entry(f"{where} q", "q", call.query_shape, **at),
+                        Entry(f"{where} k", "k", call.key_shape, **at),
+                        Entry(f"{where} v", "v", call.value_shape, **at)]
+        elif call.api == "mha":
+            entries.append(Entry(f"{where} query (MHA input)", "mha_in", call.query_shape, **at))
+        entries.append(Entry(f"{where} attention weights", "weights", call.weights_shape, softmax_dim=call.softmax_dim,
+                             row_sum_error=call.row_sum_error, nonfinite_rows=call.nonfinite_rows,
+                             implied=call.api != "softmax", **at))
+    per_module = {}
+    for mm in obs.matmuls:  # eager attention: q @ k^T makes the scores, weights @ v reads the values
+        n = per_module[(mm.module, mm.kind)] = per_module.get((mm.module, mm.kind), -1) + 1
+        where = f"{mm.module or 'model'}" + (f"#{n}" if n else "")
+        at = dict(module=mm.module, seq=mm.seq)
+        if mm.kind == "scores":
+            entries += [Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
+                        Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at)]
+        else:
+            entries.append(Entry(f"{where} v (weights @ v)", "scores_v", mm.b_shape, **at))
+    entries.sort(key=lambda e: e.seq)
+    if logits_shape:
+        entries.append(Entry("logits", "logits", tuple(logits_shape)))
+    return entries
+
+
+def _is_first_in_block(name: str, obs: Observation, blocks: str | None) -> bool:
+    """Only the first block's feed-forward layers go in the ledger: the rest repeat them."""
+    block = _block_of(name, blocks)
+    return block is None or block.endswith(".0")
+
+
+def infer_dims(entries: list[Entry], known: dict[str, int]) -> dict[str, int]:
+    """Fill in dimensions the model did not declare from what was observed."""
+    dims = dict(known)
+    for e in entries:
+        if e.role == "logits":
+            dims.setdefault("V", e.shape[-1])
+        elif e.role == "hidden" and len(e.shape) == 3:
+            dims.setdefault("d", e.shape[-1])
+        elif e.role == "q" and len(e.shape) == 4:
+            dims.setdefault("h", e.shape[1])
+            dims.setdefault("d_h", e.shape[-1])
+        elif e.role == "k" and len(e.shape) == 4:
+            dims.setdefault("h_kv", e.shape[1])
+    return dims
+
+
+def probe_sizes(B: int, T: int, taken: set[int], max_positions: int | None) -> tuple[int, int]:
+    """A second (B, T), each size distinct from every size already seen, so no axis can be named by coincidence."""
+    B2 = next(n for n in range(2, 10_000) if n != B and n not in taken)
+    limit = max_positions or 10_000
+    T2 = next((n for n in range(3, limit + 1) if n not in taken and n not in (B, B2, T)), None)
+    if T2 is None:  # max_positions is tiny and crowded: fall back to any other length
+        T2 = next(n for n in range(2, limit + 1) if n != T)
+    return B2, T2
+
+
+def name_axes(e: Entry, first: tuple[int, int], second: tuple[int, int], known: dict[str, int]) -> list[str]:
+    (B, T), (B2, T2) = first, second
+    expected = TEMPLATES.get(e.role, [[]])[0]
+    h = known.get("h")
+    varying = {"B": (B, B2), "T": (T, T2), "B*T": (B * T, B2 * T2)}
+    if h:
+        varying["B*h"] = (B * h, B2 * h)
+    if known.get("h_kv"):
+        varying["B*h_kv"] = (B * known["h_kv"], B2 * known["h_kv"])
+    names = []
+    for axis, size in enumerate(e.shape):
+        other = e.probe_shape[axis] if e.probe_shape is not None else None
+        if other is not None and other != size:
+            names.append(next((n for n, pair in varying.items() if pair == (size, other)), f"{size}→{other}"))
+            continue
+        candidates = [n for n in NAME_PRIORITY if known.get(n) == size]
+        want = expected[axis] if axis < len(expected) else None
+        if other is None and size in (B, T) and want in ("B", "T"):
+            candidates.insert(0, want)  # not seen in the second pass: the best guess is the layout's own
+        if want in candidates:
+            names.append(want)
+        elif candidates:
+            names.append(candidates[0])
+        else:
+            multiple = next((f"{m}*{n}" for n in NAME_PRIORITY for m in (2, 3, 4) if known.get(n) and
+                             known[n] * m == size), None)
+            names.append(multiple or str(size))
+    return names
+
+
+def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None) -> list[Finding]:
+    findings = []
+    shown = f"[{','.join(dims)}]"
+    if e.role in ("q", "k", "v", "scores_q") and len(dims) >= 3 and dims[-2] != "T":
+        findings.append(Finding("FWD402", Status.FAIL, f"{e.name} is {shown}: attention runs over axis -2, which is "
+                                f"{dims[-2]} here, not the sequence T (a missing transpose(1, 2)?)", where=e.module))
+    elif not ok and expected:
+        status = Status.WARN if e.role == "hidden" else Status.FAIL
+        findings.append(Finding("FWD401", status, f"{e.name} is {shown}, expected "
+                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None))
+    if e.role == "weights" and e.softmax_dim is not None and e.softmax_dim != -1:
+        findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,T] scores: "
+                                "it normalises over the queries, not the keys each query reads", where=e.module))
+    elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
+        findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
+                                f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module))
+    return findings
+
+
+def _direction(e: Entry) -> str:
+    if e.implied:
+        return "over the keys (last axis), as the attention API defines"
+    return "over the keys (dim -1), observed" if e.softmax_dim == -1 else f"over dim {e.softmax_dim}, observed"
+
+
+def _merge_layers(findings: list[Finding]) -> list[Finding]:
+    """One finding per problem, not one per layer: 'layers.0.attn q' and 'layers.1.attn q' become one."""
+    merged: dict[tuple[str, str], Finding] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for f in findings:
+        key = (f.code, re.sub(r"\.\d+\.", ".*.", f.message))
+        if key not in merged:
+            merged[key] = f
+        counts[key] = counts.get(key, 0) + 1
+    for key, f in merged.items():
+        if counts[key] > 1:
+            f.where = f"{f.where} and {counts[key] - 1} more like it" if f.where else f"{counts[key]} places"
+    return list(merged.values())

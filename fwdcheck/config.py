@@ -1,0 +1,237 @@
+"""The YAML config, validated by pydantic. Paths are resolved relative to the config file.
+
+Every validation problem becomes one ConfigError line naming the file and the YAML path of the key, e.g.
+`toy.yaml: model.n_head: unknown key; did you mean 'n_heads'?`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+
+from fwdcheck.bugs import BUGS
+from fwdcheck.errors import ConfigError
+
+Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RopeSpec(Strict):
+    """What the model declares about its rotary embedding; the rope check compares it with what it measures."""
+
+    base: float = Field(10000.0, gt=1.0)
+    pairing: Literal["half", "interleaved"] = "half"
+    rotary_dim: PositiveInt | None = None
+
+
+class ReferenceModel(Strict):
+    source: Literal["reference"]
+    vocab_size: PositiveInt = 16
+    d_model: PositiveInt = 8
+    n_heads: PositiveInt = 2
+    n_kv_heads: PositiveInt | None = None
+    n_layers: PositiveInt = 2
+    d_ff: PositiveInt = 32
+    max_seq_len: PositiveInt = 64
+    positional: Literal["rope", "learned", "none"] = "rope"
+    rope: RopeSpec = Field(default_factory=RopeSpec)
+    norm: Literal["pre", "post"] = "pre"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    mask: Literal["bool", "float", "is_causal"] = "bool"
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = False
+    bugs: list[Bug] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReferenceModel:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {kv}")
+        head_dim = self.d_model // self.n_heads
+        if self.positional == "rope":
+            rotary = self.rope.rotary_dim or head_dim
+            if rotary % 2 or rotary > head_dim:
+                raise ValueError(f"rope.rotary_dim {rotary} must be even and at most the head size {head_dim}")
+        return self
+
+
+class PythonModel(Strict):
+    source: Literal["python"]
+    factory: str = Field(description="'package.module:callable' returning an nn.Module")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
+    forward: str | None = Field(None, description="'module:callable' adapter (model, input_ids, **kw) -> logits")
+    vocab_size: PositiveInt | None = None
+    max_positions: PositiveInt | None = None
+    causal: bool = Field(True, description="false for bidirectional encoders: future-token then skips part (a)")
+    rope: RopeSpec | None = Field(None, description="declared rotary settings, compared with what is measured")
+    rotary_function: str | None = Field(
+        None, description="'module:callable' (x [B,h,T,d_h], positions [T]) -> rotated x, tested on its own"
+    )
+
+    @field_validator("factory", "forward", "rotary_function")
+    @classmethod
+    def _module_colon_callable(cls, value: str | None) -> str | None:
+        if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+            raise ValueError(f"'{value}' is not of the form 'package.module:callable'")
+        return value
+
+
+ModelSource = Annotated[Union[ReferenceModel, PythonModel], Field(discriminator="source")]
+
+
+class Inputs(Strict):
+    batch_size: PositiveInt = 2
+    seq_len: int = Field(8, ge=2, description="at least 2: a future token needs a past")
+    seed: int = 0
+
+
+class Tolerance(Strict):
+    rtol: float | None = Field(None, ge=0.0, description="relative to the largest |logit|; default per dtype")
+    atol: float | None = Field(None, ge=0.0, description="absolute floor; default per dtype")
+    noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
+
+
+class Config(Strict):
+    model: ModelSource
+    inputs: Inputs = Field(default_factory=Inputs)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    checks: list[str] | None = Field(None, description="omitted: every registered check")
+    tolerance: Tolerance = Field(default_factory=Tolerance)
+    exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
+
+    source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, parse and validate a config file; paths inside it become absolute, relative to the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc})") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    if document is None:
+        raise ConfigError(f"{path}: the file is empty; `fwdcheck init` writes a starter config")
+    return config_from_dict(document, origin=path)
+
+
+def config_from_dict(document: Any, origin: Path | None = None) -> Config:
+    name = str(origin) if origin else "config"
+    if not isinstance(document, dict):
+        kind = type(document).__name__
+        raise ConfigError(f"{name}: the top level must be a mapping with a 'model' key, not a {kind}")
+    try:
+        config = Config.model_validate(document)
+    except ValidationError as exc:
+        raise ConfigError(f"{name}: {describe_validation_error(exc)}") from None
+    config.source_path = origin
+    base = origin.parent if origin else Path.cwd()
+    if isinstance(config.model, PythonModel):
+        config.model.path = [p if p.is_absolute() else (base / p).resolve() for p in config.model.path]
+    return config
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first problem as `yaml.path: what is wrong`, plus how many more there are."""
+    # An unknown key usually explains a missing one next to it (a typo), so report it first.
+    errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = _yaml_loc(first["loc"])
+    if first["type"] == "extra_forbidden":
+        message = f"{loc}: unknown key{_did_you_mean(first['loc'])}"
+    elif first["type"] == "missing":
+        message = f"{loc}: required key is missing"
+    elif first["type"] == "union_tag_invalid":
+        message = f"{loc or 'model'}.source: unknown source {first['input'].get('source')!r}; " \
+            f"known: {', '.join(_model_classes())}"
+    elif first["type"] == "union_tag_not_found":
+        message = f"{loc or 'model'}: the 'source' key is missing ({' | '.join(_model_classes())})"
+    else:
+        got = first.get("input")
+        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
+        text = first["msg"].removeprefix("Value error, ")
+        message = f"{loc or 'config'}: {text}{shown}"
+    more = len(errors) - 1
+    return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def _model_classes() -> dict[str, type[BaseModel]]:
+    return {"reference": ReferenceModel, "python": PythonModel}
+
+
+def _yaml_loc(loc: tuple) -> str:
+    """pydantic's location as a YAML path, without the discriminator tag it inserts: model.bugs[0]."""
+    text = ""
+    for i, part in enumerate(loc):
+        if i == 1 and loc[0] == "model" and part in _model_classes():
+            continue
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """Walk the schema along loc to the mapping holding the unknown key and suggest the closest valid key."""
+    cls: type[BaseModel] | None = Config
+    path = list(loc)
+    key = str(path.pop())
+    while path and cls is not None:
+        part = path.pop(0)
+        if cls is Config and part == "model":
+            cls = _model_classes().get(path.pop(0)) if path else None
+            continue
+        annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
+        candidates = getattr(annotation, "__args__", (annotation,))
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if cls is None:
+        return ""
+    valid = [name for name in cls.model_fields if name != "source_path"]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+
+
+STARTER_CONFIG = """\
+# fwdcheck config: `fwdcheck run {name}`
+model:
+  source: reference        # reference (the built-in transformer) | python (your own factory)
+  # For your own model:
+  # source: python
+  # factory: "mypkg.model:build"   # a callable returning an nn.Module; forward(input_ids) -> logits [B, T, V]
+  # kwargs: {{}}                     # keyword arguments for the factory
+  # path: [.]                      # directories put on sys.path first, relative to this file
+  # causal: true                   # false for bidirectional encoders
+  vocab_size: 16
+  d_model: 8
+  n_heads: 2
+  n_layers: 2
+  positional: rope         # rope | learned | none
+  bugs: []                 # plant one: no-causal-mask, inverted-bool-mask, float-mask-01, ...
+inputs:
+  batch_size: 2
+  seq_len: 8
+  seed: 0
+device: cpu                # cpu | cuda | auto (cuda when available)
+dtype: float32             # float32 | bfloat16 | float16; tolerances follow the dtype
+# checks: [shape-ledger, future-token, mask-audit, rope]   # omitted = every registered check
+# tolerance: {{rtol: 1.3e-6, atol: 1e-5, noise_factor: 10}}
+"""

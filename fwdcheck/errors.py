@@ -1,0 +1,58 @@
+"""One exception class per kind of failure; each carries the exit code the CLI ends with.
+
+Expected problems (a bad config, a model that cannot be built) become one line and exit 2; a model that raises while
+it is being checked makes that check `error` (exit 1); anything else escaping from fwdcheck is a bug of ours (exit 3).
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+EXIT_NOTHING_RAN = 5
+
+
+class FwdcheckError(Exception):
+    """Base class; its message is the one line the user sees."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class UsageError(FwdcheckError):
+    """Bad command line or configuration: nothing was checked."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(UsageError):
+    """The config file cannot be read or does not validate."""
+
+
+class ModelLoadError(UsageError):
+    """The model cannot be built or loaded at all (module does not import, factory raises, ...)."""
+
+
+class DeviceError(UsageError):
+    """The requested device or dtype is not available here."""
+
+
+class CheckLoadError(FwdcheckError):
+    """A registered check could not be imported or instantiated."""
+
+    exit_code = EXIT_FAILED
+
+
+class ModelRaised(FwdcheckError):
+    """The model under test raised (or returned something uncheckable) while a check ran it."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, *, where: str | None = None):
+        super().__init__(message)
+        self.where = where
+
+
+class SkipCheck(Exception):
+    """Raised by a check that does not apply to this model; the message is the reason."""

@@ -1,0 +1,272 @@
+"""ModelUnderTest: one face over every model source, and the loaders that build it.
+
+Whatever the source, a check asks the same questions: what is the vocabulary, how long may a sequence be, does forward
+take position_ids, and what are the logits [B, T, V] for these ids. Loaders never judge the model; they only build it
+and say clearly when they cannot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.config import Config, PythonModel, ReferenceModel, RopeSpec
+from fwdcheck.errors import ModelLoadError, ModelRaised
+
+Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
+
+# Attribute names under which model configs commonly keep each dimension (HF, nanoGPT, gpt-fast, ...).
+_CONFIG_NAMES = {
+    "d": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim"),
+    "h": ("num_attention_heads", "n_heads", "n_head", "num_heads"),
+    "h_kv": ("num_key_value_heads", "n_kv_heads", "n_local_heads", "n_kv_head", "num_kv_heads"),
+    "d_ff": ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim"),
+    "V": ("vocab_size", "n_vocab"),
+    "L": ("num_hidden_layers", "n_layers", "n_layer", "num_layers"),
+}
+_MAX_POSITION_NAMES = ("max_position_embeddings", "max_seq_len", "block_size", "n_positions", "n_ctx")
+
+
+@dataclass
+class ModelUnderTest:
+    module: nn.Module
+    label: str  # how the report names the model
+    source: str  # reference | python | ...
+    vocab_size: int
+    max_positions: int | None = None
+    causal: bool = True
+    dims: dict[str, int] = field(default_factory=dict)  # known symbolic dimensions: d, h, h_kv, d_h, V, d_ff, L
+    rope: RopeSpec | None = None  # what the model declares about its rotary embedding, if anything
+    rotary: Rotary | None = None  # the model's rotary function, when it can be called on its own
+    forward_adapter: Callable[..., Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # shown in the report's model section
+
+    @property
+    def accepts_position_ids(self) -> bool:
+        return _accepts(self.module.forward, "position_ids") and self.forward_adapter is None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+        """The model's raw output; any exception becomes ModelRaised naming the model-code frame it came from."""
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        try:
+            if self.forward_adapter is not None:
+                return self.forward_adapter(self.module, input_ids, **kwargs)
+            return self.module(input_ids, **kwargs)
+        except ModelRaised:
+            raise
+        except Exception as exc:
+            frame = model_frame(exc)
+            raise ModelRaised(f"the model raised {type(exc).__name__}: {exc}", where=frame) from exc
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""
+        output = self.forward(input_ids, position_ids)
+        logits = extract_logits(output)
+        B, T = input_ids.shape
+        if logits.dim() != 3 or logits.shape[0] != B:
+            raise ModelRaised(
+                f"forward returned a tensor of shape {list(logits.shape)} for input_ids {[B, T]}; "
+                "fwdcheck needs logits [B, T, V]"
+            )
+        if logits.shape[1] != T:
+            hint = (
+                " (nanoGPT-style models return only the last position unless targets are given; "
+                "name a `forward:` adapter in the config that returns every position)"
+                if logits.shape[1] == 1
+                else ""
+            )
+            raise ModelRaised(
+                f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}){hint}; "
+                "checking them would compare the wrong positions"
+            )
+        return logits
+
+
+def extract_logits(output: Any) -> torch.Tensor:
+    """Logits from what forward returned: a tensor, an object with .logits, a mapping, or a tuple led by them."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ModelRaised(
+        f"forward returned {type(output).__name__}; fwdcheck needs logits [B, T, V]: a tensor, "
+        "an object with .logits, or a tuple whose first item is the logits"
+    )
+
+
+def model_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame outside torch and fwdcheck: the line of model code that raised."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loaders
+
+
+def load_model(config: Config) -> ModelUnderTest:
+    """Build the model the config names. Raises ModelLoadError (exit 2) when it cannot be built at all."""
+    spec = config.model
+    with torch.random.fork_rng(devices=[]):  # the user's RNG state is not ours to advance
+        torch.manual_seed(config.inputs.seed)
+        if isinstance(spec, ReferenceModel):
+            return _load_reference(spec)
+        if isinstance(spec, PythonModel):
+            return _load_python(spec, config)
+    raise ModelLoadError(f"model source '{spec.source}' is not supported")  # pragma: no cover - schema forbids it
+
+
+def _load_reference(spec: ReferenceModel) -> ModelUnderTest:
+    from fwdcheck.reference import ReferenceConfig, ReferenceTransformer, apply_rope
+
+    fields = spec.model_dump(exclude={"source"})
+    cfg = ReferenceConfig(**fields)
+    module = ReferenceTransformer(cfg)
+    rope = None
+    rotary = None
+    if cfg.positional == "rope":
+        rope = RopeSpec(base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
+
+        def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return apply_rope(x, positions, cfg.rope.base, cfg.rope.pairing, cfg.rotary_dim)
+
+    bugs = ", ".join(cfg.bugs) or "none"
+    return ModelUnderTest(
+        module=module,
+        label=f"reference ({cfg.positional}, {cfg.attention}, {cfg.n_layers} layers; planted bugs: {bugs})",
+        source="reference",
+        vocab_size=cfg.vocab_size,
+        max_positions=cfg.max_seq_len,
+        dims=dict(d=cfg.d_model, h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.head_dim, V=cfg.vocab_size,
+                  d_ff=cfg.d_ff, L=cfg.n_layers),
+        rope=rope,
+        rotary=rotary,
+        extra={"bugs": list(cfg.bugs)},
+    )
+
+
+def _load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
+    search = [*spec.path]
+    if config.source_path is not None:
+        search.append(config.source_path.parent.resolve())
+    else:
+        search.append(Path.cwd())
+    with _on_sys_path(search):
+        factory = resolve_callable(spec.factory, what="factory")
+        adapter = resolve_callable(spec.forward, what="forward adapter") if spec.forward else None
+        rotary = resolve_callable(spec.rotary_function, what="rotary function") if spec.rotary_function else None
+        try:
+            module = factory(**spec.kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"factory '{spec.factory}' raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, nn.Module):
+        raise ModelLoadError(
+            f"factory '{spec.factory}' returned {type(module).__name__}, not a torch.nn.Module"
+        )
+    dims = _dims_from_config(getattr(module, "config", None))
+    vocab = spec.vocab_size or dims.get("V") or _embedding_rows(module)
+    if not vocab:
+        raise ModelLoadError(
+            f"cannot tell the vocabulary size of '{spec.factory}' (no config.vocab_size, no nn.Embedding); "
+            "set model.vocab_size in the config"
+        )
+    dims.setdefault("V", vocab)
+    model_cfg = getattr(module, "config", None)
+    max_positions = spec.max_positions or next(
+        (int(v) for n in _MAX_POSITION_NAMES if isinstance(v := getattr(model_cfg, n, None), int)), None
+    )
+    return ModelUnderTest(
+        module=module,
+        label=spec.factory,
+        source="python",
+        vocab_size=vocab,
+        max_positions=max_positions,
+        causal=spec.causal,
+        dims=dims,
+        rope=spec.rope,
+        rotary=rotary,
+        forward_adapter=adapter,
+    )
+
+
+def resolve_callable(reference: str, what: str) -> Callable:
+    """'package.module:attr' -> the object, with one clear ModelLoadError for each way that can go wrong."""
+    module_name, _, attr = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
+    except Exception as exc:
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelLoadError(f"{what} '{reference}' is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+@contextmanager
+def _on_sys_path(directories: list[Path]):
+    added = [str(d) for d in directories if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)
+
+
+def _dims_from_config(model_config: Any) -> dict[str, int]:
+    dims = {}
+    for symbol, names in _CONFIG_NAMES.items():
+        value = next((getattr(model_config, n) for n in names if isinstance(getattr(model_config, n, None), int)), None)
+        if value:
+            dims[symbol] = value
+    if "d" in dims and "h" in dims and dims["d"] % dims["h"] == 0:
+        dims["d_h"] = getattr(model_config, "head_dim", None) or dims["d"] // dims["h"]
+    if "h" in dims:
+        dims.setdefault("h_kv", dims["h"])
+    return dims
+
+
+def _embedding_rows(module: nn.Module) -> int | None:
+    """The token embedding's size: HF's get_input_embeddings, else the first nn.Embedding registered."""
+    getter = getattr(module, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            embedding = getter()
+            if isinstance(embedding, nn.Embedding):
+                return embedding.num_embeddings
+        except Exception:  # a model's own accessor may not be implemented; fall back to the modules
+            pass
+    first = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return first.num_embeddings if first is not None else None

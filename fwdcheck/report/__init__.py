@@ -1,0 +1,64 @@
+"""The Report of one run, and how it maps to an exit code. Renderers (terminal, json) only show it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fwdcheck import __version__
+from fwdcheck.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_NOTHING_RAN, EXIT_OK
+from fwdcheck.result import CheckResult, Status, worst
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Report:
+    results: list[CheckResult]
+    model: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    config_path: str | None = None
+    fail_on: str = "fail"  # fail | warn
+
+    @property
+    def status(self) -> Status:
+        ran = [r.status for r in self.results if r.status != Status.SKIP]
+        return worst(ran, default=Status.SKIP)
+
+    @property
+    def exit_code(self) -> int:
+        """0 passed (warnings allowed unless fail_on=warn); 1 failed or the model raised; 3 fwdcheck broke;
+        5 nothing ran."""
+        if any(r.internal_error for r in self.results):
+            return EXIT_INTERNAL
+        status = self.status
+        if status in (Status.FAIL, Status.ERROR) or (status == Status.WARN and self.fail_on == "warn"):
+            return EXIT_FAILED
+        if status == Status.SKIP:
+            return EXIT_NOTHING_RAN
+        return EXIT_OK
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status in (Status.FAIL, Status.ERROR)]
+
+    def result(self, name: str) -> CheckResult:
+        return next(r for r in self.results if r.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "fwdcheck_version": __version__,
+            "status": self.status.value,
+            "exit_code": self.exit_code,
+            "config": self.config_path,
+            "model": self.model,
+            "environment": self.environment,
+            "notes": self.notes,
+            "checks": [r.to_dict() for r in self.results],
+        }

@@ -1,0 +1,257 @@
+"""Session: what all checks of one run share. Device, dtype, inputs, tolerances, the cached baseline forward, the
+cached observation pass, and the guard that leaves the model exactly as it was found.
+
+Checks ask the session for forwards instead of calling the model, so the baseline is computed once, every forward runs
+in eval mode without gradients, and the model's state is restored however the run ends.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from fwdcheck.config import Config
+from fwdcheck.errors import DeviceError, ModelRaised, UsageError
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (rtol, atol) per dtype, as torch.testing.assert_close uses them; rtol is scaled by the largest |logit|.
+DEFAULT_TOLERANCE = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
+
+
+@dataclass
+class Settings:
+    device: str = "cpu"  # cpu | cuda | auto
+    dtype: str = "float32"
+    batch_size: int = 2
+    seq_len: int = 8
+    seed: int = 0
+    rtol: float | None = None
+    atol: float | None = None
+    noise_factor: float = 10.0
+    exhaustive: bool = False
+    max_rows: int | None = None  # rows per batched forward; default 4 x batch_size
+
+    @classmethod
+    def from_config(cls, config: Config) -> Settings:
+        return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
+                   seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
+                   atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
+                   exhaustive=config.exhaustive)
+
+
+def resolve_device(requested: str) -> tuple[torch.device, str | None]:
+    """The device to run on, and a note when the choice was not literally what was asked."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), "device auto: CUDA is available, using cuda"
+        return torch.device("cpu"), "device auto: no CUDA device found, using cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device; "
+                          "use `--device cpu` or `--device auto`")
+    try:
+        return torch.device(requested), None
+    except RuntimeError as exc:
+        raise DeviceError(f"device '{requested}' is not a valid torch device ({exc})") from None
+
+
+@dataclass
+class ModelState:
+    """Everything a run may touch on the model, taken before and put back after."""
+
+    training: dict[nn.Module, bool] = field(default_factory=dict)
+    dropout_p: dict[nn.Module, float] = field(default_factory=dict)
+    tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, model: nn.Module) -> ModelState:
+        state = cls()
+        for module in model.modules():
+            state.training[module] = module.training
+            if isinstance(module, _DropoutNd):
+                state.dropout_p[module] = module.p
+            for name, p in module._parameters.items():
+                if p is not None:
+                    state.tensors.append((module, "param", name, p.data, p.grad))
+            for name, b in module._buffers.items():
+                if b is not None:
+                    state.tensors.append((module, "buffer", name, b, None))
+        return state
+
+    def restore(self) -> None:
+        for module, kind, name, original, grad in self.tensors:
+            if kind == "param":
+                module._parameters[name].data = original  # .to() swapped .data; the original storage is intact
+                module._parameters[name].grad = grad
+            else:
+                module._buffers[name] = original
+        for module, p in self.dropout_p.items():
+            module.p = p
+        for module, training in self.training.items():
+            module.training = training
+
+
+class Session:
+    def __init__(self, model: ModelUnderTest, settings: Settings):
+        self.model = model
+        self.settings = settings
+        self.device, device_note = resolve_device(settings.device)
+        self.dtype = DTYPES[settings.dtype]
+        self.notes: list[str] = [device_note] if device_note else []
+        if settings.seq_len > (model.max_positions or settings.seq_len):
+            raise UsageError(f"inputs.seq_len {settings.seq_len} exceeds the model's maximum positions "
+                             f"{model.max_positions}")
+        rtol, atol = DEFAULT_TOLERANCE[self.dtype]
+        self.rtol = settings.rtol if settings.rtol is not None else rtol
+        self.atol = settings.atol if settings.atol is not None else atol
+        self.max_rows = settings.max_rows or 4 * settings.batch_size
+        self.force_zero_dropout = False  # set when the observation pass saw dropout live in eval mode
+        self._generator = torch.Generator().manual_seed(settings.seed)
+        self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
+        self._baseline: torch.Tensor | ModelRaised | None = None
+        self._observation: Observation | ModelRaised | None = None
+        self._repeat: torch.Tensor | ModelRaised | None = None
+        self.forwards = 0  # rows x positions actually run, in units of the baseline's (for benchmarks)
+        self.forward_tokens = 0
+
+    # -- lifetime -------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def active(self) -> Iterator[Session]:
+        """Eval mode, nn.Dropout at p=0, the model on the session's device and dtype; all restored on exit."""
+        module = self.model.module
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        state = ModelState.take(module)
+        default_dtype = torch.get_default_dtype()
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.callback(torch.set_default_dtype, default_dtype)
+            stack.callback(state.restore)
+            module.eval()
+            for dropout in state.dropout_p:
+                dropout.p = 0.0
+            self._place(module)
+            self.inputs = self.inputs.to(self.device)
+            yield self
+
+    def _place(self, module: nn.Module) -> None:
+        tensors = [*module.parameters(), *module.buffers()]
+        needs_move = any(t.device != self.device for t in tensors)
+        needs_cast = any(t.is_floating_point() and t.dtype != self.dtype for t in tensors)
+        if not (needs_move or needs_cast):
+            return
+        try:
+            module.to(device=self.device, dtype=self.dtype if needs_cast else None)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceError(f"cannot put the model on {self.device} as {self.settings.dtype}: {exc}") from None
+        if needs_cast:
+            self.notes.append(f"model cast to {self.settings.dtype} for the run (restored afterwards)")
+
+    # -- forwards -------------------------------------------------------------------------------------------------
+
+    def logits(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, T, V] as float32, in row chunks of at most max_rows, dropout forced off where needed."""
+        chunks = []
+        for start in range(0, ids.shape[0], self.max_rows):
+            rows = ids[start:start + self.max_rows]
+            positions = position_ids[start:start + self.max_rows] if position_ids is not None else None
+            with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
+                chunks.append(self.model.logits(rows, positions).float())
+            self.forward_tokens += rows.numel()
+        return torch.cat(chunks)
+
+    def baseline(self) -> torch.Tensor:
+        """Logits of the session's inputs, computed once and shared by every check."""
+        if self._baseline is None:
+            try:  # first learn whether dropout is live in eval: then every comparison runs with it forced off
+                self.observation()
+            except ModelRaised:
+                pass  # the observer cannot follow this model; the plain forward below says whether it runs at all
+            try:
+                self._baseline = self.logits(self.inputs)
+            except ModelRaised as exc:
+                self._baseline = exc
+        if isinstance(self._baseline, ModelRaised):
+            raise self._baseline
+        return self._baseline
+
+    def repeat_change(self) -> float:
+        """Largest |change| of the logits when the identical input runs again: 0 for a deterministic model."""
+        if self._repeat is None:
+            try:
+                self._repeat = self.logits(self.inputs)
+            except ModelRaised as exc:
+                self._repeat = exc
+        if isinstance(self._repeat, ModelRaised):
+            raise self._repeat
+        return float(position_change(self._repeat, self.baseline()).max())
+
+    def observation(self) -> Observation:
+        """The observation pass over the session's inputs, run once."""
+        if self._observation is None:
+            try:
+                self._observation = self.observe(self.inputs)
+                self.force_zero_dropout = bool(self._observation.active_dropout)
+            except ModelRaised as exc:
+                self._observation = exc
+        if isinstance(self._observation, ModelRaised):
+            raise self._observation
+        return self._observation
+
+    def observe(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep_tensors: bool = False,
+                keep_inputs_of: set[str] = frozenset()) -> Observation:
+        """One forward under the attention observer. Its logits are not used for comparisons (the mode can change
+        code paths); it tells what the model did, not what it computes untouched."""
+        with torch.no_grad(), observing(self.model.module, ids.shape[1], keep_tensors, False, keep_inputs_of) as seen:
+            self.model.logits(ids, position_ids)
+        self.forward_tokens += ids.numel()
+        return seen
+
+    # -- inputs and tolerances --------------------------------------------------------------------------------------
+
+    def random_ids(self, shape: tuple[int, ...], differ_from: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids drawn from the session's own generator; with differ_from, every id differs from it."""
+        vocab = self.model.vocab_size
+        if differ_from is None:
+            ids = torch.randint(0, vocab, shape, generator=self._generator)
+        else:
+            shift = torch.randint(1, max(vocab, 2), tuple(differ_from.shape), generator=self._generator)
+            ids = (differ_from.cpu() + shift) % vocab
+        return ids.to(self.device if hasattr(self, "device") else "cpu")
+
+    def tolerance(self, scale: float) -> float:
+        """The dtype's tolerance for logits of this magnitude: atol + rtol * max|logit|."""
+        return self.atol + self.rtol * scale
+
+    def threshold(self, scale: float, noise_floor: float) -> float:
+        """A change counts when it exceeds both the dtype tolerance and noise_factor times the measured noise."""
+        return max(self.tolerance(scale), self.settings.noise_factor * noise_floor)
+
+    @property
+    def baseline_tokens(self) -> int:
+        return self.inputs.numel()
+
+
+def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per row and position, the largest |change| over the vocabulary; inf where either side is not finite."""
+    change = (new - reference).abs().amax(-1)  # (N, T)
+    broken = ~(torch.isfinite(new).all(-1) & torch.isfinite(reference).all(-1))
+    return change.masked_fill(broken, float("inf"))
+
+
+def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:
+    """(row, position) pairs whose logits hold NaN or Inf."""
+    bad = ~torch.isfinite(logits).all(-1)
+    return [tuple(x) for x in bad.nonzero().tolist()]
+
+
+@contextmanager
+def _nothing():
+    yield
