@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch.nn as nn
-
 from fwdcheck.observe import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status
 
@@ -78,7 +76,7 @@ How to fix: the failing row names the tensor, the module and the axis; compare i
     def run(self, model, session) -> CheckResult:
         first = session.observation()
         B, T = session.inputs.shape
-        blocks = _blocks_prefix(model.module)
+        blocks = model.layer_stack
         known = {k: v for k, v in model.dims.items() if k != "L"}
         entries = collect(first, session.inputs.shape, first_logits_shape(first), blocks, known)
         known = infer_dims(entries, known)
@@ -121,19 +119,6 @@ def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
     return root.output_shape if root else None
 
 
-def _blocks_prefix(module: nn.Module) -> str | None:
-    """The nn.ModuleList holding the most blocks: the transformer's layer stack."""
-    lists = [(name, len(m)) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    return max(lists, key=lambda item: item[1])[0] if lists else None
-
-
-def _block_of(name: str, blocks: str | None) -> str | None:
-    if blocks is None:
-        return None
-    match = re.match(rf"^{re.escape(blocks)}\.(\d+)(\.|$)", name)
-    return f"{blocks}.{match.group(1)}" if match else None
-
-
 def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known: dict[str, int]) -> list[Entry]:
     """The ledger's entries in forward order, named so the same tensor gets the same name in both passes."""
     entries = [Entry("input_ids", "ids", tuple(ids_shape))]
@@ -148,7 +133,7 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name):
             entries.append(Entry(f"{call.name} output", "hidden", call.output_shape, call.name, seq=call.seq))
         elif call.cls == "Linear" and known.get("d_ff") and call.output_shape[-1:] == (known["d_ff"],) \
-                and _is_first_in_block(call.name, obs, blocks):
+                and _in_first_block(call.name, blocks):
             entries.append(Entry(f"{call.name} output", "ffn", call.output_shape, call.name, seq=call.seq))
 
     per_module: dict[str, int] = {}
@@ -181,10 +166,9 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
     return entries
 
 
-def _is_first_in_block(name: str, obs: Observation, blocks: str | None) -> bool:
+def _in_first_block(name: str, blocks: str | None) -> bool:
     """Only the first block's feed-forward layers go in the ledger: the rest repeat them."""
-    block = _block_of(name, blocks)
-    return block is None or block.endswith(".0")
+    return blocks is None or not name.startswith(f"{blocks}.") or name.startswith(f"{blocks}.0.")
 
 
 def infer_dims(entries: list[Entry], known: dict[str, int]) -> dict[str, int]:

@@ -51,6 +51,20 @@ class ModelUnderTest:
     extra: dict[str, Any] = field(default_factory=dict)  # shown in the report's model section
 
     @property
+    def layer_stack(self) -> str | None:
+        """Dotted name of the nn.ModuleList holding the most blocks: the transformer's layers, if it has one."""
+        lists = [(n, len(m)) for n, m in self.module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+        return max(lists, key=lambda item: item[1])[0] if lists else None
+
+    def block_of(self, module_name: str) -> str | None:
+        """The block (e.g. 'layers.3') a submodule belongs to, or None."""
+        stack = self.layer_stack
+        if stack is None or not module_name.startswith(f"{stack}."):
+            return None
+        index = module_name[len(stack) + 1:].split(".")[0]
+        return f"{stack}.{index}" if index.isdigit() else None
+
+    @property
     def accepts_position_ids(self) -> bool:
         return _accepts(self.module.forward, "position_ids") and self.forward_adapter is None
 

@@ -1,0 +1,3 @@
+from fwdcheck.cli import main
+
+main()

@@ -1,0 +1,260 @@
+"""The command line: `fwdcheck run | list | explain | init`.
+
+Nothing heavy is imported at module level: `fwdcheck --help` and `--version` answer without importing torch.
+Expected problems print one red line and exit with their documented code; a traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from fwdcheck import __version__
+from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, FwdcheckError, UsageError
+
+EXIT_CODES = """\
+Exit codes: 0 every selected check passed (warnings allowed unless --fail-on warn) ·
+1 a check failed, or errored because the model raised while being checked ·
+2 usage or configuration error, including a model that cannot be built or loaded ·
+3 internal error of fwdcheck (please report it, with --debug output) ·
+5 nothing ran (every check skipped) · 130 interrupted."""
+
+app = typer.Typer(
+    name="fwdcheck",
+    help="Forward-pass sanity checks for transformer code: causal leaks, mask conventions, RoPE, shapes.",
+    epilog=EXIT_CODES,
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False)
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    auto = "auto"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Format(str, Enum):
+    rich = "rich"
+    json = "json"
+
+
+class FailOn(str, Enum):
+    fail = "fail"
+    warn = "warn"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fwdcheck {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """Forward-pass sanity checks for transformer code."""
+
+
+@app.command(epilog=EXIT_CODES)
+def run(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config (see `fwdcheck init`).", show_default=False)] = None,
+    check: Annotated[Optional[list[str]], typer.Option("--check", "-c", help="Run only this check (repeatable); "
+                                                       "narrows the config's selection.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="'pkg.module:factory' returning an nn.Module, "
+                                                 "instead of a config.")] = None,
+    device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
+    dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
+    output_format: Annotated[Format, typer.Option("--format", help="Report format.")] = Format.rich,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file "
+                                                   "(whole or not at all) instead of stdout.")] = None,
+    fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
+                                             "the full leak map.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Check a model's forward pass and exit with a code CI can gate on."""
+    code = _guarded(lambda: _run(config, check, model, device, dtype, seed, output_format, output, fail_on,
+                                 exhaustive, debug), debug)
+    raise typer.Exit(code)
+
+
+def _run(config_path, checks, model_ref, device, dtype, seed, output_format, output, fail_on, exhaustive, debug) -> int:
+    from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.model import load_model
+    from fwdcheck.registry import select
+    from fwdcheck.runner import run_model
+    from fwdcheck.session import Settings
+
+    if config_path is not None and model_ref is not None:
+        raise UsageError("give either a config file or --model, not both")
+    if config_path is None and model_ref is None:
+        raise UsageError("give a config file (`fwdcheck init` writes one) or --model pkg.module:factory")
+    if config_path is not None:
+        config = load_config(config_path)
+    else:
+        config = config_from_dict({"model": {"source": "python", "factory": model_ref}})
+    selection = checks if checks else config.checks
+    if checks and config.checks:
+        outside = [c for c in checks if c not in config.checks]
+        if outside:
+            raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
+    entries = select(selection)
+    settings = Settings.from_config(config)
+    settings.device = device.value if device else settings.device
+    settings.dtype = dtype.value if dtype else settings.dtype
+    settings.seed = seed if seed is not None else settings.seed
+    settings.exhaustive = exhaustive or settings.exhaustive
+    loaded = load_model(config)
+    report = run_model(loaded, settings, entries, config_path=config_path, fail_on=fail_on.value)
+
+    from fwdcheck.report.terminal import render
+
+    if output_format == Format.json:
+        import json
+
+        text = json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+        if output is None:
+            sys.stdout.write(text)
+        else:
+            write_whole(output, text)
+    else:
+        console = Console(record=output is not None, width=None if sys.stdout.isatty() else 120)
+        render(report, console, debug=debug)
+        if output is not None:
+            write_whole(output, console.export_text(styles=False))
+    return report.exit_code
+
+
+def _guarded(action, debug: bool) -> int:
+    """Expected errors: one line and their code. Ctrl-C: 130. Anything else is ours: exit 3."""
+    try:
+        return action()
+    except FwdcheckError as exc:
+        if debug:
+            err.print(traceback.format_exc(), style="dim")
+        err.print(f"[bold red]error:[/] {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug of fwdcheck's
+        if debug:
+            err.print(traceback.format_exc(), style="dim")
+        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {exc} — this is a bug in fwdcheck; "
+                  "please report it with the output of --debug")
+        return EXIT_INTERNAL
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write to a temporary file beside the target, then rename: the file is whole or untouched."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a directory")
+    if not path.parent.exists():
+        raise UsageError(f"--output {path}: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@app.command("list")
+def list_checks() -> None:
+    """List the registered checks: name, where each comes from, what it verifies."""
+    from rich.table import Table
+
+    def action():
+        from fwdcheck.registry import available
+
+        table = Table(box=None, pad_edge=False)
+        for column in ("check", "from", "what it verifies"):
+            table.add_column(column)
+        for entry in available().values():
+            try:
+                description = entry.load().description
+            except FwdcheckError as exc:
+                description = f"[red]{exc}[/red]"
+            table.add_row(entry.name, entry.label, description)
+        Console().print(table)
+        return 0
+
+    raise typer.Exit(_guarded(action, False))
+
+
+@app.command()
+def explain(check: Annotated[str, typer.Argument(help="A check name from `fwdcheck list`.")]) -> None:
+    """What a check verifies, why it matters, what each finding code means, how to fix it."""
+    from rich.table import Table
+
+    def action():
+        from fwdcheck.registry import select
+
+        entry = select([check])[0]
+        loaded = entry.load()
+        console = Console()
+        console.print(f"[bold]{entry.name}[/bold] ({entry.label}) — {loaded.description}\n")
+        console.print(loaded.explain, highlight=False, markup=False)
+        table = Table(box=None, pad_edge=False, title="finding codes", title_justify="left")
+        table.add_column("code")
+        table.add_column("meaning")
+        for code, meaning in loaded.codes.items():
+            table.add_row(code, meaning)
+        console.print(table)
+        return 0
+
+    raise typer.Exit(_guarded(action, False))
+
+
+@app.command()
+def init(
+    path: Annotated[Path, typer.Argument(help="Where to write the starter config.")] = Path("fwdcheck.yaml"),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a commented starter config."""
+
+    def action():
+        from fwdcheck.config import STARTER_CONFIG
+
+        if path.exists() and not force:
+            raise UsageError(f"{path} exists; pass --force to overwrite it")
+        write_whole(path, STARTER_CONFIG.format(name=path))
+        Console().print(f"wrote {path}; run it with `fwdcheck run {path}`")
+        return 0
+
+    raise typer.Exit(_guarded(action, False))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:  # outside a command's own guard
+        sys.exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
