@@ -36,7 +36,8 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False)
+# soft_wrap: an error is one line even when stderr is a file or a pipe (rich would wrap it at 80 columns there).
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class Device(str, Enum):
@@ -115,6 +116,8 @@ def _run(config_path, checks, model_ref, device, dtype, seed, output_format, out
     else:
         config = config_from_dict({"model": {"source": "python", "factory": model_ref}})
     selection = checks if checks else config.checks
+    if checks:
+        select(checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
     if checks and config.checks:
         outside = [c for c in checks if c not in config.checks]
         if outside:
@@ -139,9 +142,13 @@ def _run(config_path, checks, model_ref, device, dtype, seed, output_format, out
         else:
             write_whole(output, text)
     else:
-        console = Console(record=output is not None, width=None if sys.stdout.isatty() else 120)
-        render(report, console, debug=debug)
-        if output is not None:
+        if output is None:
+            render(report, Console(width=None if sys.stdout.isatty() else 120), debug=debug)
+        else:  # into the file only, as --output promises: "instead of stdout"
+            import io
+
+            console = Console(file=io.StringIO(), record=True, width=120)
+            render(report, console, debug=debug)
             write_whole(output, console.export_text(styles=False))
     return report.exit_code
 
@@ -166,18 +173,32 @@ def _guarded(action, debug: bool) -> int:
         return EXIT_INTERNAL
 
 
-def write_whole(path: Path, text: str) -> None:
-    """Write to a temporary file beside the target, then rename: the file is whole or untouched."""
+def write_whole(path: Path, text: str, what: str = "--output") -> None:
+    """Write to a temporary file beside the target, then rename: the file is whole or untouched.
+
+    `what` names the target in error messages ("--output PATH", or the bare path for `init`). A target that cannot be
+    written (read-only or missing directory, a file where a directory should be) is a usage error, exit 2."""
     path = Path(path)
+    label = f"{what} {path}" if what else str(path)
     if path.is_dir():
-        raise UsageError(f"--output {path} is a directory")
+        raise UsageError(f"{label} is a directory")
     if not path.parent.exists():
-        raise UsageError(f"--output {path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        raise UsageError(f"{label}: directory {path.parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise UsageError(f"{label}: cannot write there ({type(exc).__name__}: {exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        # mkstemp creates the file 0600; give it the mode an ordinary open() would (umask), or the replaced file's.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise UsageError(f"{label}: cannot write there ({type(exc).__name__}: {exc.strerror or exc})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -242,7 +263,7 @@ def init(
 
         if path.exists() and not force:
             raise UsageError(f"{path} exists; pass --force to overwrite it")
-        write_whole(path, STARTER_CONFIG.format(name=path))
+        write_whole(path, STARTER_CONFIG.format(name=path), what="")
         Console().print(f"wrote {path}; run it with `fwdcheck run {path}`")
         return 0
 

@@ -59,7 +59,7 @@ class ReferenceConfig:
         assert self.n_heads % self.n_kv_heads == 0, (
             f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
         )
-        assert self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, (
+        assert self.positional != "rope" or (self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim), (
             f"rope.rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
         )
 

@@ -68,7 +68,9 @@ class ModelState:
 
     training: dict[nn.Module, bool] = field(default_factory=dict)
     dropout_p: dict[nn.Module, float] = field(default_factory=dict)
-    tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    # (owner, kind, name, original data, the .grad tensor, its original data)
+    tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=list)
 
     @classmethod
     def take(cls, model: nn.Module) -> ModelState:
@@ -79,17 +81,21 @@ class ModelState:
                 state.dropout_p[module] = module.p
             for name, p in module._parameters.items():
                 if p is not None:
-                    state.tensors.append((module, "param", name, p.data, p.grad))
+                    grad = p.grad
+                    state.tensors.append((module, "param", name, p.data, grad, grad.data if grad is not None else None))
             for name, b in module._buffers.items():
                 if b is not None:
-                    state.tensors.append((module, "buffer", name, b, None))
+                    state.tensors.append((module, "buffer", name, b, None, None))
         return state
 
     def restore(self) -> None:
-        for module, kind, name, original, grad in self.tensors:
+        for module, kind, name, original, grad, grad_data in self.tensors:
             if kind == "param":
-                module._parameters[name].data = original  # .to() swapped .data; the original storage is intact
-                module._parameters[name].grad = grad
+                param = module._parameters[name]
+                param.data = original  # .to() swapped .data (of the grad too); the original storages are intact
+                if grad is not None:
+                    grad.data = grad_data
+                param.grad = grad
             else:
                 module._buffers[name] = original
         for module, p in self.dropout_p.items():

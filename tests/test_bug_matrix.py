@@ -1,0 +1,118 @@
+"""The planted-bug matrix: every bug x every check, on both attention code paths.
+
+Each bug must fail exactly the checks listed, with the finding codes listed, and every clean variant must pass
+everything that applies. A check that cannot fail, or fails a clean model, breaks this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fwdcheck.bugs import BUGS
+from tests.conftest import codes, run_checks, statuses
+
+# bug -> {check: codes that must be among its findings}; every check not named must pass.
+EXPECTED = {
+    "no-causal-mask": {"future-token": {"FWD101", "FWD105"}, "mask-audit": {"FWD201"}},
+    "inverted-bool-mask": {"future-token": {"FWD101"}, "mask-audit": set()},
+    "float-mask-01": {"future-token": {"FWD101"}, "mask-audit": set()},
+    "sdpa-dropout-in-eval": {"future-token": {"FWD103"}, "mask-audit": {"FWD207"}},
+    "batch-mix": {"future-token": {"FWD102"}},
+    "rope-k-unrotated": {"rope": {"FWD301", "FWD304"}},
+    "rope-pairing-mismatch": {"rope": {"FWD302", "FWD304"}},
+    "rope-absolute-offset": {"rope": {"FWD304"}},
+}
+# How each mask mistake reads, by code path: SDPA's mask is seen in its own convention; eager code only leaves
+# its scores, so an inverted mask is "future keys readable" and a 0/1 mask "no restriction".
+MASK_CODES = {
+    ("inverted-bool-mask", "sdpa"): {"FWD202", "FWD205"},
+    ("inverted-bool-mask", "eager"): {"FWD204", "FWD205"},
+    ("float-mask-01", "sdpa"): {"FWD203"},
+    ("float-mask-01", "eager"): {"FWD201"},
+}
+# Eager softmax over a row whose every key is -inf gives NaN (SDPA gives zeros): the logits are NaN, never a pass.
+FUTURE_CODES = {("inverted-bool-mask", "eager"): {"FWD104"}}
+
+
+def test_every_bug_is_in_the_matrix():
+    assert set(EXPECTED) == set(BUGS)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_bug_fails_exactly_its_checks(reference, bug, attention):
+    report = run_checks(reference(bugs=[bug], attention=attention, dropout=0.1))
+    expected = EXPECTED[bug]
+    got = statuses(report)
+    failing = {name for name, status in got.items() if status == "fail"}
+    extra = set()
+    if bug == "inverted-bool-mask" and attention == "eager":
+        extra = {"shape-ledger"}  # eager softmax over an all -inf row gives NaN weights: FWD404, rightly
+    assert failing == set(expected) | extra, got
+    for check, wanted in expected.items():
+        if check == "mask-audit":
+            wanted = wanted | MASK_CODES.get((bug, attention), set())
+        if check == "future-token":
+            wanted = FUTURE_CODES.get((bug, attention), wanted)
+        assert wanted <= codes(report, check), (check, codes(report, check))
+    assert report.exit_code == 1
+
+
+CLEAN = {
+    "rope-half": {},
+    "rope-interleaved": {"rope": {"pairing": "interleaved", "base": 500000.0}},
+    "rope-partial": {"rope": {"rotary_dim": 2}},
+    "gqa": {"n_kv_heads": 1},
+    "float-mask": {"mask": "float"},
+    "is-causal": {"mask": "is_causal"},
+    "post-norm": {"norm": "post"},
+    "learned": {"positional": "learned"},
+    "no-positions": {"positional": "none"},
+    "dropout-train-only": {"dropout": 0.3},
+}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("variant", sorted(CLEAN))
+def test_clean_variants_pass(reference, variant, attention):
+    report = run_checks(reference(attention=attention, **CLEAN[variant]))
+    got = statuses(report)
+    rope_expected = "skip" if variant in ("learned", "no-positions") else "pass"
+    assert got == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": rope_expected}, [
+        (r.name, r.findings) for r in report.results if r.status.value not in ("pass", "skip")]
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bug", [None, "no-causal-mask", "batch-mix", "rope-k-unrotated", "sdpa-dropout-in-eval"])
+def test_low_precision_tolerances_follow_the_dtype(reference, dtype, bug):
+    """bfloat16 rounding is ~1e-2 relative: no false alarm on the clean model, and the bugs still show."""
+    report = run_checks(reference(bugs=[bug] if bug else [], dropout=0.1), dtype=dtype,
+                        inputs={"batch_size": 2, "seq_len": 16})
+    failing = {name for name, status in statuses(report).items() if status == "fail"}
+    assert failing == (set(EXPECTED[bug]) if bug else set())
+
+
+def test_rope_reports_measured_pairing_and_base(reference):
+    report = run_checks(reference(rope={"pairing": "interleaved", "base": 500000.0}), ["rope"])
+    metrics = report.result("rope").metrics
+    assert metrics["pairing"] == "interleaved"
+    assert metrics["rotary_dim"] == 4
+    assert metrics["base"] == pytest.approx(500000.0, rel=0.01)
+
+
+def test_exhaustive_leak_map_names_every_pair(reference):
+    """With every position perturbed alone, the leak map of a maskless model is the full upper triangle."""
+    report = run_checks(reference(bugs=["no-causal-mask"]), ["future-token"], exhaustive=True,
+                        inputs={"batch_size": 2, "seq_len": 6})
+    columns = report.result("future-token").data["leak_map"]["columns"]
+    threshold = report.result("future-token").data["leak_map"]["threshold"]
+    moved = {(q, c["k"]) for c in columns for q, change in enumerate(c["change"]) if change > threshold}
+    assert moved == {(q, k) for k in range(1, 6) for q in range(k)}
+
+
+def test_exhaustive_clean_model_has_an_empty_map(reference):
+    report = run_checks(reference(), ["future-token"], exhaustive=True, inputs={"batch_size": 2, "seq_len": 6})
+    result = report.result("future-token")
+    assert result.status.value == "pass"
+    assert [c["k"] for c in result.data["leak_map"]["columns"]] == [1, 2, 3, 4, 5]

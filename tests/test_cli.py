@@ -1,0 +1,597 @@
+"""The command line, end to end: exit codes, the one-line errors, the reports, list/explain/init/--version.
+
+Everything runs in-process through typer's CliRunner against `fwdcheck.cli.app` (real torch, real tiny models), except
+the check that `--help` does not import torch, which needs a fresh interpreter.
+
+With the Click this project uses (>= 8.2) CliRunner keeps the streams apart: `result.stdout` is stdout only,
+`result.stderr` is stderr only, and `result.output` is both interleaved. The assertions below lean on that split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fwdcheck import __version__
+from fwdcheck.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "sample_configs"
+TOY = SAMPLES / "toy.yaml"
+BROKEN = sorted((SAMPLES / "broken").glob("*.yaml"))
+CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+HELPERS = "fwdcheck_cli_helpers"  # the module name of the tiny test models written into tmp_path
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+runner = CliRunner()
+
+
+def plain(text: str) -> str:
+    """Without colour codes, should the environment force colour (FORCE_COLOR) on rich."""
+    return ANSI.sub("", text)
+
+
+def invoke(*args) -> "Result":
+    # catch_exceptions=False: an exception escaping the CLI fails the test with its traceback instead of hiding it.
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def run_json(*args) -> tuple["Result", dict]:
+    result = invoke("run", *args, "--format", "json")
+    assert "Traceback" not in result.output, result.output
+    return result, json.loads(result.stdout)
+
+
+def check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def usage_error(result, *fragments: str) -> str:
+    """Exit 2, nothing on stdout, exactly one line on stderr, no traceback; the line holds every fragment."""
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "", result.stdout
+    assert "Traceback" not in result.output
+    lines = plain(result.stderr).splitlines()
+    assert len(lines) == 1, f"expected one line of error, got {len(lines)}:\n{result.stderr}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    return line
+
+
+def expected_failures(config: Path) -> list[str]:
+    """The checks named on the config's `# Expected to fail: a, b (why).` comment line."""
+    for line in config.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        match = re.match(r"#\s*Expected to fail:\s*(.*)", line)
+        if match:
+            names = re.findall(r"[a-z][a-z-]+", re.sub(r"\(.*", "", match.group(1)))
+            return [n for n in names if n in CHECKS]
+    raise AssertionError(f"{config.name} has no 'Expected to fail:' comment")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny models for the python source, written into tmp_path by a fixture (never repository files)
+
+HELPER_SOURCE = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, D, H = 16, 8, 2
+
+
+class Boom(nn.Module):
+    """Builds fine; raises during the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+
+    def forward(self, input_ids):
+        raise ValueError("boom")
+
+
+class LastOnly(nn.Module):
+    """nanoGPT at inference: logits for the last position only, [B, 1, V]."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))[:, -1:, :]
+
+
+def every_position(model, input_ids, **kwargs):
+    """A forward adapter for LastOnly: the logits of every position."""
+    return model.head(model.embed(input_ids))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class LearnedPositions(nn.Module):
+    """GPT-2 style: learned absolute positions, causal SDPA, no rotary embedding."""
+
+    def __init__(self, max_positions=32):
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.wpe = nn.Embedding(max_positions, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, V)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Jitter(nn.Module):
+    """Position-wise (so causal) with a little randomness left on in eval mode: a noise floor, not a leak."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, input_ids):
+        logits = self.head(self.embed(input_ids))
+        return logits + 5e-6 * torch.rand_like(logits)
+
+
+def build_boom():
+    return Boom()
+
+
+def build_last_only():
+    return LastOnly()
+
+
+def build_learned():
+    return LearnedPositions()
+
+
+def build_jitter():
+    return Jitter()
+
+
+def build_raises():
+    raise RuntimeError("no weights at /nowhere")
+
+
+def build_not_module():
+    return {"not": "a module"}
+'''
+
+
+@pytest.fixture
+def helpers(tmp_path, monkeypatch):
+    """Writes the helper models into tmp_path; returns a function that writes a python-source config next to them
+    (`path: ["."]`, relative to the config file) and returns its path."""
+    (tmp_path / f"{HELPERS}.py").write_text(HELPER_SOURCE)
+    monkeypatch.delitem(sys.modules, HELPERS, raising=False)  # each test imports its own copy, and forgets it after
+
+    def write(factory: str, *, name: str = "model.yaml", extra: str = "", top: str = "") -> Path:
+        config = tmp_path / name
+        config.write_text(
+            "model:\n"
+            "  source: python\n"
+            f'  factory: "{HELPERS}:{factory}"\n'
+            '  path: ["."]\n'
+            "  vocab_size: 16\n"
+            + textwrap.indent(textwrap.dedent(extra), "  ")
+            + "inputs: {batch_size: 2, seq_len: 4}\n"
+            + textwrap.dedent(top)
+        )
+        return config
+
+    yield write
+    sys.modules.pop(HELPERS, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run: the sample configs
+
+
+def test_toy_passes_with_every_check_in_the_summary():
+    result = invoke("run", TOY)
+    out = plain(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    for name in CHECKS:
+        assert re.search(rf"^\s*{name}\s+pass\b", out, re.MULTILINE), f"no passing summary row for {name}:\n{out}"
+    assert "passed (exit 0)" in out
+    assert "Traceback" not in result.output
+
+
+def test_every_broken_config_is_tested():
+    assert len(BROKEN) >= 8, BROKEN
+    for config in BROKEN:
+        assert expected_failures(config), config
+
+
+@pytest.mark.parametrize("config", BROKEN, ids=[p.stem for p in BROKEN])
+def test_broken_config_fails_with_its_expected_checks(config):
+    expected = expected_failures(config)
+    result, report = run_json(config)
+    assert result.exit_code == 1, result.output
+    assert report["exit_code"] == 1
+    assert report["status"] == "fail"
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert list(statuses) == CHECKS
+    assert statuses[expected[0]] == "fail", statuses
+    for name in expected:  # every named check, not only the first, fails on each of today's configs
+        assert statuses[name] == "fail", (name, statuses)
+        failing = [f for f in check(report, name)["findings"] if f["status"] == "fail"]
+        assert failing and all(re.fullmatch(r"FWD\d{3}", f["code"]) for f in failing), failing
+
+
+def test_broken_config_rich_report_says_failed():
+    config = SAMPLES / "broken" / "no-causal-mask.yaml"
+    result = invoke("run", config)
+    out = plain(result.stdout)
+    assert result.exit_code == 1, result.output
+    assert re.search(r"^\s*future-token\s+fail\b", out, re.MULTILINE), out
+    assert "FWD101" in out and "FWD201" in out
+    assert "failed (exit 1)" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run: usage and configuration errors, exit 2, one line, no traceback
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+USAGE_CASES = [
+    pytest.param(lambda tmp, h: ["run", tmp / "missing.yaml"], ["missing.yaml", "no such file"], id="missing-file"),
+    pytest.param(lambda tmp, h: ["run", _write(tmp, "empty.yaml", "")], ["empty.yaml", "the file is empty"],
+                 id="empty-file"),
+    pytest.param(lambda tmp, h: ["run", _write(tmp, "bad.yaml", "model: [1, 2\ninputs: {\n")],
+                 ["bad.yaml", "not valid YAML at line"], id="not-yaml"),
+    pytest.param(lambda tmp, h: ["run", _write(tmp, "list.yaml", "- model\n- inputs\n")],
+                 ["list.yaml", "top level must be a mapping", "not a list"], id="top-level-list"),
+    pytest.param(lambda tmp, h: ["run", _write(tmp, "typo.yaml", "model:\n  source: reference\n  n_head: 2\n")],
+                 ["typo.yaml", "model.n_head: unknown key", "did you mean 'n_heads'?"], id="unknown-key"),
+    pytest.param(lambda tmp, h: ["run", _write(tmp, "typo2.yaml", "model: {source: reference}\nchecks: [rope]\n"
+                                               "tolerence: {rtol: 0.1}\n")],
+                 ["tolerence: unknown key", "did you mean 'tolerance'?"], id="unknown-top-level-key"),
+    pytest.param(lambda tmp, h: ["run", TOY, "--check", "nope"],
+                 ["unknown check 'nope'", "known:", *CHECKS], id="unknown-check-config-selects"),
+    pytest.param(lambda tmp, h: ["run", SAMPLES / "reference-learned.yaml", "--check", "nope"],
+                 ["unknown check 'nope'", "known:", *CHECKS], id="unknown-check-config-selects-none"),
+    pytest.param(lambda tmp, h: ["run", TOY, "--model", "os.path:join"], ["either a config file or --model"],
+                 id="config-and-model"),
+    pytest.param(lambda tmp, h: ["run"], ["give a config file", "--model"], id="neither-config-nor-model"),
+    pytest.param(lambda tmp, h: ["run", "--model", "nodots"],
+                 ["model.factory", "'nodots' is not of the form 'package.module:callable'"], id="model-no-colon"),
+    pytest.param(lambda tmp, h: ["run", "--model", "no_such_module_xyz:f"],
+                 ["cannot import 'no_such_module_xyz'", "No module named"], id="model-cannot-import"),
+    pytest.param(lambda tmp, h: ["run", h("build_raises")],
+                 [f"factory '{HELPERS}:build_raises' raised RuntimeError: no weights at /nowhere"],
+                 id="factory-raises"),
+    pytest.param(lambda tmp, h: ["run", h("build_not_module")],
+                 [f"factory '{HELPERS}:build_not_module' returned dict, not a torch.nn.Module"],
+                 id="factory-not-a-module"),
+    pytest.param(lambda tmp, h: ["run", h("no_such_factory")], [f"module '{HELPERS}' has no attribute"],
+                 id="factory-missing"),
+    pytest.param(lambda tmp, h: ["run", TOY, "--device", "cuda"], ["device 'cuda' requested", "no CUDA device"],
+                 id="device-cuda-without-cuda", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                         reason="this machine has CUDA")),
+    pytest.param(lambda tmp, h: ["explain", "nope"], ["unknown check 'nope'", "known:", *CHECKS],
+                 id="explain-unknown"),
+]
+
+
+@pytest.mark.parametrize(("make_args", "fragments"), USAGE_CASES)
+def test_usage_error_is_one_line_exit_2(tmp_path, helpers, make_args, fragments):
+    result = invoke(*make_args(tmp_path, helpers))
+    usage_error(result, *fragments)
+
+
+def test_usage_error_line_is_not_wrapped_even_when_long(tmp_path):
+    """stderr is not a terminal under CliRunner (nor in CI logs): the error must stay on one line anyway."""
+    name = "a_module_name_long_enough_that_the_error_line_runs_well_past_eighty_columns_xyz"
+    line = usage_error(invoke("run", "--model", f"{name}:f"), f"cannot import '{name}'")
+    assert len(line) > 120
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = invoke("run", "--model", "nodots", "--debug")
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr
+    assert plain(result.stderr).rstrip().splitlines()[-1].startswith("error: ")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run: python-source models that misbehave while being checked
+
+
+def test_model_raising_in_forward_is_an_error_of_every_check(helpers):
+    result, report = run_json(helpers("build_boom"))
+    assert result.exit_code == 1, result.output
+    assert report["exit_code"] == 1
+    assert report["status"] == "error"
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    errored = [c for c in report["checks"] if c["status"] == "error"]
+    assert errored, report["checks"]
+    for c in errored:
+        assert "ValueError: boom" in c["summary"]
+        finding = c["findings"][0]
+        assert finding["code"] == "FWD002"
+        assert "ValueError: boom" in finding["message"]
+        assert f"{HELPERS}.py" in (finding["where"] or ""), finding  # the model's own line that raised
+    # the rich report says the same
+    rich = invoke("run", helpers("build_boom", name="again.yaml"))
+    assert rich.exit_code == 1
+    assert "ValueError: boom" in plain(rich.stdout)
+    assert "Traceback" not in rich.output
+
+
+def test_logits_of_the_last_position_only_need_an_adapter(helpers):
+    result, report = run_json(helpers("build_last_only"))
+    assert result.exit_code == 1, result.output
+    assert report["status"] == "error"
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [(name, "error") for name in CHECKS]
+    for c in report["checks"]:
+        (finding,) = c["findings"]
+        assert finding["code"] == "FWD002"
+        # the position count: the session's T=4, or the rope probe's own length
+        assert re.search(r"forward returned logits for 1 positions of \d+ \(\[\d+, 1, 16\]\)", finding["message"])
+        assert "name a `forward:` adapter" in finding["message"]
+    assert "logits for 1 positions of 4 ([2, 1, 16])" in check(report, "future-token")["summary"]
+
+
+def test_forward_adapter_returning_every_position_passes(helpers):
+    config = helpers("build_last_only", extra=f'forward: "{HELPERS}:every_position"\n')
+    result, report = run_json(config, "--check", "future-token", "--check", "shape-ledger")
+    assert result.exit_code == 0, result.output
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass"),
+                                                                   ("shape-ledger", "pass")]
+
+
+def test_learned_positions_pass_and_rope_skips(helpers):
+    result, report = run_json(helpers("build_learned"))
+    assert result.exit_code == 0, result.output
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
+    assert "no rotary embedding" in check(report, "rope")["summary"]
+
+
+def test_nothing_ran_exits_5(helpers):
+    config = helpers("build_learned")
+    result, report = run_json(config, "--check", "rope")
+    assert result.exit_code == 5, result.output
+    assert report["exit_code"] == 5
+    assert report["status"] == "skip"
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("rope", "skip")]
+    assert "no rotary embedding" in report["checks"][0]["summary"]
+    rich = invoke("run", config, "--check", "rope")
+    assert rich.exit_code == 5
+    assert "nothing ran (exit 5)" in plain(rich.stdout)
+
+
+def test_model_flag_resolves_from_the_working_directory(helpers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result, report = run_json("--model", f"{HELPERS}:build_learned", "--check", "future-token")
+    assert result.exit_code == 0, result.output
+    assert report["config"] is None
+    assert report["model"]["label"] == f"{HELPERS}:build_learned"
+    assert report["model"]["source"] == "python"
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass")]
+
+
+def test_fail_on_warn(helpers):
+    # A noise floor between 1/10 and 1x the float32 tolerance: with noise_factor 100, FWD106 warns (FWD103 does not
+    # fail, the noise being under the tolerance).
+    config = helpers("build_jitter", top="tolerance: {noise_factor: 100}\n")
+    result, report = run_json(config, "--check", "future-token")
+    assert result.exit_code == 0, result.output
+    assert report["status"] == "warn"
+    assert [f["code"] for f in report["checks"][0]["findings"] if f["status"] == "warn"] == ["FWD106"]
+    assert not [f for f in report["checks"][0]["findings"] if f["status"] == "fail"]
+
+    strict, report = run_json(config, "--check", "future-token", "--fail-on", "warn")
+    assert strict.exit_code == 1, strict.output
+    assert report["exit_code"] == 1
+    assert report["status"] == "warn"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run: the JSON report and --output
+
+
+def test_json_report_schema():
+    result, report = run_json(TOY)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert {"schema_version", "fwdcheck_version", "status", "exit_code", "model", "environment",
+            "checks"} <= set(report)
+    assert report["schema_version"] == 1
+    assert report["fwdcheck_version"] == __version__
+    assert report["status"] == "pass" and report["exit_code"] == 0
+    assert report["config"] == str(TOY)
+    assert report["model"]["source"] == "reference" and report["model"]["vocab_size"] == 16
+    env = report["environment"]
+    assert env["device"] == "cpu" and env["dtype"] == "float32"
+    assert (env["batch_size"], env["seq_len"], env["seed"]) == (2, 4, 0)
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    for c in report["checks"]:
+        assert {"name", "status", "summary", "findings", "metrics", "data", "duration_s"} <= set(c), c.keys()
+        assert c["status"] == "pass"
+        assert isinstance(c["duration_s"], float) and c["duration_s"] >= 0
+        for f in c["findings"]:
+            assert {"code", "status", "message", "where"} <= set(f)
+    entries = check(report, "shape-ledger")["data"]["entries"]
+    assert entries
+    for e in entries:
+        assert {"name", "shape", "dims"} <= set(e), e
+        assert len(e["shape"]) == len(e["dims"])
+    by_name = {e["name"]: e for e in entries}
+    assert by_name["input_ids"]["shape"] == [2, 4] and by_name["input_ids"]["dims"] == ["B", "T"]
+    assert by_name["logits"]["shape"] == [2, 4, 16] and by_name["logits"]["dims"] == ["B", "T", "V"]
+
+
+def test_overrides_reach_the_report():
+    result, report = run_json(TOY, "--seed", "7", "--check", "shape-ledger")
+    assert result.exit_code == 0, result.output
+    assert report["environment"]["seed"] == 7
+    assert [c["name"] for c in report["checks"]] == ["shape-ledger"]
+
+
+def test_check_outside_the_configs_selection(tmp_path):
+    config = _write(tmp_path, "only-rope.yaml", TOY.read_text().replace(
+        "checks: [shape-ledger, future-token, mask-audit, rope]", "checks: [rope]"))
+    usage_error(invoke("run", config, "--check", "mask-audit"),
+                "--check mask-audit is not among the config's checks (rope)")
+
+
+def test_output_json_file_is_written_whole(tmp_path):
+    out = tmp_path / "report.json"
+    result = invoke("run", TOY, "--format", "json", "--output", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # the report goes to the file instead of stdout
+    report = json.loads(out.read_text())
+    assert report["exit_code"] == 0 and [c["name"] for c in report["checks"]] == CHECKS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's 0600
+
+
+def test_output_rich_goes_to_the_file_only(tmp_path):
+    out = tmp_path / "report.txt"
+    result = invoke("run", TOY, "--output", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    text = out.read_text()
+    assert "\x1b[" not in text
+    for name in CHECKS:
+        assert re.search(rf"^\s*{name}\s+pass\b", text, re.MULTILINE), text
+    assert "passed (exit 0)" in text
+
+
+def test_output_to_a_directory_is_a_usage_error(tmp_path):
+    usage_error(invoke("run", TOY, "--format", "json", "--output", tmp_path), "--output", "is a directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_that_cannot_be_written_is_a_usage_error(tmp_path):
+    not_a_dir = _write(tmp_path, "file.txt", "x")
+    usage_error(invoke("run", TOY, "--format", "json", "--output", not_a_dir / "report.json"),
+                "--output", "cannot write there")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# list, explain, init, --version
+
+
+def test_list_shows_the_four_checks():
+    result = invoke("list")
+    out = plain(result.stdout)
+    assert result.exit_code == 0, result.output
+    for name in CHECKS:
+        assert re.search(rf"^{name}\s+fwdcheck\[{name}\]", out, re.MULTILINE), out
+
+
+def test_explain_future_token():
+    result = invoke("explain", "future-token")
+    out = plain(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert out.startswith("future-token (fwdcheck[future-token])")
+    for code in ("FWD101", "FWD102", "FWD103"):
+        assert code in out
+    assert "leak map" in out
+
+
+def test_init_writes_a_config_that_passes_and_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "fwdcheck.yaml"
+    result = invoke("init", path)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {path}" in plain(result.stdout).replace("\n", "")
+    written = path.read_text()
+    assert written.startswith(f"# fwdcheck config: `fwdcheck run {path}`")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+    run = invoke("run", path)
+    assert run.exit_code == 0, run.output
+    assert "passed (exit 0)" in plain(run.stdout)
+
+    path.write_text(written + "# edited\n")
+    usage_error(invoke("init", path), str(path), "exists; pass --force to overwrite it")
+    assert path.read_text().endswith("# edited\n")  # untouched
+
+    forced = invoke("init", path, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert path.read_text() == written
+
+
+def test_init_into_a_missing_directory_names_the_path_not_output(tmp_path):
+    target = tmp_path / "nowhere" / "fwdcheck.yaml"
+    line = usage_error(invoke("init", target), str(target), "does not exist")
+    assert "--output" not in line
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"fwdcheck {__version__}"
+
+
+def test_no_arguments_shows_help():
+    result = invoke()
+    assert result.exit_code in (0, 2)  # no_args_is_help: Click exits 0 before 8.2, 2 from 8.2 on
+    for command in ("run", "list", "explain", "init"):
+        assert command in plain(result.output)
+
+
+def test_help_and_version_do_not_import_torch():
+    script = textwrap.dedent("""\
+        import sys
+        from fwdcheck.cli import main
+
+        for argv in (["--help"], ["run", "--help"], ["--version"]):
+            sys.argv = ["fwdcheck", *argv]
+            try:
+                main()
+            except SystemExit as exc:
+                assert exc.code in (0, None), (argv, exc.code)
+        print("torch imported:", "torch" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Exit codes" in proc.stdout  # the help really was printed
+    assert f"fwdcheck {__version__}" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1] == "torch imported: False"
