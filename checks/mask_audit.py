@@ -116,6 +116,13 @@ here; future-token still tests its behaviour."""
                               "True = masked out, but this mask is True on the past (SDPA's convention)")
                 findings.append(Finding("FWD202", Status.FAIL, f"boolean mask in the other convention: for {api} "
                                         f"{convention}; pass ~mask", where))
+            elif shape.startswith("inverted") and call.mask_kind.startswith("float"):
+                # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
+                # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
+                findings.append(Finding("FWD202", Status.FAIL, f"the mask handed to {api} blocks the past and opens "
+                                        "the future: a mask built for the other convention (e.g. tril(...).bool(), "
+                                        "SDPA's 'True = may attend', where True means masked out); pass ~mask",
+                                        where))
             else:
                 shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
                 findings.append(Finding("FWD204", Status.FAIL, f"the mask lets queries read future keys ({shape}), "

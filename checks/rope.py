@@ -37,6 +37,7 @@ class Rotation:
     rotary_dim: int = 0
     thetas: list[float] = field(default_factory=list)  # radians per position, per pair
     base: float | None = None
+    decay: float | None = None  # theta_p = exp(-decay * p); base = exp(decay * rotary_dim / 2)
     norm_error: float = 0.0  # largest relative drift of a pair's norm across positions, under the best pairing
 
 
@@ -47,12 +48,16 @@ def pair_indices(pairing: str, rotary_dim: int) -> tuple[list[int], list[int]]:
     return list(range(0, rotary_dim, 2)), list(range(1, rotary_dim, 2))
 
 
-def analyze(X: torch.Tensor, tol: float, prefer: str | None = None) -> Rotation:
-    """X: (P, D), the same vector rotated to positions 0..P-1. Which dims turn, paired how, how fast."""
+def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float | None = None) -> Rotation:
+    """X: (P, D), the same vector rotated to positions 0..P-1. Which dims turn, paired how, how fast.
+
+    tol judges whether pair norms stay constant; noise (default tol) is the relative change below which a dim counts
+    as still: set it near the dtype's rounding so that slow pairs, which turn by little within the probe, still count.
+    """
     X = X.double()
     P, D = X.shape
     scale = float(X.abs().max()) or 1.0
-    moving = (X - X[0]).abs().amax(0) > tol * scale  # (D,)
+    moving = (X - X[0]).abs().amax(0) > (tol if noise is None else noise) * scale  # (D,)
     if not bool(moving.any()):
         return Rotation(rotates=False)
     # Every (pairing, rotary dim) that holds every moving dim; a rotation keeps each pair's norm constant.
@@ -77,10 +82,12 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None) -> Rotation:
     turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
     m = torch.arange(1, P, dtype=X.dtype)[:, None]
     thetas = ((m * turned).sum(0) / (m * m).sum()).tolist()  # least squares through the origin
-    base_estimates = [-math.log(abs(t)) * rotary_dim / (2 * p) for p, t in enumerate(thetas)
-                      if p > 0 and well_measured(t, P, tol)]
-    base = math.exp(sorted(base_estimates)[len(base_estimates) // 2]) if base_estimates else None
-    return Rotation(True, pairing, rotary_dim, thetas, base, drift)
+    # theta_p = base^(-2p/r) = exp(-decay p): the decay comes from the pairs that turned enough to measure, the base
+    # from the decay and the rotary dim.
+    decays = sorted(-math.log(abs(t)) / p for p, t in enumerate(thetas) if p > 0 and well_measured(t, P, tol))
+    decay = decays[len(decays) // 2] if decays else None
+    base = math.exp(decay * rotary_dim / 2) if decay else None
+    return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift)
 
 
 def well_measured(theta: float, positions: int, tol: float) -> bool:
@@ -132,6 +139,7 @@ the same positions (offset included) to q and k."""
 
     def run(self, model, session) -> CheckResult:
         tol = RELATIVE[session.dtype]
+        self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
         declared = model.rope
         findings: list[Finding] = []
         metrics: dict = {}
@@ -188,7 +196,7 @@ the same positions (offset included) to q and k."""
         results = []
         toeplitz = 0.0
         for where, q, k in pairs:
-            q_rot, k_rot = analyze(q[0], tol, prefer), analyze(k[0], tol, prefer)  # head 0 of each
+            q_rot, k_rot = analyze(q[0], tol, prefer, self.noise), analyze(k[0], tol, prefer, self.noise)  # head 0
             results.append((where, q_rot, k_rot))
             toeplitz = max(toeplitz, toeplitz_error(q[0].double() @ k[0].double().T))
         where0, q0, k0 = results[0]
@@ -286,7 +294,7 @@ the same positions (offset included) to q and k."""
         identity = float((lhs - rhs).abs().max()) / (float(lhs.abs().max()) + 1e-30)
         norms = float((Rq.norm(dim=-1) - q.double().norm()).abs().max()) / float(q.double().norm())
         origin = float((Rq[0] - q.double()).abs().max()) / float(q.double().abs().max())
-        rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None)
+        rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
         data["component"] = {"identity_error": identity, "norm_error": norms, "position0_error": origin,
                              **asdict(rotation)}
         problems = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
@@ -306,8 +314,9 @@ the same positions (offset included) to q and k."""
             differences.append(f"pairing {measured.pairing} (declared {declared.pairing})")
         if wanted_dim and measured.rotary_dim != wanted_dim and not _undetectable_tail(measured, declared, wanted_dim):
             differences.append(f"rotary dim {measured.rotary_dim} (declared {wanted_dim})")
-        if measured.base and abs(math.log(measured.base / declared.base)) > 0.02:
-            differences.append(f"base ~{measured.base:.4g} (declared {declared.base:g})")
+        base = math.exp(measured.decay * (wanted_dim or measured.rotary_dim) / 2) if measured.decay else None
+        if base and abs(math.log(base / declared.base)) > 0.02:
+            differences.append(f"base ~{base:.4g} (declared {declared.base:g})")
         if not differences:
             return []
         return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences), "rotary embedding")]
@@ -353,8 +362,10 @@ def usable_qk(observation, model, tol) -> list[tuple[str, torch.Tensor, torch.Te
 
 
 def _same_frequencies(q: Rotation, k: Rotation, tol: float, positions: int) -> bool:
-    """Equal frequencies on every pair both measured well (slow pairs barely turn within the probe)."""
-    if q.rotary_dim != k.rotary_dim:
+    """Equal frequencies on every pair both measured well. Slow pairs barely turn within the probe: one side may
+    see a pair the other rounds away, so extra pairs count only when they turned enough to be measured."""
+    longer = q.thetas if len(q.thetas) > len(k.thetas) else k.thetas
+    if any(well_measured(t, positions, tol) for t in longer[min(len(q.thetas), len(k.thetas)):]):
         return False
     pairs = [(a, b) for a, b in zip(q.thetas, k.thetas) if well_measured(a, positions, tol)
              and well_measured(b, positions, tol)]

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fwdcheck import __version__
 from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, FwdcheckError, UsageError
@@ -119,7 +120,7 @@ def _run(config_path, checks, model_ref, device, dtype, seed, output_format, out
     if checks:
         select(checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
     if checks and config.checks:
-        outside = [c for c in checks if c not in config.checks]
+        outside = [c for c in checks if c not in config.checks and ":" not in c]  # module:Class is explicit
         if outside:
             raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
     entries = select(selection)
@@ -160,7 +161,7 @@ def _guarded(action, debug: bool) -> int:
     except FwdcheckError as exc:
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")  # paths, names: not markup
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
@@ -168,8 +169,8 @@ def _guarded(action, debug: bool) -> int:
     except Exception as exc:  # a bug of fwdcheck's
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {exc} — this is a bug in fwdcheck; "
-                  "please report it with the output of --debug")
+        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {escape(str(exc))} — this is a bug in "
+                  "fwdcheck; please report it with the output of --debug")
         return EXIT_INTERNAL
 
 
@@ -217,10 +218,11 @@ def list_checks() -> None:
             table.add_column(column)
         for entry in available().values():
             try:
-                description = entry.load().description
+                description = escape(entry.load().description)
             except FwdcheckError as exc:
-                description = f"[red]{exc}[/red]"
-            table.add_row(entry.name, entry.label, description)
+                description = f"[red]{escape(str(exc))}[/red]"
+            # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
+            table.add_row(escape(entry.name), escape(entry.label), description)
         Console().print(table)
         return 0
 
@@ -238,13 +240,13 @@ def explain(check: Annotated[str, typer.Argument(help="A check name from `fwdche
         entry = select([check])[0]
         loaded = entry.load()
         console = Console()
-        console.print(f"[bold]{entry.name}[/bold] ({entry.label}) — {loaded.description}\n")
+        console.print(f"[bold]{escape(entry.name)}[/bold] ({escape(entry.label)}) — {escape(loaded.description)}\n")
         console.print(loaded.explain, highlight=False, markup=False)
         table = Table(box=None, pad_edge=False, title="finding codes", title_justify="left")
         table.add_column("code")
         table.add_column("meaning")
         for code, meaning in loaded.codes.items():
-            table.add_row(code, meaning)
+            table.add_row(escape(code), escape(meaning))
         console.print(table)
         return 0
 
@@ -264,7 +266,7 @@ def init(
         if path.exists() and not force:
             raise UsageError(f"{path} exists; pass --force to overwrite it")
         write_whole(path, STARTER_CONFIG.format(name=path), what="")
-        Console().print(f"wrote {path}; run it with `fwdcheck run {path}`")
+        Console().print(escape(f"wrote {path}; run it with `fwdcheck run {path}`"))
         return 0
 
     raise typer.Exit(_guarded(action, False))

@@ -87,6 +87,49 @@ def torch_encoder(mask: str = "float", enable_nested_tensor: bool = True, key_pa
     return TorchEncoderLM(EncoderConfig(), mask, enable_nested_tensor, key_padding)
 
 
+class MHABlock(nn.Module):
+    """Pre-LN block around nn.MultiheadAttention called directly (minGPT-like code that borrows torch's attention)."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = nn.MultiheadAttention(cfg.d_model, cfg.num_heads, dropout=cfg.dropout, batch_first=True)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
+
+    def forward(self, x, mask):
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))
+
+
+class MHADecoderLM(nn.Module):
+    """Decoder built on nn.MultiheadAttention directly. mask: bool (triu(ones, 1): True = masked, correct) or
+    tril_bool (SDPA's True = may attend handed to MultiheadAttention: bug)."""
+
+    def __init__(self, cfg: EncoderConfig, mask: str):
+        super().__init__()
+        self.config, self.mask = cfg, mask
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(MHABlock(cfg) for _ in range(cfg.num_layers))
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[1]
+        x = self.embed(input_ids) + self.pos(torch.arange(T, device=input_ids.device))  # (B, T, C)
+        ones = torch.ones(T, T, dtype=torch.bool, device=input_ids.device)
+        mask = torch.triu(ones, diagonal=1) if self.mask == "bool" else torch.tril(ones)  # (T, T)
+        for block in self.blocks:
+            x = block(x, mask)  # (B, T, C)
+        return self.lm_head(x)  # (B, T, V)
+
+
+def torch_mha(mask: str = "bool") -> nn.Module:
+    torch.manual_seed(0)
+    return MHADecoderLM(EncoderConfig(), mask)
+
+
 # =====================================================================================================================
 # 2-4, 6, 7, 9, 10. nanoGPT skeleton (fused c_attn, learned wpe, pre-LN blocks) with swappable attention
 
@@ -144,6 +187,16 @@ class MissingTransposeAttention(CausalSelfAttention):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, T, nh, hs)
         y = y.contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
+
+
+class MHAMaskToSDPAAttention(CausalSelfAttention):
+    """Bug, the mirror image of tril_bool above: nn.MultiheadAttention's mask (triu(ones, 1), True = masked out)
+    handed to SDPA, where True means 'may attend'."""
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        T = q.size(-2)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), diagonal=1)  # (T, T) True = future
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class SoftmaxOverQueriesAttention(CausalSelfAttention):
@@ -295,6 +348,11 @@ def nanogpt() -> nn.Module:
 def nanogpt_missing_transpose() -> nn.Module:
     torch.manual_seed(0)
     return GPT(GPTConfig(), MissingTransposeAttention)
+
+
+def nanogpt_mha_mask_to_sdpa() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(), MHAMaskToSDPAAttention)
 
 
 def eager_softmax_over_queries() -> nn.Module:

@@ -28,7 +28,7 @@ def render(report: Report, console: Console, debug: bool = False) -> None:
                                 f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
                                 f"T={env.get('seq_len')} seed={env.get('seed')}"))
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(Text(f"note: {note}", style="dim"))
     console.print(summary_table(report))
     for result in report.results:
         if result.status == Status.SKIP:
@@ -46,7 +46,7 @@ def summary_table(report: Report) -> Table:
     table.add_column("key number", justify="right")
     table.add_column("summary", overflow="fold")
     for r in report.results:
-        table.add_row(r.name, Text(r.status.value, STYLE[r.status]), key_number(r), r.summary)
+        table.add_row(r.name, Text(r.status.value, STYLE[r.status]), key_number(r), Text(r.summary))
     return table
 
 
@@ -71,8 +71,10 @@ def detail(r: CheckResult, debug: bool) -> Panel:
         findings.add_column(no_wrap=True)
         findings.add_column(overflow="fold")
         for f in r.findings:
-            where = f"\n[dim]at {f.where}[/dim]" if f.where else ""
-            findings.add_row(f.code, Text(f.status.value, STYLE[f.status]), f"{f.message}{where}")
+            message = Text(f.message)
+            if f.where:
+                message.append(f"\nat {f.where}", style="dim")
+            findings.add_row(f.code, Text(f.status.value, STYLE[f.status]), message)
         parts.append(findings)
     render_data = DETAIL.get(r.name)
     if render_data is not None and r.data:
@@ -109,7 +111,7 @@ def ledger(r: CheckResult) -> RenderableType:
         expected = f"[{','.join(e['expected'])}]" if e.get("expected") else ""
         if e.get("implied"):
             name += " (implied)"
-        table.add_row(name, str(e["shape"]), Text(dims, "green" if e["ok"] else "bold red"), expected)
+        table.add_row(Text(name), Text(str(e["shape"])), Text(dims, "green" if e["ok"] else "bold red"), Text(expected))
     dims = ", ".join(f"{k}={v}" for k, v in r.data.get("dims", {}).items())
     probe = r.data.get("probe", {})
     caption = Text(f"dims: {dims}. Axes named by a second pass at B={probe.get('batch_size')}, "
@@ -169,14 +171,15 @@ def mask_table(r: CheckResult) -> RenderableType:
     for column in ("API", "bool mask", "float mask", "flag"):
         conventions.add_column(column)
     for c in r.data.get("conventions", []):
-        conventions.add_row(c["api"], c["bool"], c["float"], c["flag"])
+        conventions.add_row(*(Text(c[key]) for key in ("api", "bool", "float", "flag")))
     calls = Table(title="what each call used", box=box.SIMPLE, pad_edge=False, show_edge=False, title_justify="left")
     for column in ("module", "api", "mask", "shape", "values", "is_causal", "dropout_p", "keys each query may read"):
         calls.add_column(column)
     for c in r.data.get("calls", []):
         ok = c["pattern"].startswith("causal") or c["pattern"].startswith("cross")
-        calls.add_row(c["module"], c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], str(c["is_causal"]),
-                      f"{c['dropout_p']:g}", Text(c["pattern"], "green" if ok else "bold red"))
+        cells = (c["module"], c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], str(c["is_causal"]),
+                 f"{c['dropout_p']:g}")
+        calls.add_row(*map(Text, cells), Text(c["pattern"], "green" if ok else "bold red"))
     parts: list[RenderableType] = [conventions, calls]
     first = next((c for c in r.data.get("calls", []) if c.get("may_read") and len(c["may_read"]) <= 16), None)
     if first is not None:
