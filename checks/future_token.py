@@ -17,11 +17,12 @@ import torch
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import nonfinite_positions, position_change
 
-MAX_DEFAULT_CUTS = 5
+MAX_DEFAULT_CUTS = 4
 
 
 def default_cuts(T: int) -> list[int]:
-    """The first changed position of each cut row: 1, T-1, T/2 and the 2^i - 1 boundaries, at most five, spread out."""
+    """The first changed position of each cut row: 1, T-1, T/2 and the 2^i - 1 boundaries, at most four, spread out.
+    The prefix pass adds k = 1, 2, 4, ... at little cost."""
     candidates = sorted({1, T - 1, T // 2} | {2**i - 1 for i in range(2, T.bit_length() + 1) if 2**i - 1 < T})
     candidates = [k for k in candidates if 1 <= k < T]
     if len(candidates) <= MAX_DEFAULT_CUTS:
@@ -29,7 +30,8 @@ def default_cuts(T: int) -> list[int]:
     must = {1, T - 1, T // 2}
     rest = [k for k in candidates if k not in must]
     picks = MAX_DEFAULT_CUTS - len(must)
-    spread = [rest[round(i * (len(rest) - 1) / max(picks - 1, 1))] for i in range(picks)]
+    spread = [rest[round(i * (len(rest) - 1) / (picks - 1))] for i in range(picks)] if picks > 1 else \
+        [rest[len(rest) // 2]]
     return sorted(must | set(spread))
 
 
@@ -197,7 +199,7 @@ band above the diagonal means a mask shifted by one; only some samples moving me
     @staticmethod
     def _prefix(session, base, threshold, metrics) -> list[Finding]:
         T = base.shape[1]
-        lengths = [2**i for i in range(T.bit_length()) if 2**i < T]
+        lengths = [2**i for i in range(T.bit_length()) if 2**i <= max(T // 4, 1)]  # the cuts cover T/2 and T-1
         worst, moved = 0.0, []
         for k in lengths:
             alone = session.logits(session.inputs[:1, :k])  # (1, k, V)

@@ -171,7 +171,7 @@ class Session:
             with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
                 chunks.append(self.model.logits(rows, positions).float())
             self.forward_tokens += rows.numel()
-        return torch.cat(chunks)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def baseline(self) -> torch.Tensor:
         """Logits of the session's inputs, computed once and shared by every check."""
@@ -246,10 +246,12 @@ class Session:
 
 
 def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Per row and position, the largest |change| over the vocabulary; inf where either side is not finite."""
-    change = (new - reference).abs().amax(-1)  # (N, T)
-    broken = ~(torch.isfinite(new).all(-1) & torch.isfinite(reference).all(-1))
-    return change.masked_fill(broken, float("inf"))
+    """Per row and position, the largest |change| over the vocabulary; inf where either side is not finite.
+
+    NaN survives the subtraction and amax, and so does inf (inf - inf is NaN), so one pass over the [N, T, V]
+    difference finds both; NaN is then reported as inf so that no comparison can pass it."""
+    change = (new - reference).abs_().amax(-1)  # (N, T)
+    return change.nan_to_num_(nan=float("inf"))
 
 
 def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:
