@@ -132,27 +132,27 @@ def leak_map(r: CheckResult) -> RenderableType:
         return Text(r.data.get("note", ""), style="dim")
     columns = leak["columns"]
     threshold = leak["threshold"]
-    T = max((c["k"] for c in columns), default=0)
-    bins = max(1, -(-T // MAP_WIDTH))  # positions per character
-    rows = -(-T // bins)
-    lines = []
-    kind = "token k changed" if leak["kind"] == "token" else "tokens >= k changed"
-    header = "query\\k " + "".join(f"{c['k']} " for c in columns) if leak["kind"] == "cut" \
-        else f"query\\k 1..{T} ({bins} per char)"
-    lines.append(Text(header, style="dim"))
-    for qbin in range(rows):
+    last = max((c["k"] for c in columns), default=0)  # queries run 0..last-1, perturbed positions 1..last
+    bins = max(1, -(-(last + 1) // MAP_WIDTH))  # positions per character
+    if leak["kind"] == "cut":
+        header, kind = "query\\k " + "".join(f"{c['k']} " for c in columns), "tokens >= k changed"
+    else:
+        header, kind = f"query\\k 0..{last}" + (f" ({bins} positions per char)" if bins > 1 else ""), \
+            "token k alone changed"
+    lines = [Text(header, style="dim")]
+    for qbin in range(-(-last // bins)):
+        queries = slice(qbin * bins, (qbin + 1) * bins)
         line = Text(f"{qbin * bins:>6}  ")
         if leak["kind"] == "cut":
             for c in columns:
-                line.append(_cell(c["change"][qbin * bins:(qbin + 1) * bins], threshold))
+                line.append(_cell(c["change"][queries], threshold))
                 line.append(" " * len(str(c["k"])))  # the column is as wide as its label "k "
         else:
-            for kbin in range(rows):
+            for kbin in range(-(-(last + 1) // bins)):
                 group = [c for c in columns if kbin * bins <= c["k"] < (kbin + 1) * bins]
-                values = [v for c in group for v in c["change"][qbin * bins:(qbin + 1) * bins]]
-                line.append(_cell(values, threshold))
+                line.append(_cell([v for c in group for v in c["change"][queries]], threshold))
         lines.append(line)
-    legend = Text(f"# moved beyond {threshold:.2g} (red), . still, blank: not before the cut. Columns: {kind}.",
+    legend = Text(f"# moved beyond {threshold:.2g}, . still, N NaN/Inf, blank: not before k. Columns: {kind}.",
                   style="dim")
     return Group(*lines, legend)
 
