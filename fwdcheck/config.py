@@ -64,11 +64,11 @@ class ReferenceModel(Strict):
         return self
 
 
-class PythonModel(Strict):
-    source: Literal["python"]
+class FactoryModel(Strict):
+    """A model built by the user's own callable: the fields `python` and `checkpoint` sources share."""
+
     factory: str = Field(description="'package.module:callable' returning an nn.Module")
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
     forward: str | None = Field(None, description="'module:callable' adapter (model, input_ids, **kw) -> logits")
     vocab_size: PositiveInt | None = None
     max_positions: PositiveInt | None = None
@@ -86,7 +86,52 @@ class PythonModel(Strict):
         return value
 
 
-ModelSource = Annotated[Union[ReferenceModel, PythonModel], Field(discriminator="source")]
+class PythonModel(FactoryModel):
+    source: Literal["python"]
+    path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
+
+
+class CheckpointModel(FactoryModel):
+    source: Literal["checkpoint"]
+    path: Path = Field(description="a .safetensors file, or a .pt/.pth state dict")
+    python_path: list[Path] = Field(default_factory=list, description="directories put on sys.path first")
+    trust_checkpoint: bool = Field(False, description="allow a pickle that runs code when loaded (weights_only=False)")
+    strict: bool = Field(False, description="missing or unexpected keys are a load error instead of a warning")
+
+
+class HFModel(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    source: Literal["hf"]
+    path: Path | None = Field(None, description="a directory with config.json (and weights, optionally)")
+    config: dict[str, Any] | None = Field(None, description="an inline config with model_type, instead of path")
+    model_class: str | None = Field(None, alias="class", description="e.g. BertForMaskedLM; default "
+                                    "AutoModelForCausalLM")
+    trust_remote_code: bool = False
+    causal: bool = True
+    rope: RopeSpec | None = Field(None, description="override what the config declares about its rotary embedding")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> HFModel:
+        if (self.path is None) == (self.config is None):
+            raise ValueError("give exactly one of 'path' (a directory with config.json) and 'config' (inline)")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("an inline 'config' needs a 'model_type' (e.g. llama, gpt2)")
+        return self
+
+
+ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
+
+
+class Paths(Strict):
+    """The matrix of code paths future-token and mask-audit run over. A list narrows one axis; omitted axes take
+    every value the model offers (Hugging Face models) or just the default path (other models)."""
+
+    enabled: bool | None = Field(None, description="default: on for source hf, off otherwise")
+    attn_implementation: list[Literal["eager", "sdpa"]] | None = None
+    output_attentions: list[bool] | None = None
+    attention_mask: list[Literal["absent", "ones", "left-pad"]] | None = None
+    batch_size: list[PositiveInt] | None = None
 
 
 class Inputs(Strict):
@@ -109,6 +154,8 @@ class Config(Strict):
     checks: list[str] | None = Field(None, description="omitted: every registered check")
     tolerance: Tolerance = Field(default_factory=Tolerance)
     exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
+    paths: Paths = Field(default_factory=Paths)
+    meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
 
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 
@@ -147,9 +194,19 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
         raise ConfigError(f"{name}: {describe_validation_error(exc)}") from None
     config.source_path = origin
     base = origin.parent if origin else Path.cwd()
-    if isinstance(config.model, PythonModel):
-        config.model.path = [p if p.is_absolute() else (base / p).resolve() for p in config.model.path]
+    model = config.model
+    if isinstance(model, PythonModel):
+        model.path = [_resolve(p, base) for p in model.path]
+    elif isinstance(model, CheckpointModel):
+        model.path = _resolve(model.path, base)
+        model.python_path = [_resolve(p, base) for p in model.python_path]
+    elif isinstance(model, HFModel) and model.path is not None:
+        model.path = _resolve(model.path, base)
     return config
+
+
+def _resolve(path: Path, base: Path) -> Path:
+    return path if path.is_absolute() else (base / path).resolve()
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -177,7 +234,7 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 def _model_classes() -> dict[str, type[BaseModel]]:
-    return {"reference": ReferenceModel, "python": PythonModel}
+    return {"reference": ReferenceModel, "python": PythonModel, "checkpoint": CheckpointModel, "hf": HFModel}
 
 
 def _yaml_loc(loc: tuple) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fwdcheck.config import Config, PythonModel, ReferenceModel, RopeSpec
+from fwdcheck.config import CheckpointModel, Config, FactoryModel, HFModel, PythonModel, ReferenceModel, RopeSpec
 from fwdcheck.errors import ModelLoadError, ModelRaised
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
@@ -151,6 +151,14 @@ def load_model(config: Config) -> ModelUnderTest:
             return _load_reference(spec)
         if isinstance(spec, PythonModel):
             return _load_python(spec, config)
+        if isinstance(spec, CheckpointModel):
+            from fwdcheck.checkpoint import load_checkpoint
+
+            return load_checkpoint(spec, config)
+        if isinstance(spec, HFModel):
+            from fwdcheck.hf import load_hf
+
+            return load_hf(spec, config)
     raise ModelLoadError(f"model source '{spec.source}' is not supported")  # pragma: no cover - schema forbids it
 
 
@@ -183,24 +191,45 @@ def _load_reference(spec: ReferenceModel) -> ModelUnderTest:
     )
 
 
-def _load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
-    search = [*spec.path]
-    if config.source_path is not None:
-        search.append(config.source_path.parent.resolve())
-    else:
-        search.append(Path.cwd())
-    with _on_sys_path(search):
-        factory = resolve_callable(spec.factory, what="factory")
-        adapter = resolve_callable(spec.forward, what="forward adapter") if spec.forward else None
-        rotary = resolve_callable(spec.rotary_function, what="rotary function") if spec.rotary_function else None
+@dataclass
+class FactoryParts:
+    """The callables a factory-based config names, imported."""
+
+    factory: Callable[..., Any]
+    forward: Callable[..., Any] | None
+    rotary: Rotary | None
+
+
+def import_factory_parts(spec: FactoryModel, search: list[Path]) -> FactoryParts:
+    """Import the factory, forward adapter and rotary function with `search` on sys.path."""
+    with on_sys_path(search):
+        return FactoryParts(
+            factory=resolve_callable(spec.factory, what="factory"),
+            forward=resolve_callable(spec.forward, what="forward adapter") if spec.forward else None,
+            rotary=resolve_callable(spec.rotary_function, what="rotary function") if spec.rotary_function else None,
+        )
+
+
+def call_factory(spec: FactoryModel, parts: FactoryParts, search: list[Path]) -> nn.Module:
+    """Call the factory; one clear ModelLoadError when it raises or returns something that is not a module."""
+    with on_sys_path(search):
         try:
-            module = factory(**spec.kwargs)
+            module = parts.factory(**spec.kwargs)
         except Exception as exc:
             raise ModelLoadError(f"factory '{spec.factory}' raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, nn.Module):
-        raise ModelLoadError(
-            f"factory '{spec.factory}' returned {type(module).__name__}, not a torch.nn.Module"
-        )
+        raise ModelLoadError(f"factory '{spec.factory}' returned {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def search_dirs(extra: list[Path], config: Config) -> list[Path]:
+    """sys.path additions: the configured directories, then the config file's folder (or the working directory)."""
+    return [*extra, config.source_path.parent.resolve() if config.source_path is not None else Path.cwd()]
+
+
+def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts, source: str,
+                      label: str | None = None) -> ModelUnderTest:
+    """Wrap a module built from a factory, reading what its own config (if any) declares."""
     dims = _dims_from_config(getattr(module, "config", None))
     vocab = spec.vocab_size or dims.get("V") or _embedding_rows(module)
     if not vocab:
@@ -215,16 +244,22 @@ def _load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
     )
     return ModelUnderTest(
         module=module,
-        label=spec.factory,
-        source="python",
+        label=label or spec.factory,
+        source=source,
         vocab_size=vocab,
         max_positions=max_positions,
         causal=spec.causal,
         dims=dims,
         rope=spec.rope,
-        rotary=rotary,
-        forward_adapter=adapter,
+        rotary=parts.rotary,
+        forward_adapter=parts.forward,
     )
+
+
+def _load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
+    search = search_dirs(spec.path, config)
+    parts = import_factory_parts(spec, search)
+    return model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
 
 
 def resolve_callable(reference: str, what: str) -> Callable:
@@ -248,7 +283,7 @@ def resolve_callable(reference: str, what: str) -> Callable:
 
 
 @contextmanager
-def _on_sys_path(directories: list[Path]):
+def on_sys_path(directories: list[Path]):
     added = [str(d) for d in directories if str(d) not in sys.path]
     sys.path[:0] = added
     try:
