@@ -36,14 +36,14 @@ class Entry:
 # Expected symbolic layouts per role; alternatives are equally correct.
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
-    "hidden": [["B", "T", "d"], ["T", "B", "d"]],
+    "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"]],
     "q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
     "k": [["B", "h_kv", "T", "d_h"], ["B", "h", "T", "d_h"], ["B*h", "T", "d_h"], ["B*h_kv", "T", "d_h"]],
     "mha_in": [["T", "B", "d"]],
     "scores_q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
     "scores_k": [["B", "h", "d_h", "T"], ["B*h", "d_h", "T"]],
     "weights": [["B", "h", "T", "T"], ["B*h", "T", "T"], ["B", "T", "T"]],
-    "ffn": [["B", "T", "d_ff"]],
+    "ffn": [["B", "T", "d_ff"], ["B*T", "d_ff"]],  # OPT flattens the tokens before its feed-forward
     "logits": [["B", "T", "V"]],
 }
 TEMPLATES["v"] = TEMPLATES["k"]
@@ -199,7 +199,8 @@ def probe_sizes(B: int, T: int, taken: set[int], max_positions: int | None) -> t
 
 def name_axes(e: Entry, first: tuple[int, int], second: tuple[int, int], known: dict[str, int]) -> list[str]:
     (B, T), (B2, T2) = first, second
-    expected = TEMPLATES.get(e.role, [[]])[0]
+    layouts = TEMPLATES.get(e.role, [[]])
+    expected = next((t for t in layouts if len(t) == len(e.shape)), layouts[0])  # the layout of the same rank
     h = known.get("h")
     varying = {"B": (B, B2), "T": (T, T2), "B*T": (B * T, B2 * T2)}
     if h:

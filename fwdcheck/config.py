@@ -26,7 +26,8 @@ class Strict(BaseModel):
 class RopeSpec(Strict):
     """What the model declares about its rotary embedding; the rope check compares it with what it measures."""
 
-    base: float = Field(10000.0, gt=1.0)
+    base: float | None = Field(10000.0, gt=1.0, description="None: frequencies rescaled (llama3, yarn, ...); "
+                               "the base is then not compared")
     pairing: Literal["half", "interleaved"] = "half"
     rotary_dim: PositiveInt | None = None
 

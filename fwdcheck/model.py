@@ -48,7 +48,19 @@ class ModelUnderTest:
     rope: RopeSpec | None = None  # what the model declares about its rotary embedding, if anything
     rotary: Rotary | None = None  # the model's rotary function, when it can be called on its own
     forward_adapter: Callable[..., Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # shown in the report's model section
+    rotary_discovered: bool = False  # the rotary function was found by convention, not named by the user
+    forward_kwargs: set[str] | None = None  # keyword arguments forward takes; None: read its signature
+    attn_implementations: list[str] = field(default_factory=list)  # switchable implementations (Hugging Face)
+    padding: int = 0  # left-padding tokens a path view adds before the inputs (its logits are of the real tokens)
+    extra: dict[str, Any] = field(default_factory=dict)  # shown in the report's model section; extra["notes"]
+
+    def accepts(self, name: str) -> bool:
+        """Whether forward takes this keyword argument."""
+        if self.forward_adapter is not None:
+            return False
+        if self.forward_kwargs is not None:
+            return name in self.forward_kwargs
+        return _accepts(self.module.forward, name)
 
     @property
     def layer_stack(self) -> str | None:
@@ -66,7 +78,7 @@ class ModelUnderTest:
 
     @property
     def accepts_position_ids(self) -> bool:
-        return _accepts(self.module.forward, "position_ids") and self.forward_adapter is None
+        return self.accepts("position_ids")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
         """The model's raw output; any exception becomes ModelRaised naming the model-code frame it came from."""

@@ -32,7 +32,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
         environment={"torch": torch.__version__, "python": platform.python_version(), "device": str(session.device),
                      "dtype": settings.dtype, "seed": settings.seed, "batch_size": settings.batch_size,
                      "seq_len": settings.seq_len},
-        notes=session.notes,
+        notes=[*model.extra.get("notes", []), *session.notes],
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
     )

@@ -209,11 +209,14 @@ def rope_numbers(r: CheckResult) -> RenderableType:
     declared = r.data.get("declared")
     lines: list[RenderableType] = [table]
     if declared:
-        lines.append(Text(f"declared: pairing {declared.get('pairing')}, base {declared.get('base'):g}, rotary dim "
+        base = f"{declared['base']:g}" if declared.get("base") else "rescaled"
+        lines.append(Text(f"declared: pairing {declared.get('pairing')}, base {base}, rotary dim "
                           f"{declared.get('rotary_dim') or 'head size'}", style="dim"))
     if isinstance(probe, dict):
         lines.append(Text(f"q_m . k_n off its diagonals: {probe['toeplitz_error']:.2g} of its scale", style="dim"))
-    if "component" in r.data:
+    if r.data.get("component_note"):
+        lines.append(Text(r.data["component_note"], style="dim"))
+    if r.data.get("component"):
         c = r.data["component"]
         lines.append(Text(f"rotary function: identity {c['identity_error']:.2g}, norms {c['norm_error']:.2g}, "
                           f"R(0) {c['position0_error']:.2g} (relative errors)", style="dim"))

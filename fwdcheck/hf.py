@@ -1,0 +1,227 @@
+"""Hugging Face transformers models, built offline from a local config (weights optional).
+
+Nothing here touches the network: the load runs with HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE set, from a directory
+holding config.json or from an inline config. `trust_remote_code` stays off unless the config sets it, and then the
+report says the model's own code ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.config import Config, HFModel, RopeSpec
+from fwdcheck.errors import ModelLoadError
+from fwdcheck.model import ModelUnderTest
+
+# Architectures whose rotary embedding pairs dim 2i with 2i+1 (GPT-J's rotate_every_two); the rest use rotate_half.
+INTERLEAVED = {"gptj", "codegen"}
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelLoadError("source: hf needs the transformers package: pip install 'fwdcheck[hf]'") from None
+    return transformers
+
+
+@contextmanager
+def offline():
+    """No hub access while loading; the environment is put back afterwards."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
+    transformers = require_transformers()
+    notes = []
+    if spec.trust_remote_code:
+        notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
+    with offline():
+        hf_config = _hf_config(spec, transformers)
+        cls = _model_class(spec, transformers)
+        has_weights = spec.path is not None and any((spec.path / f).exists() for f in WEIGHT_FILES)
+        try:
+            if config.meta:
+                with torch.device("meta"):
+                    module = _from_config(cls, hf_config, spec)
+                notes.append("built on the meta device: no weights allocated")
+            elif has_weights:
+                module = cls.from_pretrained(spec.path, config=hf_config, trust_remote_code=spec.trust_remote_code)
+                notes.append(f"weights loaded from {spec.path}")
+            else:
+                module = _from_config(cls, hf_config, spec)
+                notes.append("no weights in the config's directory: random initialisation (seeded)")
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"transformers could not build {cls.__name__} from "
+                                 f"{spec.path or 'the inline config'}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, nn.Module):  # pragma: no cover - transformers always returns modules
+        raise ModelLoadError(f"{cls.__name__} did not build an nn.Module")
+    return hf_model_under_test(module, spec, notes)
+
+
+def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> ModelUnderTest:
+    cfg = module.config
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    dims = {"V": cfg.vocab_size}
+    if hidden:
+        dims["d"] = hidden
+    if heads:
+        dims["h"] = heads
+        dims["h_kv"] = getattr(cfg, "num_key_value_heads", None) or heads
+        dims["d_h"] = getattr(cfg, "head_dim", None) or (hidden // heads if hidden else None)
+    d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+    if d_ff:
+        dims["d_ff"] = d_ff
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    if layers:
+        dims["L"] = layers
+    max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    rope = spec.rope or declared_rope(cfg)
+    where = str(spec.path) if spec.path else "inline config"
+    return ModelUnderTest(
+        module=module,
+        label=f"{cfg.model_type} {type(module).__name__} ({where})",
+        source="hf",
+        vocab_size=cfg.vocab_size,
+        max_positions=max_positions,
+        causal=spec.causal,
+        dims={k: v for k, v in dims.items() if v},
+        rope=rope,
+        rotary=find_rotary(module),
+        rotary_discovered=True,
+        forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
+        attn_implementations=attn_implementations(module),
+        extra={"notes": notes, "model_type": cfg.model_type},
+    )
+
+
+def _hf_config(spec: HFModel, transformers) -> Any:
+    if spec.config is not None:
+        inline = dict(spec.config)
+        model_type = inline.pop("model_type")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **inline)
+        except Exception as exc:
+            raise ModelLoadError(f"inline config: {type(exc).__name__}: {exc}") from exc
+    path = spec.path
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory; source hf wants a directory holding config.json")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path}: no config.json in this directory")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+    try:
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {type(exc).__name__}: {exc}") from exc
+
+
+def _model_class(spec: HFModel, transformers):
+    name = spec.model_class or "AutoModelForCausalLM"
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ModelLoadError(f"transformers {transformers.__version__} has no class '{name}'")
+    return cls
+
+
+def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
+    if hasattr(cls, "from_config"):  # the Auto classes
+        return cls.from_config(hf_config, trust_remote_code=spec.trust_remote_code)
+    return cls(hf_config)
+
+
+def declared_rope(cfg) -> RopeSpec | None:
+    """What a Hugging Face config says about its rotary embedding, across the spellings architectures use."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    theta = params.get("rope_theta") or getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None)
+    rotary_dim = getattr(cfg, "rotary_dim", None)
+    if theta is None and rotary_dim is None:
+        return None  # learned or sinusoidal absolute positions, ALiBi, ...
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    partial = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or \
+        getattr(cfg, "rotary_pct", None)
+    if rotary_dim is None and partial and head_dim:
+        rotary_dim = int(head_dim * partial)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return RopeSpec(
+        base=float(theta or 10000.0) if rope_type == "default" else None,  # rescaled frequencies: no single base
+        pairing="interleaved" if cfg.model_type in INTERLEAVED else "half",
+        rotary_dim=rotary_dim,
+    )
+
+
+def find_rotary(module: nn.Module):
+    """The model's rotary embedding as a function (x [B,h,T,d_h], positions [T]) -> rotated x, when the modeling
+    file follows the common layout: a *RotaryEmbedding module returning (cos, sin) and apply_rotary_pos_emb(q, k,
+    cos, sin) beside the attention class. None otherwise (the probe through the model still runs)."""
+    rotary_emb = next((m for m in module.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    attention = next((m for m in module.modules() if type(m).__name__.endswith("Attention")), None)
+    apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
+    if rotary_emb is None or apply is None:
+        return None
+
+    def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_emb(x, positions[None].expand(x.shape[0], -1))
+        rotated, _ = apply(x, x, cos, sin)
+        return rotated
+
+    return rotary
+
+
+def attn_implementations(module: nn.Module) -> list[str]:
+    """The attention implementations this model can switch between without extra packages."""
+    found = ["eager"]
+    if getattr(module, "_supports_sdpa", False):
+        found.append("sdpa")
+    return found
+
+
+@contextmanager
+def using_attn_implementation(module: nn.Module, implementation: str | None):
+    """Switch the attention implementation for the duration, and put the original back."""
+    if implementation is None:
+        yield
+        return
+    config = module.config
+    original = config._attn_implementation
+    module.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        module.set_attn_implementation(original)
+
+
+def save_tiny(module: nn.Module, directory: Path) -> None:
+    """Write config.json and model.safetensors, as a hub checkpoint directory looks (for tests and examples)."""
+    module.save_pretrained(directory)
