@@ -58,6 +58,7 @@ class FutureToken(Check):
         "FWD105": "the first k tokens run alone give other logits than the full run: the prefix depends on what "
         "follows it",
         "FWD106": "the run-to-run noise floor is high next to the dtype tolerance: comparisons are coarse",
+        "FWD107": "left padding changes the real tokens' logits: padding is read, or shifts the positions",
     }
     explain = """\
 Verifies, with the model untouched in eval mode and dropout forced to zero, that
@@ -92,6 +93,8 @@ band above the diagonal means a mask shifted by one; only some samples moving me
 
         scale = float(base.abs().max())
         repeat = session.repeat_change()
+        if session.unpadded is not None:  # a left-padded path: the real tokens must not see the padding
+            findings += self._padding(session, base, session.threshold(scale, repeat))
         tolerance = session.tolerance(scale)
         if repeat > tolerance:
             findings.append(Finding("FWD103", Status.FAIL, f"two identical eval-mode forwards differ by {repeat:.3g} "
@@ -144,6 +147,17 @@ band above the diagonal means a mask shifted by one; only some samples moving me
                    f"{metrics.get('max_change_before_cut', 0):.2g} vs threshold {threshold:.2g}"
                    if not leaks else "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks})))
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    @staticmethod
+    def _padding(session, base, threshold) -> list[Finding]:
+        plain = session.logits(session.inputs, model=session.unpadded)  # the same tokens, nothing before them
+        change = position_change(base, plain)  # (B, T)
+        if not bool((change > threshold).any()):
+            return []
+        moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
+        return [Finding("FWD107", Status.FAIL, f"left padding moves the real tokens' logits by up to "
+                        f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
+                        "the positions count them", where=f"real positions {span(moved)}")]
 
     @staticmethod
     def _observe_dropout(session) -> Finding | None:

@@ -8,6 +8,8 @@ the softmax. That set is compared with causal, and the encoding explains the mis
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fwdcheck.errors import SkipCheck
@@ -52,6 +54,7 @@ class MaskAudit(Check):
         "FWD205": "rows in which every key is masked: NaN or all-zero attention output",
         "FWD206": "attn_mask passed together with is_causal=True",
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
+        "FWD208": "with left padding, real tokens may read the padding keys",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and softmax over [.., T, T] scores (eager
@@ -73,7 +76,15 @@ here; future-token still tests its behaviour."""
         observation = session.observation()
         findings: list[Finding] = []
         rows = []
+        pad = model.padding  # a left-padded path view: judge real queries against real keys
         for call in observation.attention:
+            if pad and call.self_attention:
+                reads_padding = bool(call.allowed[pad:, :pad].any())
+                call = dataclasses.replace(call, allowed=call.allowed[pad:, pad:],
+                                           empty_rows=int((~call.allowed[pad:].any(-1)).sum()))
+                if reads_padding:
+                    findings.append(Finding("FWD208", Status.FAIL, "real tokens may read the padding keys: the "
+                                            "attention_mask is not applied", f"{call.module or 'model'} ({call.api})"))
             shape, future_pairs = pattern(call.allowed) if call.self_attention else ("cross / cached: not square", [])
             rows.append({"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
                          "mask_shape": list(call.mask_shape) if call.mask_shape else None, "values": call.mask_values,

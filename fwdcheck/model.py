@@ -56,10 +56,10 @@ class ModelUnderTest:
 
     def accepts(self, name: str) -> bool:
         """Whether forward takes this keyword argument."""
-        if self.forward_adapter is not None:
-            return False
         if self.forward_kwargs is not None:
             return name in self.forward_kwargs
+        if self.forward_adapter is not None:
+            return False
         return _accepts(self.module.forward, name)
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 import traceback
@@ -9,8 +10,9 @@ import traceback
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.registry import CheckEntry
+from fwdcheck.paths import PATH_CHECKS, CodePath, path_cells, path_view, plain_view
 from fwdcheck.report import Report
-from fwdcheck.result import CheckResult, Finding, Status
+from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.session import Session, Settings
 
 
@@ -24,6 +26,10 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     with session.active():
         for entry in entries:
             results.append(run_one(entry, model, session))
+    cells = path_cells(model, settings.paths, settings.batch_size)
+    if cells:
+        results = [run_over_paths(entry, model, settings, cells, result) if entry.name in PATH_CHECKS else result
+                   for entry, result in zip(entries, results)]
     parameters = sum(p.numel() for p in model.module.parameters())
     return Report(
         results=results,
@@ -36,6 +42,57 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
     )
+
+
+def run_over_paths(entry: CheckEntry, model: ModelUnderTest, settings: Settings, cells: list[CodePath],
+                   default: CheckResult) -> CheckResult:
+    """The check once per code path; one result that lists every cell and carries the failing cells' findings."""
+    from fwdcheck.hf import using_attn_implementation
+
+    cell_results = []
+    for cell in cells:
+        view = path_view(model, cell)
+        session = Session(view, dataclasses.replace(settings, batch_size=cell.batch_size))
+        if view.padding:
+            session.unpadded = plain_view(model, cell)
+        try:
+            with using_attn_implementation(model.module, cell.attn_implementation), session.active():
+                result = run_one(entry, view, session)
+        except Exception as exc:  # switching the implementation itself failed
+            result = CheckResult(entry.name, Status.ERROR, f"{type(exc).__name__}: {exc}")
+        cell_results.append((cell, result))
+    return merge_cells(default, cell_results)
+
+
+def merge_cells(default: CheckResult, cells: list[tuple[CodePath, CheckResult]]) -> CheckResult:
+    """Keep the default path's detail (leak map, mask table); add one row per cell and, for each finding code that
+    failed somewhere, one finding naming the cells."""
+    rows = [{"path": cell.label, "status": r.status.value, "summary": r.summary,
+             "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)})}
+            for cell, r in cells]
+    by_code: dict[str, tuple[Finding, list[str]]] = {}
+    for cell, r in cells:
+        for f in r.findings:
+            if f.status in (Status.PASS, Status.SKIP):
+                continue
+            first, where = by_code.setdefault(f.code, (f, []))
+            where.append(cell.label)
+    findings = [f for f in default.findings if f.code not in by_code]
+    for code, (first, where) in by_code.items():
+        shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
+        findings.append(Finding(code, first.status, first.message,
+                                f"{len(where)} of {len(cells)} code paths: {shown}" +
+                                (f" (first at {first.where})" if first.where else "")))
+    failing = [(cell, r) for cell, r in cells if r.status in (Status.FAIL, Status.ERROR)]
+    status = worst([default.status, *(r.status for _, r in cells)])
+    if failing:
+        summary = f"{len(failing)} of {len(cells)} code paths fail; first {failing[0][0].label}: {failing[0][1].summary}"
+    else:
+        summary = f"{len(cells)} code paths pass; {default.summary}"
+    return CheckResult(default.name, status, summary, findings, dict(default.metrics, code_paths=len(cells),
+                       failing_code_paths=len(failing)), {**default.data, "paths": rows},
+                       default.duration_s + sum(r.duration_s for _, r in cells),
+                       default.internal_error or any(r.internal_error for _, r in cells))
 
 
 def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> CheckResult:

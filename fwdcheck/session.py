@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from fwdcheck.config import Config
+from fwdcheck.config import Config, Paths
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
@@ -38,13 +38,14 @@ class Settings:
     noise_factor: float = 10.0
     exhaustive: bool = False
     max_rows: int | None = None  # rows per batched forward; default 4 x batch_size
+    paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
 
     @classmethod
     def from_config(cls, config: Config) -> Settings:
         return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
                    seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
                    atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
-                   exhaustive=config.exhaustive)
+                   exhaustive=config.exhaustive, paths=config.paths)
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:
@@ -124,8 +125,8 @@ class Session:
         self._baseline: torch.Tensor | ModelRaised | None = None
         self._observation: Observation | ModelRaised | None = None
         self._repeat: torch.Tensor | ModelRaised | None = None
-        self.forwards = 0  # rows x positions actually run, in units of the baseline's (for benchmarks)
-        self.forward_tokens = 0
+        self.forward_tokens = 0  # rows x positions run, for benchmarks
+        self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding
 
     # -- lifetime -------------------------------------------------------------------------------------------------
 
@@ -162,14 +163,16 @@ class Session:
 
     # -- forwards -------------------------------------------------------------------------------------------------
 
-    def logits(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+               model: ModelUnderTest | None = None) -> torch.Tensor:
         """Logits [N, T, V] as float32, in row chunks of at most max_rows, dropout forced off where needed."""
+        model = model or self.model
         chunks = []
         for start in range(0, ids.shape[0], self.max_rows):
             rows = ids[start:start + self.max_rows]
             positions = position_ids[start:start + self.max_rows] if position_ids is not None else None
             with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
-                chunks.append(self.model.logits(rows, positions).float())
+                chunks.append(model.logits(rows, positions).float())
             self.forward_tokens += rows.numel()
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -215,7 +218,8 @@ class Session:
                 keep_inputs_of: set[str] = frozenset()) -> Observation:
         """One forward under the attention observer. Its logits are not used for comparisons (the mode can change
         code paths); it tells what the model did, not what it computes untouched."""
-        with torch.no_grad(), observing(self.model.module, ids.shape[1], keep_tensors, False, keep_inputs_of) as seen:
+        seq_len = ids.shape[1] + self.model.padding  # what the module itself sees
+        with torch.no_grad(), observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen:
             self.model.logits(ids, position_ids)
         self.forward_tokens += ids.numel()
         return seen

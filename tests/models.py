@@ -584,3 +584,64 @@ class BertMLM(nn.Module):
 def bert() -> nn.Module:
     torch.manual_seed(0)
     return BertMLM(GPTConfig())
+
+
+# =====================================================================================================================
+# Bugs that live on one code path only: each model is correct on the default call and wrong on one other path.
+
+
+class PathBugAttention(nn.Module):
+    """Causal self-attention whose mask handling depends on how it is called, with one planted path bug."""
+
+    def __init__(self, d: int, n_heads: int, bug: str):
+        super().__init__()
+        self.n_heads, self.bug = n_heads, bug
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, attention_mask=None, output_attentions=False):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T) True = may attend
+        if attention_mask is None:
+            mask = causal
+        else:
+            padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T): keys that are real tokens
+            mask = padding if self.bug == "mask-drops-causal" else causal & padding
+            if self.bug == "mask-ignored":
+                mask = causal
+        if self.bug == "batch1-no-mask" and B == 1:
+            mask = None  # a "single sequence" shortcut that forgot the causal mask
+        if output_attentions:  # the eager fallback used when the weights are asked for
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T, T)
+            if mask is not None and self.bug != "eager-no-mask":
+                # the dtype's minimum, not -inf, as Hugging Face does: a pad query with no key left stays finite
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            y = torch.softmax(scores, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+class PathBugModel(nn.Module):
+    def __init__(self, bug: str, vocab: int = 32, d: int = 16, n_heads: int = 2, n_layers: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(64, d)
+        self.layers = nn.ModuleList(PathBugAttention(d, n_heads, bug) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, output_attentions=False):
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, d)
+        for layer in self.layers:
+            x = x + layer(x, attention_mask, output_attentions)
+        return self.head(x)  # (B, T, V)
+
+
+def path_bug(bug: str = "none") -> nn.Module:
+    torch.manual_seed(0)
+    return PathBugModel(bug)

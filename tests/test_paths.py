@@ -1,0 +1,63 @@
+"""The code-path matrix: a bug that lives on one path is found on that path, and named by it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_checks
+
+CHECKS = ["future-token", "mask-audit"]
+
+
+def failing_paths(report, check: str) -> set[str]:
+    return {row["path"] for row in report.result(check).data["paths"] if row["status"] == "fail"}
+
+
+def run_path_bug(bug: str):
+    return run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": bug}}, CHECKS,
+                      paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
+
+
+def test_matrix_covers_masks_weights_and_batch_sizes():
+    report = run_path_bug("none")
+    rows = report.result("future-token").data["paths"]
+    assert len(rows) == 2 * 3 * 2  # output_attentions x attention_mask x batch size
+    assert {r["status"] for r in rows} == {"pass"}
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("bug, check, code, fails_on", [
+    # The causal mask is dropped as soon as an attention_mask is passed: every masked path leaks.
+    ("mask-drops-causal", "future-token", "FWD101", lambda p: "mask absent" not in p),
+    ("mask-drops-causal", "mask-audit", "FWD201", lambda p: "mask absent" not in p),
+    # The padding mask is ignored: only left padding shows it, as pads read by the real tokens.
+    ("mask-ignored", "future-token", "FWD107", lambda p: "left-pad" in p),
+    ("mask-ignored", "mask-audit", "FWD208", lambda p: "left-pad" in p),
+    # A shortcut for batch size 1 forgets the mask: the cut rows see it at B=1 ...
+    ("batch1-no-mask", "future-token", "FWD101", lambda p: "B=1" in p),
+    ("batch1-no-mask", "mask-audit", "FWD201", lambda p: "B=1" in p),
+    # ... and the prefix pass, which runs one row at a time, sees it on every path.
+    ("batch1-no-mask", "future-token", "FWD105", lambda p: True),
+    # The eager fallback used when attention weights are requested forgets the mask.
+    ("eager-no-mask", "future-token", "FWD101", lambda p: "output_attentions=True" in p),
+    ("eager-no-mask", "mask-audit", "FWD201", lambda p: "output_attentions=True" in p),
+])
+def test_path_bug_fails_exactly_on_its_paths(bug, check, code, fails_on):
+    report = run_path_bug(bug)
+    result = report.result(check)
+    rows = result.data["paths"]
+    assert {r["path"] for r in rows if code in r["codes"]} == {r["path"] for r in rows if fails_on(r["path"])}
+    assert result.status.value == "fail" and report.exit_code == 1
+    finding = next(f for f in result.findings if f.code == code)
+    assert f"of {len(rows)} code paths" in finding.where
+
+
+def test_matrix_is_off_by_default_for_python_models_and_narrowable():
+    default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
+    assert "paths" not in default.result("future-token").data
+    narrowed = run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": "mask-ignored"}},
+                          CHECKS, paths={"enabled": True, "attention_mask": ["ones"], "batch_size": [2]})
+    assert [r["path"] for r in narrowed.result("future-token").data["paths"]] == [
+        "default attention, mask ones, output_attentions=False, B=2",
+        "default attention, mask ones, output_attentions=True, B=2"]
+    assert narrowed.exit_code == 0  # the bug needs padding to show, and the narrowed matrix has none
