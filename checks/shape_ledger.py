@@ -53,6 +53,7 @@ TEMPLATES["scores_v"] = TEMPLATES["k"]
 class ShapeLedger(Check):
     name = "shape-ledger"
     description = "names every axis of ids, hidden states, per-head q/k/v, attention weights and logits"
+    needs_values = False  # shapes alone: runs on the meta device
     codes = {
         "FWD401": "a tensor's layout differs from the expected symbolic shape",
         "FWD402": "attention runs over an axis that is not the sequence (e.g. heads and positions swapped)",

@@ -93,15 +93,18 @@ def run(
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
                                              "the full leak map.")] = False,
+    meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
+                                       "big for this machine, no weights allocated.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     """Check a model's forward pass and exit with a code CI can gate on."""
     code = _guarded(lambda: _run(config, check, model, device, dtype, seed, output_format, output, fail_on,
-                                 exhaustive, debug), debug)
+                                 exhaustive, debug, meta), debug)
     raise typer.Exit(code)
 
 
-def _run(config_path, checks, model_ref, device, dtype, seed, output_format, output, fail_on, exhaustive, debug) -> int:
+def _run(config_path, checks, model_ref, device, dtype, seed, output_format, output, fail_on, exhaustive, debug,
+         meta=False) -> int:
     from fwdcheck.config import config_from_dict, load_config
     from fwdcheck.model import load_model
     from fwdcheck.registry import select
@@ -124,6 +127,7 @@ def _run(config_path, checks, model_ref, device, dtype, seed, output_format, out
         if outside:
             raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
     entries = select(selection)
+    config.meta = meta or config.meta
     settings = Settings.from_config(config)
     settings.device = device.value if device else settings.device
     settings.dtype = dtype.value if dtype else settings.dtype

@@ -11,7 +11,7 @@ import importlib
 import inspect
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -160,9 +160,11 @@ def load_model(config: Config) -> ModelUnderTest:
     with torch.random.fork_rng(devices=[]):  # the user's RNG state is not ours to advance
         torch.manual_seed(config.inputs.seed)
         if isinstance(spec, ReferenceModel):
-            return _load_reference(spec)
+            with torch.device("meta") if config.meta else nullcontext():
+                return _load_reference(spec)
         if isinstance(spec, PythonModel):
-            return _load_python(spec, config)
+            with torch.device("meta") if config.meta else nullcontext():
+                return _load_python(spec, config)
         if isinstance(spec, CheckpointModel):
             from fwdcheck.checkpoint import load_checkpoint
 

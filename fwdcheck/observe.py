@@ -191,7 +191,7 @@ class _Observer(TorchFunctionMode):
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
         L, S = q.shape[-2], k.shape[-2]
         is_causal = bool(a.get("is_causal", False))
-        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
+        allowed = torch.ones(L, S, dtype=torch.bool, device=_values_device(q))
         if is_causal:
             allowed = allowed.tril()  # SDPA's is_causal is aligned to the top left
         kind, values, float_01 = ("is_causal" if is_causal else "none"), "-", False
@@ -209,7 +209,7 @@ class _Observer(TorchFunctionMode):
         N, h = (q.shape[1] if batched else 1), int(a["num_heads"])
         mask, padding = a.get("attn_mask"), a.get("key_padding_mask")
         is_causal, need_weights = bool(a.get("is_causal", False)), bool(a.get("need_weights", True))
-        allowed = torch.ones(N, h, L, S, dtype=torch.bool, device=q.device)
+        allowed = torch.ones(N, h, L, S, dtype=torch.bool, device=_values_device(q))
         kind, values, float_01 = "none", "-", False
         # is_causal is only a hint here; it replaces the mask exactly when torch takes the SDPA path without one.
         if is_causal and padding is None and not need_weights:
@@ -227,6 +227,8 @@ class _Observer(TorchFunctionMode):
 
     def _softmax(self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str) -> AttentionCall:
         L, S = scores.shape[-2], scores.shape[-1]
+        if scores.is_meta:  # shapes only: no mask can be read, no sum checked
+            scores, weights = torch.zeros(1, L, S), torch.full((1, L, S), 1.0 / S)
         finite = torch.isfinite(scores)
         row_max = scores.masked_fill(~finite, float("-inf")).amax(-1, keepdim=True)
         may = finite & (scores - row_max > -SCORE_GAP)  # keys that get any weight after normalising over them
@@ -272,8 +274,16 @@ def _is_scores(t: Any, seq_len: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] == seq_len
 
 
+def _values_device(t: torch.Tensor) -> torch.device:
+    """Where derived masks live: beside the tensors, except for meta tensors, which hold no values to derive from."""
+    return torch.device("cpu") if t.is_meta else t.device
+
+
 def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> tuple[str, str, bool, torch.Tensor]:
     """(kind, values description, is a 0/1 float mask, may-attend bool tensor of the mask's shape)."""
+    if mask.is_meta:
+        kind = "bool" if mask.dtype == torch.bool else "float"
+        return kind, "(meta: no values)", False, torch.ones(mask.shape, dtype=torch.bool)
     if mask.dtype == torch.bool:
         may = ~mask if true_means_masked else mask
         share = float(mask.float().mean())

@@ -74,6 +74,7 @@ class Check:
     description: ClassVar[str]  # one line, for `fwdcheck list`
     explain: ClassVar[str]  # what it verifies, why it matters, how to fix; for `fwdcheck explain`
     codes: ClassVar[dict[str, str]] = {}  # finding code -> what it means
+    needs_values: ClassVar[bool] = True  # False: runs on the meta device, from shapes alone
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError

@@ -28,7 +28,8 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
             results.append(run_one(entry, model, session))
     cells = path_cells(model, settings.paths, settings.batch_size)
     if cells:
-        results = [run_over_paths(entry, model, settings, cells, result) if entry.name in PATH_CHECKS else result
+        results = [run_over_paths(entry, model, settings, cells, result)
+                   if entry.name in PATH_CHECKS and result.status not in (Status.SKIP, Status.ERROR) else result
                    for entry, result in zip(entries, results)]
     parameters = sum(p.numel() for p in model.module.parameters())
     return Report(
@@ -100,6 +101,9 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
     start = time.perf_counter()
     try:
         check = entry.load()
+        if session.device.type == "meta" and getattr(check, "needs_values", True):
+            raise SkipCheck("needs values; on the meta device only shapes exist: run on a shrunk config "
+                            "(`fwdcheck shrink CONFIG`)")
         result = check.run(model, session)
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))

@@ -37,6 +37,7 @@ class Settings:
     atol: float | None = None
     noise_factor: float = 10.0
     exhaustive: bool = False
+    meta: bool = False  # the model lives on the meta device: shapes only
     max_rows: int | None = None  # rows per batched forward; default 4 x batch_size
     paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
 
@@ -45,11 +46,13 @@ class Settings:
         return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
                    seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
                    atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
-                   exhaustive=config.exhaustive, paths=config.paths)
+                   exhaustive=config.exhaustive, paths=config.paths, meta=config.meta)
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:
     """The device to run on, and a note when the choice was not literally what was asked."""
+    if requested == "meta":
+        return torch.device("meta"), "meta device: shapes only, no weights allocated"
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda"), "device auto: CUDA is available, using cuda"
@@ -109,7 +112,7 @@ class Session:
     def __init__(self, model: ModelUnderTest, settings: Settings):
         self.model = model
         self.settings = settings
-        self.device, device_note = resolve_device(settings.device)
+        self.device, device_note = resolve_device("meta" if settings.meta else settings.device)
         self.dtype = DTYPES[settings.dtype]
         self.notes: list[str] = [device_note] if device_note else []
         if settings.seq_len > (model.max_positions or settings.seq_len):

@@ -1,0 +1,475 @@
+"""The `checkpoint` source: the user's factory builds the architecture, a weights file fills it.
+
+In the style of gpt-fast: the factory runs on the meta device (no memory, no initialisation), then the checkpoint's
+tensors are assigned into it (`load_state_dict(..., assign=True)`): the parameters are the file's tensors, in the
+file's dtype, with no copy. Two things a file cannot supply make that model unusable: non-persistent buffers (RoPE
+inv_freq caches and the like, computed in __init__) and keys the file lacks. Either one, and the factory is run again
+on the CPU (real, seeded initialisation) and the checkpoint copied into it; missing keys then keep their fresh init.
+
+Nothing about the match is silent. Missing and unexpected keys are listed (strict: true makes them an error), a key
+that looks renamed says from what, and a shape mismatch names the key and both shapes. A pickle that needs code to
+load is refused unless the config trusts the file. Every way a file can be unusable is one ModelLoadError line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Mapping
+from difflib import SequenceMatcher
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.config import CheckpointModel, Config
+from fwdcheck.errors import ModelLoadError
+from fwdcheck.model import (
+    FactoryParts,
+    ModelUnderTest,
+    call_factory,
+    import_factory_parts,
+    model_from_module,
+    on_sys_path,
+    search_dirs,
+)
+
+SAFETENSORS = (".safetensors",)
+TORCH = (".pt", ".pth", ".bin", ".ckpt")
+SUPPORTED = ", ".join([*SAFETENSORS, *TORCH, ".index.json (sharded)"])
+# Where training scripts nest the weights: Lightning and most loops ("state_dict"), gpt-fast/nanoGPT-style dicts
+# ("model"), "model_state_dict" (the PyTorch tutorials), "module" (DeepSpeed).
+WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
+# Prefixes a wrapper adds to every key: DistributedDataParallel ("module.") and torch.compile ("_orig_mod.").
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+SHOWN = 5  # keys named in a note or an error before "and N more"
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
+    """Build spec.factory's model and load spec.path into it. ModelLoadError (exit 2) when that cannot be done."""
+    path = spec.path
+    kind = checkpoint_kind(path)
+    search = search_dirs(spec.python_path, config)
+    parts = import_factory_parts(spec, search)
+    notes: list[str] = []
+    # Read the file first: a corrupt or refused checkpoint fails before the factory runs at all.
+    state_dict, file_format = read_checkpoint(path, kind, trust=spec.trust_checkpoint, search=search, notes=notes)
+
+    rng = torch.get_rng_state()  # a CPU rebuild initialises exactly as `source: python` would with the same seed
+    module = _build_on_meta(spec, parts, search, notes)
+    built_on = "meta"
+    if module is None:
+        built_on = "cpu"
+        torch.set_rng_state(rng)
+        module = call_factory(spec, parts, search)
+    state_dict = _strip_wrapper_prefixes(state_dict, set(module.state_dict()), notes)
+    match = _load(module, state_dict, spec, path, assign=built_on == "meta")
+    _check_strict(match, spec, path)
+    _describe_match(match, config, notes)
+
+    leftover = _meta_tensors(module) if built_on == "meta" else []
+    if leftover:
+        torch.set_rng_state(rng)
+        module = call_factory(spec, parts, search)
+        _load(module, state_dict, spec, path, assign=False)
+        built_on = "cpu"
+        stored = [n for n in leftover if n not in match.missing]
+        why: list[str] = []
+        if stored:
+            one = len(stored) == 1
+            why.append(f"{_names(stored)} {'is' if one else 'are'} not stored in checkpoints "
+                       f"({'a non-persistent buffer' if one else 'non-persistent buffers'} computed in __init__)")
+        if match.missing:
+            why.append("keys are missing from the checkpoint")
+        notes.append(f"built the model on the CPU, not the meta device: {'; '.join(why)}; "
+                     "the checkpoint was copied into it")
+        still = _meta_tensors(module)
+        if still:
+            raise ModelLoadError(f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
+                                 "built normally; fwdcheck cannot run it")
+
+    loaded = model_from_module(module, spec, parts, source="checkpoint", label=f"{spec.factory} <- {path.name}")
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in state_dict.values() if isinstance(t, torch.Tensor))
+    loaded.extra.update(
+        checkpoint=str(path),
+        format=file_format,
+        tensors=sum(dtypes.values()),
+        dtypes=dict(dtypes),
+        built_on=built_on,
+        missing_keys=list(match.missing),
+        unexpected_keys=list(match.unexpected),
+        renamed_keys=dict(match.renamed),
+        notes=notes,
+    )
+    return loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading the file
+
+
+def checkpoint_kind(path: Path) -> str:
+    """'safetensors', 'torch' or 'index' for a file that exists and has a supported name; else ModelLoadError."""
+    if not path.exists():
+        raise ModelLoadError(f"checkpoint {path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"checkpoint {path}: is a directory, not a checkpoint file{_directory_hint(path)}")
+    name = path.name.lower()
+    if name.endswith(".index.json"):
+        return "index"
+    if path.suffix.lower() in SAFETENSORS:
+        return "safetensors"
+    if path.suffix.lower() in TORCH:
+        return "torch"
+    what = f"unknown extension '{path.suffix}'" if path.suffix else "no file extension to tell the format by"
+    raise ModelLoadError(f"checkpoint {path}: {what}; supported: {SUPPORTED}")
+
+
+def _directory_hint(path: Path) -> str:
+    if (path / "config.json").is_file():
+        return " (it holds a config.json: for a Hugging Face model directory use `source: hf`)"
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and (p.suffix.lower() in SAFETENSORS + TORCH
+                                                                       or p.name.endswith(".index.json")))
+    if files:
+        return f" (point model.path at one of: {', '.join(files[:SHOWN])})"
+    return ""
+
+
+def read_checkpoint(path: Path, kind: str, *, trust: bool, search: list[Path],
+                    notes: list[str]) -> tuple[dict[str, Any], str]:
+    """The state dict in the file (unwrapped), and a name for its format."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelLoadError(f"checkpoint {path}: cannot be read ({exc.strerror or exc})") from None
+    if size == 0:
+        raise ModelLoadError(f"checkpoint {path}: the file is empty (0 bytes)")
+    if kind == "index":
+        return _read_sharded(path, trust=trust, search=search, notes=notes), "sharded"
+    if kind == "safetensors":
+        tensors = _read_safetensors(path, head)
+        if not tensors:
+            raise ModelLoadError(f"checkpoint {path}: holds no tensors (a valid safetensors file with an empty header)")
+        return tensors, "safetensors"
+    obj = _read_torch(path, head, trust=trust, search=search, notes=notes)
+    return unwrap_state_dict(obj, path, notes), "torch zip" if head.startswith(_ZIP_MAGIC) else "torch legacy pickle"
+
+
+def _read_safetensors(path: Path, head: bytes) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ModelLoadError(f"checkpoint {path}: reading .safetensors needs the safetensors package "
+                             "(pip install safetensors, or fwdcheck[hf])") from None
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        hint = " (it starts like a torch.save zip archive: name it .pt)" if head.startswith(_ZIP_MAGIC) else ""
+        raise ModelLoadError(f"checkpoint {path}: not a readable safetensors file, corrupt or truncated "
+                             f"({_one_line(exc)}){hint}") from None
+
+
+def _read_torch(path: Path, head: bytes, *, trust: bool, search: list[Path], notes: list[str]) -> Any:
+    """torch.load with weights_only=True; a pickle that needs code only when the config trusts the file."""
+    is_zip = head.startswith(_ZIP_MAGIC)
+    is_pickle = head[:1] == b"\x80"  # the PROTO opcode a legacy torch.save starts with
+    if not (is_zip or is_pickle):
+        hint = " (it starts like a safetensors file: name it .safetensors)" if _looks_safetensors(head) else ""
+        raise ModelLoadError(f"checkpoint {path}: not a torch.save file (neither a zip archive nor a pickle), "
+                             f"corrupt or another format{hint}")
+    try:
+        return _torch_load(path, weights_only=True, mmap=is_zip)
+    except Exception as exc:  # UnpicklingError for refused globals, RuntimeError/EOFError/... for damaged files
+        refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(exc))
+        if refused is None:
+            raise ModelLoadError(f"checkpoint {path}: not a readable torch checkpoint, corrupt or truncated "
+                                 f"({_one_line(exc)})") from None
+        needed = refused.group(1)
+    if not trust:
+        raise ModelLoadError(
+            f"checkpoint {path}: refused: weights_only refused to unpickle {needed}; a pickle can run arbitrary "
+            "code when loaded; set trust_checkpoint: true only for files you trust (or save model.state_dict() "
+            "instead of the whole model)"
+        )
+    try:
+        with on_sys_path(search):  # the pickled classes import from the user's code
+            obj = _torch_load(path, weights_only=False, mmap=is_zip)
+    except (ModuleNotFoundError, AttributeError, ImportError) as exc:
+        raise ModelLoadError(f"checkpoint {path}: unpickling needs code that cannot be imported ({_one_line(exc)}); "
+                             "add its directory to model.python_path") from None
+    except Exception as exc:
+        raise ModelLoadError(f"checkpoint {path}: unpickling raised {type(exc).__name__}: {_one_line(exc)}") from None
+    notes.append(f"loaded with weights_only=False (trust_checkpoint: true): the file pickles {needed}")
+    return obj
+
+
+def _torch_load(path: Path, *, weights_only: bool, mmap: bool) -> Any:
+    # mmap: tensors are paged in from the file as they are read, never copied up front (zip format only).
+    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+
+
+def _looks_safetensors(head: bytes) -> bool:
+    return len(head) == 8 and 0 < int.from_bytes(head, "little") < 100_000_000
+
+
+def _read_sharded(path: Path, *, trust: bool, search: list[Path], notes: list[str]) -> dict[str, Any]:
+    """A Hugging Face style index ({"weight_map": {key: shard file}}): every shard, merged."""
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelLoadError(f"checkpoint {path}: not a shard index (a JSON object with a non-empty "
+                             "'weight_map' of key -> shard file)")
+    merged: dict[str, Any] = {}
+    for shard_name in sorted(set(weight_map.values())):
+        shard = path.parent / shard_name
+        shard_kind = checkpoint_kind(shard)
+        if shard_kind == "index":
+            raise ModelLoadError(f"checkpoint {path}: shard {shard_name} is itself an index")
+        merged.update(read_checkpoint(shard, shard_kind, trust=trust, search=search, notes=notes)[0])
+    absent = [k for k in weight_map if k not in merged]
+    if absent:
+        raise ModelLoadError(f"checkpoint {path}: the index maps {_names(absent)} to shards that do not hold them")
+    notes.append(f"merged {len(set(weight_map.values()))} shards listed in {path.name}")
+    return merged
+
+
+def unwrap_state_dict(obj: Any, path: Path, notes: list[str], depth: int = 0) -> dict[str, Any]:
+    """A mapping of names to tensors from what torch.load returned: a state dict, a training checkpoint that nests
+    one (under 'state_dict', 'model', ...), or (trusted files only) a pickled nn.Module."""
+    if isinstance(obj, nn.Module):
+        notes.append(f"the file pickles a whole {type(obj).__name__}; its state_dict() was loaded")
+        return obj.state_dict()
+    if not isinstance(obj, Mapping):
+        raise ModelLoadError(f"checkpoint {path}: holds no tensors (it holds a {type(obj).__name__}, not a mapping "
+                             "of names to tensors)")
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if tensors and len(tensors) == len(obj):
+        return dict(obj)
+    if depth < 2:
+        for key in WRAPPER_KEYS:
+            inner = obj.get(key)
+            if isinstance(inner, nn.Module) or (isinstance(inner, Mapping) and _holds_tensors(inner)):
+                others = [str(k) for k in obj if k != key]
+                ignored = f"; ignored the other top-level keys: {', '.join(others[:8])}" if others else ""
+                notes.append(f"unwrapped checkpoint['{key}']{ignored}")
+                return unwrap_state_dict(inner, path, notes, depth + 1)
+    if tensors:
+        ignored = [str(k) for k in obj if k not in tensors]
+        notes.append(f"loaded the {len(tensors)} top-level tensors; ignored non-tensor entries: "
+                     f"{', '.join(ignored[:8])}")
+        return tensors
+    keys = ", ".join(str(k) for k in list(obj)[:8]) or "none"
+    raise ModelLoadError(f"checkpoint {path}: holds no tensors (a {type(obj).__name__} with keys: {keys})")
+
+
+def _holds_tensors(mapping: Mapping) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in mapping.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building and loading
+
+
+def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path], notes: list[str]) -> nn.Module | None:
+    """The factory's module on the meta device, or None (with a note) when the factory cannot run there."""
+    try:
+        with torch.device("meta"):
+            return call_factory(spec, parts, search)
+    except ModelLoadError as exc:
+        # Factories that compute from values in __init__ (.item(), data-dependent init) fail on meta; the CPU build
+        # that follows raises again, as one line, if the factory is simply broken.
+        notes.append(f"the factory cannot run on the meta device ({_one_line(exc)}); built on the CPU instead")
+        return None
+
+
+class Match:
+    """How the checkpoint's keys met the model's."""
+
+    def __init__(self, missing: list[str], unexpected: list[str], renamed: dict[str, str], tied: list[str]):
+        self.missing = missing
+        self.unexpected = unexpected
+        self.renamed = renamed  # checkpoint key -> the model key it looks renamed from
+        self.tied = tied  # model keys absent from the file but tied to a key it holds
+
+
+def _load(module: nn.Module, state_dict: dict[str, Any], spec: CheckpointModel, path: Path, *, assign: bool) -> Match:
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    groups = _tie_groups(module)
+    try:
+        result = module.load_state_dict(state_dict, strict=False, assign=assign)
+    except RuntimeError as exc:
+        raise ModelLoadError(_shape_error(exc, state_dict, expected, spec, path)) from None
+    if assign:
+        _retie(module, groups, state_dict)
+    # A tied alias the file does not store (safetensors' save_model drops all but one) is loaded through its twin.
+    present = set(state_dict)
+    tied = [name for group in groups if present & set(group) for name in group if name not in present]
+    missing = [k for k in result.missing_keys if k not in tied]
+    unexpected = list(result.unexpected_keys)
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    return Match(missing, unexpected, _renames(missing, unexpected, expected, shapes), tied)
+
+
+def _tie_groups(module: nn.Module) -> list[list[str]]:
+    """Names that share one Parameter object (e.g. a language-model head tied to the token embedding)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(module: nn.Module, groups: list[list[str]], state_dict: dict[str, Any]) -> None:
+    """assign=True gives each name its own new Parameter, which unties tied weights: tie them again, to the tensor
+    a copying load would have left (the last alias in module order that the file holds)."""
+    for group in groups:
+        present = [name for name in group if name in state_dict]
+        if not present:
+            continue
+        shared = module.get_parameter(present[-1])
+        for name in group:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            owner._parameters[leaf] = shared
+
+
+def _meta_tensors(module: nn.Module) -> list[str]:
+    """Parameters, buffers and plain tensor attributes still on the meta device."""
+    names = [n for n, p in module.named_parameters() if p.is_meta]
+    names += [n for n, b in module.named_buffers() if b.is_meta]
+    for prefix, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                names.append(f"{prefix}.{attr}" if prefix else attr)
+    return names
+
+
+def _strip_wrapper_prefixes(state_dict: dict[str, Any], model_keys: set[str], notes: list[str]) -> dict[str, Any]:
+    """Keys saved from a DDP- or torch.compile-wrapped model carry 'module.' / '_orig_mod.' on every name."""
+    stripped = []
+    changed = True
+    while changed and state_dict:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in state_dict) and not any(k.startswith(prefix) for k in model_keys):
+                state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+                stripped.append(prefix)
+                changed = True
+    if stripped:
+        notes.append(f"stripped the prefix '{''.join(stripped)}' from every checkpoint key "
+                     "(saved from a DistributedDataParallel or torch.compile wrapper)")
+    return state_dict
+
+
+def _shape_error(exc: RuntimeError, state_dict: dict[str, Any], expected: dict[str, tuple],
+                 spec: CheckpointModel, path: Path) -> str:
+    mismatched = [k for k, shape in expected.items()  # in the model's order: the first layer first
+                  if isinstance(state_dict.get(k), torch.Tensor) and tuple(state_dict[k].shape) != shape]
+    if not mismatched:
+        return f"checkpoint {path.name}: loading it into '{spec.factory}' raised RuntimeError: {_one_line(exc)}"
+    key = mismatched[0]
+    more = f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""
+    return (f"checkpoint {path.name}: '{key}' has shape {list(state_dict[key].shape)} in the checkpoint but "
+            f"{list(expected[key])} in the model '{spec.factory}' builds{more}; were the factory kwargs the ones it "
+            "was trained with?")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Describing the match
+
+
+def _renames(missing: list[str], unexpected: list[str], expected: dict[str, tuple],
+             shapes: dict[str, tuple]) -> dict[str, str]:
+    """checkpoint key -> model key, for pairs of the same shape whose names differ by a prefix or one component."""
+    candidates = []
+    for new in unexpected:
+        for old in missing:
+            if new in shapes and shapes[new] == expected.get(old):
+                score = _rename_score(new, old)
+                if score is not None:
+                    candidates.append((-score, new, old))
+    renamed: dict[str, str] = {}
+    taken: set[str] = set()
+    for _, new, old in sorted(candidates):
+        if new not in renamed and old not in taken:
+            renamed[new] = old
+            taken.add(old)
+    return renamed
+
+
+def _rename_score(a: str, b: str) -> float | None:
+    """How alike two dotted names are, or None when they differ by more than a prefix or one component."""
+    pa, pb = a.split("."), b.split(".")
+    if len(pa) == len(pb):
+        differ = [i for i in range(len(pa)) if pa[i] != pb[i]]
+        if len(differ) == 1:
+            i = differ[0]
+            return 1.0 + SequenceMatcher(None, pa[i], pb[i]).ratio()
+        return None
+    short, long = sorted((pa, pb), key=len)
+    if long[-len(short):] == short:
+        return 3.0  # one name is the other with a prefix in front: 'model.layers.0.w' vs 'layers.0.w'
+    tail = 0
+    while tail < len(short) and short[-1 - tail] == long[-1 - tail]:
+        tail += 1
+    return 2.0 if tail >= 2 else None  # different prefixes before a common tail: 'backbone.x.l.w' vs 'model.l.w'
+
+
+def _describe_match(match: Match, config: Config, notes: list[str]) -> None:
+    renamed = list(match.renamed.items())
+    for new, old in renamed[:SHOWN]:
+        notes.append(f"key '{new}' in the checkpoint looks renamed from '{old}' (the model's name, same shape)")
+    if len(renamed) > SHOWN:
+        notes.append(f"and {len(renamed) - SHOWN} more checkpoint keys look renamed ({len(renamed)} in all)")
+    if match.missing:
+        n = len(match.missing)
+        notes.append(f"{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
+                     f"{'keeps its' if n == 1 else 'keep their'} fresh initialisation (seed {config.inputs.seed}): "
+                     f"{_names(match.missing)}")
+    if match.unexpected:
+        n = len(match.unexpected)
+        notes.append(f"{n} checkpoint {'key' if n == 1 else 'keys'} the model does not have "
+                     f"{'was' if n == 1 else 'were'} ignored: {_names(match.unexpected)}")
+    if match.tied:
+        one = len(match.tied) == 1
+        notes.append(f"{_names(match.tied)} {'is' if one else 'are'} not stored in the checkpoint; "
+                     f"{'it is' if one else 'they are'} tied to a parameter that is, and loaded through it")
+
+
+def _check_strict(match: Match, spec: CheckpointModel, path: Path) -> None:
+    if not spec.strict or not (match.missing or match.unexpected):
+        return
+    parts = []
+    if match.missing:
+        parts.append(f"missing {_names(match.missing)}")
+    if match.unexpected:
+        parts.append(f"unexpected {_names(match.unexpected)}")
+    renamed = list(match.renamed.items())
+    parts += [f"key '{new}' in the checkpoint looks renamed from '{old}'" for new, old in renamed[:SHOWN]]
+    if len(renamed) > SHOWN:
+        parts.append(f"and {len(renamed) - SHOWN} more look renamed")
+    raise ModelLoadError(f"checkpoint {path.name} does not match the model '{spec.factory}' builds (strict: true): "
+                         + "; ".join(parts))
+
+
+def _names(keys: list[str]) -> str:
+    shown = ", ".join(f"'{k}'" for k in keys[:SHOWN])
+    return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message as one short line: colour codes out, the first line, the first sentence of a long one."""
+    text = _ANSI.sub("", str(exc)).strip()
+    line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)
+    if len(line) > 160 and ". " in line:
+        line = line.split(". ")[0]
+    return line
