@@ -88,13 +88,19 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
             why.append("keys are missing from the checkpoint")
         notes.append(f"built the model on the CPU, not the meta device: {'; '.join(why)}; "
                      "the checkpoint was copied into it")
+        model_state = module.state_dict()
+        cast = Counter(f"{_dtype(t)} -> {_dtype(model_state[k])}" for k, t in state_dict.items()
+                       if isinstance(t, torch.Tensor) and k in model_state and t.dtype != model_state[k].dtype)
+        if cast:
+            notes.append("copying converted the checkpoint's tensors to the dtype the factory built: "
+                         + ", ".join(f"{n} {edit}" for edit, n in cast.items()))
         still = _meta_tensors(module)
         if still:
             raise ModelLoadError(f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
                                  "built normally; fwdcheck cannot run it")
 
     loaded = model_from_module(module, spec, parts, source="checkpoint", label=f"{spec.factory} <- {path.name}")
-    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in state_dict.values() if isinstance(t, torch.Tensor))
+    dtypes = Counter(_dtype(t) for t in state_dict.values() if isinstance(t, torch.Tensor))
     loaded.extra.update(
         checkpoint=str(path),
         format=file_format,
@@ -232,10 +238,14 @@ def _read_sharded(path: Path, *, trust: bool, search: list[Path], notes: list[st
     merged: dict[str, Any] = {}
     for shard_name in sorted(set(weight_map.values())):
         shard = path.parent / shard_name
-        shard_kind = checkpoint_kind(shard)
-        if shard_kind == "index":
-            raise ModelLoadError(f"checkpoint {path}: shard {shard_name} is itself an index")
-        merged.update(read_checkpoint(shard, shard_kind, trust=trust, search=search, notes=notes)[0])
+        try:
+            shard_kind = checkpoint_kind(shard)
+            if shard_kind == "index":
+                raise ModelLoadError(f"checkpoint {shard}: is itself an index")
+            merged.update(read_checkpoint(shard, shard_kind, trust=trust, search=search, notes=notes)[0])
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"checkpoint {path}: shard {shard_name}: "
+                                 f"{str(exc).removeprefix(f'checkpoint {shard}: ')}") from None
     absent = [k for k in weight_map if k not in merged]
     if absent:
         raise ModelLoadError(f"checkpoint {path}: the index maps {_names(absent)} to shards that do not hold them")
@@ -424,12 +434,41 @@ def _rename_score(a: str, b: str) -> float | None:
     return 2.0 if tail >= 2 else None  # different prefixes before a common tail: 'backbone.x.l.w' vs 'model.l.w'
 
 
+def _rename_lines(renamed: dict[str, str]) -> list[str]:
+    """One line per renamed key; renames that make the same edit (a prefix added, 'attn' for 'self_attn', ...)
+    share one line, so a checkpoint saved under a different top-level name reads as one finding, not hundreds."""
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for new, old in renamed.items():
+        groups.setdefault(_rename_edit(new, old), []).append((new, old))
+    lines = []
+    for (was, now), pairs in groups.items():
+        new, old = pairs[0]
+        line = f"key '{new}' in the checkpoint looks renamed from '{old}'"
+        if len(pairs) > 1:
+            edit = (f"'{now}.' in front of the model's names" if not was else
+                    f"the model's leading '{was}.' dropped" if not now else f"'{was}' -> '{now}'")
+            line = f"{len(pairs)} keys in the checkpoint look renamed the same way, {edit} (e.g. {line})"
+        lines.append(line)
+    return lines
+
+
+def _rename_edit(new: str, old: str) -> tuple[str, str]:
+    """(model part, checkpoint part): the two names without their common leading and trailing components."""
+    a, b = old.split("."), new.split(".")
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return ".".join(a[head:len(a) - tail]) or "", ".".join(b[head:len(b) - tail]) or ""
+
+
 def _describe_match(match: Match, config: Config, notes: list[str]) -> None:
-    renamed = list(match.renamed.items())
-    for new, old in renamed[:SHOWN]:
-        notes.append(f"key '{new}' in the checkpoint looks renamed from '{old}' (the model's name, same shape)")
-    if len(renamed) > SHOWN:
-        notes.append(f"and {len(renamed) - SHOWN} more checkpoint keys look renamed ({len(renamed)} in all)")
+    lines = _rename_lines(match.renamed)
+    notes += lines[:SHOWN]
+    if len(lines) > SHOWN:
+        notes.append(f"and {len(lines) - SHOWN} more renames")
     if match.missing:
         n = len(match.missing)
         notes.append(f"{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
@@ -453,12 +492,16 @@ def _check_strict(match: Match, spec: CheckpointModel, path: Path) -> None:
         parts.append(f"missing {_names(match.missing)}")
     if match.unexpected:
         parts.append(f"unexpected {_names(match.unexpected)}")
-    renamed = list(match.renamed.items())
-    parts += [f"key '{new}' in the checkpoint looks renamed from '{old}'" for new, old in renamed[:SHOWN]]
-    if len(renamed) > SHOWN:
-        parts.append(f"and {len(renamed) - SHOWN} more look renamed")
+    lines = _rename_lines(match.renamed)
+    parts += lines[:SHOWN]
+    if len(lines) > SHOWN:
+        parts.append(f"and {len(lines) - SHOWN} more renames")
     raise ModelLoadError(f"checkpoint {path.name} does not match the model '{spec.factory}' builds (strict: true): "
                          + "; ".join(parts))
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _names(keys: list[str]) -> str:

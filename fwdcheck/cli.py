@@ -276,6 +276,53 @@ def init(
     raise typer.Exit(_guarded(action, False))
 
 
+@app.command(epilog=EXIT_CODES)
+def shrink(
+    config: Annotated[Path, typer.Argument(help="YAML config with source hf or reference, e.g. the real config of "
+                                           "the model you are about to train.", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the shrunk config; "
+                                                   "default: CONFIG's stem + .shrunk.yaml beside it.",
+                                                   show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Write a config of the same architecture with 2 layers and small widths, so every check runs in seconds."""
+    from rich.table import Table
+
+    def action():
+        from fwdcheck.shrink import default_output, shrink_file
+
+        target = output if output is not None else default_output(config)
+        if target.exists() and target.resolve() == config.resolve():
+            raise UsageError(f"{target} is the config being shrunk; give another --output")
+        if target.exists() and not force:
+            raise UsageError(f"{target} exists; pass --force to overwrite it")
+        shrunk = shrink_file(config, target)
+        write_whole(target, shrunk.text)
+        console = Console()
+        table = Table(box=None, pad_edge=False, title=f"shrunk {escape(str(config))}", title_justify="left")
+        for column in ("key", "old", "new"):
+            table.add_column(column)
+        for key, old, new in shrunk.changes:
+            table.add_row(escape(key), escape(_shown(old)), escape(_shown(new)))
+        console.print(table)
+        for note in shrunk.notes:
+            console.print(escape(f"note: {note}"))
+        console.print(escape(f"wrote {target}; run it with `fwdcheck run {target}`"))
+        return 0
+
+    raise typer.Exit(_guarded(action, debug))
+
+
+def _shown(value) -> str:
+    """A config value in one short cell: long lists abbreviated, absence named."""
+    if value is None:
+        return "(unset)"
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{', '.join(map(str, value[:3]))}, … {len(value)} items]"
+    return str(value)
+
+
 def main() -> None:
     try:
         app()

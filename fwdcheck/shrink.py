@@ -1,0 +1,402 @@
+"""`fwdcheck shrink`: the same architecture with 2 layers and small widths, so that every check runs in seconds.
+
+`fwdcheck run --meta` checks the shapes of a model too big for this machine; the checks that need numbers (future
+tokens, masks, RoPE) run on a shrunk copy instead. What makes a bug in attention code (the mask, the head grouping,
+the rotary pairing and frequencies, the sliding window, tied embeddings) is kept; what only costs memory and time
+(depth, width, vocabulary, learned position tables) is cut. The result is a new fwdcheck config whose model is
+randomly initialised: weights are never shrunk.
+
+Only configs that describe an architecture can be shrunk: `source: hf` (a directory with config.json, or an inline
+config) and `source: reference`. A factory's keyword arguments (`python`, `checkpoint`) mean whatever the factory
+makes of them, so they are not guessed at.
+
+Nothing heavy at import time: transformers is imported by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fwdcheck.config import HFModel, ReferenceModel, config_from_dict, load_config
+from fwdcheck.errors import ConfigError, UsageError
+
+LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
+MAX_KV_HEADS = 2  # two kv groups: a head mixed into the wrong group shows
+MAX_HEADS = 16
+HEAD_DIM = 16  # eight rotary pairs: enough to measure the pairing and the frequencies
+VOCAB = 512
+WINDOW = 8  # a sliding window a short test sequence reaches past
+LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary ones cost nothing and are kept)
+
+# Configuration keys, by what they mean, in the spellings architectures use. The first present one is the model's.
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+              "num_decoder_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+HEAD_DIM_KEYS = ("head_dim", "d_kv")
+FF_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "moe_intermediate_size",
+           "shared_expert_intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim")
+EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor",
+               "rotary_emb_base")
+# Bookkeeping that says where the config came from, not what the model is; quantization needs real weights.
+DROPPED_KEYS = ("_name_or_path", "_commit_hash", "transformers_version", "architectures", "_attn_implementation",
+                "_attn_implementation_autoset", "torch_dtype", "quantization_config")
+
+
+@dataclass
+class Shrunk:
+    """The new config (as a YAML document and as text), what changed (key, old, new) and notes for the user."""
+
+    document: dict[str, Any]
+    text: str
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class Edits:
+    """A config dictionary being rewritten, remembering every value it changes."""
+
+    def __init__(self, data: dict[str, Any], prefix: str = ""):
+        self.data = data
+        self.prefix = prefix
+        self.changes: list[tuple[str, Any, Any]] = []
+        self.notes: list[str] = []
+
+    def first(self, keys: tuple[str, ...]) -> str | None:
+        """The first of these keys the config sets (to anything but null)."""
+        return next((k for k in keys if self.data.get(k) is not None), None)
+
+    def set(self, key: str, value: Any) -> None:
+        old = self.data.get(key)
+        if old != value:
+            self.changes.append((self.prefix + key, old, value))
+            self.data[key] = value
+
+
+def default_output(config_path: Path) -> Path:
+    """CONFIG's stem + .shrunk.yaml, beside it."""
+    return config_path.with_name(f"{config_path.stem}.shrunk.yaml")
+
+
+def shrink_file(config_path: Path, output: Path) -> Shrunk:
+    """Read and validate a fwdcheck config; return the shrunk one (nothing is written here)."""
+    config = load_config(config_path)  # every validation problem is reported as for `fwdcheck run`
+    raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    model = config.model
+    if isinstance(model, HFModel):
+        block, edits = _shrink_hf_block(raw["model"], model, _seq_len(raw))
+    elif isinstance(model, ReferenceModel):
+        block, edits = _shrink_reference_block(raw["model"])
+    else:
+        raise UsageError(f"{config_path}: shrink needs a `source: hf` or `source: reference` config; a "
+                         f"`source: {model.source}` factory's arguments cannot be shrunk blindly — give the factory "
+                         "smaller `kwargs:` (fewer layers, narrower widths) in a copy of the config instead")
+    document = {key: value for key, value in raw.items() if key != "meta"}  # a shrunk config runs with values
+    document["model"] = block
+    changes, notes = edits.changes, edits.notes
+    if raw.get("meta"):
+        changes.append(("meta", True, None))
+    # A sliding window the test sequence does not reach past is never exercised: lengthen the sequence.
+    window = block.get("config", {}).get("sliding_window") if isinstance(model, HFModel) else None
+    if window and _seq_len(raw) <= window:
+        inputs = dict(document.get("inputs") or {})
+        inputs["seq_len"] = 2 * window
+        document["inputs"] = inputs
+        changes.append(("inputs.seq_len", _seq_len(raw), 2 * window))
+        notes.append(f"inputs.seq_len raised to {2 * window} so the test sequence reaches past the sliding window "
+                     f"of {window}")
+    try:
+        config_from_dict(copy.deepcopy(document), origin=output)
+    except ConfigError as exc:  # pragma: no cover - the rules above keep every field valid
+        raise UsageError(f"the shrunk config does not validate ({exc}); nothing written") from None
+    header = (f"# Shrunk by `fwdcheck shrink` from {config_path.name}: the same architecture with {LAYERS} layers and "
+              "small widths,\n# randomly initialised, so that every check runs in seconds. "
+              f"Run it with `fwdcheck run {output.name}`.\n")
+    text = header + yaml.safe_dump(document, sort_keys=False, default_flow_style=None, width=120)
+    return Shrunk(document, text, changes, notes)
+
+
+def _seq_len(raw: dict) -> int:
+    from fwdcheck.config import Inputs
+
+    return int((raw.get("inputs") or {}).get("seq_len", Inputs().seq_len))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rules, shared by both sources.
+
+
+def shrink_heads(heads: int, kv_heads: int) -> tuple[int, int]:
+    """(heads, kv heads): at most two kv heads, the same number of query heads per kv head, at most 16 heads."""
+    group = max(heads // kv_heads, 1)
+    kv = min(kv_heads, MAX_KV_HEADS)
+    if kv * group > MAX_HEADS:  # two groups do not fit: one kv head still keeps the ratio
+        kv = 1
+    # A group larger than the cap cannot keep its ratio; it stays grouped-query (MQA stays MQA) with 16 heads.
+    return min(kv * group, MAX_HEADS), kv
+
+
+def scaled_width(old: int, old_hidden: int, new_hidden: int) -> int:
+    """A width keeping its ratio to the hidden size, rounded up to a multiple of 8."""
+    return max(8, math.ceil(old * new_hidden / old_hidden / 8) * 8)
+
+
+def even_rotary(old_rotary: int, old_head: int, new_head: int) -> int:
+    """An absolute rotary dim scaled with the head size, kept even and at least 2."""
+    return min(max(2, round(old_rotary * new_head / old_head) // 2 * 2), new_head)
+
+
+def resample(values: list, length: int) -> list:
+    """A per-frequency list (longrope's factors) at `length` evenly spaced points, the first and last kept."""
+    if length == 1 or len(values) == 1:
+        return values[:1] * length
+    return [values[round(i * (len(values) - 1) / (length - 1))] for i in range(length)]
+
+
+def clamp_token(value: Any, vocab: int) -> Any:
+    """A token id (or a list of them) inside the new vocabulary: ids past it become vocab - 1."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return min(value, vocab - 1)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(dict.fromkeys(min(v, vocab - 1) for v in value))  # [128001, 128009] -> [511], not [511, 511]
+    return value
+
+
+def keep_layers(layer_types: list | None, count: int) -> list[int]:
+    """Which original layers the shrunk model keeps: the first of each layer type (in order), then the first ones."""
+    if not layer_types:
+        return list(range(count))
+    firsts = list(dict.fromkeys(layer_types))  # types in order of first appearance
+    chosen = [layer_types.index(t) for t in firsts][:max(count, len(firsts))]
+    rest = [i for i in range(len(layer_types)) if i not in chosen]
+    return sorted(chosen + rest[:max(0, count - len(chosen))])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# source: hf
+
+
+def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
+    """Shrink a Hugging Face config dictionary in place (the keys as config.json spells them), rule by rule."""
+    e = Edits(data)
+    # Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
+    # layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more.
+    layer_key = e.first(LAYER_KEYS)
+    old_layers = data[layer_key] if layer_key else None
+    if layer_key:
+        types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
+        kept = keep_layers(types, min(old_layers, LAYERS))
+        for key in LAYER_KEYS:
+            if isinstance(data.get(key), int):
+                e.set(key, min(data[key], len(kept)))
+        for key, value in list(data.items()):
+            if isinstance(value, list) and len(value) == old_layers and old_layers > len(kept):
+                e.set(key, [value[i] for i in kept])
+
+    # Heads: at most 2 kv heads, the query heads per kv head kept (MQA stays MQA), at most 16 heads.
+    head_key, kv_key, hidden_key = e.first(HEAD_KEYS), e.first(KV_KEYS), e.first(HIDDEN_KEYS)
+    old_hidden = data.get(hidden_key) if hidden_key else None
+    old_head = None
+    if head_key:
+        heads = data[head_key]
+        old_head = data.get("head_dim") or data.get("d_kv") or (old_hidden // heads if old_hidden else None)
+        multi_query = data.get("multi_query") and not data.get("new_decoder_architecture")  # Falcon, GPT-BigCode
+        kv = 1 if multi_query else (data[kv_key] if kv_key else heads)
+        new_heads, new_kv = shrink_heads(heads, kv)
+        e.set(head_key, new_heads)
+        if kv_key:
+            e.set(kv_key, new_heads if multi_query else new_kv)  # Falcon ignores num_kv_heads under multi_query
+
+    # Head size 16 (a smaller one is kept); a partial rotary factor must still leave an even number of rotary dims.
+    # Set explicitly when the config names it; the hidden size is heads x head size.
+    partial = _partial_rotary(data)
+    new_head = old_head
+    if old_head:
+        new_head = min(old_head, HEAD_DIM)
+        while partial and (int(new_head * partial) % 2 or int(new_head * partial) < 2) and new_head < old_head:
+            new_head *= 2
+        for key in HEAD_DIM_KEYS:
+            if data.get(key) is not None:
+                e.set(key, new_head)
+        if hidden_key:
+            e.set(hidden_key, data[head_key] * new_head)
+
+    # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8).
+    if old_hidden and hidden_key:
+        for key in FF_KEYS + EMBED_KEYS:
+            if isinstance(data.get(key), int):
+                e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
+
+    # RoPE: theta, scaling type and factors, partial factor: unchanged. An absolute rotary_dim (GPT-J, CodeGen)
+    # scales with the head size; longrope's per-frequency factors are resampled to the new number of pairs.
+    if old_head and new_head != old_head:
+        if isinstance(data.get("rotary_dim"), int):
+            e.set("rotary_dim", even_rotary(data["rotary_dim"], old_head, new_head))
+        for key in ("rope_parameters", "rope_scaling"):
+            params = data.get(key)
+            if isinstance(params, dict):
+                e.set(key, _resample_factors(params, old_head, new_head, partial))
+
+    # Vocabulary at most 512; special token ids past it are clamped to the last id.
+    if isinstance(data.get("vocab_size"), int):
+        e.set("vocab_size", min(data["vocab_size"], VOCAB))
+        for key in [k for k in data if k.endswith("_token_id") or k.endswith("_token_ids")]:
+            e.set(key, clamp_token(data[key], data["vocab_size"]))
+
+    # The mask type is kept: a sliding window stays, small enough for a short test sequence to reach past it.
+    for key in ("sliding_window", "attention_chunk_size"):
+        if isinstance(data.get(key), int) and data[key] > WINDOW:
+            e.set(key, WINDOW)
+
+    # Positions: rotary models keep max_position_embeddings (it costs nothing and rope scaling may depend on it);
+    # learned absolute tables (GPT-2, OPT, BERT) are capped at 256, never below the test sequence.
+    if not _rotary(data):
+        for key in POSITION_KEYS:
+            if isinstance(data.get(key), int):
+                e.set(key, min(data[key], max(LEARNED_POSITIONS, seq_len)))
+
+    # Tied embeddings, activations, norms, biases, dropout, soft-capping: unchanged. Values in float32.
+    e.set("dtype", "float32")
+    return e
+
+
+def _partial_rotary(data: dict) -> float | None:
+    params = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor") or data.get("partial_rotary_factor") or data.get("rotary_pct")
+    return factor if factor and factor < 1 else None
+
+
+def _rotary(data: dict) -> bool:
+    return any(data.get(key) for key in ROTARY_KEYS) or data.get("position_embedding_type") == "rotary"
+
+
+def _resample_factors(params: dict, old_head: int, new_head: int, partial: float | None) -> dict:
+    """longrope's short_factor / long_factor hold one entry per rotary pair: resample them to the new pair count."""
+    old_pairs, new_pairs = int(old_head * (partial or 1)) // 2, int(new_head * (partial or 1)) // 2
+    out = dict(params)
+    for key in ("short_factor", "long_factor"):
+        if isinstance(out.get(key), list) and len(out[key]) == old_pairs:
+            out[key] = resample(out[key], new_pairs)
+    for key, value in out.items():  # per layer type (Gemma 3: {sliding_attention: {...}, full_attention: {...}})
+        if isinstance(value, dict):
+            out[key] = _resample_factors(value, old_head, new_head, partial)
+    return out
+
+
+def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict, Edits]:
+    if spec.trust_remote_code:
+        raise UsageError(f"{spec.path or 'the inline config'}: shrink does not run a model's own code "
+                         "(trust_remote_code); copy the directory and lower its config.json by hand")
+    hf_config = load_hf_config(spec)
+    data = {k: v for k, v in hf_config.to_dict().items() if k not in DROPPED_KEYS}
+    listed = set(hf_config.to_diff_dict())  # what the config sets apart from the library's defaults
+    original = copy.deepcopy(data)
+    edits = shrink_hf_dict(data, seq_len)
+    # The written config: the keys the original set, plus every key the rules changed; model_type first.
+    config = {"model_type": data["model_type"]}
+    config.update({k: v for k, v in data.items()
+                   if k != "model_type" and (k in listed or k not in original or v != original[k])})
+    block: dict[str, Any] = {"source": "hf"}
+    for key in ("class", "causal"):
+        if key in raw_model:
+            block[key] = raw_model[key]
+    if raw_model.get("rope") is not None:  # the user's own declaration: an absolute rotary dim scales as above
+        rope = dict(raw_model["rope"])
+        old_head = original.get("head_dim") or _head_of(original)
+        new_head = data.get("head_dim") or _head_of(data)
+        if rope.get("rotary_dim") and old_head and new_head:
+            new_rotary = even_rotary(rope["rotary_dim"], old_head, new_head)
+            edits.changes.append(("rope.rotary_dim", rope["rotary_dim"], new_rotary))
+            rope["rotary_dim"] = new_rotary
+        block["rope"] = rope
+    block["config"] = config
+    verify_hf(config, spec.model_class)
+    if spec.path is not None:
+        from fwdcheck.hf import WEIGHT_FILES
+
+        if any((spec.path / f).exists() for f in WEIGHT_FILES):
+            edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
+                               "initialised")
+    return block, edits
+
+
+def _head_of(data: dict) -> int | None:
+    heads = next((data[k] for k in HEAD_KEYS if data.get(k)), None)
+    hidden = next((data[k] for k in HIDDEN_KEYS if data.get(k)), None)
+    return hidden // heads if heads and hidden else None
+
+
+def load_hf_config(spec: HFModel):
+    """The model's transformers config, offline, exactly as `fwdcheck run` reads it."""
+    from fwdcheck.hf import _hf_config, offline, require_transformers
+
+    transformers = require_transformers()
+    with offline():
+        return _hf_config(spec, transformers)
+
+
+def verify_hf(config: dict, model_class: str | None) -> None:
+    """Refuse to write a shrunk config transformers cannot build: read it back and build it on the meta device."""
+    import torch
+
+    from fwdcheck.hf import offline, require_transformers
+
+    transformers = require_transformers()
+    rest = dict(config)
+    model_type = rest.pop("model_type")
+    name = model_class or "AutoModelForCausalLM"
+    try:
+        with offline():
+            hf_config = transformers.AutoConfig.for_model(model_type, **rest)
+            cls = getattr(transformers, name)
+            with torch.device("meta"):
+                cls.from_config(hf_config) if hasattr(cls, "from_config") else cls(hf_config)
+    except Exception as exc:
+        raise UsageError(f"transformers {transformers.__version__} cannot build the shrunk {model_type} config "
+                         f"({type(exc).__name__}: {exc}); nothing written — lower the original's sizes by hand "
+                         "instead") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# source: reference
+
+
+def shrink_reference_dict(data: dict[str, Any]) -> Edits:
+    """Shrink a reference model's fields in place, by the same rules as a Hugging Face config."""
+    defaults = ReferenceModel(source="reference")
+    get = lambda key: data.get(key) if data.get(key) is not None else getattr(defaults, key)  # noqa: E731
+    e = Edits(data)
+    # Depth: 2 layers.
+    e.set("n_layers", min(get("n_layers"), LAYERS))
+    # Heads: at most 2 kv heads, the ratio kept (n_kv_heads only when the config sets it).
+    heads, old_d_model = get("n_heads"), get("d_model")
+    new_heads, new_kv = shrink_heads(heads, get("n_kv_heads") or heads)
+    e.set("n_heads", new_heads)
+    if data.get("n_kv_heads") is not None:
+        e.set("n_kv_heads", new_kv)
+    # Head size 16 (a smaller one is kept), or more when the declared rope.rotary_dim needs it; rope itself unchanged.
+    rotary = (data.get("rope") or {}).get("rotary_dim") or 0
+    head = min(old_d_model // heads, max(HEAD_DIM, rotary))
+    e.set("d_model", new_heads * head)
+    # Feed-forward width keeps its ratio to d_model.
+    e.set("d_ff", scaled_width(get("d_ff"), old_d_model, new_heads * head))
+    # Vocabulary at most 512. max_seq_len, positional, rope, mask, attention, norm and planted bugs: unchanged.
+    e.set("vocab_size", min(get("vocab_size"), VOCAB))
+    return e
+
+
+def _shrink_reference_block(raw_model: dict) -> tuple[dict, Edits]:
+    block = dict(raw_model)
+    edits = shrink_reference_dict(block)
+    return block, edits

@@ -1,0 +1,110 @@
+"""The compatibility table in the README, generated from the verdicts the tests verify.
+
+    python -m tests.compat            # print the table
+    python -m tests.compat --write    # rewrite the README's table between its markers
+
+tests/test_hf.py asserts every verdict listed in CASES and that the README holds exactly this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+from pathlib import Path
+
+from tests.conftest import run_checks
+
+CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- compat:start -->", "<!-- compat:end -->"
+
+
+def hf(model_type: str, model_class: str | None = None, **fields) -> dict:
+    """A tiny Hugging Face config: 2 layers, width 32, 4 heads, vocabulary 64, built offline with random weights."""
+    config = {"model_type": model_type, "vocab_size": 64, "max_position_embeddings": 128, **fields}
+    spec = {"source": "hf", "config": config}
+    if model_class:
+        spec["class"] = model_class
+    return spec
+
+
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+P, F, S = "pass", "fail", "skip"
+
+# name -> (model section, what the model is, expected status per check, rope pairing expected or None)
+CASES: dict[str, tuple[dict, str, dict[str, str], str | None]] = {
+    "GPT-2": (hf("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0),
+              "learned positions", dict(zip(CHECKS, (P, P, P, S))), None),
+    "Llama (GQA)": (hf("llama", num_key_value_heads=2, **LLAMA_LIKE), "rotary, grouped-query",
+                    dict(zip(CHECKS, (P, P, P, P))), "half"),
+    "Mistral (sliding window 4)": (hf("mistral", num_key_value_heads=2, sliding_window=4, **LLAMA_LIKE),
+                                   "rotary, sliding window", dict(zip(CHECKS, (P, P, P, P))), "half"),
+    "Qwen2": (hf("qwen2", num_key_value_heads=2, **LLAMA_LIKE), "rotary, qkv bias", dict(zip(CHECKS, (P, P, P, P))),
+              "half"),
+    "GPT-NeoX (partial rotary 0.5)": (hf("gpt_neox", rotary_pct=0.5, **LLAMA_LIKE), "rotary on half of each head",
+                                      dict(zip(CHECKS, (P, P, P, P))), "half"),
+    "GPT-J (interleaved rotary)": (hf("gptj", n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
+                                   "rotate_every_two", dict(zip(CHECKS, (P, P, P, P))), "interleaved"),
+    "Phi (partial rotary 0.5)": (hf("phi", partial_rotary_factor=0.5, **LLAMA_LIKE), "rotary, parallel block",
+                                 dict(zip(CHECKS, (P, P, P, P))), "half"),
+    "Gemma (MQA)": (hf("gemma", num_key_value_heads=1, head_dim=8, **LLAMA_LIKE), "rotary, multi-query",
+                    dict(zip(CHECKS, (P, P, P, P))), "half"),
+    "OPT": (hf("opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+            "learned positions", dict(zip(CHECKS, (P, P, P, S))), None),
+    "BERT (BertForMaskedLM)": (hf("bert", "BertForMaskedLM", **LLAMA_LIKE), "bidirectional encoder",
+                               dict(zip(CHECKS, (P, F, F, S))), None),
+    "nn.TransformerEncoder + generate_square_subsequent_mask": (
+        {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "float"}},
+        "float 0/-inf mask", dict(zip(CHECKS, (P, P, P, S))), None),
+    "nn.TransformerEncoder + bool triu(1) mask": (
+        {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "bool"}},
+        "True = masked, right for MHA", dict(zip(CHECKS, (P, P, P, S))), None),
+    "nn.TransformerEncoder, no mask": (
+        {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "none"}},
+        "bidirectional", dict(zip(CHECKS, (P, F, F, S))), None),
+    "nn.TransformerEncoder + bool tril mask": (
+        {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "tril_bool"}},
+        "SDPA's convention handed to MHA", dict(zip(CHECKS, (P, F, F, S))), None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def report(name: str):
+    return run_checks(CASES[name][0], inputs={"batch_size": 2, "seq_len": 8})
+
+
+def table() -> str:
+    lines = ["| model | what it is | " + " | ".join(CHECKS) + " | code paths | rope measured |",
+             "| --- | --- | " + " | ".join("---" for _ in CHECKS) + " | ---: | --- |"]
+    for name, (_, what, _, _) in CASES.items():
+        r = report(name)
+        cells = [r.result(c).status.value for c in CHECKS]
+        paths = r.result("future-token").metrics.get("code_paths", 1)
+        rope = r.result("rope")
+        measured = (f"{rope.metrics['pairing']}, dim {rope.metrics['rotary_dim']}, base {rope.metrics['base']:.0f}"
+                    if rope.status.value == "pass" and rope.metrics.get("base") else "-")
+        lines.append(f"| {name} | {what} | " + " | ".join(cells) + f" | {paths} | {measured} |")
+    return "\n".join(lines)
+
+
+def readme_table() -> str:
+    text = README.read_text(encoding="utf-8")
+    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    return match.group(1) if match else ""
+
+
+def write() -> None:
+    text = README.read_text(encoding="utf-8")
+    new = re.sub(re.escape(START) + r"\n.*?\n" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
+                 flags=re.S)
+    README.write_text(new, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the README's table")
+    if parser.parse_args().write:
+        write()
+    else:
+        print(table())

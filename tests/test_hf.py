@@ -1,0 +1,157 @@
+"""Hugging Face architectures built offline from tiny configs: the verdicts the README's table promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fwdcheck.config import config_from_dict  # noqa: E402
+from fwdcheck.errors import ModelLoadError  # noqa: E402
+from fwdcheck.model import load_model  # noqa: E402
+from tests import compat  # noqa: E402
+from tests.conftest import run_checks, statuses  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(compat.CASES))
+def test_architecture_verdicts(name):
+    spec, _, expected, pairing = compat.CASES[name]
+    report = compat.report(name)
+    assert statuses(report) == expected, [(r.name, r.findings) for r in report.results if r.status.value != "pass"]
+    rope = report.result("rope")
+    if pairing:
+        assert rope.metrics["pairing"] == pairing
+        assert rope.metrics["base"] == pytest.approx(10000.0, rel=0.01)  # read from the model, not assumed
+    elif rope.status.value == "skip":
+        assert "no rotary embedding" in rope.summary
+
+
+def test_readme_table_is_what_the_tests_verified():
+    assert compat.readme_table() == compat.table(), "run `python -m tests.compat --write` and commit the README"
+
+
+def test_hf_matrix_runs_every_code_path_by_default():
+    report = compat.report("Llama (GQA)")
+    rows = report.result("future-token").data["paths"]
+    labels = {r["path"] for r in rows}
+    assert len(rows) == 2 * 2 * 3 * 2
+    assert "eager, mask left-pad, output_attentions=True, B=1" in labels
+    assert "sdpa, mask ones, output_attentions=False, B=2" in labels
+
+
+def test_bert_fails_on_every_path_and_says_where():
+    result = compat.report("BERT (BertForMaskedLM)").result("future-token")
+    assert {r["status"] for r in result.data["paths"]} == {"fail"}
+    leak = next(f for f in result.findings if f.code == "FWD101")
+    assert "24 of 24 code paths" in leak.where
+
+
+def test_directory_with_weights_round_trips(tmp_path):
+    """save_pretrained, then source: hf path: the weights are the saved ones and the verdicts the same."""
+    spec = compat.CASES["Llama (GQA)"][0]
+    built = load_model(config_from_dict({"model": spec})).module
+    built.save_pretrained(tmp_path)
+    loaded = load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
+    for name, tensor in built.state_dict().items():
+        assert torch.equal(tensor, loaded.module.state_dict()[name]), name
+    assert any("weights loaded" in n for n in loaded.extra["notes"])
+    report = run_checks({"source": "hf", "path": str(tmp_path)}, paths={"enabled": False})
+    assert set(statuses(report).values()) == {"pass"}
+
+
+def test_directory_without_weights_is_random_and_seeded(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(compat.CASES["Qwen2"][0]["config"]))
+    first = load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
+    second = load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
+    assert any("random initialisation" in n for n in first.extra["notes"])
+    assert all(torch.equal(a, b) for a, b in zip(first.module.parameters(), second.module.parameters()))
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"source": "hf", "path": "/no/such/dir"}, "no such directory"),
+    ({"source": "hf", "config": {"model_type": "llama"}, "class": "NoSuchModel"}, "has no class 'NoSuchModel'"),
+    ({"source": "hf", "config": {"model_type": "not-a-model"}}, "inline config"),
+])
+def test_load_errors_are_one_line(model, message):
+    with pytest.raises(ModelLoadError, match=message) as error:
+        load_model(config_from_dict({"model": model}))
+    assert "\n" not in str(error.value)
+
+
+def test_directory_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
+
+
+def test_load_is_offline_and_the_environment_restored(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    seen = {}
+    import transformers
+
+    original = transformers.AutoConfig.for_model
+
+    def spy(*args, **kwargs):
+        seen["offline"] = os.environ.get("HF_HUB_OFFLINE")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", spy)
+    load_model(config_from_dict({"model": compat.CASES["Qwen2"][0]}))
+    assert seen["offline"] == "1"
+    assert "HF_HUB_OFFLINE" not in os.environ
+
+
+def test_trust_remote_code_is_said_in_the_report():
+    report = run_checks({**compat.CASES["Qwen2"][0], "trust_remote_code": True}, ["shape-ledger"])
+    assert any("trust_remote_code is on" in note for note in report.notes)
+
+
+def test_rescaled_rope_declares_no_base():
+    """llama3 / yarn rescale the frequencies: the base alone no longer describes them, so it is not compared."""
+    spec = compat.hf("llama", num_key_value_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                     rope_theta=500000.0, **compat.LLAMA_LIKE)
+    model = load_model(config_from_dict({"model": spec}))
+    assert model.rope.base is None and model.rope.pairing == "half"
+    report = run_checks(spec, ["rope"])
+    assert report.result("rope").status.value == "pass"
+
+
+LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 131072, "rope_theta": 500000.0}
+
+
+def test_meta_ledger_of_an_8b_config_stays_under_a_gigabyte(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    (tmp_path / "check.yaml").write_text("model: {source: hf, path: .}\ninputs: {batch_size: 2, seq_len: 16}\n")
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        from typer.testing import CliRunner
+        from fwdcheck.cli import app
+        result = CliRunner().invoke(app, ["run", {str(tmp_path / 'check.yaml')!r}, "--meta", "--format", "json"])
+        report = json.loads(result.stdout)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"exit": result.exit_code, "peak_kib": peak_kib, "report": report}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["exit"] == 0
+    assert measured["peak_kib"] < 1024 * 1024  # under 1 GiB for a 32 GB-in-float32 model
+    checks = {c["name"]: c for c in measured["report"]["checks"]}
+    assert checks["shape-ledger"]["status"] == "pass"
+    assert {checks[n]["status"] for n in ("future-token", "mask-audit", "rope")} == {"skip"}
+    assert "shrunk config" in checks["rope"]["summary"]
+    entries = {e["name"]: e for e in checks["shape-ledger"]["data"]["entries"]}
+    assert entries["model.layers.31.self_attn k"]["shape"] == [2, 8, 16, 128]
+    assert entries["model.layers.31.self_attn k"]["dims"] == ["B", "h_kv", "T", "d_h"]
+    assert entries["logits"]["dims"] == ["B", "T", "V"] and entries["logits"]["shape"] == [2, 16, 128256]
