@@ -301,14 +301,15 @@ def shrink(
         write_whole(target, shrunk.text)
         console = Console()
         table = Table(box=None, pad_edge=False, title=f"shrunk {escape(str(config))}", title_justify="left")
-        for column in ("key", "old", "new"):
-            table.add_column(column)
+        table.add_column("key", no_wrap=True)
+        table.add_column("old")
+        table.add_column("new")
         for key, old, new in shrunk.changes:
             table.add_row(escape(key), escape(_shown(old)), escape(_shown(new)))
         console.print(table)
-        for note in shrunk.notes:
-            console.print(escape(f"note: {note}"))
-        console.print(escape(f"wrote {target}; run it with `fwdcheck run {target}`"))
+        for note in shrunk.notes:  # soft_wrap: paths stay whole, to copy
+            console.print(escape(f"note: {note}"), soft_wrap=True)
+        console.print(escape(f"wrote {target}; run it with `fwdcheck run {target}`"), soft_wrap=True)
         return 0
 
     raise typer.Exit(_guarded(action, debug))
@@ -318,8 +319,10 @@ def _shown(value) -> str:
     """A config value in one short cell: long lists abbreviated, absence named."""
     if value is None:
         return "(unset)"
-    if isinstance(value, list) and len(value) > 4:
-        return f"[{', '.join(map(str, value[:3]))}, … {len(value)} items]"
+    if isinstance(value, list):
+        shown = ", ".join(map(str, value[:3])) + (f", … {len(value)} items" if len(value) > 4 else
+                                                 "".join(f", {v}" for v in value[3:]))
+        return f"[{shown}]"
     return str(value)
 
 

@@ -31,7 +31,10 @@ MAX_KV_HEADS = 2  # two kv groups: a head mixed into the wrong group shows
 MAX_HEADS = 16
 HEAD_DIM = 16  # eight rotary pairs: enough to measure the pairing and the frequencies
 VOCAB = 512
-WINDOW = 8  # a sliding window a short test sequence reaches past
+# A sliding window a short test sequence reaches past. Shorter than 4 tokens: transformers only builds a sliding mask
+# once the sequence is longer than the window (and then repeats the kv heads for sdpa), and the shape ledger names its
+# axes in a second pass at T=4; a window of 4..8 would give that pass another code path than the main one.
+WINDOW = 3
 LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary ones cost nothing and are kept)
 
 # Configuration keys, by what they mean, in the spellings architectures use. The first present one is the model's.
@@ -78,8 +81,19 @@ class Edits:
     def set(self, key: str, value: Any) -> None:
         old = self.data.get(key)
         if old != value:
-            self.changes.append((self.prefix + key, old, value))
+            self.changes.extend(_differences(self.prefix + key, old, value))
             self.data[key] = value
+
+
+def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for a changed value; inside mappings, one row per changed entry (rope_parameters.long_factor)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [(key, old, new)]
+    rows = []
+    for sub in dict.fromkeys([*old, *new]):
+        if old.get(sub) != new.get(sub):
+            rows.extend(_differences(f"{key}.{sub}", old.get(sub), new.get(sub)))
+    return rows
 
 
 def default_output(config_path: Path) -> Path:

@@ -90,13 +90,13 @@ def table() -> str:
 
 def readme_table() -> str:
     text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, re.S)
-    return match.group(1) if match else ""
+    match = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), text, re.S)
+    return match.group(1).rstrip("\n") if match else ""
 
 
 def write() -> None:
     text = README.read_text(encoding="utf-8")
-    new = re.sub(re.escape(START) + r"\n.*?\n" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
+    new = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
                  flags=re.S)
     README.write_text(new, encoding="utf-8")
 

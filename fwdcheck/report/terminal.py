@@ -79,6 +79,8 @@ def detail(r: CheckResult, debug: bool) -> Panel:
     render_data = DETAIL.get(r.name)
     if render_data is not None and r.data:
         parts.append(render_data(r))
+    if r.data.get("paths"):
+        parts.append(code_paths(r.data["paths"]))
     if debug and r.data.get("traceback"):
         parts.append(Text(r.data["traceback"], style="dim"))
     if not parts:
@@ -225,6 +227,21 @@ def rope_numbers(r: CheckResult) -> RenderableType:
         lines.append(Text(f"logits with every position shifted: change {m['logits_shift_change']:.2g} vs threshold "
                           f"{m['logits_shift_threshold']:.2g}", style="dim"))
     return Group(*lines)
+
+
+def code_paths(rows: list[dict]) -> RenderableType:
+    """Every cell of the code-path matrix that did not pass; one line when all did."""
+    bad = [row for row in rows if row["status"] != "pass"]
+    if not bad:
+        return Text(f"all {len(rows)} code paths pass", style="green")
+    table = Table(title=f"code paths: {len(bad)} of {len(rows)} not passing", box=box.SIMPLE, pad_edge=False,
+                  show_edge=False, title_justify="left")
+    for column in ("path", "status", "codes", "summary"):
+        table.add_column(column, overflow="fold")
+    for row in bad:
+        table.add_row(Text(row["path"]), Text(row["status"], STYLE[Status(row["status"])]),
+                      Text(", ".join(row.get("codes", []))), Text(row["summary"]))
+    return table
 
 
 DETAIL: dict[str, Callable[[CheckResult], RenderableType]] = {

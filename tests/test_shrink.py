@@ -1,0 +1,323 @@
+"""`fwdcheck shrink`: a big model's real config becomes a 2-layer copy of the same architecture every check can run on.
+
+Real transformers configs (no mocks), written into tmp_path as a user's project holds them; the shrunk configs then
+run through `fwdcheck run` in-process. The code-path matrix is narrowed in most source configs (the `paths:` key, which
+shrink carries over) so the file stays well under a minute; the Llama case runs the whole matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from fwdcheck.cli import app
+from fwdcheck.shrink import clamp_token, keep_layers, resample, shrink_heads, shrink_hf_dict
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
+}
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+GPTJ_6B = {
+    "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28,
+    "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400, "bos_token_id": 50256, "eos_token_id": 50256,
+    "tie_word_embeddings": False,
+}
+GPT2 = {
+    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12,
+    "n_positions": 1024, "n_ctx": 1024, "vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256,
+}
+# Fewer code paths than the default matrix: each check still runs, on eager and sdpa, with and without padding.
+FEW_PATHS = {"attn_implementation": ["eager", "sdpa"], "output_attentions": [False],
+             "attention_mask": ["absent", "left-pad"], "batch_size": [2]}
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def hf_project(tmp_path: Path, name: str, hf_config: dict, **top) -> Path:
+    """A directory holding config.json (no weights) and a fwdcheck config pointing at it."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"model": {"source": "hf", "path": name}, **top}, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def shrink(config: Path, *args) -> tuple[Path, dict, str]:
+    """Shrink into the default place; the written document and what the command printed."""
+    result = invoke("shrink", config, *args)
+    assert result.exit_code == 0, result.output
+    out = config.with_name(f"{config.stem}.shrunk.yaml")
+    return out, yaml.safe_load(out.read_text(encoding="utf-8")), result.stdout
+
+
+def run_json(config: Path, *args) -> tuple[int, dict]:
+    result = invoke("run", config, "--format", "json", *args)
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def hf_config(model_block: dict):
+    """The transformers config a shrunk `config:` block builds, as `fwdcheck run` would build it."""
+    from transformers import AutoConfig
+
+    inline = dict(model_block["config"])
+    return AutoConfig.for_model(inline.pop("model_type"), **inline)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: real architectures.
+
+
+def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp_path):
+    from transformers import AutoConfig
+
+    config = hf_project(tmp_path, "llama3-8b", LLAMA3_8B, meta=True, inputs={"batch_size": 2, "seq_len": 8})
+    out, document, printed = shrink(config)
+
+    assert "meta" not in document  # a shrunk config exists to run with values
+    assert document["inputs"] == {"batch_size": 2, "seq_len": 8}
+    block = document["model"]
+    assert block["source"] == "hf" and "path" not in block
+    small = block["config"]
+    assert (small["num_hidden_layers"], small["num_attention_heads"], small["num_key_value_heads"]) == (2, 8, 2)
+    assert small["head_dim"] == 16 and small["hidden_size"] == 8 * 16
+    assert small["intermediate_size"] == 448  # 14336 / 4096 = 3.5 x 128
+    assert small["vocab_size"] == 512 and small["bos_token_id"] == 511 and small["eos_token_id"] == [511]
+    assert small["dtype"] == "float32"
+    assert not {"_name_or_path", "transformers_version", "torch_dtype", "architectures"} & set(small)
+    assert small["max_position_embeddings"] == 131072 and small["tie_word_embeddings"] is False
+    original = AutoConfig.from_pretrained(tmp_path / "llama3-8b")
+    assert hf_config(block).rope_parameters == original.rope_parameters  # llama3 scaling, theta 500000: identical
+    assert hf_config(block).rope_parameters["rope_theta"] == 500000.0
+    # The table of changes and the way to run it.
+    for row in (["num_hidden_layers", "32", "2"], ["num_attention_heads", "32", "8"], ["head_dim", "128", "16"]):
+        assert any(line.split()[:3] == row for line in printed.splitlines()), printed
+    assert f"run it with `fwdcheck run {out}`" in printed
+
+    code, report = run_json(out)
+    assert code == 0, report
+    assert statuses(report) == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "pass"}
+    assert report["model"]["dims"] == {"V": 512, "d": 128, "h": 8, "h_kv": 2, "d_h": 16, "d_ff": 448, "L": 2}
+
+
+def test_mistral_keeps_a_sliding_window_the_test_sequence_reaches_past(tmp_path):
+    config = hf_project(tmp_path, "mistral-7b", MISTRAL_7B, paths=FEW_PATHS)
+    out, document, printed = shrink(config)
+
+    small = document["model"]["config"]
+    window = small["sliding_window"]
+    assert 2 <= window <= 8 and document["paths"] == FEW_PATHS
+    seq_len = (document.get("inputs") or {}).get("seq_len", 8)
+    assert seq_len > window  # the window masks something
+    assert "sliding_window" in printed
+
+    code, report = run_json(out)
+    assert code == 0, report
+    assert set(statuses(report).values()) == {"pass"}
+    calls = check(report, "mask-audit")["data"]
+    assert "window" in json.dumps(calls)  # the audit saw the band: causal, restricted (window or sparse)
+
+
+def test_gptj_keeps_interleaved_rotary_with_rotary_dim_scaled(tmp_path):
+    config = hf_project(tmp_path, "gpt-j-6b", GPTJ_6B, checks=["shape-ledger", "rope"])
+    out, document, _ = shrink(config)
+
+    small = document["model"]["config"]
+    assert (small["n_layer"], small["n_head"], small["n_embd"]) == (2, 2, 32)  # head 256 -> 16
+    assert small["rotary_dim"] == 4  # 64 of 256 -> 4 of 16
+    assert document["checks"] == ["shape-ledger", "rope"]
+
+    code, report = run_json(out)
+    assert code == 0, report
+    rope = check(report, "rope")
+    assert rope["status"] == "pass"
+    assert "pairing interleaved, rotary dim 4" in rope["summary"]
+
+
+def test_gpt2_caps_learned_positions(tmp_path):
+    config = hf_project(tmp_path, "gpt2", GPT2, paths=FEW_PATHS)
+    out, document, _ = shrink(config)
+
+    small = document["model"]["config"]
+    assert small["n_positions"] == 256 and small["n_ctx"] == 256
+    assert (small["n_layer"], small["n_head"], small["n_embd"], small["vocab_size"]) == (2, 2, 32, 512)
+    assert small["bos_token_id"] == small["eos_token_id"] == 511
+
+    code, report = run_json(out)
+    assert code == 0, report
+    assert statuses(report) == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
+
+
+def test_inline_config_with_one_kv_head_keeps_multi_query_and_the_other_keys(tmp_path):
+    config = tmp_path / "inline.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"source": "hf", "class": "LlamaForCausalLM",
+                  "config": {"model_type": "llama", "hidden_size": 1024, "num_attention_heads": 8,
+                             "num_key_value_heads": 1, "num_hidden_layers": 12, "intermediate_size": 2816,
+                             "vocab_size": 32000}},
+        "inputs": {"batch_size": 1, "seq_len": 6, "seed": 3},
+        "checks": ["shape-ledger"], "dtype": "float32", "tolerance": {"noise_factor": 20.0},
+    }, sort_keys=False), encoding="utf-8")
+    out = tmp_path / "elsewhere.yaml"
+    result = invoke("shrink", config, "-o", out)
+    assert result.exit_code == 0, result.output
+    document = yaml.safe_load(out.read_text(encoding="utf-8"))
+
+    block = document["model"]
+    assert block["class"] == "LlamaForCausalLM"
+    small = block["config"]
+    assert (small["num_attention_heads"], small["num_key_value_heads"]) == (8, 1)  # MQA stays MQA, 8 per kv head
+    assert small["hidden_size"] == 128 and small["intermediate_size"] == 352  # 2.75 x 128
+    assert document["checks"] == ["shape-ledger"] and document["tolerance"] == {"noise_factor": 20.0}
+    assert document["inputs"] == {"batch_size": 1, "seq_len": 6, "seed": 3}
+
+    code, report = run_json(out)
+    assert code == 0 and statuses(report) == {"shape-ledger": "pass"}, report
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    config = tmp_path / "toy.yaml"
+    config.write_text((REPO / "sample_configs" / "toy.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "toy.shrunk.yaml"
+    out.write_text("# mine\n", encoding="utf-8")
+
+    result = invoke("shrink", config)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "--force" in result.stderr
+    assert out.read_text(encoding="utf-8") == "# mine\n"
+
+    assert invoke("shrink", config, "--force").exit_code == 0
+    assert yaml.safe_load(out.read_text(encoding="utf-8"))["model"]["source"] == "reference"
+    same = invoke("shrink", config, "-o", config, "--force")  # never onto the config being shrunk
+    assert same.exit_code == 2 and "another --output" in same.stderr
+
+
+@pytest.mark.parametrize("source", ["python", "checkpoint"])
+def test_factory_sources_cannot_be_shrunk(tmp_path, source):
+    model = {"source": source, "factory": "mypkg.model:build", "kwargs": {"n_layers": 32}}
+    if source == "checkpoint":
+        model["path"] = "model.safetensors"
+    config = tmp_path / "factory.yaml"
+    config.write_text(yaml.safe_dump({"model": model}), encoding="utf-8")
+
+    result = invoke("shrink", config)
+    assert result.exit_code == 2 and result.stdout == ""
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in result.output
+    assert "hf" in line and "reference" in line and "kwargs" in line
+    assert not (tmp_path / "factory.shrunk.yaml").exists()
+
+
+def test_reference_toy_is_already_small_and_still_runs(tmp_path):
+    config = tmp_path / "toy.yaml"
+    config.write_text((REPO / "sample_configs" / "toy.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    out, document, _ = shrink(config)
+
+    original = yaml.safe_load(config.read_text(encoding="utf-8"))
+    assert document == original  # 2 layers, 2 heads of 4, vocab 16: nothing to cut
+    code, report = run_json(out)
+    assert code == 0 and set(statuses(report).values()) == {"pass"}, report
+
+
+def test_reference_big_config_keeps_ratio_rope_and_planted_bugs(tmp_path):
+    config = tmp_path / "big.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"source": "reference", "vocab_size": 128256, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8,
+                  "n_layers": 32, "d_ff": 14336, "max_seq_len": 8192, "attention": "eager", "mask": "float",
+                  "rope": {"base": 500000, "pairing": "interleaved", "rotary_dim": 64},
+                  "bugs": ["no-causal-mask"]},
+        "meta": True,
+    }), encoding="utf-8")
+    out, document, printed = shrink(config)
+
+    model = document["model"]
+    assert (model["n_layers"], model["n_heads"], model["n_kv_heads"]) == (2, 8, 2)
+    assert model["d_model"] == 8 * 64  # head size 64: the declared rotary dim needs it
+    assert model["d_ff"] == 3.5 * 512 and model["vocab_size"] == 512 and model["max_seq_len"] == 8192
+    assert model["rope"] == {"base": 500000, "pairing": "interleaved", "rotary_dim": 64}
+    assert model["bugs"] == ["no-causal-mask"] and "meta" not in document
+    assert "n_layers" in printed
+
+    code, report = run_json(out, "--check", "future-token")
+    assert code == 1 and statuses(report) == {"future-token": "fail"}  # the planted bug survives the shrink
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rules on their own.
+
+
+@pytest.mark.parametrize(("heads", "kv", "expected"), [
+    (32, 8, (8, 2)),  # Llama 3 8B: 4 query heads per kv head
+    (32, 32, (2, 2)),  # multi-head
+    (64, 8, (16, 2)),  # 8 per kv head: two groups fill the cap
+    (48, 4, (12, 1)),  # 12 per kv head: two groups would pass 16, one keeps the ratio
+    (71, 1, (16, 1)),  # Falcon 7B, multi-query: stays multi-query, capped
+    (12, 1, (12, 1)),
+])
+def test_heads_keep_their_grouping(heads, kv, expected):
+    assert shrink_heads(heads, kv) == expected
+
+
+def test_gemma3_keeps_one_layer_of_each_type():
+    from transformers import AutoConfig
+
+    data = AutoConfig.for_model("gemma3_text").to_dict()  # 26 layers, 5 sliding : 1 full
+    edits = shrink_hf_dict(data)
+    assert data["num_hidden_layers"] == 2 and data["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (data["num_attention_heads"], data["num_key_value_heads"], data["head_dim"]) == (4, 2, 16)
+    assert data["rope_parameters"] == AutoConfig.for_model("gemma3_text").rope_parameters
+    assert {key for key, _, _ in edits.changes} >= {"num_hidden_layers", "layer_types", "sliding_window"}
+
+
+def test_small_rules():
+    assert keep_layers(["a", "a", "a", "b", "a", "a"], 2) == [0, 3]
+    assert keep_layers(["a", "b", "c", "a"], 2) == [0, 1, 2]  # one of each type beats the layer count
+    assert keep_layers(None, 2) == [0, 1]
+    assert clamp_token(128000, 512) == 511 and clamp_token(2, 512) == 2 and clamp_token(None, 512) is None
+    assert clamp_token([128001, 128009, 3], 512) == [511, 3]
+    assert resample(list(range(48)), 8) == [0, 7, 13, 20, 27, 34, 40, 47]
+
+
+def test_partial_rotary_and_longrope_factors_follow_the_head_size():
+    from transformers import AutoConfig
+
+    factors = [1.0 + i / 10 for i in range(48)]
+    phi3 = AutoConfig.for_model("phi3", max_position_embeddings=131072, rope_scaling={
+        "rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+        "original_max_position_embeddings": 4096}).to_dict()
+    shrink_hf_dict(phi3)
+    assert len(phi3["rope_parameters"]["long_factor"]) == 8  # one per rotary pair of a 16-wide head
+    assert phi3["rope_parameters"]["long_factor"][0] == 1.0 and phi3["rope_parameters"]["long_factor"][-1] == 5.7
+
+    neox = AutoConfig.for_model("gpt_neox").to_dict()  # partial_rotary_factor 0.25: 4 rotary dims of 16
+    shrink_hf_dict(neox)
+    assert neox["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert neox["hidden_size"] // neox["num_attention_heads"] == 16
