@@ -12,6 +12,14 @@ from fwdcheck.result import CheckResult, Status, worst
 SCHEMA_VERSION = 1
 
 
+class ChecksFailed(AssertionError):
+    """Raised by Report.raise_for_failures(); an AssertionError so test runners show it as a failed assertion."""
+
+    def __init__(self, message: str, report: Report):
+        super().__init__(message)
+        self.report = report
+
+
 @dataclass
 class Report:
     results: list[CheckResult]
@@ -49,6 +57,19 @@ class Report:
 
     def result(self, name: str) -> CheckResult:
         return next(r for r in self.results if r.name == name)
+
+    def raise_for_failures(self) -> None:
+        """Raise ChecksFailed listing each failing check's first finding, unless the report is ok."""
+        if not self.ok:
+            lines = [f"{r.name}: {r.status.value}: {r.findings[0].message if r.findings else r.summary}"
+                     for r in self.results if r.status in (Status.FAIL, Status.ERROR) or
+                     (self.fail_on == "warn" and r.status == Status.WARN)]
+            raise ChecksFailed(f"fwdcheck: exit {self.exit_code}\n" + "\n".join(lines), self)
+
+    def to_json(self, **dump_options) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), default=str, **dump_options)
 
     def to_dict(self) -> dict[str, Any]:
         return {
