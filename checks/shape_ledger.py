@@ -31,6 +31,7 @@ class Entry:
     nonfinite_rows: int = 0
     implied: bool = False  # weights SDPA and MHA compute internally: the shape they imply, not a tensor seen
     seq: int = 0  # forward order
+    dtype: str = ""
 
 
 # Expected symbolic layouts per role; alternatives are equally correct.
@@ -59,6 +60,9 @@ class ShapeLedger(Check):
         "FWD402": "attention runs over an axis that is not the sequence (e.g. heads and positions swapped)",
         "FWD403": "the softmax normalises over the query axis instead of the keys being read",
         "FWD404": "attention weights do not sum to 1 over the key axis, or hold NaN/Inf",
+        "FWD405": "against --expect-ledger: a tensor appeared or disappeared",
+        "FWD406": "against --expect-ledger: a tensor's symbolic shape changed",
+        "FWD407": "against --expect-ledger: a tensor's dtype changed",
     }
     explain = """\
 Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call, attention
@@ -95,19 +99,29 @@ How to fix: the failing row names the tensor, the module and the axis; compare i
             dims = name_axes(e, (B, T), (B2, T2), known)
             expected = TEMPLATES.get(e.role)
             ok = expected is None or dims in expected
-            rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "role": e.role,
+            rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "dtype": e.dtype, "role": e.role,
                          "expected": expected[0] if expected else None, "ok": ok, "implied": e.implied})
             findings += judge(e, dims, ok, expected)
         findings = _merge_layers(findings)
+        expected_ledger = session.settings.expect_ledger
+        diff = compare_ledgers(expected_ledger, rows, known) if expected_ledger else None
+        if diff:
+            findings += diff
 
         attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
         directions = sorted({_direction(e) for e in entries if e.role == "weights"})
         data = {"entries": rows, "dims": known, "probe": {"batch_size": B2, "seq_len": T2},
                 "softmax": directions or ["no attention weights observed"]}
+        if expected_ledger is not None:
+            data["ledger_diff"] = [f.message for f in diff or []]
         bad = [f for f in findings if f.status != Status.PASS]
-        summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in known.items())}); "
-                   f"softmax {directions[0] if directions else 'not observed'}"
-                   if not bad else f"{len(bad)} layout problem(s): {bad[0].message}")
+        if diff:
+            summary = f"{len(diff)} difference(s) from the expected ledger; first: {diff[0].message}"
+        elif bad:
+            summary = f"{len(bad)} layout problem(s): {bad[0].message}"
+        else:
+            summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in known.items())}); "
+                       f"softmax {directions[0] if directions else 'not observed'}")
         if not attention:
             summary += "; no attention call observed (custom kernel?): q/k/v not in the ledger"
         return CheckResult.from_findings(self.name, findings, summary,
@@ -122,26 +136,29 @@ def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
 
 def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known: dict[str, int]) -> list[Entry]:
     """The ledger's entries in forward order, named so the same tensor gets the same name in both passes."""
-    entries = [Entry("input_ids", "ids", tuple(ids_shape))]
+    entries = [Entry("input_ids", "ids", tuple(ids_shape), dtype="int64")]
     seen_embedding = False
     for call in obs.modules:
         if call.output_shape is None or not call.name:
             continue
         if call.cls == "Embedding" and call.input_shape == tuple(ids_shape):
             label = "token embedding" if not seen_embedding else "embedding"
-            entries.append(Entry(f"{label} ({call.name})", "hidden", call.output_shape, call.name, seq=call.seq))
+            entries.append(Entry(f"{label} ({call.name})", "hidden", call.output_shape, call.name, seq=call.seq,
+                                 dtype=call.output_dtype))
             seen_embedding = True
         elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name):
-            entries.append(Entry(f"{call.name} output", "hidden", call.output_shape, call.name, seq=call.seq))
+            entries.append(Entry(f"{call.name} output", "hidden", call.output_shape, call.name, seq=call.seq,
+                                 dtype=call.output_dtype))
         elif call.cls == "Linear" and known.get("d_ff") and call.output_shape[-1:] == (known["d_ff"],) \
                 and _in_first_block(call.name, blocks):
-            entries.append(Entry(f"{call.name} output", "ffn", call.output_shape, call.name, seq=call.seq))
+            entries.append(Entry(f"{call.name} output", "ffn", call.output_shape, call.name, seq=call.seq,
+                                 dtype=call.output_dtype))
 
     per_module: dict[str, int] = {}
     for call in obs.attention:
         n = per_module[call.module] = per_module.get(call.module, -1) + 1
         where = f"{call.module or 'model'}" + (f"#{n}" if n else "")
-        at = dict(module=call.module, seq=call.seq)
+        at = dict(module=call.module, seq=call.seq, dtype=call.dtype)
         if call.api == "sdpa":
             entries += [Entry(f"{where} q", "q", call.query_shape, **at),
                         Entry(f"{where} k", "k", call.key_shape, **at),
@@ -163,7 +180,8 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
             entries.append(Entry(f"{where} v (weights @ v)", "scores_v", mm.b_shape, **at))
     entries.sort(key=lambda e: e.seq)
     if logits_shape:
-        entries.append(Entry("logits", "logits", tuple(logits_shape)))
+        root = next((m for m in obs.modules if m.name == ""), None)
+        entries.append(Entry("logits", "logits", tuple(logits_shape), dtype=root.output_dtype if root else ""))
     return entries
 
 
@@ -246,6 +264,34 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None)
         findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
                                 f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module))
     return findings
+
+
+def compare_ledgers(expected: dict, current: list[dict], dims: dict[str, int]) -> list[Finding]:
+    """A saved ledger against this run's: tensors added or gone, symbolic shapes, the sizes of the architecture's
+    dimensions (h, h_kv, d_h, ...) and dtypes changed. B and T follow the inputs and are not compared."""
+    before = {e["name"]: e for e in expected["entries"]}
+    after = {e["name"]: e for e in current}
+    findings = []
+    for symbol, size in (expected.get("dims") or {}).items():
+        if symbol in dims and dims[symbol] != size:
+            findings.append(Finding("FWD406", Status.FAIL, f"dimension {symbol}: {size} -> {dims[symbol]}",
+                                    where=symbol))
+    for name in [n for n in after if n not in before]:
+        findings.append(Finding("FWD405", Status.FAIL, f"new tensor {name} {_dims(after[name])}", where=name))
+    for name in [n for n in before if n not in after]:
+        findings.append(Finding("FWD405", Status.FAIL, f"tensor {name} {_dims(before[name])} is gone", where=name))
+    for name in [n for n in after if n in before]:
+        if before[name]["dims"] != after[name]["dims"]:
+            findings.append(Finding("FWD406", Status.FAIL, f"{name}: {_dims(before[name])} -> {_dims(after[name])}",
+                                    where=name))
+        if before[name].get("dtype") and before[name].get("dtype") != after[name].get("dtype"):
+            findings.append(Finding("FWD407", Status.FAIL, f"{name}: dtype {before[name]['dtype']} -> "
+                                    f"{after[name].get('dtype')}", where=name))
+    return findings
+
+
+def _dims(entry: dict) -> str:
+    return "[" + ",".join(entry["dims"]) + "]"
 
 
 def _direction(e: Entry) -> str:

@@ -6,10 +6,14 @@ Expected problems print one red line and exit with their documented code; a trac
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -56,6 +60,9 @@ class DType(str, Enum):
 class Format(str, Enum):
     rich = "rich"
     json = "json"
+    junit = "junit"
+    github = "github"
+    markdown = "markdown"
 
 
 class FailOn(str, Enum):
@@ -87,9 +94,18 @@ def run(
     device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Report format.")] = Format.rich,
+    output_format: Annotated[Format, typer.Option("--format", help="Report format on stdout (or --output).")] = Format.rich,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file "
                                                    "(whole or not at all) instead of stdout.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the JSON report here.")] = None,
+    junit_path: Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here.")] = None,
+    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", help="Also write a markdown report here.")] = None,
+    html_path: Annotated[Optional[Path], typer.Option("--html", help="Also export the terminal report as HTML.")] = None,
+    svg_path: Annotated[Optional[Path], typer.Option("--svg", help="Also export the terminal report as SVG.")] = None,
+    save_ledger: Annotated[Optional[Path], typer.Option("--save-ledger", help="Write the shape ledger (JSON) here, "
+                                                        "to pin the architecture in review.")] = None,
+    expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", help="Fail (FWD405-407) when the "
+                                                          "ledger differs from this saved one.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
                                              "the full leak map.")] = False,
@@ -98,64 +114,163 @@ def run(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     """Check a model's forward pass and exit with a code CI can gate on."""
-    code = _guarded(lambda: _run(config, check, model, device, dtype, seed, output_format, output, fail_on,
-                                 exhaustive, debug, meta), debug)
-    raise typer.Exit(code)
+    options = RunOptions(config, check, model, device, dtype, seed, output_format, output, json_path, junit_path,
+                         markdown_path, html_path, svg_path, save_ledger, expect_ledger, fail_on, exhaustive, meta,
+                         debug)
+    raise typer.Exit(_guarded(lambda: _run(options), debug))
 
 
-def _run(config_path, checks, model_ref, device, dtype, seed, output_format, output, fail_on, exhaustive, debug,
-         meta=False) -> int:
+@dataclass
+class RunOptions:
+    config: Path | None
+    checks: list[str] | None
+    model: str | None
+    device: Device | None
+    dtype: DType | None
+    seed: int | None
+    format: Format
+    output: Path | None
+    json: Path | None
+    junit: Path | None
+    markdown: Path | None
+    html: Path | None
+    svg: Path | None
+    save_ledger: Path | None
+    expect_ledger: Path | None
+    fail_on: FailOn
+    exhaustive: bool
+    meta: bool
+    debug: bool
+
+
+def _run(o: RunOptions) -> int:
     from fwdcheck.config import config_from_dict, load_config
     from fwdcheck.model import load_model
     from fwdcheck.registry import select
     from fwdcheck.runner import run_model
     from fwdcheck.session import Settings
 
-    if config_path is not None and model_ref is not None:
+    if o.config is not None and o.model is not None:
         raise UsageError("give either a config file or --model, not both")
-    if config_path is None and model_ref is None:
+    if o.config is None and o.model is None:
         raise UsageError("give a config file (`fwdcheck init` writes one) or --model pkg.module:factory")
-    if config_path is not None:
-        config = load_config(config_path)
+    if o.config is not None:
+        config = load_config(o.config)
     else:
-        config = config_from_dict({"model": {"source": "python", "factory": model_ref}})
-    selection = checks if checks else config.checks
-    if checks:
-        select(checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
-    if checks and config.checks:
-        outside = [c for c in checks if c not in config.checks and ":" not in c]  # module:Class is explicit
+        config = config_from_dict({"model": {"source": "python", "factory": o.model}})
+    selection = o.checks if o.checks else config.checks
+    if o.checks:
+        select(o.checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
+    if o.checks and config.checks:
+        outside = [c for c in o.checks if c not in config.checks and ":" not in c]  # module:Class is explicit
         if outside:
             raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
     entries = select(selection)
-    config.meta = meta or config.meta
+    if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
+        raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
+    config.meta = o.meta or config.meta
     settings = Settings.from_config(config)
-    settings.device = device.value if device else settings.device
-    settings.dtype = dtype.value if dtype else settings.dtype
-    settings.seed = seed if seed is not None else settings.seed
-    settings.exhaustive = exhaustive or settings.exhaustive
+    settings.device = o.device.value if o.device else settings.device
+    settings.dtype = o.dtype.value if o.dtype else settings.dtype
+    settings.seed = o.seed if o.seed is not None else settings.seed
+    settings.exhaustive = o.exhaustive or settings.exhaustive
+    settings.expect_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
     loaded = load_model(config)
-    report = run_model(loaded, settings, entries, config_path=config_path, fail_on=fail_on.value)
+    with progress_display(enabled=o.format == Format.rich and o.output is None and sys.stdout.isatty()) as progress:
+        report = run_model(loaded, settings, entries, config_path=o.config, fail_on=o.fail_on.value,
+                           progress=progress)
+    write_reports(report, o)
+    return report.exit_code
 
+
+def write_reports(report, o: RunOptions) -> None:
+    """The main report on stdout (or --output), then every extra file asked for; each file whole or not at all."""
     from fwdcheck.report.terminal import render
 
-    if output_format == Format.json:
-        import json
-
-        text = json.dumps(report.to_dict(), indent=2, default=str) + "\n"
-        if output is None:
+    if o.format == Format.rich:
+        if o.output is None:
+            render(report, Console(width=None if sys.stdout.isatty() else 120), debug=o.debug)
+        else:  # into the file only, as --output promises: "instead of stdout"
+            write_whole(o.output, recorded(report, o.debug).export_text(styles=False))
+    else:
+        text = render_text(report, o.format)
+        if o.output is None:
             sys.stdout.write(text)
         else:
-            write_whole(output, text)
-    else:
-        if output is None:
-            render(report, Console(width=None if sys.stdout.isatty() else 120), debug=debug)
-        else:  # into the file only, as --output promises: "instead of stdout"
-            import io
+            write_whole(o.output, text)
+        if o.format == Format.github:
+            from fwdcheck.report.github import append_step_summary
 
-            console = Console(file=io.StringIO(), record=True, width=120)
-            render(report, console, debug=debug)
-            write_whole(output, console.export_text(styles=False))
-    return report.exit_code
+            append_step_summary(report)
+    for path, fmt in ((o.json, Format.json), (o.junit, Format.junit), (o.markdown, Format.markdown)):
+        if path is not None:
+            write_whole(path, render_text(report, fmt), what=f"--{fmt.value}")
+    if o.html is not None or o.svg is not None:
+        console = recorded(report, o.debug)
+        if o.html is not None:
+            write_whole(o.html, console.export_html(clear=False), what="--html")
+        if o.svg is not None:
+            write_whole(o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
+    if o.save_ledger is not None:
+        ledger = next((r for r in report.results if r.name == "shape-ledger"), None)
+        if ledger is None or "entries" not in ledger.data:
+            why = ledger.summary if ledger is not None else "not selected"
+            raise UsageError(f"--save-ledger {o.save_ledger}: the shape ledger did not run ({why})")
+        document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
+                    "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]]}
+        write_whole(o.save_ledger, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+
+
+def render_text(report, fmt: Format) -> str:
+    if fmt == Format.json:
+        return json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+    if fmt == Format.junit:
+        from fwdcheck.report.junit import to_junit
+
+        return to_junit(report)
+    if fmt == Format.github:
+        from fwdcheck.report.github import to_github
+
+        return to_github(report)
+    from fwdcheck.report.markdown import to_markdown
+
+    return to_markdown(report)
+
+
+def recorded(report, debug: bool) -> Console:
+    """The terminal report rendered into a recording console, for text, HTML and SVG export."""
+    from fwdcheck.report.terminal import render
+
+    console = Console(file=io.StringIO(), record=True, width=120, force_terminal=True, color_system="truecolor")
+    render(report, console, debug=debug)
+    return console
+
+
+def read_ledger(path: Path) -> dict:
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"--expect-ledger {path}: no such file (write one with --save-ledger)") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--expect-ledger {path}: not a readable JSON ledger ({exc})") from None
+    if not isinstance(document, dict) or not isinstance(document.get("entries"), list) or not all(
+            isinstance(e, dict) and "name" in e and "dims" in e for e in document["entries"]):
+        raise UsageError(f"--expect-ledger {path}: not a ledger written by --save-ledger")
+    return document
+
+
+@contextmanager
+def progress_display(enabled: bool):
+    """A transient progress line on a terminal; nothing when the output is a file, a pipe or a CI log."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
+                  console=err) as bar:
+        task = bar.add_task("loading", total=None)
+        yield lambda description: bar.update(task, description=description)
 
 
 def _guarded(action, debug: bool) -> int:
@@ -276,7 +391,8 @@ def init(
     raise typer.Exit(_guarded(action, False))
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint source, an existing output without "
+             "--force, a config transformers cannot build) · 3 internal error of fwdcheck.")
 def shrink(
     config: Annotated[Path, typer.Argument(help="YAML config with source hf or reference, e.g. the real config of "
                                            "the model you are about to train.", show_default=False)],
@@ -286,7 +402,14 @@ def shrink(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Write a config of the same architecture with 2 layers and small widths, so every check runs in seconds."""
+    """Write a config of the same architecture with 2 layers and small widths, so every check runs in seconds.
+
+    For a model too big for this machine: `fwdcheck run --meta` checks its shapes, the shrunk config everything else.
+
+    Kept: the query heads per kv head, RoPE settings, the sliding window (cut to 3), tied embeddings, planted bugs.
+
+    Cut: depth (2), head size (16), widths, vocabulary (512), learned position tables (256). Weights are not carried.
+    """
     from rich.table import Table
 
     def action():
@@ -324,6 +447,23 @@ def _shown(value) -> str:
                                                  "".join(f", {v}" for v in value[3:]))
         return f"[{shown}]"
     return str(value)
+
+
+@app.command()
+def schema(
+    json_report: Annotated[bool, typer.Option("--json-report", help="The schema of `--format json` reports.")] = False,
+) -> None:
+    """Print a JSON schema. Consumers of the JSON report must ignore fields they do not know."""
+
+    def action():
+        if not json_report:
+            raise UsageError("say which schema: --json-report")
+        from fwdcheck.report.schema import JSON_REPORT_SCHEMA
+
+        sys.stdout.write(json.dumps(JSON_REPORT_SCHEMA, indent=2) + "\n")
+        return 0
+
+    raise typer.Exit(_guarded(action, False))
 
 
 def main() -> None:

@@ -147,6 +147,11 @@ class Tolerance(Strict):
     noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
 
 
+class Ignore(Strict):
+    code: str = Field(pattern=r"^[A-Z][A-Z0-9]*\d{3}$", description="a finding code, e.g. FWD203")
+    reason: str = Field(min_length=1, description="why: required, and shown beside the ignored finding")
+
+
 class Config(Strict):
     model: ModelSource
     inputs: Inputs = Field(default_factory=Inputs)
@@ -157,6 +162,7 @@ class Config(Strict):
     exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
     paths: Paths = Field(default_factory=Paths)
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
+    ignore: list[Ignore] = Field(default_factory=list, description="finding codes that do not count, with reasons")
 
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 

@@ -66,6 +66,7 @@ class AttentionCall:
     query: torch.Tensor | None = None  # kept only when asked (rope probe)
     key: torch.Tensor | None = None
     seq: int = 0  # when it happened, on the observation's clock
+    dtype: str = ""  # of the query
 
     @property
     def self_attention(self) -> bool:
@@ -100,6 +101,7 @@ class ModuleCall:
     input_value: torch.Tensor | None = None  # kept only for the modules named in keep_inputs_of
     output_value: torch.Tensor | None = None
     seq: int = 0  # when its output was produced
+    output_dtype: str = ""
 
 
 @dataclass
@@ -243,6 +245,7 @@ class _Observer(TorchFunctionMode):
             is_causal=False, dropout_p=0.0, allowed=may.reshape(-1, L, S).any(0), empty_rows=empty,
             softmax_dim=dim - scores.dim() if dim >= 0 else dim, row_sum_error=error,
             nonfinite_rows=int((~torch.isfinite(weights)).any(-1).sum()), seq=self.record.tick(),
+            dtype=str(weights.dtype).removeprefix("torch."),
         )
         return call
 
@@ -258,7 +261,7 @@ class _Observer(TorchFunctionMode):
             mask_kind=kind, mask_shape=tuple(mask.shape) if mask is not None else None, mask_values=values,
             is_causal=is_causal, dropout_p=dropout, allowed=allowed.reshape(-1, L, S).any(0), empty_rows=empty,
             float_01=float_01, query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
-            seq=self.record.tick(),
+            seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."),
         )
 
 
@@ -324,6 +327,7 @@ def module_tracking(model: nn.Module, record: Observation, where: list[str], kee
             for call in reversed(record.modules):
                 if call.name == name and call.output_shape is None:
                     call.output_shape = tuple(y.shape) if y is not None else ()
+                    call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
                     call.seq = record.tick()
                     if name in keep_inputs_of and y is not None:
                         call.output_value = y.detach().clone()

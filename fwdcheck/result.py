@@ -34,9 +34,12 @@ class Finding:
     status: Status
     message: str
     where: str | None = None  # module path, positions, layer/head
+    source: str | None = None  # "file:line" of the model code it concerns, when fwdcheck can tell
+    ignored: str | None = None  # the config's reason for ignoring this code; an ignored finding does not count
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "status": self.status.value, "message": self.message, "where": self.where}
+        return {"code": self.code, "status": self.status.value, "message": self.message, "where": self.where,
+                "source": self.source, "ignored": self.ignored}
 
 
 @dataclass
@@ -54,6 +57,17 @@ class CheckResult:
     def from_findings(cls, name: str, findings: list[Finding], summary: str, **kw) -> CheckResult:
         """The status is the worst finding's; no finding worse than pass means pass."""
         return cls(name=name, status=worst(f.status for f in findings), summary=summary, findings=findings, **kw)
+
+    def apply_ignores(self, ignores: dict[str, str]) -> None:
+        """Mark findings whose code the config ignores; the status then comes from the others alone."""
+        marked = [f for f in self.findings if f.code in ignores]
+        if not marked:
+            return
+        for f in marked:
+            f.ignored = ignores[f.code]
+        if self.status in (Status.PASS, Status.WARN, Status.FAIL):
+            self.status = worst(f.status for f in self.findings if f.ignored is None)
+        self.summary += f" [ignored: {', '.join(sorted({f.code for f in marked}))}]"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import platform
+import re
 import time
 import traceback
+from pathlib import Path
+from typing import Callable
 
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
 from fwdcheck.model import ModelUnderTest
@@ -17,7 +21,7 @@ from fwdcheck.session import Session, Settings
 
 
 def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntry], *, config_path=None,
-              fail_on: str = "fail") -> Report:
+              fail_on: str = "fail", progress: Callable[[str], None] | None = None) -> Report:
     """Every check on one session; the model is restored when this returns, however it returns."""
     import torch
 
@@ -25,12 +29,20 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     results: list[CheckResult] = []
     with session.active():
         for entry in entries:
+            if progress:
+                progress(f"{entry.name}")
             results.append(run_one(entry, model, session))
     cells = path_cells(model, settings.paths, settings.batch_size)
     if cells:
+        if progress:
+            progress(f"{len(cells)} code paths")
         results = [run_over_paths(entry, model, settings, cells, result)
                    if entry.name in PATH_CHECKS and result.status not in (Status.SKIP, Status.ERROR) else result
                    for entry, result in zip(entries, results)]
+    for result in results:
+        result.apply_ignores(settings.ignore)
+        for finding in result.findings:
+            finding.source = finding.source or locate(finding.where, model)
     parameters = sum(p.numel() for p in model.module.parameters())
     return Report(
         results=results,
@@ -43,6 +55,33 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
     )
+
+
+def locate(where: str | None, model: ModelUnderTest) -> str | None:
+    """'file:line' of the model code a finding's `where` names: the class of the first module path in it, or the
+    frame a model exception came from."""
+    if not where:
+        return None
+    frame = re.match(r"^(.+?):(\d+) in ", where)
+    if frame:
+        return _relative(frame.group(1)) + f":{frame.group(2)}"
+    modules = dict(model.module.named_modules())
+    for token in re.findall(r"[A-Za-z_][\w.]*", where):
+        if token in modules and token:
+            try:
+                cls = type(modules[token])
+                return f"{_relative(inspect.getsourcefile(cls))}:{inspect.getsourcelines(cls)[1]}"
+            except (TypeError, OSError):
+                return None
+    return None
+
+
+def _relative(path: str) -> str:
+    """Relative to the working directory when under it, as CI annotations want; absolute otherwise."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def run_over_paths(entry: CheckEntry, model: ModelUnderTest, settings: Settings, cells: list[CodePath],

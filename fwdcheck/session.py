@@ -40,13 +40,16 @@ class Settings:
     meta: bool = False  # the model lives on the meta device: shapes only
     max_rows: int | None = None  # rows per batched forward; default 4 x batch_size
     paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
+    ignore: dict[str, str] = field(default_factory=dict)  # finding code -> the config's reason
+    expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
 
     @classmethod
     def from_config(cls, config: Config) -> Settings:
         return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
                    seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
                    atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
-                   exhaustive=config.exhaustive, paths=config.paths, meta=config.meta)
+                   exhaustive=config.exhaustive, paths=config.paths, meta=config.meta,
+                   ignore={i.code: i.reason for i in config.ignore})
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:
