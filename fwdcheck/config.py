@@ -163,6 +163,7 @@ class Config(Strict):
     paths: Paths = Field(default_factory=Paths)
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
     ignore: list[Ignore] = Field(default_factory=list, description="finding codes that do not count, with reasons")
+    timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
 
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 

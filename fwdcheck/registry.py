@@ -1,12 +1,17 @@
 """Checks are found through the entry-point group `fwdcheck.checks`, the built-ins included (as flake8 finds pyflakes).
 
-Entry points are listed as cheap records and imported only when a check is used, so `fwdcheck list` of a hundred
-plugins imports none of them and a plugin that fails to import breaks only itself.
+Entry points are listed as cheap records and imported only when a check is used, so listing a hundred plugins imports
+none of them and a plugin that fails to import breaks only itself: its check reports status `error` naming the plugin
+(`dist[name]`), the other checks run, the exit code is 1.
+
+A config (or `--check`) may also name a check class directly as `package.module:Class`, without registering it; the
+module is imported as installed, or from the working directory.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -14,43 +19,72 @@ from fwdcheck.errors import CheckLoadError, UsageError
 
 GROUP = "fwdcheck.checks"
 BUILTIN_ORDER = ("shape-ledger", "future-token", "mask-audit", "rope")
+BUILTIN_DIST = "fwdcheck"
+DIRECT = "direct"  # the distribution of a check named as module:Class, not registered
 
 
 @dataclass(frozen=True)
 class CheckEntry:
     name: str
     value: str  # "package.module:Class"
-    distribution: str  # where it comes from, e.g. "fwdcheck 0.1.0"
+    distribution: str  # where it comes from, e.g. "fwdcheck 0.1.0"; "direct" for module:Class named in a config
 
     @property
     def label(self) -> str:
+        """How messages name the check: `dist[name]` for a registered one, the reference itself for a direct one."""
+        if self.distribution == DIRECT:
+            return self.value
         return f"{self.distribution.split()[0]}[{self.name}]"
 
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
-        from fwdcheck.model import resolve_callable
+        from fwdcheck.model import on_sys_path, resolve_callable
         from fwdcheck.result import Check
 
+        # A direct reference may name a module beside the user's files, as `python -m` would find it.
+        is_direct = self.distribution == DIRECT
+        search = [os.getcwd()] if is_direct else []
         try:
-            cls = resolve_callable(self.value, what=f"check {self.label}")
-            check = cls()
-        except Exception as exc:
-            raise CheckLoadError(f"check {self.label} ({self.value}) failed to load: {exc}") from exc
+            with on_sys_path(search):
+                cls = resolve_callable(self.value, what="class" if is_direct else "entry point")
+                check = cls()
+        except (Exception, SystemExit) as exc:  # SystemExit: a plugin calling sys.exit() at import breaks only itself
+            reason = exc if not isinstance(exc, SystemExit) else f"SystemExit({exc.code!r}) while importing"
+            raise CheckLoadError(f"check {self.label} failed to load: {reason}") from exc
         if not isinstance(check, Check) and not callable(getattr(check, "run", None)):
             raise CheckLoadError(f"check {self.label} ({self.value}) has no run(model, session) method")
         return check
 
 
 def available() -> dict[str, CheckEntry]:
-    """Every registered check by name, built-ins first in their documented order."""
+    """Every registered check by name, built-ins first in their documented order.
+
+    A plugin registering a name fwdcheck already uses does not replace the built-in; between two plugins with the
+    same name, the first distribution on sys.path wins (as Python's own imports do)."""
     found: dict[str, CheckEntry] = {}
     for ep in entry_points(group=GROUP):
         dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown"
-        found.setdefault(ep.name, CheckEntry(ep.name, ep.value, dist))
+        entry = CheckEntry(ep.name, ep.value, dist)
+        known = found.get(ep.name)
+        if known is None or (_is_builtin(entry) and not _is_builtin(known)):
+            found[ep.name] = entry
     if not found:
         raise UsageError("no checks are registered: is fwdcheck installed (`pip install -e .`)?")
     order = {name: i for i, name in enumerate(BUILTIN_ORDER)}
     return dict(sorted(found.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+
+
+def _is_builtin(entry: CheckEntry) -> bool:
+    return entry.distribution.split()[0] == BUILTIN_DIST and entry.value.startswith("fwdcheck.")
+
+
+def direct(reference: str) -> CheckEntry:
+    """An entry for a check class named as `package.module:Class`; a malformed reference is a usage error."""
+    module, colon, attr = reference.partition(":")
+    if not (module and attr) or ":" in attr or any(not part.isidentifier() for part in [*module.split("."),
+                                                                                         *attr.split(".")]):
+        raise UsageError(f"check '{reference}' is not of the form 'package.module:Class'")
+    return CheckEntry(reference, reference, DIRECT)
 
 
 def select(names: list[str] | None) -> list[CheckEntry]:
@@ -61,12 +95,13 @@ def select(names: list[str] | None) -> list[CheckEntry]:
     chosen = []
     for name in names:
         if ":" in name:  # a check class named directly, module:Class
-            chosen.append(CheckEntry(name.split(":")[-1], name, "direct"))
-            continue
-        if name not in registered:
+            entry = direct(name)
+        elif name in registered:
+            entry = registered[name]
+        else:
             close = difflib.get_close_matches(name, list(registered), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise UsageError(f"unknown check '{name}'; {hint}known: {', '.join(registered)}")
-        if registered[name] not in chosen:
-            chosen.append(registered[name])
+        if entry not in chosen:
+            chosen.append(entry)
     return chosen

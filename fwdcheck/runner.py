@@ -6,8 +6,11 @@ import dataclasses
 import inspect
 import platform
 import re
+import signal
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -27,12 +30,17 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
 
     session = Session(model, settings)
     results: list[CheckResult] = []
-    with session.active():
-        for entry in entries:
-            if progress:
-                progress(f"{entry.name}")
-            results.append(run_one(entry, model, session))
-    cells = path_cells(model, settings.paths, settings.batch_size)
+    interrupted = False
+    try:
+        with session.active():
+            for entry in entries:
+                if progress:
+                    progress(f"{entry.name}")
+                results.append(run_one(entry, model, session))
+    except KeyboardInterrupt:  # Ctrl-C: the model is restored by now; report what ran, mark the rest
+        interrupted = True
+        results += [CheckResult(e.name, Status.ERROR, "interrupted before it finished") for e in entries[len(results):]]
+    cells = [] if interrupted else path_cells(model, settings.paths, settings.batch_size)
     if cells:
         if progress:
             progress(f"{len(cells)} code paths")
@@ -54,6 +62,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
         notes=[*model.extra.get("notes", []), *session.notes],
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
+        interrupted=interrupted,
     )
 
 
@@ -135,6 +144,36 @@ def merge_cells(default: CheckResult, cells: list[tuple[CodePath, CheckResult]])
                        default.internal_error or any(r.internal_error for _, r in cells))
 
 
+class CheckTimeout(BaseException):
+    """Raised inside a check that ran past its time limit. A BaseException, so that a model's own
+    `except Exception` cannot swallow it."""
+
+    def __init__(self, seconds: float):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
+@contextmanager
+def time_limit(seconds: float | None):
+    """Interrupt the block after `seconds` with CheckTimeout. It uses SIGALRM, so it works in the main thread of
+    a Unix process and reaches Python code (a hung kernel returns control only when it ends); elsewhere no limit."""
+    usable = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(seconds)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> CheckResult:
     """One check, whatever happens: skip raised, model errors and fwdcheck's own errors become results."""
     start = time.perf_counter()
@@ -143,7 +182,11 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         if session.device.type == "meta" and getattr(check, "needs_values", True):
             raise SkipCheck("needs values; on the meta device only shapes exist: run on a shrunk config "
                             "(`fwdcheck shrink CONFIG`)")
-        result = check.run(model, session)
+        with time_limit(session.settings.timeout_s):
+            result = check.run(model, session)
+    except CheckTimeout as timeout:
+        message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); a forward that hangs?"
+        result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))
     except CheckLoadError as exc:

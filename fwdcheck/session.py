@@ -42,6 +42,7 @@ class Settings:
     paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
     ignore: dict[str, str] = field(default_factory=dict)  # finding code -> the config's reason
     expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
+    timeout_s: float | None = 600.0  # per check; a hung forward ends as an error
 
     @classmethod
     def from_config(cls, config: Config) -> Settings:
@@ -49,7 +50,7 @@ class Settings:
                    seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
                    atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
                    exhaustive=config.exhaustive, paths=config.paths, meta=config.meta,
-                   ignore={i.code: i.reason for i in config.ignore})
+                   ignore={i.code: i.reason for i in config.ignore}, timeout_s=config.timeout_s)
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from fwdcheck.config import HFModel, ReferenceModel, config_from_dict, load_config
+from fwdcheck.config import HFModel, Inputs, ReferenceModel, config_from_dict, load_config
 from fwdcheck.errors import ConfigError, UsageError
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
@@ -68,9 +68,8 @@ class Shrunk:
 class Edits:
     """A config dictionary being rewritten, remembering every value it changes."""
 
-    def __init__(self, data: dict[str, Any], prefix: str = ""):
+    def __init__(self, data: dict[str, Any]):
         self.data = data
-        self.prefix = prefix
         self.changes: list[tuple[str, Any, Any]] = []
         self.notes: list[str] = []
 
@@ -81,7 +80,7 @@ class Edits:
     def set(self, key: str, value: Any) -> None:
         old = self.data.get(key)
         if old != value:
-            self.changes.extend(_differences(self.prefix + key, old, value))
+            self.changes.extend(_differences(key, old, value))
             self.data[key] = value
 
 
@@ -135,13 +134,19 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
     header = (f"# Shrunk by `fwdcheck shrink` from {config_path.name}: the same architecture with {LAYERS} layers and "
               "small widths,\n# randomly initialised, so that every check runs in seconds. "
               f"Run it with `fwdcheck run {output.name}`.\n")
-    text = header + yaml.safe_dump(document, sort_keys=False, default_flow_style=None, width=120)
+    text = header + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
     return Shrunk(document, text, changes, notes)
 
 
-def _seq_len(raw: dict) -> int:
-    from fwdcheck.config import Inputs
+class _Dumper(yaml.SafeDumper):
+    """Block style for mappings, one line for a list of scalars (layer_types, token ids, checks)."""
 
+
+_Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence(
+    "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(v, (dict, list)) for v in data)))
+
+
+def _seq_len(raw: dict) -> int:
     return int((raw.get("inputs") or {}).get("seq_len", Inputs().seq_len))
 
 
@@ -389,24 +394,32 @@ def verify_hf(config: dict, model_class: str | None) -> None:
 def shrink_reference_dict(data: dict[str, Any]) -> Edits:
     """Shrink a reference model's fields in place, by the same rules as a Hugging Face config."""
     defaults = ReferenceModel(source="reference")
-    get = lambda key: data.get(key) if data.get(key) is not None else getattr(defaults, key)  # noqa: E731
     e = Edits(data)
+
+    def get(key: str) -> Any:  # the value the model is built with: the config's, or the field's default
+        return data[key] if data.get(key) is not None else getattr(defaults, key)
+
+    def put(key: str, value: Any) -> None:  # a field left at its default is written only when it changes
+        if value != get(key):
+            e.changes.append((key, get(key), value))
+            data[key] = value
+
     # Depth: 2 layers.
-    e.set("n_layers", min(get("n_layers"), LAYERS))
+    put("n_layers", min(get("n_layers"), LAYERS))
     # Heads: at most 2 kv heads, the ratio kept (n_kv_heads only when the config sets it).
     heads, old_d_model = get("n_heads"), get("d_model")
     new_heads, new_kv = shrink_heads(heads, get("n_kv_heads") or heads)
-    e.set("n_heads", new_heads)
+    put("n_heads", new_heads)
     if data.get("n_kv_heads") is not None:
-        e.set("n_kv_heads", new_kv)
+        put("n_kv_heads", new_kv)
     # Head size 16 (a smaller one is kept), or more when the declared rope.rotary_dim needs it; rope itself unchanged.
-    rotary = (data.get("rope") or {}).get("rotary_dim") or 0
+    rotary = ((data.get("rope") or {}).get("rotary_dim") or 0) if get("positional") == "rope" else 0
     head = min(old_d_model // heads, max(HEAD_DIM, rotary))
-    e.set("d_model", new_heads * head)
+    put("d_model", new_heads * head)
     # Feed-forward width keeps its ratio to d_model.
-    e.set("d_ff", scaled_width(get("d_ff"), old_d_model, new_heads * head))
+    put("d_ff", scaled_width(get("d_ff"), old_d_model, new_heads * head))
     # Vocabulary at most 512. max_seq_len, positional, rope, mask, attention, norm and planted bugs: unchanged.
-    e.set("vocab_size", min(get("vocab_size"), VOCAB))
+    put("vocab_size", min(get("vocab_size"), VOCAB))
     return e
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fwdcheck import __version__
-from fwdcheck.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_NOTHING_RAN, EXIT_OK
+from fwdcheck.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK
 from fwdcheck.result import CheckResult, Status, worst
 
 SCHEMA_VERSION = 1
@@ -28,6 +28,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     config_path: str | None = None
     fail_on: str = "fail"  # fail | warn
+    interrupted: bool = False  # Ctrl-C: the report holds what ran
 
     @property
     def status(self) -> Status:
@@ -38,6 +39,8 @@ class Report:
     def exit_code(self) -> int:
         """0 passed (warnings allowed unless fail_on=warn); 1 failed or the model raised; 3 fwdcheck broke;
         5 nothing ran."""
+        if self.interrupted:
+            return EXIT_INTERRUPTED
         if any(r.internal_error for r in self.results):
             return EXIT_INTERNAL
         status = self.status

@@ -46,7 +46,7 @@ def to_github(report: Report) -> str:
     for kind, count in left_out.items():
         if count:
             lines.append(f"::notice title=fwdcheck::{count} more {kind}s are in the job summary and the report")
-    verdict = {0: "passed", 1: "failed", 3: "internal error", 5: "nothing ran"}[report.exit_code]
+    verdict = {0: "passed", 1: "failed", 3: "internal error", 5: "nothing ran", 130: "interrupted"}[report.exit_code]
     lines.append(f"fwdcheck {verdict} (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
 

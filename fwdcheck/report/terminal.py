@@ -35,7 +35,7 @@ def render(report: Report, console: Console, debug: bool = False) -> None:
             continue
         console.print(detail(result, debug))
     verdict = {0: "[bold green]passed[/]", 1: "[bold red]failed[/]", 3: "[bold magenta]internal error[/]",
-               5: "[dim]nothing ran[/]"}[report.exit_code]
+               5: "[dim]nothing ran[/]", 130: "[bold red]interrupted[/]"}[report.exit_code]
     console.print(f"{verdict} (exit {report.exit_code})")
 
 

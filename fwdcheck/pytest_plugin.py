@@ -1,0 +1,347 @@
+"""pytest plugin (entry point `pytest11: fwdcheck`): fwdcheck configs as test items, and a `fwdcheck` fixture.
+
+    pytest --fwdcheck configs/            # every config under configs/ becomes items: configs/gpt.yaml::future-token
+    pytest --fwdcheck configs/ -m fwdcheck   # only those items (each carries the `fwdcheck` marker)
+
+    def test_model(fwdcheck):             # the fixture is fwdcheck.check_model
+        fwdcheck(MyModel()).raise_for_failures()
+
+A config is a *.yaml / *.yml file that parses as a mapping with a `model:` key; other YAML files under the path are
+left alone (a file named directly is always read as a config). Each check the config selects is one item: it passes,
+fails with the check's findings, or skips with the check's reason. A config that does not validate is one collection
+error line; a model that cannot be built fails each of its items with one line. Each config's model is built and run
+once, for all of its items that are selected (like `fwdcheck run CONFIG --check ...` for a `-k` subset).
+
+Without --fwdcheck (or the `fwdcheck_paths` ini option) the plugin collects nothing and imports neither torch nor
+fwdcheck's runner: only the fixture exists, and it imports fwdcheck when a test asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MARKER = "fwdcheck"
+_MODEL_KEY = re.compile(r"^model\s*:", re.MULTILINE)
+_MAX_CONFIG_BYTES = 1 << 20  # a YAML file larger than this under a --fwdcheck directory is data, not a config
+
+
+class FwdcheckWarning(UserWarning):
+    """A check's `warn` status: the item passes (unless --fwdcheck-fail-on warn) and pytest lists the warning."""
+
+
+# -- options ----------------------------------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fwdcheck", "fwdcheck: forward-pass checks of the models fwdcheck configs describe")
+    group.addoption("--fwdcheck", action="append", default=[], metavar="PATH", dest="fwdcheck_paths",
+                    help="collect every fwdcheck config (*.yaml/*.yml with a `model:` key) under PATH, a file or a "
+                         "directory; one test item per check. Repeatable.")
+    group.addoption("--fwdcheck-fail-on", choices=("fail", "warn"), default="fail", dest="fwdcheck_fail_on",
+                    help="lowest check status that fails its item (default: fail; warnings are then reported as "
+                         "pytest warnings).")
+    group.addoption("--fwdcheck-device", choices=("cpu", "cuda", "auto"), default=None, dest="fwdcheck_device",
+                    help="override every config's device.")
+    group.addoption("--fwdcheck-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    dest="fwdcheck_dtype", help="override every config's dtype.")
+    parser.addini("fwdcheck_paths", type="paths", default=[],
+                  help="config files or directories collected as if given with --fwdcheck (relative to the ini file)")
+
+
+def _roots(config: pytest.Config) -> list[Path]:
+    return config.stash.get(_ROOTS, [])
+
+
+_ROOTS = pytest.StashKey[list]()
+_FOUND = pytest.StashKey[dict]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}: a check of a fwdcheck config, collected by --fwdcheck")
+    invocation = config.invocation_params.dir
+    given = [(invocation / p) for p in config.getoption("fwdcheck_paths") or []]
+    given += [Path(p) for p in config.getini("fwdcheck_paths") or []]
+    roots = []
+    for path in given:
+        path = Path(os.path.abspath(path))
+        if not path.exists():
+            raise pytest.UsageError(f"--fwdcheck {_shown(path, invocation)}: no such file or directory")
+        if path not in roots:
+            roots.append(path)
+    config.stash[_ROOTS] = roots
+    config.stash[_FOUND] = {root: 0 for root in roots}
+    if roots and not config.getoption("pyargs", False):
+        # Collect the paths even when pytest was given other arguments (or none: testpaths); pytest drops overlaps.
+        config.args = [*config.args, *(str(root) for root in roots if not _covered(root, config.args, invocation))]
+
+
+def _covered(path: Path, args: list[str], invocation: Path) -> bool:
+    for arg in args:
+        base = Path(os.path.abspath(invocation / arg.split("::")[0]))
+        if "::" not in arg and (path == base or base in path.parents):
+            return True
+    return False
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    roots = _roots(config)
+    if not roots:
+        return None
+    invocation = config.invocation_params.dir
+    return [f"fwdcheck: configs under {', '.join(_shown(r, invocation) for r in roots)}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    invocation = config.invocation_params.dir
+    for root, count in config.stash.get(_FOUND, {}).items():
+        if count == 0:
+            terminalreporter.write_line(f"fwdcheck: no configs found under {_shown(root, invocation)} "
+                                        "(a config is a *.yaml/*.yml mapping with a `model:` key)", yellow=True)
+
+
+# -- collection -------------------------------------------------------------------------------------------------------
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector):
+    roots = _roots(parent.config)
+    if not roots or file_path.suffix not in (".yaml", ".yml"):
+        return None
+    path = Path(os.path.abspath(file_path))
+    named = [r for r in roots if r == path]
+    under = [r for r in roots if r in path.parents]
+    if not named and not (under and _looks_like_config(path)):
+        return None
+    found = parent.config.stash[_FOUND]
+    for root in named or under:
+        found[root] = found.get(root, 0) + 1
+    return ConfigFile.from_parent(parent, path=file_path)
+
+
+def _looks_like_config(path: Path) -> bool:
+    """A mapping with a `model` key; a file that does not parse counts when a line starts with `model:`, so that a
+    broken config is reported rather than silently left out."""
+    try:
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            return False
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    import yaml
+
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return bool(_MODEL_KEY.search(text))
+    return isinstance(document, dict) and "model" in document
+
+
+def _shown(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+class ConfigFile(pytest.File):
+    """One fwdcheck config: an item per selected check; the model is built and run once for all of them."""
+
+    def collect(self):
+        from fwdcheck.config import load_config
+        from fwdcheck.errors import FwdcheckError
+        from fwdcheck.registry import select
+
+        self.shown = _shown(Path(os.path.abspath(self.path)), self.config.invocation_params.dir)
+        try:
+            self.fwd_config = load_config(self.path)
+            self.entries = select(self.fwd_config.checks)
+        except FwdcheckError as exc:
+            raise self.CollectError(self.message(exc)) from None
+        self._outcome: Any = None
+        for entry in self.entries:
+            yield CheckItem.from_parent(self, name=entry.name, entry=entry)
+
+    def line_of(self, check: str) -> int:
+        """0-based line naming the check in the config's `checks:`, or of `checks:` / the top (0) when not named."""
+        try:
+            lines = Path(self.path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            return 0
+        named = re.compile(rf"(^|[\s\[,'\"-]){re.escape(check)}($|[\s\],'\"#])")
+        start = next((i for i, line in enumerate(lines) if line.startswith("checks")), None)
+        if start is None:
+            return 0
+        return next((i for i in range(start, len(lines)) if named.search(lines[i])), start)
+
+    def message(self, exc: BaseException) -> str:
+        """fwdcheck's one-line message, naming the config as the user wrote its path."""
+        return str(exc).replace(str(self.path), self.shown)
+
+    def repr_failure(self, excinfo):
+        from fwdcheck.errors import FwdcheckError
+
+        if isinstance(excinfo.value, FwdcheckError):  # e.g. no checks registered: one line, not our traceback
+            return self.message(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def outcome(self):
+        """The Report for this config's selected items, or the error that stopped the run; computed once."""
+        if self._outcome is None:
+            try:
+                self._outcome = self._run()
+            except Exception as exc:  # kept and raised by every item, so the model is not rebuilt for each
+                self._outcome = exc
+        return self._outcome
+
+    def _run(self):
+        from fwdcheck.model import load_model
+        from fwdcheck.runner import run_model
+        from fwdcheck.session import Settings
+
+        selected = {item.name for item in self.session.items if item.parent is self}
+        entries = [e for e in self.entries if e.name in selected] or self.entries
+        options = self.config.option
+        settings = Settings.from_config(self.fwd_config)
+        settings.device = options.fwdcheck_device or settings.device
+        settings.dtype = options.fwdcheck_dtype or settings.dtype
+        model = load_model(self.fwd_config)
+        report = run_model(model, settings, entries, config_path=self.shown, fail_on=options.fwdcheck_fail_on)
+        return report, dict(zip((e.name for e in entries), report.results))
+
+
+class CheckFailed(Exception):
+    """A check did not pass; the item's failure text is its findings."""
+
+    def __init__(self, text: str, headline: str):
+        super().__init__(headline)
+        self.text = text
+        self.headline = headline
+
+
+class _Crash:
+    def __init__(self, message: str, path: str):
+        self.message = message
+        self.path = path
+        self.lineno = 0
+
+
+class FindingsRepr:
+    """The failure text of a check: plain lines, with the headline as pytest's one-line summary (and JUnit message)."""
+
+    def __init__(self, text: str, headline: str, path: str):
+        self.text = text
+        self.reprcrash = _Crash(headline, path)
+
+    def toterminal(self, tw) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class CheckItem(pytest.Item):
+    def __init__(self, *, entry, **kwargs):
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.add_marker(MARKER)
+
+    @property
+    def file(self) -> ConfigFile:
+        return self.parent  # type: ignore[return-value]
+
+    def runtest(self) -> None:
+        from fwdcheck.result import Status
+
+        outcome = self.file.outcome()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        report, results = outcome
+        result = results[self.name]
+        if result.status == Status.SKIP:
+            _skip(f"{self.name}: {result.summary}")
+        failing = result.status in (Status.FAIL, Status.ERROR) or (
+            result.status == Status.WARN and report.fail_on == "warn")
+        if failing:
+            raise CheckFailed(self.failure_text(report, result), self.headline(result))
+        if result.status == Status.WARN:
+            warnings.warn(FwdcheckWarning(f"{self.file.shown}::{self.name}: {self.headline(result)}"), stacklevel=1)
+
+    def headline(self, result) -> str:
+        from fwdcheck.result import Status
+
+        shown = [f for f in result.findings if f.status not in (Status.PASS, Status.SKIP)]
+        codes = ", ".join(dict.fromkeys(f.code for f in shown))
+        return f"{result.status.value}: {codes + ': ' if codes else ''}{result.summary}"
+
+    def failure_text(self, report, result) -> str:
+        from fwdcheck.result import Status
+
+        lines = [f"fwdcheck {self.name}: {result.status.value} - {result.summary}"]
+        for f in result.findings:
+            if f.status in (Status.PASS, Status.SKIP):
+                continue
+            lines.append(f"  {f.code} {f.status.value}: {f.message}")
+            if f.where:
+                lines.append(f"      at {f.where}")
+            source = getattr(f, "source", None)
+            if source and source != f.where:
+                lines.append(f"      code {source}")
+        if result.internal_error and result.data.get("traceback"):
+            lines += ["", "internal error (a bug in fwdcheck or in the check's plugin); traceback:",
+                      result.data["traceback"].rstrip()]
+        env = report.environment
+        lines += [
+            "",
+            f"config:  {self.file.shown}",
+            f"model:   {report.model.get('label', '?')} · {env.get('device')} {env.get('dtype')} · "
+            f"B={env.get('batch_size')} T={env.get('seq_len')} seed={env.get('seed')}",
+            f"rerun:   fwdcheck run {self.file.shown} --check {self.name}",
+        ]
+        if self.entry.distribution != "direct":
+            lines.append(f"explain: fwdcheck explain {self.name}")
+        return "\n".join(lines)
+
+    def repr_failure(self, excinfo, style=None):
+        from fwdcheck.errors import FwdcheckError
+
+        if isinstance(excinfo.value, CheckFailed):
+            return FindingsRepr(excinfo.value.text, excinfo.value.headline, str(self.path))
+        if isinstance(excinfo.value, FwdcheckError):  # the model could not be built or placed: one line
+            text = self.file.message(excinfo.value)
+            message = f"fwdcheck: {text if text.startswith(self.file.shown) else f'{self.file.shown}: {text}'}"
+            return FindingsRepr(message, message, str(self.path))
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        # The domain is the node id's tail; pytest shows '.' in it as '::', so a dotted module:Class gets none.
+        return self.path, self.file.line_of(self.name), "" if "." in self.name else self.name
+
+
+def _skip(reason: str):
+    """Skip, reported at the item (config::check) rather than at this line of the plugin."""
+    try:
+        exc = pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # a pytest without the keyword
+        exc = pytest.skip.Exception(reason)
+    raise exc
+
+
+# -- fixture ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fwdcheck():
+    """fwdcheck.check_model: `fwdcheck(model, checks=None, batch_size=2, seq_len=8, ...) -> Report`.
+
+        def test_model(fwdcheck):
+            fwdcheck(MyModel(), vocab_size=32000).raise_for_failures()
+    """
+    from fwdcheck.api import check_model
+
+    return check_model
