@@ -129,9 +129,7 @@ class Session:
         self.force_zero_dropout = False  # set when the observation pass saw dropout live in eval mode
         self._generator = torch.Generator().manual_seed(settings.seed)
         self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
-        self._baseline: torch.Tensor | ModelRaised | None = None
-        self._observation: Observation | ModelRaised | None = None
-        self._repeat: torch.Tensor | ModelRaised | None = None
+        self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
         self.forward_tokens = 0  # rows x positions run, for benchmarks
         self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding
 
@@ -183,43 +181,44 @@ class Session:
             self.forward_tokens += rows.numel()
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
+    def _once(self, key: str, compute):
+        """compute() on the first call; every later call gets its value, or the ModelRaised it raised, again."""
+        if key not in self._cache:
+            try:
+                self._cache[key] = compute()
+            except ModelRaised as exc:
+                self._cache[key] = exc
+        value = self._cache[key]
+        if isinstance(value, ModelRaised):
+            raise value
+        return value
+
     def baseline(self) -> torch.Tensor:
         """Logits of the session's inputs, computed once and shared by every check."""
-        if self._baseline is None:
+
+        def compute():
             try:  # first learn whether dropout is live in eval: then every comparison runs with it forced off
                 self.observation()
             except ModelRaised:
                 pass  # the observer cannot follow this model; the plain forward below says whether it runs at all
-            try:
-                self._baseline = self.logits(self.inputs)
-            except ModelRaised as exc:
-                self._baseline = exc
-        if isinstance(self._baseline, ModelRaised):
-            raise self._baseline
-        return self._baseline
+            return self.logits(self.inputs)
+
+        return self._once("baseline", compute)
 
     def repeat_change(self) -> float:
         """Largest |change| of the logits when the identical input runs again: 0 for a deterministic model."""
-        if self._repeat is None:
-            try:
-                self._repeat = self.logits(self.inputs)
-            except ModelRaised as exc:
-                self._repeat = exc
-        if isinstance(self._repeat, ModelRaised):
-            raise self._repeat
-        return float(position_change(self._repeat, self.baseline()).max())
+        repeat = self._once("repeat", lambda: self.logits(self.inputs))
+        return float(position_change(repeat, self.baseline()).max())
 
     def observation(self) -> Observation:
         """The observation pass over the session's inputs, run once."""
-        if self._observation is None:
-            try:
-                self._observation = self.observe(self.inputs)
-                self.force_zero_dropout = bool(self._observation.active_dropout)
-            except ModelRaised as exc:
-                self._observation = exc
-        if isinstance(self._observation, ModelRaised):
-            raise self._observation
-        return self._observation
+
+        def compute():
+            seen = self.observe(self.inputs)
+            self.force_zero_dropout = bool(seen.active_dropout)
+            return seen
+
+        return self._once("observation", compute)
 
     def observe(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep_tensors: bool = False,
                 keep_inputs_of: set[str] = frozenset()) -> Observation:
