@@ -248,6 +248,8 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
         for key in HEAD_DIM_KEYS:
             if data.get(key) is not None:
                 e.set(key, new_head)
+        if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
+            e.set("query_pre_attn_scalar", new_head)
         if hidden_key:
             e.set(hidden_key, data[head_key] * new_head)
 

@@ -17,6 +17,9 @@ from typer.testing import CliRunner
 from fwdcheck.cli import app
 from fwdcheck.shrink import clamp_token, keep_layers, resample, shrink_heads, shrink_hf_dict
 
+# Imported here, not first inside a CliRunner call: transformers' log handler would keep that call's closed stderr.
+transformers = pytest.importorskip("transformers")
+
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
@@ -86,10 +89,8 @@ def check(report: dict, name: str) -> dict:
 
 def hf_config(model_block: dict):
     """The transformers config a shrunk `config:` block builds, as `fwdcheck run` would build it."""
-    from transformers import AutoConfig
-
     inline = dict(model_block["config"])
-    return AutoConfig.for_model(inline.pop("model_type"), **inline)
+    return transformers.AutoConfig.for_model(inline.pop("model_type"), **inline)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,8 +98,6 @@ def hf_config(model_block: dict):
 
 
 def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp_path):
-    from transformers import AutoConfig
-
     config = hf_project(tmp_path, "llama3-8b", LLAMA3_8B, meta=True, inputs={"batch_size": 2, "seq_len": 8})
     out, document, printed = shrink(config)
 
@@ -114,7 +113,7 @@ def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp
     assert small["dtype"] == "float32"
     assert not {"_name_or_path", "transformers_version", "torch_dtype", "architectures"} & set(small)
     assert small["max_position_embeddings"] == 131072 and small["tie_word_embeddings"] is False
-    original = AutoConfig.from_pretrained(tmp_path / "llama3-8b")
+    original = transformers.AutoConfig.from_pretrained(tmp_path / "llama3-8b")
     assert hf_config(block).rope_parameters == original.rope_parameters  # llama3 scaling, theta 500000: identical
     assert hf_config(block).rope_parameters["rope_theta"] == 500000.0
     # The table of changes and the way to run it.
@@ -142,8 +141,7 @@ def test_mistral_keeps_a_sliding_window_the_test_sequence_reaches_past(tmp_path)
     code, report = run_json(out)
     assert code == 0, report
     assert set(statuses(report).values()) == {"pass"}
-    calls = check(report, "mask-audit")["data"]
-    assert "window" in json.dumps(calls)  # the audit saw the band: causal, restricted (window or sparse)
+    assert "causal, restricted (window" in check(report, "mask-audit")["summary"]  # the audit saw the band
 
 
 def test_gptj_keeps_interleaved_rotary_with_rotary_dim_scaled(tmp_path):
@@ -287,8 +285,7 @@ def test_heads_keep_their_grouping(heads, kv, expected):
 
 
 def test_gemma3_keeps_one_layer_of_each_type():
-    from transformers import AutoConfig
-
+    AutoConfig = transformers.AutoConfig
     data = AutoConfig.for_model("gemma3_text").to_dict()  # 26 layers, 5 sliding : 1 full
     edits = shrink_hf_dict(data)
     assert data["num_hidden_layers"] == 2 and data["layer_types"] == ["sliding_attention", "full_attention"]
@@ -307,8 +304,7 @@ def test_small_rules():
 
 
 def test_partial_rotary_and_longrope_factors_follow_the_head_size():
-    from transformers import AutoConfig
-
+    AutoConfig = transformers.AutoConfig
     factors = [1.0 + i / 10 for i in range(48)]
     phi3 = AutoConfig.for_model("phi3", max_position_embeddings=131072, rope_scaling={
         "rope_type": "longrope", "short_factor": factors, "long_factor": factors,
