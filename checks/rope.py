@@ -296,6 +296,13 @@ the same positions (offset included) to q and k."""
             return model.rotary(x.expand(1, 1, P, D).contiguous(), positions)[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)
+        # Some rotary embeddings scale cos and sin by an attention factor (longrope, yarn): R(m) = s * rotation.
+        # A uniform s is no bug; divide it out and report it.
+        ratios = Rq.norm(dim=-1) / q.double().norm()
+        scale = float(ratios.mean())
+        if abs(scale - 1) > tol and float((ratios - scale).abs().max()) <= tol * scale:
+            Rq, Rk = Rq / scale, Rk / scale
+            data["component_scale"] = scale
         lhs = Rq @ Rk.T  # <R(m)q, R(n)k>
         rhs = torch.empty_like(lhs)  # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
         for m in range(P):

@@ -229,11 +229,16 @@ def name_axes(e: Entry, first: tuple[int, int], second: tuple[int, int], known: 
     names = []
     for axis, size in enumerate(e.shape):
         other = e.probe_shape[axis] if e.probe_shape is not None else None
-        if other is not None and other != size:
-            names.append(next((n for n, pair in varying.items() if pair == (size, other)), f"{size}→{other}"))
+        follows = next((n for n, pair in varying.items() if pair == (size, other)), None)
+        if other is not None and other != size and follows:
+            names.append(follows)
             continue
+        # Constant, or changed without following B or T: the small pass took another code path (a sliding-window
+        # model repeats its kv heads only when the window masks something). Either way the size names it.
         candidates = [n for n in NAME_PRIORITY if known.get(n) == size]
         want = expected[axis] if axis < len(expected) else None
+        if want == "h_kv" and not candidates and known.get("h") and known["h"] % size == 0:
+            candidates = ["h_kv"]  # fewer kv heads than the config says (multi-query read from another field)
         if other is None and size in (B, T) and want in ("B", "T"):
             candidates.insert(0, want)  # not seen in the second pass: the best guess is the layout's own
         if want in candidates:

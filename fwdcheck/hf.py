@@ -90,7 +90,7 @@ def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> M
         dims["d"] = hidden
     if heads:
         dims["h"] = heads
-        dims["h_kv"] = getattr(cfg, "num_key_value_heads", None) or heads
+        dims["h_kv"] = kv_heads(cfg, heads)
         dims["d_h"] = getattr(cfg, "head_dim", None) or (hidden // heads if hidden else None)
     d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
     if d_ff:
@@ -116,6 +116,14 @@ def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> M
         attn_implementations=attn_implementations(module),
         extra={"notes": notes, "model_type": cfg.model_type},
     )
+
+
+def kv_heads(cfg, heads: int) -> int:
+    """Key/value heads, across spellings: num_key_value_heads (Llama), num_kv_heads (Falcon), multi_query (Falcon,
+    GPT-BigCode: one shared head unless the new decoder architecture is on)."""
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        return 1
+    return getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or heads
 
 
 def _hf_config(spec: HFModel, transformers) -> Any:

@@ -155,3 +155,46 @@ def test_meta_ledger_of_an_8b_config_stays_under_a_gigabyte(tmp_path):
     assert entries["model.layers.31.self_attn k"]["shape"] == [2, 8, 16, 128]
     assert entries["model.layers.31.self_attn k"]["dims"] == ["B", "h_kv", "T", "d_h"]
     assert entries["logits"]["dims"] == ["B", "T", "V"] and entries["logits"]["shape"] == [2, 16, 128256]
+
+
+def test_falcon_output_attentions_path_leaks_exactly_where_plain_torch_says_it_does():
+    """Falcon (transformers 5) ignores the causal mask on the path that returns attention weights. fwdcheck must
+    flag exactly the output_attentions=True cells, and agree with a direct measurement in plain torch."""
+    spec = compat.hf("falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                     new_decoder_architecture=False, parallel_attn=True, alibi=False)
+    model = load_model(config_from_dict({"model": spec})).module.eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 64
+    leaks = {}
+    for weights in (False, True):
+        with torch.no_grad():
+            before = model(ids, output_attentions=weights).logits[:, :-1]
+            after = model(changed, output_attentions=weights).logits[:, :-1]
+        leaks[weights] = bool((before - after).abs().max() > 1e-4)
+    report = run_checks(spec, ["future-token", "shape-ledger"])
+    rows = report.result("future-token").data["paths"]
+    flagged = {r["path"] for r in rows if "FWD101" in r["codes"]}
+    assert flagged == {r["path"] for r in rows if leaks["output_attentions=True" in r["path"]]}
+    assert report.result("shape-ledger").status.value == "pass"  # multi-query: k and v have one head (h_kv=1)
+
+
+def test_sliding_window_wider_than_the_naming_pass_is_named_right():
+    """The ledger's small second pass is shorter than the window: the model takes another code path there (no
+    window mask, kv heads not repeated). Axes are still named from the sizes, without a false FWD401."""
+    spec = compat.hf("mistral", num_key_value_heads=2, sliding_window=8, **compat.LLAMA_LIKE)
+    report = run_checks(spec, inputs={"batch_size": 2, "seq_len": 16}, paths={"enabled": False})
+    assert set(statuses(report).values()) == {"pass"}
+    assert "restricted" in report.result("mask-audit").summary
+
+
+def test_longrope_attention_factor_is_divided_out():
+    """Phi-3 longrope scales cos and sin by an attention factor: a uniform scale, not a broken rotation."""
+    spec = compat.hf("phi3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=64,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
+                                   "long_factor": [2.0, 2.1, 2.2, 2.3]})
+    result = run_checks(spec, ["rope"]).result("rope")
+    assert result.status.value == "pass", result.findings
+    assert result.data["component_scale"] == pytest.approx(1.2247, rel=1e-3)
