@@ -10,7 +10,8 @@ A config is a *.yaml / *.yml file that parses as a mapping with a `model:` key; 
 left alone (a file named directly is always read as a config). Each check the config selects is one item: it passes,
 fails with the check's findings, or skips with the check's reason. A config that does not validate is one collection
 error line; a model that cannot be built fails each of its items with one line. Each config's model is built and run
-once, for all of its items that are selected (like `fwdcheck run CONFIG --check ...` for a `-k` subset).
+once, for all of its items that are selected (like `fwdcheck run CONFIG --check ...` for a `-k` subset); with
+pytest-xdist, `--dist loadfile` keeps a config's items on one worker, so that its model is built once there too.
 
 Without --fwdcheck (or the `fwdcheck_paths` ini option) the plugin collects nothing and imports neither torch nor
 fwdcheck's runner: only the fixture exists, and it imports fwdcheck when a test asks for it.
@@ -54,24 +55,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   help="config files or directories collected as if given with --fwdcheck (relative to the ini file)")
 
 
+_ROOTS = pytest.StashKey[list]()  # the absolute config paths / directories to collect
+_FOUND = pytest.StashKey[dict]()  # root -> configs collected under it
+
+
 def _roots(config: pytest.Config) -> list[Path]:
     return config.stash.get(_ROOTS, [])
-
-
-_ROOTS = pytest.StashKey[list]()
-_FOUND = pytest.StashKey[dict]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}: a check of a fwdcheck config, collected by --fwdcheck")
     invocation = config.invocation_params.dir
-    given = [(invocation / p) for p in config.getoption("fwdcheck_paths") or []]
-    given += [Path(p) for p in config.getini("fwdcheck_paths") or []]
+    given = [("--fwdcheck", invocation / p) for p in config.getoption("fwdcheck_paths") or []]
+    given += [("ini option fwdcheck_paths:", Path(p)) for p in config.getini("fwdcheck_paths") or []]
     roots = []
-    for path in given:
+    for origin, path in given:
         path = Path(os.path.abspath(path))
         if not path.exists():
-            raise pytest.UsageError(f"--fwdcheck {_shown(path, invocation)}: no such file or directory")
+            raise pytest.UsageError(f"{origin} {_shown(path, invocation)}: no such file or directory")
         if path not in roots:
             roots.append(path)
     config.stash[_ROOTS] = roots
@@ -282,7 +283,7 @@ class CheckItem(pytest.Item):
     def failure_text(self, report, result) -> str:
         from fwdcheck.result import Status
 
-        lines = [f"fwdcheck {self.name}: {result.status.value} - {result.summary}"]
+        lines = [f"fwdcheck {self.name} on {self.file.shown}: {result.status.value} - {result.summary}"]
         for f in result.findings:
             if f.status in (Status.PASS, Status.SKIP):
                 continue
@@ -319,8 +320,8 @@ class CheckItem(pytest.Item):
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):
-        # The domain is the node id's tail; pytest shows '.' in it as '::', so a dotted module:Class gets none.
-        return self.path, self.file.line_of(self.name), "" if "." in self.name else self.name
+        # The domain heads the failure section. Not the node id's tail: pytest would show its '.' as '::' under -v.
+        return self.path, self.file.line_of(self.name), f"{self.name} in {self.file.shown}"
 
 
 def _skip(reason: str):
