@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model import model_frame
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import position_change
 
@@ -145,6 +146,7 @@ the same positions (offset included) to q and k."""
         metrics: dict = {}
         data: dict = {"declared": declared.model_dump() if declared else None}
 
+        probe = self._probe(model, session, tol, findings, data)
         component = None
         if model.rotary is not None:
             try:
@@ -155,7 +157,6 @@ the same positions (offset included) to q and k."""
                 # found by naming convention only: a modeling file with another signature is no finding
                 data["component"] = None
                 data["component_note"] = f"rotary function found by convention could not be called: {exc}"
-        probe = self._probe(model, session, tol, findings, data)
         rotates = probe is not None and (probe[0].rotates or probe[1].rotates)
         if not rotates and declared is None and component is None:
             raise SkipCheck("no rotary embedding: q and k do not turn with position and the model declares none")
@@ -208,7 +209,8 @@ the same positions (offset included) to q and k."""
             results.append((where, q_rot, k_rot))
             toeplitz = max(toeplitz, toeplitz_error(q[0].double() @ k[0].double().T))
         where0, q0, k0 = results[0]
-        data["probe"] = {"calls": len(pairs), "q": asdict(q0), "k": asdict(k0), "toeplitz_error": toeplitz}
+        data["probe"] = {"calls": len(pairs), "q": asdict(q0), "k": asdict(k0), "toeplitz_error": toeplitz,
+                         "head_dim": pairs[0][1].shape[-1]}
         specific = self._compare_qk(results, tol, P)
         findings += specific
         if toeplitz > tol and not specific and (q0.rotates or k0.rotates):
@@ -285,15 +287,25 @@ the same positions (offset included) to q and k."""
 
     # -- the rotary function alone -----------------------------------------------------------------------------------
 
-    def _component(self, model, session, tol, findings, data) -> Rotation:
-        D = model.dims.get("d_h") or (model.rope.rotary_dim if model.rope else None)
+    def _component(self, model, session, tol, findings, data) -> Rotation | None:
+        probe = data.get("probe") if isinstance(data.get("probe"), dict) else {}
+        D = model.dims.get("d_h") or probe.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
+        if not D:
+            findings.append(Finding("FWD308", Status.WARN, "the rotary function was not tested alone: the head size "
+                                    "is unknown (no attention call seen); set rope.rotary_dim", "rotary function"))
+            return None
         P = 32
         g = torch.Generator().manual_seed(session.settings.seed)
         q, k = torch.randn(2, D, generator=g).to(session.device, session.dtype)
         positions = torch.arange(P, device=session.device)
 
         def rotate(x):  # the same vector at every position: (P, D) of R(m) x
-            return model.rotary(x.expand(1, 1, P, D).contiguous(), positions)[0, 0].double()
+            try:  # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+                rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
+            except (Exception, SystemExit) as exc:
+                raise ModelRaised(f"the rotary function raised {type(exc).__name__}: {exc}",
+                                  where=model_frame(exc)) from exc
+            return rotated[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)
         # Some rotary embeddings scale cos and sin by an attention factor (longrope, yarn): R(m) = s * rotation.

@@ -93,7 +93,8 @@ def run(
                                                  "instead of a config.")] = None,
     device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.", min=-(2**63),
+                                                max=2**64 - 1)] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Report format on stdout (or --output).")] = Format.rich,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file "
                                                    "(whole or not at all) instead of stdout.")] = None,
@@ -165,7 +166,8 @@ def _run(o: RunOptions) -> int:
         outside = [c for c in o.checks if c not in config.checks and ":" not in c]  # module:Class is explicit
         if outside:
             raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
-    entries = select(selection)
+    with about_config(o.config if config.checks and not o.checks else None, "checks: "):
+        entries = select(selection)
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
     config.meta = o.meta or config.meta
@@ -175,12 +177,26 @@ def _run(o: RunOptions) -> int:
     settings.seed = o.seed if o.seed is not None else settings.seed
     settings.exhaustive = o.exhaustive or settings.exhaustive
     settings.expect_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
-    loaded = load_model(config)
-    with progress_display(enabled=o.format == Format.rich and o.output is None and sys.stdout.isatty()) as progress:
+    with about_config(o.config):
+        loaded = load_model(config)
+    with about_config(o.config), \
+            progress_display(enabled=o.format == Format.rich and o.output is None and sys.stdout.isatty()) as progress:
         report = run_model(loaded, settings, entries, config_path=o.config, fail_on=o.fail_on.value,
                            progress=progress)
     write_reports(report, o)
     return report.exit_code
+
+
+@contextmanager
+def about_config(path: Path | None, key: str = ""):
+    """A usage error about what the config file names (its checks, its model, its inputs) carries the file's name
+    first, as the config's own validation errors do: `error: model.yaml: factory 'pkg:build' raised ...`."""
+    try:
+        yield
+    except UsageError as exc:
+        if path is not None and not str(exc).startswith(f"{path}:"):
+            exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
+        raise
 
 
 def write_reports(report, o: RunOptions) -> None:
@@ -280,7 +296,7 @@ def _guarded(action, debug: bool) -> int:
     except FwdcheckError as exc:
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold red]error:[/] {escape(str(exc))}")  # paths, names: not markup
+        err.print(f"[bold red]error:[/] {escape(one_line(str(exc)))}")  # paths, names: not markup
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
@@ -288,9 +304,18 @@ def _guarded(action, debug: bool) -> int:
     except Exception as exc:  # a bug of fwdcheck's
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {escape(str(exc))} — this is a bug in "
-                  "fwdcheck; please report it with the output of --debug")
+        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {escape(one_line(str(exc)))} — this is a "
+                  "bug in fwdcheck; please report it with the output of --debug")
         return EXIT_INTERNAL
+
+
+def one_line(message: str) -> str:
+    """An error stays one line even when the exception's message does not (torch's C++ errors append their stack,
+    a factory may raise a paragraph): the first line, and how much --debug would add."""
+    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else message.strip()
+    return f"{lines[0]} [{len(lines) - 1} more line{'s' if len(lines) > 2 else ''}: --debug shows them]"
 
 
 def write_whole(path: Path, text: str, what: str = "--output") -> None:

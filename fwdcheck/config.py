@@ -138,7 +138,7 @@ class Paths(Strict):
 class Inputs(Strict):
     batch_size: PositiveInt = 2
     seq_len: int = Field(8, ge=2, description="at least 2: a future token needs a past")
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), le=2**64 - 1, description="a torch seed: a 64-bit integer")
 
 
 class Tolerance(Strict):
@@ -166,6 +166,13 @@ class Config(Strict):
     timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
 
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_path_is_not_a_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "source_path" in data:
+            raise ValueError("source_path: unknown key (fwdcheck sets it to the config file's path)")
+        return data
 
 
 def load_config(path: str | Path) -> Config:
@@ -236,7 +243,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         got = first.get("input")
         shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
         text = first["msg"].removeprefix("Value error, ")
-        message = f"{loc or 'config'}: {text}{shown}"
+        message = f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
     more = len(errors) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 

@@ -89,7 +89,7 @@ class ModelUnderTest:
             return self.module(input_ids, **kwargs)
         except ModelRaised:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in model code must not end fwdcheck's run
             frame = model_frame(exc)
             raise ModelRaised(f"the model raised {type(exc).__name__}: {exc}", where=frame) from exc
 
@@ -99,9 +99,15 @@ class ModelUnderTest:
         logits = extract_logits(output)
         B, T = input_ids.shape
         if logits.dim() != 3 or logits.shape[0] != B:
+            hint = (
+                " for every position; [B, V] has no positions axis: the logits of one position only (the last, "
+                "nanoGPT-style, squeezed)? name a `forward:` adapter in the config that returns every position"
+                if logits.dim() == 2 and logits.shape[0] == B
+                else ""
+            )
             raise ModelRaised(
                 f"forward returned a tensor of shape {list(logits.shape)} for input_ids {[B, T]}; "
-                "fwdcheck needs logits [B, T, V]"
+                f"fwdcheck needs logits [B, T, V]{hint}"
             )
         if logits.shape[1] != T:
             hint = (
@@ -181,7 +187,12 @@ def _load_reference(spec: ReferenceModel) -> ModelUnderTest:
 
     fields = spec.model_dump(exclude={"source"})
     cfg = ReferenceConfig(**fields)
-    module = ReferenceTransformer(cfg)
+    try:
+        module = ReferenceTransformer(cfg)
+    except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"the reference model cannot be built with these sizes: {type(exc).__name__}: "
+                             f"{first}") from exc
     rope = None
     rotary = None
     if cfg.positional == "rope":
@@ -229,7 +240,7 @@ def call_factory(spec: FactoryModel, parts: FactoryParts, search: list[Path]) ->
     with on_sys_path(search):
         try:
             module = parts.factory(**spec.kwargs)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: a factory calling sys.exit() (argparse, ...)
             raise ModelLoadError(f"factory '{spec.factory}' raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"factory '{spec.factory}' returned {type(module).__name__}, not a torch.nn.Module")
@@ -283,7 +294,7 @@ def resolve_callable(reference: str, what: str) -> Callable:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a script that parses sys.argv or exits at import
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
     obj: Any = module

@@ -153,11 +153,16 @@ class CheckTimeout(BaseException):
         self.seconds = seconds
 
 
+# Longer limits (inf included) are no limit: setitimer cannot count them on every platform (OverflowError).
+_LONGEST_LIMIT = 1e8  # seconds, three years
+
+
 @contextmanager
 def time_limit(seconds: float | None):
     """Interrupt the block after `seconds` with CheckTimeout. It uses SIGALRM, so it works in the main thread of
     a Unix process and reaches Python code (a hung kernel returns control only when it ends); elsewhere no limit."""
-    usable = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    usable = (seconds and seconds < _LONGEST_LIMIT and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
     if not usable:
         yield
         return
@@ -166,8 +171,8 @@ def time_limit(seconds: float | None):
         raise CheckTimeout(seconds)
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -128,7 +128,12 @@ class Session:
         self.max_rows = settings.max_rows or 4 * settings.batch_size
         self.force_zero_dropout = False  # set when the observation pass saw dropout live in eval mode
         self._generator = torch.Generator().manual_seed(settings.seed)
-        self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
+        try:
+            self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
+        except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise UsageError(f"inputs: batch_size {settings.batch_size} x seq_len {settings.seq_len} token ids cannot "
+                             f"be allocated ({type(exc).__name__}: {first})") from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
         self.forward_tokens = 0  # rows x positions run, for benchmarks
         self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding

@@ -1,0 +1,53 @@
+"""What the reliability tests exercise, counted, as one line for the README.
+
+    python scripts/reliability_counts.py          # the counts, read from the tests themselves
+    python scripts/reliability_counts.py --run    # run those tests first; the line is printed only if they pass
+
+The counts come from the test modules, not from a copy: the bad-input corpus (tests/bad_inputs/*.yaml, through
+tests/test_bad_inputs.CASES), the examples each fuzz property runs (the hypothesis settings in tests/test_fuzz.py) and
+the model-failure modes (tests/test_model_failures.MODES, each run through the CLI and in-process with the model
+compared bitwise before and after).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py"]
+
+
+def counts() -> dict[str, int]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.test_bad_inputs import CASES
+    from tests.test_fuzz import ARBITRARY, MUTATIONS
+    from tests.test_model_failures import MODES
+
+    return {
+        "bad_configs": len(CASES),
+        "fuzzed_documents": ARBITRARY.max_examples + MUTATIONS.max_examples,
+        "model_failure_modes": len(MODES),
+    }
+
+
+def line(c: dict[str, int] | None = None) -> str:
+    c = c or counts()
+    return (f"{c['bad_configs']} bad configs, {c['fuzzed_documents']} fuzzed documents, "
+            f"{c['model_failure_modes']} model-failure modes, model bitwise unchanged in all")
+
+
+def main(argv: list[str]) -> int:
+    if "--run" in argv:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=REPO)
+        if proc.returncode != 0:
+            print(f"the reliability tests failed (pytest exit {proc.returncode}); no counts line", file=sys.stderr)
+            return proc.returncode
+    print(line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

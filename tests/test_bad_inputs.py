@@ -1,0 +1,198 @@
+"""Every bad input gets a clear answer: the corpus in tests/bad_inputs/, one config per way a config can be wrong.
+
+Each case runs `fwdcheck run FILE` in-process (typer's CliRunner, real torch) and must end with its documented exit
+code (2 unless its header says otherwise), nothing on stdout, exactly one line on stderr that starts with
+`error: FILE: ` and holds the text of the file's `# expect:` line, and no traceback anywhere. The header format is
+described in tests/bad_inputs/README.md. tests/test_cli.py covers the command-line-only errors (missing file,
+`--model`, `--output`); this corpus covers what a config file can get wrong.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fwdcheck.cli import app
+
+CORPUS = Path(__file__).resolve().parent / "bad_inputs"
+MODELS = CORPUS / "models"
+CHECKPOINT = Path(__file__).resolve().parents[1] / "sample_configs" / "checkpoint" / "reference.safetensors"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+runner = CliRunner()
+
+
+@dataclass(frozen=True)
+class Case:
+    path: Path
+    expect: str
+    exit_code: int = 2
+    generate: tuple[str, ...] = ()
+    skip_if_cuda: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.path.stem
+
+
+def read_case(path: Path) -> Case:
+    """The `# key: value` lines heading a corpus file (read as bytes: one case is deliberately not UTF-8)."""
+    header: dict[str, list[str]] = {}
+    lines = path.read_bytes().splitlines()
+    for raw in lines:
+        line = raw.decode("utf-8", "replace")
+        if not line.startswith("#"):
+            break
+        match = re.match(r"#\s*([a-z-]+):\s?(.*)$", line)
+        if match:
+            header.setdefault(match.group(1), []).append(match.group(2))
+    assert lines and lines[0].startswith(b"# expect: "), f"{path.name}: the first line must be '# expect: ...'"
+    (expect,) = header["expect"]
+    exit_code = int(header["exit"][0].split()[0]) if "exit" in header else 2
+    generate = tuple(g.split()[0] for g in header.get("generate", []))
+    skip = [s.split()[0] for s in header.get("skip-if", [])]
+    assert set(skip) <= {"cuda"}, skip
+    return Case(path, expect.strip(), exit_code, generate, "cuda" in skip)
+
+
+def corpus() -> list[Case]:
+    return [read_case(p) for p in sorted(CORPUS.glob("*.yaml"))]
+
+
+CASES = corpus()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Content better not committed: written next to a copy of the config by the case that names it in `# generate:`
+
+
+def _truncated_safetensors(path: Path) -> None:
+    data = CHECKPOINT.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _pickled_module(path: Path) -> None:
+    from fwdcheck.reference import build
+
+    torch.save(build(), path)  # the whole module, as `torch.save(model, ...)` does by mistake
+
+
+def _syntax_error(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("import torch\n\n\ndef build(:\n    return torch.nn.Linear(2, 2)\n")
+
+
+GENERATORS = {
+    "truncated.safetensors": _truncated_safetensors,
+    "whole_model.pt": _pickled_module,
+    "models/bad_syntax.py": _syntax_error,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plain(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, ["run", *map(str, args)], catch_exceptions=False)
+
+
+@pytest.fixture
+def forget_corpus_modules():
+    """Each case imports the corpus's model modules afresh; none stays in sys.modules for the next test."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        module = sys.modules.get(name)
+        origin = str(getattr(module, "__file__", "") or "")
+        if origin.startswith(str(CORPUS)) or name.startswith("bad_"):
+            sys.modules.pop(name, None)
+
+
+def prepare(case: Case, tmp_path: Path) -> Path:
+    """The config to run: the corpus file itself, or a copy beside the files its header asks to be generated."""
+    if not case.generate:
+        return case.path
+    config = tmp_path / case.path.name
+    shutil.copyfile(case.path, config)
+    for name in case.generate:
+        GENERATORS[name](tmp_path / name)
+    return config
+
+
+def assert_one_line_error(result, config: Path, expect: str, exit_code: int = 2) -> str:
+    everything = result.stdout + result.stderr
+    assert "Traceback" not in everything, everything
+    assert result.exit_code == exit_code, (result.exit_code, everything)
+    assert result.stdout == "", f"stdout must stay empty on an error:\n{result.stdout}"
+    lines = plain(result.stderr).splitlines()
+    assert len(lines) == 1, f"expected exactly one line on stderr, got {len(lines)}:\n{result.stderr}"
+    line = lines[0]
+    assert line.startswith(f"error: {config}: "), f"the line must name the config file first: {line!r}"
+    assert expect in line, f"{expect!r} not in {line!r}"
+    return line
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_gets_one_clear_line(case: Case, tmp_path, forget_corpus_modules):
+    if case.skip_if_cuda and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the case holds only without it")
+    config = prepare(case, tmp_path)
+    sys_path = list(sys.path)
+    result = run_cli(config)
+    assert sys.path == sys_path, "the config's model directories must come off sys.path again"
+    if case.exit_code == 0:  # not an error: the run goes ahead and says what it decided
+        everything = result.stdout + result.stderr
+        assert "Traceback" not in everything, everything
+        assert result.exit_code == 0, everything
+        assert result.stderr == ""
+        assert case.expect in plain(result.stdout), result.stdout
+        return
+    assert_one_line_error(result, config, case.expect, case.exit_code)
+
+
+@pytest.mark.parametrize("name", ["unknown-nested-key", "factory-raises", "seq-len-beyond-max", "unknown-check"])
+def test_json_format_errors_the_same_way(name, forget_corpus_modules):
+    """--format json promises a report on stdout; a config that cannot run gives none (no half document), only the
+    same one line on stderr."""
+    case = read_case(CORPUS / f"{name}.yaml")
+    result = runner.invoke(app, ["run", str(case.path), "--format", "json"], catch_exceptions=False)
+    assert_one_line_error(result, case.path, case.expect)
+
+
+def test_relative_config_path_is_named_as_given(monkeypatch, forget_corpus_modules):
+    """Run from the corpus folder with a bare file name: the error names the file as the user typed it, and the
+    config's own relative paths still resolve against the file, not the working directory."""
+    monkeypatch.chdir(CORPUS / "models")  # a working directory where `models/` does not exist
+    config = Path("..") / "factory-raises.yaml"
+    assert_one_line_error(run_cli(config), config, "raised RuntimeError: no weights at /nowhere")
+
+
+def test_the_corpus_is_complete():
+    """Each case has its expectation; every helper module and generated file is used by some case."""
+    assert len(CASES) >= 40, len(CASES)
+    assert all(c.expect for c in CASES)
+    named = {n for c in CASES for n in c.generate}
+    assert named == set(GENERATORS), (named, set(GENERATORS))
+    texts = "\n".join(c.path.read_bytes().decode("utf-8", "replace") for c in CASES)
+    for module in MODELS.glob("bad_*.py"):
+        assert f'"{module.stem}:' in texts, f"{module.name} is named by no case"
+    # one case per required kind of bad input (the brief the corpus was built to)
+    required = {"empty", "not-yaml", "top-level-list", "top-level-scalar", "unknown-top-level-key",
+                "unknown-nested-key", "batch-size-string", "batch-size-zero", "seq-len-one", "d-model-negative",
+                "seq-len-beyond-max", "unknown-check", "unknown-source", "factory-without-colon",
+                "module-missing-dependency", "module-syntax-error", "module-raises-at-import", "missing-attribute",
+                "factory-raises", "factory-not-module", "factory-bad-kwarg", "hf-missing-directory",
+                "hf-no-config-json", "hf-corrupt-config-json", "checkpoint-corrupt-safetensors",
+                "checkpoint-pickled-module", "device-cuda-without-gpu", "device-auto", "ignore-without-reason"}
+    assert required <= {c.id for c in CASES}, required - {c.id for c in CASES}
