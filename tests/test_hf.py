@@ -198,3 +198,16 @@ def test_longrope_attention_factor_is_divided_out():
     result = run_checks(spec, ["rope"]).result("rope")
     assert result.status.value == "pass", result.findings
     assert result.data["component_scale"] == pytest.approx(1.2247, rel=1e-3)
+
+
+@pytest.mark.parametrize("config", sorted((compat.README.parent / "sample_configs" / "hf").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_hf_sample_configs_pass(config):
+    from typer.testing import CliRunner
+
+    from fwdcheck.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(config), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    statuses_by_check = {c["name"]: c["status"] for c in json.loads(result.stdout)["checks"]}
+    assert statuses_by_check["shape-ledger"] == "pass"
