@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck import __version__
-from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, FwdcheckError, UsageError
+from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FwdcheckError, UsageError
 
 EXIT_CODES = """\
 Exit codes: 0 every selected check passed (warnings allowed unless --fail-on warn) ·

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,7 +228,3 @@ def using_attn_implementation(module: nn.Module, implementation: str | None):
     finally:
         module.set_attn_implementation(original)
 
-
-def save_tiny(module: nn.Module, directory: Path) -> None:
-    """Write config.json and model.safetensors, as a hub checkpoint directory looks (for tests and examples)."""
-    module.save_pretrained(directory)

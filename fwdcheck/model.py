@@ -13,6 +13,7 @@ import sys
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -193,13 +194,10 @@ def _load_reference(spec: ReferenceModel) -> ModelUnderTest:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"the reference model cannot be built with these sizes: {type(exc).__name__}: "
                              f"{first}") from exc
-    rope = None
-    rotary = None
+    rope = rotary = None
     if cfg.positional == "rope":
         rope = RopeSpec(base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
-
-        def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return apply_rope(x, positions, cfg.rope.base, cfg.rope.pairing, cfg.rotary_dim)
+        rotary = partial(apply_rope, base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
 
     bugs = ", ".join(cfg.bugs) or "none"
     return ModelUnderTest(

@@ -12,6 +12,7 @@ never run under it: they run the model untouched and use this pass only for what
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,6 @@ class ModuleCall:
     input_shape: tuple[int, ...] | None
     output_shape: tuple[int, ...] | None
     input_value: torch.Tensor | None = None  # kept only for the modules named in keep_inputs_of
-    output_value: torch.Tensor | None = None
     seq: int = 0  # when its output was produced
     output_dtype: str = ""
 
@@ -253,7 +253,7 @@ class _Observer(TorchFunctionMode):
               dropout) -> AttentionCall:
         full = allowed.expand(*batch_heads, L, S) if allowed.dim() == 2 else allowed
         empty = int((~full.reshape(-1, L, S).any(-1)).sum()) if allowed.dim() > 2 else \
-            int((~allowed.any(-1)).sum()) * _prod(batch_heads)
+            int((~allowed.any(-1)).sum()) * math.prod(batch_heads)
         keep = self.keep_tensors
         return AttentionCall(
             index=len(self.record.attention), api=api, module=module, query_shape=tuple(q.shape),
@@ -263,13 +263,6 @@ class _Observer(TorchFunctionMode):
             float_01=float_01, query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
             seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."),
         )
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _is_scores(t: Any, seq_len: int) -> bool:
@@ -329,8 +322,6 @@ def module_tracking(model: nn.Module, record: Observation, where: list[str], kee
                     call.output_shape = tuple(y.shape) if y is not None else ()
                     call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
                     call.seq = record.tick()
-                    if name in keep_inputs_of and y is not None:
-                        call.output_value = y.detach().clone()
                     break
         return hook
 
