@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from fwdcheck.config import FactoryModel, HFModel, Paths, RopeSpec
+from fwdcheck.config import Dims, FactoryModel, HFModel, Paths, RopeSpec
 from fwdcheck.errors import UsageError
 from fwdcheck.model import FactoryParts, ModelUnderTest, model_from_module
 from fwdcheck.registry import select
@@ -25,6 +25,7 @@ def check_model(
     *,
     batch_size: int = 2,
     seq_len: int = 8,
+    min_seq_len: int | None = None,
     device: str | None = None,
     dtype: str = "float32",
     seed: int = 0,
@@ -32,6 +33,7 @@ def check_model(
     max_positions: int | None = None,
     causal: bool = True,
     rope: dict[str, Any] | None = None,
+    dims: dict[str, int] | None = None,
     forward: Any = None,
     exhaustive: bool = False,
     paths: dict[str, Any] | None = None,
@@ -42,21 +44,23 @@ def check_model(
 
     The model is left as found: mode, device, dtype, parameters, dropout probabilities, hooks and RNG state.
     device None means the device the model's parameters are on. `forward` is an optional adapter
-    (model, input_ids, **kw) -> logits for unusual call conventions. Hugging Face models get the code-path matrix
+    (model, input_ids, **kw) -> logits for unusual call conventions. `dims` declares sizes fwdcheck cannot read off
+    a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models get the code-path matrix
     by default, as from the command line; `paths` narrows it ({"enabled": False} turns it off).
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
-    under_test = _wrap(model, vocab_size, max_positions, causal, rope, forward)
+    under_test = _wrap(model, vocab_size, max_positions, causal, rope, dims, forward)
     if device is None:
         first = next(model.parameters(), None)
         device = str(first.device) if first is not None else "cpu"
-    settings = Settings(device=device, dtype=dtype, batch_size=batch_size, seq_len=seq_len, seed=seed,
+    settings = Settings(device=device, dtype=dtype, batch_size=batch_size, seq_len=seq_len, min_seq_len=min_seq_len,
+                        seed=seed,
                         exhaustive=exhaustive, paths=Paths(**(paths or {})))
     return run_model(under_test, settings, select(checks), fail_on=fail_on)
 
 
-def _wrap(model, vocab_size, max_positions, causal, rope, forward) -> ModelUnderTest:
+def _wrap(model, vocab_size, max_positions, causal, rope, dims, forward) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly; Hugging Face modules keep their richer description."""
     if hasattr(model, "config") and hasattr(model.config, "model_type") and forward is None:
         from fwdcheck.hf import hf_model_under_test
@@ -65,6 +69,6 @@ def _wrap(model, vocab_size, max_positions, causal, rope, forward) -> ModelUnder
                        rope=RopeSpec(**rope) if rope else None)
         return hf_model_under_test(model, spec, notes=[])
     spec = FactoryModel(factory="api:check_model", vocab_size=vocab_size, max_positions=max_positions, causal=causal,
-                        rope=RopeSpec(**rope) if rope else None)
+                        rope=RopeSpec(**rope) if rope else None, dims=Dims(**dims) if dims else None)
     parts = FactoryParts(factory=lambda: model, forward=forward, rotary=None)
     return model_from_module(model, spec, parts, source="python", label=type(model).__name__)

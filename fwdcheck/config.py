@@ -32,6 +32,21 @@ class RopeSpec(Strict):
     rotary_dim: PositiveInt | None = None
 
 
+class Dims(Strict):
+    """Symbolic dimensions the model declares, for when fwdcheck cannot read them off a config object: the shape
+    ledger names axes by them (h in [B,h,T,T]) and the rope check tests the head size d_h."""
+
+    d: PositiveInt | None = Field(None, description="model width")
+    h: PositiveInt | None = Field(None, description="query heads")
+    h_kv: PositiveInt | None = Field(None, description="key/value heads (GQA, multi-query); default h")
+    d_h: PositiveInt | None = Field(None, description="head size; default d / h")
+    d_ff: PositiveInt | None = Field(None, description="feed-forward width")
+    V: PositiveInt | None = Field(None, description="vocabulary (the logits' last axis)")
+
+    def declared(self) -> dict[str, int]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class ReferenceModel(Strict):
     source: Literal["reference"]
     vocab_size: PositiveInt = 16
@@ -78,6 +93,8 @@ class FactoryModel(Strict):
     rotary_function: str | None = Field(
         None, description="'module:callable' (x [B,h,T,d_h], positions [T]) -> rotated x, tested on its own"
     )
+    dims: Dims | None = Field(None, description="declared sizes (d, h, h_kv, d_h, d_ff, V) where no model config "
+                              "object says them")
 
     @field_validator("factory", "forward", "rotary_function")
     @classmethod
@@ -139,6 +156,15 @@ class Inputs(Strict):
     batch_size: PositiveInt = 2
     seq_len: int = Field(8, ge=2, description="at least 2: a future token needs a past")
     seed: int = Field(0, ge=-(2**63), le=2**64 - 1, description="a torch seed: a 64-bit integer")
+    min_seq_len: PositiveInt | None = Field(None, description="the shortest sequence forward accepts (e.g. code that "
+                                            "asserts T > 1); shorter passes are skipped with a note. Default: found "
+                                            "out by running")
+
+    @model_validator(mode="after")
+    def _min_fits(self) -> Inputs:
+        if self.min_seq_len is not None and self.min_seq_len > self.seq_len:
+            raise ValueError(f"min_seq_len {self.min_seq_len} exceeds seq_len {self.seq_len}")
+        return self
 
 
 class Tolerance(Strict):

@@ -29,7 +29,7 @@ Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h],
 _CONFIG_NAMES = {
     "d": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim"),
     "h": ("num_attention_heads", "n_heads", "n_head", "num_heads"),
-    "h_kv": ("num_key_value_heads", "n_kv_heads", "n_local_heads", "n_kv_head", "num_kv_heads"),
+    "h_kv": ("num_key_value_heads", "n_kv_heads", "n_local_heads", "n_kv_head", "num_kv_heads", "n_query_groups"),
     "d_ff": ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim"),
     "V": ("vocab_size", "n_vocab"),
     "L": ("num_hidden_layers", "n_layers", "n_layer", "num_layers"),
@@ -254,6 +254,12 @@ def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts
                       label: str | None = None) -> ModelUnderTest:
     """Wrap a module built from a factory, reading what its own config (if any) declares."""
     dims = _dims_from_config(getattr(module, "config", None))
+    if spec.dims is not None:  # what the user declares wins over what a config object says
+        dims.update(spec.dims.declared())
+        if "h" in spec.dims.declared() and "h_kv" not in spec.dims.declared():
+            dims["h_kv"] = dims["h"]
+        if "d" in dims and "h" in dims and "d_h" not in spec.dims.declared() and dims["d"] % dims["h"] == 0:
+            dims["d_h"] = dims["d"] // dims["h"]
     vocab = spec.vocab_size or dims.get("V") or _embedding_rows(module)
     if not vocab:
         raise ModelLoadError(
@@ -324,7 +330,9 @@ def _dims_from_config(model_config: Any) -> dict[str, int]:
         if value:
             dims[symbol] = value
     if "d" in dims and "h" in dims and dims["d"] % dims["h"] == 0:
-        dims["d_h"] = getattr(model_config, "head_dim", None) or dims["d"] // dims["h"]
+        head_size = next((v for n in ("head_dim", "head_size") if isinstance(v := getattr(model_config, n, None), int)),
+                         None)  # Hugging Face and gpt-fast say head_dim, litgpt head_size
+        dims["d_h"] = head_size or dims["d"] // dims["h"]
     if "h" in dims:
         dims.setdefault("h_kv", dims["h"])
     return dims

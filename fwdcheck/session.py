@@ -32,6 +32,7 @@ class Settings:
     dtype: str = "float32"
     batch_size: int = 2
     seq_len: int = 8
+    min_seq_len: int | None = None  # the shortest sequence the model accepts, when declared
     seed: int = 0
     rtol: float | None = None
     atol: float | None = None
@@ -47,8 +48,8 @@ class Settings:
     @classmethod
     def from_config(cls, config: Config) -> Settings:
         return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
-                   seq_len=config.inputs.seq_len, seed=config.inputs.seed, rtol=config.tolerance.rtol,
-                   atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
+                   seq_len=config.inputs.seq_len, min_seq_len=config.inputs.min_seq_len, seed=config.inputs.seed,
+                   rtol=config.tolerance.rtol, atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
                    exhaustive=config.exhaustive, paths=config.paths, meta=config.meta,
                    ignore={i.code: i.reason for i in config.ignore}, timeout_s=config.timeout_s)
 
