@@ -1,9 +1,14 @@
 """mask-audit: which keys each query may read, at every attention call, whatever encoding the mask came in.
 
-The observation pass reduces every call to the same thing: a [T, S] set of keys each query may read. SDPA's boolean
-True means "may attend"; nn.MultiheadAttention's boolean True means "masked out"; float masks of either API are added
-to the scores (0 keeps, -inf drops); is_causal means lower-triangular; eager code is read off the scores that reach
-the softmax. That set is compared with causal, and the encoding explains the mistake when it is not.
+The observation pass reduces every call to the same thing: a [L, S] set of keys each of L queries may read. SDPA's
+boolean True means "may attend"; nn.MultiheadAttention's boolean True means "masked out"; float masks of either API
+are added to the scores (0 keeps, -inf drops); is_causal means lower-triangular; eager code is read off the scores
+that reach the softmax. That set is compared with causal: query i may read key slot j only if j <= its position p_i.
+A square call is the sequence against itself (p_i = i); a call over a KV cache is judged where the positions are
+known (handed to the model as input_pos / cache_position / position_ids, or a growing cache whose S keys are exactly
+the tokens written, queries last); cross-attention, and an encoder over a source other than the input, are not causal
+by nature. A call that cannot be judged says so, and a run in which none could be judged skips: it measured nothing.
+The first row of the batch is also observed alone, where "single sequence" fast paths live.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import dataclasses
 
 import torch
 
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
+from fwdcheck.paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status
 
 CONVENTIONS = [
@@ -26,12 +32,16 @@ CONVENTIONS = [
 ]
 
 
-def pattern(allowed: torch.Tensor) -> tuple[str, list[tuple[int, int]]]:
-    """Name the shape of a square [T, T] may-read set; also the (query, key) pairs that read the future."""
-    T = allowed.shape[0]
-    past_and_self = torch.ones(T, T, dtype=torch.bool, device=allowed.device).tril()
+def pattern(allowed: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
+
+    positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i."""
+    L, S = allowed.shape
+    positions = torch.arange(L) if positions is None else positions
+    slots = torch.arange(S, device=allowed.device)
+    past_and_self = slots[None, :] <= positions.to(allowed.device)[:, None]  # (L, S)
     future = allowed & ~past_and_self
-    pairs = [tuple(p) for p in future.nonzero().tolist()]
+    pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
     if not pairs:
         if torch.equal(allowed, past_and_self):
             return "causal", []
@@ -43,6 +53,27 @@ def pattern(allowed: torch.Tensor) -> tuple[str, list[tuple[int, int]]]:
     return "leaky: some future keys", pairs
 
 
+# Why a call was not compared with causal, in short (for the summary), by the start of its row's pattern.
+NOT_JUDGED = {"cross-attention": "cross-attention", "another sequence": "over another sequence",
+              "not judged": "query positions unknown"}
+
+
+def not_judged(call: AttentionCall, input_followed: bool) -> str | None:
+    """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
+    ids were followed into some attention call of the pass, so a call they did not reach attends over another
+    sequence (when they reached none, the following itself failed, and says nothing)."""
+    if call.cross:
+        return "cross-attention: keys from another sequence, not judged for causality"
+    if input_followed and call.reads_input is False:
+        return ("another sequence: queries not computed from the input tokens (an encoder over a fixed source), "
+                "not judged for causality")
+    if call.query_positions is None:
+        return (f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key slots, "
+                f"{call.written} tokens written; no input_pos / cache_position / position_ids of {call.query_len} "
+                "positions reached the attention)")
+    return None
+
+
 class MaskAudit(Check):
     name = "mask-audit"
     description = "reads every attention call's mask in its own convention and compares the keys it allows with causal"
@@ -50,60 +81,111 @@ class MaskAudit(Check):
         "FWD201": "no causal restriction: every query reads every key",
         "FWD202": "a boolean mask in the other API's convention: its True region is the future",
         "FWD203": "a 0/1 float mask: added to the scores it shifts them by 1 and masks nothing",
-        "FWD204": "the mask lets some queries read future keys",
+        "FWD204": "the mask lets some queries read future keys (or, over a cache, slots not yet written)",
         "FWD205": "rows in which every key is masked: NaN or all-zero attention output",
         "FWD206": "attn_mask passed together with is_causal=True",
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
     }
     explain = """\
-Observes every scaled_dot_product_attention, multi_head_attention_forward and softmax over [.., T, T] scores (eager
-attention), records the mask's kind (bool / float / none / is_causal), shape and values, and derives the set of keys
-each query may read under the API's own convention:
+Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
+matmul, bmm, baddbmm or einsum whose scores, scaled, masked or biased, reach a softmax; a softmax over anything else,
+such as a router's logits, is not attention), records the mask's kind (bool / float / none / is_causal), shape and
+values, and derives the [L queries, S keys] set of keys each query may read under the API's own convention:
   SDPA bool: True = may attend.   nn.MultiheadAttention bool: True = masked out.   float (both): added to the scores,
-  0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular.   eager: keys whose score is -inf or more
-  than 80 below the row's maximum get no weight.
-For a causal model that set must not contain future keys. Findings name the module and call.
+  0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular, aligned top left (also when L != S).
+  eager: keys whose score is -inf or more than 80 below the row's maximum get no weight.
+For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
+  square calls (L = S): the sequence against itself, p_i = i.
+  KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
+  positions handed to the model's or the attention module's forward (key slot j holds position j); else, when S is
+  exactly the number of tokens that attention has been run with in this forward (a cache that grows by concatenation),
+  the queries are the last L (bottom-right alignment, as Hugging Face and flash-attention use). Otherwise the call is
+  reported "not judged: query positions unknown" - never counted as a pass. A mask that opens cache slots after p_i
+  fails whether they hold future tokens or were never written (a correct mask closes both).
+  cross-attention (keys from another sequence: nn.MultiheadAttention handed a key other than its query, or an
+  attention module handed context / encoder_hidden_states / key_value_states / y / xa other than its input), and
+  attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
+  from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
+  still checked.
+Besides the session's batch, the first row runs alone (unless the code-path matrix runs batch size 1): a fast path
+taken only for a single sequence that forgets the mask is found there, and named "at B=1".
+If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
+call; FWD204 shows (query position, key slot) pairs.
 Why: the two boolean conventions are opposite, and `mask.float()` of a boolean mask gives 0/1, which added to the
 scores masks nothing. Both run without an error and train to a good-looking loss.
 How to fix: FWD202 -> pass ~mask, or build the mask for the API you call (SDPA: torch.ones(T, T).tril().bool();
-MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)). FWD203 -> keep the
+MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)); over a cache,
+slice the rows of the causal mask by the query positions (causal_mask[None, None, input_pos]). FWD203 -> keep the
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
 dropout_p=self.p if self.training else 0.0. A model without interceptable attention calls (custom kernels) is skipped
-here; future-token still tests its behaviour."""
+here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
+the attention module's forward as input_pos or cache_position."""
 
     def run(self, model, session) -> CheckResult:
-        observation = session.observation()
+        B = session.inputs.shape[0]
+        findings, rows = self.audit(session.observation(), model)
+        data = {"conventions": CONVENTIONS, "calls": rows}
+        # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class
+        # and one row is cheap: observe it too, unless the code-path matrix runs batch size 1 itself.
+        batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.paths, B))
+        if batch1:
+            try:
+                single_findings, single_rows = self.audit(session.observe(session.inputs[:1]), model)
+            except ModelRaised as exc:  # what the full batch showed stands
+                data["batch1"] = f"the pass at B=1 was skipped: {exc}"
+            else:
+                for f in single_findings:
+                    f.where = f"{f.where} at B=1"
+                findings += single_findings
+                seen = {_kind_of_call(r) for r in rows}  # list the calls that differ at B=1, not the repeats
+                rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
+                data["batch1"] = "observed"
+        if not rows and not findings:
+            raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
+        findings = _group(findings)
+        bad = [f for f in findings if f.status != Status.PASS]
+        judged = [r for r in rows if r["judged"]]
+        if not judged and not bad:  # nothing was compared with causal: a pass would claim what was not measured
+            raise SkipCheck(f"no attention call could be judged for causality: {len(rows)} call(s), e.g. "
+                            f"{rows[0]['module']} ({rows[0]['api']}) {rows[0]['pattern']}")
+        also = " (alike at B=1)" if data.get("batch1") == "observed" and len(rows) == len(data["calls"]) else ""
+        summary = (f"{len(rows)} attention call(s){also}: {_patterns(rows)}" if not bad
+                   else f"{self.codes[bad[0].code]} ({bad[0].where})")
+        return CheckResult.from_findings(self.name, findings, summary, data=data,
+                                         metrics={"attention_calls": len(rows), "judged_calls": len(judged)})
+
+    def audit(self, observation, model) -> tuple[list[Finding], list[dict]]:
+        """Findings and one table row per attention call of one observation pass."""
         findings: list[Finding] = []
         rows = []
         pad = model.padding  # a left-padded path view: judge real queries against real keys
+        input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
             if pad and call.self_attention:
                 reads_padding = bool(call.allowed[pad:, :pad].any())
                 call = dataclasses.replace(call, allowed=call.allowed[pad:, pad:],
-                                           empty_rows=int((~call.allowed[pad:].any(-1)).sum()))
+                                           empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
+                                           query_positions=torch.arange(call.query_len - pad))
                 if reads_padding:
                     findings.append(Finding("FWD208", Status.FAIL, "real tokens may read the padding keys: the "
                                             "attention_mask is not applied", f"{call.module or 'model'} ({call.api})"))
-            shape, future_pairs = pattern(call.allowed) if call.self_attention else ("cross / cached: not square", [])
+            reason = not_judged(call, input_followed)
+            positions = call.query_positions
+            shape, future_pairs = (reason, []) if reason else pattern(call.allowed, positions)
+            L, S = call.allowed.shape
             rows.append({"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
                          "mask_shape": list(call.mask_shape) if call.mask_shape else None, "values": call.mask_values,
                          "is_causal": call.is_causal, "dropout_p": call.dropout_p, "pattern": shape,
+                         "judged": reason is None, "queries": L, "keys": S,
+                         "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
+                         "positions_from": call.positions_from or None,
                          "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None})
             findings += self.judge(call, shape, future_pairs, model.causal)
         findings += [Finding("FWD207", Status.FAIL, f"F.dropout(p={d.p:g}, training=True) with the model in eval "
                              "mode: pass training=self.training", where=d.module or "model")
                      for d in observation.dropouts if d.training and d.p > 0]
-        if not rows and not findings:
-            raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
-        findings = _group(findings)
-        data = {"conventions": CONVENTIONS, "calls": rows}
-        patterns = sorted({r["pattern"] for r in rows})
-        bad = [f for f in findings if f.status != Status.PASS]
-        summary = (f"{len(rows)} attention call(s): {', '.join(patterns)}" if not bad
-                   else f"{self.codes[bad[0].code]} ({bad[0].where})")
-        return CheckResult.from_findings(self.name, findings, summary, metrics={"attention_calls": len(rows)},
-                                         data=data)
+        return findings, rows
 
     @staticmethod
     def judge(call: AttentionCall, shape: str, future_pairs, causal: bool) -> list[Finding]:
@@ -115,12 +197,13 @@ here; future-token still tests its behaviour."""
             findings.append(Finding("FWD203", Status.FAIL, f"0/1 float mask {call.mask_values} handed to {api}: "
                                     "added to the scores it masks nothing (a boolean turned into float?)", where))
         elif causal and future_pairs:
-            T = call.allowed.shape[0]
+            L, S = call.allowed.shape
             if shape.startswith("bidirectional"):
                 how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
                     call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
-                findings.append(Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; every query of "
-                                        f"{T} reads every key", where))
+                every = f"every query of {L} reads every key" if L == S else \
+                    f"each of {L} queries reads all {S} key slots, those after its own position included"
+                findings.append(Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where))
             elif shape.startswith("inverted") and call.mask_kind.startswith("bool"):
                 convention = ("True = may attend, but this mask is True on the future (nn.MultiheadAttention's "
                               "convention)" if call.api == "sdpa" else
@@ -136,8 +219,12 @@ here; future-token still tests its behaviour."""
                                         where))
             else:
                 shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
-                findings.append(Finding("FWD204", Status.FAIL, f"the mask lets queries read future keys ({shape}), "
-                                        f"(query, key) e.g. {shown}", where))
+                # Over a cache, a slot after the query's own position holds a future token or nothing written yet:
+                # a correct mask closes both, so both are read here as the future.
+                what = "future keys" if call.self_attention else "key slots after their own position (future " \
+                    "tokens, or cache slots not yet written)"
+                findings.append(Finding("FWD204", Status.FAIL, f"the mask lets queries read {what} ({shape}), "
+                                        f"(query position, key) e.g. {shown}", where))
         if call.empty_rows:
             findings.append(Finding("FWD205", Status.WARN, "(batch, head, query) rows with every key masked: their "
                                     "attention output is NaN or zero", f"{where}: {call.empty_rows} rows"))
@@ -150,13 +237,34 @@ here; future-token still tests its behaviour."""
         return findings
 
 
+def _kind_of_call(row: dict) -> tuple:
+    """What makes two calls alike in the table: where, how, what mask, what it allows."""
+    return row["module"], row["api"], row["mask"], row["pattern"], row["queries"], row["keys"]
+
+
+def _patterns(rows: list[dict]) -> str:
+    """The judged patterns, then how many calls were not judged and why, in short."""
+    judged = sorted({r["pattern"] for r in rows if r["judged"]})
+    counts = {}
+    for r in rows:
+        if not r["judged"]:
+            why = next(short for start, short in NOT_JUDGED.items() if r["pattern"].startswith(start))
+            counts[why] = counts.get(why, 0) + 1
+    return ", ".join(judged + [f"{n} not judged: {why}" for why, n in counts.items()])
+
+
 def _group(findings: list[Finding]) -> list[Finding]:
-    """One finding per code and message shape, listing every call it applies to."""
-    grouped: dict[tuple[str, str], Finding] = {}
+    """One finding per code and message shape, listing every call it applies to; a module called more than once in
+    the forward (decode steps through a cache) is listed once, with its count."""
+    places: dict[tuple[str, str], dict[str, int]] = {}
+    first: dict[tuple[str, str], Finding] = {}
     for f in findings:
         key = (f.code, f.message)
-        if key in grouped:
-            grouped[key].where = f"{grouped[key].where}, {f.where}"
-        else:
-            grouped[key] = Finding(f.code, f.status, f.message, f.where)
-    return list(grouped.values())
+        first.setdefault(key, f)
+        counts = places.setdefault(key, {})
+        counts[f.where] = counts.get(f.where, 0) + 1
+    grouped = []
+    for key, f in first.items():
+        where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in places[key].items())
+        grouped.append(Finding(f.code, f.status, f.message, where))
+    return grouped

@@ -1,9 +1,17 @@
 """The observation pass: see every attention call as the model makes it.
 
-A torch function mode intercepts `scaled_dot_product_attention`, `multi_head_attention_forward`, softmax over a
-[.., T, T] score tensor (eager attention), the matmuls around it and functional dropout; forward hooks on every
-submodule say which module was running and what shapes went in and out. Each attention call is reduced on the spot to
-the set of keys each query may read, whatever the mask's encoding, so checks compare one thing: that set.
+A torch function mode intercepts `scaled_dot_product_attention`, `multi_head_attention_forward`, eager attention and
+functional dropout; forward hooks on every submodule say which module was running, what shapes went in and out, and
+which positions (`input_pos`, `cache_position`, `position_ids`) and key sources it was handed. Each attention call is
+reduced on the spot to the set of keys each query may read, whatever the mask's encoding, so checks compare one thing:
+that set, [L queries, S keys], with the position of every query on the key axis when it can be known.
+
+Eager attention is recognised by what it does, not by its size: a product shaped like q @ k^T (a [.., L, d] @
+b [.., d, S] -> [.., L, S], by matmul, bmm, baddbmm or a two-operand einsum) whose result, scaled, masked or biased,
+reaches a softmax; the product that then reads the softmax's output is weights @ v. So a KV cache longer than the
+prompt, a one-token decode step and an einsum are seen, and a softmax over anything else (a router's [B, T, E]
+logits) is not attention. What is computed from the model's input ids is followed the same way, op by op, so that
+attention over another sequence (an encoder over a fixed source) is told from attention over the tokens under test.
 
 A mode changes code paths (torch's TransformerEncoder fast path turns itself off under one), so behavioural checks
 never run under it: they run the model untouched and use this pass only for what they cannot see from the outside.
@@ -11,8 +19,9 @@ never run under it: they run the model untouched and use this pass only for what
 
 from __future__ import annotations
 
+import functools
 import inspect
-import math
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 # A float mask entry at or below this adds so much negative score that the key gets no weight: it is masked.
 # (exp(-100) underflows to 0 in float32 next to any real score.) Entries of -inf are masked of course.
@@ -30,6 +40,16 @@ SCORE_GAP = 80.0
 
 SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
 MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+BADDBMM = {torch.baddbmm, torch.Tensor.baddbmm}  # bias + a @ b: BLOOM's ALiBi scores, GPT-2's upcast path
+PRODUCTS = MATMUL | BADDBMM | {torch.einsum}
+
+# Inputs a module's forward may receive that say where its queries sit on the key axis. The cache's own index first:
+# cache_position (Hugging Face) and input_pos (gpt-fast, litgpt, torchtune) index the cache slots; position_ids
+# usually does too, but with left padding it counts real tokens only, so it comes last.
+POSITION_INPUTS = ("cache_position", "input_pos", "position_ids")
+# Inputs that hand an attention module the keys' source when it is another sequence (Hugging Face, x-transformers,
+# torchtune, Whisper). A module that has one of these parameters says for itself whether its keys come from elsewhere.
+KEY_SOURCE_INPUTS = ("encoder_hidden_states", "key_value_states", "context", "y", "xa")
 
 _SDPA_SIGNATURE = inspect.Signature(
     [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value")]
@@ -44,7 +64,7 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 @dataclass
 class AttentionCall:
-    """One attention computation, reduced to what checks need."""
+    """One attention computation, reduced to what checks need: L queries over S keys."""
 
     index: int
     api: str  # sdpa | mha | softmax
@@ -52,38 +72,64 @@ class AttentionCall:
     query_shape: tuple[int, ...]
     key_shape: tuple[int, ...] | None
     value_shape: tuple[int, ...] | None
-    weights_shape: tuple[int, ...]  # [B, h, T, S] (implied for SDPA and MHA, observed for softmax)
+    weights_shape: tuple[int, ...]  # [B, h, L, S] (implied for SDPA and MHA, observed for softmax)
     mask_kind: str  # none | bool | float | is_causal | scores (eager: read off the softmax input)
     mask_shape: tuple[int, ...] | None
     mask_values: str  # a short description of the mask's values
     is_causal: bool
     dropout_p: float
-    allowed: torch.Tensor  # (T, S) bool: True where at least one batch row and head may read the key
+    allowed: torch.Tensor  # (L, S) bool: True where at least one batch row and head may read the key (meta: no values)
     empty_rows: int  # (batch, head, query) rows in which every key is masked
     float_01: bool = False  # a float mask made only of 0 and 1: added to the scores it masks nothing
     softmax_dim: int | None = None  # eager: the dim the softmax normalised, counted from the end (-1 = keys)
-    row_sum_error: float | None = None  # eager: max |sum over the key axis - 1| of the weights
+    row_sum_error: float | None = None  # eager: max |sum over the key axis - 1| of the weights (None on meta)
     nonfinite_rows: int = 0  # eager: weight rows containing NaN or Inf
-    query: torch.Tensor | None = None  # kept only when asked (rope probe)
+    query: torch.Tensor | None = None  # kept only when asked (rope probe); eager: in the scores' MatmulCall
     key: torch.Tensor | None = None
     seq: int = 0  # when it happened, on the observation's clock
     dtype: str = ""  # of the query
+    # Where each query sits on the key axis: key slot j may be read by a causal query i only if j <= query_positions[i].
+    # (L,) long on the CPU, or None when it cannot be known. Key slot j holds position j in every cache layout this
+    # reads (a preallocated cache indexed by position, or a growing one), so these are the queries' absolute positions
+    # whenever a cache is involved; a square call is the sequence against itself, 0..L-1.
+    query_positions: torch.Tensor | None = None
+    # How query_positions was learned: square | cache_position | input_pos | position_ids (handed to a running
+    # module's forward) | bottom-right (S is the number of tokens this module has attended with so far: a growing
+    # cache, queries last) | "" (unknown, or cross-attention).
+    positions_from: str = ""
+    cross: bool = False  # the keys come from another sequence (encoder memory, context): causality does not apply
+    written: int = 0  # query tokens this module has attended with in this pass so far, this call's included
+    matmul: int | None = None  # eager: index in Observation.matmuls of the q @ k^T product that made the scores
+    # Whether the queries were computed from the forward's input ids (followed op by op from the root module's first
+    # input). False for an encoder over a fixed source; None when the input was not followed (no root call seen).
+    reads_input: bool | None = None
+
+    @property
+    def query_len(self) -> int:
+        return self.weights_shape[-2]
+
+    @property
+    def key_len(self) -> int:
+        return self.weights_shape[-1]
 
     @property
     def self_attention(self) -> bool:
-        return self.allowed.shape[0] == self.allowed.shape[1]
+        """The sequence against itself: square and keys from the queries' own sequence."""
+        return self.query_len == self.key_len and not self.cross
 
 
 @dataclass
 class MatmulCall:
     module: str
     kind: str  # scores (q @ k^T, before the softmax) | values (weights @ v, after it)
-    a_shape: tuple[int, ...]
-    b_shape: tuple[int, ...]
+    a_shape: tuple[int, ...]  # in matmul layout: scores q [.., L, d_h]; values weights [.., L, S]
+    b_shape: tuple[int, ...]  # scores k^T [.., d_h, S]; values v [.., S, d_h]
     out_shape: tuple[int, ...]
-    a: torch.Tensor | None = None
+    a: torch.Tensor | None = None  # kept only when asked, in the layout of a_shape
     b: torch.Tensor | None = None
     seq: int = 0
+    op: str = "matmul"  # matmul | einsum | baddbmm; an einsum's operands are recorded permuted to matmul layout
+    call: int | None = None  # index in Observation.attention of the attention call this product belongs to
 
 
 @dataclass
@@ -106,7 +152,7 @@ class ModuleCall:
 
 @dataclass
 class Observation:
-    seq_len: int
+    seq_len: int  # of the ids the pass ran on; attention is recognised by structure, whatever its L and S
     attention: list[AttentionCall] = field(default_factory=list)
     matmuls: list[MatmulCall] = field(default_factory=list)
     dropouts: list[DropoutCall] = field(default_factory=list)
@@ -126,6 +172,36 @@ class Observation:
         return spots
 
 
+@dataclass
+class _Frame:
+    """A module whose forward is running, with what it was handed that attention calls inside it may need."""
+
+    name: str
+    positions: dict[str, torch.Tensor]  # POSITION_INPUTS name -> (n,) positions shared by every batch row
+    cross: bool | None  # keys from another sequence (True), from its own input (False), no such parameter (None)
+
+
+@dataclass
+class _Product:
+    """A product shaped like q @ k^T, waiting to learn whether a softmax reads it; a and b in matmul layout."""
+
+    call: MatmulCall
+    a: torch.Tensor | None  # dropped once recorded
+    b: torch.Tensor | None
+    reads_input: bool | None  # q was computed from the input ids
+    recorded: bool = False
+
+
+@dataclass
+class _Origin:
+    """What a tensor was computed from: scores (a q @ k^T product, possibly scaled, masked or biased since) or the
+    weights of attention call `call` (a softmax output, possibly cast or dropped out since)."""
+
+    kind: str  # scores | weights
+    product: _Product | None = None
+    call: int | None = None
+
+
 def first_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -140,14 +216,17 @@ def first_tensor(value: Any) -> torch.Tensor | None:
 
 
 class _Observer(TorchFunctionMode):
-    def __init__(self, record: Observation, where: list[str], keep_tensors: bool, zero_dropout: bool):
+    def __init__(self, record: Observation, where: list[_Frame], keep_tensors: bool, zero_dropout: bool,
+                 from_input: WeakIdKeyDictionary):
         super().__init__()
         self.record, self.where, self.keep_tensors, self.zero_dropout = record, where, keep_tensors, zero_dropout
-        self.softmax_pending: set[str] = set()  # modules whose last attention step was a softmax
+        self.origins = WeakIdKeyDictionary()  # tensor -> _Origin, for tensors on the way from q @ k^T to weights @ v
+        self.from_input = from_input  # tensor -> True, for tensors computed from the forward's input ids
+        self.written: dict[tuple[str, str], int] = {}  # (module, api) -> query tokens attended with so far
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        module = self.where[-1] if self.where else ""
+        module = self.where[-1].name if self.where else ""
         if func is F.scaled_dot_product_attention:
             bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
             self.record.attention.append(self._sdpa(bound.arguments, module))
@@ -163,29 +242,78 @@ class _Observer(TorchFunctionMode):
             self.record.dropouts.append(DropoutCall(module, float(p), bool(training)))
             if self.zero_dropout and training:
                 return args[0] if args else kwargs["input"]
-        elif func in MATMUL:
+        elif func in PRODUCTS:
             out = func(*args, **kwargs)
-            a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-            T = self.record.seq_len
-            # Order decides, not shape (with T = d_h both products are [.., T, T]): after a softmax comes weights @ v.
-            kind = "values" if module in self.softmax_pending and _is_scores(a, T) else \
-                "scores" if _is_scores(out, T) else None
-            if kind:
-                self.softmax_pending.discard(module)
-                keep = self.keep_tensors
-                self.record.matmuls.append(MatmulCall(module, kind, tuple(a.shape), tuple(b.shape), tuple(out.shape),
-                                                      a.detach().clone() if keep else None,
-                                                      b.detach().clone() if keep else None, self.record.tick()))
+            self._product(func, args, kwargs, out, module)
+            self._mark_input(args, kwargs, out)
             return out
         elif func in SOFTMAX:
             out = func(*args, **kwargs)
+            self._mark_input(args, kwargs, out)
             x = args[0] if args else kwargs["input"]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if dim is not None and _is_scores(x, self.record.seq_len):
-                self.record.attention.append(self._softmax(x, out, dim, module))
-                self.softmax_pending.add(module)
+            origin = self.origins.get(x) if isinstance(x, torch.Tensor) else None
+            if dim is not None and origin is not None and origin.kind == "scores":
+                call = self._softmax(x, out, dim, module, origin.product)
+                self.record.attention.append(call)
+                self.origins[out] = _Origin("weights", call=call.index)
             return out
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self._mark_input(args, kwargs, out)
+        self._follow(args, kwargs, out)
+        return out
+
+    def _mark_input(self, args, kwargs, out) -> None:
+        """Results computed from the input ids are marked as such too, so that attention over another sequence (an
+        encoder over a fixed source) can be told from attention over the tokens under test."""
+        if len(self.from_input) and any(t in self.from_input for t in _tensors((*args, *kwargs.values()))):
+            for t in _tensors(out):
+                self.from_input[t] = True
+
+    # -- following scores from q @ k^T to the softmax, and weights from the softmax to weights @ v -------------------
+
+    def _follow(self, args, kwargs, out) -> None:
+        """An op that keeps the [.., L, S] shape of scores or weights it read (a scale, a mask, a bias, a cast, a
+        dropout) passes their origin on to its result."""
+        if not len(self.origins) or not isinstance(out, torch.Tensor) or out.dim() < 2 or out in self.origins:
+            return
+        for x in itertools.chain(args, kwargs.values()):
+            if isinstance(x, torch.Tensor) and x in self.origins and x.shape[-2:] == out.shape[-2:]:
+                self.origins[out] = self.origins[x]
+                return
+
+    def _product(self, func, args, kwargs, out, module: str) -> None:
+        operands = _operands(func, args, kwargs)
+        if operands is None:
+            return
+        a, b, equation = operands
+        weights = next((i for i, x in enumerate((a, b)) if x in self.origins and self.origins[x].kind == "weights"),
+                       None)
+        op = "einsum" if equation else "baddbmm" if func in BADDBMM else "matmul"
+        if weights is not None:  # weights @ v
+            call = self.origins[(a, b)[weights]].call
+            w, v = (a, b) if weights == 0 else (b, a)
+            if equation:
+                w, v = _values_layout(equation, a, b, weights) or (w, v)
+            keep = self.keep_tensors
+            self.record.matmuls.append(MatmulCall(
+                module, "values", tuple(w.shape), tuple(v.shape), tuple(out.shape),
+                w.detach().clone() if keep else None, v.detach().clone() if keep else None, self.record.tick(), op,
+                call))
+            return
+        if a.dim() < 3 or b.dim() < 3:
+            return  # a projection by a weight matrix, not a product of two per-head tensors
+        q, k_t, reads_input = a, b, self._reads_input(a)
+        if equation:
+            layout = _scores_layout(equation, a, b)
+            if layout is None:
+                return
+            q, k_t, q_index = layout
+            reads_input = self._reads_input((a, b)[q_index])
+        # Only a softmax reading the result (or something made from it) makes this q @ k^T; until then, a candidate.
+        call = MatmulCall(module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=self.record.tick(),
+                          op=op)
+        self.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input))
 
     # -- one reducer per API ----------------------------------------------------------------------------------------
 
@@ -193,16 +321,17 @@ class _Observer(TorchFunctionMode):
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
         L, S = q.shape[-2], k.shape[-2]
         is_causal = bool(a.get("is_causal", False))
-        allowed = torch.ones(L, S, dtype=torch.bool, device=_values_device(q))
+        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
         if is_causal:
-            allowed = allowed.tril()  # SDPA's is_causal is aligned to the top left
+            allowed = allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
         kind, values, float_01 = ("is_causal" if is_causal else "none"), "-", False
         if mask is not None:
             kind, values, float_01, may = _read_mask(mask, true_means_masked=False)
             allowed = allowed & may
         batch_heads = tuple(q.shape[:-2])
         return self._call("sdpa", module, q, k, v, batch_heads, L, S, allowed, kind, mask, values, float_01,
-                          is_causal, float(a.get("dropout_p", 0.0) or 0.0))
+                          is_causal, float(a.get("dropout_p", 0.0) or 0.0), cross=self._cross(),
+                          reads_input=self._reads_input(q))
 
     def _mha(self, a: dict, module: str) -> AttentionCall:
         q, k, v = a["query"], a["key"], a["value"]
@@ -211,7 +340,7 @@ class _Observer(TorchFunctionMode):
         N, h = (q.shape[1] if batched else 1), int(a["num_heads"])
         mask, padding = a.get("attn_mask"), a.get("key_padding_mask")
         is_causal, need_weights = bool(a.get("is_causal", False)), bool(a.get("need_weights", True))
-        allowed = torch.ones(N, h, L, S, dtype=torch.bool, device=_values_device(q))
+        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
         kind, values, float_01 = "none", "-", False
         # is_causal is only a hint here; it replaces the mask exactly when torch takes the SDPA path without one.
         if is_causal and padding is None and not need_weights:
@@ -224,36 +353,53 @@ class _Observer(TorchFunctionMode):
             allowed = allowed & pad_may.view(N, 1, 1, S)
             kind, values, float_01 = kind + "+key_padding", f"{values}; padding {pad_values}", float_01 or pad_01
         dropout = float(a.get("dropout_p", 0.0) or 0.0) if a.get("training", True) else 0.0
+        # nn.MultiheadAttention hands its own inputs on: self-attention passes one tensor as query, key and value
+        # (it keeps that identity through its batch_first transpose), cross-attention passes the memory as key.
         return self._call("mha", module, q, k, v, (N, h), L, S, allowed, kind, mask, values, float_01,
-                          is_causal, dropout)
+                          is_causal, dropout, cross=k is not q, reads_input=self._reads_input(q))
 
-    def _softmax(self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str) -> AttentionCall:
+    def _softmax(self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str,
+                 product: _Product) -> AttentionCall:
         L, S = scores.shape[-2], scores.shape[-1]
-        if scores.is_meta:  # shapes only: no mask can be read, no sum checked
-            scores, weights = torch.zeros(1, L, S), torch.full((1, L, S), 1.0 / S)
-        finite = torch.isfinite(scores)
-        row_max = scores.masked_fill(~finite, float("-inf")).amax(-1, keepdim=True)
-        may = finite & (scores - row_max > -SCORE_GAP)  # keys that get any weight after normalising over them
-        empty = int((~finite | (scores <= -1e4)).all(-1).sum())
-        sums = weights.float().sum(-1)  # over the key axis
-        ok_rows = torch.isfinite(sums)
-        error = float((sums[ok_rows] - 1).abs().max()) if ok_rows.any() else float("nan")
-        call = AttentionCall(
-            index=len(self.record.attention), api="softmax", module=module, query_shape=tuple(scores.shape),
+        if product.recorded:
+            matmul = next(i for i, m in enumerate(self.record.matmuls) if m is product.call)
+        else:  # the q @ k^T product it came from is now known to be one: record it, under its own time
+            product.recorded = True
+            if self.keep_tensors:
+                product.call.a, product.call.b = product.a.detach().clone(), product.b.detach().clone()
+            self.record.matmuls.append(product.call)
+            matmul = len(self.record.matmuls) - 1
+            product.a = product.b = None  # no longer needed: let q and k go with the scores' other users
+        index = len(self.record.attention)
+        product.call.call = index
+        if scores.is_meta:  # shapes only: no mask can be read, no sum checked, nothing of size L x S allocated
+            allowed, empty, error, nonfinite = torch.ones(L, S, dtype=torch.bool, device="meta"), 0, None, 0
+        else:
+            finite = torch.isfinite(scores)
+            row_max = scores.masked_fill(~finite, float("-inf")).amax(-1, keepdim=True)
+            may = finite & (scores - row_max > -SCORE_GAP)  # keys that get any weight after normalising over them
+            allowed = may.reshape(-1, L, S).any(0)
+            empty = int((~finite | (scores <= -1e4)).all(-1).sum())
+            sums = weights.float().sum(-1)  # over the key axis
+            ok_rows = torch.isfinite(sums)
+            error = float((sums[ok_rows] - 1).abs().max()) if ok_rows.any() else float("nan")
+            nonfinite = int((~torch.isfinite(weights)).any(-1).sum())
+        positions, source, written, cross = self._where_queries("softmax", module, L, S, self._cross())
+        return AttentionCall(
+            index=index, api="softmax", module=module, query_shape=tuple(scores.shape),
             key_shape=None, value_shape=None, weights_shape=tuple(weights.shape), mask_kind="scores",
             mask_shape=None, mask_values="read off the scores (-inf or far below the row maximum)",
-            is_causal=False, dropout_p=0.0, allowed=may.reshape(-1, L, S).any(0), empty_rows=empty,
-            softmax_dim=dim - scores.dim() if dim >= 0 else dim, row_sum_error=error,
-            nonfinite_rows=int((~torch.isfinite(weights)).any(-1).sum()), seq=self.record.tick(),
-            dtype=str(weights.dtype).removeprefix("torch."),
+            is_causal=False, dropout_p=0.0, allowed=allowed, empty_rows=empty,
+            softmax_dim=dim - scores.dim() if dim >= 0 else dim, row_sum_error=error, nonfinite_rows=nonfinite,
+            seq=self.record.tick(),
+            dtype=str(weights.dtype).removeprefix("torch."), query_positions=positions, positions_from=source,
+            cross=cross, written=written, matmul=matmul, reads_input=product.reads_input,
         )
-        return call
 
     def _call(self, api, module, q, k, v, batch_heads, L, S, allowed, kind, mask, values, float_01, is_causal,
-              dropout) -> AttentionCall:
-        full = allowed.expand(*batch_heads, L, S) if allowed.dim() == 2 else allowed
-        empty = int((~full.reshape(-1, L, S).any(-1)).sum()) if allowed.dim() > 2 else \
-            int((~allowed.any(-1)).sum()) * math.prod(batch_heads)
+              dropout, cross: bool, reads_input: bool | None) -> AttentionCall:
+        empty = _empty_rows(allowed, batch_heads, L)
+        positions, source, written, cross = self._where_queries(api, module, L, S, cross)
         keep = self.keep_tensors
         return AttentionCall(
             index=len(self.record.attention), api=api, module=module, query_shape=tuple(q.shape),
@@ -261,25 +407,170 @@ class _Observer(TorchFunctionMode):
             mask_kind=kind, mask_shape=tuple(mask.shape) if mask is not None else None, mask_values=values,
             is_causal=is_causal, dropout_p=dropout, allowed=allowed.reshape(-1, L, S).any(0), empty_rows=empty,
             float_01=float_01, query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
-            seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."),
+            seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."), query_positions=positions,
+            positions_from=source, cross=cross, written=written, reads_input=reads_input,
         )
 
+    # -- where the queries sit on the key axis --------------------------------------------------------------------
 
-def _is_scores(t: Any, seq_len: int) -> bool:
-    """A [.., T, T] tensor of the pass's sequence length: attention scores or weights."""
-    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] == seq_len
+    def _reads_input(self, q: torch.Tensor) -> bool | None:
+        """Whether q was computed from the input ids; None while no input has been followed."""
+        return q in self.from_input if len(self.from_input) else None
+
+    def _cross(self) -> bool:
+        """Whether the running attention module took its keys from another sequence: the innermost module that has
+        a key-source parameter (context, encoder_hidden_states, ...) says so; without one, self-attention."""
+        return next((f.cross for f in reversed(self.where) if f.cross is not None), False)
+
+    def _where_queries(self, api: str, module: str, L: int, S: int,
+                       cross: bool) -> tuple[torch.Tensor | None, str, int, bool]:
+        """(query positions on the key axis, how they were learned, tokens written so far, cross)."""
+        written = self.written[(module, api)] = self.written.get((module, api), 0) + L
+        if cross:
+            return None, "", written, True
+        if L == S:
+            return torch.arange(L), "square", written, False
+        # A cache: the slot indices handed to the attention module or to one around it, when they fit this call.
+        given = self._given_positions(L, S)
+        if given and given[1] != "position_ids":
+            return (*given, written, False)
+        # A growing cache holds one key per token written; when S is exactly that, the queries are the last L. This
+        # goes before position_ids, which count real tokens only when there is left padding, not cache slots.
+        if S == written:
+            return torch.arange(S - L, S), "bottom-right", written, False
+        if given:
+            return (*given, written, False)
+        return None, "", written, False
+
+    def _given_positions(self, L: int, S: int) -> tuple[torch.Tensor, str] | None:
+        """The first positions of L queries within the S key slots handed to a running module, innermost first, in
+        the order of POSITION_INPUTS."""
+        for name in POSITION_INPUTS:
+            for frame in reversed(self.where):
+                p = frame.positions.get(name)
+                if p is not None and len(p) == L and int(p.min()) >= 0 and int(p.max()) < S:
+                    return p, name
+        return None
 
 
-def _values_device(t: torch.Tensor) -> torch.device:
-    """Where derived masks live: beside the tensors, except for meta tensors, which hold no values to derive from."""
-    return torch.device("cpu") if t.is_meta else t.device
+def _tensors(value: Any):
+    """The tensors of an op's arguments or result: the value itself, or those in a tuple or list (and in the tuples
+    and lists in it: torch.cat's sequence among the arguments)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list)):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
+
+
+def _empty_rows(allowed: torch.Tensor, batch_heads: tuple[int, ...], L: int) -> int:
+    """(batch, head, query) rows with no key left, counted as the attention sees them: masks broadcast over batch
+    rows and heads. None can be counted on the meta device."""
+    if allowed.is_meta:
+        return 0
+    empty = ~allowed.any(-1)  # (.., L)
+    try:
+        return int(empty.expand(*batch_heads, L).sum())
+    except RuntimeError:  # a mask of more dimensions than the query's: count it as it is
+        return int(empty.sum())
+
+
+def _operands(func, args, kwargs) -> tuple[torch.Tensor, torch.Tensor, str | None] | None:
+    """The two multiplied tensors of a product, and the einsum equation if it is one; None for other forms."""
+    if func is torch.einsum:
+        equation, rest = args[0], args[1:]
+        if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+            rest = tuple(rest[0])
+        if not isinstance(equation, str) or len(rest) != 2:
+            return None
+        a, b = rest
+        return (a, b, equation) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
+    values = list(args) + [kwargs[n] for n in ("input", "other", "mat2", "batch1", "batch2") if n in kwargs]
+    a, b = values[1:3] if func in BADDBMM else values[:2]
+    return (a, b, None) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
+
+
+def _einsum_labels(equation: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, str] | None:
+    """One label per dimension of a, b and the output (ellipsis dimensions as digits, aligned from the right as
+    einsum broadcasts them); None for a form read no further (repeated labels, wrong arity)."""
+    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if len(terms) != 2:
+        return None
+
+    def expand(term: str, ndim: int) -> str | None:
+        if "..." not in term:
+            return term if len(term) == ndim else None
+        head, tail = term.split("...")
+        n = ndim - len(head) - len(tail)
+        return head + "".join(str(i) for i in reversed(range(n))) + tail if 0 <= n <= 10 else None
+
+    la, lb = expand(terms[0], a.dim()), expand(terms[1], b.dim())
+    if la is None or lb is None or len(set(la)) < len(la) or len(set(lb)) < len(lb):
+        return None
+    if not arrow:  # implicit output: broadcast dimensions, then the labels that appear once, sorted
+        once = sorted(c for c in set(la + lb) if (la + lb).count(c) == 1 and not c.isdigit())
+        output = "".join(sorted({c for c in la + lb if c.isdigit()}, reverse=True)) + "".join(once)
+    else:
+        n = max(a.dim() - len(terms[0].replace("...", "")), b.dim() - len(terms[1].replace("...", "")), 0)
+        output = output.replace("...", "".join(str(i) for i in reversed(range(n))))
+    return la, lb, output
+
+
+def _scores_layout(equation: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """q [.., L, d] and k^T [.., d, S] as views, and which operand is q, when this einsum multiplies like q @ k^T: its
+    output ends with one axis of each operand, and exactly one axis (the head dimension) is summed over. None
+    otherwise."""
+    labels = _einsum_labels(equation, a, b)
+    if labels is None or len(labels[2]) < 3:
+        return None
+    la, lb, out = labels
+    first, second = out[-2], out[-1]
+    if first in la and first not in lb and second in lb and second not in la:
+        q, lq, k, lk = a, la, b, lb
+    elif first in lb and first not in la and second in la and second not in lb:
+        q, lq, k, lk = b, lb, a, la
+    else:
+        return None
+    summed = (set(la) & set(lb)) - set(out)
+    if len(summed) != 1 or not set(la + lb) <= set(out) | summed:
+        return None
+    d = summed.pop()
+    q_order = [c for c in out[:-2] if c in lq] + [first, d]
+    k_order = [c for c in out[:-2] if c in lk] + [d, second]
+    if len(q_order) != len(lq) or len(k_order) != len(lk):
+        return None
+    return q.permute(*[lq.index(c) for c in q_order]), k.permute(*[lk.index(c) for c in k_order]), int(q is b)
+
+
+def _values_layout(equation: str, a: torch.Tensor, b: torch.Tensor,
+                   weights: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weights [.., L, S] and v [.., S, d] as views of an einsum that reads the weights; None if not of that form."""
+    labels = _einsum_labels(equation, a, b)
+    if labels is None:
+        return None
+    la, lb, out = labels
+    w, lw, v, lv = (a, la, b, lb) if weights == 0 else (b, lb, a, la)
+    summed = (set(lw) & set(lv)) - set(out)
+    own_w, own_v = [c for c in lw if c not in lv], [c for c in lv if c not in lw]
+    if len(summed) != 1 or len(own_w) != 1 or len(own_v) != 1:
+        return None
+    s, query, d = summed.pop(), own_w[0], own_v[0]
+    w_order = [c for c in out if c in lw and c != query] + [query, s]
+    v_order = [c for c in out if c in lv and c != d] + [s, d]
+    if len(w_order) != len(lw) or len(v_order) != len(lv):
+        return None
+    return w.permute(*[lw.index(c) for c in w_order]), v.permute(*[lv.index(c) for c in v_order])
 
 
 def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> tuple[str, str, bool, torch.Tensor]:
     """(kind, values description, is a 0/1 float mask, may-attend bool tensor of the mask's shape)."""
-    if mask.is_meta:
+    if mask.is_meta:  # no values: may-attend everywhere, itself on the meta device (nothing allocated)
         kind = "bool" if mask.dtype == torch.bool else "float"
-        return kind, "(meta: no values)", False, torch.ones(mask.shape, dtype=torch.bool)
+        return kind, "(meta: no values)", False, torch.ones(mask.shape, dtype=torch.bool, device="meta")
     if mask.dtype == torch.bool:
         may = ~mask if true_means_masked else mask
         share = float(mask.float().mean())
@@ -298,14 +589,65 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> tuple[str, str, b
     return "float", values, float_01, may
 
 
+def _parameters(module: nn.Module) -> tuple[list[str], set[str]]:
+    """(names of the positional parameters of the module's forward in order, without self; names of all of them)."""
+    forward = module.forward
+    method = inspect.ismethod(forward)
+    try:
+        positional, accepted = _signature(forward.__func__ if method else forward)
+    except TypeError:  # an unhashable callable: read it uncached
+        positional, accepted = _signature.__wrapped__(forward.__func__ if method else forward)
+    return (positional[1:] if method else positional), accepted
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(function) -> tuple[list[str], set[str]]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an object inspect cannot read: only keyword arguments are named
+        return [], set()
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional, {p.name for p in parameters}
+
+
+def _frame(name: str, module: nn.Module, args: tuple, kwargs: dict) -> _Frame:
+    """What this forward call was handed: positions, and whether the keys' source is another sequence."""
+    positional, accepted = _parameters(module)
+    given = {**dict(zip(positional, args)), **kwargs}
+    positions = {n: p for n, v in given.items() if n in POSITION_INPUTS and (p := _shared_positions(v)) is not None}
+    cross = None
+    source = next((n for n in KEY_SOURCE_INPUTS if n in accepted), None)
+    if source is not None:
+        keys, own = given.get(source), given.get(positional[0]) if positional else None
+        cross = isinstance(keys, torch.Tensor) and keys is not own  # torchtune passes its input again as y
+    return _Frame(name, positions, cross)
+
+
+def _shared_positions(value: Any) -> torch.Tensor | None:
+    """(n,) integer positions on the CPU when every batch row has the same ones; None otherwise (or on meta)."""
+    if not isinstance(value, torch.Tensor) or value.is_meta or value.is_floating_point() or value.dim() > 2 \
+            or value.dtype == torch.bool or not value.numel():
+        return None
+    rows = value.reshape(-1, value.shape[-1]) if value.dim() else value.reshape(1, 1)
+    if not bool((rows == rows[:1]).all()):
+        return None  # rows differ (left padding): no single answer for the union over the batch
+    return rows[0].detach().to("cpu", torch.long)
+
+
 @contextmanager
-def module_tracking(model: nn.Module, record: Observation, where: list[str], keep_inputs_of: set[str] = frozenset()):
-    """Forward hooks on every submodule: keep a stack of running module names and record in/out shapes."""
+def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
+                    keep_inputs_of: set[str] = frozenset(), from_input: WeakIdKeyDictionary | None = None):
+    """Forward hooks on every submodule: keep a stack of running modules (with the positions and key sources their
+    forward was handed) and record in/out shapes; the root's input ids go into from_input, where the observer
+    follows what is computed from them."""
     handles = []
 
     def pre(name):
         def hook(module, args, kwargs):
-            where.append(name)
+            ids = kwargs.get("input_ids", first_tensor(args) if args else first_tensor(kwargs))
+            if not name and from_input is not None and isinstance(ids, torch.Tensor):
+                from_input[ids] = True
+            where.append(_frame(name, module, args, kwargs))
             x = first_tensor(args) if args else first_tensor(kwargs)
             record.modules.append(ModuleCall(name, type(module).__name__, tuple(x.shape) if x is not None else None,
                                              None, x.detach().clone() if name in keep_inputs_of and x is not None
@@ -314,7 +656,7 @@ def module_tracking(model: nn.Module, record: Observation, where: list[str], kee
 
     def post(name):
         def hook(module, args, kwargs, output):
-            if where and where[-1] == name:
+            if where and where[-1].name == name:
                 where.pop()
             y = first_tensor(output)
             for call in reversed(record.modules):
@@ -340,8 +682,10 @@ def observing(model: nn.Module, seq_len: int, keep_tensors: bool = False, zero_d
               keep_inputs_of: set[str] = frozenset()):
     """Everything inside runs observed; the Observation fills as it runs and is complete on exit."""
     record = Observation(seq_len=seq_len)
-    where: list[str] = []
-    with module_tracking(model, record, where, keep_inputs_of), _Observer(record, where, keep_tensors, zero_dropout):
+    where: list[_Frame] = []
+    from_input = WeakIdKeyDictionary()
+    with module_tracking(model, record, where, keep_inputs_of, from_input), \
+            _Observer(record, where, keep_tensors, zero_dropout, from_input):
         yield record
 
 

@@ -36,9 +36,10 @@ def test_seed_output_through_sdpa_and_the_reference_eager_path():
 
 
 def test_observer_reads_the_seed_weights_off_eager_softmax():
-    scores = SCORES.expand(1, 1, 3, 3).clone()  # three queries, each scoring its keys log 2, 0, 0
+    q = torch.full((1, 1, 3, 1), math.log(2))  # (B=1, h=1, L=3, d_h=1): three queries alike
+    k = torch.tensor([[[[1.0], [0.0], [0.0]]]])  # (1, 1, S=3, 1): each query scores its keys log 2, 0, 0
     with observing(torch.nn.Identity(), seq_len=3) as seen:
-        weights = F.softmax(scores, dim=-1)
+        weights = F.softmax(q @ k.transpose(-2, -1), dim=-1)  # eager attention: scores made by q @ k^T
     call = seen.attention[0]
     assert weights[0, 0, 0].tolist() == pytest.approx([0.5, 0.25, 0.25])
     assert call.api == "softmax" and call.softmax_dim == -1 and call.row_sum_error < 1e-6
