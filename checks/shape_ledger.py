@@ -1,28 +1,36 @@
 """shape-ledger: the shapes of ids, embeddings, hidden states, per-head q/k/v, attention weights and logits, each axis
-named by its symbolic dimension (B, T, d, h, h_kv, d_h, V, d_ff), checked against the layout attention requires.
+named by its symbolic dimension (B, T, S, d, h, h_kv, d_h, V, d_ff), checked against the layout attention requires.
 
-Naming must not rest on sizes being distinct (the seed's toy has T = d_h = 4), so a second, small pass runs with other
-B and T (chosen to collide with no size seen): an axis that follows B is B, one that follows T is T, and only axes that
-stay put are named by their size. Forward hooks give module outputs; the observation pass gives what each attention
-call received.
+Names come from behaviour and position, never from a size alone (the seed's toy has T = d_h = 4; a cache may hold as
+many slots as the model is wide). A second, small pass runs with other B and T, chosen to collide with no size seen:
+an axis that follows B is B, one that follows T is T. The axes that stay put are named by where they sit in the layout
+the tensor's role requires: in q [B, ?, T, ?] handed to attention they are the heads and the head size, whatever their
+sizes. Sizes the model states (`dims:`, its config) must agree; sizes it does not state are read off the first tensor
+that shows them (per attention call, so layers may differ). An axis that still has no name is shown by its size,
+and that is never a finding: only a layout that contradicts its role (the sequence on another axis than attention
+runs over, a head count against the stated one) is evidence of a bug.
+
+Forward hooks give module outputs; the observation pass gives what each attention call received.
 """
 
 from __future__ import annotations
 
 import re
+from collections import ChainMap
 from dataclasses import dataclass
 
+from fwdcheck.errors import ModelRaised
 from fwdcheck.observe import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status
 
-# Which constant a size is named after when several share it and the layout does not decide.
+# Which constant a size is named after, in a tensor that fits no layout, when several share it.
 NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
 
 
 @dataclass
 class Entry:
     name: str
-    role: str  # ids | hidden | q | k | v | scores_q | scores_k | weights | ffn | logits | mha_in
+    role: str  # ids | embedding | hidden | q | k | v | scores_q | scores_k | scores_v | weights | ffn | logits | mha_in
     shape: tuple[int, ...]
     probe_shape: tuple[int, ...] | None = None  # the same tensor in the second pass
     module: str = ""
@@ -32,23 +40,36 @@ class Entry:
     implied: bool = False  # weights SDPA and MHA compute internally: the shape they imply, not a tensor seen
     seq: int = 0  # forward order
     dtype: str = ""
+    group: str = ""  # the attention call it belongs to: its q, k, v and weights share head count and head size
 
 
-# Expected symbolic layouts per role; alternatives are equally correct.
+# Expected symbolic layouts per role; alternatives are equally correct. B and T follow the inputs; S is the keys'
+# length (T itself, or the slots of a cache); g the queries per kv head of a 5-D grouped layout [B, h_kv, g, T, d_h];
+# * any width (an embedding's own); 1 a broadcast axis. A T axis may hold a chunk of the sequence instead (a
+# prefill, one decode step) when no axis of the tensor follows T.
+_QUERIES = [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"], ["B", "T", "d_h"], ["B", "h_kv", "g", "T", "d_h"]]
+_KEYS = [["B", "h_kv", "S", "d_h"], ["B", "h", "S", "d_h"], ["B*h", "S", "d_h"], ["B*h_kv", "S", "d_h"],
+         ["B", "S", "d_h"], ["B", "h_kv", "1", "S", "d_h"], ["B", "h_kv", "g", "S", "d_h"]]
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
+    "embedding": [["B", "T", "d"], ["T", "B", "d"], ["B", "T", "*"], ["T", "B", "*"]],
     "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"]],
-    "q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
-    "k": [["B", "h_kv", "T", "d_h"], ["B", "h", "T", "d_h"], ["B*h", "T", "d_h"], ["B*h_kv", "T", "d_h"]],
-    "mha_in": [["T", "B", "d"]],
-    "scores_q": [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"]],
-    "scores_k": [["B", "h", "d_h", "T"], ["B*h", "d_h", "T"]],
-    "weights": [["B", "h", "T", "T"], ["B*h", "T", "T"], ["B", "T", "T"]],
-    "ffn": [["B", "T", "d_ff"], ["B*T", "d_ff"]],  # OPT flattens the tokens before its feed-forward
+    "q": _QUERIES,
+    "k": _KEYS,
+    "v": _KEYS,
+    "mha_in": [["T", "B", "d"], ["T", "d"]],
+    "scores_q": _QUERIES,
+    # k^T in q @ k^T; k itself, should an einsum's operand ('bhid,bhjd->bhij') be recorded as it was written
+    "scores_k": [[*k[:-2], k[-1], k[-2]] for k in _KEYS] + _KEYS,
+    "scores_v": _KEYS,
+    "weights": [["B", "h", "T", "S"], ["B*h", "T", "S"], ["B", "T", "S"], ["B", "h_kv", "g", "T", "S"]],
+    "ffn": [["B", "T", "d_ff"], ["T", "B", "d_ff"], ["B*T", "d_ff"]],  # OPT flattens the tokens before its MLP
     "logits": [["B", "T", "V"]],
 }
-TEMPLATES["v"] = TEMPLATES["k"]
-TEMPLATES["scores_v"] = TEMPLATES["k"]
+# The order in which the tensors of one attention call are read: what an API defines (SDPA's q, k, v; MHA's
+# num_heads in its weights) before what eager code merely shows.
+GROUP_ORDER = ("q", "k", "v", "weights", "scores_q", "scores_k", "scores_v", "mha_in")
+HEAD_SYMBOLS = {"h", "h_kv", "B*h", "B*h_kv"}
 
 
 class ShapeLedger(Check):
@@ -56,7 +77,8 @@ class ShapeLedger(Check):
     description = "names every axis of ids, hidden states, per-head q/k/v, attention weights and logits"
     needs_values = False  # shapes alone: runs on the meta device
     codes = {
-        "FWD401": "a tensor's layout differs from the expected symbolic shape",
+        "FWD401": "a tensor's layout contradicts its role (an axis where another belongs, a size against the "
+                  "declared one)",
         "FWD402": "attention runs over an axis that is not the sequence (e.g. heads and positions swapped)",
         "FWD403": "the softmax normalises over the query axis instead of the keys being read",
         "FWD404": "attention weights do not sum to 1 over the key axis, or hold NaN/Inf",
@@ -65,18 +87,27 @@ class ShapeLedger(Check):
         "FWD407": "against --expect-ledger: a tensor's dtype changed",
     }
     explain = """\
-Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call, attention
-weights, the feed-forward hidden state and the logits, and names each axis with a symbolic dimension:
-B batch, T sequence, d model width, h query heads, h_kv key/value heads, d_h head size, V vocabulary, d_ff
-feed-forward width. Names come from behaviour, not from sizes: a second small pass with other B and T shows which axes
-follow them, so T = d_h = 4 in the seed's toy is no ambiguity.
-Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q/k/v handed to attention [B,h,T,d_h] (GQA: k/v
-may have h_kv heads); weights [B,h,T,T]; feed-forward [B,T,d_ff]; logits [B,T,V]. The softmax must run along the
-positions being read (the key axis, last in q @ k^T), so each row of weights sums to 1.
+Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call (SDPA,
+nn.MultiheadAttention, eager q @ k^T), attention weights, the feed-forward hidden state and the logits, and names each
+axis with a symbolic dimension: B batch, T sequence, S keys (T, or a KV cache's slots), d model width, h query heads,
+h_kv key/value heads, d_h head size, V vocabulary, d_ff feed-forward width.
+How axes are named: by behaviour and position, not by size. A second small pass with other B and T shows which axes
+follow them (so T = d_h = 4 in the seed's toy is no ambiguity); the other axes are named by where they sit in the
+layout the tensor's role requires. Sizes the model states (`dims:` in the config, `check_model(dims=...)`, or its
+config object) must agree; sizes it does not state are read off the tensors: the head count off the q handed to SDPA,
+the operands of q @ k^T, nn.MultiheadAttention's num_heads. An axis that cannot be named is shown by its size (a
+prefill chunk of 4, a decode step of 1, a value embedding's width): that is never a finding. A model that refuses
+the naming pass's batch size (a cache allocated for max_batch_size) is named at its own; one that refuses the pass
+altogether is named by position and size, with a note saying what that cannot tell.
+Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q handed to attention [B,h,T,d_h]; k/v
+[B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots); weights [B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
+Logits wider than the vocabulary are a padded vocabulary (V_pad, a note); narrower ones are a fail. The softmax must
+run along the keys (the last axis of q @ k^T), so each row of weights sums to 1.
 Why: a missing transpose(1, 2) hands SDPA [B,T,h,d_h], and attention then mixes heads instead of positions: nothing
-crashes and no future leaks, only this ledger shows it. A softmax over dim=-2 normalises over queries and lets later
-queries shift earlier outputs.
-How to fix: the failing row names the tensor, the module and the axis; compare its dims with the expected layout."""
+crashes and no future leaks, only this ledger shows it (FWD402: the sequence sits on another axis than attention runs
+over). A softmax over dim=-2 normalises over queries and lets later queries shift earlier outputs.
+How to fix: the failing row names the tensor, the module and the axis; compare its dims with the expected layout.
+If a size is named wrongly because the model's config says something else, declare it: `model.dims: {h: 12}`."""
 
     def run(self, model, session) -> CheckResult:
         first = session.observation()
@@ -84,34 +115,29 @@ How to fix: the failing row names the tensor, the module and the axis; compare i
         blocks = model.layer_stack
         known = {k: v for k, v in model.dims.items() if k != "L"}
         entries = collect(first, session.inputs.shape, first_logits_shape(first), blocks, known)
-        known = infer_dims(entries, known)
 
-        sizes = {s for e in entries for s in e.shape} | set(known.values())
-        B2, T2 = probe_sizes(B, T, sizes, model.max_positions)
-        second = session.observe(session.random_ids((B2, T2)))
-        by_name = {e.name: e for e in collect(second, (B2, T2), first_logits_shape(second), blocks, known)}
-        for e in entries:
-            other = by_name.get(e.name)
-            e.probe_shape = other.shape if other is not None and len(other.shape) == len(e.shape) else None
-
+        (B2, T2), ran, notes = naming_pass(session, entries, blocks, known, model.max_positions)
+        namer = Namer((B, T), (B2, T2) if ran else None, known)
+        named = namer.name_all(entries)
         findings, rows = [], []
         for e in entries:
-            dims = name_axes(e, (B, T), (B2, T2), known)
+            dims, ok = named[e.name]
             expected = TEMPLATES.get(e.role)
-            ok = expected is None or dims in expected
             rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "dtype": e.dtype, "role": e.role,
                          "expected": expected[0] if expected else None, "ok": ok, "implied": e.implied})
-            findings += judge(e, dims, ok, expected)
+            findings += judge(e, dims, ok, expected, namer)
         findings = _merge_layers(findings)
+        notes += namer.notes(rows)
+        dims_seen = namer.dims()
         expected_ledger = session.settings.expect_ledger
-        diff = compare_ledgers(expected_ledger, rows, known) if expected_ledger else None
+        diff = compare_ledgers(expected_ledger, rows, dims_seen) if expected_ledger else None
         if diff:
             findings += diff
 
         attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
         directions = sorted({_direction(e) for e in entries if e.role == "weights"})
-        data = {"entries": rows, "dims": known, "probe": {"batch_size": B2, "seq_len": T2},
-                "softmax": directions or ["no attention weights observed"]}
+        data = {"entries": rows, "dims": dims_seen, "probe": {"batch_size": B2, "seq_len": T2},
+                "softmax": directions or ["no attention weights observed"], "notes": notes}
         if expected_ledger is not None:
             data["ledger_diff"] = [f.message for f in diff or []]
         bad = [f for f in findings if f.status != Status.PASS]
@@ -120,13 +146,48 @@ How to fix: the failing row names the tensor, the module and the axis; compare i
         elif bad:
             summary = f"{len(bad)} layout problem(s): {bad[0].message}"
         else:
-            summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in known.items())}); "
+            summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in dims_seen.items())}); "
                        f"softmax {directions[0] if directions else 'not observed'}")
         if not attention:
             summary += "; no attention call observed (custom kernel?): q/k/v not in the ledger"
+        if notes:
+            summary += "; note: " + "; ".join(notes)
         return CheckResult.from_findings(self.name, findings, summary,
                                          metrics={"tensors": len(rows), "probe_batch": B2, "probe_seq_len": T2},
                                          data=data)
+
+
+def naming_pass(session, entries: list[Entry], blocks: str | None, known: dict[str, int],
+                max_positions: int | None) -> tuple[tuple[int, int], bool, list[str]]:
+    """Run the second, small pass and give each entry its shape there (probe_shape). Returns the pass's (B, T),
+    whether it ran, and notes. A model that refuses the pass is not failed for it: what the first pass showed still
+    counts, only the naming is poorer."""
+    B, T = session.inputs.shape
+    sizes = {s for e in entries for s in e.shape} | set(known.values())
+    B2, T2 = probe_sizes(B, T, sizes, max_positions, session.min_seq_len)
+    second, refused = None, []
+    for batch in (B2, B):  # a model may fix its batch size (caches allocated for max_batch_size): then keep B
+        try:
+            second, B2 = session.observe(session.random_ids((batch, T2))), batch
+            break
+        except ModelRaised as exc:
+            refused.append(f"B={batch}, T={T2} ({(str(exc).splitlines() or [''])[0]})")
+    if second is None:
+        return (B2, T2), False, [f"the naming pass raised at {' and at '.join(refused)}: axes are named by position "
+                                 "and size only, which cannot tell a missing transpose from a chunk of the sequence"]
+    notes = [f"the naming pass raised at {refused[0]}; it ran at B={B}: batch axes are named by position"] \
+        if refused else []
+    by_name = {e.name: e for e in collect(second, (B2, T2), first_logits_shape(second), blocks, known)}
+    for e in entries:
+        other = by_name.get(e.name)
+        e.probe_shape = other.shape if other is not None and len(other.shape) == len(e.shape) else None
+    # A call the shorter pass did not repeat (the fifth decode step of five) behaves as the same module's call of the
+    # same role and shape that it did repeat.
+    seen = {(e.role, e.module, e.shape): e.probe_shape for e in entries if e.probe_shape is not None}
+    for e in entries:
+        if e.probe_shape is None and e.module:
+            e.probe_shape = seen.get((e.role, e.module, e.shape))
+    return (B2, T2), True, notes
 
 
 def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
@@ -137,28 +198,40 @@ def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
 def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known: dict[str, int]) -> list[Entry]:
     """The ledger's entries in forward order, named so the same tensor gets the same name in both passes."""
     entries = [Entry("input_ids", "ids", tuple(ids_shape), dtype="int64")]
-    seen_embedding = False
+    attending = {c.module for c in obs.attention if c.module} | {m.module for m in obs.matmuls if m.module}
+    token = _token_embedding(obs, ids_shape[0], known.get("d"))
+    head = max((c for c in obs.modules if c.name and logits_shape and c.output_shape == tuple(logits_shape)),
+               key=lambda c: c.seq, default=None)  # the last module to produce the logits: the lm head
+    head = head.name if head else None
+    calls: dict[str, int] = {}  # a module run more than once per forward (decode steps, shared layers): #1, #2, ...
     for call in obs.modules:
         if call.output_shape is None or not call.name:
             continue
-        if call.cls == "Embedding" and call.input_shape == tuple(ids_shape):
-            label = "token embedding" if not seen_embedding else "embedding"
-            entries.append(Entry(f"{label} ({call.name})", "hidden", call.output_shape, call.name, seq=call.seq,
-                                 dtype=call.output_dtype))
-            seen_embedding = True
-        elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name):
-            entries.append(Entry(f"{call.name} output", "hidden", call.output_shape, call.name, seq=call.seq,
-                                 dtype=call.output_dtype))
+        if _embeds_ids(call, ids_shape[0]):
+            role, label = "embedding", f"{'token embedding' if call.name == token else 'embedding'} ({call.name})"
+        elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name) and \
+                call.input_shape in (None, call.output_shape):
+            # A transformer block maps the residual stream to itself; a list item that changes the shape (one
+            # attention head of a per-head ModuleList, a projection) is not a block, and not a hidden state.
+            role, label = "hidden", f"{call.name} output"
         elif call.cls == "Linear" and known.get("d_ff") and call.output_shape[-1:] == (known["d_ff"],) \
-                and _in_first_block(call.name, blocks):
-            entries.append(Entry(f"{call.name} output", "ffn", call.output_shape, call.name, seq=call.seq,
-                                 dtype=call.output_dtype))
+                and _in_first_block(call.name, blocks) and call.name != head \
+                and not any(call.name.startswith(f"{m}.") for m in attending):
+            # The MLP's hidden layer; not a fused q/k/v projection, nor an lm head, that happens to be as wide.
+            role, label = "ffn", f"{call.name} output"
+        else:
+            continue
+        n = calls[label] = calls.get(label, -1) + 1
+        entries.append(Entry(label + (f" #{n}" if n else ""), role, call.output_shape, call.name, seq=call.seq,
+                             dtype=call.output_dtype))
 
     per_module: dict[str, int] = {}
+    calls_at: list[str] = []  # each attention call's name, by its index
     for call in obs.attention:
         n = per_module[call.module] = per_module.get(call.module, -1) + 1
         where = f"{call.module or 'model'}" + (f"#{n}" if n else "")
-        at = dict(module=call.module, seq=call.seq, dtype=call.dtype)
+        calls_at.append(where)
+        at = dict(module=call.module, seq=call.seq, dtype=call.dtype, group=where)
         if call.api == "sdpa":
             entries += [Entry(f"{where} q", "q", call.query_shape, **at),
                         Entry(f"{where} k", "k", call.key_shape, **at),
@@ -172,7 +245,10 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
     for mm in obs.matmuls:  # eager attention: q @ k^T makes the scores, weights @ v reads the values
         n = per_module[(mm.module, mm.kind)] = per_module.get((mm.module, mm.kind), -1) + 1
         where = f"{mm.module or 'model'}" + (f"#{n}" if n else "")
-        at = dict(module=mm.module, seq=mm.seq)
+        # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
+        call = getattr(mm, "call", None)
+        where = calls_at[call] if call is not None and call < len(calls_at) else where
+        at = dict(module=mm.module, seq=mm.seq, group=where)
         if mm.kind == "scores":
             entries += [Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
                         Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at)]
@@ -180,95 +256,299 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
             entries.append(Entry(f"{where} v (weights @ v)", "scores_v", mm.b_shape, **at))
     entries.sort(key=lambda e: e.seq)
     if logits_shape:
+        # The logits the checks read are [B, T, width]: the model's face verified B and T, also where a forward
+        # adapter calls the model several times (a prefill, then decode steps) and joins the pieces.
         root = next((m for m in obs.modules if m.name == ""), None)
-        entries.append(Entry("logits", "logits", tuple(logits_shape), dtype=root.output_dtype if root else ""))
+        entries.append(Entry("logits", "logits", (*ids_shape, logits_shape[-1]),
+                             dtype=root.output_dtype if root else ""))
     return entries
 
 
+def _embeds_ids(call, batch: int) -> bool:
+    """An nn.Embedding of token ids: a [B, T] input (or a [B, t] chunk of it, when forward decodes step by step)."""
+    return call.cls == "Embedding" and call.input_shape is not None and len(call.input_shape) == 2 \
+        and call.input_shape[0] == batch
+
+
+def _token_embedding(obs: Observation, batch: int, d: int | None) -> str | None:
+    """The token embedding among the embeddings of the ids: the first as wide as the model (a value embedding of
+    another width is not it), else the first."""
+    embeddings = [c.name for c in obs.modules if c.output_shape and _embeds_ids(c, batch)]
+    as_wide = [c.name for c in obs.modules if c.output_shape and _embeds_ids(c, batch) and c.output_shape[-1] == d]
+    return next(iter(as_wide or embeddings), None)
+
+
 def _in_first_block(name: str, blocks: str | None) -> bool:
-    """Only the first block's feed-forward layers go in the ledger: the rest repeat them."""
-    return blocks is None or not name.startswith(f"{blocks}.") or name.startswith(f"{blocks}.0.")
+    """Only the first block's feed-forward layers go in the ledger: the rest repeat them, and a layer outside the
+    blocks is none of them."""
+    return blocks is None or name.startswith(f"{blocks}.0.")
 
 
-def infer_dims(entries: list[Entry], known: dict[str, int]) -> dict[str, int]:
-    """Fill in dimensions the model did not declare from what was observed."""
-    dims = dict(known)
-    for e in entries:
-        if e.role == "logits":
-            dims.setdefault("V", e.shape[-1])
-        elif e.role == "hidden" and len(e.shape) == 3:
-            dims.setdefault("d", e.shape[-1])
-        elif e.role == "q" and len(e.shape) == 4:
-            dims.setdefault("h", e.shape[1])
-            dims.setdefault("d_h", e.shape[-1])
-        elif e.role == "k" and len(e.shape) == 4:
-            dims.setdefault("h_kv", e.shape[1])
-    return dims
-
-
-def probe_sizes(B: int, T: int, taken: set[int], max_positions: int | None) -> tuple[int, int]:
-    """A second (B, T), each size distinct from every size already seen, so no axis can be named by coincidence."""
+def probe_sizes(B: int, T: int, taken: set[int], max_positions: int | None, shortest: int = 1) -> tuple[int, int]:
+    """A second (B, T), each size distinct from every size already seen, so no axis can be named by coincidence;
+    T no shorter than the model accepts."""
     B2 = next(n for n in range(2, 10_000) if n != B and n not in taken)
     limit = max_positions or 10_000
-    T2 = next((n for n in range(3, limit + 1) if n not in taken and n not in (B, B2, T)), None)
+    T2 = next((n for n in range(max(3, shortest), limit + 1) if n not in taken and n not in (B, B2, T)), None)
     if T2 is None:  # max_positions is tiny and crowded: fall back to any other length
         T2 = next(n for n in range(2, limit + 1) if n != T)
     return B2, T2
 
 
-def name_axes(e: Entry, first: tuple[int, int], second: tuple[int, int], known: dict[str, int]) -> list[str]:
-    (B, T), (B2, T2) = first, second
-    layouts = TEMPLATES.get(e.role, [[]])
-    expected = next((t for t in layouts if len(t) == len(e.shape)), layouts[0])  # the layout of the same rank
-    h = known.get("h")
-    varying = {"B": (B, B2), "T": (T, T2), "B*T": (B * T, B2 * T2)}
-    if h:
-        varying["B*h"] = (B * h, B2 * h)
-    if known.get("h_kv"):
-        varying["B*h_kv"] = (B * known["h_kv"], B2 * known["h_kv"])
-    names = []
-    for axis, size in enumerate(e.shape):
-        other = e.probe_shape[axis] if e.probe_shape is not None else None
-        follows = next((n for n, pair in varying.items() if pair == (size, other)), None)
-        if other is not None and other != size and follows:
-            names.append(follows)
-            continue
-        # Constant, or changed without following B or T: the small pass took another code path (a sliding-window
-        # model repeats its kv heads only when the window masks something). Either way the size names it.
-        candidates = [n for n in NAME_PRIORITY if known.get(n) == size]
-        want = expected[axis] if axis < len(expected) else None
-        if want == "h_kv" and not candidates and known.get("h") and known["h"] % size == 0:
-            candidates = ["h_kv"]  # fewer kv heads than the config says (multi-query read from another field)
-        if other is None and size in (B, T) and want in ("B", "T"):
-            candidates.insert(0, want)  # not seen in the second pass: the best guess is the layout's own
-        if want in candidates:
-            names.append(want)
-        elif candidates:
-            names.append(candidates[0])
-        else:
-            multiple = next((f"{m}*{n}" for n in NAME_PRIORITY for m in (2, 3, 4) if known.get(n) and
-                             known[n] * m == size), None)
-            names.append(multiple or str(size))
-    return names
+@dataclass(frozen=True)
+class Axis:
+    """One axis of a tensor, and what it did between the two passes."""
+
+    size: int
+    follows: str | None = None  # B, T or B*T: it changed exactly as that input size did
+    per_batch: int | None = None  # it followed B times this constant: batch and heads flattened (B*h)
+    unseen: bool = False  # the naming pass did not show this tensor: only its size is known
+
+    @property
+    def constant(self) -> bool:
+        """Not tied to the inputs. An axis that changed without following them counts too: the naming pass took
+        another code path there (a sliding window wider than it), or the axis is a chunk of the sequence."""
+        return self.follows is None and self.per_batch is None
 
 
-def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None) -> list[Finding]:
+class Namer:
+    """Names every axis by behaviour and position, reading the sizes the model does not state off its tensors."""
+
+    def __init__(self, first: tuple[int, int], second: tuple[int, int] | None, known: dict[str, int]):
+        (self.B, self.T), self.second = first, second
+        self.batch_varied = second is not None and second[0] != self.B  # else batch axes are told by position
+        self.stated = dict(known)
+        # d_h = d / h and h_kv = h are what a config implies when it says no more, not what it states: Gemma's head
+        # size is not d / h, and a config may name its kv heads in a way fwdcheck does not read. A layout that shows
+        # its heads (q [B,h,T,d_h]) says what they are; a per-head [B,T,d_h] still has to agree.
+        self.defaults = {s for s, derived in (("d_h", _ratio(known, "d", "h")), ("h_kv", known.get("h")))
+                         if s in known and known[s] == derived}
+        self.shared: dict[str, int] = {}  # read off tensors outside attention calls (d, from the blocks)
+        self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
+        self.padded: tuple[int, int] | None = None  # (logits width, vocabulary) when the vocabulary is padded
+
+    # -- reading what each axis did -------------------------------------------------------------------------------
+
+    def axes(self, e: Entry) -> list[Axis]:
+        if self.second is None or e.probe_shape is None:
+            return [Axis(s, unseen=True) for s in e.shape]
+        (B, T), (B2, T2) = (self.B, self.T), self.second
+        axes = []
+        for size, other in zip(e.shape, e.probe_shape):
+            if (size, other) == (B, B2) and B != B2:
+                axes.append(Axis(size, follows="B"))
+            elif (size, other) == (T, T2):
+                axes.append(Axis(size, follows="T"))
+            elif (size, other) == (B * T, B2 * T2):
+                axes.append(Axis(size, follows="B*T"))
+            elif size != other and size % B == 0 and other % B2 == 0 and size // B == other // B2 > 1:
+                axes.append(Axis(size, per_batch=size // B))
+            else:
+                axes.append(Axis(size))
+        return axes
+
+    def is_sequence(self, axis: Axis, strict: bool = False) -> bool:
+        """Whether the axis is the sequence: it followed T; without a naming pass, it is T's size (strict: a size
+        that nothing else stated shares, so that it is evidence)."""
+        if axis.follows == "T":
+            return True
+        if not axis.unseen or axis.size != self.T:
+            return False
+        read = {size for scope in (self.shared, *self.groups.values()) for size in scope.values()}
+        return not strict or self.T not in {self.B, *self.stated.values(), *read}
+
+    # -- naming -----------------------------------------------------------------------------------------------------
+
+    def name_all(self, entries: list[Entry]) -> dict[str, tuple[list[str], bool]]:
+        """name -> (dims, fits its role). Sizes are read in an order that lets the clearest evidence speak first:
+        the blocks' residual stream before embeddings (a value embedding has its own width), each attention call's
+        API-defined tensors before eager operands, and the logits last."""
+        named = {}
+
+        def run(group: list[Entry], scope: ChainMap):
+            for e in group:
+                named[e.name] = self.name(e, scope)
+
+        order = {"hidden": 0, "embedding": 1}
+        run(sorted((e for e in entries if e.role in order), key=lambda e: (order[e.role], e.seq)),
+            ChainMap(self.shared))
+        for key in dict.fromkeys(e.group for e in entries if e.group):
+            scope = ChainMap(self.groups.setdefault(key, {}), self.shared)
+            run(sorted((e for e in entries if e.group == key), key=lambda e: GROUP_ORDER.index(e.role)), scope)
+        run([e for e in entries if e.role not in order and not e.group], ChainMap(self.shared))
+        return named
+
+    def name(self, e: Entry, scope: ChainMap) -> tuple[list[str], bool]:
+        axes = self.axes(e)
+        layouts = TEMPLATES.get(e.role, [])
+        if "h_kv" not in self.stated:
+            # Keys with as many heads as the queries have h heads: whether fewer kv heads were repeated or there
+            # are no fewer, nothing tells, and no h_kv is claimed. Fewer heads than h are h_kv.
+            layouts = sorted(layouts, key=lambda t: "h_kv" in t or "B*h_kv" in t)
+        for layout in layouts:
+            fitted = self.fit(layout, axes, scope)
+            if fitted is not None:
+                names, read = fitted
+                scope.update(read)
+                if "V_pad" in names:
+                    self.padded = (e.shape[names.index("V_pad")], self.value("V", scope))
+                return names, True
+        return self.describe(e, axes, scope), e.role not in TEMPLATES
+
+    def fit(self, layout: list[str], axes: list[Axis], scope: ChainMap) -> tuple[list[str], dict] | None:
+        """The axes' names if the tensor fits this layout, and the sizes it reads off; None if it does not."""
+        if len(layout) != len(axes):
+            return None
+        chunk = not any(a.follows in ("T", "B*T") for a in axes)
+        heads_shown = bool(HEAD_SYMBOLS & set(layout))
+        read: dict[str, int] = {}
+        names = []
+        for symbol, axis in zip(layout, axes):
+            name = self._slot(symbol, axis, scope, read, chunk, heads_shown)
+            if name is None:
+                return None
+            names.append(name)
+        if "g" in layout:  # [B, h_kv, g, ...]: the groups times their size must be the query heads
+            h, h_kv, g = (read.get(s, self.value(s, scope)) for s in ("h", "h_kv", "g"))
+            if h and h_kv and g and h_kv * g != h:
+                return None
+        return names, read
+
+    def _slot(self, symbol: str, axis: Axis, scope, read: dict, chunk: bool, heads_shown: bool) -> str | None:
+        size = axis.size
+        if symbol in ("B", "T", "B*T"):
+            if axis.follows == symbol:
+                return symbol
+            if symbol == "B" and not self.batch_varied and axis.constant and size == self.B:
+                return symbol
+            if axis.unseen:  # no naming pass to tell: the size and the position are all there is
+                if size == {"B": self.B, "T": self.T, "B*T": self.B * self.T}[symbol]:
+                    return symbol
+                return str(size) if symbol == "T" else None
+            if symbol == "T" and chunk and axis.constant:
+                return str(size)  # a chunk of the sequence (a prefill, one decode step): named by its size
+            return None
+        if symbol == "S":  # the keys read: the sequence itself, or the slots of a cache
+            if self.is_sequence(axis):
+                return "T"
+            return "S" if axis.constant else None
+        if symbol.startswith("B*"):  # B*h, B*h_kv: batch and heads flattened into one axis
+            told_by_size = axis.unseen or (not self.batch_varied and axis.constant)
+            factor = axis.per_batch or (size // self.B if told_by_size and size % self.B == 0 else None)
+            return symbol if factor and self._agrees(symbol[2:], factor, scope, read, heads_shown) else None
+        if not axis.constant:
+            return None
+        if symbol == "*":
+            return str(size)
+        if symbol == "1":
+            return "1" if size == 1 else None
+        if symbol == "V" and size > (self.value("V", scope) or size):
+            return "V_pad"  # logits wider than the vocabulary: padded (to a multiple of 64, say), a note
+        return symbol if self._agrees(symbol, size, scope, read, heads_shown) else None
+
+    def _agrees(self, symbol: str, size: int, scope, read: dict, heads_shown: bool) -> bool:
+        """Whether the size can be this symbol: it is the size stated or already read, or the symbol is still free
+        (then this tensor says what it is)."""
+        if symbol in read:
+            return read[symbol] == size
+        if symbol in scope:
+            return scope[symbol] == size
+        if symbol in self.stated and not (heads_shown and symbol in self.defaults):
+            return self.stated[symbol] == size
+        if symbol == "h_kv":  # kv heads serve whole groups of query heads
+            h = read.get("h", self.value("h", scope))
+            if h and h % size:
+                return False
+        read[symbol] = size
+        return True
+
+    def value(self, symbol: str, scope) -> int | None:
+        return scope.get(symbol, self.stated.get(symbol))
+
+    def describe(self, e: Entry, axes: list[Axis], scope) -> list[str]:
+        """Names for a tensor that fits no layout of its role: what each axis followed, else a stated size's name,
+        the layout's own choice first when several share it."""
+        layouts = TEMPLATES.get(e.role, [[]])
+        expected = next((t for t in layouts if len(t) == len(axes)), layouts[0])
+        names = []
+        for i, axis in enumerate(axes):
+            want = expected[i] if i < len(expected) else None
+            if axis.follows:
+                names.append(axis.follows)
+            elif axis.per_batch:
+                names.append("B*" + next((s for s in ("h", "h_kv") if self.value(s, scope) == axis.per_batch),
+                                         str(axis.per_batch)))
+            elif axis.unseen and want in ("B", "T") and axis.size == (self.B if want == "B" else self.T):
+                names.append(want)
+            else:
+                candidates = [s for s in NAME_PRIORITY if self.value(s, scope) == axis.size]
+                names.append(want if want in candidates else candidates[0] if candidates else str(axis.size))
+        return names
+
+    # -- what the report says -------------------------------------------------------------------------------------
+
+    def dims(self) -> dict[str, int]:
+        """The sizes of the architecture: as stated, a default replaced by what the tensors showed, then what was
+        read off them (the first attention call's, where layers differ)."""
+        dims = dict(self.stated)
+        for scope in (self.shared, *self.groups.values()):
+            for symbol, size in scope.items():
+                if symbol in ("g", "S"):
+                    continue
+                if symbol not in dims or (symbol in self.defaults and dims[symbol] == self.stated.get(symbol)):
+                    dims[symbol] = size
+        return dims
+
+    def notes(self, rows: list[dict]) -> list[str]:
+        notes = []
+        if self.padded:
+            width, vocab = self.padded
+            notes.append(f"logits are {width} wide for a vocabulary of {vocab} (V_pad): a padded output vocabulary")
+        unnamed = sorted({int(d) for r in rows if r["ok"] for d in r["dims"] if d.isdigit()})
+        if unnamed:
+            notes.append(f"axes of size {', '.join(map(str, unnamed))} are shown by their size (fwdcheck has no name "
+                         "for them: a chunk of the sequence, an embedding's own width); that is no finding")
+        return notes
+
+
+def _ratio(known: dict[str, int], a: str, b: str) -> int | None:
+    return known[a] // known[b] if known.get(a) and known.get(b) and known[a] % known[b] == 0 else None
+
+
+def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None, namer: Namer) -> list[Finding]:
     findings = []
     shown = f"[{','.join(dims)}]"
-    if e.role in ("q", "k", "v", "scores_q") and len(dims) >= 3 and dims[-2] != "T":
-        findings.append(Finding("FWD402", Status.FAIL, f"{e.name} is {shown}: attention runs over axis -2, which is "
-                                f"{dims[-2]} here, not the sequence T (a missing transpose(1, 2)?)", where=e.module))
+    misplaced = None if ok else _sequence_misplaced(e, namer)
+    if misplaced is not None:
+        over = -1 if e.role == "scores_k" else -2
+        findings.append(Finding("FWD402", Status.FAIL, f"{e.name} is {shown}: the sequence T is axis {misplaced}, "
+                                f"but attention runs over axis {over}, which is {dims[over]} here (a missing "
+                                "transpose(1, 2)?)", where=e.module))
     elif not ok and expected:
-        status = Status.WARN if e.role == "hidden" else Status.FAIL
+        status = Status.WARN if e.role in ("hidden", "embedding") else Status.FAIL
         findings.append(Finding("FWD401", status, f"{e.name} is {shown}, expected "
                                 f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None))
     if e.role == "weights" and e.softmax_dim is not None and e.softmax_dim != -1:
-        findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,T] scores: "
+        findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,S] scores: "
                                 "it normalises over the queries, not the keys each query reads", where=e.module))
     elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
         findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
                                 f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module))
     return findings
+
+
+def _sequence_misplaced(e: Entry, namer: Namer) -> int | None:
+    """The axis holding the sequence, when a tensor handed to attention holds it somewhere other than the axis
+    attention runs over (-2; -1 or -2 for k^T). A KV cache or a decode step holds no axis that follows T at all:
+    that is no evidence."""
+    if e.role not in ("q", "k", "v", "scores_q", "scores_k", "scores_v") or len(e.shape) < 3:
+        return None
+    axes = namer.axes(e)
+    allowed = {len(axes) - 2, len(axes) - 1} if e.role == "scores_k" else {len(axes) - 2}
+    found = [i for i, a in enumerate(axes) if namer.is_sequence(a, strict=True)]
+    if not found or any(i in allowed for i in found):
+        return None
+    return found[0]
 
 
 def compare_ledgers(expected: dict, current: list[dict], dims: dict[str, int]) -> list[Finding]:
