@@ -1,25 +1,34 @@
 """rope: rotated query . key must depend only on n - m; measure the pairing and the frequencies actually used.
 
 Three views, each catching what the others cannot:
-  probe (the model's own attention path): feed one token repeated, so every position enters attention with the same
-    q and k before rotation; what q and k hold at the attention call is then the rotation alone. From it: which dims
-    rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies, whether q and k
-    agree, and whether q_m . k_n depends on n - m only. Run again with every position shifted: a relative encoding
-    gives the same scores.
+  probe (the model's own attention path): feed one token repeated, and hold the hidden state entering each attention
+    module the same at every position; what q and k hold at the attention call is then the rotation alone. From it:
+    which dims rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies,
+    whether q and k agree, and whether q_m . k_n depends on n - m only. Run again with every position shifted: a
+    relative encoding gives the same scores.
   logits (when forward takes position_ids): shifting every position by an offset must leave the logits unchanged.
   component (the reference model, or a rotary function named in the config): the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random vectors, norms preserved, position 0 the identity.
+
+The probe measures q and k only where it knows what they were computed from: a call counts when the input of the
+module around it was held position-independent (or its block's input already was, or q and k turn as clean rotations
+do, which content never does), and only the key slots that hold the probe's own positions are read, so a KV cache
+longer than the input changes nothing. A check that measured nothing never passes: without a judged call or a logits
+shift it skips, saying why.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import model_frame
+from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import position_change
 
@@ -106,6 +115,145 @@ def toeplitz_error(scores: torch.Tensor) -> float:
     return worst / (float(scores.abs().max()) + 1e-30)
 
 
+@dataclass
+class QK:
+    """One attention call as the probe saw it: q and k as (heads, P, d_h), the keys taken at the slots that hold the
+    probe's positions; or, when the call cannot be judged, why."""
+
+    where: str
+    head_dim: int
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    rows: tuple[torch.Tensor, ...] = ()  # the position-free input rows q and k came from
+    cached: bool = False  # the call read more key slots than it had queries: a KV cache
+    held: bool = True  # its input was held (or already) the same at every position
+    note: str | None = None  # why it was not judged; None when it was
+
+    @property
+    def judged(self) -> bool:
+        return self.note is None
+
+
+@dataclass
+class Look:
+    """One probe forward: its attention calls, the observation, the rows each held module was given, and how far
+    the modules' own rows were from those (when rows were replayed)."""
+
+    calls: list[QK]
+    seen: Observation
+    rows: dict[str, tuple[torch.Tensor, ...]]
+    moved: dict[str, float]
+
+
+@dataclass
+class Measured:
+    """The rotations one judged call shows, with the q and k (P, d_h) of head 0 they were read from."""
+
+    where: str
+    q: Rotation
+    k: Rotation
+    toeplitz: float  # how far q_m . k_n is from depending on n - m alone, relative to its scale
+    q_seen: torch.Tensor
+    k_seen: torch.Tensor
+
+
+@dataclass
+class Probe:
+    """What the one-token probe measured over every attention call."""
+
+    calls: list[QK]
+    q: Rotation | None = None  # of the first judged call that turns (or the first judged call)
+    k: Rotation | None = None
+    found: str | None = None  # how position reaches the model instead, when q and k do not turn
+
+    @property
+    def judged(self) -> list[QK]:
+        return [c for c in self.calls if c.judged]
+
+    @property
+    def rotates(self) -> bool:
+        return self.q is not None and (self.q.rotates or self.k.rotates)
+
+    def why_unjudged(self) -> str:
+        if not self.calls:
+            return "no attention call with q and k was observed"
+        notes = sorted({c.note for c in self.calls if c.note})
+        return f"none of {len(self.calls)} attention calls could be judged: {'; '.join(notes)}"
+
+
+class Hold:
+    """Forward pre-hooks that hand each named module its hidden-state input with one row at every position: the row
+    its first call of the forward got at position 0. Whatever q and k then do with position inside that module is the
+    position encoding alone, however position entered the residual stream before it (learned or sinusoidal tables,
+    tokens mixed with their neighbours), in whichever layer, and over however many calls the forward makes (a prefill
+    and then one token at a time through a KV cache).
+
+    The shifted probe replays the rows the first probe held, so that q and k start from the same content at other
+    positions; how far a module's own rows moved under the shift tells whether position entered it absolutely."""
+
+    def __init__(self, names: set[str], positions: int):
+        self.names, self.positions = names, positions
+        self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> the rows it is given in this forward
+        self.replay: dict[str, tuple[torch.Tensor, ...]] | None = None  # rows to give instead of its own
+        self.moved: dict[str, float] = {}  # module -> how far its own rows were from the replayed ones
+        self.spread: dict[str, float] = {}  # module -> how much its own input changed along the positions
+
+    def start(self, replay: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Before each forward: forget the rows of the last one; replay these instead of the modules' own."""
+        self.rows, self.replay, self.moved = {}, replay, {}
+
+    @contextmanager
+    def installed(self, model: nn.Module):
+        handles = [m.register_forward_pre_hook(self._hook(n), with_kwargs=True)
+                   for n, m in model.named_modules() if n in self.names]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str):
+        def hold(module, args, kwargs):
+            x = first_tensor(args) if args else first_tensor(kwargs)  # what the observation pass records as input
+            if x is None or not x.is_floating_point() or x.dim() != 3 or x.shape[0] != 1 or \
+                    not 1 <= x.shape[1] <= self.positions:
+                return None  # not a hidden state (1, L <= P, width): leave this call alone
+
+            # Every tensor shaped like it (q, k and v inputs given apart) is held alike; one handed over twice stays
+            # one tensor (whether keys come from the queries' own input is read off that identity).
+            distinct: list[torch.Tensor] = []
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.shape == x.shape and t.dtype == x.dtype and \
+                        not any(t is d for d in distinct):
+                    distinct.append(t)
+            if not any(x is d for d in distinct):
+                return None  # the hidden state sits inside a container: nothing is held, and nothing claims it
+            own = tuple(t[0, 0].detach().clone() for t in distinct)
+            self.spread[name] = max(self.spread.get(name, 0.0), relative_spread(x))
+            if name not in self.rows:
+                given = own
+                if self.replay is not None and name in self.replay:
+                    given = self.replay[name]
+                    self.moved[name] = max([0.0] + [float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
+                                                    for a, b in zip(own, given)])
+                self.rows[name] = given
+            rows = (*self.rows[name], *own[len(self.rows[name]):])
+            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct)]
+
+            def held(t):
+                return next((m for d, m in zip(distinct, made) if t is d), t)
+
+            return tuple(held(a) for a in args), {key: held(v) for key, v in kwargs.items()}
+
+        return hold
+
+
+def relative_spread(x: torch.Tensor) -> float:
+    """How far a hidden state x (B, P, width) is from being the same at every position, relative to its largest
+    entry."""
+    return float((x - x[:, :1]).abs().max()) / (float(x.abs().max()) + 1e-30)
+
+
 class Rope(Check):
     name = "rope"
     description = "rotated q.k must depend only on n - m; reports the pairing and frequencies actually used"
@@ -115,28 +263,44 @@ class Rope(Check):
         "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
         "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k differently",
         "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
-        "FWD306": "q/k change with position but no pairing keeps pair norms constant: not a rotation",
+        "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
         "FWD307": "the model declares a rotary embedding but q and k do not change with position",
         "FWD308": "the rotary function on its own breaks the identity, the norms or position 0 = identity",
     }
     explain = """\
-Skips, with the reason, when the model has no rotary embedding (q and k do not turn with position in the probe and
-nothing declares one). Otherwise:
-  probe: one token repeated, so q and k are the same vector at every position before rotation; at each attention call
-    fwdcheck measures which dims rotate, the pairing (half = rotate_half, dim i with i + r/2, as GPT-NeoX and Llama;
-    interleaved = dim 2i with 2i+1, as GPT-J and RoFormer), the frequency of each pair and the base they imply, and
-    checks q_m . k_n depends on n - m only. The probe runs again with every position shifted: scores must not change.
+Skips, with the reason, when the model has no rotary embedding: q and k do not turn with position in the probe and
+nothing declares one. Absolute position encodings (a learned table such as GPT-2's wpe, sinusoids, anything added to
+the residual stream) are not RoPE: the skip names what was found. When the config declares rope (`rope:`, a
+`rotary_function`, a Hugging Face rope_theta) and q and k do not turn, that is FWD307, again saying what was found.
+Otherwise:
+  probe: one token repeated, and the hidden state entering each attention module held the same at every position
+    (a learned table, sinusoids or tokens mixed with their neighbours would otherwise vary it); q and k at the call
+    are then the rotation alone. fwdcheck measures which dims rotate, the pairing (half = rotate_half, dim i with
+    i + r/2, as GPT-NeoX and Llama; interleaved = dim 2i with 2i+1, as GPT-J, RoFormer and complex-number RoPE), the
+    frequency of each pair and the base they imply, and checks q_m . k_n depends on n - m only. With a KV cache
+    longer than the input only the key slots holding the probe's positions are read (the call's query positions
+    when known, else the slots the probe wrote, found by running a second token); a forward that runs attention in
+    steps (a prefill, then one token at a time) is measured over its steps together. The probe runs again with
+    every position shifted, from the same held input: scores must not change.
   logits: when forward takes position_ids, shifting every position by an offset must leave the logits unchanged.
+    Not measured when positions also enter absolutely (the held input moved with the shift) or when the model reads
+    a KV cache kept between calls (shifted positions would read what the cache holds below them).
   component: for the reference model, or a `rotary_function` named in the config, the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random q, k, norm preservation and R(0) = identity.
-Why: RoPE applied to q but not k, q and k paired differently, or a position offset that reaches only q all train
-without an error; the relative-position property is simply gone.
+A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
+not be held and q, k do not turn as rotations, its key slots cannot be told apart) and no logits shift was measured,
+it skips with the reason; a rotary function tested alone says nothing of how the model uses it.
+Why: RoPE applied to q but not k, q and k paired differently or turned in opposite directions, or a position offset
+that reaches only q all train without an error; the relative-position property is simply gone.
 Limit: the identity compares q with k. A pairing that is consistently wrong (both q and k interleaved where the
 checkpoint was trained with half) satisfies it perfectly. Only the declared settings can catch that: fwdcheck reports
 the measured pairing, rotary dim and base and fails FWD305 when they differ from the config (the reference model's
-`rope:`, a python model's `rope:` block).
-How to fix: FWD301 -> apply the rotation to both q and k. FWD302 -> use one rotate function for both. FWD304 -> pass
-the same positions (offset included) to q and k."""
+`rope:`, a python model's `rope:` block). A scaled rotation (xPos) keeps no pair norm constant; it is accepted as
+long as q . k depends on n - m only.
+How to fix: FWD301 -> apply the rotation to both q and k. FWD302 -> use one rotate function, with the same
+positions and sign, for both. FWD303 -> rotate by angles linear in the position (no wrapped or restarted
+positions). FWD304 -> pass the same positions (offset included) to q and k. FWD307 -> apply the rotary embedding,
+or correct the declaration."""
 
     def run(self, model, session) -> CheckResult:
         tol = RELATIVE[session.dtype]
@@ -157,114 +321,245 @@ the same positions (offset included) to q and k."""
                 # found by naming convention only: a modeling file with another signature is no finding
                 data["component"] = None
                 data["component_note"] = f"rotary function found by convention could not be called: {exc}"
-        rotates = probe is not None and (probe[0].rotates or probe[1].rotates)
-        if not rotates and declared is None and component is None:
-            raise SkipCheck("no rotary embedding: q and k do not turn with position and the model declares none")
-        if declared is not None and probe is not None and not rotates:
-            findings.append(Finding("FWD307", Status.FAIL, "the model declares a rotary embedding but q and k do "
-                                    "not change with position at any attention call"))
-        measured = probe[0] if rotates else component
+        # Naming a rotary function is a declaration too; one found by convention in a modeling file is not.
+        claims_rope = declared is not None or (model.rotary is not None and not model.rotary_discovered)
+        failing = any(f.status != Status.PASS for f in findings)
+        if probe.judged and not probe.rotates:
+            if claims_rope:
+                findings.append(Finding("FWD307", Status.FAIL, "the model declares a rotary embedding but q and k "
+                                        f"do not change with position at any of {len(probe.judged)} attention "
+                                        f"calls; found instead: {probe.found}", "rotary embedding"))
+            elif not failing:
+                raise SkipCheck(f"no rotary embedding: q and k do not turn with position at any of "
+                                f"{len(probe.judged)} attention calls and the model declares none; {probe.found}")
+        if not probe.judged and not claims_rope and component is None and not failing:
+            raise SkipCheck(f"not measured: {probe.why_unjudged()}, and the model declares no rotary embedding")
+        measured = probe.q if probe.rotates else component
         if declared is not None and measured is not None and measured.pairing:
             findings += self._against_declared(declared, measured, model)
-        if model.accepts_position_ids:
-            findings += self._logits_shift(model, session, metrics)
-        else:
+        shift_measured = False
+        if not model.accepts_position_ids:
             data["logits_shift"] = "skipped: forward takes no position_ids"
+        elif data.get("absolute_positions"):
+            data["logits_shift"] = (f"skipped: positions also enter absolutely ({data['absolute_positions']}); the "
+                                    "logits are not expected to stay the same")
+        elif any(c.cached for c in probe.calls):
+            data["logits_shift"] = ("skipped: attention reads a KV cache with more key slots than queries; shifted "
+                                    "positions would read what the cache holds before them")
+        else:
+            findings += self._logits_shift(model, session, metrics, data)
+            shift_measured = "logits_shift_change" in metrics
         if measured is not None:
             metrics.update(pairing=measured.pairing, rotary_dim=measured.rotary_dim,
                            base=round(measured.base, 3) if measured.base else None)
+        metrics["judged_calls"] = len(probe.judged)
         bad = [f for f in findings if f.status != Status.PASS]
         if bad:
             summary = f"{self.codes[bad[0].code]}"
+        elif not probe.judged and not shift_measured:
+            # At most the rotary function alone was tested: how the model uses it was not measured.
+            shift = data.get("logits_shift") or "shift skipped: no positions left to shift to"
+            alone = "; the rotary function alone satisfies the identity" if component is not None else ""
+            raise SkipCheck(f"not measured in the model: {probe.why_unjudged()}; logits {shift}{alone}")
+        elif not probe.judged:
+            summary = (f"relative identity holds at the logits (every position shifted); attention not probed: "
+                       f"{probe.why_unjudged()}")
         elif measured is not None and measured.pairing:
             summary = (f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}, "
                        f"base ~{measured.base:.4g}" if measured.base else f"relative identity holds; pairing "
                        f"{measured.pairing}")
+        elif probe.rotates:
+            summary = ("relative identity holds; q and k turn and scale with position (xPos-like): no pairing keeps "
+                       "their norms")
         else:
             summary = "relative identity holds"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
     # -- the model's own attention path ------------------------------------------------------------------------------
 
-    def _probe(self, model, session, tol, findings, data):
-        """Returns (q rotation, k rotation) of the first usable attention call, or None when nothing was usable."""
+    def _probe(self, model, session, tol, findings, data) -> Probe:
+        """q and k rotations of the judged attention calls, with the findings they support."""
         T = session.inputs.shape[1]
         shortest, longest = PROBE_LENGTH
         P = min(max(T, shortest), longest, model.max_positions or longest)
         if model.max_positions and model.max_positions - P < SHIFT and P > shortest:
             P = max(shortest, model.max_positions - SHIFT)  # leave room for the shifted probe
-        token = session.inputs[:1, :1].expand(1, P).contiguous()  # (1, P): one token everywhere
-        blocks = {f"{model.layer_stack}.{i}" for i in range(len(model.module.get_submodule(model.layer_stack)))} \
-            if model.layer_stack else set()
-        seen = session.observe(token, keep_tensors=True, keep_inputs_of=blocks)
-        pairs = usable_qk(seen, model, tol)
-        if not pairs:
-            data["probe"] = "no attention call with position-independent input was observed"
-            return None
-        prefer = model.rope.pairing if model.rope else None
+        token = session.inputs[:1, :1]
+        points = hold_points(model, session)
+        hold = Hold(set(points.values()), P)
+        stack = model.layer_stack
+        blocks = {f"{stack}.{i}" for i in range(len(model.module.get_submodule(stack)))} if stack else set()
+        tables = {n for n, m in model.module.named_modules() if isinstance(m, nn.Embedding)}
+        with hold.installed(model.module):
+            look = self._look(model, session, token, None, P, tol, points, hold, blocks | tables)
+            calls, seen = look.calls, look.seen
+            probe = Probe(calls)
+            data["head_dim"] = calls[0].head_dim if calls else None  # a shape: known judged or not
+            results = self._measure(probe.judged, tol, model.rope.pairing if model.rope else None)
+            toeplitz = max((r.toeplitz for r in results), default=0.0)
+            data["probe_calls"] = [{"where": c.where, "judged": c.judged, "note": c.note, "cached": c.cached,
+                                    "held": c.held} for c in calls]
+            data["held"] = {name: round(spread, 6) for name, spread in hold.spread.items()}
+            judged = probe.judged
+            if not judged:
+                data["probe"] = probe.why_unjudged()
+                return probe
+            first = next((r for r in results if r.q.rotates or r.k.rotates), results[0])
+            where0, probe.q, probe.k = first.where, first.q, first.k
+            if not probe.rotates:
+                probe.found = position_found(seen, hold, points, tables, token, tol)
+            data["probe"] = {"calls": len(judged), "q": asdict(probe.q), "k": asdict(probe.k),
+                             "toeplitz_error": toeplitz, "head_dim": judged[0].q.shape[-1]}
+            specific = self._compare_qk(results, tol, P)
+            findings += specific
+            if toeplitz > tol and not specific and probe.rotates:
+                findings.append(Finding("FWD303", Status.FAIL, f"q_m . k_n varies along diagonals by {toeplitz:.3g} "
+                                        f"of its scale (tolerance {tol:g}): it depends on more than n - m", where0))
+            if model.accepts_position_ids and probe.rotates:
+                findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
+        return probe
+
+    def _measure(self, calls: list[QK], tol: float, prefer: str | None) -> list[Measured]:
+        """The rotation of q and of k (head 0 of each) at every judged call, and how far q_m . k_n is from depending
+        on n - m alone."""
         results = []
-        toeplitz = 0.0
-        for where, q, k in pairs:
-            q_rot, k_rot = analyze(q[0], tol, prefer, self.noise), analyze(k[0], tol, prefer, self.noise)  # head 0
-            results.append((where, q_rot, k_rot))
-            toeplitz = max(toeplitz, toeplitz_error(q[0].double() @ k[0].double().T))
-        where0, q0, k0 = results[0]
-        data["probe"] = {"calls": len(pairs), "q": asdict(q0), "k": asdict(k0), "toeplitz_error": toeplitz,
-                         "head_dim": pairs[0][1].shape[-1]}
-        specific = self._compare_qk(results, tol, P)
-        findings += specific
-        if toeplitz > tol and not specific and (q0.rotates or k0.rotates):
-            findings.append(Finding("FWD303", Status.FAIL, f"q_m . k_n varies along diagonals by {toeplitz:.3g} of "
-                                    f"its scale (tolerance {tol:g}): it depends on more than n - m", where0))
-        if model.accepts_position_ids and (q0.rotates or k0.rotates):
-            findings += self._probe_shift(model, session, token, pairs, tol, blocks, data)
-        return q0, k0
+        for c in calls:
+            q, k = analyze(c.q[0], tol, prefer, self.noise), analyze(c.k[0], tol, prefer, self.noise)
+            if q.pairing and k.pairing and q.pairing != k.pairing:
+                # A pair of small magnitude can leave both pairings within the rounding on one side: the pairings
+                # differ only when no pairing fits both.
+                for pairing in (q.pairing, k.pairing):
+                    again = analyze(c.q[0], tol, pairing, self.noise), analyze(c.k[0], tol, pairing, self.noise)
+                    if again[0].pairing == again[1].pairing == pairing:
+                        q, k = again
+                        break
+            if not c.held and any(r.rotates and r.pairing is None for r in (q, k)):
+                # Nothing held its input, and q or k changes with position in a way no rotation does: that may be
+                # the content of each position (a learned table added before it), no finding either way.
+                c.note = "its input could not be held the same at every position"
+                continue
+            error = toeplitz_error(c.q[0].double() @ c.k[0].double().T)  # head 0 of q with kv head 0
+            results.append(Measured(c.where, q, k, error, c.q[0], c.k[0]))
+        return results
+
+    def _look(self, model, session, token, offset, P, tol, points, hold, keep, replay=None) -> Look:
+        """One observed forward of the token repeated at positions offset..offset+P-1 (0.. when offset is None),
+        the held modules given `replay`'s rows when there are any.
+
+        Where a call reads more key slots than it has queries (a KV cache), a second forward with another token at
+        the same positions tells which slots the probe wrote: exactly those change, whatever the cache layout."""
+        ids = token.expand(1, P).contiguous()
+        positions = None if offset is None else torch.arange(offset, offset + P, device=ids.device)[None]
+        hold.start(replay)
+        seen = session.observe(ids, positions, keep_tensors=True, keep_inputs_of=keep)
+        rows, moved = dict(hold.rows), dict(hold.moved)
+        raw = attention_qk(seen)
+        written: list[list[int] | None] = [None] * len(raw)
+        if any(k.shape[-2] != q.shape[-2] for _, q, k, _ in raw):
+            other = (token + 1) % model.vocab_size
+            hold.start()  # its own rows: replayed ones would make both tokens write the same keys
+            again = attention_qk(session.observe(other.expand(1, P).contiguous(), positions, keep_tensors=True))
+            if [w for w, *_ in again] == [w for w, *_ in raw]:
+                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again)]
+        inputs = {m.name: m.input_value for m in seen.modules if m.input_value is not None}
+        calls = []
+        for where, q, k, query_positions, slots in merge_steps(raw, written, P):
+            call = QK(where, head_dim=q.shape[-1], cached=k.shape[-2] != q.shape[-2])
+            if q.shape[-2] != P:
+                call.note = f"{q.shape[-2]} queries for a probe of {P} positions"
+            elif call.cached:
+                keys = key_slots(P, k.shape[-2], query_positions, slots)
+                if keys is None:
+                    call.note = f"cannot tell which of its {k.shape[-2]} key slots hold the probe's {P} positions"
+                else:
+                    k = k.index_select(-2, torch.as_tensor(keys, device=k.device))  # (.., P, d_h)
+            if call.judged and not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+                call.note = "q or k is not finite"
+            point, block = points.get(where), model.block_of(where)
+            if not call.judged:
+                pass
+            elif point in rows:
+                call.rows = rows[point]
+            elif block in inputs and relative_spread(inputs[block]) <= tol:
+                call.rows = (inputs[block][0, 0],)  # its block's input is already position-free
+            else:
+                call.held = False  # judged only if q and k turn out still or clean rotations (see _probe)
+            if call.judged:
+                call.q = q.reshape(-1, *q.shape[-2:])  # (B*h, P, d_h); B is 1 in the probe
+                call.k = k.reshape(-1, *k.shape[-2:])
+            calls.append(call)
+        return Look(calls, seen, rows, moved)
 
     @staticmethod
     def _compare_qk(results, tol: float, positions: int) -> list[Finding]:
         findings = []
-        for where, q, k in results:
+        for r in results:
+            where, q, k, toeplitz = r.where, r.q, r.k, r.toeplitz
             if q.rotates != k.rotates:
                 still, moving = ("k", "q") if q.rotates else ("q", "k")
                 findings.append(Finding("FWD301", Status.FAIL, f"{moving} is rotated by position but {still} is "
                                         f"not: the rotary embedding is missing on {still}", where))
             elif q.rotates and (q.pairing is None or k.pairing is None):
-                findings.append(Finding("FWD306", Status.FAIL, "q/k change with position but no pairing keeps pair "
-                                        f"norms constant (drift {max(q.norm_error, k.norm_error):.3g}): not a "
-                                        "rotation", where))
+                if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
+                    findings.append(Finding("FWD306", Status.FAIL, "q/k change with position but no pairing keeps "
+                                            f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
+                                            f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
+                                            "rotation", where))
             elif q.rotates and q.pairing != k.pairing:
                 findings.append(Finding("FWD302", Status.FAIL, f"q is rotated with {q.pairing} pairing, k with "
                                         f"{k.pairing}: their dot product loses the relative property", where))
-            elif q.rotates and not _same_frequencies(q, k, tol, positions):
-                findings.append(Finding("FWD302", Status.FAIL, "q and k rotate at different frequencies (base "
-                                        f"~{q.base or 0:.4g} vs ~{k.base or 0:.4g})", where))
+            elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
+                findings.append(Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where))
         return _first_per_code(findings, len(results))
 
-    def _probe_shift(self, model, session, token, pairs, tol, blocks, data) -> list[Finding]:
-        P = token.shape[1]
+    def _probe_shift(self, model, session, token, look, P, tol, points, hold, blocks, data) -> list[Finding]:
         offset = min(SHIFT, (model.max_positions or P + SHIFT) - P)
         if offset <= 0:
             return []
-        positions = torch.arange(offset, offset + P, device=token.device)[None]  # (1, P)
-        shifted = usable_qk(session.observe(token, positions, keep_tensors=True, keep_inputs_of=blocks), model, tol)
-        for (where, q, k), (_, q2, k2) in zip(pairs, shifted):
-            before = q[0].double() @ k[0].double().T
-            after = q2[0].double() @ k2[0].double().T
-            change = float((after - before).abs().max()) / (float(before.abs().max()) + 1e-30)
-            data["probe_shift"] = {"offset": offset, "score_change": change}
+        calls = look.calls
+        again = self._look(model, session, token, offset, P, tol, points, hold, blocks, replay=look.rows)
+        shifted = again.calls
+        # Position that enters the residual stream absolutely (a learned or sinusoidal table) moves the first held
+        # module's own input under the shift: the logits are then not expected to stay the same.
+        first = next((points[c.where] for c in calls if c.judged and c.where in points), None)
+        if first is not None and again.moved.get(first, 0.0) > tol:
+            data["absolute_positions"] = f"the input of '{first}' changes when every position is shifted"
+        if [c.where for c in shifted] != [c.where for c in calls]:
+            data["probe_shift"] = "skipped: the shifted probe ran other attention calls"
+            return []
+        compared, worst = 0, 0.0
+        for before, after in zip(calls, shifted):
+            if not (before.judged and after.judged):
+                continue
+            # Held calls were given the same rows; a call judged by its block's input may have been given another
+            # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
+            # rotation can come from different content.
+            if len(before.rows) != len(after.rows) or any(
+                    float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
+                    for a, b in zip(before.rows, after.rows)):
+                continue
+            compared += 1
+            q, k, q2, k2 = before.q, before.k, after.q, after.k
+            scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
+            change = float((shifted_scores - scores).abs().max()) / (float(scores.abs().max()) + 1e-30)
+            worst = max(worst, change)
+            data["probe_shift"] = {"offset": offset, "score_change": worst, "calls": compared}
             if change > tol:
                 q_moved = float((q2 - q).abs().max()) > tol * float(q.abs().max())
                 k_moved = float((k2 - k).abs().max()) > tol * float(k.abs().max())
                 who = "q moved and k did not" if q_moved and not k_moved else \
                     "k moved and q did not" if k_moved and not q_moved else "both moved, differently"
                 return [Finding("FWD304", Status.FAIL, f"shifting every position by {offset} changes q . k by "
-                                f"{change:.3g} of its scale ({who}): the offset reaches q and k differently", where)]
+                                f"{change:.3g} of its scale ({who}): the offset reaches q and k differently",
+                                before.where)]
+        if not compared:
+            data["probe_shift"] = "skipped: no call computed q and k from the same input in both probes"
         return []
 
     # -- logits ------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _logits_shift(model, session, metrics) -> list[Finding]:
+    def _logits_shift(model, session, metrics, data) -> list[Finding]:
         base = session.baseline()[:1]  # (1, T, V)
         sample = session.inputs[:1]
         T = sample.shape[1]
@@ -272,7 +567,13 @@ the same positions (offset included) to q and k."""
         if offset <= 0:
             return []
         positions = torch.arange(offset, offset + T, device=sample.device)[None]  # (1, T)
+        versions = buffer_versions(model.module)
         shifted = session.logits(sample, positions)
+        if buffer_versions(model.module) != versions:
+            # A forward that writes its own buffers keeps state between calls (a KV cache): the shifted positions
+            # also read what earlier forwards left there, so the comparison would not be of a shift alone.
+            data["logits_shift"] = "skipped: forward writes its buffers (a cache kept between calls)"
+            return []
         threshold = session.threshold(float(base.abs().max()), session.repeat_change())
         change = float(position_change(shifted, base).max())
         if change > threshold:  # run alone, the sample may differ from its batched self: compare like with like
@@ -288,8 +589,7 @@ the same positions (offset included) to q and k."""
     # -- the rotary function alone -----------------------------------------------------------------------------------
 
     def _component(self, model, session, tol, findings, data) -> Rotation | None:
-        probe = data.get("probe") if isinstance(data.get("probe"), dict) else {}
-        D = model.dims.get("d_h") or probe.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
+        D = model.dims.get("d_h") or data.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
         if not D:
             findings.append(Finding("FWD308", Status.WARN, "the rotary function was not tested alone: the head size "
                                     "is unknown (no attention call seen); set rope.rotary_dim", "rotary function"))
@@ -361,44 +661,160 @@ def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
     return first_missing < slowest_seen
 
 
-def usable_qk(observation, model, tol) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(where, q, k) per attention call whose block input is the same at every position, head 0 first:
-    q and k as (heads, P, d_h). Calls in blocks whose input varies with position (learned absolute positions, or an
-    earlier layer's NaN) cannot separate rotation from content and are left out."""
-    inputs = {m.name: m.input_value for m in observation.modules if m.input_value is not None}
+
+
+def buffer_versions(module: nn.Module) -> list[int | None]:
+    """Each buffer's version counter, which every in-place write advances (None for an inference tensor: it keeps
+    none, and cannot be written outside inference mode anyway)."""
+    versions = []
+    for buffer in module.buffers():
+        try:
+            versions.append(buffer._version)
+        except RuntimeError:
+            versions.append(None)
+    return versions
+
+
+def hold_points(model, session) -> dict[str, str]:
+    """For the module each attention call ran in, the innermost module around it (itself included) that took the
+    residual stream (B, T, width) in the session's observation pass: where the probe holds the input position-free.
+
+    Without an observation pass (the model cannot be observed) there are none, and only calls whose block input is
+    already position-free, or whose q and k turn as clean rotations, can be judged."""
+    try:
+        seen = session.observation()
+    except ModelRaised:
+        return {}
+    B, T = session.inputs.shape
+    width = {m.name: m.input_shape[2] for m in seen.modules
+             if m.name and m.input_shape is not None and len(m.input_shape) == 3 and m.input_shape[:2] == (B, T)}
+    where = {c.module for c in seen.attention} | {mm.module for mm in seen.matmuls if mm.kind == "scores"}
+    points = {}
+    for module in where:
+        around = [name for name in width if module == name or module.startswith(f"{name}.")]
+        if not around:
+            continue
+        # The residual stream, not one head's already rotated q and k handed on to an inner module as (B, T, d_h):
+        # holding those would hold the rotation away. Its width is the model's, when known, else the widest.
+        wide = model.dims.get("d") if any(width[n] == model.dims.get("d") for n in around) else \
+            max(width[n] for n in around)
+        points[module] = max((n for n in around if width[n] == wide), key=len)
+    return points
+
+
+def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions when known) of every self-attention call
+    whose q and k were kept, in the order they ran. Cross-attention reads keys of another sequence: nothing for RoPE's
+    relative identity to hold between."""
+    calls = observation.attention
     found = []
-    for call in observation.attention:
-        if call.query is None or call.key is None or call.query.dim() < 3:
+    for call in calls:
+        if call.query is None or call.key is None or call.query.dim() < 2 or getattr(call, "cross", False):
             continue
-        found.append((call.module, call.query, call.key))
+        q, k = call.query, call.key
+        if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
+            q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
+        found.append((call.seq, call.module, q, k, getattr(call, "query_positions", None)))
     for mm in observation.matmuls:
-        if mm.kind == "scores" and mm.a is not None and mm.a.dim() >= 3:
-            found.append((mm.module, mm.a, mm.b.transpose(-1, -2)))
-    usable = []
-    for where, q, k in found:
-        block = model.block_of(where)
-        x = inputs.get(block) if block else None
-        if block is None and usable:
-            continue  # without a layer stack only the first call can be trusted
-        if x is not None and float((x - x[:, :1]).abs().max()) > tol * (float(x.abs().max()) + 1e-30):
+        if mm.kind != "scores" or mm.a is None or mm.b is None or mm.a.dim() < 2:
             continue
-        if not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+        call = calls[mm.call] if getattr(mm, "call", None) is not None else None
+        if getattr(call, "cross", False):
             continue
-        heads_q = q.reshape(-1, *q.shape[-2:])  # (B*h, P, d_h); B is 1 in the probe
-        heads_k = k.reshape(-1, *k.shape[-2:])
-        usable.append((where, heads_q, heads_k))
-    return usable
+        # Kept in matmul layout whatever the product (an einsum's operands are permuted so): b is k^T (.., d_h, S).
+        found.append((mm.seq, mm.module, mm.a, mm.b.transpose(-1, -2), getattr(call, "query_positions", None)))
+    return [f[1:] for f in sorted(found, key=lambda f: f[0])]
 
 
-def _same_frequencies(q: Rotation, k: Rotation, tol: float, positions: int) -> bool:
-    """Equal frequencies on every pair both measured well. Slow pairs barely turn within the probe: one side may
-    see a pair the other rounds away, so extra pairs count only when they turned enough to be measured."""
-    longer = q.thetas if len(q.thetas) > len(k.thetas) else k.thetas
-    if any(well_measured(t, positions, tol) for t in longer[min(len(q.thetas), len(k.thetas)):]):
-        return False
+def merge_steps(raw, written, P: int) -> list[tuple]:
+    """(where, q, k, query positions, written slots) per attention computation of the probe.
+
+    A forward that runs attention in steps (a prefill, then one token at a time through a KV cache) calls each
+    attention module several times with fewer queries than the probe has positions. Such a module's steps, in order,
+    become one call whose keys are its last step's: by then its cache holds every position."""
+    steps: dict[str, list[int]] = {}
+    for i, (where, q, _, _) in enumerate(raw):
+        if q.shape[-2] < P:
+            steps.setdefault(where, []).append(i)
+    groups = {idx[-1]: idx for idx in steps.values()
+              if sum(raw[i][1].shape[-2] for i in idx) == P and len({raw[i][1].shape[:-2] for i in idx}) == 1}
+    folded = {i for idx in groups.values() for i in idx[:-1]}
+    merged = []
+    for i, (where, q, k, positions) in enumerate(raw):
+        if i in folded:
+            continue
+        if i in groups:
+            q = torch.cat([raw[j][1] for j in groups[i]], dim=-2)  # (.., P, d_h): the steps' queries in order
+            known = [raw[j][3] for j in groups[i]]
+            positions = torch.cat([p.flatten() for p in known]) if all(p is not None for p in known) else None
+        merged.append((where, q, k, positions, written[i]))
+    return merged
+
+
+def written_slots(k: torch.Tensor, k_other: torch.Tensor) -> list[int] | None:
+    """The key slots (.., S, d_h) that differ between two probes of different tokens at the same positions: the slots
+    the probe wrote. Slots neither wrote keep whatever they held, bit for bit."""
+    if k.shape != k_other.shape:
+        return None
+    changed = (k - k_other).abs().reshape(-1, *k.shape[-2:]).amax(dim=(0, 2)) > 0  # (S,)
+    return changed.nonzero().flatten().tolist()
+
+
+def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: list[int] | None) -> list[int] | None:
+    """Which of S key slots hold the probe's P positions, in the order of the queries: the call's query positions
+    when they index a cache of S slots and agree with what the probe wrote, else the slots it wrote."""
+    if query_positions is not None:
+        positions = [int(p) for p in query_positions.flatten()[-P:].tolist()]
+        if len(positions) == P and 0 <= min(positions) and max(positions) < S and \
+                (written is None or sorted(positions) == written):
+            return positions
+    if written is not None and len(written) == P:
+        return written
+    return None
+
+
+def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], token, tol: float) -> str:
+    """How position reaches a model whose q and k do not turn: said in the skip or FWD307."""
+    ids = int(token.flatten()[0])
+    learned = [m.name for m in seen.modules if m.name in tables and m.input_value is not None
+               and bool((m.input_value != ids).any())]
+    if learned:
+        return (f"absolute positions from a learned table ('{learned[0]}' reads the positions) added to the residual "
+                "stream, which is not RoPE")
+    first = next((points[c.module] for c in seen.attention if c.module in points), None)
+    if first is not None and hold.spread.get(first, 0.0) > tol:
+        return ("the hidden state entering attention varies with position when every token is the same (an absolute "
+                "encoding such as sinusoids added to the residual stream, or tokens mixed with their neighbours), "
+                "which is not RoPE")
+    return "no position encoding reaches q and k"
+
+
+def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) -> str:
+    """FWD302's message for q and k of one pairing that do not turn alike: in opposite directions, or how fast."""
     pairs = [(a, b) for a, b in zip(q.thetas, k.thetas) if well_measured(a, positions, tol)
              and well_measured(b, positions, tol)]
-    return all(abs(a - b) <= 10 * tol * max(abs(a), abs(b)) for a, b in pairs)
+    if pairs and all(a * b < 0 and abs(abs(a) - abs(b)) <= 10 * tol * abs(a) for a, b in pairs):
+        return ("q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "
+                "sin differs between them")
+    return f"q and k rotate at different frequencies (base ~{q.base or 0:.4g} vs ~{k.base or 0:.4g})"
+
+
+def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, tol: float) -> bool:
+    """Whether q and k turn by the same angle, pair by pair, at every position (their pairing agrees).
+
+    Compared as measured, not as fitted frequencies: a slow pair of small magnitude may stay below the rounding on
+    one side and count as still there, and angles that are not linear in the position (FWD303's business) fit no
+    frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
+    smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
+    rotary_dim = max(q.rotary_dim, k.rotary_dim)
+    i, j = pair_indices(q.pairing, rotary_dim)
+    weights = []
+    angles = []
+    for X in (q_seen.double(), k_seen.double()):
+        weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
+        angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
+    difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
+    return float((difference.abs() * torch.minimum(*weights)).max()) <= 10 * tol
 
 
 def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:
