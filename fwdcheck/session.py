@@ -137,6 +137,7 @@ class Session:
                              f"be allocated ({type(exc).__name__}: {first})") from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
         self.forward_tokens = 0  # rows x positions run, for benchmarks
+        self.refused_lengths: set[int] = set()  # lengths the model raised at while a longer one ran (found out)
         self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding
 
     # -- lifetime -------------------------------------------------------------------------------------------------
@@ -235,6 +236,22 @@ class Session:
             self.model.logits(ids, position_ids)
         self.forward_tokens += ids.numel()
         return seen
+
+    # -- sequence lengths -------------------------------------------------------------------------------------------
+
+    @property
+    def min_seq_len(self) -> int:
+        """The shortest sequence a check may hand the model: inputs.min_seq_len when declared, raised past every
+        length the model was seen to refuse while a longer one ran; 1 when nothing says otherwise. Checks that run
+        shorter forwards than the baseline (a probe at another T, a prefix) start here."""
+        found = max(self.refused_lengths, default=0) + 1
+        return max(self.settings.min_seq_len or 1, found)
+
+    def refused_length(self, length: int) -> None:
+        """Record that the model raised at this sequence length while a longer one ran: code that asserts T > 1
+        refuses T = 1 and nothing else, and the checks after should not try it again."""
+        if length < self.inputs.shape[1]:
+            self.refused_lengths.add(length)
 
     # -- inputs and tolerances --------------------------------------------------------------------------------------
 

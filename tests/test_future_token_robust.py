@@ -1,0 +1,258 @@
+"""future-token on models that refuse some of its passes, and on leaks that only one row shows.
+
+Real training code asserts `T > 1`, sizes its caches for the batch it trains with, or takes a shortcut for a single
+sequence. A pass the model cannot run at some size is a note, the findings made elsewhere stand, and only a check
+that measured nothing at all is an error. Batch size 1 is covered in every default run by one short row run alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from checks.future_token import FutureToken, prefix_lengths
+from fwdcheck.api import check_model
+from fwdcheck.config import FactoryModel
+from fwdcheck.model import FactoryParts, model_from_module
+from fwdcheck.result import Status
+from fwdcheck.session import Session, Settings
+from tests.conftest import run_checks
+
+V = 32
+
+
+class Block(nn.Module):
+    """nanoGPT's attention (eager, masked_fill on a registered tril buffer) and MLP, pre-norm."""
+
+    def __init__(self, d: int, n_heads: int, block_size: int, leak: str):
+        super().__init__()
+        self.n_heads, self.leak = n_heads, leak
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+        masked = self.leak != "no-mask" and not (self.leak == "batch1-no-mask" and B == 1)
+        if masked:  # the planted bugs: no mask at all, or a "single sequence" shortcut that forgets it
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT with the guards real training code has: `needs_two` asserts T > 1 (a loss over shifted targets
+    needs two tokens), `max_batch` sizes a cache for the batch it trains with, `no_single` refuses one row."""
+
+    def __init__(self, leak: str = "none", needs_two: bool = False, max_batch: int | None = None,
+                 no_single: bool = False, mix_batch: bool = False, d: int = 16, n_heads: int = 2, n_layers: int = 2,
+                 block_size: int = 64):
+        super().__init__()
+        self.needs_two, self.max_batch, self.no_single, self.mix_batch = needs_two, max_batch, no_single, mix_batch
+        self.wte = nn.Embedding(V, d)
+        self.wpe = nn.Embedding(block_size, d)
+        self.h = nn.ModuleList(Block(d, n_heads, block_size, leak) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if self.needs_two:
+            assert T > 1, f"sequence of length {T}: a shifted target needs at least 2 tokens"
+        if self.max_batch is not None and B > self.max_batch:
+            raise RuntimeError(f"KV cache holds {self.max_batch} rows, got {B}")
+        if self.no_single and B == 1:
+            raise ValueError("batch of one: use generate() for a single sequence")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, d)
+        if self.mix_batch:  # each sample adds a little of the next one's embeddings
+            x = x + 0.5 * x.roll(1, dims=0)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+def gpt(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(**kwargs)
+
+
+def future_token(module: nn.Module, **settings):
+    report = check_model(module, checks=["future-token"], **settings)
+    return report.result("future-token")
+
+
+def problems(result) -> set[str]:
+    return {f.code for f in result.findings if f.status in (Status.FAIL, Status.WARN, Status.ERROR)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A forward that asserts T > 1: the prefix pass at k = 1 is a note, never the check's verdict
+
+
+def test_gpt_that_asserts_two_tokens_passes_with_a_note():
+    result = future_token(gpt(needs_two=True))
+    assert result.status == Status.PASS and not problems(result), result.findings
+    assert result.metrics["prefix_lengths"] == [2]
+    (note,) = result.data["notes"]
+    assert note.startswith("prefix pass at k=1 skipped: the model raised AssertionError at T=1"), note
+    assert "a shifted target needs at least 2 tokens" in note
+    assert note in result.summary
+
+
+def test_leak_in_a_gpt_that_asserts_two_tokens_is_reported_not_lost():
+    """The leak found at the cuts stands; the refused length is a note beside it, not an error instead of it."""
+    result = future_token(gpt(needs_two=True, leak="no-mask"))
+    assert result.status == Status.FAIL
+    assert {"FWD101", "FWD105"} <= problems(result) and "FWD002" not in problems(result)
+    assert any("prefix pass at k=1 skipped" in n for n in result.data["notes"])
+
+
+def test_declared_min_seq_len_skips_the_short_prefixes_without_a_note():
+    result = future_token(gpt(needs_two=True), min_seq_len=2)
+    assert result.status == Status.PASS and not problems(result)
+    assert result.metrics["prefix_lengths"] == [2]
+    assert "notes" not in result.data
+
+
+def test_min_seq_len_from_a_config():
+    report = run_checks({"source": "python", "factory": "tests.test_future_token_robust:gpt",
+                         "kwargs": {"needs_two": True}}, ["future-token"],
+                        inputs={"batch_size": 2, "seq_len": 16, "min_seq_len": 4})
+    result = report.result("future-token")
+    assert result.status == Status.PASS and "notes" not in result.data
+    assert result.metrics["prefix_lengths"] == [4]
+
+
+def test_the_session_learns_the_refused_length_for_the_checks_after():
+    """Other checks that run shorter forwards (a probe at another T) start at session.min_seq_len."""
+    module = gpt(needs_two=True)
+    spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
+    under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
+                                   source="python")
+    session = Session(under_test, Settings(batch_size=2, seq_len=8))
+    assert session.min_seq_len == 1
+    with session.active():
+        FutureToken().run(under_test, session)
+    assert session.min_seq_len == 2
+    declared = Session(under_test, Settings(batch_size=2, seq_len=8, min_seq_len=4))
+    assert declared.min_seq_len == 4
+
+
+@pytest.mark.parametrize("T, shortest, expected", [
+    (8, 1, [1, 2]), (8, 2, [2]), (8, 4, [4]), (8, 8, []), (2, 1, [1]), (3, 2, [2]),
+    (256, 1, [1, 2, 4, 8, 16, 32, 64]), (256, 3, [4, 8, 16, 32, 64]),
+])
+def test_prefix_ladder_starts_at_the_shortest_accepted_length(T, shortest, expected):
+    assert prefix_lengths(T, shortest) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Row counts the model refuses
+
+
+def test_cache_sized_for_the_batch_gets_the_cut_rows_in_batches_of_that_size():
+    clean = future_token(gpt(max_batch=2))
+    assert clean.status == Status.PASS and not problems(clean)
+    assert any("they ran in forwards of 2 rows" in n for n in clean.data["notes"])
+    leak = future_token(gpt(max_batch=2, leak="no-mask"))
+    assert leak.status == Status.FAIL and "FWD101" in problems(leak)
+
+
+def test_model_that_refuses_one_row_is_judged_on_the_cuts():
+    clean = future_token(gpt(no_single=True))
+    assert clean.status == Status.PASS and not problems(clean)
+    notes = " | ".join(clean.data["notes"])
+    assert "prefix pass at k=1, 2 skipped: the model raised ValueError at T=1, 2" in notes
+    assert "single-row pass skipped: the model raised ValueError at B=1, T=8" in notes
+    leak = future_token(gpt(no_single=True, leak="no-mask"))
+    assert leak.status == Status.FAIL and problems(leak) == {"FWD101"}
+
+
+def test_samples_that_read_each_other_and_refuse_one_row_keep_the_batch_finding():
+    result = future_token(gpt(no_single=True, mix_batch=True))
+    assert result.status == Status.FAIL and problems(result) == {"FWD102"}
+    assert any(n.startswith("causal comparisons skipped: samples read each other") for n in result.data["notes"])
+
+
+def test_nothing_measured_is_an_error_with_the_model_refusal():
+    """Only the session's own inputs run: every cut, prefix and single row is refused, and nothing is compared."""
+    module = gpt()
+    original = module.forward
+    calls = []
+
+    def forward(idx):  # runs the observation pass, the baseline and the noise repeat; then nothing more
+        calls.append(idx.shape)
+        if len(calls) > 3:
+            raise RuntimeError("KV cache full")
+        return original(idx)
+
+    module.forward = forward
+    result = future_token(module)
+    assert result.status == Status.ERROR
+    assert [f.code for f in result.findings] == ["FWD002"] and "KV cache full" in result.summary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batch size 1, in every default run
+
+
+def test_mask_dropped_only_for_one_row_fails_by_default():
+    result = future_token(gpt(leak="batch1-no-mask"))
+    assert result.status == Status.FAIL
+    leak = next(f for f in result.findings if f.code == "FWD101")
+    assert "one row run alone (batch size 1)" in leak.message and "run alone" in leak.where
+    assert result.data["single_row"]["against"] == "prefix"
+
+
+def test_mask_dropped_only_for_one_row_fails_when_no_prefix_of_two_tokens_runs():
+    """seq_len 3: the prefix pass runs k = 1 only, so the row alone is the full sequence, against the baseline."""
+    result = future_token(gpt(leak="batch1-no-mask"), seq_len=3)
+    assert result.status == Status.FAIL and "FWD101" in problems(result)
+    assert result.data["single_row"]["against"] == "baseline"
+
+
+def test_mask_dropped_for_one_row_in_a_gpt_that_asserts_two_tokens():
+    result = future_token(gpt(leak="batch1-no-mask", needs_two=True))
+    assert result.status == Status.FAIL and "FWD101" in problems(result)
+
+
+def test_leak_on_every_path_is_one_finding_that_also_names_one_row():
+    result = future_token(gpt(leak="no-mask"))
+    (leak,) = [f for f in result.findings if f.code == "FWD101"]
+    assert leak.where.endswith("also with one row run alone (batch size 1)")
+
+
+@pytest.mark.parametrize("guard", [None, "needs_two", "max_batch"])
+@pytest.mark.parametrize("batch_size, seq_len", [(2, 8), (3, 16), (2, 2)])
+def test_correct_models_pass_with_no_warning(guard, batch_size, seq_len):
+    kwargs = {"needs_two": {"needs_two": True}, "max_batch": {"max_batch": batch_size}}.get(guard, {})
+    result = future_token(gpt(**kwargs), batch_size=batch_size, seq_len=seq_len)
+    assert result.status == Status.PASS and not problems(result), result.findings
+
+
+def test_single_row_pass_is_skipped_where_one_row_is_already_covered():
+    one = future_token(gpt(leak="batch1-no-mask"), batch_size=1)
+    assert "not needed" in one.data["single_row"]
+    assert one.status == Status.FAIL and "FWD101" in problems(one)  # the baseline itself is the single row
+    matrix = future_token(gpt(), paths={"enabled": True})
+    assert "code-path matrix" in matrix.data["single_row"]
+
+
+def test_single_row_pass_costs_one_short_row(reference):
+    """The extra forward is the length of the longest prefix (T/4): an eighth of a baseline forward at B = 2."""
+    report = run_checks(reference(), ["future-token"], inputs={"batch_size": 2, "seq_len": 64})
+    single = report.result("future-token").data["single_row"]
+    assert single["length"] == 16 and single["cut"] == 8
