@@ -1,9 +1,10 @@
-"""The compatibility table in the README, generated from the verdicts the tests verify.
+"""The compatibility tables in the README, generated from the verdicts the tests verify.
 
-    python -m tests.compat            # print the table
-    python -m tests.compat --write    # rewrite the README's table between its markers
+    python -m tests.compat            # print the tables
+    python -m tests.compat --write    # rewrite the README's tables between their markers
 
-tests/test_hf.py asserts every verdict listed in CASES and that the README holds exactly this table.
+tests/test_hf.py asserts every verdict listed in CASES and that the README holds exactly this table;
+tests/test_corpus.py does the same for the third-party corpus (corpus_table, from its CASES and runs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from tests.conftest import run_checks
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- compat:start -->", "<!-- compat:end -->"
+CORPUS_START, CORPUS_END = "<!-- corpus:start -->", "<!-- corpus:end -->"
+CORPUS_LEAD = ("Third-party code (`tests/test_corpus.py`, models in `tests/corpus/`: litgpt, torchtune, "
+               "x-transformers, rotary-embedding-torch, torch.nn and textbook shapes), correct models first, then the "
+               "bugs planted in them:")
 
 
 def hf(model_type: str, model_class: str | None = None, **fields) -> dict:
@@ -88,23 +93,65 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def readme_table() -> str:
+def corpus_table() -> str:
+    """The corpus's correct models with each check's status, then each planted bug with the checks that fail on it."""
+    from tests import test_corpus as corpus  # the corpus imports litgpt, torchtune, x-transformers: only when asked
+
+    def measured(rope) -> str:
+        m = rope.metrics
+        if rope.status.value != "pass" or not m.get("pairing"):
+            return "-"
+        base = m.get("base")
+        # 1.1e+12 rather than 13 digits of a base that large
+        shown = "" if not base else f", base {base:.0f}" if base < 1e7 else f", base {base:.2g}"
+        return f"{m['pairing']}, dim {m['rotary_dim']}{shown}"
+
+    lines = ["| library | model | what it is | " + " | ".join(CHECKS) + " | rope measured |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in CHECKS) + " | --- |"]
+    for case in (c for c in corpus.CASES if c.correct):
+        r = corpus.report(case.id)
+        cells = [r.result(c).status.value for c in CHECKS]
+        lines.append(f"| {case.library} | `{case.id}` | {case.what} | " + " | ".join(cells)
+                     + f" | {measured(r.result('rope'))} |")
+    lines += ["", "| library | planted bug | what it is | caught by |", "| --- | --- | --- | --- |"]
+    for case in (c for c in corpus.CASES if not c.correct):
+        r = corpus.report(case.id)
+        caught = [f"{c} {' '.join(sorted(corpus.problems(r.result(c))))}" for c in CHECKS
+                  if r.result(c).status.value == "fail"]
+        lines.append(f"| {case.library} | `{case.id}` | {case.what} | {', '.join(caught) or 'missed'} |")
+    return "\n".join(lines)
+
+
+def _between(start: str, end: str) -> str:
     text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), text, re.S)
+    match = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), text, re.S)
     return match.group(1).rstrip("\n") if match else ""
+
+
+def readme_table() -> str:
+    return _between(START, END)
+
+
+def readme_corpus_table() -> str:
+    return _between(CORPUS_START, CORPUS_END)
 
 
 def write() -> None:
     text = README.read_text(encoding="utf-8")
-    new = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
-                 flags=re.S)
-    README.write_text(new, encoding="utf-8")
+    text = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
+                  flags=re.S)
+    corpus = f"{CORPUS_START}\n{corpus_table()}\n{CORPUS_END}"
+    if CORPUS_START in text:
+        text = re.sub(re.escape(CORPUS_START) + r"\n.*?" + re.escape(CORPUS_END), lambda _: corpus, text, flags=re.S)
+    else:  # the first write: the corpus section goes right after the compatibility table
+        text = text.replace(END, f"{END}\n\n{CORPUS_LEAD}\n\n{corpus}", 1)
+    README.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's table")
+    parser.add_argument("--write", action="store_true", help="rewrite the README's tables")
     if parser.parse_args().write:
         write()
     else:
-        print(table())
+        print(table(), corpus_table(), sep="\n\n")
