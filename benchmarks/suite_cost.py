@@ -1,18 +1,33 @@
-"""What the default suite costs, in forward-pass equivalents, on a GPT-2-small-sized reference model.
+"""What the default suite costs, in forward-pass equivalents and in peak memory, on a GPT-2-small-sized reference model.
 
-    python benchmarks/suite_cost.py            # d=768, 12 layers, 12 heads, V=50257, B=2, T=256
-    python benchmarks/suite_cost.py --small    # a minute-long smoke version
+    python benchmarks/suite_cost.py --threads 1                 # d=768, 12 layers, 12 heads, V=50257, B=2, T=128
+    python benchmarks/suite_cost.py --threads 1 --seq-len 512
+    python benchmarks/suite_cost.py --small                     # a seconds-long smoke version
 
-Every number is a ratio to one plain forward of the same batch measured in this process (eval, no_grad), so it
-holds on a loaded machine as well as on an idle one. Two measures per check: time / forward time, and tokens run /
-tokens of one forward (the latter ignores attention's quadratic term and the observer's overhead). The naive
-per-position loop (one full-batch forward per cut position) is timed on a sample of cuts and scaled to all T-1.
+Every number is a ratio to one plain forward of the same batch (eval, no_grad) measured in the same process. Three
+measures per check: wall-clock time and CPU time (this process's, all threads) over the forward's, and tokens run
+over the forward's tokens. Tokens ignore attention's quadratic term, the observer's overhead and what a forward costs
+whatever its length (every forward reads all the weights: on CPU a 16-token forward of this model takes a quarter of
+the time of a 256-token one). On a shared machine the wall clock counts other processes' work too, and with several
+threads so does the CPU time (threads waiting for a core spin); with --threads 1 both hold. The naive per-position
+loop (one full-batch forward per cut position) is timed on a sample of cuts and scaled to all T-1.
+
+Peak memory is the resident set (RSS) on CPU, measured in a fresh process per measurement, so that neither sees the
+other's high-water mark: each builds the model and runs one warm-up forward, then resets the kernel's high-water mark
+(VmHWM, by writing 5 to /proc/self/clear_refs) and runs either one plain forward or the whole default run. Two ratios:
+of the peaks themselves (weights, torch and Python included, as CUDA's max_memory_allocated counts weights) and of
+the peaks above what was resident before (what the forward or the run added: activations, logits, kept results).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -20,63 +35,72 @@ import torch
 from fwdcheck.config import config_from_dict
 from fwdcheck.model import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_one
+from fwdcheck.runner import run_model, run_one
 from fwdcheck.session import Session, Settings
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
 SMALL = dict(vocab_size=4096, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=512)
 
 
-def timed(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fn) -> tuple[object, float, float]:
+    """What one call returns, and its wall-clock and CPU seconds (this process, all its threads)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    value = fn()
+    return value, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="a small model for a quick run")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--naive-sample", type=int, default=6, help="cuts timed for the naive loop")
-    args = parser.parse_args()
+def build(args):
+    """The model, its settings and the plain forward's input, the same in every process."""
     torch.manual_seed(0)
     fields = SMALL if args.small else GPT2_SMALL
     config = config_from_dict({"model": {"source": "reference", **fields},
                                "inputs": {"batch_size": args.batch_size, "seq_len": args.seq_len}})
     model = load_model(config)
-    settings = Settings.from_config(config)
+    ids = torch.randint(0, fields["vocab_size"], (args.batch_size, args.seq_len))
+    return fields, model, Settings.from_config(config), ids
+
+
+# -- forward-pass equivalents ----------------------------------------------------------------------------------------
+
+
+def cost(args) -> None:
+    fields, model, settings, ids = build(args)
     B, T = args.batch_size, args.seq_len
     print(f"model: reference {fields}, B={B}, T={T}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-
-    ids = torch.randint(0, fields["vocab_size"], (B, T))
     module = model.module.eval()
-    with torch.no_grad():
-        module(ids)  # warm-up
-        forward = timed(lambda: module(ids))
-    print(f"one plain forward: {forward * 1e3:.1f} ms\n")
+
+    def plain() -> None:
+        with torch.no_grad():
+            module(ids)
+
+    plain()  # warm-up
+    before = [timed(plain)[1:] for _ in range(3)]
 
     rows = []
     session = Session(model, settings)
     with session.active():
-        total_time, tokens_before = 0.0, 0
+        tokens_before = 0
         for entry in select(None):
-            start = time.perf_counter()
-            result = run_one(entry, model, session)
-            spent = time.perf_counter() - start
-            total_time += spent
+            result, *spent = timed(lambda: run_one(entry, model, session))
             tokens = session.forward_tokens - tokens_before
             tokens_before = session.forward_tokens
-            rows.append((entry.name, result.status.value, spent / forward, tokens / session.baseline_tokens))
-    print(f"{'check (in suite order; shared work lands on the first that needs it)':<70} {'status':>6} "
-          f"{'x fwd (time)':>13} {'x fwd (tokens)':>15}")
-    for name, status, by_time, by_tokens in rows:
-        print(f"{name:<70} {status:>6} {by_time:>13.2f} {by_tokens:>15.2f}")
-    print(f"{'whole default suite':<70} {'':>6} {total_time / forward:>13.2f} "
+            rows.append((entry.name, result.status.value, spent, tokens / session.baseline_tokens))
+    # The plain forward is timed before and after the suite, and every ratio is given by wall-clock and by CPU time:
+    # on a shared machine the wall clock counts other processes' work too (a spread before/after shows it), the CPU
+    # time of this process much less.
+    after = [timed(plain)[1:] for _ in range(3)]
+    wall = statistics.median(w for w, _ in before + after)
+    cpu = statistics.median(c for _, c in before + after)
+    print(f"one plain forward: {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (median of 6; wall before the suite "
+          f"{min(w for w, _ in before) * 1e3:.0f}-{max(w for w, _ in before) * 1e3:.0f} ms, after "
+          f"{min(w for w, _ in after) * 1e3:.0f}-{max(w for w, _ in after) * 1e3:.0f} ms)\n")
+    print(f"{'check (in suite order; shared work lands on the first that needs it)':<58} {'status':>6} "
+          f"{'x fwd (wall)':>13} {'x fwd (CPU)':>12} {'x fwd (tokens)':>15}")
+    for name, status, (w, c), by_tokens in rows:
+        print(f"{name:<58} {status:>6} {w / wall:>13.2f} {c / cpu:>12.2f} {by_tokens:>15.2f}")
+    total_wall, total_cpu = sum(r[2][0] for r in rows), sum(r[2][1] for r in rows)
+    print(f"{'whole default suite':<58} {'':>6} {total_wall / wall:>13.2f} {total_cpu / cpu:>12.2f} "
           f"{session.forward_tokens / session.baseline_tokens:>15.2f}")
 
     cuts = torch.linspace(1, T - 1, args.naive_sample).round().long().tolist()
@@ -87,13 +111,82 @@ def main() -> None:
         with torch.no_grad():
             module(changed)
 
-    per_cut = statistics.median(timed(lambda k=k: naive_cut(k), repeat=1) for k in cuts)
-    naive = per_cut * (T - 1) / forward
+    per_cut = [timed(lambda k=k: naive_cut(k))[1:] for k in cuts]
+    naive_wall = statistics.median(w for w, _ in per_cut) * (T - 1) / wall
+    naive_cpu = statistics.median(c for _, c in per_cut) * (T - 1) / cpu
     future = next(r for r in rows if r[0] == "future-token")
-    print(f"\nnaive per-position loop (every cut, full batch): {naive:.1f} x fwd "
+    print(f"\nnaive per-position loop (every cut, full batch): {naive_wall:.1f} x fwd wall, {naive_cpu:.1f} x fwd CPU "
           f"(timed {len(cuts)} cuts, scaled to {T - 1})")
-    print(f"future-token in the suite: {future[2]:.2f} x fwd (time) -> {naive / max(future[2], 1e-9):.0f}x cheaper "
-          "than the naive loop")
+    print(f"future-token in the suite: {future[2][1] / cpu:.2f} x fwd (CPU) -> "
+          f"{naive_cpu / max(future[2][1] / cpu, 1e-9):.0f}x cheaper than the naive loop")
+
+
+# -- peak memory -----------------------------------------------------------------------------------------------------
+
+
+def resident_kb() -> dict[str, int]:
+    status = open("/proc/self/status").read()
+    return {key: int(value) for key, value in re.findall(r"(VmHWM|VmRSS):\s+(\d+) kB", status)}
+
+
+def peak(args) -> None:
+    """In its own process: the high-water mark of one plain forward, or of the whole default run, as JSON."""
+    _, model, settings, ids = build(args)
+    module = model.module.eval()
+    with torch.no_grad():
+        module(ids)  # warm-up: one-time allocations (thread pools, kernels' workspaces) land before the reset
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the high-water mark restarts from what is resident now
+    before = resident_kb()["VmRSS"]
+    if args.peak == "plain":
+        with torch.no_grad():
+            module(ids)
+    else:
+        run_model(model, settings, select(None))
+    print(json.dumps({"before_kb": before, "peak_kb": resident_kb()["VmHWM"]}))
+
+
+def memory(args) -> None:
+    if not os.path.exists("/proc/self/clear_refs"):
+        print("\npeak RSS: not measured (it reads and resets the high-water mark through Linux's /proc)")
+        return
+    measured = {}
+    for what in ("plain", "suite"):
+        command = [sys.executable, __file__, "--peak", what, "--seq-len", str(args.seq_len),
+                   "--batch-size", str(args.batch_size)] + (["--small"] if args.small else []) + \
+                  (["--threads", str(args.threads)] if args.threads else [])
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        measured[what] = json.loads(output.strip().splitlines()[-1])
+    plain, suite = measured["plain"], measured["suite"]
+    mb = 1 / 1024
+    print(f"\npeak RSS, each in a fresh process after one warm-up forward (MB): one plain forward "
+          f"{plain['peak_kb'] * mb:.0f}, default run {suite['peak_kb'] * mb:.0f} -> "
+          f"{suite['peak_kb'] / plain['peak_kb']:.2f} x")
+    added_plain = plain["peak_kb"] - plain["before_kb"]
+    added_suite = suite["peak_kb"] - suite["before_kb"]
+    print(f"  above what was resident before (model, torch): plain forward +{added_plain * mb:.0f}, "
+          f"default run +{added_suite * mb:.0f} -> {added_suite / max(added_plain, 1):.2f} x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a small model for a quick run")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--naive-sample", type=int, default=6, help="cuts timed for the naive loop")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice); 1 keeps "
+                        "CPU time honest on a shared machine, where waiting threads spin")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--peak", choices=["plain", "suite"], help=argparse.SUPPRESS)  # one memory measurement
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.peak:
+        peak(args)
+        return
+    cost(args)
+    if not args.no_memory:
+        memory(args)
 
 
 if __name__ == "__main__":

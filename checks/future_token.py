@@ -2,43 +2,52 @@
 
 Behavioural: the model runs untouched (eval mode, dropout off), and only its logits are compared. Per cut position k,
 one row keeps tokens < k and replaces every token >= k; the logits at positions < k must stay within tolerance of the
-baseline. All cut rows, plus one unchanged copy of sample 0, run as one batch: the unchanged copy now sits beside
-different companions, so if it moves, samples read each other. A prefix pass complements the cuts cheaply: for a causal
-model, the first k tokens run alone give the full run's logits at those positions (k = 1, 2, 4, ...). Batch size 1 is a
-code path of its own in many models, so one short row also runs alone with its later half replaced.
+baseline. The cut rows, plus one unchanged copy of sample 0, run in forwards of the baseline's row count: the unchanged
+copy sits beside other companions than in the baseline, so if it moves, samples read each other. A prefix pass
+complements the cuts cheaply: for a causal model, the first k tokens run alone give the full run's logits at those
+positions (k = 1, 2, 4, ...). Batch size 1 is a code path of its own in many models, so one short row also runs alone
+with its later half replaced.
 
 A pass the model refuses at some size (code that asserts T > 1, a cache sized for the batch) is a note: the findings of
 the other passes stand, and the check is an error only when nothing at all could be compared.
 
 Every change is judged against max(dtype tolerance scaled to the logits, noise_factor x the run-to-run noise floor),
 and NaN or Inf is never a pass.
+
+What it costs, and why the shortcuts are sound. The comparisons start from the observation pass's logits of the
+session's inputs (session.reference()) and no noise floor, and are first judged at the tolerance alone:
+  - Observed logits ran under the observer, which can change code paths. But every comparison is of an untouched
+    forward, at positions whose tokens (and all before them) are the session's own, against those logits. When all
+    stay within the tolerance, each compared position of an untouched forward agrees with logits computed without the
+    tokens that forward changed: what a leak would have to break. For the control row, an untouched forward of
+    exactly sample 0's tokens, that agreement also says the observation computed what the untouched model does.
+  - Below the tolerance nothing is a finding, whatever the noise floor: the threshold is the larger of the two.
+    The noise floor's own findings (non-determinism, coarse comparisons) need noise beyond the tolerance (beyond
+    10/noise_factor of it for the second), and the unchanged positions compared here are draws of that same noise,
+    so it shows among them first: randomness left on in eval moves the control row.
+Any change beyond that, NaN included, and the check computes the untouched baseline and the noise floor. When the
+baseline is bitwise the observed logits (the observer changed nothing) the measured changes stand; otherwise every
+comparison runs again against the baseline. Either way the verdict rests on the untouched model, as before.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from fwdcheck.errors import ModelRaised
 from fwdcheck.paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import nonfinite_positions, position_change
-
-MAX_DEFAULT_CUTS = 4
-
+from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
 def default_cuts(T: int) -> list[int]:
-    """The first changed position of each cut row: 1, T-1, T/2 and the 2^i - 1 boundaries, at most four, spread out.
-    The prefix pass adds k = 1, 2, 4, ... at little cost."""
-    candidates = sorted({1, T - 1, T // 2} | {2**i - 1 for i in range(2, T.bit_length() + 1) if 2**i - 1 < T})
-    candidates = [k for k in candidates if 1 <= k < T]
-    if len(candidates) <= MAX_DEFAULT_CUTS:
-        return candidates
-    must = {1, T - 1, T // 2}
-    rest = [k for k in candidates if k not in must]
-    picks = MAX_DEFAULT_CUTS - len(must)
-    spread = [rest[round(i * (len(rest) - 1) / (picks - 1))] for i in range(picks)] if picks > 1 else \
-        [rest[len(rest) // 2]]
-    return sorted(must | set(spread))
+    """The first changed position of each cut row: k = 1 (position 0 against every later token), T/2 (the first half
+    against the second) and T-1 (every position against the last token). The prefix ladder adds k = 1, 2, 4, ... up to
+    T/4 at little cost, and the single row one more cut at batch size 1: a leak at some other k shows there, or at
+    these three (a mask shifted by one, a window or chunk read both ways: at k = 1 and T-1 alike)."""
+    return sorted({k for k in (1, T // 2, T - 1) if 1 <= k < T})
 
 
 def span(positions: list[int]) -> str:
@@ -55,6 +64,7 @@ def span(positions: list[int]) -> str:
 
 class FutureToken(Check):
     name = "future-token"
+    per_code_path = True  # its bugs hide on paths a default run never takes: run on every cell of the matrix
     description = "changing later tokens must not move earlier logits; samples of a batch must not read each other"
     codes = {
         "FWD101": "logits at earlier positions moved when later tokens changed: the model reads the future",
@@ -69,7 +79,7 @@ class FutureToken(Check):
     explain = """\
 Verifies, with the model untouched in eval mode and dropout forced to zero, that
   (a) changing the token at a cut position k and every later one leaves the logits at positions < k unchanged,
-      for k = 1, T-1, T/2 and the 2^i - 1 boundaries (every k with --exhaustive, which draws the full leak map),
+      for k = 1, T/2 and T-1 (every k with --exhaustive, which draws the full leak map),
       and that the first k tokens run alone reproduce the full run's logits there (k = 1, 2, 4, ... up to T/4);
       batch size 1 included: one row run alone with its later half replaced must keep its earlier logits (it has
       the length of the longest prefix, and is compared with that prefix, also run alone);
@@ -80,6 +90,12 @@ mask, a 0/1 float mask, wrong position indexing, or a reshape that mixes the bat
 How changes are judged: a change counts when it exceeds both the dtype tolerance (atol + rtol x the largest |logit|,
 defaults as torch.testing.assert_close) and noise_factor x the run-to-run noise floor measured by running the
 identical input twice. NaN or Inf is reported where it appears, never passed.
+What it runs: the comparisons start from the logits the observation pass already computed, with no noise floor.
+Only when some change exceeds the tolerance (where the noise floor could matter) does it run the untouched model on
+the session's inputs, and again for the noise floor, and judge against those; a pass rests on every untouched forward
+agreeing, within the tolerance, with logits computed without the tokens it changed. The cut rows run in forwards of
+the baseline's row count, each reduced to its per-position change as it comes back, so a run needs little more
+memory than the model's own forward.
 How to fix: read the leak map (query position x perturbed position). A full upper triangle means no causal mask; a
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
 `fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set
@@ -87,106 +103,107 @@ band above the diagonal means a mask shifted by one; only some samples moving me
 shortcut taken for a single sequence; the code-path matrix (`paths:`) names such paths one by one.
 Sizes the model refuses: a forward that raises at some length or row count is noted ("prefix pass at k=1 skipped:
 the model raised AssertionError at T=1") and the other passes still judge; the prefix pass goes on with longer
-lengths, and cut rows the model will not take at once run in batches of the baseline's size. Declare the shortest
+lengths, and cut rows the model will not take run in forwards of exactly the baseline's row count. Declare the shortest
 sequence forward accepts as `inputs.min_seq_len` to skip the shorter prefixes without a note. The check is an error
 only when the model refused every comparison."""
 
     def run(self, model, session) -> CheckResult:
-        base = session.baseline()  # (B, T, V); if the session's own inputs cannot run, nothing can be measured
         observation_note = self._observe_dropout(session)
-        B, T, _ = base.shape
+        # The observation pass's logits stand in for the baseline until a comparison moves (session.reference()); if
+        # the session's own inputs cannot run, nothing can be measured.
+        reference = session.reference()  # (B, T, V)
+        if nonfinite_positions(reference) and not session.reference_untouched:
+            reference = session.baseline()  # NaN or Inf is a verdict on the untouched model
+        B, T, _ = reference.shape
         findings: list[Finding] = []
         if observation_note:
             findings.append(observation_note)
-        broken = nonfinite_positions(base)
-        if broken:
-            findings.append(Finding("FWD104", Status.FAIL, f"the baseline logits hold NaN or Inf at "
-                                    f"{len(broken)} (sample, position) pairs", where=_pairs(broken)))
-            return CheckResult.from_findings(self.name, findings, "NaN/Inf in the baseline logits; nothing to compare",
-                                             metrics={"nonfinite_positions": len(broken)})
+        if nonfinite_positions(reference):
+            return self._nonfinite_baseline(findings, reference)
 
         # From here on every forward is a pass the model may refuse (a length, a row count): a refusal is a note,
         # the findings already made stand, and only a check that measured nothing at all ends as an error.
+        plan = Plan(model, session)
         refusals = Refusals()
-        scale = float(base.abs().max())
-        repeat = refusals.attempt(session.repeat_change, "noise floor not measured", f"B={B}, T={T}")
-        if repeat is None:  # without the noise floor no change can be judged
-            return self._measured_nothing(findings, refusals)
-        threshold = session.threshold(scale, repeat)
-        measured = False
-        if session.unpadded is not None:  # a left-padded path: the real tokens must not see the padding
-            padding = refusals.attempt(lambda: self._padding(session, base, threshold),
-                                       "left-padding comparison skipped", f"B={B}, T={T} without padding")
-            measured = padding is not None
-            findings += padding or []
-        tolerance = session.tolerance(scale)
-        if repeat > tolerance:
-            findings.append(Finding("FWD103", Status.FAIL, f"two identical eval-mode forwards differ by {repeat:.3g} "
-                                    f"(tolerance {tolerance:.3g}): the forward is not deterministic in eval mode"))
-        if session.settings.noise_factor * repeat > 10 * tolerance:
-            findings.append(Finding("FWD106", Status.WARN, f"noise floor {repeat:.3g} is over 10x the dtype "
-                                    f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen"))
-        metrics = {"logit_scale": scale, "tolerance": tolerance, "noise_floor": repeat, "threshold": threshold}
+        measured = self._measure(plan, session, reference, refusals)
+        scale = logit_scale(reference)
+        noise = None
         data: dict = {}
+        if session.noise_matters(measured.largest(plan), scale):
+            # Something moved beyond what can pass unexamined: judge it against the untouched model, with the
+            # noise floor measured. The observed logits stand when the untouched baseline is bitwise the same (the
+            # observer changed no code path); otherwise every comparison is made again against the baseline.
+            if not session.reference_untouched:
+                observed, reference = reference, session.baseline()
+                if not torch.equal(observed, reference):
+                    if nonfinite_positions(reference):
+                        return self._nonfinite_baseline(findings, reference)
+                    data["reference"] = ("the observation pass's logits differ from the untouched baseline's: "
+                                         "every comparison was made again against the baseline")
+                    scale, refusals = logit_scale(reference), Refusals()
+                    measured = self._measure(plan, session, reference, refusals)
+                del observed
+            noise = refusals.attempt(session.repeat_change, "noise floor not measured", f"B={B}, T={T}")
+            if noise is None:  # without the noise floor no change can be judged
+                return self._measured_nothing(findings, refusals)
+        if not measured.anything():
+            return self._measured_nothing(findings, refusals)
 
-        exhaustive = session.settings.exhaustive
-        cuts = list(range(1, T)) if exhaustive else default_cuts(T)
-        rows, sources = [], []
-        for i, k in enumerate(cuts):
-            sample = i % B
-            row = session.inputs[sample].clone()
-            if exhaustive:  # one token at a time: the map's cell (i, k) is exactly "position i reads token k"
-                row[k] = session.random_ids((1,), differ_from=row[k:k + 1])[0]
-            else:
-                row[k:] = session.random_ids((T - k,), differ_from=row[k:])
-            rows.append(row)
-            sources.append(sample)
-        control = len(rows)
-        rows.append(session.inputs[0].clone())  # unchanged, but beside other companions than in the baseline
-        logits = self._run_rows(session, rows, refusals)  # (cuts + 1, T, V), or None when no row count ran
+        tolerance = session.tolerance(scale)
+        threshold = session.threshold(scale, noise or 0.0)
+        metrics = {"logit_scale": scale, "tolerance": tolerance, "threshold": threshold}
+        if noise is None:
+            data["noise_floor"] = ("not measured: nothing moved beyond the tolerance, where no noise floor can "
+                                   "change the verdict")
+        else:
+            metrics["noise_floor"] = noise
+            if noise > tolerance:
+                findings.append(Finding("FWD103", Status.FAIL, f"two identical eval-mode forwards differ by "
+                                        f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
+                                        "in eval mode"))
+            if session.settings.noise_factor * noise > 10 * tolerance:
+                findings.append(Finding("FWD106", Status.WARN, f"noise floor {noise:.3g} is over 10x the dtype "
+                                        f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen"))
+        if measured.padding is not None:
+            findings += self._padding(measured.padding, threshold)
 
         causal = model.causal
         alone = False  # the causal comparisons ran one row at a time
-        if logits is not None:
-            measured = True
-            control_change = position_change(logits[control:control + 1], base[0:1])[0]  # (T,)
-            batch_moved = [p for p in range(T) if control_change[p] > threshold]
-            metrics["batch_max_change"] = float(control_change.max())
+        cut_changes, prefix = measured.cuts, measured.prefix
+        if cut_changes is not None:
+            control_change = cut_changes[plan.control].tolist()  # T values
+            batch_moved = [p for p, c in enumerate(control_change) if c > threshold]
+            metrics["batch_max_change"] = max(control_change)
             if batch_moved:
                 findings.append(Finding(
                     "FWD102", Status.FAIL,
-                    f"sample 0 is unchanged but its logits moved by up to {float(control_change.max()):.3g} "
+                    f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
                     f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read each other",
                     where=f"sample 0, positions {span(batch_moved)}"))
             if batch_moved and causal:  # mixing contaminates every batched row: judge causality one row at a time
                 rerun = refusals.attempt(
-                    lambda: (torch.cat([session.logits(row[None]) for row in rows[:control]]),
-                             torch.cat([session.logits(session.inputs[s:s + 1]) for s in range(B)])),
+                    lambda: self._one_row_at_a_time(plan, session),
                     "causal comparisons skipped: samples read each other and the rows cannot run one at a time",
                     f"B=1, T={T}")
                 if rerun is None:
                     causal = False
                 else:
-                    (logits, base), alone = rerun, True
+                    (cut_changes, prefix), alone = rerun, True
                     data["note"] = "samples read each other: the causal comparisons ran one row at a time"
 
         if causal:
-            if logits is not None:
-                findings += self._causal(cuts, sources, logits, base, threshold, exhaustive, metrics, data)
-            prefix, longest = self._prefix(session, base, threshold, metrics, refusals)
-            findings += prefix
-            single = self._single_row(model, session, longest, base, threshold, alone, metrics, data, refusals)
+            if cut_changes is not None:
+                findings += self._causal(plan, cut_changes, threshold, metrics, data)
+            findings += self._prefix(prefix, threshold, metrics)
+            single = self._single_row(measured.single, plan, alone, threshold, metrics, data)
             findings = _with_single_row(findings, single)
-            measured = measured or bool(metrics["prefix_lengths"]) or "single_row_max_change" in metrics
         elif not model.causal:
             data["note"] = "model.causal is false: part (a) skipped"
 
-        if not measured:
-            return self._measured_nothing(findings, refusals)
         if refusals.notes:
             data["notes"] = refusals.notes
         leaks = [f for f in findings if f.status in (Status.FAIL, Status.WARN)]
-        ran = [f"{len(cuts)} cut{'s' if len(cuts) != 1 else ''} + batch"] if logits is not None else []
+        ran = [f"{len(plan.cuts)} cut{'s' if len(plan.cuts) != 1 else ''} + batch"] if cut_changes is not None else []
         ran += ["prefix"] if metrics.get("prefix_lengths") else []
         ran += ["single row"] if "single_row_max_change" in metrics else []
         summary = (f"{' + '.join(ran)}: max change before a cut "
@@ -197,6 +214,39 @@ only when the model refused every comparison."""
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
+    def _measure(self, plan: Plan, session, reference: torch.Tensor, refusals: Refusals) -> Measured:
+        """Every comparison of the default run, against `reference`, reduced to per-position changes as it comes
+        back: the cut rows and the control row, the prefix ladder, the single row, left padding."""
+        measured = Measured()
+        B, T, _ = reference.shape
+        if session.unpadded is not None:  # a left-padded path: the real tokens must not see the padding
+            measured.padding = refusals.attempt(
+                lambda: position_change(reference, session.logits(session.inputs, model=session.unpadded)),
+                "left-padding comparison skipped", f"B={B}, T={T} without padding")
+        measured.cuts = self._run_rows(session, plan, reference, refusals)  # (rows, T), or None
+        if plan.causal:
+            measured.prefix = self._run_prefix(session, reference[:1], refusals)
+            if plan.single_row_wanted:
+                measured.single = self._run_single_row(plan, session, measured.prefix, reference, refusals)
+        return measured
+
+    @staticmethod
+    def _one_row_at_a_time(plan: Plan, session) -> tuple[torch.Tensor, Prefix]:
+        """The cut rows and the prefix ladder again, every forward one row, against each sample run alone."""
+        B = session.inputs.shape[0]
+        alone = [session.logits(session.inputs[s:s + 1]) for s in range(B)]  # B x (1, T, V)
+        changes = torch.zeros(len(plan.rows), session.inputs.shape[1])  # (rows, T); the control row is not rerun
+        for i in plan.cut_rows:
+            changes[i] = position_change(session.logits(plan.rows[i][None])[0], alone[plan.sources[i]][0])
+        return changes, FutureToken._run_prefix(session, alone[0], Refusals())
+
+    def _nonfinite_baseline(self, findings: list[Finding], baseline: torch.Tensor) -> CheckResult:
+        broken = nonfinite_positions(baseline)
+        findings.append(Finding("FWD104", Status.FAIL, f"the baseline logits hold NaN or Inf at "
+                                f"{len(broken)} (sample, position) pairs", where=_pairs(broken)))
+        return CheckResult.from_findings(self.name, findings, "NaN/Inf in the baseline logits; nothing to compare",
+                                         metrics={"nonfinite_positions": len(broken)})
+
     def _measured_nothing(self, findings: list[Finding], refusals: Refusals) -> CheckResult:
         """Every pass that compares was refused. Findings made before (dropout live in eval) stand, with the notes;
         without any, the check could not run: the model's first refusal makes it an error."""
@@ -205,33 +255,38 @@ only when the model refused every comparison."""
         return CheckResult.from_findings(self.name, findings, "; ".join(refusals.notes), data={"notes": refusals.notes})
 
     @staticmethod
-    def _run_rows(session, rows: list[torch.Tensor], refusals: Refusals) -> torch.Tensor | None:
-        """All rows in one forward. A model that cannot take that many rows (a cache sized for the batch) gets them
-        in forwards of the baseline's row count, which it has run, the last one filled up with baseline rows."""
-        N, T = len(rows), rows[0].shape[0]
+    def _run_rows(session, plan: Plan, reference: torch.Tensor, refusals: Refusals) -> torch.Tensor | None:
+        """The cut rows and the control row, each reduced to its per-position change from its sample's reference
+        (rows, T), in forwards no larger than the baseline's (session.changes). A model that refuses one of those
+        row counts (a cache sized for exactly the batch) gets them in forwards of exactly the baseline's count,
+        which it has run, the last one filled up with baseline rows."""
+        ids = torch.stack(plan.rows)
+        N, T = ids.shape
         B = session.inputs.shape[0]
-        logits = refusals.attempt(lambda: session.logits(torch.stack(rows)), f"{N} rows in one forward refused",
-                                  f"B={N}, T={T}")
-        if logits is not None or N <= B:
-            return logits
+        sizes = sorted(set(session.row_counts(N)))
+        changes = refusals.attempt(lambda: session.changes(ids, reference, plan.sources),
+                                   f"{N} rows in forwards of {' and '.join(map(str, sizes))} refused",
+                                   f"B={'/'.join(map(str, sizes))}, T={T}")
+        if changes is not None or sizes == [B]:
+            return changes
 
         def in_batches() -> torch.Tensor:
             out = []
             for start in range(0, N, B):
-                chunk = rows[start:start + B]
+                chunk = list(range(start, min(start + B, N)))
                 filler = [session.inputs[i] for i in range(B - len(chunk))]  # dropped from the result
-                out.append(session.logits(torch.stack(chunk + filler))[:len(chunk)])
-            return torch.cat(out)
+                logits = session.logits(torch.stack([plan.rows[i] for i in chunk] + filler))
+                out += [position_change(logits[j], reference[plan.sources[i]]) for j, i in enumerate(chunk)]
+            return torch.stack(out)
 
-        logits = refusals.attempt(in_batches, f"cut rows skipped in forwards of {B} rows too", f"B={B}, T={T}")
-        if logits is not None:
-            refusals.notes[-1] += f"; they ran in forwards of {B} rows, the baseline's count"
-        return logits
+        changes = refusals.attempt(in_batches, f"cut rows skipped in forwards of {B} rows too", f"B={B}, T={T}")
+        if changes is not None:
+            refusals.notes[-1] += f"; they ran in forwards of {B} row{'s' if B > 1 else ''}, the baseline's count"
+        return changes
 
     @staticmethod
-    def _padding(session, base, threshold) -> list[Finding]:
-        plain = session.logits(session.inputs, model=session.unpadded)  # the same tokens, nothing before them
-        change = position_change(base, plain)  # (B, T)
+    def _padding(change: torch.Tensor, threshold: float) -> list[Finding]:
+        """change: (B, T) of the left-padded real tokens from the same tokens run without padding."""
         if not bool((change > threshold).any()):
             return []
         moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
@@ -252,21 +307,23 @@ only when the model refused every comparison."""
         return Finding("FWD103", Status.FAIL, f"dropout is live in eval mode at {len(live)} call(s); forced to zero "
                        "for the comparisons below", where="; ".join(live[:4]) + (" ..." if len(live) > 4 else ""))
 
-    def _causal(self, cuts, sources, logits, base, threshold, exhaustive, metrics, data) -> list[Finding]:
+    def _causal(self, plan: Plan, changes: torch.Tensor, threshold, metrics, data) -> list[Finding]:
+        """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
         findings = []
         columns = []
         worst = 0.0
         leaked_pairs: list[tuple[int, int]] = []
         nan_pairs: list[tuple[int, int]] = []
-        for row, (k, sample) in enumerate(zip(cuts, sources)):
-            change = position_change(logits[row:row + 1, :k], base[sample:sample + 1, :k])[0]  # (k,)
-            columns.append({"k": k, "sample": sample, "change": [float(c) for c in change]})
-            finite = change[torch.isfinite(change)]
-            worst = max(worst, float(finite.max()) if finite.numel() else 0.0)
-            for p in range(k):
-                if not torch.isfinite(change[p]):
+        cuts, exhaustive = plan.cuts, plan.exhaustive
+        for row, k in zip(plan.cut_rows, cuts):
+            sample = plan.sources[row]
+            change = changes[row, :k].tolist()  # k values: the positions before the cut
+            columns.append({"k": k, "sample": sample, "change": change})
+            worst = max([worst] + [c for c in change if math.isfinite(c)])
+            for p, c in enumerate(change):
+                if not math.isfinite(c):
                     nan_pairs.append((p, k))
-                elif change[p] > threshold:
+                elif c > threshold:
                     leaked_pairs.append((p, k))
         metrics["max_change_before_cut"] = worst
         metrics["cuts"] = cuts
@@ -291,71 +348,81 @@ only when the model refused every comparison."""
         return findings
 
     @staticmethod
-    def _prefix(session, base, threshold, metrics, refusals) -> tuple[list[Finding], torch.Tensor | None]:
-        """The first k tokens run alone must give the full run's logits there. A length the model refuses (code
-        that asserts T > 1) is a note, and the ladder goes on with the longer ones. Returns the findings and the
-        logits of the longest prefix of two or more tokens that ran, which the single-row pass compares with."""
-        T = base.shape[1]
-        worst, moved, ran, refused = 0.0, [], [], []
-        longest = None
+    def _run_prefix(session, reference: torch.Tensor, refusals: Refusals) -> Prefix:
+        """The first k tokens of sample 0 run alone, compared with reference [1, T, V] there. A length the model
+        refuses (code that asserts T > 1) is a note, and the ladder goes on with the longer ones. Keeps the logits
+        of the longest prefix of two or more tokens that ran, which the single-row pass compares with."""
+        T = reference.shape[1]
+        prefix = Prefix()
+        refused = []
         for k in prefix_lengths(T, session.min_seq_len):
             try:
-                alone = session.logits(session.inputs[:1, :k])  # (1, k, V)
+                alone = session.prefix_logits(k)  # (1, k, V); the short length is shared with other checks
             except ModelRaised as exc:
                 refused.append((k, exc))
                 continue
-            ran.append(k)
-            longest = alone if k >= 2 else longest
-            change = position_change(alone, base[:1, :k])[0]
-            worst = max(worst, float(change.max()))
-            if change.max() > threshold:
-                moved.append((k, [p for p in range(k) if change[p] > threshold]))
+            prefix.ran.append(k)
+            prefix.changes.append(position_change(alone, reference[:, :k])[0])  # (k,)
+            prefix.longest = alone if k >= 2 else prefix.longest
         for k, _ in refused:
-            if ran and k < max(ran):  # a longer one ran: this length itself is what the model refuses
+            if prefix.ran and k < max(prefix.ran):  # a longer one ran: this length itself is what the model refuses
                 session.refused_length(k)
         if refused:
             refusals.first = refusals.first or refused[0][1]
             lengths = ", ".join(str(k) for k, _ in refused)
             refusals.notes.append(f"prefix pass at k={lengths} skipped: {_reason(refused[0][1], f'T={lengths}')}")
-        metrics["prefix_lengths"] = ran
-        if ran:
+        return prefix
+
+    @staticmethod
+    def _prefix(prefix: Prefix, threshold: float, metrics) -> list[Finding]:
+        """The first k tokens run alone must give the full run's logits there."""
+        worst, moved = 0.0, []
+        for k, change in zip(prefix.ran, prefix.changes):
+            values = change.tolist()  # k values, inf for NaN
+            worst = max([worst, *values])
+            if max(values) > threshold:
+                moved.append((k, [p for p, c in enumerate(values) if c > threshold]))
+        metrics["prefix_lengths"] = prefix.ran
+        if prefix.ran:
             metrics["prefix_max_change"] = worst
         if not moved:
-            return [], longest
+            return []
         k, positions = moved[0]
         return [Finding("FWD105", Status.FAIL, f"the first k tokens run alone differ from the full run by up to "
                         f"{worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
-                        where=f"sample 0, positions {span(positions)} with the first {k} tokens alone")], longest
+                        where=f"sample 0, positions {span(positions)} with the first {k} tokens alone")]
 
     @staticmethod
-    def _single_row(model, session, longest, base, threshold, alone, metrics, data, refusals) -> list[Finding]:
+    def _run_single_row(plan: Plan, session, prefix: Prefix, reference: torch.Tensor,
+                        refusals: Refusals) -> SingleRow | None:
         """Batch size 1 is a code path of its own in many models (a "single sequence" shortcut that forgets the mask,
         another kernel), and the cuts run several rows. One row runs alone with its later half replaced and is
         compared, before the replaced half, with the longest prefix run alone: both one row of the same length,
         so only the later tokens differ. It adds one short forward; without a prefix of two or more tokens, the
         row is the full sequence and is compared with the baseline."""
-        B, T = session.inputs.shape
-        if B == 1 or alone:
-            data["single_row"] = "not needed: the comparisons above already ran one row beside several"
-            return []
-        if any(cell.batch_size == 1 for cell in path_cells(model, session.settings.paths, B)):
-            data["single_row"] = "left to the code-path matrix, whose batch-size-1 cells are named as such"
-            return []
-        reference = longest if longest is not None else base[:1]  # (1, L, V)
-        L = reference.shape[1]
+        against = prefix.longest if prefix.longest is not None else reference[:1]  # (1, L, V)
+        L = against.shape[1]
         cut = L // 2
-        row = session.inputs[0, :L].clone()
-        row[cut:] = session.random_ids((L - cut,), differ_from=row[cut:])
+        row = plan.single_row(L)
         logits = refusals.attempt(lambda: session.logits(row[None]), "single-row pass skipped", f"B=1, T={L}")
         if logits is None:
+            return None
+        change = position_change(logits[:, :cut], against[:, :cut])[0]  # (cut,)
+        return SingleRow(L, cut, "prefix" if prefix.longest is not None else "baseline", change)
+
+    @staticmethod
+    def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold, metrics, data) -> list[Finding]:
+        if plan.single_row_skipped or alone:
+            data["single_row"] = plan.single_row_skipped or "not needed: the comparisons above already ran one row " \
+                                                             "beside several"
             return []
-        change = position_change(logits[:, :cut], reference[:, :cut])[0]  # (cut,)
-        finite = change[torch.isfinite(change)]
-        metrics["single_row_max_change"] = float(finite.max()) if finite.numel() else 0.0
-        data["single_row"] = {"length": L, "cut": cut, "against": "prefix" if longest is not None else "baseline",
-                              "change": [float(c) for c in change]}
-        nan = [p for p in range(cut) if not torch.isfinite(change[p])]
-        moved = [p for p in range(cut) if torch.isfinite(change[p]) and change[p] > threshold]
+        if single is None:  # refused: a note says so
+            return []
+        L, cut, change = single.length, single.cut, single.change.tolist()
+        metrics["single_row_max_change"] = max([0.0] + [c for c in change if math.isfinite(c)])
+        data["single_row"] = {"length": L, "cut": cut, "against": single.against, "change": change}
+        nan = [p for p, c in enumerate(change) if not math.isfinite(c)]
+        moved = [p for p, c in enumerate(change) if math.isfinite(c) and c > threshold]
         where = f"sample 0 run alone (T={L}), positions {span(moved or nan)} when tokens >= {cut} changed"
         findings = []
         if moved:
@@ -368,6 +435,98 @@ only when the model refused every comparison."""
                                     f"appeared at {len(nan)} earlier positions when later tokens changed",
                                     where=where))
         return findings
+
+
+class Plan:
+    """The rows the comparisons run, drawn once from the session's generator, so that comparing again against
+    another reference runs exactly the same tokens.
+
+    Per cut position k, one row keeps a sample's tokens < k and replaces the rest (with --exhaustive, the token at k
+    alone). The control row, sample 0 unchanged, sits second: in forwards of the baseline's row count it shares
+    its forward with the row cut at k = 1, which differs from every row of the baseline in all tokens but the first."""
+
+    def __init__(self, model, session):
+        B, T = session.inputs.shape
+        self.causal = model.causal
+        self.exhaustive = session.settings.exhaustive
+        self.cuts = list(range(1, T)) if self.exhaustive else default_cuts(T)
+        rows, sources = [], []
+        for i, k in enumerate(self.cuts):
+            sample = i % B
+            row = session.inputs[sample].clone()
+            if self.exhaustive:  # one token at a time: the map's cell (i, k) is exactly "position i reads token k"
+                row[k] = session.random_ids((1,), differ_from=row[k:k + 1])[0]
+            else:
+                row[k:] = session.random_ids((T - k,), differ_from=row[k:])
+            rows.append(row)
+            sources.append(sample)
+        self.control = min(1, len(rows))
+        rows.insert(self.control, session.inputs[0].clone())  # unchanged, beside other companions than in the baseline
+        sources.insert(self.control, 0)
+        self.rows, self.sources = rows, sources
+        self.cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order of self.cuts
+        self.session = session
+        self._single: dict[int, torch.Tensor] = {}
+        self.single_row_skipped = None  # why the single-row pass does not run, or None
+        if B == 1:
+            self.single_row_skipped = "not needed: the comparisons above already ran one row beside several"
+        elif any(cell.batch_size == 1 for cell in path_cells(model, session.settings.paths, B)):
+            self.single_row_skipped = "left to the code-path matrix, whose batch-size-1 cells are named as such"
+
+    @property
+    def single_row_wanted(self) -> bool:
+        return self.single_row_skipped is None
+
+    def single_row(self, length: int) -> torch.Tensor:
+        """Sample 0's first `length` tokens with the later half replaced; drawn once per length."""
+        if length not in self._single:
+            row = self.session.inputs[0, :length].clone()
+            cut = length // 2
+            row[cut:] = self.session.random_ids((length - cut,), differ_from=row[cut:])
+            self._single[length] = row
+        return self._single[length]
+
+
+@dataclass
+class Prefix:
+    ran: list[int] = field(default_factory=list)  # the lengths k that ran
+    changes: list[torch.Tensor] = field(default_factory=list)  # (k,) per length that ran
+    longest: torch.Tensor | None = None  # logits (1, L, V) of the longest prefix of two or more tokens
+
+
+@dataclass
+class SingleRow:
+    length: int
+    cut: int
+    against: str  # prefix | baseline
+    change: torch.Tensor  # (cut,)
+
+
+@dataclass
+class Measured:
+    """What the comparisons measured against one reference, as per-position changes."""
+
+    cuts: torch.Tensor | None = None  # (rows, T): every cut row and the control row; None when refused
+    prefix: Prefix = field(default_factory=Prefix)
+    single: SingleRow | None = None
+    padding: torch.Tensor | None = None  # (B, T)
+
+    def anything(self) -> bool:
+        return self.cuts is not None or bool(self.prefix.ran) or self.single is not None or self.padding is not None
+
+    def largest(self, plan: Plan) -> float:
+        """The largest change at a position whose tokens, and the tokens before it, were not changed: what the
+        noise floor and the untouched baseline are needed for when it is beyond the tolerance. inf for NaN."""
+        seen = [torch.zeros(1)]
+        if self.cuts is not None:
+            seen.append(self.cuts[plan.control])
+            seen += [self.cuts[row, :k] for row, k in zip(plan.cut_rows, plan.cuts)]
+        seen += self.prefix.changes
+        if self.single is not None:
+            seen.append(self.single.change)
+        if self.padding is not None:
+            seen.append(self.padding.flatten())
+        return float(torch.cat([c.flatten().cpu() for c in seen]).max())
 
 
 class Refusals:
@@ -386,13 +545,6 @@ class Refusals:
             self.first = self.first or exc
             self.notes.append(f"{what}: {_reason(exc, size)}")
             return None
-
-
-def prefix_lengths(T: int, shortest: int = 1) -> list[int]:
-    """k = 1, 2, 4, ... up to T/4 (the cuts cover T/2 and T-1), none below the shortest length the model accepts;
-    when that is longer than T/4, the shortest length alone, if it is still a prefix."""
-    lengths = [2**i for i in range(T.bit_length()) if shortest <= 2**i <= max(T // 4, 1)]
-    return lengths or ([shortest] if shortest < T else [])
 
 
 def _with_single_row(findings: list[Finding], single: list[Finding]) -> list[Finding]:

@@ -8,7 +8,7 @@ A square call is the sequence against itself (p_i = i); a call over a KV cache i
 known (handed to the model as input_pos / cache_position / position_ids, or a growing cache whose S keys are exactly
 the tokens written, queries last); cross-attention, and an encoder over a source other than the input, are not causal
 by nature. A call that cannot be judged says so, and a run in which none could be judged skips: it measured nothing.
-The first row of the batch is also observed alone, where "single sequence" fast paths live.
+The first row of the batch is also observed alone, at a short length, where "single sequence" fast paths live.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def not_judged(call: AttentionCall, input_followed: bool) -> str | None:
 
 class MaskAudit(Check):
     name = "mask-audit"
+    per_code_path = True  # its bugs hide on paths a default run never takes: run on every cell of the matrix
     description = "reads every attention call's mask in its own convention and compares the keys it allows with causal"
     codes = {
         "FWD201": "no causal restriction: every query reads every key",
@@ -108,8 +109,8 @@ For a causal model, query i may read key slot j only if j <= p_i, its own positi
   attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
   from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
   still checked.
-Besides the session's batch, the first row runs alone (unless the code-path matrix runs batch size 1): a fast path
-taken only for a single sequence that forgets the mask is found there, and named "at B=1".
+Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
+1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
 call; FWD204 shows (query position, key slot) pairs.
 Why: the two boolean conventions are opposite, and `mask.float()` of a boolean mask gives 0/1, which added to the
@@ -126,21 +127,25 @@ the attention module's forward as input_pos or cache_position."""
         B = session.inputs.shape[0]
         findings, rows = self.audit(session.observation(), model)
         data = {"conventions": CONVENTIONS, "calls": rows}
-        # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class
-        # and one row is cheap: observe it too, unless the code-path matrix runs batch size 1 itself.
+        # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
+        # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
+        # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
         batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.paths, B))
         if batch1:
+            length = session.short_length
             try:
-                single_findings, single_rows = self.audit(session.observe(session.inputs[:1]), model)
+                single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
             except ModelRaised as exc:  # what the full batch showed stands
                 data["batch1"] = f"the pass at B=1 was skipped: {exc}"
             else:
                 for f in single_findings:
                     f.where = f"{f.where} at B=1"
                 findings += single_findings
-                seen = {_kind_of_call(r) for r in rows}  # list the calls that differ at B=1, not the repeats
+                # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
+                seen = {_kind_of_call(r) for r in rows}
                 rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
                 data["batch1"] = "observed"
+                data["batch1_length"] = length
         if not rows and not findings:
             raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
         findings = _group(findings)
@@ -238,8 +243,9 @@ the attention module's forward as input_pos or cache_position."""
 
 
 def _kind_of_call(row: dict) -> tuple:
-    """What makes two calls alike in the table: where, how, what mask, what it allows."""
-    return row["module"], row["api"], row["mask"], row["pattern"], row["queries"], row["keys"]
+    """What makes two calls alike in the table: where, how, what mask, what it allows (at whatever length: the
+    batch-size-1 pass runs a shorter row). A cached call (more keys than queries) stays apart from a square one."""
+    return row["module"], row["api"], row["mask"], row["pattern"], row["keys"] > row["queries"]
 
 
 def _patterns(rows: list[dict]) -> str:

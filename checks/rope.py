@@ -6,7 +6,8 @@ Three views, each catching what the others cannot:
     which dims rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies,
     whether q and k agree, and whether q_m . k_n depends on n - m only. Run again with every position shifted: a
     relative encoding gives the same scores.
-  logits (when forward takes position_ids): shifting every position by an offset must leave the logits unchanged.
+  logits (when forward takes position_ids): shifting every position by an offset must leave the logits unchanged,
+    on a short row run alone at both sets of positions.
   component (the reference model, or a rotary function named in the config): the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random vectors, norms preserved, position 0 the identity.
 
@@ -30,11 +31,14 @@ from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import model_frame
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import position_change
+from fwdcheck.session import logit_scale, position_change
 
 # Relative tolerance for comparing rotated vectors and scores, by dtype: rotations are exact up to rounding.
 RELATIVE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-PROBE_LENGTH = (16, 64)  # enough positions to fit every pair's frequency; more only costs time
+# Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
+# probe: at 32 positions in float32, theta > 6.5e-5, down to base 10000's slowest pair at head size 128); more only
+# costs time, two observed forwards of this length.
+PROBE_LENGTH = (16, 32)
 SHIFT = 17  # positions added in the shift tests; any offset works for a relative encoding
 
 
@@ -282,9 +286,11 @@ Otherwise:
     when known, else the slots the probe wrote, found by running a second token); a forward that runs attention in
     steps (a prefill, then one token at a time) is measured over its steps together. The probe runs again with
     every position shifted, from the same held input: scores must not change.
-  logits: when forward takes position_ids, shifting every position by an offset must leave the logits unchanged.
-    Not measured when positions also enter absolutely (the held input moved with the shift) or when the model reads
-    a KV cache kept between calls (shifted positions would read what the cache holds below them).
+  logits: when forward takes position_ids, shifting every position by an offset must leave the logits unchanged:
+    the first sample's first 16 tokens (all of a shorter sequence) run alone at positions 17.. against the same
+    tokens at 0.., a forward future-token's prefix pass shares. Not measured when positions also enter absolutely
+    (the held input moved with the shift) or when the model reads a KV cache kept between calls (shifted positions
+    would read what the cache holds below them).
   component: for the reference model, or a `rotary_function` named in the config, the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random q, k, norm preservation and R(0) = identity.
 A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
@@ -560,12 +566,15 @@ or correct the declaration."""
 
     @staticmethod
     def _logits_shift(model, session, metrics, data) -> list[Finding]:
-        base = session.baseline()[:1]  # (1, T, V)
-        sample = session.inputs[:1]
-        T = sample.shape[1]
+        """The first sample's first session.short_length tokens run alone at positions offset.., against the same
+        tokens run alone at 0..: a relative encoding gives the same logits. The unshifted forward is the session's
+        shared short prefix (future-token's prefix ladder runs it too), so the shift costs one short row."""
+        T = session.short_length
         offset = min(SHIFT, (model.max_positions or T + SHIFT) - T)
         if offset <= 0:
             return []
+        sample = session.inputs[:1, :T]
+        base = session.prefix_logits(T)  # (1, T, V)
         positions = torch.arange(offset, offset + T, device=sample.device)[None]  # (1, T)
         versions = buffer_versions(model.module)
         shifted = session.logits(sample, positions)
@@ -574,12 +583,15 @@ or correct the declaration."""
             # also read what earlier forwards left there, so the comparison would not be of a shift alone.
             data["logits_shift"] = "skipped: forward writes its buffers (a cache kept between calls)"
             return []
-        threshold = session.threshold(float(base.abs().max()), session.repeat_change())
         change = float(position_change(shifted, base).max())
-        if change > threshold:  # run alone, the sample may differ from its batched self: compare like with like
-            change = float(position_change(shifted, session.logits(sample)).max())
+        scale = logit_scale(base)
+        # The noise floor (two more forwards of the session's inputs) is measured only when it can change the
+        # verdict: below the tolerance nothing is a finding whatever the noise.
+        noise = session.repeat_change() if session.noise_matters(change, scale) else 0.0
+        threshold = session.threshold(scale, noise)
         metrics["logits_shift_change"] = change
         metrics["logits_shift_threshold"] = threshold
+        data["logits_shift_length"] = T
         if change > threshold:
             return [Finding("FWD304", Status.FAIL, f"shifting every position by {offset} changes the logits by "
                             f"{change:.3g} (threshold {threshold:.3g}): positions act absolutely, not relatively",

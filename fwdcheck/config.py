@@ -7,6 +7,8 @@ Every validation problem becomes one ConfigError line naming the file and the YA
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -14,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from fwdcheck.bugs import BUGS
-from fwdcheck.errors import ConfigError
+from fwdcheck.errors import ConfigError, UsageError
 
 Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
 
@@ -142,14 +144,17 @@ ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFMo
 
 
 class Paths(Strict):
-    """The matrix of code paths future-token and mask-audit run over. A list narrows one axis; omitted axes take
-    every value the model offers (Hugging Face models) or just the default path (other models)."""
+    """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
+    built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
+    the default path (other models)."""
 
     enabled: bool | None = Field(None, description="default: on for source hf, off otherwise")
     attn_implementation: list[Literal["eager", "sdpa"]] | None = None
     output_attentions: list[bool] | None = None
     attention_mask: list[Literal["absent", "ones", "left-pad"]] | None = None
     batch_size: list[PositiveInt] | None = None
+    seq_len: int | None = Field(None, ge=2, description="tokens per row in each cell; default 8, never more than "
+                                "inputs.seq_len nor less than the model accepts")
 
 
 class Inputs(Strict):
@@ -204,6 +209,7 @@ class Config(Strict):
 def load_config(path: str | Path) -> Config:
     """Read, parse and validate a config file; paths inside it become absolute, relative to the file."""
     path = Path(path)
+    regular_file(path, str(path), ConfigError, what="config file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -213,15 +219,99 @@ def load_config(path: str | Path) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc})") from None
     try:
+        check_yaml_structure(text, str(path))
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    except RecursionError:  # the structure check bounds the depth; this is the backstop should a loader recurse more
+        raise ConfigError(f"{path}: nested too deeply to read (a config is at most {MAX_DEPTH} levels deep)") from None
     if document is None:
         raise ConfigError(f"{path}: the file is empty; `fwdcheck init` writes a starter config")
     return config_from_dict(document, origin=path)
+
+
+# How deep a config, a ledger or a model's config.json may nest, and how many values a YAML document may hold once
+# its aliases are expanded. Real configs are a few levels deep and a few hundred values big; past these bounds the
+# readers downstream (YAML's composer, pydantic, transformers, json) recurse or copy until they break or hang.
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
+
+
+def regular_file(path: Path, label: str, error: type[Exception], what: str) -> None:
+    """Refuse, before opening it, an input that is no regular file: a FIFO would block the run until some other
+    process writes to it, a device (/dev/zero, /dev/urandom) would be read without end. A missing file or a directory
+    is left to the reader, which names it in its own words."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    raise error(f"{label}: is {kind}, not a regular file; fwdcheck reads a {what} only from a regular file")
+
+
+def check_yaml_structure(text: str, name: str) -> None:
+    """Refuse a YAML document nested deeper than MAX_DEPTH, one whose aliases expand to more than MAX_VALUES values
+    (the 'billion laughs'), and an alias inside the node it names (a cycle), before anything builds it.
+
+    It reads the parser's event stream, which needs no recursion, and stops at the first problem: the composer and
+    the constructor that safe_load runs recurse once per level, and pydantic walks every alias anew."""
+    open_nodes: list[list] = []  # [anchor, values so far] of each collection being read, outermost first
+    sizes: dict[str, int] = {}  # anchor -> the values its node holds, aliases expanded
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        at = f"at line {event.start_mark.line + 1}, column {event.start_mark.column + 1}" if event.start_mark else ""
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append([event.anchor, 1])
+            if len(open_nodes) > MAX_DEPTH:
+                raise ConfigError(f"{name}: nested more than {MAX_DEPTH} levels deep {at}; a config is a few "
+                                  "levels deep")
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, count = open_nodes.pop()
+            if anchor is not None:
+                sizes[anchor] = count
+        elif isinstance(event, yaml.ScalarEvent):
+            count = 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            if any(anchor == event.anchor for anchor, _ in open_nodes):
+                raise ConfigError(f"{name}: the alias *{event.anchor} {at} refers to a node that holds it (a "
+                                  "cycle)")
+            count = sizes.get(event.anchor, 1)  # an undefined anchor: the composer names it
+        else:
+            continue
+        if open_nodes:
+            open_nodes[-1][1] += count
+            count = open_nodes[-1][1]
+        if count > MAX_VALUES:
+            raise ConfigError(f"{name}: its aliases expand to more than {MAX_VALUES} values (by the alias {at}); a "
+                              "config holds a few hundred")
+
+
+def nesting_depth(document: Any, limit: int = MAX_DEPTH) -> int:
+    """How deep dicts and lists nest in a parsed document, counted without recursion and up to limit + 1 (a
+    document that holds itself counts as deeper than any limit). Each level visits a container once, however many
+    times aliases share it."""
+    depth = 0
+    level = [document]
+    while depth <= limit:
+        children: dict[int, Any] = {}
+        for node in level:
+            items = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+            for child in items:
+                if isinstance(child, (dict, list, tuple)):
+                    children[id(child)] = child
+        if not any(isinstance(node, (dict, list, tuple)) for node in level):
+            return depth
+        depth += 1
+        level = list(children.values())
+    return depth
 
 
 def config_from_dict(document: Any, origin: Path | None = None) -> Config:
@@ -229,10 +319,15 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
     if not isinstance(document, dict):
         kind = type(document).__name__
         raise ConfigError(f"{name}: the top level must be a mapping with a 'model' key, not a {kind}")
+    if nesting_depth(document) > MAX_DEPTH:  # a dict built in Python never went through the YAML structure check
+        raise ConfigError(f"{name}: nested more than {MAX_DEPTH} levels deep (or holds itself); a config is a few "
+                          "levels deep")
     try:
         config = Config.model_validate(document)
     except ValidationError as exc:
         raise ConfigError(f"{name}: {describe_validation_error(exc)}") from None
+    except RecursionError:  # pragma: no cover - the depth check above keeps pydantic well inside its limits
+        raise ConfigError(f"{name}: nested too deeply to validate") from None
     config.source_path = origin
     base = origin.parent if origin else Path.cwd()
     model = config.model
@@ -272,6 +367,55 @@ def describe_validation_error(exc: ValidationError) -> str:
         message = f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
     more = len(errors) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+class LedgerEntry(BaseModel):
+    """One tensor of a ledger written by --save-ledger. strict: a JSON number where a name belongs, a float (NaN)
+    where a size belongs, a null where a list belongs, are refused rather than coerced."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1)
+    dims: list[str]
+    shape: list[Annotated[int, Field(ge=0)]] | None = None
+    dtype: str | None = None
+
+
+class Ledger(BaseModel):
+    """The document --save-ledger writes and --expect-ledger reads. Keys it does not know are ignored (a newer
+    fwdcheck may add some); the version, when given, must be one this fwdcheck reads."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    fwdcheck_ledger: Literal[1] = 1
+    dims: dict[str, PositiveInt] = Field(default_factory=dict)
+    entries: list[LedgerEntry]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Ledger:
+        first: dict[str, int] = {}
+        for i, entry in enumerate(self.entries):
+            if entry.name in first:
+                raise ValueError(f"entries[{i}]: '{entry.name}' is listed twice (first as "
+                                 f"entries[{first[entry.name]}])")
+            first[entry.name] = i
+            if entry.shape is not None and len(entry.shape) != len(entry.dims):
+                raise ValueError(f"entries[{i}]: '{entry.name}' has {len(entry.shape)} sizes in shape but "
+                                 f"{len(entry.dims)} names in dims")
+        return self
+
+
+def ledger_from_dict(document: Any, name: str) -> dict:
+    """A parsed --expect-ledger file, validated: the ledger as a plain dict, or one UsageError line naming the key."""
+    if not isinstance(document, dict) or "entries" not in document:
+        raise UsageError(f"{name}: not a ledger written by --save-ledger (a JSON object with 'entries')")
+    if nesting_depth(document) > MAX_DEPTH:
+        raise UsageError(f"{name}: nested more than {MAX_DEPTH} levels deep; not a ledger written by --save-ledger")
+    try:
+        ledger = Ledger.model_validate(document)
+    except ValidationError as exc:
+        raise UsageError(f"{name}: not a ledger written by --save-ledger: {describe_validation_error(exc)}") from None
+    return ledger.model_dump()
 
 
 def _model_classes() -> dict[str, type[BaseModel]]:

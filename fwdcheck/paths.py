@@ -1,9 +1,21 @@
 """The matrix of code paths a model offers, for the checks whose bugs hide on paths a default run never takes.
 
 Leaks that reached users lived on an eager fallback used only when attention weights are requested, a mask dropped
-when nothing is padded, a kernel chosen for batch size 1, a fast path in eval. So future-token and mask-audit run once
-per cell of: attention implementation x output_attentions x attention_mask (absent / all ones / left padding) x batch
-size, each cell a view of the same model whose forward applies that path, and each cell is reported.
+when nothing is padded, a kernel chosen for batch size 1, a fast path in eval. So the checks that declare
+`per_code_path = True` (future-token and mask-audit among the built-ins) run once more per cell of: attention
+implementation x output_attentions x attention_mask (absent / all ones / left padding) x batch size, each cell a view
+of the same model whose forward applies that path, and each cell is reported.
+
+What a cell costs. The default run already ran every check at the full length on the default path; a cell only has
+to show whether its path is wrong, and a path that drops, inverts or misreads a mask does so at any length of a few
+tokens. So a cell is one code path at one short shape (CELL_LENGTH tokens, or what the config and the model allow),
+with one session shared by every per-path check of the cell: the observation pass and the baseline are computed once
+per cell, not once per check and cell. A cell runs no forward shorter than its own length (its session's
+min_seq_len is the cell's length), so passes at other lengths, such as future-token's prefix ladder, stay with the
+default run. benchmarks/matrix_cost.py prints what each cell costs.
+
+Cells are never merged on the ground that they "look alike": two paths that call attention alike on one input can
+still differ on another (a branch on output_attentions taken only for some tokens), so every cell runs.
 """
 
 from __future__ import annotations
@@ -16,9 +28,14 @@ import torch
 
 from fwdcheck.config import Paths
 from fwdcheck.model import ModelUnderTest, extract_logits
+from fwdcheck.session import Settings
 
-PATH_CHECKS = ("future-token", "mask-audit")
 LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
+# Tokens per row in a cell, unless paths.seq_len says otherwise. At eight positions future-token cuts at 1, 4 and 7
+# and mask-audit reads the whole 8 x 8 mask: a causal mask dropped, inverted, shifted by one or ignored for the pads
+# shows in both. Longer cells cost tokens in proportion and find nothing more of what differs between paths; what
+# needs length (a window, a chunk) is checked on the default path at inputs.seq_len.
+CELL_LENGTH = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,11 @@ class CodePath:
             parts.append(f"output_attentions={self.output_attentions}")
         parts.append(f"B={self.batch_size}")
         return ", ".join(parts)
+
+    @property
+    def padding(self) -> int:
+        """Pad tokens the cell's forward puts before the real ones."""
+        return LEFT_PADDING if self.attention_mask == "left-pad" else 0
 
 
 def path_cells(model: ModelUnderTest, paths: Paths, batch_size: int) -> list[CodePath]:
@@ -56,9 +78,40 @@ def path_cells(model: ModelUnderTest, paths: Paths, batch_size: int) -> list[Cod
     return [CodePath(*cell) for cell in itertools.product(implementations, attentions, masks, batches)]
 
 
+def runs_per_code_path(check) -> bool:
+    """Whether a check asks to run once per cell of the matrix: `per_code_path = True` on its class. Read with a
+    default, so that a plugin written before the attribute existed (or not deriving from Check) runs once."""
+    return bool(getattr(check, "per_code_path", False))
+
+
+def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1) -> int:
+    """The sequence length of a cell's inputs: paths.seq_len or CELL_LENGTH, never longer than inputs.seq_len nor
+    shorter than the model accepts (`shortest`: the default session's min_seq_len, declared or found out), and with
+    the left padding still within the model's positions."""
+    wanted = settings.paths.seq_len or CELL_LENGTH
+    length = min(settings.seq_len, max(wanted, shortest))
+    if model.max_positions:
+        length = min(length, model.max_positions - cell.padding)
+    return length
+
+
+def cell_settings(settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1,
+                  max_rows: int | None = None) -> Settings:
+    """The settings of one cell's session: the cell's batch size at the cell's length.
+
+    min_seq_len is the cell's length: a cell is one shape, and a check asking for a shorter forward there (a prefix)
+    would test another shape than the cell names. max_rows keeps the run's budget in tokens per forward (max_rows
+    rows of inputs.seq_len, the run's own session's), so the shorter rows of a cell go through in fewer forwards
+    without any forward holding more than the run's."""
+    length = cell_length(settings, model, cell, shortest)
+    rows = max_rows or settings.max_rows or max(settings.batch_size, 2)
+    return dataclasses.replace(settings, batch_size=cell.batch_size, seq_len=length, min_seq_len=length,
+                               max_rows=max(rows * settings.seq_len // length, 1))
+
+
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
     """The same module, with a forward that takes this path. Its logits are those of the real tokens only."""
-    padding = LEFT_PADDING if path.attention_mask == "left-pad" else 0
+    padding = path.padding
     pad_id = getattr(getattr(model.module, "config", None), "pad_token_id", None) or 0
 
     def forward(module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):

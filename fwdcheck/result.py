@@ -89,6 +89,7 @@ class Check:
     explain: ClassVar[str]  # what it verifies, why it matters, how to fix; for `fwdcheck explain`
     codes: ClassVar[dict[str, str]] = {}  # finding code -> what it means
     needs_values: ClassVar[bool] = True  # False: runs on the meta device, from shapes alone
+    per_code_path: ClassVar[bool] = False  # True: runs again on every cell of the code-path matrix (fwdcheck.paths)
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError

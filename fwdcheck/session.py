@@ -3,6 +3,11 @@ cached observation pass, and the guard that leaves the model exactly as it was f
 
 Checks ask the session for forwards instead of calling the model, so the baseline is computed once, every forward runs
 in eval mode without gradients, and the model's state is restored however the run ends.
+
+What a run costs is counted in forwards of the session's inputs, and the session keeps it low: the observation pass's
+logits can stand in for the baseline (`reference()`, until a comparison against them moves), the noise floor is
+measured only when asked, rows go through the model in forwards no larger than the baseline's, and a short prefix of
+the first sample is run once for every check that compares at a short length (`prefix_logits`).
 """
 
 from __future__ import annotations
@@ -17,13 +22,17 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from fwdcheck.config import Config, Paths
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError
-from fwdcheck.model import ModelUnderTest
+from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # (rtol, atol) per dtype, as torch.testing.assert_close uses them; rtol is scaled by the largest |logit|.
 DEFAULT_TOLERANCE = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
+SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_length)
+# Elements of one [.., V] difference computed at once by position_change: a slice of the vocabulary at a time, so that
+# comparing logits needs a few MB beside them instead of another copy of them.
+DIFFERENCE_BLOCK = 1 << 20
 
 
 @dataclass
@@ -39,7 +48,7 @@ class Settings:
     noise_factor: float = 10.0
     exhaustive: bool = False
     meta: bool = False  # the model lives on the meta device: shapes only
-    max_rows: int | None = None  # rows per batched forward; default 4 x batch_size
+    max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
     paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
     ignore: dict[str, str] = field(default_factory=dict)  # finding code -> the config's reason
     expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
@@ -126,7 +135,10 @@ class Session:
         rtol, atol = DEFAULT_TOLERANCE[self.dtype]
         self.rtol = settings.rtol if settings.rtol is not None else rtol
         self.atol = settings.atol if settings.atol is not None else atol
-        self.max_rows = settings.max_rows or 4 * settings.batch_size
+        # Rows per forward: no more than the baseline runs, so that no forward of a check needs more memory than the
+        # model's own forward of the session's inputs (two for batch size 1: a row beside another is what shows
+        # samples reading each other).
+        self.max_rows = settings.max_rows or max(settings.batch_size, 2)
         self.force_zero_dropout = False  # set when the observation pass saw dropout live in eval mode
         self._generator = torch.Generator().manual_seed(settings.seed)
         try:
@@ -136,6 +148,7 @@ class Session:
             raise UsageError(f"inputs: batch_size {settings.batch_size} x seq_len {settings.seq_len} token ids cannot "
                              f"be allocated ({type(exc).__name__}: {first})") from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
+        self._observed: torch.Tensor | None = None  # the observation pass's logits, while they may stand in
         self.forward_tokens = 0  # rows x positions run, for benchmarks
         self.refused_lengths: set[int] = set()  # lengths the model raised at while a longer one ran (found out)
         self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding
@@ -153,7 +166,13 @@ class Session:
             stack.enter_context(torch.random.fork_rng(devices=devices))
             stack.callback(torch.set_default_dtype, default_dtype)
             stack.callback(state.restore)
-            module.eval()
+            try:  # eval() runs model code too (an overridden train()): what it raises is the model's error
+                module.eval()
+            except BaseException as exc:
+                if not model_failure(exc):
+                    raise
+                raise ModelRaised(f"the model cannot be put in eval mode: {describe(exc)}",
+                                  where=model_frame(exc)) from exc
             for dropout in state.dropout_p:
                 dropout.p = 0.0
             self._place(module)
@@ -183,10 +202,39 @@ class Session:
         for start in range(0, ids.shape[0], self.max_rows):
             rows = ids[start:start + self.max_rows]
             positions = position_ids[start:start + self.max_rows] if position_ids is not None else None
-            with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
-                chunks.append(model.logits(rows, positions).float())
-            self.forward_tokens += rows.numel()
+            chunks.append(self._forward(rows, positions, model))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def changes(self, ids: torch.Tensor, reference: torch.Tensor, against: list[int]) -> torch.Tensor:
+        """Per row and position, the largest |change| of the logits of `ids` [N, T] from reference[against[i]]
+        (position_change of every row), inf where either is not finite.
+
+        The rows run in forwards of at most max_rows, and each forward's logits are reduced as they come back: the
+        [N, T, V] logits of all rows, several times the baseline's when the vocabulary is large, are never held.
+        A row left over alone runs beside a row of the session's inputs, whose logits are dropped: one row alone
+        is a code path of its own (batch size 1), not for rows meant to run beside others."""
+        N = ids.shape[0]
+        out = []
+        for start in range(0, N, self.max_rows):
+            rows = ids[start:start + self.max_rows]
+            if len(rows) == 1 and N > 1:
+                rows = torch.cat([rows, self.inputs[:1]])
+            logits = self._forward(rows, None, self.model)  # (n, T, V)
+            out += [position_change(logits[i], reference[against[start + i]])
+                    for i in range(min(self.max_rows, N - start))]
+            del logits
+        return torch.stack(out)  # (N, T)
+
+    def row_counts(self, n: int) -> list[int]:
+        """The row counts of the forwards changes() runs for n rows."""
+        counts = [min(self.max_rows, n - start) for start in range(0, n, self.max_rows)]
+        return [max(c, 2) if n > 1 else c for c in counts]
+
+    def _forward(self, rows: torch.Tensor, positions: torch.Tensor | None, model: ModelUnderTest) -> torch.Tensor:
+        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
+            logits = model.logits(rows, positions).float()
+        self.forward_tokens += rows.numel()
+        return logits
 
     def _once(self, key: str, compute):
         """compute() on the first call; every later call gets its value, or the ModelRaised it raised, again."""
@@ -201,41 +249,100 @@ class Session:
         return value
 
     def baseline(self) -> torch.Tensor:
-        """Logits of the session's inputs, computed once and shared by every check."""
+        """Logits of the session's inputs from the untouched model, computed once and shared by every check."""
 
         def compute():
             try:  # first learn whether dropout is live in eval: then every comparison runs with it forced off
                 self.observation()
             except ModelRaised:
                 pass  # the observer cannot follow this model; the plain forward below says whether it runs at all
-            return self.logits(self.inputs)
+            logits = self.logits(self.inputs)
+            self._observed = None  # from now on the untouched logits are the reference
+            return logits
 
         return self._once("baseline", compute)
 
-    def repeat_change(self) -> float:
-        """Largest |change| of the logits when the identical input runs again: 0 for a deterministic model."""
-        repeat = self._once("repeat", lambda: self.logits(self.inputs))
-        return float(position_change(repeat, self.baseline()).max())
+    def reference(self) -> torch.Tensor:
+        """The logits of the session's inputs that comparisons start from: the untouched baseline once it has been
+        computed, before that the observation pass's logits of the same inputs when the pass saw nothing that makes
+        them differ on purpose (dropout live in eval), else the baseline, computed now.
 
-    def observation(self) -> Observation:
-        """The observation pass over the session's inputs, run once."""
+        Observed logits save a forward but ran under the observer, which can change code paths (torch's
+        TransformerEncoder fast path). A check that compares untouched forwards against them is still sound when
+        every comparison stays within tolerance: each compared position of an untouched forward then agrees with
+        logits computed without the tokens that forward changed. On any change beyond the tolerance it must ask for
+        `baseline()` and judge against that (`reference_untouched` says which one it got)."""
+        if "baseline" not in self._cache:
+            try:
+                self.observation()
+            except ModelRaised:
+                pass
+            if self._observed is not None:
+                return self._observed
+        return self.baseline()
+
+    @property
+    def reference_untouched(self) -> bool:
+        """Whether reference() is the untouched baseline."""
+        return "baseline" in self._cache or self._observed is None
+
+    def repeat_change(self) -> float:
+        """Largest |change| of the logits when the identical input runs again: 0 for a deterministic model.
+        Two untouched forwards (the baseline, if not yet computed, and the repeat); only the number is kept."""
 
         def compute():
-            seen = self.observe(self.inputs)
+            baseline = self.baseline()
+            return float(self.changes(self.inputs, baseline, list(range(baseline.shape[0]))).max())
+
+        return self._once("repeat", compute)
+
+    def noise_matters(self, largest_change: float, scale: float) -> bool:
+        """Whether the noise floor, not yet measured, could change a verdict given the largest change seen among
+        forwards whose compared positions read the same tokens.
+
+        The threshold is max(tolerance, noise_factor x noise): below the tolerance nothing is a finding whatever
+        the noise. The noise floor also has findings of its own, non-determinism (noise over the tolerance) and
+        coarse comparisons (noise_factor x noise over 10 x the tolerance); those forwards are draws of the same
+        noise as an identical repeat, so a noise floor that could matter shows among them first."""
+        tolerance = self.tolerance(scale)
+        return not largest_change <= tolerance * min(1.0, 10.0 / self.settings.noise_factor)  # NaN matters too
+
+    def prefix_logits(self, length: int) -> torch.Tensor:
+        """Logits [1, length, V] of the first sample's first `length` tokens run alone. Those of `short_length`,
+        the one length several checks compare at, are computed once (a refusal too); other lengths each time."""
+
+        def compute():
+            return self.logits(self.inputs[:1, :length])
+
+        return self._once(f"prefix {length}", compute) if length == self.short_length else compute()
+
+    def observation(self) -> Observation:
+        """The observation pass over the session's inputs, run once. Its logits are kept as the reference
+        (see reference()) unless the pass saw dropout live in eval mode: those logits are dice, and every comparison
+        then runs with dropout forced off."""
+
+        def compute():
+            seen, logits = self._observe(self.inputs, None, False, frozenset())
             self.force_zero_dropout = bool(seen.active_dropout)
+            if not self.force_zero_dropout and "baseline" not in self._cache:
+                self._observed = logits.float()
             return seen
 
         return self._once("observation", compute)
 
     def observe(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep_tensors: bool = False,
                 keep_inputs_of: set[str] = frozenset()) -> Observation:
-        """One forward under the attention observer. Its logits are not used for comparisons (the mode can change
-        code paths); it tells what the model did, not what it computes untouched."""
+        """One forward under the attention observer. Its logits are dropped (the mode can change code paths): it
+        tells what the model did, not what it computes untouched. Only the session's own observation pass keeps
+        them, as a reference that stands while untouched forwards agree with it (see reference())."""
+        return self._observe(ids, position_ids, keep_tensors, keep_inputs_of)[0]
+
+    def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of) -> tuple[Observation, torch.Tensor]:
         seq_len = ids.shape[1] + self.model.padding  # what the module itself sees
         with torch.no_grad(), observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen:
-            self.model.logits(ids, position_ids)
+            logits = self.model.logits(ids, position_ids)
         self.forward_tokens += ids.numel()
-        return seen
+        return seen, logits
 
     # -- sequence lengths -------------------------------------------------------------------------------------------
 
@@ -246,6 +353,13 @@ class Session:
         shorter forwards than the baseline (a probe at another T, a prefix) start here."""
         found = max(self.refused_lengths, default=0) + 1
         return max(self.settings.min_seq_len or 1, found)
+
+    @property
+    def short_length(self) -> int:
+        """The length of the short forwards checks share (rope's position shift, mask-audit's batch-size-1 pass, one
+        rung of future-token's prefix ladder): 16 tokens, enough for chunked or windowed attention to show, never
+        more than seq_len nor less than the model accepts."""
+        return min(self.inputs.shape[1], max(SHORT_LENGTH, self.min_seq_len))
 
     def refused_length(self, length: int) -> None:
         """Record that the model raised at this sequence length while a longer one ran: code that asserts T > 1
@@ -281,18 +395,39 @@ class Session:
 def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Per row and position, the largest |change| over the vocabulary; inf where either side is not finite.
 
-    NaN survives the subtraction and amax, and so does inf (inf - inf is NaN), so one pass over the [N, T, V]
-    difference finds both; NaN is then reported as inf so that no comparison can pass it."""
-    change = (new - reference).abs_().amax(-1)  # (N, T)
+    NaN survives the subtraction and amax, and so does inf (inf - inf is NaN), so one pass over the difference finds
+    both; NaN is then reported as inf so that no comparison can pass it. The difference is taken a slice of the
+    vocabulary at a time (torch.maximum keeps NaN), so it never holds another [N, T, V] beside the logits."""
+    V = new.shape[-1]
+    positions = max(1, max(new[..., 0].numel(), reference[..., 0].numel()))
+    step = max(1, DIFFERENCE_BLOCK // positions)
+    change = None
+    for start in range(0, V, step):
+        part = (new[..., start:start + step] - reference[..., start:start + step]).abs_().amax(-1)  # (N, T)
+        change = part if change is None else torch.maximum(change, part)
     return change.nan_to_num_(nan=float("inf"))
 
 
+def prefix_lengths(T: int, shortest: int = 1) -> list[int]:
+    """The prefix ladder: k = 1, 2, 4, ... up to T/4 (future-token's cuts cover T/2 and T-1), none below the shortest
+    length the model accepts; when that is longer than T/4, the shortest length alone, if it is still a prefix."""
+    lengths = [2**i for i in range(T.bit_length()) if shortest <= 2**i <= max(T // 4, 1)]
+    return lengths or ([shortest] if shortest < T else [])
+
+
 def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:
-    """(row, position) pairs whose logits hold NaN or Inf."""
-    bad = ~torch.isfinite(logits).all(-1)
+    """(row, position) pairs whose logits hold NaN or Inf. Read off each position's largest and smallest logit
+    (amax keeps NaN; +inf is the largest, -inf the smallest), so no mask as large as the logits is made."""
+    bad = ~(torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1)))
     return [tuple(x) for x in bad.nonzero().tolist()]
+
+
+def logit_scale(logits: torch.Tensor) -> float:
+    """The largest |logit|, which tolerances scale with; without the copy that logits.abs() would make."""
+    return max(abs(float(logits.amax())), abs(float(logits.amin())))
 
 
 @contextmanager
 def _nothing():
     yield
+

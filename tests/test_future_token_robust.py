@@ -163,11 +163,21 @@ def test_prefix_ladder_starts_at_the_shortest_accepted_length(T, shortest, expec
 # Row counts the model refuses
 
 
-def test_cache_sized_for_the_batch_gets_the_cut_rows_in_batches_of_that_size():
+def test_cache_sized_for_the_batch_is_never_asked_for_more_rows():
+    """The cut rows run in forwards of the baseline's row count: a cache sized for the batch takes them all."""
     clean = future_token(gpt(max_batch=2))
-    assert clean.status == Status.PASS and not problems(clean)
-    assert any("they ran in forwards of 2 rows" in n for n in clean.data["notes"])
+    assert clean.status == Status.PASS and not problems(clean) and "notes" not in clean.data
     leak = future_token(gpt(max_batch=2, leak="no-mask"))
+    assert leak.status == Status.FAIL and "FWD101" in problems(leak)
+
+
+def test_cache_sized_for_one_row_gets_the_cut_rows_one_at_a_time():
+    """Batch size 1: the rows run two at a time (a row beside another shows samples reading each other); a cache
+    sized for one row refuses that, and gets them in forwards of one row, the baseline's count."""
+    clean = future_token(gpt(max_batch=1), batch_size=1)
+    assert clean.status == Status.PASS and not problems(clean)
+    assert any("they ran in forwards of 1 row, the baseline's count" in n for n in clean.data["notes"])
+    leak = future_token(gpt(max_batch=1, leak="no-mask"), batch_size=1)
     assert leak.status == Status.FAIL and "FWD101" in problems(leak)
 
 
@@ -193,9 +203,9 @@ def test_nothing_measured_is_an_error_with_the_model_refusal():
     original = module.forward
     calls = []
 
-    def forward(idx):  # runs the observation pass, the baseline and the noise repeat; then nothing more
+    def forward(idx):  # runs the observation pass, whose logits are the reference; then nothing more
         calls.append(idx.shape)
-        if len(calls) > 3:
+        if len(calls) > 1:
             raise RuntimeError("KV cache full")
         return original(idx)
 
@@ -256,3 +266,83 @@ def test_single_row_pass_costs_one_short_row(reference):
     report = run_checks(reference(), ["future-token"], inputs={"batch_size": 2, "seq_len": 64})
     single = report.result("future-token").data["single_row"]
     assert single["length"] == 16 and single["cut"] == 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a default run costs, and why its shortcuts hold: the observation pass's logits stand in for the baseline and
+# the noise floor is not measured, until a comparison moves beyond the tolerance.
+
+
+class Observed(nn.Module):
+    """A causal GPT that computes something else while a torch function mode is on, as torch's TransformerEncoder
+    takes another path under one: `shift` adds to its logits there, `leak` drops its mask everywhere else."""
+
+    def __init__(self, shift: float = 0.0, leak: bool = False):
+        super().__init__()
+        self.masked, self.leaky = gpt(), gpt(leak="no-mask")
+        self.leaky.load_state_dict(self.masked.state_dict())
+        self.shift, self.leak = shift, leak
+
+    def forward(self, idx):
+        observed = torch._C._is_torch_function_mode_enabled()
+        logits = (self.leaky if self.leak and not observed else self.masked)(idx)
+        return logits + self.shift if observed else logits
+
+
+def session_for(module: nn.Module, **settings) -> tuple:
+    spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
+    under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
+                                   source="python")
+    return under_test, Session(under_test, Settings(**{"batch_size": 2, "seq_len": 8, **settings}))
+
+
+def test_a_clean_run_compares_with_the_observed_logits_and_measures_no_noise_floor():
+    """The observation pass (16 tokens), 3 cut rows and the control row in two forwards of 2 rows (32), the prefix
+    ladder k = 1, 2 (3) and the single row of 2 tokens (2): no baseline forward, no repeat."""
+    model, session = session_for(gpt())
+    with session.active():
+        result = FutureToken().run(model, session)
+        assert not session.reference_untouched
+    assert result.status == Status.PASS and not problems(result)
+    assert session.forward_tokens == 16 + 32 + 3 + 2
+    assert "noise_floor" not in result.metrics and result.data["noise_floor"].startswith("not measured")
+
+
+def test_a_leak_is_judged_against_the_untouched_baseline_with_the_noise_floor():
+    model, session = session_for(gpt(leak="no-mask"))
+    with session.active():
+        result = FutureToken().run(model, session)
+        assert session.reference_untouched
+    assert {"FWD101", "FWD105"} <= problems(result)
+    assert result.metrics["noise_floor"] == 0.0 and "reference" not in result.data  # observed == untouched, bitwise
+
+
+def test_observed_logits_that_differ_give_way_to_the_untouched_baseline():
+    """A model that computes other logits under the observer: compared against them, every row moves; the
+    comparisons are made again against the untouched baseline, and the model passes."""
+    result = future_token(Observed(shift=1e-3))
+    assert result.status == Status.PASS and not problems(result), result.findings
+    assert "made again against the baseline" in result.data["reference"]
+
+
+def test_a_leak_only_off_the_observer_is_found():
+    result = future_token(Observed(leak=True))
+    assert result.status == Status.FAIL and "FWD101" in problems(result)
+
+
+def test_randomness_in_eval_the_observer_cannot_see_still_fails():
+    """Noise added in eval mode, invisible to the observation pass: the control row moves, so the noise floor is
+    measured, FWD103 fails, FWD106 warns, and the threshold rises above the noise (no leak is reported)."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = gpt()
+
+        def forward(self, idx):
+            logits = self.inner(idx)
+            return logits + 1e-3 * torch.rand_like(logits)
+
+    result = future_token(Noisy())
+    assert result.status == Status.FAIL and problems(result) == {"FWD103", "FWD106"}, result.findings
+    assert result.metrics["noise_floor"] > result.metrics["tolerance"]

@@ -452,6 +452,17 @@ def test_batch_size_one_fast_path_is_caught_by_default():
     assert {c.get("batch_size") for c in result.data["calls"]} == {None, 1}  # the B=1 calls differ: listed
 
 
+def test_the_batch_size_one_pass_runs_a_short_row_and_still_catches_the_shortcut():
+    """A single-sequence shortcut shows at any length: the pass at B=1 observes the session's short length (16
+    tokens), not the whole sequence."""
+    result = audit(SingleSequenceShortcut(), seq_len=32)
+    assert result.status.value == "fail" and codes(result) == {"FWD201"}
+    assert result.data["batch1_length"] == 16
+    assert result.findings[0].where == "model (sdpa) at B=1 x2"
+    clean = audit(EinsumChunked(), seq_len=32)
+    assert "(alike at B=1)" in clean.summary, clean.summary  # a shorter row is no other kind of call
+
+
 def test_the_batch_size_one_pass_adds_nothing_when_alike():
     result = audit(EinsumChunked())
     assert result.data["batch1"] == "observed" and "(alike at B=1)" in result.summary

@@ -92,8 +92,8 @@ def nonfinite(where: str | None = None) -> Callable[[dict], None]:
 
 
 def one_check_timed_out(report: dict) -> None:
-    """Only future-token's batched forward (more rows than the batch) hangs: that check ends as an error after the
-    limit, and the checks before and after it still run to their own verdicts."""
+    """Only future-token's batched forward (rows of the full length, other than the inputs' own) hangs: that check
+    ends as an error after the limit, and the checks before and after it still run to their own verdicts."""
     assert statuses(report) == {"shape-ledger": "pass", "future-token": "error", "mask-audit": "pass",
                                 "rope": "skip"}, statuses(report)
     (finding,) = findings(report, "future-token")
@@ -154,7 +154,7 @@ MODES = [
     Mode("nan-at-one-position", "build_nan_at_last_position", nonfinite(where="(0, 3), (1, 3)")),
     Mode("nan-when-future-changes", "build_nan_on_new_inputs", nonfinite(where="when tokens >=")),
     Mode("inf-logits", "build_inf_logits", nonfinite()),
-    Mode("hangs", "build_hangs", one_check_timed_out, kwargs={"rows": 4}, top={"timeout_s": 1}),
+    Mode("hangs", "build_hangs", one_check_timed_out, kwargs={"rows": 2}, top={"timeout_s": 1}),
     Mode("ctrl-c", "build_interrupts", interrupted, exit_code=130, kwargs={"after": 3}),
     Mode("rotary-function-raises", "build_clean", rotary_raised,
          model={"rotary_function": f"{MODULE}:rotary_raises", "rope": {"base": 10000.0, "rotary_dim": 4}}),
@@ -274,7 +274,7 @@ def test_sigint_ends_with_130_and_the_report_so_far(tmp_path):
     """SIGINT to `fwdcheck run --format json` hung in future-token's forward: exit 130, and a whole JSON report on
     stdout holding the check that finished and the ones interrupted."""
     marker = tmp_path / "hanging"
-    mode = Mode("sigint", "build_hangs", interrupted, kwargs={"rows": 4, "marker": str(marker)},
+    mode = Mode("sigint", "build_hangs", interrupted, kwargs={"rows": 2, "marker": str(marker)},
                 top={"timeout_s": 600})
     config = tmp_path / "hang.yaml"
     config.write_text(yaml.safe_dump(document(mode), sort_keys=False))

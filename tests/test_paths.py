@@ -33,11 +33,9 @@ def test_matrix_covers_masks_weights_and_batch_sizes():
     # The padding mask is ignored: only left padding shows it, as pads read by the real tokens.
     ("mask-ignored", "future-token", "FWD107", lambda p: "left-pad" in p),
     ("mask-ignored", "mask-audit", "FWD208", lambda p: "left-pad" in p),
-    # A shortcut for batch size 1 forgets the mask: the cut rows see it at B=1 ...
+    # A shortcut for batch size 1 forgets the mask: the batch-size-1 cells show it, and only they.
     ("batch1-no-mask", "future-token", "FWD101", lambda p: "B=1" in p),
     ("batch1-no-mask", "mask-audit", "FWD201", lambda p: "B=1" in p),
-    # ... and the prefix pass, which runs one row at a time, sees it on every path.
-    ("batch1-no-mask", "future-token", "FWD105", lambda p: True),
     # The eager fallback used when attention weights are requested forgets the mask.
     ("eager-no-mask", "future-token", "FWD101", lambda p: "output_attentions=True" in p),
     ("eager-no-mask", "mask-audit", "FWD201", lambda p: "output_attentions=True" in p),
@@ -61,3 +59,12 @@ def test_matrix_is_off_by_default_for_python_models_and_narrowable():
         "default attention, mask ones, output_attentions=False, B=2",
         "default attention, mask ones, output_attentions=True, B=2"]
     assert narrowed.exit_code == 0  # the bug needs padding to show, and the narrowed matrix has none
+
+
+def test_shorter_passes_stay_with_the_default_run():
+    """A cell is one shape: the prefix pass (one row, shorter than the cell) runs in the default run only. Its finding
+    for the batch-size-1 shortcut stands in the merged result, and no cell is blamed for a pass it did not run."""
+    result = run_path_bug("batch1-no-mask").result("future-token")
+    assert not any("FWD105" in row["codes"] for row in result.data["paths"])
+    prefix = next(f for f in result.findings if f.code == "FWD105")
+    assert "code paths" not in prefix.where
