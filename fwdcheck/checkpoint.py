@@ -8,13 +8,16 @@ on the CPU (real, seeded initialisation) and the checkpoint copied into it; miss
 
 Nothing about the match is silent. Missing and unexpected keys are listed (strict: true makes them an error), a key
 that looks renamed says from what, and a shape mismatch names the key and both shapes. A pickle that needs code to
-load is refused unless the config trusts the file. Every way a file can be unusable is one ModelLoadError line.
+load is refused, naming the code, unless the config trusts the file; one that calls into os or sys is refused even
+then. Every way a file can be unusable is one ModelLoadError line, and torch's warnings while reading it are notes.
 """
 
 from __future__ import annotations
 
 import json
+import pickletools
 import re
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from difflib import SequenceMatcher
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fwdcheck.config import CheckpointModel, Config
+from fwdcheck.config import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import (
     FactoryParts,
@@ -125,6 +128,7 @@ def checkpoint_kind(path: Path) -> str:
         raise ModelLoadError(f"checkpoint {path}: no such file")
     if path.is_dir():
         raise ModelLoadError(f"checkpoint {path}: is a directory, not a checkpoint file{_directory_hint(path)}")
+    regular_file(path, f"checkpoint {path}", ModelLoadError, what="checkpoint")
     name = path.name.lower()
     if name.endswith(".index.json"):
         return "index"
@@ -165,7 +169,13 @@ def read_checkpoint(path: Path, kind: str, *, trust: bool, search: list[Path],
             raise ModelLoadError(f"checkpoint {path}: holds no tensors (a valid safetensors file with an empty header)")
         return tensors, "safetensors"
     obj = _read_torch(path, head, trust=trust, search=search, notes=notes)
-    return unwrap_state_dict(obj, path, notes), "torch zip" if head.startswith(_ZIP_MAGIC) else "torch legacy pickle"
+    state_dict = unwrap_state_dict(obj, path, notes)
+    empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if empty:  # loading would fail on the first one, as "Cannot copy out of meta tensor", or leave it without values
+        raise ModelLoadError(f"checkpoint {path}: {_names(empty)} {'holds' if len(empty) == 1 else 'hold'} no data "
+                             "(meta tensors: saved from a model built on the meta device, before its weights were "
+                             "loaded)")
+    return state_dict, "torch zip" if head.startswith(_ZIP_MAGIC) else "torch legacy pickle"
 
 
 def _read_safetensors(path: Path, head: bytes) -> dict[str, torch.Tensor]:
@@ -175,12 +185,39 @@ def _read_safetensors(path: Path, head: bytes) -> dict[str, torch.Tensor]:
     except ImportError:
         raise ModelLoadError(f"checkpoint {path}: reading .safetensors needs the safetensors package "
                              "(pip install safetensors, or fwdcheck[hf])") from None
+    duplicated = _duplicate_header_keys(path)
+    if duplicated:
+        raise ModelLoadError(f"checkpoint {path}: the safetensors header names {_names(duplicated)} more than once; "
+                             "which tensor the file means is ambiguous (the reader would keep the last silently)")
     try:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         hint = " (it starts like a torch.save zip archive: name it .pt)" if head.startswith(_ZIP_MAGIC) else ""
         raise ModelLoadError(f"checkpoint {path}: not a readable safetensors file, corrupt or truncated "
                              f"({_one_line(exc)}){hint}") from None
+
+
+def _duplicate_header_keys(path: Path) -> list[str]:
+    """Keys a safetensors header (8 bytes of length, then a JSON object) names twice. The safetensors reader keeps
+    the last of them without a word. An unreadable header gives none: the reader then says what is wrong with it."""
+    try:
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= 100_000_000:
+                return []
+            header = f.read(length)
+        pairs = json.loads(header, object_pairs_hook=lambda items: items)
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not isinstance(pairs, list):
+        return []
+    seen: set[str] = set()
+    duplicated: list[str] = []
+    for key, _ in pairs:
+        if key in seen and key not in duplicated:
+            duplicated.append(key)
+        seen.add(key)
+    return duplicated
 
 
 def _read_torch(path: Path, head: bytes, *, trust: bool, search: list[Path], notes: list[str]) -> Any:
@@ -192,34 +229,105 @@ def _read_torch(path: Path, head: bytes, *, trust: bool, search: list[Path], not
         raise ModelLoadError(f"checkpoint {path}: not a torch.save file (neither a zip archive nor a pickle), "
                              f"corrupt or another format{hint}")
     try:
-        return _torch_load(path, weights_only=True, mmap=is_zip)
-    except Exception as exc:  # UnpicklingError for refused globals, RuntimeError/EOFError/... for damaged files
-        refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(exc))
-        if refused is None:
-            raise ModelLoadError(f"checkpoint {path}: not a readable torch checkpoint, corrupt or truncated "
-                                 f"({_one_line(exc)})") from None
-        needed = refused.group(1)
-    if not trust:
+        return _torch_load(path, weights_only=True, mmap=is_zip, notes=notes)
+    except _Refused as exc:
+        refusal = exc
+    if refusal.blocked:
         raise ModelLoadError(
-            f"checkpoint {path}: refused: weights_only refused to unpickle {needed}; a pickle can run arbitrary "
-            "code when loaded; set trust_checkpoint: true only for files you trust (or save model.state_dict() "
-            "instead of the whole model)"
+            f"checkpoint {path}: refused: unpickling it needs code: it calls {refusal.needs}, from module "
+            f"{refusal.blocked}, which no checkpoint has a use for; refused even with trust_checkpoint: true (a pickle "
+            "can run arbitrary code when loaded)"
+        )
+    if not trust:
+        if refusal.opcode:
+            raise ModelLoadError(
+                f"checkpoint {path}: {refusal.needs}, which torch.load(weights_only=True) does not read (opcode "
+                f"{refusal.opcode}); save it again with torch.save's default protocol or as .safetensors, or set "
+                "trust_checkpoint: true to unpickle it in full, only for a file you trust (a pickle can run arbitrary "
+                "code when loaded)"
+            )
+        raise ModelLoadError(
+            f"checkpoint {path}: refused: unpickling it needs code ({refusal.needs}), which weights_only refused to "
+            "run; a pickle can run arbitrary code when loaded; set trust_checkpoint: true only for files you trust "
+            "(or save model.state_dict() instead of the whole model)"
         )
     try:
         with on_sys_path(search):  # the pickled classes import from the user's code
-            obj = _torch_load(path, weights_only=False, mmap=is_zip)
+            obj = _torch_load(path, weights_only=False, mmap=is_zip, notes=notes)
     except (ModuleNotFoundError, AttributeError, ImportError) as exc:
         raise ModelLoadError(f"checkpoint {path}: unpickling needs code that cannot be imported ({_one_line(exc)}); "
                              "add its directory to model.python_path") from None
     except Exception as exc:
         raise ModelLoadError(f"checkpoint {path}: unpickling raised {type(exc).__name__}: {_one_line(exc)}") from None
-    notes.append(f"loaded with weights_only=False (trust_checkpoint: true): the file pickles {needed}")
+    why = f"the file pickles {refusal.needs}" if not refusal.opcode else refusal.needs
+    notes.append(f"loaded with weights_only=False (trust_checkpoint: true): {why}")
     return obj
 
 
-def _torch_load(path: Path, *, weights_only: bool, mmap: bool) -> Any:
-    # mmap: tensors are paged in from the file as they are read, never copied up front (zip format only).
-    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+class _Refused(Exception):
+    """torch.load(weights_only=True) would not read the file: the global it would need to call, or (`opcode`) the
+    pickle feature it does not read."""
+
+    def __init__(self, needs: str, blocked: str | None = None, opcode: str | None = None):
+        super().__init__(needs)
+        self.needs = needs  # a global ('posix.system'), or how the file was written ('written with pickle protocol 4')
+        self.blocked = blocked  # the module of a global torch never unpickles (os, sys, ...), else None
+        self.opcode = opcode
+
+
+_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_BLOCKED = re.compile(r"unsupported GLOBAL (\S+) whose module (\S+) is blocked")
+_OPERAND = re.compile(r"Unsupported operand (\d+)")
+_PROTOCOL = re.compile(r"Detected pickle protocol (\d+)")
+_OPCODES = {op.code: op.name for op in pickletools.opcodes}
+
+
+def _torch_load(path: Path, *, weights_only: bool, mmap: bool, notes: list[str]) -> Any:
+    """torch.load, its warnings kept as notes (not printed ahead of the report), and weights_only's refusals told
+    apart from damage: _Refused for a file that needs code or pickle features it does not read, ModelLoadError for a
+    file that is corrupt or truncated. With weights_only=False errors propagate as raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            # mmap: tensors are paged in from the file as they are read, never copied up front (zip format only).
+            obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+        except Exception as exc:  # UnpicklingError for refused globals, RuntimeError/EOFError/... for damaged files
+            if not weights_only:
+                raise
+            raise _refusal(path, exc, caught) from None
+    for w in caught:
+        if not _PROTOCOL.search(str(w.message)):  # the protocol is a fact of the file, not worth a note once it loads
+            note = f"torch warned while loading: {_one_line(w.message)}"
+            if note not in notes:
+                notes.append(note)
+    return obj
+
+
+def _refusal(path: Path, exc: Exception, caught: list[warnings.WarningMessage]) -> Exception:
+    text = str(exc)
+    blocked = _BLOCKED.search(text)
+    if blocked:
+        return _Refused(blocked.group(1), blocked=blocked.group(2))
+    allowed = _GLOBAL.search(text)
+    if allowed:
+        return _Refused(allowed.group(1))
+    operand = _OPERAND.search(text)
+    if operand:
+        code = chr(int(operand.group(1)))
+        protocol = next((m.group(1) for w in caught if (m := _PROTOCOL.search(str(w.message)))), None)
+        written = f"written with pickle protocol {protocol}" if protocol else "written with an old pickle protocol"
+        return _Refused(written, opcode=_OPCODES.get(code, repr(code)))
+    return ModelLoadError(f"checkpoint {path}: not a readable torch checkpoint, corrupt or truncated "
+                          f"({_unpickling_problem(exc)})")
+
+
+def _unpickling_problem(exc: Exception) -> str:
+    """The line of a weights_only failure that says what went wrong: torch leads with a paragraph on the change of
+    its default, and puts the reason after it."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    reasons = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation",
+                                                               "Please file an issue"))]
+    return (reasons[0] if reasons else _one_line(exc)).removeprefix("WeightsUnpickler error: ")
 
 
 def _looks_safetensors(head: bytes) -> bool:
@@ -380,12 +488,24 @@ def _strip_wrapper_prefixes(state_dict: dict[str, Any], model_keys: set[str], no
     return state_dict
 
 
+_COPY_FAILED = re.compile(r'While copying the parameter named "([^"]+)".*an exception occurred : \((.*)\)\.?$')
+
+
 def _shape_error(exc: RuntimeError, state_dict: dict[str, Any], expected: dict[str, tuple],
                  spec: CheckpointModel, path: Path) -> str:
     mismatched = [k for k, shape in expected.items()  # in the model's order: the first layer first
                   if isinstance(state_dict.get(k), torch.Tensor) and tuple(state_dict[k].shape) != shape]
     if not mismatched:
-        return f"checkpoint {path.name}: loading it into '{spec.factory}' raised RuntimeError: {_one_line(exc)}"
+        # torch says "Error(s) in loading state_dict for X:", then one line per problem, each naming its key (the
+        # point of the message): all of them are kept, joined; copies that raised become the key and the reason.
+        lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+        copies = [m for line in lines if (m := _COPY_FAILED.match(line))]
+        if copies:
+            key, reason = copies[0].group(1), copies[0].group(2).strip(" ,'\"")  # torch shows the args: ('why',)
+            more = f" (and {len(copies) - 1} more keys)" if len(copies) > 1 else ""
+            return (f"checkpoint {path.name}: loading '{key}' into the model '{spec.factory}' builds raised "
+                    f"RuntimeError: {reason}{more}")
+        return f"checkpoint {path.name}: loading it into '{spec.factory}' raised RuntimeError: {' '.join(lines)}"
     key = mismatched[0]
     more = f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""
     return (f"checkpoint {path.name}: '{key}' has shape {list(state_dict[key].shape)} in the checkpoint but "

@@ -6,12 +6,16 @@ Expected problems print one red line and exit with their documented code; a trac
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import re
+import stat
 import sys
 import tempfile
 import traceback
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -23,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck import __version__
-from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FwdcheckError, UsageError
+from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, FwdcheckError, UsageError
 
 EXIT_CODES = """\
 Exit codes: 0 every selected check passed (warnings allowed unless --fail-on warn) ·
@@ -177,14 +181,36 @@ def _run(o: RunOptions) -> int:
     settings.seed = o.seed if o.seed is not None else settings.seed
     settings.exhaustive = o.exhaustive or settings.exhaustive
     settings.expect_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
-    with about_config(o.config):
-        loaded = load_model(config)
-    with about_config(o.config), \
-            progress_display(enabled=o.format == Format.rich and o.output is None and sys.stdout.isatty()) as progress:
-        report = run_model(loaded, settings, entries, config_path=o.config, fail_on=o.fail_on.value,
-                           progress=progress)
+    check_outputs(o, run_inputs(o, config))  # before the model loads: an unwritable report fails in a second
+    # Warnings (torch's, a model's own) would land on stderr ahead of the report or of the one error line; they go
+    # into the report's notes instead (shown with --debug on an error).
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            with about_config(o.config):
+                loaded = load_model(config)
+            with about_config(o.config), progress_display(enabled=o.format == Format.rich and o.output is None
+                                                          and _isatty(sys.stdout)) as progress:
+                report = run_model(loaded, settings, entries, config_path=o.config, fail_on=o.fail_on.value,
+                                   progress=progress)
+        except BaseException:
+            if o.debug:
+                for line in warning_notes(caught):
+                    err.print(escape(line), style="dim")
+            raise
+    report.notes += [n for n in warning_notes(caught) if n not in report.notes]
     write_reports(report, o)
     return report.exit_code
+
+
+def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`."""
+    notes: list[str] = []
+    for w in caught:
+        text = (exception_text(w.message).strip().splitlines() or [""])[0]
+        note = f"warning: {w.category.__name__}: {text} ({Path(w.filename).name}:{w.lineno})"
+        if note not in notes:
+            notes.append(note)
+    return notes
 
 
 @contextmanager
@@ -200,41 +226,71 @@ def about_config(path: Path | None, key: str = ""):
 
 
 def write_reports(report, o: RunOptions) -> None:
-    """The main report on stdout (or --output), then every extra file asked for; each file whole or not at all."""
+    """The main report on stdout (or --output), then every extra file asked for; each file whole or not at all.
+
+    One output that cannot be written does not keep the others from being written; the first failure is the error
+    line (exit 2) once all were tried. The job summary ($GITHUB_STEP_SUMMARY) is an extra: it only warns."""
     from fwdcheck.report.terminal import render
+
+    failures: list[UsageError] = []
+
+    def attempt(write, *args, **kwargs) -> None:
+        try:
+            write(*args, **kwargs)
+        except UsageError as exc:
+            failures.append(exc)
 
     if o.format == Format.rich:
         if o.output is None:
-            render(report, Console(width=None if sys.stdout.isatty() else 120), debug=o.debug)
+            attempt(write_stdout, lambda stream: render(report, Console(file=stream, width=None if _isatty(stream)
+                                                                        else 120), debug=o.debug))
         else:  # into the file only, as --output promises: "instead of stdout"
-            write_whole(o.output, recorded(report, o.debug).export_text(styles=False))
+            attempt(write_whole, o.output, recorded(report, o.debug).export_text(styles=False))
     else:
         text = render_text(report, o.format)
         if o.output is None:
-            sys.stdout.write(text)
+            attempt(write_stdout, lambda stream: stream.write(text))
         else:
-            write_whole(o.output, text)
-        if o.format == Format.github:
-            from fwdcheck.report.github import append_step_summary
-
-            append_step_summary(report)
+            attempt(write_whole, o.output, text)
     for path, fmt in ((o.json, Format.json), (o.junit, Format.junit), (o.markdown, Format.markdown)):
         if path is not None:
-            write_whole(path, render_text(report, fmt), what=f"--{fmt.value}")
+            attempt(write_whole, path, render_text(report, fmt), what=f"--{fmt.value}")
     if o.html is not None or o.svg is not None:
         console = recorded(report, o.debug)
         if o.html is not None:
-            write_whole(o.html, console.export_html(clear=False), what="--html")
+            attempt(write_whole, o.html, console.export_html(clear=False), what="--html")
         if o.svg is not None:
-            write_whole(o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
+            attempt(write_whole, o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
     if o.save_ledger is not None:
         ledger = next((r for r in report.results if r.name == "shape-ledger"), None)
         if ledger is None or "entries" not in ledger.data:
             why = ledger.summary if ledger is not None else "not selected"
-            raise UsageError(f"--save-ledger {o.save_ledger}: the shape ledger did not run ({why})")
-        document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
-                    "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]]}
-        write_whole(o.save_ledger, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+            failures.append(UsageError(f"--save-ledger {o.save_ledger}: the shape ledger did not run ({why})"))
+        else:
+            document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
+                        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")}
+                                    for e in ledger.data["entries"]]}
+            attempt(write_whole, o.save_ledger, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+    if o.format == Format.github:
+        append_job_summary(report)
+    if failures:
+        more = len(failures) - 1
+        first = failures[0]
+        raise UsageError(f"{first}" + (f" (and {more} more output{'s' if more > 1 else ''} not written)"
+                                       if more else ""))
+
+
+def append_job_summary(report) -> None:
+    """GitHub's job summary is a courtesy on top of the reports: a file there that cannot be appended to (read-only,
+    a directory, a full disk) is a warning line on stderr, never the run's exit code."""
+    from fwdcheck.report.github import append_step_summary
+
+    try:
+        append_step_summary(report)
+    except (OSError, ValueError) as exc:
+        target = os.environ.get("GITHUB_STEP_SUMMARY", "")
+        line = f"$GITHUB_STEP_SUMMARY {target}: cannot append the job summary ({why_not(exc)}); the reports are written"
+        err.print(f"[bold yellow]warning:[/] {escape(line)}")
 
 
 def render_text(report, fmt: Format) -> str:
@@ -263,16 +319,21 @@ def recorded(report, debug: bool) -> Console:
 
 
 def read_ledger(path: Path) -> dict:
+    from fwdcheck.config import ledger_from_dict, regular_file
+
+    label = f"--expect-ledger {path}"
+    regular_file(Path(path), label, UsageError, what="ledger")
     try:
+        # NaN and Infinity are no JSON; Python's reader accepts them unless told not to. The ledger check refuses
+        # them by type (a size is an integer), which names the key.
         document = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"--expect-ledger {path}: no such file (write one with --save-ledger)") from None
+        raise UsageError(f"{label}: no such file (write one with --save-ledger)") from None
+    except RecursionError:
+        raise UsageError(f"{label}: nested too deeply; not a ledger written by --save-ledger") from None
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--expect-ledger {path}: not a readable JSON ledger ({exc})") from None
-    if not isinstance(document, dict) or not isinstance(document.get("entries"), list) or not all(
-            isinstance(e, dict) and "name" in e and "dims" in e for e in document["entries"]):
-        raise UsageError(f"--expect-ledger {path}: not a ledger written by --save-ledger")
-    return document
+        raise UsageError(f"{label}: not a readable JSON ledger ({exc})") from None
+    return ledger_from_dict(document, label)
 
 
 @contextmanager
@@ -296,7 +357,7 @@ def _guarded(action, debug: bool) -> int:
     except FwdcheckError as exc:
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold red]error:[/] {escape(one_line(str(exc)))}")  # paths, names: not markup
+        err.print(f"[bold red]error:[/] {escape(one_line(exception_text(exc)))}")  # paths, names: not markup
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
@@ -304,8 +365,9 @@ def _guarded(action, debug: bool) -> int:
     except Exception as exc:  # a bug of fwdcheck's
         if debug:
             err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {escape(one_line(str(exc)))} — this is a "
-                  "bug in fwdcheck; please report it with the output of --debug")
+        message = escape(one_line(exception_text(exc)))
+        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {message} — this is a bug in fwdcheck; "
+                  "please report it with the output of --debug")
         return EXIT_INTERNAL
 
 
@@ -318,32 +380,223 @@ def one_line(message: str) -> str:
     return f"{lines[0]} [{len(lines) - 1} more line{'s' if len(lines) > 2 else ''}: --debug shows them]"
 
 
-def write_whole(path: Path, text: str, what: str = "--output") -> None:
-    """Write to a temporary file beside the target, then rename: the file is whole or untouched.
+def exception_text(exc: BaseException) -> str:
+    """str(exc), even for an exception whose __str__ itself raises (model code can hand us one)."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}: its message cannot be shown>"
 
-    `what` names the target in error messages ("--output PATH", or the bare path for `init`). A target that cannot be
-    written (read-only or missing directory, a file where a directory should be) is a usage error, exit 2."""
+
+def why_not(exc: OSError | ValueError) -> str:
+    """Why a write failed, in words: the OS's reason, 'disk full' said plainly."""
+    reason = getattr(exc, "strerror", None) or exception_text(exc)
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full: {reason}"
+    return reason
+
+
+# The outputs a run writes, as (option, RunOptions field): checked before the model loads, written after the run.
+OUTPUTS = (("--output", "output"), ("--json", "json"), ("--junit", "junit"), ("--markdown", "markdown"),
+           ("--html", "html"), ("--svg", "svg"), ("--save-ledger", "save_ledger"))
+
+
+@dataclass
+class Target:
+    """Where an output's bytes go. `path`: the file itself, with symbolic links followed (the link stays, its target
+    is replaced). `direct`: written in place, not through a temporary file: a device (/dev/null, /dev/full), a FIFO,
+    or one of the process's own streams (/dev/stdout, /dev/fd/N); replacing one of those would put a regular file
+    where it was, or leave the reader of the stream with nothing."""
+
+    path: Path
+    direct: bool
+
+
+_OWN_STREAM = re.compile(r"^/(dev|proc/[^/]+)/fd/\d+$|^/dev/std(out|err)$")
+
+
+def _own_stream(path: Path) -> bool:
+    """Whether the path reaches its file through /proc's descriptor links (/dev/stdout -> /proc/self/fd/1): the
+    file behind them is whatever the shell opened, which only a write through the link itself reaches."""
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        if _OWN_STREAM.match(current):
+            return True
+        if not os.path.islink(current):
+            return False
+        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    return False
+
+
+def output_target(path: Path, label: str) -> Target:
+    """Where `path` writes, or one UsageError line saying why nothing can be written there."""
+    path = Path(path)
+    if _own_stream(path):
+        return Target(path, direct=True)
+    try:
+        mode = os.stat(path).st_mode  # follows links
+    except FileNotFoundError:
+        mode = None  # a new file, or a link to one
+    except OSError as exc:  # a file where a directory should be, a loop of links, no permission to look
+        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise UsageError(f"{label} is a directory")
+    if mode is not None and not stat.S_ISREG(mode):
+        return Target(path, direct=True)
+    real = Path(os.path.realpath(path))
+    if not real.parent.is_dir():
+        raise UsageError(f"{label}: directory {real.parent} does not exist")
+    return Target(real, direct=False)
+
+
+def run_inputs(o: RunOptions, config) -> list[tuple[str, Path]]:
+    """The files a run reads, named as an error would name them: no output may be written over one."""
+    from fwdcheck.config import CheckpointModel, HFModel
+
+    inputs: list[tuple[str, Path]] = []
+    if o.config is not None:
+        inputs.append(("the config file", Path(o.config)))
+    if o.expect_ledger is not None:
+        inputs.append(("the --expect-ledger file", Path(o.expect_ledger)))
+    model = config.model
+    if isinstance(model, CheckpointModel):
+        inputs.append(("the checkpoint", model.path))
+        inputs += [("a checkpoint shard", shard) for shard in _shards(model.path)]
+    elif isinstance(model, HFModel) and model.path is not None:
+        from fwdcheck.hf import WEIGHT_FILES
+
+        for name in ("config.json", *WEIGHT_FILES):
+            inputs.append((f"the model's {name}", model.path / name))
+            inputs += [("a weights shard of the model", shard) for shard in _shards(model.path / name)]
+    return inputs
+
+
+def _shards(index: Path) -> list[Path]:
+    """The files a sharded checkpoint's index (*.index.json) names; nothing for any other file, or a broken one
+    (the loader reports that)."""
+    if not index.name.endswith(".index.json") or not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        return [index.parent / name for name in set(weight_map.values()) if isinstance(name, str)]
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return []
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one of them does not exist: not the same file
+        return False
+
+
+def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
+    """Before the model loads: each output can be written, none is a file the run reads, no two are one file.
+    Found at the end instead, an unwritable output would fail after the whole run, and an output naming the config
+    would have replaced it with the report."""
+    if o.output is None and sys.stdout is None:
+        raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
+    seen: list[tuple[str, Target]] = []
+    for option, field in OUTPUTS:
+        path = getattr(o, field)
+        if path is None:
+            continue
+        label = f"{option} {path}"
+        target = output_target(path, label)
+        for name, input_path in inputs:
+            if _same_file(target.path, input_path):
+                raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
+        for other, earlier in seen:
+            if earlier.path == target.path or _same_file(earlier.path, target.path):
+                if not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
+                    raise UsageError(f"{label} is also the file of {other}; give each report its own file")
+        seen.append((option, target))
+        if target.direct:
+            if not os.path.exists(target.path):  # /dev/fd/N of a descriptor this process does not have open
+                raise UsageError(f"{label}: cannot write there (no such file or open descriptor)")
+            if not os.access(target.path, os.W_OK):
+                raise UsageError(f"{label}: cannot write there (permission denied)")
+        else:
+            probe_directory(target.path.parent, label)
+
+
+def probe_directory(directory: Path, label: str) -> None:
+    """Create and remove a temporary file where the output will be written: the one test that holds for every
+    reason a write can fail (permissions, a read-only file system, root or not)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fwdcheck-probe.", suffix=".tmp")
+    except OSError as exc:
+        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+    os.close(fd)
+    Path(probe).unlink(missing_ok=True)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # a closed stream
+        return False
+
+
+def write_stdout(write) -> None:
+    """write(stream) with the report, then a flush: a closed stdout, a reader gone (a broken pipe) or a full disk
+    becomes one UsageError line, not a traceback after the run."""
+    stream = sys.stdout
+    if stream is None:  # Python's stand-in for a closed descriptor 1
+        raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
+    try:
+        write(stream)
+        stream.flush()
+    except (OSError, ValueError) as exc:  # ValueError: a closed file object
+        silence_stdout()
+        raise UsageError(f"cannot write the report to stdout ({why_not(exc)}); give --output FILE") from None
+
+
+def silence_stdout() -> None:
+    """Point descriptor 1 at /dev/null once a write to it failed: Python flushes stdout again on the way out, and
+    would print its own traceback for the same failure."""
+    try:
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (AttributeError, OSError, ValueError):  # no descriptor behind it (a test runner's buffer)
+        pass
+
+
+def write_whole(path: Path, text: str, what: str = "--output") -> None:
+    """Write a report where `path` says, whole or not at all.
+
+    A regular file (new, or the target of a symbolic link, which stays a link) is written to a temporary file beside
+    it and renamed over it. A device, a FIFO or one of the process's own streams is written directly (see Target).
+    `what` names the target in error messages ("--output PATH", or the bare path for `init`). A target that cannot
+    be written is a usage error, exit 2."""
     path = Path(path)
     label = f"{what} {path}" if what else str(path)
-    if path.is_dir():
-        raise UsageError(f"{label} is a directory")
-    if not path.parent.exists():
-        raise UsageError(f"{label}: directory {path.parent} does not exist")
+    target = output_target(path, label)
+    if target.direct:
+        try:
+            # append: never truncate what the shell set up (`>> log` behind /dev/stdout); devices and FIFOs ignore it
+            with open(target.path, "a", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+        return
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise UsageError(f"{label}: cannot write there ({type(exc).__name__}: {exc.strerror or exc})") from None
+        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         # mkstemp creates the file 0600; give it the mode an ordinary open() would (umask), or the replaced file's.
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
-        os.replace(tmp, path)
+        os.chmod(tmp, target.path.stat().st_mode & 0o7777 if target.path.exists() else 0o666 & ~umask)
+        os.replace(tmp, target.path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise UsageError(f"{label}: cannot write there ({type(exc).__name__}: {exc.strerror or exc})") from None
+        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -496,6 +749,17 @@ def main() -> None:
         app()
     except KeyboardInterrupt:  # outside a command's own guard
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as exc:
+        # What a command printed may still sit in stdout's buffer: flush it here, where a failure (a full disk, a
+        # reader gone) is still one line and exit 2, and not Python's traceback at shutdown.
+        try:
+            if sys.stdout is not None:
+                sys.stdout.flush()
+        except (OSError, ValueError) as flush_error:
+            silence_stdout()
+            err.print(f"[bold red]error:[/] {escape(f'cannot write to stdout ({why_not(flush_error)})')}")
+            sys.exit(EXIT_USAGE if exc.code in (0, None) else exc.code)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from pydantic import ValidationError
 
-from fwdcheck.config import Config, HFModel, RopeSpec
+from fwdcheck.config import MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error, nesting_depth, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
 
@@ -59,6 +60,8 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         hf_config = _hf_config(spec, transformers)
         cls = _model_class(spec, transformers)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in WEIGHT_FILES)
+        for name in WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
+            regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
         try:
             if config.meta:
                 with torch.device("meta"):
@@ -98,8 +101,8 @@ def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> M
     if layers:
         dims["L"] = layers
     max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    rope = spec.rope or declared_rope(cfg)
     where = str(spec.path) if spec.path else "inline config"
+    rope = spec.rope or declared_rope(cfg, str(spec.path / "config.json") if spec.path else "the inline config")
     return ModelUnderTest(
         module=module,
         label=f"{cfg.model_type} {type(module).__name__} ({where})",
@@ -138,16 +141,26 @@ def _hf_config(spec: HFModel, transformers) -> Any:
         raise ModelLoadError(f"{path}: no such directory")
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory; source hf wants a directory holding config.json")
-    if not (path / "config.json").exists():
+    config_json = path / "config.json"
+    if not config_json.exists():
         raise ModelLoadError(f"{path}: no config.json in this directory")
+    regular_file(config_json, str(config_json), ModelLoadError, what="model config")
     try:
-        json.loads((path / "config.json").read_text(encoding="utf-8"))
+        document = json.loads(config_json.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ModelLoadError(f"{config_json}: nested too deeply to read") from None
     except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+        raise ModelLoadError(f"{config_json}: not valid JSON ({exc})") from None
+    # transformers copies and compares configs recursively; one nested past any real config's depth is refused here.
+    if nesting_depth(document) > MAX_DEPTH:
+        raise ModelLoadError(f"{config_json}: nested more than {MAX_DEPTH} levels deep; a model config is a few "
+                             "levels deep")
+    if not isinstance(document, dict):
+        raise ModelLoadError(f"{config_json}: holds a JSON {type(document).__name__}, not an object of settings")
     try:
         return transformers.AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
     except Exception as exc:
-        raise ModelLoadError(f"{path / 'config.json'}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(f"{config_json}: {type(exc).__name__}: {exc}") from exc
 
 
 def _model_class(spec: HFModel, transformers):
@@ -164,28 +177,42 @@ def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
     return cls(hf_config)
 
 
-def declared_rope(cfg) -> RopeSpec | None:
-    """What a Hugging Face config says about its rotary embedding, across the spellings architectures use."""
+def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
+    """What a Hugging Face config says about its rotary embedding, across the spellings architectures use.
+
+    transformers accepts values no rotary embedding can have (rope_theta 1.0, a rotary_dim of 0, a fraction given as
+    text); each is one ModelLoadError line naming the key and the value, `where` naming the config."""
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if not isinstance(params, dict):
         params = {}
-    theta = params.get("rope_theta") or getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None)
+    theta_key, theta = next(((k, v) for k, v in (("rope_theta", params.get("rope_theta")),
+                                                 ("rope_theta", getattr(cfg, "rope_theta", None)),
+                                                 ("rotary_emb_base", getattr(cfg, "rotary_emb_base", None)))
+                             if v is not None), ("rope_theta", None))
     rotary_dim = getattr(cfg, "rotary_dim", None)
     if theta is None and rotary_dim is None:
         return None  # learned or sinusoidal absolute positions, ALiBi, ...
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
-    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    partial = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or \
-        getattr(cfg, "rotary_pct", None)
-    if rotary_dim is None and partial and head_dim:
-        rotary_dim = int(head_dim * partial)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return RopeSpec(
-        base=float(theta or 10000.0) if rope_type == "default" else None,  # rescaled frequencies: no single base
-        pairing="interleaved" if cfg.model_type in INTERLEAVED else "half",
-        rotary_dim=rotary_dim,
-    )
+    try:
+        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        partial = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or \
+            getattr(cfg, "rotary_pct", None)
+        if rotary_dim is None and partial and head_dim:
+            rotary_dim = int(head_dim * partial)
+        # rescaled frequencies (llama3, yarn, ...) have no single base to compare
+        base = (10000.0 if theta is None else float(theta)) if rope_type == "default" else None
+        return RopeSpec(base=base, pairing="interleaved" if cfg.model_type in INTERLEAVED else "half",
+                        rotary_dim=rotary_dim)
+    except ValidationError as exc:
+        problem = describe_validation_error(exc)
+        key = {"base": theta_key}.get(problem.split(":")[0], problem.split(":")[0])
+        raise ModelLoadError(f"{where}: {key}: {problem.split(': ', 1)[-1]}; not a usable rotary embedding "
+                             "(set `rope:` in the config to declare its settings yourself)") from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ModelLoadError(f"{where}: its rotary settings cannot be read ({type(exc).__name__}: {exc}); set "
+                             "`rope:` in the config to declare them yourself") from None
 
 
 def find_rotary(module: nn.Module):

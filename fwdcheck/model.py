@@ -7,6 +7,7 @@ and say clearly when they cannot.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import inspect
 import sys
@@ -90,9 +91,10 @@ class ModelUnderTest:
             return self.module(input_ids, **kwargs)
         except ModelRaised:
             raise
-        except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in model code must not end fwdcheck's run
-            frame = model_frame(exc)
-            raise ModelRaised(f"the model raised {type(exc).__name__}: {exc}", where=frame) from exc
+        except BaseException as exc:
+            if not model_failure(exc):
+                raise
+            raise ModelRaised(f"the model raised {describe(exc)}", where=model_frame(exc)) from exc
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""
@@ -121,11 +123,71 @@ class ModelUnderTest:
                 f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}){hint}; "
                 "checking them would compare the wrong positions"
             )
+        unusable = _unusable(logits, input_ids)
+        if unusable:
+            raise ModelRaised(f"forward returned logits {list(logits.shape)} {unusable}")
         return logits
 
 
+def _unusable(logits: torch.Tensor, input_ids: torch.Tensor) -> str | None:
+    """Why logits of the right shape still cannot be compared, or None. Each of these used to reach a check's
+    arithmetic and fail there, as an error of fwdcheck's."""
+    if logits.shape[2] == 0:
+        return "with an empty vocabulary axis (V = 0): a head with no outputs, or the logits sliced to nothing"
+    if logits.layout != torch.strided:
+        return (f"as a {str(logits.layout).removeprefix('torch.')} tensor; fwdcheck needs dense logits "
+                "(call .to_dense() in a `forward:` adapter)")
+    if logits.is_meta and not input_ids.is_meta:
+        return (f"on the meta device (shapes, no values) for inputs on {input_ids.device}: a parameter or buffer "
+                "left on meta, or a tensor created with device='meta'")
+    if logits.is_complex():
+        return f"of dtype {str(logits.dtype).removeprefix('torch.')}; logits are real numbers"
+    return None
+
+
+_EXCEPTION_GROUP = getattr(builtins, "BaseExceptionGroup", ())  # Python 3.11 on
+
+
+# BaseExceptions that are no reason to end a run when model code raises them: sys.exit() (SystemExit), a generator
+# or coroutine closed inside forward (GeneratorExit, asyncio's CancelledError), a model's own BaseException subclass.
+# Ctrl-C (KeyboardInterrupt) and fwdcheck's own (the runner's time limit) always pass: they stop the run on purpose.
+def model_failure(exc: BaseException) -> bool:
+    """Whether an exception raised inside model code is the model's failure, to be reported, not propagated."""
+    if isinstance(exc, Exception):
+        return not isinstance(exc, ModelRaised)
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__module__.split(".")[0] == "fwdcheck":
+        return False
+    if isinstance(exc, _EXCEPTION_GROUP):  # a group holding a Ctrl-C or a time limit is that, not a failure
+        return all(model_failure(inner) for inner in exc.exceptions)
+    return True
+
+
+def describe(exc: BaseException) -> str:
+    """'TypeName: message' of an exception from model code, even one whose __str__ raises."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<its message cannot be shown: its __str__ raised>"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 def extract_logits(output: Any) -> torch.Tensor:
-    """Logits from what forward returned: a tensor, an object with .logits, a mapping, or a tuple led by them."""
+    """Logits from what forward returned: a tensor, an object with .logits, a mapping, or a tuple led by them.
+
+    Reading the output runs model code too (a `.logits` property, a mapping's `get`): what it raises is the model's
+    error (ModelRaised), like an exception from forward itself."""
+    try:
+        return _extract_logits(output)
+    except ModelRaised:
+        raise
+    except BaseException as exc:
+        if not model_failure(exc):
+            raise
+        raise ModelRaised(f"reading the logits from what forward returned ({type(output).__name__}) raised "
+                          f"{describe(exc)}", where=model_frame(exc)) from exc
+
+
+def _extract_logits(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(getattr(output, "logits", None), torch.Tensor):
@@ -238,8 +300,10 @@ def call_factory(spec: FactoryModel, parts: FactoryParts, search: list[Path]) ->
     with on_sys_path(search):
         try:
             module = parts.factory(**spec.kwargs)
-        except (Exception, SystemExit) as exc:  # SystemExit: a factory calling sys.exit() (argparse, ...)
-            raise ModelLoadError(f"factory '{spec.factory}' raised {type(exc).__name__}: {exc}") from exc
+        except BaseException as exc:  # SystemExit too: a factory calling sys.exit() (argparse, ...)
+            if not model_failure(exc):
+                raise
+            raise ModelLoadError(f"factory '{spec.factory}' raised {describe(exc)}") from exc
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"factory '{spec.factory}' returned {type(module).__name__}, not a torch.nn.Module")
     return module
@@ -298,7 +362,9 @@ def resolve_callable(reference: str, what: str) -> Callable:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
-    except (Exception, SystemExit) as exc:  # SystemExit: a script that parses sys.argv or exits at import
+    except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
+        if not model_failure(exc):
+            raise
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
     obj: Any = module

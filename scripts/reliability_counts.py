@@ -6,7 +6,8 @@
 The counts come from the test modules, not from a copy: the bad-input corpus (tests/bad_inputs/*.yaml, through
 tests/test_bad_inputs.CASES), the examples each fuzz property runs (the hypothesis settings in tests/test_fuzz.py) and
 the model-failure modes (tests/test_model_failures.MODES, each run through the CLI and in-process with the model
-compared bitwise before and after).
+compared bitwise before and after). A second line counts the fuzzing of a document's structure (depth, aliases) and
+of the expected ledger (`--expect-ledger`), which the first line's fuzzed documents (configs) do not include.
 """
 
 from __future__ import annotations
@@ -17,6 +18,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py"]
+
+
+def structure_counts() -> dict[str, int]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.test_fuzz import LEDGERS, STRUCTURES
+
+    return {"fuzzed_structures": STRUCTURES.max_examples, "fuzzed_ledgers": LEDGERS.max_examples}
+
+
+def structure_line(c: dict[str, int] | None = None) -> str:
+    c = c or structure_counts()
+    return (f"and {c['fuzzed_structures']} YAML documents nested deep or aliased, {c['fuzzed_ledgers']} fuzzed "
+            "expected ledgers")
 
 
 def counts() -> dict[str, int]:
@@ -46,6 +61,7 @@ def main(argv: list[str]) -> int:
             print(f"the reliability tests failed (pytest exit {proc.returncode}); no counts line", file=sys.stderr)
             return proc.returncode
     print(line())
+    print(structure_line())
     return 0
 
 

@@ -9,9 +9,14 @@ described in tests/bad_inputs/README.md. tests/test_cli.py covers the command-li
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import re
 import shutil
+import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,7 @@ class Case:
     exit_code: int = 2
     generate: tuple[str, ...] = ()
     skip_if_cuda: bool = False
+    needs_transformers: bool = False
 
     @property
     def id(self) -> str:
@@ -58,8 +64,8 @@ def read_case(path: Path) -> Case:
     exit_code = int(header["exit"][0].split()[0]) if "exit" in header else 2
     generate = tuple(g.split()[0] for g in header.get("generate", []))
     skip = [s.split()[0] for s in header.get("skip-if", [])]
-    assert set(skip) <= {"cuda"}, skip
-    return Case(path, expect.strip(), exit_code, generate, "cuda" in skip)
+    assert set(skip) <= {"cuda", "no-transformers"}, skip
+    return Case(path, expect.strip(), exit_code, generate, "cuda" in skip, "no-transformers" in skip)
 
 
 def corpus() -> list[Case]:
@@ -89,10 +95,80 @@ def _syntax_error(path: Path) -> None:
     path.write_text("import torch\n\n\ndef build(:\n    return torch.nn.Linear(2, 2)\n")
 
 
+def _calls_system(path: Path) -> None:
+    class CallsSystem:  # unpickles by calling os.system (with a command that does nothing, should it ever run)
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    torch.save({"wte.weight": CallsSystem()}, path)
+
+
+def _protocol_4(path: Path) -> None:
+    from fwdcheck.reference import build
+
+    torch.save(build().state_dict(), path, pickle_protocol=4)
+
+
+def _meta_tensors(path: Path) -> None:
+    from fwdcheck.reference import build
+
+    with torch.device("meta"):
+        torch.save(build().state_dict(), path)
+
+
+def _integer_weight(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(CHECKPOINT)
+    tensors["layers.0.attn.k_proj.weight"] = tensors["layers.0.attn.k_proj.weight"].to(torch.int8)
+    save_file(tensors, path)
+
+
+def _duplicate_key(path: Path) -> None:
+    # safetensors' own writer cannot name a key twice: the header is written by hand, both entries valid.
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    header = '{"wte.weight": %s, "wte.weight": %s}' % (json.dumps(entry), json.dumps(entry))
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + torch.ones(2).numpy().tobytes())
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+    def release():  # should a reader block on it after all, hand it an end of file: a failure, not a hung suite
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: nothing to release
+            pass
+
+    timer = threading.Timer(10, release)
+    timer.daemon = True
+    timer.start()
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2}
+
+
+def _nested_config_json(depth: int):
+    def write(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        deep = '{"a": ' * depth + "1" + "}" * depth
+        path.write_text(json.dumps(LLAMA)[:-1] + f', "custom": {deep}}}')
+    return write
+
+
 GENERATORS = {
     "truncated.safetensors": _truncated_safetensors,
     "whole_model.pt": _pickled_module,
     "models/bad_syntax.py": _syntax_error,
+    "calls_system.pt": _calls_system,
+    "protocol4.pt": _protocol_4,
+    "meta_tensors.pt": _meta_tensors,
+    "integer_weight.safetensors": _integer_weight,
+    "duplicate_key.safetensors": _duplicate_key,
+    "fifo.pt": _fifo,
+    "hf_deep/config.json": _nested_config_json(5000),
+    "hf_deep200/config.json": _nested_config_json(200),
 }
 
 
@@ -147,6 +223,8 @@ def assert_one_line_error(result, config: Path, expect: str, exit_code: int = 2)
 def test_bad_input_gets_one_clear_line(case: Case, tmp_path, forget_corpus_modules):
     if case.skip_if_cuda and torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the case holds only without it")
+    if case.needs_transformers and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs the transformers package")
     config = prepare(case, tmp_path)
     sys_path = list(sys.path)
     result = run_cli(config)
@@ -194,5 +272,10 @@ def test_the_corpus_is_complete():
                 "module-missing-dependency", "module-syntax-error", "module-raises-at-import", "missing-attribute",
                 "factory-raises", "factory-not-module", "factory-bad-kwarg", "hf-missing-directory",
                 "hf-no-config-json", "hf-corrupt-config-json", "checkpoint-corrupt-safetensors",
-                "checkpoint-pickled-module", "device-cuda-without-gpu", "device-auto", "ignore-without-reason"}
+                "checkpoint-pickled-module", "device-cuda-without-gpu", "device-auto", "ignore-without-reason",
+                # and those of issue 11 (never exit 3 for what the user did)
+                "yaml-nested-500-deep", "yaml-nested-deep-block-style", "yaml-alias-bomb", "yaml-alias-cycle",
+                "hf-rope-theta-one", "hf-config-json-nested-deep", "checkpoint-pickle-calls-os-system",
+                "checkpoint-pickle-protocol-4", "checkpoint-integer-weight", "checkpoint-safetensors-duplicate-key",
+                "checkpoint-is-a-fifo", "factory-raises-cancelled-error", "factory-raises-unprintable"}
     assert required <= {c.id for c in CASES}, required - {c.id for c in CASES}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -284,6 +285,34 @@ def test_trust_is_not_needed_for_a_plain_state_dict(tmp_path):
     assert not any("weights_only=False" in note for note in loaded.extra["notes"])  # still loaded the safe way
 
 
+def test_pickle_calling_into_os_is_refused_even_when_trusted(tmp_path):
+    class CallsSystem:  # unpickles by calling os.system (with a command that does nothing, should it ever run)
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    path = tmp_path / "calls.pt"
+    torch.save({"wte.weight": CallsSystem()}, path, _use_new_zipfile_serialization=False)
+    for trusted in (False, True):
+        one_line_error(cli(tmp_path, checkpoint_model(path, trust_checkpoint=trusted)),
+                       "refused: unpickling it needs code: it calls posix.system, from module posix",
+                       "refused even with trust_checkpoint: true")
+
+
+def test_pickle_protocol_the_safe_loader_does_not_read_is_named_and_loads_when_trusted(tmp_path):
+    saved = reference_state()
+    path = tmp_path / "p5.pt"
+    torch.save(saved, path, pickle_protocol=5)
+    line = one_line_error(cli(tmp_path, checkpoint_model(path)), "written with pickle protocol 5",
+                          "torch.load(weights_only=True) does not read (opcode FRAME)", "trust_checkpoint: true")
+    assert "corrupt" not in line
+    loaded = load(checkpoint_model(path, trust_checkpoint=True))
+    assert_same_tensors(loaded.module, saved)
+    assert "loaded with weights_only=False (trust_checkpoint: true): written with pickle protocol 5" in \
+        loaded.extra["notes"]
+    result = cli(tmp_path, checkpoint_model(path, trust_checkpoint=True))
+    assert result.exit_code == 0 and result.stderr == "", result.output  # torch's protocol warning is not shown
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Files that cannot be loaded: one line, exit 2
 
@@ -346,6 +375,26 @@ def test_sharded_index_with_a_missing_shard_names_it(tmp_path):
                                                 "lm_head.weight": "model-00002-of-00002.safetensors"}}))
     one_line_error(cli(tmp_path, checkpoint_model(index)), "model.safetensors.index.json",
                    "shard model-00002-of-00002.safetensors: no such file")
+
+
+def test_load_error_keeps_every_key_torch_names(tmp_path, helpers):
+    """torch puts the keys on the lines after "Error(s) in loading state_dict for X:"; the one line keeps them."""
+    torch.manual_seed(3)
+    path = save(helpers.build(kind="picky").state_dict(), tmp_path / "picky.safetensors")
+    one_line_error(cli(tmp_path, helpers(path, kwargs={"kind": "picky"})),
+                   "Error(s) in loading state_dict for Picky: layers.0.qkv.weight: stored transposed? refusing it")
+
+
+def test_meta_tensors_and_duplicate_safetensors_keys_are_refused(tmp_path):
+    with torch.device("meta"):
+        meta_state = build(**REF).state_dict()
+    torch.save(meta_state, tmp_path / "meta.pt")
+    one_line_error(cli(tmp_path, checkpoint_model(tmp_path / "meta.pt")), "'wte.weight'", "hold no data (meta tensors")
+    entry = '{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+    header = f'{{"w": {entry}, "w": {entry}}}'
+    duplicate = tmp_path / "dup.safetensors"
+    duplicate.write_bytes(len(header).to_bytes(8, "little") + header.encode() + torch.ones(2).numpy().tobytes())
+    one_line_error(cli(tmp_path, checkpoint_model(duplicate)), "the safetensors header names 'w' more than once")
 
 
 def test_directory_of_a_hugging_face_model_points_at_source_hf(tmp_path):
@@ -417,8 +466,19 @@ class TinyRope(nn.Module):
         return self.head(self.norm(x))
 
 
-def build(**kwargs):
-    return TinyRope(**kwargs)
+class Picky(TinyRope):
+    """Refuses a weight while loading, as modules that check their own state do; torch names the key on a line of its
+    own."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        error_msgs.append("layers.0.qkv.weight: stored transposed? refusing it")
+
+
+def build(kind="tiny", **kwargs):
+    return (Picky if kind == "picky" else TinyRope)(**kwargs)
 '''
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -186,6 +188,12 @@ def build_raises():
 
 def build_not_module():
     return {"not": "a module"}
+
+
+def build_marked(marker):
+    """build_learned, leaving a file behind: proof that the model was built."""
+    open(marker, "w").close()
+    return LearnedPositions()
 '''
 
 
@@ -428,6 +436,84 @@ def test_fail_on_warn(helpers):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# run: models that fail in ways `except Exception` or a plain `.float()` does not expect (issue 11): each is an error
+# FWD002 of every check, with a report and exit 1; never exit 3, never a traceback. The model is left as found.
+
+BAD_MODELS = REPO / "tests" / "bad_inputs" / "models"
+ODD = {
+    "ZeroVocabulary": ["with an empty vocabulary axis (V = 0)"],
+    "MetaLogits": ["on the meta device (shapes, no values) for inputs on cpu"],
+    "SparseLogits": ["as a sparse_coo tensor; fwdcheck needs dense logits"],
+    "ComplexLogits": ["of dtype complex64; logits are real numbers"],
+    "LogitsPropertyRaises": ["RuntimeError: logits were not computed: call generate() first"],
+    "RaisesUnprintable": ["the model raised Unprintable: <its message cannot be shown: its __str__ raised>"],
+    "Cancelled": ["the model raised CancelledError: forward was cancelled"],
+    "GeneratorExits": ["the model raised GeneratorExit"],
+    "RaisesOwnBaseException": ["the model raised Abort: abort the step"],
+    "RaisesExceptionGroup": ["the model raised BaseExceptionGroup: two workers failed"],
+}
+
+
+def odd_document(kind: str) -> dict:
+    return {"model": {"source": "python", "factory": "odd_failures:build", "kwargs": {"kind": kind},
+                      "path": [str(BAD_MODELS)], "vocab_size": 16},
+            "inputs": {"batch_size": 2, "seq_len": 4}}
+
+
+@pytest.fixture
+def forget_odd_models():
+    yield
+    for name in ("odd_failures", "misbehaving"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("kind", list(ODD))
+def test_model_failing_oddly_is_an_error_of_every_check(kind, tmp_path, forget_odd_models):
+    if kind == "RaisesExceptionGroup" and sys.version_info < (3, 11):
+        pytest.skip("exception groups need Python 3.11")
+    config = tmp_path / f"{kind}.yaml"
+    config.write_text(json.dumps(odd_document(kind)))
+    result, report = run_json(config)
+    assert result.exit_code == 1, result.output
+    assert result.stderr == ""  # no traceback, no torch warning (a complex cast) ahead of the report
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    for c in report["checks"]:
+        assert c["status"] == "error", (c["name"], c["summary"])
+        finding = c["findings"][0]
+        assert finding["code"] == "FWD002", finding
+        for fragment in ODD[kind]:
+            assert fragment in finding["message"], (fragment, finding["message"])
+
+
+@pytest.mark.parametrize("kind", ["MetaLogits", "Cancelled", "RaisesUnprintable"])
+def test_model_failing_oddly_is_left_as_found(kind, tmp_path, forget_odd_models):
+    from fwdcheck.config import config_from_dict
+    from fwdcheck.model import load_model
+    from fwdcheck.registry import select
+    from fwdcheck.runner import run_model
+    from fwdcheck.session import Settings
+    from tests.test_model_state import assert_same, snapshot
+
+    config = config_from_dict(odd_document(kind), origin=tmp_path / "odd.yaml")
+    model = load_model(config)
+    model.module.train()
+    before = snapshot(model.module)
+    report = run_model(model, Settings.from_config(config), select(None))
+    assert report.exit_code == 1
+    assert_same(before, snapshot(model.module))
+
+
+def test_model_whose_eval_raises_is_an_error_of_every_check(tmp_path, forget_odd_models):
+    config = tmp_path / "eval.yaml"
+    config.write_text(json.dumps(odd_document("EvalRaises")))
+    result = invoke("run", config, "--format", "json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert {c["status"] for c in report["checks"]} == {"error"}
+    assert all("cannot be put in eval mode" in c["summary"] for c in report["checks"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # run: the JSON report and --output
 
 
@@ -511,6 +597,255 @@ def test_output_that_cannot_be_written_is_a_usage_error(tmp_path):
     usage_error(invoke("run", TOY, "--format", "json", "--output", not_a_dir / "report.json"),
                 "--output", "cannot write there")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+# The devices are reached through a link in tmp_path, never named directly: should write_whole ever replace its target
+# again (it did, as root: /dev/null and /dev/full became regular files), the link is what gets replaced, not /dev.
+
+
+def _device_link(tmp_path: Path, device: str) -> Path:
+    if not os.path.exists(device):
+        pytest.skip(f"no {device} here")
+    link = tmp_path / Path(device).name
+    link.symlink_to(device)
+    return link
+
+
+def test_output_to_dev_null_leaves_the_device_a_device(tmp_path):
+    null = _device_link(tmp_path, os.devnull)
+    result = invoke("run", TOY, "--check", "shape-ledger", "--format", "json", "--output", null)
+    assert result.exit_code == 0, result.output
+    assert null.is_symlink() and stat.S_ISCHR(os.stat(null).st_mode)  # written to, not replaced by a regular file
+
+
+@pytest.mark.parametrize("option", ["--output", "--json", "--junit", "--save-ledger"])
+def test_output_to_a_full_disk_is_one_line(option, tmp_path):
+    full = _device_link(tmp_path, "/dev/full")
+    result = invoke("run", TOY, "--check", "shape-ledger", "--format", "markdown", option, full)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = plain(result.stderr).splitlines()
+    assert lines == [f"error: {option} {full}: cannot write there (disk full: No space left on device)"], lines
+    assert full.is_symlink() and stat.S_ISCHR(os.stat(full).st_mode)
+    if option != "--output":  # the report on stdout was still written: one output failing does not stop the others
+        assert "shape-ledger" in result.stdout
+
+
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/fd/1"])
+def test_output_to_dev_stdout_reaches_stdout(stream, tmp_path):
+    """/dev/stdout is a link to /proc/self/fd/1: replacing it (or the file behind it) left the reader with nothing."""
+    link = _device_link(tmp_path, stream) if stream == "/dev/stdout" else stream
+    proc = subprocess.run([sys.executable, "-m", "fwdcheck", "run", str(TOY), "--check", "shape-ledger",
+                           "--format", "json", "--output", str(link)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["exit_code"] == 0
+    assert proc.stderr == ""
+
+
+def test_output_to_a_fifo_reaches_its_reader(tmp_path):
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    result = invoke("run", TOY, "--check", "shape-ledger", "--format", "json", "--output", fifo)
+    reader.join(timeout=60)
+    assert result.exit_code == 0, result.output
+    assert received and json.loads(received[0])["exit_code"] == 0
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_output_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    target = reports / "latest.json"
+    target.write_text("stale")
+    link = tmp_path / "report.json"
+    link.symlink_to(Path("reports") / "latest.json")
+    dangling = tmp_path / "new.json"
+    dangling.symlink_to(Path("reports") / "new.json")  # a link to a file not written yet
+    result = invoke("run", TOY, "--check", "shape-ledger", "--format", "json", "--output", link, "--json", dangling)
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and dangling.is_symlink()
+    assert json.loads(target.read_text())["exit_code"] == 0
+    assert json.loads((reports / "new.json").read_text())["exit_code"] == 0
+    assert sorted(p.name for p in reports.iterdir()) == ["latest.json", "new.json"]  # no temporary file left
+
+
+def _checkpoint_run(tmp_path: Path) -> Path:
+    """The sample checkpoint config and its weights, copied into tmp_path."""
+    for name in ("reference.yaml", "reference.safetensors"):
+        (tmp_path / name).write_bytes((SAMPLES / "checkpoint" / name).read_bytes())
+    return tmp_path / "reference.yaml"
+
+
+@pytest.mark.parametrize("which", ["config", "config-through-a-link", "config-hard-link", "checkpoint",
+                                   "expected-ledger"])
+def test_output_over_an_input_of_the_run_is_refused(tmp_path, which):
+    config = _checkpoint_run(tmp_path)
+    ledger = tmp_path / "ledger.json"
+    assert invoke("run", config, "--check", "shape-ledger", "--save-ledger", ledger).exit_code == 0
+    inputs = {p: p.read_bytes() for p in (config, tmp_path / "reference.safetensors", ledger)}
+    args = ["run", config, "--check", "shape-ledger", "--expect-ledger", ledger]
+    if which == "config":
+        args += ["--output", config]
+        named = "is the config file"
+    elif which == "config-through-a-link":
+        (tmp_path / "out.yaml").symlink_to(config.name)
+        args += ["--markdown", tmp_path / "out.yaml"]
+        named = "is the config file"
+    elif which == "config-hard-link":
+        os.link(config, tmp_path / "same.yaml")
+        args += ["--junit", tmp_path / "same.yaml"]
+        named = "is the config file"
+    elif which == "checkpoint":
+        args += ["--json", tmp_path / "reference.safetensors"]
+        named = "is the checkpoint"
+    else:
+        args += ["--save-ledger", ledger]
+        named = "is the --expect-ledger file"
+    usage_error(invoke(*args), named, "fwdcheck does not write a report over a file the run reads")
+    assert {p: p.read_bytes() for p in inputs} == inputs
+
+
+def test_two_outputs_into_one_file_are_refused(tmp_path):
+    usage_error(invoke("run", TOY, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.json"),
+                f"--junit {tmp_path / 'r.json'} is also the file of --json")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["missing-directory", "under-a-file", "read-only-directory"])
+def test_unwritable_output_fails_before_the_model_loads(tmp_path, helpers, where):
+    marker = tmp_path / "built"
+    config = helpers("build_marked", extra=f"kwargs: {{marker: '{marker}'}}\n")
+    if where == "missing-directory":
+        target, fragment = tmp_path / "nowhere" / "report.xml", "does not exist"
+    elif where == "under-a-file":
+        target, fragment = _write(tmp_path, "file.txt", "x") / "report.xml", "cannot write there (Not a directory)"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        target, fragment = locked / "report.xml", "cannot write there (Permission denied)"
+    try:
+        usage_error(invoke("run", config, "--junit", target), f"--junit {target}", fragment)
+    finally:
+        (tmp_path / "locked").exists() and (tmp_path / "locked").chmod(0o700)
+    assert not marker.exists(), "the model was built although no report could be written"
+
+
+def test_unwritable_step_summary_is_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a directory: no file can be appended to, root or not
+    result = invoke("run", TOY, "--check", "shape-ledger", "--format", "github", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert "fwdcheck passed (exit 0)" in result.stdout
+    lines = plain(result.stderr).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: $GITHUB_STEP_SUMMARY {tmp_path}: cannot append"), lines
+    assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 0  # the other reports are written
+
+
+def _closed_stdout():
+    os.close(1)
+
+
+@pytest.mark.parametrize("stdout", ["closed", "full", "pipe-closed-by-reader"])
+def test_stdout_that_cannot_take_the_report_is_one_line(stdout):
+    """Python sets sys.stdout to None when descriptor 1 is closed; /dev/full fails the flush; a reader that quit
+    breaks the pipe. Each is one line on stderr and exit 2, not exit 3 or Python's shutdown traceback."""
+    if stdout == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    args = [sys.executable, "-m", "fwdcheck", "run", str(TOY), "--check", "shape-ledger", "--format", "json"]
+    if stdout == "pipe-closed-by-reader":
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # the reader is gone before the report is written
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+        returncode = proc.returncode
+    else:
+        with open("/dev/full" if stdout == "full" else os.devnull, "w") as sink:
+            done = subprocess.run(args, stdout=sink, stderr=subprocess.PIPE, text=True, timeout=120,
+                                  preexec_fn=_closed_stdout if stdout == "closed" else None)
+        stderr, returncode = done.stderr, done.returncode
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert returncode == 2, (returncode, stderr)
+    lines = plain(stderr).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert ("stdout is closed" if stdout == "closed" else "cannot write the report to stdout") in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run: a config or an expected ledger that cannot be read as one
+
+
+def test_config_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+
+    def release():  # should the run open it after all, give it an end of file: a failing test, not a hung one
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    timer = threading.Timer(10, release)
+    timer.daemon = True
+    timer.start()
+    try:
+        usage_error(invoke("run", fifo), f"{fifo}: is a FIFO (named pipe), not a regular file")
+    finally:
+        timer.cancel()
+
+
+def test_config_that_is_a_device_is_refused():
+    usage_error(invoke("run", "/dev/zero"), "/dev/zero: is a character device, not a regular file")
+
+
+def _saved_ledger(tmp_path: Path) -> dict:
+    ledger = tmp_path / "saved.json"
+    assert invoke("run", TOY, "--check", "shape-ledger", "--save-ledger", ledger).exit_code == 0
+    return json.loads(ledger.read_text())
+
+
+def _deep(depth: int) -> str:
+    return '{"entries": [], "extra": ' + "[" * depth + "]" * depth + "}"
+
+
+LEDGER_CASES = {
+    "entries-null": (lambda saved: {**saved, "entries": None}, "entries: Input should be a valid list (got None)"),
+    "entries-not-a-list": (lambda saved: {**saved, "entries": {"logits": ["B"]}},
+                           "entries: Input should be a valid list"),
+    "name-a-number": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "name": 3}]},
+                      "entries[0].name: Input should be a valid string (got 3)"),
+    "dims-a-string": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": "BT"}]},
+                      "entries[0].dims: Input should be a valid list (got 'BT')"),
+    "dims-nested": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": [["B"], ["T"]]}]},
+                    "entries[0].dims[0]: Input should be a valid string"),
+    "shape-and-dims-disagree": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "shape": [2]}]},
+                                "'input_ids' has 1 sizes in shape but 2 names in dims"),
+    "dimension-nan": (lambda saved: {**saved, "dims": {**saved["dims"], "h": "NaN"}},
+                      "dims.h: Input should be a valid integer (got nan)"),
+    "dimension-a-float": (lambda saved: {**saved, "dims": {**saved["dims"], "h": 2.5}},
+                          "dims.h: Input should be a valid integer"),
+    "duplicated-entry": (lambda saved: {**saved, "entries": saved["entries"] + saved["entries"][-1:]},
+                         "is listed twice (first as entries["),
+    "newer-version": (lambda saved: {**saved, "fwdcheck_ledger": 2}, "fwdcheck_ledger: Input should be 1 (got 2)"),
+    "no-entries": (lambda saved: {"dims": saved["dims"]}, "not a ledger written by --save-ledger"),
+    "nested-100-deep": (lambda saved: _deep(100), "nested more than 64 levels deep"),
+    "nested-100000-deep": (lambda saved: _deep(100_000), "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", list(LEDGER_CASES))
+def test_expected_ledger_of_the_wrong_shape_is_one_line(tmp_path, case):
+    make, fragment = LEDGER_CASES[case]
+    document = make(_saved_ledger(tmp_path))
+    text = document if isinstance(document, str) else json.dumps(document)
+    ledger = tmp_path / "expected.json"
+    ledger.write_text(text.replace('"NaN"', "NaN"))  # json.dumps quotes it; a hand-edited file may not
+    usage_error(invoke("run", TOY, "--check", "shape-ledger", "--expect-ledger", ledger), f"--expect-ledger {ledger}",
+                fragment)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

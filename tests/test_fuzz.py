@@ -9,8 +9,15 @@ Two generators, each example written to a temporary file and run through the CLI
     change a value's type, set a number (one already there, or a known number field at its place) to 0, -1, a
     fraction or a huge value, rename a key, add an unknown key, replace `source`, swap an enum word, flip a boolean.
 
-And, not random, a grid: every number field of the schema at every extreme (0, -1, 0.5, 2**63, 2**64, 10**20, 1e300,
-+-inf, nan, a string, a bool, null, a list), each run once.
+(c) the document's structure: values nested up to thousands deep (flow or block style, lists or mappings, at the top
+    or inside the model's kwargs or an inline Hugging Face config), aliases that expand a thousandfold, aliases inside
+    the node they name;
+(d) the expected ledger (`--expect-ledger`): arbitrary JSON values, and mutations of a ledger saved by --save-ledger
+    (a key dropped, a type changed, null, NaN, a duplicated entry, a value nested deep).
+
+And, not random, grids: every number field of the schema at every extreme (0, -1, 0.5, 2**63, 2**64, 10**20, 1e300,
++-inf, nan, a string, a bool, null, a list), each run once; the same for the rotary settings a Hugging Face config
+declares.
 
 The property: the exit code is 0, 1, 2 or 5 (never 3, an internal error, and never a crash); no traceback anywhere; an
 exit 2 is exactly one `error: ` line on stderr and nothing on stdout; a report (exit 0, 1 or 5) is complete (the JSON
@@ -60,6 +67,8 @@ ARBITRARY = settings(max_examples=300, deadline=None, derandomize=True, print_bl
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                             HealthCheck.filter_too_much, HealthCheck.large_base_example])
 MUTATIONS = settings(ARBITRARY, max_examples=200)
+STRUCTURES = settings(ARBITRARY, max_examples=100)
+LEDGERS = settings(ARBITRARY, max_examples=150)
 
 runner = CliRunner()
 
@@ -388,3 +397,179 @@ def test_number_field_extremes(base, field, checks, tmp_path):
         node[field[-1]] = value
         run_and_judge(config, yaml.safe_dump(doc, sort_keys=False), "json", outcomes)
     assert outcomes[2] >= 1, outcomes  # every field has values it refuses
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (c) The document's structure: depth and aliases, written as text (yaml.safe_dump itself recurses once per level)
+
+# transformers builds an inline config at its own defaults for what it does not say: a 7-billion-parameter Llama.
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2}
+PLACES = {  # where the deep value goes: (text before it, text after it)
+    "top": ("model: {source: reference}\nextra: ", "\n"),
+    "inputs": ("model: {source: reference}\ninputs: ", "\n"),
+    "kwargs": ("model:\n  source: python\n  factory: \"fwdcheck.reference:build\"\n  kwargs: {x: ", "}\n"),
+    "hf-inline": ("model:\n  source: hf\n  config: {" + ", ".join(f"{k}: {v}" for k, v in TINY_LLAMA.items()) +
+                  ", extra: ", "}\ninputs: {batch_size: 1, seq_len: 4}\nchecks: [shape-ledger]\n"),
+}
+
+
+@st.composite
+def deep_texts(draw) -> str:
+    depth = draw(st.sampled_from([1, 2, 63, 64, 65, 100, 499, 500, 1000, 5000]) | st.integers(1, 200))
+    before, after = PLACES[draw(st.sampled_from(sorted(PLACES)))]
+    style = draw(st.sampled_from(["flow-list", "flow-map", "block-list", "mixed"]))
+    leaf = draw(st.sampled_from(["1", "x", "null", "[]", "{}"]))
+    if style == "flow-list":
+        value = "[" * depth + leaf + "]" * depth
+    elif style == "flow-map":
+        value = "{a: " * depth + leaf + "}" * depth
+    elif style == "mixed":
+        value = "".join("[" if i % 2 else "{a: " for i in range(depth)) + leaf + \
+            "".join("]" if i % 2 else "}" for i in reversed(range(depth)))
+    else:  # compact block sequences on a line of their own, `- - - 1`, under a block mapping
+        head = draw(st.sampled_from(["model: {source: reference}\nextra:\n  ",
+                                     "model:\n  source: python\n  factory: \"fwdcheck.reference:build\"\n  kwargs:\n"
+                                     "    x:\n      "]))
+        return head + "- " * depth + leaf + "\n"
+    return before + value + after
+
+
+@st.composite
+def alias_texts(draw) -> str:
+    levels = draw(st.integers(1, 8))
+    fanout = draw(st.integers(1, 12))
+    lines = ["model: {source: reference}", "a0: &a0 [x, y]"]
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * fanout) + "]")
+    if draw(st.booleans()):  # an alias inside the node it names
+        lines.append("loop: &loop {again: *loop}" if draw(st.booleans()) else "loop: &loop [1, [2, *loop]]")
+    return "\n".join(lines) + "\n"
+
+
+def test_deep_and_aliased_yaml_documents():
+    """Never exit 3, never a hang: a document nested past the limit or expanding past it is one line, exit 2."""
+    outcomes: Counter = Counter()
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "structure.yaml"
+
+        @STRUCTURES
+        @given(text_=st.one_of(deep_texts(), alias_texts()))
+        def check(text_):
+            run_and_judge(config, text_, "json", outcomes)
+
+        check()
+    print(f"\nstructures: {sum(outcomes.values())} documents, exit codes {dict(sorted(outcomes.items()))}")
+    assert sum(outcomes.values()) == STRUCTURES.max_examples, outcomes
+    assert outcomes[2] >= 1, outcomes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (d) The expected ledger
+
+
+TOY = REPO / "sample_configs" / "toy.yaml"
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64), st.sampled_from([math.nan, math.inf, 0.5, -0.0]),
+              text, st.sampled_from(["B", "T", "V", "h", "d_h", "logits", "input_ids", "float32"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.one_of(text, st.sampled_from(
+        ["entries", "dims", "name", "shape", "dtype", "fwdcheck_ledger"])), inner, max_size=5)),
+    max_leaves=20)
+
+
+@pytest.fixture(scope="module")
+def saved_ledger(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("ledger") / "saved.json"
+    result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--save-ledger", str(path)],
+                           catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text())
+
+
+@st.composite
+def mutated_ledgers(draw, saved: dict) -> str:
+    doc = copy.deepcopy(saved)
+    for _ in range(draw(st.integers(1, 3))):
+        how = draw(st.sampled_from(["drop", "type", "null", "nan", "duplicate", "nest", "number"]))
+        spot = _pick(draw, doc)
+        if spot is None:
+            break
+        container, key, _ = spot
+        if how == "drop" and isinstance(container, dict):
+            del container[key]
+        elif how == "type":
+            container[key] = draw(json_values)
+        elif how == "null":
+            container[key] = None
+        elif how == "nan":
+            container[key] = math.nan
+        elif how == "duplicate" and isinstance(doc.get("entries"), list) and doc["entries"]:
+            doc["entries"].append(copy.deepcopy(draw(st.sampled_from(doc["entries"]))))
+        elif how == "nest":
+            depth = draw(st.sampled_from([2, 70, 1000, 100_000]))
+            return json.dumps(doc).replace('"entries"', '"x": ' + "[" * depth + "]" * depth + ', "entries"', 1)
+        elif how == "number":
+            container[key] = draw(other_number())
+    return json.dumps(doc)
+
+
+def test_expected_ledgers(saved_ledger):
+    """Whatever --expect-ledger holds, the run exits 0, 1 or 2, never 3; exit 2 is one line naming the file."""
+    outcomes: Counter = Counter()
+    with tempfile.TemporaryDirectory() as folder:
+        ledger = Path(folder) / "expected.json"
+
+        @LEDGERS
+        @given(text_=st.one_of(json_values.map(json.dumps), mutated_ledgers(saved_ledger)))
+        def check(text_):
+            ledger.write_text(text_, encoding="utf-8")
+            result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--format", "json",
+                                         "--expect-ledger", str(ledger)], catch_exceptions=False)
+            everything = result.stdout + result.stderr
+            outcomes[result.exit_code] += 1
+            assert result.exit_code in (0, 1, 2), f"exit {result.exit_code} for:\n{text_[:2000]}\n---\n{everything}"
+            assert "Traceback" not in everything, everything
+            if result.exit_code == 2:
+                lines = ANSI.sub("", result.stderr).splitlines()
+                assert len(lines) == 1 and lines[0].startswith(f"error: --expect-ledger {ledger}"), result.stderr
+                assert result.stdout == ""
+            else:
+                assert json.loads(result.stdout)["exit_code"] == result.exit_code
+
+        check()
+    print(f"\nexpected ledgers: {sum(outcomes.values())} documents, exit codes {dict(sorted(outcomes.items()))}")
+    assert sum(outcomes.values()) == LEDGERS.max_examples, outcomes
+    assert outcomes[2] >= 1 and outcomes[0] + outcomes[1] >= 1, outcomes  # some mutations still read as ledgers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Not random: the rotary settings a Hugging Face config declares, at their extremes
+
+HF_ROPE = [("rope_theta", v) for v in (1.0, 0, -1, 0.5, math.nan, math.inf, "abc", True, None, [1], 2**64)] + \
+    [("partial_rotary_factor", v) for v in (0, -1, 0.5, 2, math.nan, "half", [1])] + \
+    [("head_dim", v) for v in (0, -8, 3)]
+
+
+@pytest.mark.parametrize(("key", "value"), HF_ROPE, ids=[f"{k}={v!r}" for k, v in HF_ROPE])
+def test_hf_rope_settings_extremes(key, value, tmp_path):
+    pytest.importorskip("transformers")
+    config = {**TINY_LLAMA, key: value}
+    doc = {"model": {"source": "hf", "config": config}, "inputs": {"batch_size": 1, "seq_len": 4}, "checks": ["rope"],
+           "paths": {"enabled": False}}
+    run_and_judge(tmp_path / "hf.yaml", yaml.safe_dump(doc, sort_keys=False), "json", Counter())
+
+
+def test_reliability_structure_counts_line():
+    """The README's second counts line (scripts/reliability_counts.py) stays what these properties run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reliability_counts", REPO / "scripts" / "reliability_counts.py")
+    counts_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts_module)
+    counts = counts_module.structure_counts()
+    assert counts == {"fuzzed_structures": STRUCTURES.max_examples, "fuzzed_ledgers": LEDGERS.max_examples}
+    line = counts_module.structure_line(counts)
+    readme = (REPO / "README.md").read_text()
+    first = re.search(r"\d+ bad configs, \d+ fuzzed documents, [^\n]*\n\s*(.*)", readme)
+    said = first.group(1) if first else None
+    assert said is not None and said.startswith(line), f"README says {said!r}; the tests give {line!r}"

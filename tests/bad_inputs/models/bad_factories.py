@@ -44,3 +44,22 @@ def build_exits():
 
 
 NOT_CALLABLE = 42
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be shown: its __str__ raises."""
+
+    def __str__(self):
+        raise ValueError("__str__ of Unprintable")
+
+
+def build_unprintable():
+    raise Unprintable()
+
+
+def build_cancelled():
+    """asyncio's CancelledError is a BaseException: `except Exception` does not catch it (as a factory that waits on
+    an event loop would raise it)."""
+    import asyncio
+
+    raise asyncio.CancelledError("the loading task was cancelled")

@@ -90,15 +90,21 @@ class InfLogits(Base):
 
 class Hangs(Base):
     """Hangs (a sleep loop, as a deadlocked data loader or a wait on another rank would) whenever it is handed at
-    least `rows` rows; otherwise a clean model. `marker`: a file it creates when it starts hanging."""
+    least `rows` rows of the length of its first forward (the run's inputs), some of them other than those of its
+    first forward; otherwise a clean model. `marker`: a file it creates when it starts hanging."""
 
     def __init__(self, rows: int = 1, marker: str | None = None):
         super().__init__()
         self.rows = rows
         self.marker = marker
+        self.seen = None
 
     def forward(self, input_ids):
-        if input_ids.shape[0] >= self.rows:
+        if self.seen is None:
+            self.seen = input_ids.clone()
+        new = input_ids.shape[1] == self.seen.shape[1] and not bool(
+            (input_ids[:, None, :] == self.seen[None, :, :]).all(-1).any(-1).all())
+        if new and input_ids.shape[0] >= self.rows:
             if self.marker:
                 Path(self.marker).touch()
             while True:
