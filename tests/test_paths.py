@@ -26,7 +26,8 @@ def test_matrix_covers_masks_weights_and_batch_sizes():
     assert report.exit_code == 0
 
 
-@pytest.mark.parametrize("bug, check, code, fails_on", [
+# (planted bug, check, finding code, which cells must fail): each path bug fails on exactly its cells.
+PATH_BUG_CELLS = [
     # The causal mask is dropped as soon as an attention_mask is passed: every masked path leaks.
     ("mask-drops-causal", "future-token", "FWD101", lambda p: "mask absent" not in p),
     ("mask-drops-causal", "mask-audit", "FWD201", lambda p: "mask absent" not in p),
@@ -39,7 +40,10 @@ def test_matrix_covers_masks_weights_and_batch_sizes():
     # The eager fallback used when attention weights are requested forgets the mask.
     ("eager-no-mask", "future-token", "FWD101", lambda p: "output_attentions=True" in p),
     ("eager-no-mask", "mask-audit", "FWD201", lambda p: "output_attentions=True" in p),
-])
+]
+
+
+@pytest.mark.parametrize("bug, check, code, fails_on", PATH_BUG_CELLS)
 def test_path_bug_fails_exactly_on_its_paths(bug, check, code, fails_on):
     report = run_path_bug(bug)
     result = report.result(check)

@@ -14,6 +14,7 @@ from fwdcheck.registry import direct, select
 from fwdcheck.result import Check, CheckResult, Status
 from fwdcheck.runner import run_cell
 from fwdcheck.session import Settings
+from tests.test_paths import PATH_BUG_CELLS
 from tests.conftest import run_checks
 from tests.models import PathBugModel
 
@@ -169,16 +170,7 @@ def test_a_cell_the_model_refuses_at_the_short_length_runs_at_the_full_one():
     assert report.exit_code == 0
 
 
-@pytest.mark.parametrize("bug, check, code, fails_on", [
-    ("mask-drops-causal", "future-token", "FWD101", lambda p: "mask absent" not in p),
-    ("mask-drops-causal", "mask-audit", "FWD201", lambda p: "mask absent" not in p),
-    ("mask-ignored", "future-token", "FWD107", lambda p: "left-pad" in p),
-    ("mask-ignored", "mask-audit", "FWD208", lambda p: "left-pad" in p),
-    ("batch1-no-mask", "future-token", "FWD101", lambda p: "B=1" in p),
-    ("batch1-no-mask", "mask-audit", "FWD201", lambda p: "B=1" in p),
-    ("eager-no-mask", "future-token", "FWD101", lambda p: "output_attentions=True" in p),
-    ("eager-no-mask", "mask-audit", "FWD201", lambda p: "output_attentions=True" in p),
-])
+@pytest.mark.parametrize("bug, check, code, fails_on", PATH_BUG_CELLS)
 def test_short_cells_of_a_long_run_fail_exactly_on_their_paths(bug, check, code, fails_on):
     """inputs.seq_len 64, cells of 8 tokens: every path bug still fails on exactly its cells."""
     report = run_checks({**PATH_BUG, "kwargs": {"bug": bug}}, ["future-token", "mask-audit"],
