@@ -12,7 +12,7 @@ the first sample is run once for every check that compares at a short length (`p
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -231,7 +231,7 @@ class Session:
         return [max(c, 2) if n > 1 else c for c in counts]
 
     def _forward(self, rows: torch.Tensor, positions: torch.Tensor | None, model: ModelUnderTest) -> torch.Tensor:
-        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else _nothing()):
+        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else nullcontext()):
             logits = model.logits(rows, positions).float()
         self.forward_tokens += rows.numel()
         return logits
@@ -425,9 +425,3 @@ def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:
 def logit_scale(logits: torch.Tensor) -> float:
     """The largest |logit|, which tolerances scale with; without the copy that logits.abs() would make."""
     return max(abs(float(logits.amax())), abs(float(logits.amin())))
-
-
-@contextmanager
-def _nothing():
-    yield
-
