@@ -13,7 +13,9 @@ Every number is a ratio to one plain forward of the run's inputs (eval, no_grad,
   time    wall time / the plain forward's time, timed right before and after each check and each cell (the mean of
           the two), so that a machine whose load changes during the run still gives ratios that hold.
           Short forwards cost more time than their tokens say: every forward reads all the weights.
-Shared passes (a session's observation, its baseline) land on the first check that asks for them.
+Shared passes (a session's observation, its baseline) land on the first check that asks for them. A cell whose
+observation pass saw exactly what an earlier cell's did shares that cell's verdict (fwdcheck.paths): it costs its
+observation pass alone, and the table says which cell it shares.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         # As runner.run_code_paths: the per-path checks that ran on the default path, once per cell.
         per_path = [e for e, r in zip(entries, results)
                     if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())]
+        taken = {}  # as run_code_paths: a cell on a code path an earlier cell ran takes that cell's verdict
         for cell in cells if per_path else []:
-            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session)))
+            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, taken)))
 
     def ratio(by_time: float, tokens: int) -> str:
         return f"{by_time:>9.2f} {tokens / tokens_per_forward:>9.2f}"
@@ -121,8 +124,12 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
             label = f"{run.cell.label} (T={run.seq_len})"
             statuses = "/".join(sorted({r.status.value for r in run.results}))
             split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}" for e, t in zip(per_path, run.forward_tokens))
-            print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}")
-        print(f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}")
+            shared = f"   shares: {run.note.partition(' (')[0].removeprefix('the same code path as ')}" \
+                if run.note and run.note.startswith("the same code path") else ""
+            print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}{shared}")
+        ran = sum(1 for run, _ in cell_rows if not (run.note or "").startswith("the same code path"))
+        print(f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}   "
+              f"({ran} cells ran their comparisons, {len(cell_rows) - ran} shared an earlier cell's verdict)")
     print(f"{'whole default run (default path + matrix)':<62} {'':>6} "
           f"{ratio(default_time + matrix_time, default_tokens + matrix_tokens)}")
     if cell_rows:

@@ -42,6 +42,12 @@ from fwdcheck.paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
+# The comparisons judged against the threshold: the metric holding each one's largest change, and how a summary names
+# it. A comparison that ran but was not judged (the cuts of a model declared not causal) has no metric.
+JUDGED = {"max_change_before_cut": "{cuts} cut{s}", "batch_max_change": "batch", "prefix_max_change": "prefix",
+          "single_row_max_change": "single row", "padding_max_change": "left padding"}
+
+
 def default_cuts(T: int) -> list[int]:
     """The first changed position of each cut row: k = 1 (position 0 against every later token), T/2 (the first half
     against the second) and T-1 (every position against the last token). The prefix ladder adds k = 1, 2, 4, ... up to
@@ -108,17 +114,21 @@ sequence forward accepts as `inputs.min_seq_len` to skip the shorter prefixes wi
 only when the model refused every comparison."""
 
     def run(self, model, session) -> CheckResult:
-        observation_note = self._observe_dropout(session)
+        live_dropout = self._observe_dropout(session)
         # The observation pass's logits stand in for the baseline until a comparison moves (session.reference()); if
         # the session's own inputs cannot run, nothing can be measured.
         reference = session.reference()  # (B, T, V)
-        if nonfinite_positions(reference) and not session.reference_untouched:
+        broken = nonfinite_positions(reference)  # one read of the logits, which are as large as a forward's
+        if broken and not session.reference_untouched:
             reference = session.baseline()  # NaN or Inf is a verdict on the untouched model
+            broken = nonfinite_positions(reference)
         B, T, _ = reference.shape
         findings: list[Finding] = []
-        if observation_note:
-            findings.append(observation_note)
-        if nonfinite_positions(reference):
+        if live_dropout:
+            findings.append(Finding("FWD103", Status.FAIL, f"dropout is live in eval mode at {len(live_dropout)} "
+                                    "call(s); forced to zero for the comparisons below",
+                                    where="; ".join(live_dropout[:4]) + (" ..." if len(live_dropout) > 4 else "")))
+        if broken:
             return self._nonfinite_baseline(findings, reference)
 
         # From here on every forward is a pass the model may refuse (a length, a row count): a refusal is a note,
@@ -152,6 +162,8 @@ only when the model refused every comparison."""
         tolerance = session.tolerance(scale)
         threshold = session.threshold(scale, noise or 0.0)
         metrics = {"logit_scale": scale, "tolerance": tolerance, "threshold": threshold}
+        if live_dropout:
+            metrics["live_dropout_calls"] = len(live_dropout)
         if noise is None:
             data["noise_floor"] = ("not measured: nothing moved beyond the tolerance, where no noise floor can "
                                    "change the verdict")
@@ -165,6 +177,7 @@ only when the model refused every comparison."""
                 findings.append(Finding("FWD106", Status.WARN, f"noise floor {noise:.3g} is over 10x the dtype "
                                         f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen"))
         if measured.padding is not None:
+            metrics["padding_max_change"] = float(measured.padding.max())
             findings += self._padding(measured.padding, threshold)
 
         causal = model.causal
@@ -203,12 +216,16 @@ only when the model refused every comparison."""
         if refusals.notes:
             data["notes"] = refusals.notes
         leaks = [f for f in findings if f.status in (Status.FAIL, Status.WARN)]
-        ran = [f"{len(plan.cuts)} cut{'s' if len(plan.cuts) != 1 else ''} + batch"] if cut_changes is not None else []
-        ran += ["prefix"] if metrics.get("prefix_lengths") else []
-        ran += ["single row"] if "single_row_max_change" in metrics else []
-        summary = (f"{' + '.join(ran)}: max change before a cut "
-                   f"{metrics.get('max_change_before_cut', 0):.2g} vs threshold {threshold:.2g}"
-                   if not leaks else "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks})))
+        judged = [name for name in JUDGED if name in metrics]
+        metrics["max_change"] = max(metrics[name] for name in judged) if judged else 0.0
+        metrics["decided_by"] = _decided_by(leaks, metrics)
+        if leaks:
+            summary = "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks}))
+        else:
+            ran = [JUDGED[name].format(cuts=len(plan.cuts), s="s" if len(plan.cuts) != 1 else "") for name in judged]
+            summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
+            if not model.causal:
+                summary += "; part (a) skipped: model.causal is false"
         if refusals.notes:
             more = len(refusals.notes) - 1
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
@@ -245,7 +262,7 @@ only when the model refused every comparison."""
         findings.append(Finding("FWD104", Status.FAIL, f"the baseline logits hold NaN or Inf at "
                                 f"{len(broken)} (sample, position) pairs", where=_pairs(broken)))
         return CheckResult.from_findings(self.name, findings, "NaN/Inf in the baseline logits; nothing to compare",
-                                         metrics={"nonfinite_positions": len(broken)})
+                                         metrics={"nonfinite_positions": len(broken), "decided_by": "nonfinite"})
 
     def _measured_nothing(self, findings: list[Finding], refusals: Refusals) -> CheckResult:
         """Every pass that compares was refused. Findings made before (dropout live in eval) stand, with the notes;
@@ -295,17 +312,13 @@ only when the model refused every comparison."""
                         "the positions count them", where=f"real positions {span(moved)}")]
 
     @staticmethod
-    def _observe_dropout(session) -> Finding | None:
-        """Dropout live in eval (e.g. dropout_p handed to SDPA regardless of training) is a finding in itself; the
-        comparisons then run with it forced to zero so they measure the mask, not the dice."""
+    def _observe_dropout(session) -> list[str]:
+        """Where dropout is live in eval (e.g. dropout_p handed to SDPA regardless of training): a finding in itself;
+        the comparisons then run with it forced to zero so they measure the mask, not the dice."""
         try:
-            live = session.observation().active_dropout
+            return session.observation().active_dropout
         except Exception:  # the observer cannot follow every model; the behavioural checks still stand
-            return None
-        if not live:
-            return None
-        return Finding("FWD103", Status.FAIL, f"dropout is live in eval mode at {len(live)} call(s); forced to zero "
-                       "for the comparisons below", where="; ".join(live[:4]) + (" ..." if len(live) > 4 else ""))
+            return []
 
     def _causal(self, plan: Plan, changes: torch.Tensor, threshold, metrics, data) -> list[Finding]:
         """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
@@ -561,6 +574,22 @@ def _with_single_row(findings: list[Finding], single: list[Finding]) -> list[Fin
         batched.where = f"{batched.where}; also with one row run alone (batch size 1)"
         return findings + [f for f in single if f is not leak]
     return findings + single
+
+
+def _decided_by(leaks: list[Finding], metrics: dict) -> str:
+    """The measurement the verdict rests on, which a report shows as the check's key number: the largest change
+    when a change beyond the threshold decided it, or when nothing did (it then stayed below); otherwise NaN/Inf
+    ('nonfinite'), the noise floor, or the dropout calls seen live in eval."""
+    codes = {f.code for f in leaks}
+    if not codes or metrics["max_change"] > metrics["threshold"]:
+        return "max_change"
+    if "FWD104" in codes:
+        return "nonfinite"
+    if "FWD106" in codes or metrics.get("noise_floor", 0.0) > metrics["tolerance"]:
+        return "noise_floor"
+    if "live_dropout_calls" in metrics:
+        return "live_dropout_calls"
+    return "max_change"
 
 
 def _reason(exc: ModelRaised, size: str) -> str:

@@ -174,7 +174,8 @@ the attention module's forward as input_pos or cache_position."""
                                            query_positions=torch.arange(call.query_len - pad))
                 if reads_padding:
                     findings.append(Finding("FWD208", Status.FAIL, "real tokens may read the padding keys: the "
-                                            "attention_mask is not applied", f"{call.module or 'model'} ({call.api})"))
+                                            "attention_mask is not applied", f"{call.module or 'model'} ({call.api})",
+                                            source=call.source))
             reason = not_judged(call, input_followed)
             positions = call.query_positions
             shape, future_pairs = (reason, []) if reason else pattern(call.allowed, positions)
@@ -184,11 +185,11 @@ the attention module's forward as input_pos or cache_position."""
                          "is_causal": call.is_causal, "dropout_p": call.dropout_p, "pattern": shape,
                          "judged": reason is None, "queries": L, "keys": S,
                          "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
-                         "positions_from": call.positions_from or None,
+                         "positions_from": call.positions_from or None, "source": call.source,
                          "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None})
             findings += self.judge(call, shape, future_pairs, model.causal)
         findings += [Finding("FWD207", Status.FAIL, f"F.dropout(p={d.p:g}, training=True) with the model in eval "
-                             "mode: pass training=self.training", where=d.module or "model")
+                             "mode: pass training=self.training", where=d.module or "model", source=d.source)
                      for d in observation.dropouts if d.training and d.p > 0]
         return findings, rows
 
@@ -239,6 +240,8 @@ the attention module's forward as input_pos or cache_position."""
         if call.dropout_p > 0:
             findings.append(Finding("FWD207", Status.FAIL, f"dropout_p={call.dropout_p:g} handed to {api} with the "
                                     "model in eval mode: pass dropout_p=p if self.training else 0.0", where))
+        for f in findings:  # each is about this call: it points at the line of model code that made it
+            f.source = call.source
         return findings
 
 
@@ -260,17 +263,18 @@ def _patterns(rows: list[dict]) -> str:
 
 
 def _group(findings: list[Finding]) -> list[Finding]:
-    """One finding per code and message shape, listing every call it applies to; a module called more than once in
-    the forward (decode steps through a cache) is listed once, with its count."""
-    places: dict[tuple[str, str], dict[str, int]] = {}
-    first: dict[tuple[str, str], Finding] = {}
+    """One finding per code, message shape and line of model code, listing every call it applies to (the layers
+    share their attention's line); a module called more than once in the forward (decode steps through a cache) is
+    listed once, with its count."""
+    places: dict[tuple[str, str, str | None], dict[str, int]] = {}
+    first: dict[tuple[str, str, str | None], Finding] = {}
     for f in findings:
-        key = (f.code, f.message)
+        key = (f.code, f.message, f.source)
         first.setdefault(key, f)
         counts = places.setdefault(key, {})
         counts[f.where] = counts.get(f.where, 0) + 1
     grouped = []
     for key, f in first.items():
         where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in places[key].items())
-        grouped.append(Finding(f.code, f.status, f.message, where))
+        grouped.append(Finding(f.code, f.status, f.message, where, source=f.source))
     return grouped

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import model_frame
+from fwdcheck.model import describe, model_failure, model_frame
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
@@ -614,9 +614,10 @@ or correct the declaration."""
         def rotate(x):  # the same vector at every position: (P, D) of R(m) x
             try:  # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
                 rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
-            except (Exception, SystemExit) as exc:
-                raise ModelRaised(f"the rotary function raised {type(exc).__name__}: {exc}",
-                                  where=model_frame(exc)) from exc
+            except BaseException as exc:
+                if not model_failure(exc):  # Ctrl-C, a time limit, fwdcheck's own errors
+                    raise
+                raise ModelRaised(f"the rotary function raised {describe(exc)}", where=model_frame(exc)) from exc
             return rotated[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)

@@ -20,7 +20,7 @@ from collections import ChainMap
 from dataclasses import dataclass
 
 from fwdcheck.errors import ModelRaised
-from fwdcheck.observe import Observation
+from fwdcheck.observe import ModuleCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
@@ -41,6 +41,7 @@ class Entry:
     seq: int = 0  # forward order
     dtype: str = ""
     group: str = ""  # the attention call it belongs to: its q, k, v and weights share head count and head size
+    source: str | None = None  # "path:line" of the model code that made that attention call
 
 
 # Expected symbolic layouts per role; alternatives are equally correct. B and T follow the inputs; S is the keys'
@@ -93,12 +94,15 @@ axis with a symbolic dimension: B batch, T sequence, S keys (T, or a KV cache's 
 h_kv key/value heads, d_h head size, V vocabulary, d_ff feed-forward width.
 How axes are named: by behaviour and position, not by size. A second small pass with other B and T shows which axes
 follow them (so T = d_h = 4 in the seed's toy is no ambiguity); the other axes are named by where they sit in the
-layout the tensor's role requires. Sizes the model states (`dims:` in the config, `check_model(dims=...)`, or its
-config object) must agree; sizes it does not state are read off the tensors: the head count off the q handed to SDPA,
-the operands of q @ k^T, nn.MultiheadAttention's num_heads. An axis that cannot be named is shown by its size (a
-prefill chunk of 4, a decode step of 1, a value embedding's width): that is never a finding. A model that refuses
-the naming pass's batch size (a cache allocated for max_batch_size) is named at its own; one that refuses the pass
-altogether is named by position and size, with a note saying what that cannot tell.
+layout the tensor's role requires. Roles come from what a tensor is, not from its width: the feed-forward state is
+the output of an MLP layer another layer of the same module follows (up, gate), never the down projection or the lm
+head, however wide; the operands of an eager q @ k^T and weights @ v hold the query heads h when they have as many
+(kv heads repeated), the kv heads h_kv when fewer. Sizes the model states (`dims:` in the config,
+`check_model(dims=...)`, or its config object) must agree; sizes it does not state are read off the tensors: the head
+count off the q handed to SDPA, the operands of q @ k^T, nn.MultiheadAttention's num_heads. An axis that cannot be named
+is shown by its size (a prefill chunk of 4, a decode step of 1, a value embedding's width): that is never a finding. A
+model that refuses the naming pass's batch size (a cache allocated for max_batch_size) is named at its own; one that
+refuses the pass altogether is named by position and size, with a note saying what that cannot tell.
 Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q handed to attention [B,h,T,d_h]; k/v
 [B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots); weights [B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
 Logits wider than the vocabulary are a padded vocabulary (V_pad, a note); narrower ones are a fail. The softmax must
@@ -121,10 +125,13 @@ If a size is named wrongly because the model's config says something else, decla
         named = namer.name_all(entries)
         findings, rows = [], []
         for e in entries:
-            dims, ok = named[e.name]
+            dims, layout = named[e.name]
             expected = TEMPLATES.get(e.role)
+            ok = layout is not None or expected is None
+            # The layout it fits is what it was expected to be (a repeated v [B,h,S,d_h], not the first of the
+            # alternatives, [B,h_kv,S,d_h]); a tensor that fits none is shown against the first.
             rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "dtype": e.dtype, "role": e.role,
-                         "expected": expected[0] if expected else None, "ok": ok, "implied": e.implied})
+                         "expected": layout or (expected[0] if expected else None), "ok": ok, "implied": e.implied})
             findings += judge(e, dims, ok, expected, namer)
         findings = _merge_layers(findings)
         notes += namer.notes(rows)
@@ -200,11 +207,8 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
     entries = [Entry("input_ids", "ids", tuple(ids_shape), dtype="int64")]
     attending = {c.module for c in obs.attention if c.module} | {m.module for m in obs.matmuls if m.module}
     token = _token_embedding(obs, ids_shape[0], known.get("d"))
-    head = max((c for c in obs.modules if c.name and logits_shape and c.output_shape == tuple(logits_shape)),
-               key=lambda c: c.seq, default=None)  # the last module to produce the logits: the lm head
-    head = head.name if head else None
     calls: dict[str, int] = {}  # a module run more than once per forward (decode steps, shared layers): #1, #2, ...
-    for call in obs.modules:
+    for i, call in enumerate(obs.modules):
         if call.output_shape is None or not call.name:
             continue
         if _embeds_ids(call, ids_shape[0]):
@@ -214,10 +218,11 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
             # A transformer block maps the residual stream to itself; a list item that changes the shape (one
             # attention head of a per-head ModuleList, a projection) is not a block, and not a hidden state.
             role, label = "hidden", f"{call.name} output"
-        elif call.cls == "Linear" and known.get("d_ff") and call.output_shape[-1:] == (known["d_ff"],) \
-                and _in_first_block(call.name, blocks) and call.name != head \
-                and not any(call.name.startswith(f"{m}.") for m in attending):
-            # The MLP's hidden layer; not a fused q/k/v projection, nor an lm head, that happens to be as wide.
+        elif call.cls == "Linear" and known.get("d_ff") and _in_first_block(call.name, blocks) \
+                and not any(call.name.startswith(f"{m}.") for m in attending) and _hidden_layer(obs.modules, i) \
+                and call.output_shape[-1:] == (known["d_ff"],):
+            # The MLP's hidden layer (up, gate) by what it does, its width only confirming it: not a fused q/k/v
+            # projection, nor the down projection or an lm head that happen to be as wide.
             role, label = "ffn", f"{call.name} output"
         else:
             continue
@@ -231,7 +236,7 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         n = per_module[call.module] = per_module.get(call.module, -1) + 1
         where = f"{call.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
-        at = dict(module=call.module, seq=call.seq, dtype=call.dtype, group=where)
+        at = dict(module=call.module, seq=call.seq, dtype=call.dtype, group=where, source=call.source)
         if call.api == "sdpa":
             entries += [Entry(f"{where} q", "q", call.query_shape, **at),
                         Entry(f"{where} k", "k", call.key_shape, **at),
@@ -247,8 +252,9 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         where = f"{mm.module or 'model'}" + (f"#{n}" if n else "")
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
         call = getattr(mm, "call", None)
-        where = calls_at[call] if call is not None and call < len(calls_at) else where
-        at = dict(module=mm.module, seq=mm.seq, group=where)
+        linked = call is not None and call < len(calls_at)
+        where = calls_at[call] if linked else where
+        at = dict(module=mm.module, seq=mm.seq, group=where, source=obs.attention[call].source if linked else None)
         if mm.kind == "scores":
             entries += [Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
                         Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at)]
@@ -276,6 +282,22 @@ def _token_embedding(obs: Observation, batch: int, d: int | None) -> str | None:
     embeddings = [c.name for c in obs.modules if c.output_shape and _embeds_ids(c, batch)]
     as_wide = [c.name for c in obs.modules if c.output_shape and _embeds_ids(c, batch) and c.output_shape[-1] == d]
     return next(iter(as_wide or embeddings), None)
+
+
+def _hidden_layer(modules: list[ModuleCall], i: int) -> bool:
+    """Whether another Linear of the same parent runs after Linear call i, within the same call of the parent: then
+    its output feeds the parent's further layers (an MLP's up and gate projections), where the parent's last Linear
+    (the down projection, an lm head) hands its output back."""
+    parent = modules[i].name.rpartition(".")[0]
+    enclosing = next((m for m in reversed(modules[:i]) if m.name == parent), None)
+    if enclosing is None:
+        return False
+    for later in modules[i + 1:]:  # in the order calls started; those inside the parent's call end before it does
+        if later.seq > enclosing.seq:
+            return False
+        if later.cls == "Linear" and later.name.rpartition(".")[0] == parent:
+            return True
+    return False
 
 
 def _in_first_block(name: str, blocks: str | None) -> bool:
@@ -359,10 +381,10 @@ class Namer:
 
     # -- naming -----------------------------------------------------------------------------------------------------
 
-    def name_all(self, entries: list[Entry]) -> dict[str, tuple[list[str], bool]]:
-        """name -> (dims, fits its role). Sizes are read in an order that lets the clearest evidence speak first:
-        the blocks' residual stream before embeddings (a value embedding has its own width), each attention call's
-        API-defined tensors before eager operands, and the logits last."""
+    def name_all(self, entries: list[Entry]) -> dict[str, tuple[list[str], list[str] | None]]:
+        """name -> (dims, the layout of its role they fit or None). Sizes are read in an order that lets the clearest
+        evidence speak first: the blocks' residual stream before embeddings (a value embedding has its own width),
+        each attention call's API-defined tensors before eager operands, and the logits last."""
         named = {}
 
         def run(group: list[Entry], scope: ChainMap):
@@ -378,12 +400,15 @@ class Namer:
         run([e for e in entries if e.role not in order and not e.group], ChainMap(self.shared))
         return named
 
-    def name(self, e: Entry, scope: ChainMap) -> tuple[list[str], bool]:
+    def name(self, e: Entry, scope: ChainMap) -> tuple[list[str], list[str] | None]:
+        """The axes' names, and the layout of the tensor's role they fit (None: it fits none)."""
         axes = self.axes(e)
         layouts = TEMPLATES.get(e.role, [])
-        if "h_kv" not in self.stated:
+        if "h_kv" not in self.stated or e.role in ("scores_k", "scores_v"):
             # Keys with as many heads as the queries have h heads: whether fewer kv heads were repeated or there
-            # are no fewer, nothing tells, and no h_kv is claimed. Fewer heads than h are h_kv.
+            # are no fewer, nothing tells, and no h_kv is claimed. Fewer heads than h are h_kv. The operands of
+            # q @ k^T and weights @ v pair head by head with the queries, so this holds for them whatever the model
+            # states: as many heads as the queries are the query heads (kv heads repeated, or h_kv = h).
             layouts = sorted(layouts, key=lambda t: "h_kv" in t or "B*h_kv" in t)
         for layout in layouts:
             fitted = self.fit(layout, axes, scope)
@@ -392,8 +417,8 @@ class Namer:
                 scope.update(read)
                 if "V_pad" in names:
                     self.padded = (e.shape[names.index("V_pad")], self.value("V", scope))
-                return names, True
-        return self.describe(e, axes, scope), e.role not in TEMPLATES
+                return names, layout
+        return self.describe(e, axes, scope), None
 
     def fit(self, layout: list[str], axes: list[Axis], scope: ChainMap) -> tuple[list[str], dict] | None:
         """The axes' names if the tensor fits this layout, and the sizes it reads off; None if it does not."""
@@ -534,6 +559,8 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None,
     elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
         findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
                                 f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module))
+    for f in findings:  # a tensor of an attention call points at the line that made the call
+        f.source = e.source
     return findings
 
 

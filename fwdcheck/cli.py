@@ -15,9 +15,8 @@ import stat
 import sys
 import tempfile
 import traceback
-import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, redirect_stdout
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -27,14 +26,19 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck import __version__
-from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, FwdcheckError, UsageError
+from fwdcheck.errors import (EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK,
+                             EXIT_TERMINATED, EXIT_USAGE, FwdcheckError, UsageError, exception_text)
+from fwdcheck.worker import about_config
 
-EXIT_CODES = """\
-Exit codes: 0 every selected check passed (warnings allowed unless --fail-on warn) ·
-1 a check failed, or errored because the model raised while being checked ·
-2 usage or configuration error, including a model that cannot be built or loaded ·
-3 internal error of fwdcheck (please report it, with --debug output) ·
-5 nothing ran (every check skipped) · 130 interrupted."""
+EXIT_CODES = """\b
+Exit codes:
+  0    every selected check passed (warnings too, unless --fail-on warn)
+  1    a check failed, or errored: the model raised, hung or died
+  2    usage or configuration error, or a model that cannot be built
+  3    internal error of fwdcheck (please report it, with --debug output)
+  5    nothing ran: every selected check skipped
+  130  interrupted (Ctrl-C); 143 terminated (SIGTERM): the partial report
+       is still written"""
 
 app = typer.Typer(
     name="fwdcheck",
@@ -42,7 +46,9 @@ app = typer.Typer(
     epilog=EXIT_CODES,
     add_completion=False,
     no_args_is_help=True,
-    rich_markup_mode="rich",
+    # Click's own help layout: flags shown without a type, paragraphs wrapped to the terminal (typer's rich panels
+    # print `--exhaustive <bool>` for a flag that takes no value, and keep the docstrings' line breaks).
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 # soft_wrap: an error is one line even when stderr is a file or a pipe (rich would wrap it at 80 columns there).
@@ -82,52 +88,78 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
 ) -> None:
     """Forward-pass sanity checks for transformer code."""
 
 
-@app.command(epilog=EXIT_CODES)
+class Verbosity(str, Enum):  # the terminal report's views (fwdcheck.report.terminal.Verbosity)
+    quiet = "quiet"
+    default = "default"
+    verbose = "verbose"
+
+
+DEFAULT_CONFIG = Path("fwdcheck.yaml")  # what `fwdcheck init` and the pre-commit hook write
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+
+
+@app.command(epilog=EXIT_CODES, help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
+             "With no CONFIG, ./fwdcheck.yaml. Several configs make one report and one exit code, the worst. The "
+             "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
+             "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
 def run(
-    config: Annotated[Optional[Path], typer.Argument(help="YAML config (see `fwdcheck init`).", show_default=False)] = None,
-    check: Annotated[Optional[list[str]], typer.Option("--check", "-c", help="Run only this check (repeatable); "
-                                                       "narrows the config's selection.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="'pkg.module:factory' returning an nn.Module, "
-                                                 "instead of a config.")] = None,
+    configs: Annotated[Optional[list[Path]], typer.Argument(metavar="[CONFIG]...", show_default=False,
+                                                            help="YAML configs (`fwdcheck init` writes one).")] = None,
+    check: Annotated[Optional[list[str]], typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
+                                                       "(repeatable); narrows the config's selection.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
+                                                 "an nn.Module, instead of a config.")] = None,
     device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.", min=-(2**63),
-                                                max=2**64 - 1)] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Report format on stdout (or --output).")] = Format.rich,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file "
-                                                   "(whole or not at all) instead of stdout.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the JSON report here.")] = None,
-    junit_path: Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here.")] = None,
-    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", help="Also write a markdown report here.")] = None,
-    html_path: Annotated[Optional[Path], typer.Option("--html", help="Also export the terminal report as HTML.")] = None,
-    svg_path: Annotated[Optional[Path], typer.Option("--svg", help="Also export the terminal report as SVG.")] = None,
-    save_ledger: Annotated[Optional[Path], typer.Option("--save-ledger", help="Write the shape ledger (JSON) here, "
-                                                        "to pin the architecture in review.")] = None,
-    expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", help="Fail (FWD405-407) when the "
-                                                          "ledger differs from this saved one.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
+                                                   "file (whole or not at all) instead of stdout.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Also write the JSON report "
+                                                      "here.")] = None,
+    junit_path: Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
+                                                       "here.")] = None,
+    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
+                                                          "report here.")] = None,
+    html_path: Annotated[Optional[Path], typer.Option("--html", metavar="PATH", help="Also export the terminal "
+                                                      "report (every panel) as HTML.")] = None,
+    svg_path: Annotated[Optional[Path], typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
+                                                     "(every panel) as SVG.")] = None,
+    save_ledger: Annotated[Optional[Path], typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
+                                                        "ledger (JSON) here, to pin the architecture in review.")] = None,
+    expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
+                                                          "when the ledger differs from this saved one.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
                                              "the full leak map.")] = False,
     meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
                                        "big for this machine, no weights allocated.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones "
+                                          "too.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line: the verdict and what failed.")] = False,
+    in_process: Annotated[bool, typer.Option("--in-process", help="Run the model in this process, for a debugger "
+                                             "or profiler; a model that exits, hangs or crashes then ends the run "
+                                             "itself.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Check a model's forward pass and exit with a code CI can gate on."""
-    options = RunOptions(config, check, model, device, dtype, seed, output_format, output, json_path, junit_path,
-                         markdown_path, html_path, svg_path, save_ledger, expect_ledger, fail_on, exhaustive, meta,
-                         debug)
+    options = RunOptions(configs=configs or [], checks=check, model=model, device=device, dtype=dtype, seed=seed,
+                         format=output_format, output=output, json=json_path, junit=junit_path,
+                         markdown=markdown_path, html=html_path, svg=svg_path, save_ledger=save_ledger,
+                         expect_ledger=expect_ledger, fail_on=fail_on, exhaustive=exhaustive, meta=meta,
+                         verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
+                         in_process=in_process, debug=debug)
     raise typer.Exit(_guarded(lambda: _run(options), debug))
 
 
 @dataclass
 class RunOptions:
-    config: Path | None
+    configs: list[Path]
     checks: list[str] | None
     model: str | None
     device: Device | None
@@ -145,93 +177,149 @@ class RunOptions:
     fail_on: FailOn
     exhaustive: bool
     meta: bool
+    verbosity: Verbosity
+    in_process: bool
     debug: bool
 
 
-def _run(o: RunOptions) -> int:
-    from fwdcheck.config import config_from_dict, load_config
-    from fwdcheck.model import load_model
-    from fwdcheck.registry import select
-    from fwdcheck.runner import run_model
-    from fwdcheck.session import Settings
+@dataclass
+class Planned:
+    """One config's run, validated before any model loads."""
 
-    if o.config is not None and o.model is not None:
+    path: Path | None  # None: --model
+    config: object  # fwdcheck.config.Config
+    job: object  # fwdcheck.worker.Job
+
+
+def _run(o: RunOptions) -> int:
+    if o.configs and o.model is not None:
         raise UsageError("give either a config file or --model, not both")
-    if o.config is None and o.model is None:
-        raise UsageError("give a config file (`fwdcheck init` writes one) or --model pkg.module:factory")
-    if o.config is not None:
-        config = load_config(o.config)
-    else:
-        config = config_from_dict({"model": {"source": "python", "factory": o.model}})
+    paths: list[Path | None] = list(o.configs) or ([None] if o.model is not None else [default_config()])
+    if len(paths) > 1 and (o.save_ledger or o.expect_ledger):
+        raise UsageError("--save-ledger and --expect-ledger take one config; give one")
+    if o.seed is not None and not SEED_RANGE[0] <= o.seed <= SEED_RANGE[1]:
+        raise UsageError(f"--seed {o.seed}: out of range; a seed is between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
+    expected_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
+    plans = [plan(o, path, expected_ledger) for path in paths]  # every config validated before any model loads
+    check_outputs(o, [i for p in plans for i in run_inputs(o, p.path, p.config)])  # an unwritable report: now
+    outcome = Outcome(several=len(plans) > 1)
+    with progress_display(enabled=o.format == Format.rich and o.output is None and _isatty(sys.stdout)) as progress:
+        for planned in plans:
+            try:
+                report = run_job(planned.job, progress, in_process=o.in_process, timeout_s=planned.config.timeout_s,
+                                 debug=o.debug)
+            except FwdcheckError as exc:
+                if not outcome.several:
+                    raise
+                code = print_error(exc, o.debug)  # this config's line; the others still run
+                outcome.not_run.append({"config": str(planned.path), "exit_code": code,
+                                        "error": one_line(exception_text(exc))})
+                continue
+            outcome.reports.append(report)
+            if report.interrupted:
+                break
+    with signals_deferred():  # the verdict is decided: a Ctrl-C now must not leave a report half written
+        write_reports(outcome, o)
+    return outcome.exit_code
+
+
+@dataclass
+class Outcome:
+    """What one `fwdcheck run` made: each config's report, the configs that could not run (several configs only:
+    one alone is its error line), and the exit code of them all."""
+
+    several: bool
+    reports: list = field(default_factory=list)
+    not_run: list[dict] = field(default_factory=list)  # {"config", "exit_code", "error"}
+
+    @property
+    def exit_code(self) -> int:
+        return worst_exit([r.exit_code for r in self.reports] + [n["exit_code"] for n in self.not_run])
+
+
+def default_config() -> Path:
+    if not DEFAULT_CONFIG.is_file():
+        raise UsageError(f"give a config file (there is no ./{DEFAULT_CONFIG}; `fwdcheck init` writes one) or "
+                         "--model pkg.module:factory")
+    return DEFAULT_CONFIG
+
+
+def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Planned:
+    """Read and validate one config with the command line's choices: its Job for the worker."""
+    from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.registry import select
+    from fwdcheck.worker import Job
+
+    config = load_config(path) if path is not None else config_from_dict(
+        {"model": {"source": "python", "factory": o.model}})
     selection = o.checks if o.checks else config.checks
     if o.checks:
         select(o.checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
     if o.checks and config.checks:
         outside = [c for c in o.checks if c not in config.checks and ":" not in c]  # module:Class is explicit
         if outside:
-            raise UsageError(f"--check {outside[0]} is not among the config's checks ({', '.join(config.checks)})")
-    with about_config(o.config if config.checks and not o.checks else None, "checks: "):
+            raise UsageError(f"{path}: --check {outside[0]} is not among the config's checks "
+                             f"({', '.join(config.checks)})")
+    with about_config(path if config.checks and not o.checks else None, "checks: "):
         entries = select(selection)
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
-    config.meta = o.meta or config.meta
-    settings = Settings.from_config(config)
-    settings.device = o.device.value if o.device else settings.device
-    settings.dtype = o.dtype.value if o.dtype else settings.dtype
-    settings.seed = o.seed if o.seed is not None else settings.seed
-    settings.exhaustive = o.exhaustive or settings.exhaustive
-    settings.expect_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
-    check_outputs(o, run_inputs(o, config))  # before the model loads: an unwritable report fails in a second
-    # Warnings (torch's, a model's own) would land on stderr ahead of the report or of the one error line; they go
-    # into the report's notes instead (shown with --debug on an error).
-    with warnings.catch_warnings(record=True) as caught:
-        try:
-            with about_config(o.config):
-                loaded = load_model(config)
-            with about_config(o.config), progress_display(enabled=o.format == Format.rich and o.output is None
-                                                          and _isatty(sys.stdout)) as progress:
-                report = run_model(loaded, settings, entries, config_path=o.config, fail_on=o.fail_on.value,
-                                   progress=progress)
-        except BaseException:
-            if o.debug:
-                for line in warning_notes(caught):
-                    err.print(escape(line), style="dim")
-            raise
-    report.notes += [n for n in warning_notes(caught) if n not in report.notes]
-    write_reports(report, o)
-    return report.exit_code
+    job = Job(config=str(path) if path is not None else None, factory=o.model, checks=[e.name for e in entries],
+              device=o.device.value if o.device else None, dtype=o.dtype.value if o.dtype else None, seed=o.seed,
+              exhaustive=o.exhaustive, meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value,
+              sys_path=[p for p in sys.path if p])
+    return Planned(path, config, job)
 
 
-def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
-    """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`."""
-    notes: list[str] = []
-    for w in caught:
-        text = (exception_text(w.message).strip().splitlines() or [""])[0]
-        note = f"warning: {w.category.__name__}: {text} ({Path(w.filename).name}:{w.lineno})"
-        if note not in notes:
-            notes.append(note)
-    return notes
+# Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
+# not run, then a failure, then nothing ran, then a pass.
+EXIT_SEVERITY = (EXIT_TERMINATED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_FAILED, EXIT_NOTHING_RAN, EXIT_OK)
+
+
+def worst_exit(codes: list[int]) -> int:
+    return min(codes, key=lambda code: EXIT_SEVERITY.index(code) if code in EXIT_SEVERITY else 0, default=EXIT_OK)
 
 
 @contextmanager
-def about_config(path: Path | None, key: str = ""):
-    """A usage error about what the config file names (its checks, its model, its inputs) carries the file's name
-    first, as the config's own validation errors do: `error: model.yaml: factory 'pkg:build' raised ...`."""
+def signals_deferred():
+    """Ctrl-C ignored while the reports are written (SIGTERM still ends the process)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
-    except UsageError as exc:
-        if path is not None and not str(exc).startswith(f"{path}:"):
-            exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_job(job, progress, *, in_process: bool, timeout_s: float | None, debug: bool):
+    """The report of `job`: from a supervised worker process (fwdcheck/supervisor.py), or, with --in-process,
+    from this one. Warnings of a run that could not be made are shown with --debug."""
+    from fwdcheck.supervisor import run_supervised
+    from fwdcheck.worker import execute
+
+    try:
+        if in_process:  # model code's prints still stay off a report on stdout
+            with redirect_stdout(sys.stderr):
+                return execute(job, progress=progress)
+        return run_supervised(job, timeout_s=timeout_s, progress=progress)
+    except BaseException as exc:
+        if debug:
+            for line in getattr(exc, "warning_notes", []):
+                err.print(escape(line), style="dim")
         raise
 
 
-def write_reports(report, o: RunOptions) -> None:
+def write_reports(outcome: Outcome, o: RunOptions) -> None:
     """The main report on stdout (or --output), then every extra file asked for; each file whole or not at all.
+    Several configs make one report of each kind (their reports in order, and the combined exit code).
 
     One output that cannot be written does not keep the others from being written; the first failure is the error
     line (exit 2) once all were tried. The job summary ($GITHUB_STEP_SUMMARY) is an extra: it only warns."""
-    from fwdcheck.report.terminal import render
-
     failures: list[UsageError] = []
 
     def attempt(write, *args, **kwargs) -> None:
@@ -242,42 +330,75 @@ def write_reports(report, o: RunOptions) -> None:
 
     if o.format == Format.rich:
         if o.output is None:
-            attempt(write_stdout, lambda stream: render(report, Console(file=stream, width=None if _isatty(stream)
-                                                                        else 120), debug=o.debug))
+            attempt(write_stdout, lambda stream: render_terminal(outcome, StdoutConsole(
+                file=stream, width=report_width(stream)), o.verbosity, o.debug))
         else:  # into the file only, as --output promises: "instead of stdout"
-            attempt(write_whole, o.output, recorded(report, o.debug).export_text(styles=False))
+            text = recorded(outcome, o.verbosity, o.debug).export_text(styles=False)
+            attempt(write_whole, o.output, text)
     else:
-        text = render_text(report, o.format)
+        text = render_text(outcome, o.format)
         if o.output is None:
             attempt(write_stdout, lambda stream: stream.write(text))
         else:
             attempt(write_whole, o.output, text)
     for path, fmt in ((o.json, Format.json), (o.junit, Format.junit), (o.markdown, Format.markdown)):
         if path is not None:
-            attempt(write_whole, path, render_text(report, fmt), what=f"--{fmt.value}")
-    if o.html is not None or o.svg is not None:
-        console = recorded(report, o.debug)
+            attempt(write_whole, path, render_text(outcome, fmt), what=f"--{fmt.value}")
+    if o.html is not None or o.svg is not None:  # artifacts to read later: every panel
+        console = recorded(outcome, Verbosity.verbose, o.debug)
         if o.html is not None:
             attempt(write_whole, o.html, console.export_html(clear=False), what="--html")
         if o.svg is not None:
             attempt(write_whole, o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
     if o.save_ledger is not None:
-        ledger = next((r for r in report.results if r.name == "shape-ledger"), None)
-        if ledger is None or "entries" not in ledger.data:
-            why = ledger.summary if ledger is not None else "not selected"
-            failures.append(UsageError(f"--save-ledger {o.save_ledger}: the shape ledger did not run ({why})"))
-        else:
-            document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
-                        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")}
-                                    for e in ledger.data["entries"]]}
-            attempt(write_whole, o.save_ledger, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+        attempt(save_ledger, outcome.reports[0], o.save_ledger)
     if o.format == Format.github:
-        append_job_summary(report)
+        for report in outcome.reports:
+            append_job_summary(report)
     if failures:
         more = len(failures) - 1
         first = failures[0]
         raise UsageError(f"{first}" + (f" (and {more} more output{'s' if more > 1 else ''} not written)"
                                        if more else ""))
+
+
+def save_ledger(report, path: Path) -> None:
+    ledger = next((r for r in report.results if r.name == "shape-ledger"), None) if report else None
+    if ledger is None or "entries" not in ledger.data:
+        why = ledger.summary if ledger is not None else "not selected"
+        raise UsageError(f"--save-ledger {path}: the shape ledger did not run ({why})")
+    document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
+                "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]]}
+    write_whole(path, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+
+
+class StdoutConsole(Console):
+    """rich ends the process with exit 1 when the reader of stdout goes away; here that is write_stdout's to
+    handle (the run's exit code stands)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def report_width(stream) -> int | None:
+    """A terminal's own width; elsewhere COLUMNS when set (rich reads it), else 120 (a CI log is wide)."""
+    return None if _isatty(stream) or os.environ.get("COLUMNS", "").isdigit() else 120
+
+
+def render_terminal(outcome: Outcome, console: Console, verbosity: Verbosity, debug: bool) -> None:
+    """Each config's terminal report; with several, a last line with each one's verdict and the exit code."""
+    from fwdcheck.report.terminal import render
+
+    for i, report in enumerate(outcome.reports):
+        if i and verbosity != Verbosity.quiet:
+            console.print()
+        render(report, console, debug=debug, verbosity=verbosity.value)
+    if outcome.several:
+        each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
+        each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
+        console.print(escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}",
+                      soft_wrap=True)
 
 
 def append_job_summary(report) -> None:
@@ -293,28 +414,35 @@ def append_job_summary(report) -> None:
         err.print(f"[bold yellow]warning:[/] {escape(line)}")
 
 
-def render_text(report, fmt: Format) -> str:
+def render_text(outcome: Outcome, fmt: Format) -> str:
+    """The report in a text format. Several configs: JSON holds `reports` (each one config's report) and `not_run`,
+    JUnit one testsuite per config, GitHub and markdown one after another."""
+    reports = outcome.reports
     if fmt == Format.json:
-        return json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+        from fwdcheck import __version__
+        from fwdcheck.report import SCHEMA_VERSION
+
+        document = {"schema_version": SCHEMA_VERSION, "fwdcheck_version": __version__, "exit_code": outcome.exit_code,
+                    "reports": [r.to_dict() for r in reports], "not_run": outcome.not_run} if outcome.several \
+            else reports[0].to_dict()
+        return json.dumps(document, indent=2, default=str) + "\n"
     if fmt == Format.junit:
         from fwdcheck.report.junit import to_junit
 
-        return to_junit(report)
+        return to_junit(*reports)
     if fmt == Format.github:
         from fwdcheck.report.github import to_github
 
-        return to_github(report)
+        return "".join(to_github(r) for r in reports)
     from fwdcheck.report.markdown import to_markdown
 
-    return to_markdown(report)
+    return "\n".join(to_markdown(r) for r in reports)
 
 
-def recorded(report, debug: bool) -> Console:
+def recorded(outcome: Outcome, verbosity: Verbosity, debug: bool) -> Console:
     """The terminal report rendered into a recording console, for text, HTML and SVG export."""
-    from fwdcheck.report.terminal import render
-
     console = Console(file=io.StringIO(), record=True, width=120, force_terminal=True, color_system="truecolor")
-    render(report, console, debug=debug)
+    render_terminal(outcome, console, verbosity, debug)
     return console
 
 
@@ -355,10 +483,7 @@ def _guarded(action, debug: bool) -> int:
     try:
         return action()
     except FwdcheckError as exc:
-        if debug:
-            err.print(traceback.format_exc(), style="dim")
-        err.print(f"[bold red]error:[/] {escape(one_line(exception_text(exc)))}")  # paths, names: not markup
-        return exc.exit_code
+        return print_error(exc, debug)
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
         return EXIT_INTERRUPTED
@@ -371,6 +496,20 @@ def _guarded(action, debug: bool) -> int:
         return EXIT_INTERNAL
 
 
+def print_error(exc: FwdcheckError, debug: bool) -> int:
+    """An expected error's one line on stderr (with --debug, the traceback first); its exit code."""
+    if debug:  # an error made in the model's process carries that process's traceback
+        err.print(getattr(exc, "detail", None) or traceback.format_exc(), style="dim")
+    if exc.exit_code == EXIT_INTERNAL:
+        err.print(f"[bold magenta]internal error:[/] {escape(one_line(exception_text(exc)))} — this is a bug in "
+                  "fwdcheck; please report it with the output of --debug")
+    elif exc.exit_code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        err.print("[bold red]interrupted[/]")
+    else:
+        err.print(f"[bold red]error:[/] {escape(one_line(exception_text(exc)))}")  # paths, names: not markup
+    return exc.exit_code
+
+
 def one_line(message: str) -> str:
     """An error stays one line even when the exception's message does not (torch's C++ errors append their stack,
     a factory may raise a paragraph): the first line, and how much --debug would add."""
@@ -378,14 +517,6 @@ def one_line(message: str) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else message.strip()
     return f"{lines[0]} [{len(lines) - 1} more line{'s' if len(lines) > 2 else ''}: --debug shows them]"
-
-
-def exception_text(exc: BaseException) -> str:
-    """str(exc), even for an exception whose __str__ itself raises (model code can hand us one)."""
-    try:
-        return str(exc)
-    except Exception:
-        return f"<{type(exc).__name__}: its message cannot be shown>"
 
 
 def why_not(exc: OSError | ValueError) -> str:
@@ -449,13 +580,13 @@ def output_target(path: Path, label: str) -> Target:
     return Target(real, direct=False)
 
 
-def run_inputs(o: RunOptions, config) -> list[tuple[str, Path]]:
+def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[str, Path]]:
     """The files a run reads, named as an error would name them: no output may be written over one."""
     from fwdcheck.config import CheckpointModel, HFModel
 
     inputs: list[tuple[str, Path]] = []
-    if o.config is not None:
-        inputs.append(("the config file", Path(o.config)))
+    if config_path is not None:
+        inputs.append(("the config file", Path(config_path)))
     if o.expect_ledger is not None:
         inputs.append(("the --expect-ledger file", Path(o.expect_ledger)))
     model = config.model
@@ -497,8 +628,8 @@ def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
     if o.output is None and sys.stdout is None:
         raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
     seen: list[tuple[str, Target]] = []
-    for option, field in OUTPUTS:
-        path = getattr(o, field)
+    for option, attribute in OUTPUTS:
+        path = getattr(o, attribute)
         if path is None:
             continue
         label = f"{option} {path}"
@@ -547,6 +678,8 @@ def write_stdout(write) -> None:
     try:
         write(stream)
         stream.flush()
+    except BrokenPipeError:  # the reader had what it wanted (`| head`): not an error, the exit code stands
+        silence_stdout()
     except (OSError, ValueError) as exc:  # ValueError: a closed file object
         silence_stdout()
         raise UsageError(f"cannot write the report to stdout ({why_not(exc)}); give --output FILE") from None
@@ -608,14 +741,15 @@ def list_checks() -> None:
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import available
+        from fwdcheck.registry import available, info
 
         table = Table(box=None, pad_edge=False)
-        for column in ("check", "from", "what it verifies"):
-            table.add_column(column)
+        table.add_column("check", no_wrap=True)
+        table.add_column("from", no_wrap=True)  # a plugin's distribution and version, whole
+        table.add_column("what it verifies")
         for entry in available().values():
             try:
-                description = escape(entry.load().description)
+                description = escape(info(entry).description)
             except FwdcheckError as exc:
                 description = f"[red]{escape(str(exc))}[/red]"
             # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
@@ -626,56 +760,108 @@ def list_checks() -> None:
     raise typer.Exit(_guarded(action, False))
 
 
+FINDING_CODE = re.compile(r"^FWD\d{3}$", re.IGNORECASE)
+
+
 @app.command()
-def explain(check: Annotated[str, typer.Argument(help="A check name from `fwdcheck list`.")]) -> None:
-    """What a check verifies, why it matters, what each finding code means, how to fix it."""
+def explain(what: Annotated[str, typer.Argument(metavar="CHECK|CODE", help="A check name from `fwdcheck list`, "
+                                                "or a finding code such as FWD202.")]) -> None:
+    """What a check verifies, why it matters, what each finding code means, how to fix it; or one code's meaning."""
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import select
+        from fwdcheck.registry import info, select
 
-        entry = select([check])[0]
-        loaded = entry.load()
         console = Console()
-        console.print(f"[bold]{escape(entry.name)}[/bold] ({escape(entry.label)}) — {escape(loaded.description)}\n")
-        console.print(loaded.explain, highlight=False, markup=False)
+        if FINDING_CODE.match(what):
+            explain_code(what.upper(), console)
+            return 0
+        entry = select([what])[0]
+        about = info(entry)
+        console.print(f"[bold]{escape(entry.name)}[/bold] ({escape(entry.label)}) — {escape(about.description)}\n")
+        console.print(paragraphs(about.explain), highlight=False, markup=False)
         table = Table(box=None, pad_edge=False, title="finding codes", title_justify="left")
-        table.add_column("code")
+        table.add_column("code", no_wrap=True)
         table.add_column("meaning")
-        for code, meaning in loaded.codes.items():
+        for code, meaning in about.codes.items():
             table.add_row(escape(code), escape(meaning))
         console.print(table)
         return 0
 
+    def explain_code(code: str, console: Console) -> None:
+        from fwdcheck.errors import OWN_CODES
+        from fwdcheck.registry import available, info
+
+        if code in OWN_CODES:
+            console.print(escape(f"{code} (fwdcheck itself): {OWN_CODES[code]}"))
+            return
+        for entry in available().values():
+            try:
+                about = info(entry)
+            except FwdcheckError:  # a plugin that does not load has no codes to offer
+                continue
+            if code in about.codes:
+                console.print(f"[bold]{escape(code)}[/bold] ({escape(entry.name)}): {escape(about.codes[code])}\n")
+                console.print(paragraphs(about.explain), highlight=False, markup=False)
+                return
+        raise UsageError(f"unknown finding code {code}; `fwdcheck explain CHECK` lists a check's codes")
+
     raise typer.Exit(_guarded(action, False))
+
+
+WRAPPED_AT = 100  # a source line at least this long was wrapped by its author: the next line goes on with it
+STARTS_ITEM = re.compile(r"^([-*•]\s|\(\w\)\s|\d+[.)]\s|[A-Z][\w ,()/'-]{0,40}:\s)")  # - x, (a) x, 1. x, Label: x
+
+
+def paragraphs(text: str) -> str:
+    """Text its author wrapped at the source's width (an explain text), unwrapped so that the terminal wraps it at
+    its own: a line goes on with the one before when it is indented deeper (a hanging continuation) or the one
+    before was wrapped; blank lines, list items and `Label:` paragraphs keep their break."""
+    out: list[str] = []
+    item_indent, previous = 0, ""
+    for line in text.strip("\n").splitlines():
+        indent = len(line) - len(line.lstrip())
+        goes_on = previous.strip() and line.strip() and not STARTS_ITEM.match(line.lstrip()) and (
+            indent > item_indent or (indent == item_indent and len(previous) >= WRAPPED_AT))
+        if goes_on:
+            out[-1] = out[-1].rstrip() + " " + line.strip()
+        else:
+            out.append(line)
+            item_indent = indent
+        previous = line
+    return "\n".join(out)
 
 
 @app.command()
 def init(
     path: Annotated[Path, typer.Argument(help="Where to write the starter config.")] = Path("fwdcheck.yaml"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    source: Annotated[str, typer.Option("--source", "-s", metavar="SOURCE", help="The model source the config "
+                                        "describes: reference | python | hf | checkpoint.")] = "reference",
 ) -> None:
-    """Write a commented starter config."""
+    """Write a commented starter config, valid as written, for one model source."""
 
     def action():
-        from fwdcheck.config import STARTER_CONFIG
+        from fwdcheck.templates import starter_config
 
+        text = starter_config(source, str(path))  # an unknown source is its one line before anything is written
         if path.exists() and not force:
             raise UsageError(f"{path} exists; pass --force to overwrite it")
-        write_whole(path, STARTER_CONFIG.format(name=path), what="")
+        write_whole(path, text, what="")
         Console().print(escape(f"wrote {path}; run it with `fwdcheck run {path}`"))
         return 0
 
     raise typer.Exit(_guarded(action, False))
 
 
-@app.command(epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint source, an existing output without "
+@app.command(epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint config whose kwargs name no "
+             "sizes, an existing output without "
              "--force, a config transformers cannot build) · 3 internal error of fwdcheck.")
 def shrink(
-    config: Annotated[Path, typer.Argument(help="YAML config with source hf or reference, e.g. the real config of "
+    config: Annotated[Path, typer.Argument(help="YAML config of any source, e.g. the real config of "
                                            "the model you are about to train.", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the shrunk config; "
-                                                   "default: CONFIG's stem + .shrunk.yaml beside it.",
+                                                   "default: CONFIG's stem + .shrunk.yaml in the working directory.",
                                                    show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
@@ -729,13 +915,12 @@ def _shown(value) -> str:
 
 @app.command()
 def schema(
-    json_report: Annotated[bool, typer.Option("--json-report", help="The schema of `--format json` reports.")] = False,
+    json_report: Annotated[bool, typer.Option("--json-report", help="The schema of `--format json` reports (the "
+                                              "default; the only one).")] = True,
 ) -> None:
-    """Print a JSON schema. Consumers of the JSON report must ignore fields they do not know."""
+    """Print the JSON schema of `--format json` reports. Consumers must ignore fields they do not know."""
 
     def action():
-        if not json_report:
-            raise UsageError("say which schema: --json-report")
         from fwdcheck.report.schema import JSON_REPORT_SCHEMA
 
         sys.stdout.write(json.dumps(JSON_REPORT_SCHEMA, indent=2) + "\n")
@@ -755,6 +940,8 @@ def main() -> None:
         try:
             if sys.stdout is not None:
                 sys.stdout.flush()
+        except BrokenPipeError:  # the reader left early (`| head`): the exit code stands
+            silence_stdout()
         except (OSError, ValueError) as flush_error:
             silence_stdout()
             err.print(f"[bold red]error:[/] {escape(f'cannot write to stdout ({why_not(flush_error)})')}")

@@ -1,7 +1,8 @@
 """The YAML config, validated by pydantic. Paths are resolved relative to the config file.
 
-Every validation problem becomes one ConfigError line naming the file and the YAML path of the key, e.g.
-`toy.yaml: model.n_head: unknown key; did you mean 'n_heads'?`.
+The validation problems become one ConfigError line naming the file and, for each problem, the YAML path of the key,
+e.g. `toy.yaml: model.n_head: unknown key; did you mean 'n_heads'?; inputs.seq_len: Input should be greater than or
+equal to 2 (got 1)`.
 """
 
 from __future__ import annotations
@@ -345,28 +346,39 @@ def _resolve(path: Path, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
 
 
+# How many problems a config error lists; a file wrong in more places is likely not a fwdcheck config at all.
+MAX_PROBLEMS = 10
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """The first problem as `yaml.path: what is wrong`, plus how many more there are."""
-    # An unknown key usually explains a missing one next to it (a typo), so report it first.
+    """Every problem as `yaml.path: what is wrong`, on one line joined by '; ', up to MAX_PROBLEMS of them."""
+    # An unknown key usually explains a missing one next to it (a typo), so unknown keys come first.
     errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    loc = _yaml_loc(first["loc"])
-    if first["type"] == "extra_forbidden":
-        message = f"{loc}: unknown key{_did_you_mean(first['loc'])}"
-    elif first["type"] == "missing":
-        message = f"{loc}: required key is missing"
-    elif first["type"] == "union_tag_invalid":
-        message = f"{loc or 'model'}.source: unknown source {first['input'].get('source')!r}; " \
+    listed: set[tuple] = set()  # mappings whose valid keys the line already names: named once, not per unknown key
+    problems = list(dict.fromkeys(_describe_problem(error, listed) for error in errors))
+    shown = "; ".join(problems[:MAX_PROBLEMS])
+    more = len(problems) - MAX_PROBLEMS
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
+def _describe_problem(error: dict, listed: set[tuple]) -> str:
+    loc = _yaml_loc(error["loc"])
+    if error["type"] == "extra_forbidden":
+        mapping = tuple(error["loc"][:-1])
+        hint = _did_you_mean(error["loc"], name_valid_keys=mapping not in listed)
+        listed.add(mapping)
+        return f"{loc}: unknown key{hint}"
+    if error["type"] == "missing":
+        return f"{loc}: required key is missing"
+    if error["type"] == "union_tag_invalid":
+        return f"{loc or 'model'}.source: unknown source {error['input'].get('source')!r}; " \
             f"known: {', '.join(_model_classes())}"
-    elif first["type"] == "union_tag_not_found":
-        message = f"{loc or 'model'}: the 'source' key is missing ({' | '.join(_model_classes())})"
-    else:
-        got = first.get("input")
-        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
-        text = first["msg"].removeprefix("Value error, ")
-        message = f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
-    more = len(errors) - 1
-    return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+    if error["type"] == "union_tag_not_found":
+        return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(_model_classes())})"
+    got = error.get("input")
+    shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
+    text = error["msg"].removeprefix("Value error, ")
+    return f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
 
 
 class LedgerEntry(BaseModel):
@@ -432,8 +444,9 @@ def _yaml_loc(loc: tuple) -> str:
     return text
 
 
-def _did_you_mean(loc: tuple) -> str:
-    """Walk the schema along loc to the mapping holding the unknown key and suggest the closest valid key."""
+def _did_you_mean(loc: tuple, *, name_valid_keys: bool) -> str:
+    """Walk the schema along loc to the mapping holding the unknown key and suggest the closest valid key; with no
+    close one, name the valid keys (when asked to)."""
     cls: type[BaseModel] | None = Config
     path = list(loc)
     key = str(path.pop())
@@ -449,31 +462,6 @@ def _did_you_mean(loc: tuple) -> str:
         return ""
     valid = [name for name in cls.model_fields if name != "source_path"]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-
-
-STARTER_CONFIG = """\
-# fwdcheck config: `fwdcheck run {name}`
-model:
-  source: reference        # reference (the built-in transformer) | python (your own factory)
-  # For your own model:
-  # source: python
-  # factory: "mypkg.model:build"   # a callable returning an nn.Module; forward(input_ids) -> logits [B, T, V]
-  # kwargs: {{}}                     # keyword arguments for the factory
-  # path: [.]                      # directories put on sys.path first, relative to this file
-  # causal: true                   # false for bidirectional encoders
-  vocab_size: 16
-  d_model: 8
-  n_heads: 2
-  n_layers: 2
-  positional: rope         # rope | learned | none
-  bugs: []                 # plant one: no-causal-mask, inverted-bool-mask, float-mask-01, ...
-inputs:
-  batch_size: 2
-  seq_len: 8
-  seed: 0
-device: cpu                # cpu | cuda | auto (cuda when available)
-dtype: float32             # float32 | bfloat16 | float16; tolerances follow the dtype
-# checks: [shape-ledger, future-token, mask-audit, rope]   # omitted = every registered check
-# tolerance: {{rtol: 1.3e-6, atol: 1e-5, noise_factor: 10}}
-"""
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return f"; valid keys: {', '.join(valid)}" if name_valid_keys else ""

@@ -8,6 +8,7 @@ report says the model's own code ran.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -25,6 +26,12 @@ from fwdcheck.model import ModelUnderTest
 INTERLEAVED = {"gptj", "codegen"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
+# The largest model built with random weights. Random weights check the model's code, and the code is the same at
+# any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
+# model_type builds, is 6.7B parameters, 27 GB in float32). `fwdcheck shrink` keeps the architecture at small widths.
+MAX_RANDOM_PARAMETERS = 1_000_000_000
+# The sizes a config gives (as transformers' standard names; attribute_map has each architecture's spelling).
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def require_transformers():
@@ -56,7 +63,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
     notes = []
     if spec.trust_remote_code:
         notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
-    with offline():
+    with offline(), library_messages(notes):
         hf_config = _hf_config(spec, transformers)
         cls = _model_class(spec, transformers)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in WEIGHT_FILES)
@@ -66,11 +73,11 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
             if config.meta:
                 with torch.device("meta"):
                     module = _from_config(cls, hf_config, spec)
-                notes.append("built on the meta device: no weights allocated")
             elif has_weights:
                 module = cls.from_pretrained(spec.path, config=hf_config, trust_remote_code=spec.trust_remote_code)
                 notes.append(f"weights loaded from {spec.path}")
             else:
+                refuse_oversized(cls, hf_config, spec)
                 module = _from_config(cls, hf_config, spec)
                 notes.append("no weights in the config's directory: random initialisation (seeded)")
         except ModelLoadError:
@@ -177,6 +184,25 @@ def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
     return cls(hf_config)
 
 
+def refuse_oversized(cls, hf_config, spec: HFModel) -> None:
+    """A ModelLoadError when the config would build more than MAX_RANDOM_PARAMETERS with random weights; counted on
+    the meta device first, which allocates nothing and takes milliseconds even for a 70B config."""
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in _from_config(cls, hf_config, spec).parameters())
+    if parameters <= MAX_RANDOM_PARAMETERS:
+        return
+    size = f"{parameters / 1e9:.1f}B-parameter model"
+    limit = f"over the limit of {MAX_RANDOM_PARAMETERS / 1e9:g}B for random weights"
+    shrink = "run `fwdcheck shrink` on this config (the same architecture at small widths)"
+    if spec.config is not None and not any(
+            key in spec.config or hf_config.attribute_map.get(key) in spec.config for key in SIZE_KEYS):
+        raise ModelLoadError(f"model.config gives no sizes: transformers' default {hf_config.model_type} would build a "
+                             f"{size}, {limit}; give {', '.join(SIZE_KEYS)}, or {shrink}")
+    where = "model.config" if spec.config is not None else f"{spec.path / 'config.json'}"
+    raise ModelLoadError(f"{where} would build a {size} with random weights (no weights file beside it), {limit}; "
+                         f"{shrink}, or check its shapes alone with `--meta`")
+
+
 def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
     """What a Hugging Face config says about its rotary embedding, across the spellings architectures use.
 
@@ -255,3 +281,38 @@ def using_attn_implementation(module: nn.Module, implementation: str | None):
     finally:
         module.set_attn_implementation(original)
 
+
+@contextmanager
+def library_messages(notes: list[str]):
+    """What transformers logs during the block goes into `notes` (each distinct message once) instead of onto stderr
+    ahead of the report, e.g. "`sdpa` attention does not support `output_attentions=True`" when the code-path matrix
+    asks for attentions. Nested, the outermost one keeps the messages: a run's code-path cells have sessions of their
+    own inside the run's. (Python warnings, the library's or the model's, are the caller's to collect: the command
+    line makes them notes too.)"""
+    logger = logging.getLogger("transformers")  # the library's root logger: its own handler, no propagation
+    if "transformers" not in sys.modules or any(isinstance(h, _NoteHandler) for h in logger.handlers):
+        yield
+        return
+    handlers, propagate = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [_NoteHandler(notes)], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+
+
+class _NoteHandler(logging.Handler):
+    """Collects log records as notes: each distinct message once, on one line."""
+
+    def __init__(self, notes: list[str]):
+        super().__init__()
+        self.notes = notes
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            note = "transformers: " + " ".join(record.getMessage().split())
+        except Exception:  # arguments that do not fit the message: logging's own report of it
+            self.handleError(record)
+            return
+        if note not in self.notes:
+            self.notes.append(note)

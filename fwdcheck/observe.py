@@ -13,6 +13,9 @@ prompt, a one-token decode step and an einsum are seen, and a softmax over anyth
 logits) is not attention. What is computed from the model's input ids is followed the same way, op by op, so that
 attention over another sequence (an encoder over a fixed source) is told from attention over the tokens under test.
 
+Each attention call (and each dropout live in eval) also records the line of model code that made it, the first frame
+beyond torch, so that a finding about the call points at that line rather than at the class around it.
+
 A mode changes code paths (torch's TransformerEncoder fast path turns itself off under one), so behavioural checks
 never run under it: they run the model untouched and use this pass only for what they cannot see from the outside.
 """
@@ -22,15 +25,18 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import os
+import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 # A float mask entry at or below this adds so much negative score that the key gets no weight: it is masked.
 # (exp(-100) underflows to 0 in float32 next to any real score.) Entries of -inf are masked of course.
@@ -60,6 +66,14 @@ _SDPA_SIGNATURE = inspect.Signature(
     ]
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+# Walking out from an attention call, frames of torch (its wrappers, nn.MultiheadAttention, nn.TransformerEncoder) and
+# of this observer are passed over: the first frame beyond them is the line of model code that made the call. A frame
+# of fwdcheck's own there (the session running the forward) means no model code made it: the model is torch's own.
+# fwdcheck's reference transformer is model code like any other.
+_TORCH = str(Path(torch.__file__).parent) + os.sep
+_FWDCHECK = str(Path(__file__).parent) + os.sep
+_REFERENCE_MODEL = str(Path(__file__).with_name("reference.py"))
 
 
 @dataclass
@@ -103,6 +117,9 @@ class AttentionCall:
     # Whether the queries were computed from the forward's input ids (followed op by op from the root module's first
     # input). False for an encoder over a fixed source; None when the input was not followed (no root call seen).
     reads_input: bool | None = None
+    # "path:line" of the model code that made the call (eager: the softmax), None when no model code did (a bare
+    # nn.TransformerEncoder): what a finding about this call points at.
+    source: str | None = None
 
     @property
     def query_len(self) -> int:
@@ -137,6 +154,7 @@ class DropoutCall:
     module: str
     p: float
     training: bool
+    source: str | None = None  # "path:line" of the model code that made a live call (training=True, p > 0)
 
 
 @dataclass
@@ -215,67 +233,166 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+class _Identities:
+    """Tensors by identity, held weakly, each with a value: what the observer learned about them (computed from the
+    input ids; scores or weights on their way through eager attention). A plain dict keyed by id() with a weak
+    reference to check the entry still names the same tensor: torch's WeakIdKeyDictionary does the same in Python on
+    every lookup, and the observer looks up the arguments of every op the model runs."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __setitem__(self, tensor: torch.Tensor, value: Any) -> None:
+        self._entries[id(tensor)] = (weakref.ref(tensor), value)
+
+    def get(self, tensor: Any, default: Any = None) -> Any:
+        entry = self._entries.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else default
+
+    def __contains__(self, tensor: Any) -> bool:
+        entry = self._entries.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def holds_any(self, values: tuple) -> bool:
+        """Whether any of an op's arguments is held: the tensors _tensors(values) yields, looked up inline (this
+        runs for nearly every op of an observed forward)."""
+        entries = self._entries
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                entry = entries.get(id(value))
+                if entry is not None and entry[0]() is value:
+                    return True
+            elif isinstance(value, (tuple, list)):
+                for item in value:
+                    if isinstance(item, torch.Tensor):
+                        entry = entries.get(id(item))
+                        if entry is not None and entry[0]() is item:
+                            return True
+        return False
+
+    def __getitem__(self, tensor: torch.Tensor) -> Any:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            raise KeyError(tensor)
+        return entry[1]
+
+
 class _Observer(TorchFunctionMode):
     def __init__(self, record: Observation, where: list[_Frame], keep_tensors: bool, zero_dropout: bool,
-                 from_input: WeakIdKeyDictionary):
+                 from_input: _Identities):
         super().__init__()
         self.record, self.where, self.keep_tensors, self.zero_dropout = record, where, keep_tensors, zero_dropout
-        self.origins = WeakIdKeyDictionary()  # tensor -> _Origin, for tensors on the way from q @ k^T to weights @ v
+        self.origins = _Identities()  # tensor -> _Origin, for tensors on the way from q @ k^T to weights @ v
         self.from_input = from_input  # tensor -> True, for tensors computed from the forward's input ids
         self.written: dict[tuple[str, str], int] = {}  # (module, api) -> query tokens attended with so far
+        self.lines: dict[tuple[str, int], str] = {}  # (file, line) of a call site -> its code_location
+        # The few functions the observer reads; every other op only passes on what it learned about its inputs.
+        self.readers = {F.scaled_dot_product_attention: self._on_sdpa, F.multi_head_attention_forward: self._on_mha,
+                        F.dropout: self._on_dropout, **dict.fromkeys(PRODUCTS, self._on_product),
+                        **dict.fromkeys(SOFTMAX, self._on_softmax)}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        module = self.where[-1].name if self.where else ""
-        if func is F.scaled_dot_product_attention:
-            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
-            self.record.attention.append(self._sdpa(bound.arguments, module))
-            if self.zero_dropout:
-                bound.arguments["dropout_p"] = 0.0
-                args, kwargs = (), dict(bound.arguments)
-        elif func is F.multi_head_attention_forward:
-            bound = _MHA_SIGNATURE.bind(*args, **kwargs)
-            self.record.attention.append(self._mha(bound.arguments, module))
-        elif func is F.dropout:
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            self.record.dropouts.append(DropoutCall(module, float(p), bool(training)))
-            if self.zero_dropout and training:
-                return args[0] if args else kwargs["input"]
-        elif func in PRODUCTS:
-            out = func(*args, **kwargs)
-            self._product(func, args, kwargs, out, module)
-            self._mark_input(args, kwargs, out)
-            return out
-        elif func in SOFTMAX:
-            out = func(*args, **kwargs)
-            self._mark_input(args, kwargs, out)
-            x = args[0] if args else kwargs["input"]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            origin = self.origins.get(x) if isinstance(x, torch.Tensor) else None
-            if dim is not None and origin is not None and origin.kind == "scores":
-                call = self._softmax(x, out, dim, module, origin.product)
-                self.record.attention.append(call)
-                self.origins[out] = _Origin("weights", call=call.index)
-            return out
+        # Runs for every op of the forward: an op the observer does not read costs one dict lookup, and passing on
+        # what its inputs were (computed from the ids; scores or weights) one identity lookup per tensor argument.
+        kwargs = kwargs or {}
+        reader = self.readers.get(func)
+        if reader is not None:
+            return reader(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.from_input or self.origins:
+            self._pass_on(args, kwargs, out)
+        return out
+
+    def _module(self) -> str:
+        """The innermost module running."""
+        return self.where[-1].name if self.where else ""
+
+    def _on_sdpa(self, func, args, kwargs):
+        bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+        self.record.attention.append(self._sdpa(bound.arguments, self._module()))
+        if self.zero_dropout:
+            bound.arguments["dropout_p"] = 0.0
+            args, kwargs = (), dict(bound.arguments)
+        return self._plain(func, args, kwargs)
+
+    def _on_mha(self, func, args, kwargs):
+        bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+        self.record.attention.append(self._mha(bound.arguments, self._module()))
+        return self._plain(func, args, kwargs)
+
+    def _on_dropout(self, func, args, kwargs):
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        live = bool(training) and float(p) > 0
+        self.record.dropouts.append(DropoutCall(self._module(), float(p), bool(training),
+                                                self._model_line() if live else None))
+        if self.zero_dropout and training:
+            return args[0] if args else kwargs["input"]
+        return self._plain(func, args, kwargs)
+
+    def _on_product(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self._product(func, args, kwargs, out, self._module())
+        self._mark_input(args, kwargs, out)
+        return out
+
+    def _on_softmax(self, func, args, kwargs):
         out = func(*args, **kwargs)
         self._mark_input(args, kwargs, out)
-        self._follow(args, kwargs, out)
+        x = args[0] if args else kwargs["input"]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        origin = self.origins.get(x)
+        if dim is not None and origin is not None and origin.kind == "scores":
+            call = self._softmax(x, out, dim, self._module(), origin.product)
+            self.record.attention.append(call)
+            self.origins[out] = _Origin("weights", call=call.index)
         return out
+
+    def _plain(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if self.from_input or self.origins:
+            self._pass_on(args, kwargs, out)
+        return out
+
+    def _pass_on(self, args, kwargs, out) -> None:
+        self._mark_input(args, kwargs, out)
+        if self.origins:
+            self._follow(args, kwargs, out)
 
     def _mark_input(self, args, kwargs, out) -> None:
         """Results computed from the input ids are marked as such too, so that attention over another sequence (an
         encoder over a fixed source) can be told from attention over the tokens under test."""
-        if len(self.from_input) and any(t in self.from_input for t in _tensors((*args, *kwargs.values()))):
+        marks = self.from_input
+        if marks and (marks.holds_any(args) or (kwargs and marks.holds_any(tuple(kwargs.values())))):
             for t in _tensors(out):
-                self.from_input[t] = True
+                marks[t] = True
+
+    def _model_line(self) -> str | None:
+        """'path:line' of the model code making the call being observed: the first frame beyond torch and this
+        observer, None when that is fwdcheck running the forward. Each call site is formatted once per observation."""
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH)
+                                     or frame.f_code.co_filename == __file__):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        filename = frame.f_code.co_filename
+        if filename.startswith(_FWDCHECK) and filename != _REFERENCE_MODEL:
+            return None
+        site = (filename, frame.f_lineno)
+        if site not in self.lines:
+            self.lines[site] = code_location(*site)
+        return self.lines[site]
 
     # -- following scores from q @ k^T to the softmax, and weights from the softmax to weights @ v -------------------
 
     def _follow(self, args, kwargs, out) -> None:
         """An op that keeps the [.., L, S] shape of scores or weights it read (a scale, a mask, a bias, a cast, a
         dropout) passes their origin on to its result."""
-        if not len(self.origins) or not isinstance(out, torch.Tensor) or out.dim() < 2 or out in self.origins:
+        if not self.origins or not isinstance(out, torch.Tensor) or out.dim() < 2 or out in self.origins:
             return
         for x in itertools.chain(args, kwargs.values()):
             if isinstance(x, torch.Tensor) and x in self.origins and x.shape[-2:] == out.shape[-2:]:
@@ -393,7 +510,7 @@ class _Observer(TorchFunctionMode):
             softmax_dim=dim - scores.dim() if dim >= 0 else dim, row_sum_error=error, nonfinite_rows=nonfinite,
             seq=self.record.tick(),
             dtype=str(weights.dtype).removeprefix("torch."), query_positions=positions, positions_from=source,
-            cross=cross, written=written, matmul=matmul, reads_input=product.reads_input,
+            cross=cross, written=written, matmul=matmul, reads_input=product.reads_input, source=self._model_line(),
         )
 
     def _call(self, api, module, q, k, v, batch_heads, L, S, allowed, kind, mask, values, float_01, is_causal,
@@ -408,14 +525,14 @@ class _Observer(TorchFunctionMode):
             is_causal=is_causal, dropout_p=dropout, allowed=allowed.reshape(-1, L, S).any(0), empty_rows=empty,
             float_01=float_01, query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
             seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."), query_positions=positions,
-            positions_from=source, cross=cross, written=written, reads_input=reads_input,
+            positions_from=source, cross=cross, written=written, reads_input=reads_input, source=self._model_line(),
         )
 
     # -- where the queries sit on the key axis --------------------------------------------------------------------
 
     def _reads_input(self, q: torch.Tensor) -> bool | None:
         """Whether q was computed from the input ids; None while no input has been followed."""
-        return q in self.from_input if len(self.from_input) else None
+        return q in self.from_input if self.from_input else None
 
     def _cross(self) -> bool:
         """Whether the running attention module took its keys from another sequence: the innermost module that has
@@ -451,6 +568,16 @@ class _Observer(TorchFunctionMode):
                 if p is not None and len(p) == L and int(p.min()) >= 0 and int(p.max()) < S:
                     return p, name
         return None
+
+
+def code_location(filename: str, line: int) -> str:
+    """'path:line', the path relative to the working directory when under it (as CI annotations want), else as
+    given."""
+    try:
+        path = str(Path(filename).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        path = filename
+    return f"{path}:{line}"
 
 
 def _tensors(value: Any):
@@ -610,15 +737,44 @@ def _signature(function) -> tuple[list[str], set[str]]:
     return positional, {p.name for p in parameters}
 
 
-def _frame(name: str, module: nn.Module, args: tuple, kwargs: dict) -> _Frame:
-    """What this forward call was handed: positions, and whether the keys' source is another sequence."""
+@dataclass(frozen=True)
+class _Reading:
+    """What the hooks read off one module's forward signature, once per observation rather than once per call:
+    where each position input and the keys' source may arrive, and the name of its first input."""
+
+    positions: tuple[tuple[str, int | None], ...]  # (POSITION_INPUTS name, its positional index or None)
+    source: tuple[str, int | None] | None  # the first KEY_SOURCE_INPUTS parameter it has, and its index
+    first: str | None  # its first positional parameter
+
+
+def _reading(module: nn.Module) -> _Reading:
     positional, accepted = _parameters(module)
-    given = {**dict(zip(positional, args)), **kwargs}
-    positions = {n: p for n, v in given.items() if n in POSITION_INPUTS and (p := _shared_positions(v)) is not None}
-    cross = None
+    index = {n: i for i, n in enumerate(positional)}
     source = next((n for n in KEY_SOURCE_INPUTS if n in accepted), None)
-    if source is not None:
-        keys, own = given.get(source), given.get(positional[0]) if positional else None
+    return _Reading(tuple((n, index.get(n)) for n in POSITION_INPUTS),
+                    (source, index.get(source)) if source is not None else None,
+                    positional[0] if positional else None)
+
+
+def _given(name: str, at: int | None, args: tuple, kwargs: dict) -> Any:
+    """The argument a call handed to a parameter, by keyword or by position (a keyword wins, as it does in
+    Python); None when not handed."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[at] if at is not None and at < len(args) else None
+
+
+def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict) -> _Frame:
+    """What this forward call was handed: positions, and whether the keys' source is another sequence."""
+    positions = {}
+    for n, at in reading.positions:
+        p = _shared_positions(_given(n, at, args, kwargs))
+        if p is not None:
+            positions[n] = p
+    cross = None
+    if reading.source is not None:
+        keys = _given(*reading.source, args, kwargs)
+        own = _given(reading.first, 0, args, kwargs) if reading.first else None
         cross = isinstance(keys, torch.Tensor) and keys is not own  # torchtune passes its input again as y
     return _Frame(name, positions, cross)
 
@@ -636,40 +792,43 @@ def _shared_positions(value: Any) -> torch.Tensor | None:
 
 @contextmanager
 def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
-                    keep_inputs_of: set[str] = frozenset(), from_input: WeakIdKeyDictionary | None = None):
+                    keep_inputs_of: set[str] = frozenset(), from_input: _Identities | None = None):
     """Forward hooks on every submodule: keep a stack of running modules (with the positions and key sources their
     forward was handed) and record in/out shapes; the root's input ids go into from_input, where the observer
     follows what is computed from them."""
     handles = []
+    running: dict[str, list[ModuleCall]] = {}  # module name -> its calls whose output has not come yet
 
-    def pre(name):
+    def pre(name, reading):
         def hook(module, args, kwargs):
-            ids = kwargs.get("input_ids", first_tensor(args) if args else first_tensor(kwargs))
-            if not name and from_input is not None and isinstance(ids, torch.Tensor):
-                from_input[ids] = True
-            where.append(_frame(name, module, args, kwargs))
             x = first_tensor(args) if args else first_tensor(kwargs)
-            record.modules.append(ModuleCall(name, type(module).__name__, tuple(x.shape) if x is not None else None,
-                                             None, x.detach().clone() if name in keep_inputs_of and x is not None
-                                             else None))
+            if not name and from_input is not None:
+                ids = kwargs.get("input_ids", x)
+                if isinstance(ids, torch.Tensor):
+                    from_input[ids] = True
+            where.append(_frame(name, reading, args, kwargs))
+            call = ModuleCall(name, type(module).__name__, tuple(x.shape) if x is not None else None, None,
+                              x.detach().clone() if name in keep_inputs_of and x is not None else None)
+            record.modules.append(call)
+            running.setdefault(name, []).append(call)
         return hook
 
     def post(name):
         def hook(module, args, kwargs, output):
             if where and where[-1].name == name:
                 where.pop()
-            y = first_tensor(output)
-            for call in reversed(record.modules):
-                if call.name == name and call.output_shape is None:
-                    call.output_shape = tuple(y.shape) if y is not None else ()
-                    call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
-                    call.seq = record.tick()
-                    break
+            calls = running.get(name)
+            if calls:  # the innermost call of this module still waiting for its output
+                call = calls.pop()
+                y = first_tensor(output)
+                call.output_shape = tuple(y.shape) if y is not None else ()
+                call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
+                call.seq = record.tick()
         return hook
 
     try:
         for name, module in model.named_modules():
-            handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(pre(name, _reading(module)), with_kwargs=True))
             handles.append(module.register_forward_hook(post(name), with_kwargs=True, always_call=True))
         yield
     finally:
@@ -683,7 +842,7 @@ def observing(model: nn.Module, seq_len: int, keep_tensors: bool = False, zero_d
     """Everything inside runs observed; the Observation fills as it runs and is complete on exit."""
     record = Observation(seq_len=seq_len)
     where: list[_Frame] = []
-    from_input = WeakIdKeyDictionary()
+    from_input = _Identities()
     with module_tracking(model, record, where, keep_inputs_of, from_input), \
             _Observer(record, where, keep_tensors, zero_dropout, from_input):
         yield record

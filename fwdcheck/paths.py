@@ -14,13 +14,21 @@ per cell, not once per check and cell. A cell runs no forward shorter than its o
 min_seq_len is the cell's length), so passes at other lengths, such as future-token's prefix ladder, stay with the
 default run. benchmarks/matrix_cost.py prints what each cell costs.
 
-Cells are never merged on the ground that they "look alike": two paths that call attention alike on one input can
-still differ on another (a branch on output_attentions taken only for some tokens), so every cell runs.
+Cells that take the same code path share a verdict. Every cell runs its own observation pass; when it saw exactly what
+an earlier cell's pass saw on the same tokens (the same modules called in the same order with the same shapes, the
+same attention calls with the same masks, the same dropout calls, and bitwise the same logits: `path_signature`),
+the two paths computed the same thing on those tokens, and the cell takes the earlier cell's verdict instead of
+running its comparisons again (on Hugging Face models, `mask ones` usually builds the mask `mask absent` builds, and
+`output_attentions` changes nothing on the eager path). A path bug changes what its cell's pass sees (a mask dropped
+or ignored, an eager fallback instead of SDPA, another kernel for one row), so it is never shared away. What this
+cannot see is a branch taken only for tokens other than the cell's own inputs, inside the same calls: the cell then
+gets the earlier cell's verdict, which is why the row says which cell it shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -28,6 +36,7 @@ import torch
 
 from fwdcheck.config import Paths
 from fwdcheck.model import ModelUnderTest, extract_logits
+from fwdcheck.observe import Observation
 from fwdcheck.session import Settings
 
 LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
@@ -145,3 +154,32 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
 def plain_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
     """The same cell without padding: what the left-padded real tokens must reproduce."""
     return path_view(model, dataclasses.replace(path, attention_mask="absent"))
+
+
+def path_signature(observation: Observation, logits: torch.Tensor | None, inputs: torch.Tensor) -> str | None:
+    """A digest of what one cell's observation pass saw: its inputs, every module call, attention call (masks,
+    positions, the line of code that made it), product and dropout call in order, and its logits bitwise. Two cells
+    with the same digest computed the same thing on the same tokens. None when there is nothing to vouch for: no
+    logits kept (dropout live in eval makes them dice) or no values (the meta device)."""
+    if logits is None or logits.is_meta or inputs.is_meta:
+        return None
+    digest = hashlib.blake2b(digest_size=20)
+
+    def feed(value) -> bool:
+        """Whether the value could be read into the digest (a tensor on the meta device cannot)."""
+        if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                return False
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return True
+        digest.update(repr(value).encode())
+        return True
+
+    records = [*observation.modules, *observation.attention, *observation.matmuls, *observation.dropouts]
+    for record in records:
+        digest.update(type(record).__name__.encode())
+        for item in dataclasses.fields(record):
+            if not feed(getattr(record, item.name)):
+                return None
+    return digest.hexdigest() if feed(inputs) and feed(logits) else None

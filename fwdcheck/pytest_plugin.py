@@ -1,7 +1,9 @@
 """pytest plugin (entry point `pytest11: fwdcheck`): fwdcheck configs as test items, and a `fwdcheck` fixture.
 
-    pytest --fwdcheck configs/            # every config under configs/ becomes items: configs/gpt.yaml::future-token
-    pytest --fwdcheck configs/ -m fwdcheck   # only those items (each carries the `fwdcheck` marker)
+    pytest --fwdcheck configs/            # the configs under configs/, alone, as items: configs/gpt.yaml::rope
+    pytest tests/ --fwdcheck configs/     # the tests named, and the configs
+    pytest -m fwdcheck                    # only config items (each carries the `fwdcheck` marker): for when the
+                                          # ini's fwdcheck_paths adds configs to the whole test suite
 
     def test_model(fwdcheck):             # the fixture is fwdcheck.check_model
         fwdcheck(MyModel()).raise_for_failures()
@@ -77,8 +79,15 @@ def pytest_configure(config: pytest.Config) -> None:
             roots.append(path)
     config.stash[_ROOTS] = roots
     config.stash[_FOUND] = {root: 0 for root in roots}
-    if roots and not config.getoption("pyargs", False):
-        # Collect the paths even when pytest was given other arguments (or none: testpaths); pytest drops overlaps.
+    if not roots or config.getoption("pyargs", False):
+        return
+    if config.getoption("fwdcheck_paths") and config.args_source != pytest.Config.ArgsSource.ARGS:
+        # `pytest --fwdcheck PATH` names what to collect, as `pytest PATH` would: the configs alone, not testpaths
+        # or the working directory besides.
+        config.args = [str(root) for root in roots]
+    else:
+        # Collect the configs beside the paths pytest was given, or beside testpaths when only the ini names
+        # configs; pytest drops overlaps.
         config.args = [*config.args, *(str(root) for root in roots if not _covered(root, config.args, invocation))]
 
 

@@ -56,6 +56,58 @@ class CheckEntry:
         return check
 
 
+@dataclass(frozen=True)
+class CheckInfo:
+    """What `fwdcheck list` and `explain` show of a check."""
+
+    description: str
+    explain: str
+    codes: dict[str, str]
+
+
+def info(entry: CheckEntry) -> CheckInfo:
+    """A check's description, explanation and finding codes. Read from its module's source when the class writes
+    them as literals (the built-ins do): importing a check imports torch, seconds that `list` and `explain` need not
+    spend. Otherwise (a computed attribute, an inherited one, a module:Class named directly) the check is loaded."""
+    literal = _literal_info(entry) if entry.distribution != DIRECT else None
+    if literal is not None:
+        return literal
+    check = entry.load()
+    return CheckInfo(check.description, getattr(check, "explain", ""), dict(getattr(check, "codes", {})))
+
+
+def _literal_info(entry: CheckEntry) -> CheckInfo | None:
+    import ast
+    import importlib.util
+
+    module_name, _, class_name = entry.value.partition(":")
+    try:
+        spec = importlib.util.find_spec(module_name)
+        source = open(spec.origin, encoding="utf-8").read() if spec and spec.origin else None
+    except (ImportError, ValueError, OSError):  # its package does not import: load() names the problem
+        return None
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            values = {}
+            for statement in node.body:
+                targets = statement.targets if isinstance(statement, ast.Assign) else \
+                    [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
+                if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                    try:
+                        values[targets[0].id] = ast.literal_eval(statement.value)
+                    except ValueError:  # computed: not a literal
+                        pass
+            if isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict):
+                return CheckInfo(values["description"], values.get("explain", ""), values.get("codes", {}))
+    return None
+
+
 def available() -> dict[str, CheckEntry]:
     """Every registered check by name, built-ins first in their documented order.
 

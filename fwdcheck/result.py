@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,6 +37,12 @@ class Finding:
     source: str | None = None  # "file:line" of the model code it concerns, when fwdcheck can tell
     ignored: str | None = None  # the config's reason for ignoring this code; an ignored finding does not count
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        """The inverse of to_dict (a report read back from the model's process)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known} | {"status": Status(d["status"])})
+
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "status": self.status.value, "message": self.message, "where": self.where,
                 "source": self.source, "ignored": self.ignored}
@@ -68,6 +74,13 @@ class CheckResult:
         if self.status in (Status.PASS, Status.WARN, Status.FAIL):
             self.status = worst(f.status for f in self.findings if f.ignored is None)
         self.summary += f" [ignored: {', '.join(sorted({f.code for f in marked}))}]"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], internal_error: bool = False) -> CheckResult:
+        """The inverse of to_dict, which leaves internal_error out of the JSON report."""
+        return cls(name=d["name"], status=Status(d["status"]), summary=d["summary"],
+                   findings=[Finding.from_dict(f) for f in d.get("findings", [])], metrics=d.get("metrics", {}),
+                   data=d.get("data", {}), duration_s=d.get("duration_s", 0.0), internal_error=internal_error)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import platform
 import re
@@ -11,24 +12,25 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
 from fwdcheck.model import ModelUnderTest
+from fwdcheck.observe import code_location
 from fwdcheck.registry import CheckEntry
-from fwdcheck.paths import CodePath, cell_settings, path_cells, path_view, plain_view, runs_per_code_path
+from fwdcheck.paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
+                            runs_per_code_path)
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
-from fwdcheck.session import Session, Settings
+from fwdcheck.session import ParameterWatch, Session, Settings
 
 
 def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntry], *, config_path=None,
-              fail_on: str = "fail", progress: Callable[[str], None] | None = None) -> Report:
+              fail_on: str = "fail", progress: Callable[[str], None] | None = None,
+              on_result: Callable[[CheckResult], None] | None = None) -> Report:
     """Every check on one session, then the per-path checks over the code-path matrix; the model is restored when
-    this returns, however it returns."""
-    import torch
-
+    this returns, however it returns. `on_result` is told each check's default-path result as soon as it is known
+    (the CLI's worker streams them to its supervisor, which keeps them if the process dies later)."""
     session = Session(model, settings)
     cells = path_cells(model, settings.paths, settings.batch_size)
     results: list[CheckResult] = []
@@ -36,12 +38,26 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     try:
         # One placement of the model for the whole run: the cells' sessions find it on the device and in eval mode.
         with session.active():
+            # Did the forwards write the weights? A fingerprint pass reads every parameter (about a short forward's
+            # cost), so it runs once after the default path and once after the matrix, not after every check.
+            watch = ParameterWatch(model.module)
             for entry in entries:
                 if progress:
                     progress(f"{entry.name}")
                 results.append(run_one(entry, model, session))
+                if on_result:
+                    on_result(results[-1])
+            written = watch.written()
+            ran = [r for r in results if r.status != Status.SKIP]
+            if written and ran:  # on the first check that ran: the write is the model's, whichever check saw it
+                report_parameter_writes(ran[0], written, session, " during the run's checks")
             if cells:
+                default_path = results
                 results = run_code_paths(entries, results, model, settings, cells, session, progress)
+                written = watch.written()  # once for the whole matrix: a write only some code path makes
+                for result, before in zip(results, default_path):
+                    if result is not before:  # the check ran over the matrix
+                        report_parameter_writes(result, written, session, " on the code-path matrix")
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
         results += [CheckResult(e.name, Status.ERROR, str(exc), [Finding("FWD002", Status.ERROR, str(exc), exc.where)])
                     for e in entries[len(results):]]
@@ -54,14 +70,10 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
         result.apply_ignores(settings.ignore)
         for finding in result.findings:
             finding.source = finding.source or locate(finding.where, model)
-    parameters = sum(p.numel() for p in model.module.parameters())
     return Report(
         results=results,
-        model={"label": model.label, "source": model.source, "parameters": parameters, "vocab_size": model.vocab_size,
-               "max_positions": model.max_positions, "causal": model.causal, "dims": dict(model.dims)},
-        environment={"torch": torch.__version__, "python": platform.python_version(), "device": str(session.device),
-                     "dtype": settings.dtype, "seed": settings.seed, "batch_size": settings.batch_size,
-                     "seq_len": settings.seq_len},
+        model=model_summary(model),
+        environment=environment_summary(settings, str(session.device)),
         notes=[*model.extra.get("notes", []), *session.notes],
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
@@ -69,31 +81,40 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     )
 
 
+def model_summary(model: ModelUnderTest) -> dict:
+    """The report's `model` section."""
+    parameters = sum(p.numel() for p in model.module.parameters())
+    return {"label": model.label, "source": model.source, "parameters": parameters, "vocab_size": model.vocab_size,
+            "max_positions": model.max_positions, "causal": model.causal, "dims": dict(model.dims)}
+
+
+def environment_summary(settings: Settings, device: str) -> dict:
+    """The report's `environment` section."""
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+            "dtype": settings.dtype, "seed": settings.seed, "batch_size": settings.batch_size,
+            "seq_len": settings.seq_len}
+
+
 def locate(where: str | None, model: ModelUnderTest) -> str | None:
-    """'file:line' of the model code a finding's `where` names: the class of the first module path in it, or the
-    frame a model exception came from."""
+    """'file:line' for a finding the check gave no source: the frame a model exception came from, or else the class
+    of the first module path its `where` names (a finding about the module as a whole, not about one call in it)."""
     if not where:
         return None
     frame = re.match(r"^(.+?):(\d+) in ", where)
     if frame:
-        return _relative(frame.group(1)) + f":{frame.group(2)}"
+        return code_location(frame.group(1), int(frame.group(2)))
     modules = dict(model.module.named_modules())
-    for token in re.findall(r"[A-Za-z_][\w.]*", where):
+    # Module paths may start with a digit (the children of an nn.Sequential); a bare number is a count or position.
+    for token in re.findall(r"[\w.]*[A-Za-z_][\w.]*", where):
         if token in modules and token:
             try:
                 cls = type(modules[token])
-                return f"{_relative(inspect.getsourcefile(cls))}:{inspect.getsourcelines(cls)[1]}"
+                return code_location(inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1])
             except (TypeError, OSError):
                 return None
     return None
-
-
-def _relative(path: str) -> str:
-    """Relative to the working directory when under it, as CI annotations want; absolute otherwise."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return path
 
 
 @dataclass
@@ -115,13 +136,16 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
     check that skipped or could not run on the default path is left as it is. Cells outside, checks inside: a cell's
     session (its observation pass, its baseline) is shared by every per-path check."""
     chosen = [i for i, (entry, result) in enumerate(zip(entries, results))
-              if result.status not in (Status.SKIP, Status.ERROR) and _per_code_path(entry)]
+              if result.status not in (Status.SKIP, Status.ERROR) and per_code_path(entry)]
     if not chosen:
         return results
-    if progress:
-        progress(f"{len(cells)} code paths")
     per_path = [entries[i] for i in chosen]
-    runs = [run_path(cell, per_path, model, settings, session) for cell in cells]
+    runs = []
+    taken: dict[str, CellRun] = {}  # path_signature -> the cell that ran that code path in full
+    for number, cell in enumerate(cells, 1):
+        if progress:
+            progress(f"code path {number}/{len(cells)}: {cell.label}")
+        runs.append(run_path(cell, per_path, model, settings, session, taken))
     merged = list(results)
     for j, i in enumerate(chosen):
         merged[i] = merge_cells(results[i], [(run, run.results[j]) for run in runs])
@@ -129,15 +153,19 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
 
 
 def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings,
-             session: Session) -> CellRun:
+             session: Session, taken: dict[str, CellRun] | None = None) -> CellRun:
     """One cell as a run does it, given the run's own session: at the cell's short length, and again at
     inputs.seq_len if the model raised there. A model may refuse short sequences (a length it needs at least,
-    undeclared); the default run showed that it takes inputs.seq_len, so the path gets a verdict all the same."""
-    run = run_cell(cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows)
+    undeclared); the default run showed that it takes inputs.seq_len, so the path gets a verdict all the same.
+    `taken`: the cells run so far, by path_signature, whose verdict a cell on the same code path shares."""
+    run = run_cell(cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows,
+                   taken=taken)
     if run.seq_len < settings.seq_len and _model_raised(run):
-        again = run_cell(cell, entries, model, settings, shortest=settings.seq_len, max_rows=session.max_rows)
+        again = run_cell(cell, entries, model, settings, shortest=settings.seq_len, max_rows=session.max_rows,
+                         taken=taken)
         again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens)]
-        again.note = f"the model raised at T={run.seq_len}; the cell ran at T={again.seq_len}"
+        again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
+                                             f"T={again.seq_len}", again.note]))
         return again
     return run
 
@@ -147,7 +175,7 @@ def _model_raised(run: CellRun) -> bool:
     return any(f.code == "FWD002" for result in run.results for f in result.findings)
 
 
-def _per_code_path(entry: CheckEntry) -> bool:
+def per_code_path(entry: CheckEntry) -> bool:
     try:
         return runs_per_code_path(entry.load())
     except CheckLoadError:  # it loaded for the default run; if it no longer does, it runs once, as it did
@@ -155,31 +183,65 @@ def _per_code_path(entry: CheckEntry) -> bool:
 
 
 def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings, *,
-             shortest: int = 1, max_rows: int | None = None) -> CellRun:
+             shortest: int = 1, max_rows: int | None = None, taken: dict[str, CellRun] | None = None) -> CellRun:
     """Every given check on one cell, in one session: the model's forward takes the cell's path, on inputs of the
     cell's batch size and length (paths.cell_settings). A left-padded cell also holds the same path without padding,
-    whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's."""
+    whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's.
+
+    With `taken` (the cells run so far, by path_signature) the cell's observation pass runs first: a cell that saw
+    exactly what an earlier one saw takes that cell's verdict (paths.py says why that holds), and a cell that runs
+    in full is added to it."""
     from fwdcheck.hf import using_attn_implementation
 
     results: list[CheckResult] = []
     tokens: list[int] = []
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
+    signature = None
     try:
         view = path_view(model, cell)
         session = Session(view, own)
         if view.padding:
             session.unpadded = plain_view(model, cell)
         with using_attn_implementation(model.module, cell.attn_implementation), session.active():
+            started = time.perf_counter()
+            signature = _signature(session) if taken is not None else None
+            same = taken.get(signature) if signature else None
+            if same is not None:
+                spent = time.perf_counter() - started
+                results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0)
+                           for i, r in enumerate(same.results)]
+                tokens = [session.forward_tokens] + [0] * (len(entries) - 1)  # the shared pass, on the first check
+                return CellRun(cell, own.seq_len, results, tokens,
+                               note=f"the same code path as {same.cell.label} (the same calls, masks and logits): "
+                                    "its verdict")
+            observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
             for entry in entries:
                 before = session.forward_tokens
                 results.append(run_one(entry, view, session))
-                tokens.append(session.forward_tokens - before)
+                tokens.append(session.forward_tokens - before + observed)
+                observed = 0
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results):]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
-    return CellRun(cell, own.seq_len, results, tokens)
+        signature = None
+    run = CellRun(cell, own.seq_len, results, tokens)
+    if signature:
+        taken.setdefault(signature, run)
+    return run
+
+
+def _signature(session: Session) -> str | None:
+    """The path_signature of the session's observation pass, which this runs (and the session keeps for its
+    checks); None when the pass cannot vouch for anything. A pass that raised or hung is left to the checks, which
+    ask for it again and report it as they would have (the model's error is kept; a hang costs its time limit
+    once more, in the first check)."""
+    try:
+        with time_limit(session.settings.timeout_s):
+            return path_signature(session.observation(), session.observed_logits, session.inputs)
+    except (CheckTimeout, Exception):
+        return None
 
 
 def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) -> CheckResult:
@@ -202,7 +264,7 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
         shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
         findings.append(Finding(code, first.status, first.message,
                                 f"{len(where)} of {len(cells)} code paths: {shown}" +
-                                (f" (first at {first.where})" if first.where else "")))
+                                (f" (first at {first.where})" if first.where else ""), source=first.source))
     failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
     status = worst([default.status, *(r.status for _, r in cells)])
     lengths = sorted({run.seq_len for run, _ in cells})
@@ -229,28 +291,52 @@ class CheckTimeout(BaseException):
 
 # Longer limits (inf included) are no limit: setitimer cannot count them on every platform (OverflowError).
 _LONGEST_LIMIT = 1e8  # seconds, three years
+_SOON = 1e-4  # seconds: an enclosing timer whose time ran out during the block fires at once (0 would disarm it)
 
 
 @contextmanager
 def time_limit(seconds: float | None):
     """Interrupt the block after `seconds` with CheckTimeout. It uses SIGALRM, so it works in the main thread of
-    a Unix process and reaches Python code (a hung kernel returns control only when it ends); elsewhere no limit."""
+    a Unix process and reaches Python code (a hung kernel returns control only when it ends); elsewhere no limit.
+
+    A process has one such timer, and the code around the run may be using it (pytest-timeout's signal method, an
+    enclosing time_limit). That timer keeps its deadline: while the block runs, the timer is armed for whichever
+    deadline comes first, and when it is the enclosing one's, its handler runs then, as it would have, while the
+    block's own limit carries on. An enclosing timer without a Python handler to call fires as soon as the block
+    ends. Afterwards it is armed again with the time it had left, its handler back in place."""
     usable = (seconds and seconds < _LONGEST_LIMIT and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
     if not usable:
         yield
         return
+    deadline = time.monotonic() + seconds
+    previous = signal.getsignal(signal.SIGALRM)
+    delay, interval = signal.getitimer(signal.ITIMER_REAL)
+    enclosing = time.monotonic() + delay if delay else None  # when the enclosing timer fires next, if it is armed
+
+    def arm():
+        due = deadline if enclosing is None or not callable(previous) else min(deadline, enclosing)
+        signal.setitimer(signal.ITIMER_REAL, max(due - time.monotonic(), _SOON))
 
     def expire(signum, frame):
+        nonlocal enclosing
+        if enclosing is not None and enclosing < deadline and callable(previous):  # the enclosing timer's turn
+            enclosing = enclosing + interval if interval else None
+            arm()
+            previous(signum, frame)
+            return
         raise CheckTimeout(seconds)
 
-    previous = signal.signal(signal.SIGALRM, expire)
+    signal.signal(signal.SIGALRM, expire)
     try:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        arm()
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        # a handler installed outside Python (getsignal says None) cannot be put back; the default is the nearest
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if enclosing is not None:
+            signal.setitimer(signal.ITIMER_REAL, max(enclosing - time.monotonic(), _SOON), interval)
 
 
 def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> CheckResult:
@@ -263,6 +349,9 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
                             "(`fwdcheck shrink CONFIG`)")
         with time_limit(session.settings.timeout_s):
             result = check.run(model, session)
+        if not isinstance(result, CheckResult):  # a plugin's bug: its own error, not the end of the run
+            raise TypeError(f"{type(check).__name__}.run() returned "
+                            f"{'None' if result is None else type(result).__name__}, not a CheckResult")
     except CheckTimeout as timeout:
         message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); a forward that hangs?"
         result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
@@ -278,3 +367,20 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
                              data={"traceback": traceback.format_exc()}, internal_error=True)
     result.duration_s = time.perf_counter() - start
     return result
+
+
+def report_parameter_writes(result: CheckResult, written: list[str], session: Session, during: str = "") -> None:
+    """FWD006 on the result of the check whose forwards wrote these parameters in place (none: nothing to say)."""
+    if not written or any(f.code == "FWD006" for f in result.findings):
+        return
+    parameters = dict(session.model.module.named_parameters())
+    if all(session.runs_on_copy(parameters[name]) for name in written):
+        after = "the model's own values are intact: the run worked on a copy"
+    else:
+        after = ("they stay as written (fwdcheck keeps fingerprints of parameters, not copies): reload the model "
+                 "before using it")
+    shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    message = (f"the forward wrote parameter{'s' if len(written) > 1 else ''} {shown} in place{during}: a forward in "
+               f"eval mode should not change the weights, and the forwards after it ran another model; {after}")
+    result.findings.append(Finding("FWD006", Status.FAIL, message, written[0].rpartition(".")[0] or None))
+    result.status = worst([result.status, Status.FAIL])

@@ -6,9 +6,14 @@ the rotary pairing and frequencies, the sliding window, tied embeddings) is kept
 (depth, width, vocabulary, learned position tables) is cut. The result is a new fwdcheck config whose model is
 randomly initialised: weights are never shrunk.
 
-Only configs that describe an architecture can be shrunk: `source: hf` (a directory with config.json, or an inline
-config) and `source: reference`. A factory's keyword arguments (`python`, `checkpoint`) mean whatever the factory
-makes of them, so they are not guessed at.
+Every source can be shrunk when its config says the sizes: `source: hf` (a directory with config.json, or an inline
+config), `source: reference`, and a factory's (`python`, `checkpoint`) when its `kwargs:` name them in a spelling
+models use (n_layers, d_model, n_heads, vocab_size, d_ff, ... as nanoGPT, gpt-fast, litgpt and transformers spell
+them). A factory whose sizes live in its code gets one line saying so. A checkpoint's shrunk copy is `source: python`:
+the same factory, randomly initialised.
+
+The shrunk config is written where the user is (the working directory) by default, so paths in it that pointed
+next to the original (a factory's modules, `path:` entries) are rewritten to still find them from there.
 
 Nothing heavy at import time: transformers is imported by the functions that need it.
 """
@@ -23,7 +28,15 @@ from typing import Any
 
 import yaml
 
-from fwdcheck.config import HFModel, Inputs, ReferenceModel, config_from_dict, load_config
+from fwdcheck.config import (
+    CheckpointModel,
+    FactoryModel,
+    HFModel,
+    Inputs,
+    ReferenceModel,
+    config_from_dict,
+    load_config,
+)
 from fwdcheck.errors import ConfigError, UsageError
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
@@ -96,8 +109,9 @@ def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
 
 
 def default_output(config_path: Path) -> Path:
-    """CONFIG's stem + .shrunk.yaml, beside it."""
-    return config_path.with_name(f"{config_path.stem}.shrunk.yaml")
+    """CONFIG's stem + .shrunk.yaml, in the working directory: a config read from a shared or read-only place (a
+    checkout of sample configs, a model's repository) is not written into."""
+    return Path(f"{config_path.stem}.shrunk.yaml")
 
 
 def shrink_file(config_path: Path, output: Path) -> Shrunk:
@@ -110,16 +124,14 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
     elif isinstance(model, ReferenceModel):
         block, edits = _shrink_reference_block(raw["model"])
     else:
-        raise UsageError(f"{config_path}: shrink needs a `source: hf` or `source: reference` config; a "
-                         f"`source: {model.source}` factory's arguments cannot be shrunk blindly — give the factory "
-                         "smaller `kwargs:` (fewer layers, narrower widths) in a copy of the config instead")
+        block, edits = _shrink_factory_block(raw["model"], model, config_path, output)
     document = {key: value for key, value in raw.items() if key != "meta"}  # a shrunk config runs with values
     document["model"] = block
     changes, notes = edits.changes, edits.notes
     if raw.get("meta"):
         changes.append(("meta", True, None))
     # A sliding window the test sequence does not reach past is never exercised: lengthen the sequence.
-    window = block.get("config", {}).get("sliding_window") if isinstance(model, HFModel) else None
+    window = (block.get("config") or block.get("kwargs") or {}).get("sliding_window")
     if window and _seq_len(raw) <= window:
         inputs = dict(document.get("inputs") or {})
         inputs["seq_len"] = 2 * window
@@ -151,7 +163,7 @@ def _seq_len(raw: dict) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The rules, shared by both sources.
+# The rules, shared by every source.
 
 
 def shrink_heads(heads: int, kv_heads: int) -> tuple[int, int]:
@@ -162,6 +174,15 @@ def shrink_heads(heads: int, kv_heads: int) -> tuple[int, int]:
         kv = 1
     # A group larger than the cap cannot keep its ratio; it stays grouped-query (MQA stays MQA) with 16 heads.
     return min(kv * group, MAX_HEADS), kv
+
+
+def shrunk_head_size(old_head: int, partial: float | None) -> int:
+    """Head size 16 (a smaller one is kept), doubled back while a partial rotary factor would leave no even number
+    of rotary dims."""
+    new_head = min(old_head, HEAD_DIM)
+    while partial and (int(new_head * partial) % 2 or int(new_head * partial) < 2) and new_head < old_head:
+        new_head *= 2
+    return new_head
 
 
 def scaled_width(old: int, old_hidden: int, new_hidden: int) -> int:
@@ -242,9 +263,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     partial = _partial_rotary(data)
     new_head = old_head
     if old_head:
-        new_head = min(old_head, HEAD_DIM)
-        while partial and (int(new_head * partial) % 2 or int(new_head * partial) < 2) and new_head < old_head:
-            new_head *= 2
+        new_head = shrunk_head_size(old_head, partial)
         for key in HEAD_DIM_KEYS:
             if data.get(key) is not None:
                 e.set(key, new_head)
@@ -429,3 +448,154 @@ def _shrink_reference_block(raw_model: dict) -> tuple[dict, Edits]:
     block = dict(raw_model)
     edits = shrink_reference_dict(block)
     return block, edits
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# source: python and checkpoint: the factory's keyword arguments
+
+
+@dataclass(frozen=True)
+class SizeKeys:
+    """Where a mapping of sizes keeps each one, by meaning; the first present key of each tuple is the model's."""
+
+    layers: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+    kv_heads: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
+    head_dim: tuple[str, ...] = ()
+    ff: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    rotary_dim: tuple[str, ...] = ()
+    windows: tuple[str, ...] = ()
+
+    def all(self) -> tuple[str, ...]:
+        return (*self.layers, *self.heads, *self.kv_heads, *self.hidden, *self.head_dim, *self.ff, *self.vocab,
+                *self.rotary_dim, *self.windows)
+
+
+# A factory's keyword arguments: the Hugging Face spellings, plus gpt-fast's n_local_heads and litgpt's
+# n_query_groups, head_size and padded_vocab_size. Position limits (block_size, max_seq_len) are kept: once the width
+# is cut a position table costs little, and a rotary cache may be sized by them.
+KWARG_KEYS = SizeKeys(layers=LAYER_KEYS, heads=HEAD_KEYS, kv_heads=(*KV_KEYS, "n_local_heads", "n_query_groups"),
+                      hidden=HIDDEN_KEYS, head_dim=(*HEAD_DIM_KEYS, "head_size"), ff=FF_KEYS,
+                      vocab=("vocab_size", "padded_vocab_size"), rotary_dim=("rotary_dim",),
+                      windows=("sliding_window", "attention_chunk_size"))
+# The config's own `dims:` declaration, shrunk alike so that it keeps describing the shrunk model.
+DIMS_KEYS = SizeKeys(heads=("h",), kv_heads=("h_kv",), hidden=("d",), head_dim=("d_h",), ff=("d_ff",), vocab=("V",))
+PARTIAL_ROTARY_KEYS = ("partial_rotary_factor", "rotary_pct", "rotary_percentage")
+# Model keys written anew: the sys.path directories (to be found from where the shrunk config lies), and what only
+# loading a checkpoint's weights needs (the shrunk copy has none).
+REWRITTEN_KEYS = ("path", "python_path", "trust_checkpoint", "strict")
+
+
+def shrink_sizes(data: dict[str, Any], keys: SizeKeys, partial: float | None = None) -> Edits:
+    """Shrink the sizes a mapping names by the rules of a Hugging Face config, in place. No key is added: a factory
+    may not accept one it was not given. A width is cut only when the heads say how (heads x head size)."""
+    e = Edits(data)
+    for key in keys.layers:
+        if isinstance(data.get(key), int):
+            e.set(key, min(data[key], LAYERS))
+
+    head_key, kv_key, hidden_key = e.first(keys.heads), e.first(keys.kv_heads), e.first(keys.hidden)
+    head_dim_key = e.first(keys.head_dim)
+    old_hidden = data.get(hidden_key) if hidden_key else None
+    heads = data.get(head_key) if head_key else None
+    old_head = data[head_dim_key] if head_dim_key else (old_hidden // heads if old_hidden and heads else None)
+    if heads:
+        new_heads, new_kv = shrink_heads(heads, data[kv_key] if kv_key else heads)
+        e.set(head_key, new_heads)
+        if kv_key:
+            e.set(kv_key, new_kv)
+    if old_head:
+        new_head = shrunk_head_size(old_head, partial)
+        for key in keys.head_dim:
+            if data.get(key) is not None:
+                e.set(key, new_head)
+        for key in keys.rotary_dim:
+            if isinstance(data.get(key), int):
+                e.set(key, even_rotary(data[key], old_head, new_head))
+        if hidden_key and heads:
+            e.set(hidden_key, data[head_key] * new_head)
+    if old_hidden and data.get(hidden_key) != old_hidden:
+        for key in keys.ff:
+            if isinstance(data.get(key), int):
+                e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
+
+    for key in keys.vocab:
+        if isinstance(data.get(key), int):
+            e.set(key, min(data[key], VOCAB))
+    vocab_key = e.first(keys.vocab)
+    if vocab_key:
+        for key in [k for k in data if k.endswith(("_token_id", "_token_ids"))]:
+            e.set(key, clamp_token(data[key], data[vocab_key]))
+    for key in keys.windows:
+        if isinstance(data.get(key), int) and data[key] > WINDOW:
+            e.set(key, WINDOW)
+    return e
+
+
+
+def _shrink_factory_block(raw_model: dict, spec: FactoryModel, config_path: Path, output: Path) -> tuple[dict, Edits]:
+    """A python (or checkpoint) model block with its factory's size kwargs shrunk, as a `source: python` block."""
+    known = [key for key in spec.kwargs if key in KWARG_KEYS.all()]
+    if not known:
+        given = f"its kwargs ({', '.join(spec.kwargs)}) name" if spec.kwargs else "it has no `kwargs:`, so it names"
+        raise UsageError(f"{config_path}: cannot shrink this `source: {spec.source}` config: {given} no size "
+                         f"(n_layers, d_model, n_heads, vocab_size, d_ff, ...); give the factory its sizes as "
+                         "`kwargs:`, or lower them in its code")
+    kwargs = copy.deepcopy(raw_model["kwargs"])
+    partial = next((kwargs[k] for k in PARTIAL_ROTARY_KEYS if isinstance(kwargs.get(k), float) and kwargs[k] < 1),
+                   None)
+    block = {key: value for key, value in raw_model.items() if key not in REWRITTEN_KEYS}
+    block["source"] = "python"
+    block["kwargs"] = kwargs
+    edits = Edits(block)
+    edits.changes = [(f"kwargs.{key}", old, new) for key, old, new in shrink_sizes(kwargs, KWARG_KEYS, partial).changes]
+    if isinstance(spec, CheckpointModel):
+        edits.changes.append(("source", "checkpoint", "python"))
+        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is the factory's, "
+                           "randomly initialised (source: python)")
+    # The declarations that describe the model's sizes follow them.
+    if spec.vocab_size is not None:
+        edits.set("vocab_size", min(spec.vocab_size, VOCAB))
+    if raw_model.get("dims"):
+        dims = dict(raw_model["dims"])
+        edits.changes += [(f"dims.{key}", old, new) for key, old, new in shrink_sizes(dims, DIMS_KEYS, partial).changes]
+        block["dims"] = dims
+    old_head, new_head = _kwargs_head(raw_model["kwargs"]), _kwargs_head(kwargs)
+    if (raw_model.get("rope") or {}).get("rotary_dim") and old_head and new_head:
+        rope = dict(raw_model["rope"])
+        rope["rotary_dim"] = even_rotary(rope["rotary_dim"], old_head, new_head)
+        edits.changes.append(("rope.rotary_dim", raw_model["rope"]["rotary_dim"], rope["rotary_dim"]))
+        block["rope"] = rope
+    # The factory's modules are found on sys.path: the configured directories and the config's own folder, which
+    # is no longer the written config's folder when it is written elsewhere.
+    search = [*(spec.path if not isinstance(spec, CheckpointModel) else spec.python_path), config_path.parent]
+    written = _paths_from(search, output.parent)
+    before = raw_model.get("python_path" if isinstance(spec, CheckpointModel) else "path")
+    if written or before is not None:
+        block["path"] = written
+    if written != (before or []):
+        edits.changes.append(("path", before, written))
+    return block, edits
+
+
+def _kwargs_head(kwargs: dict) -> int | None:
+    """The head size a factory's kwargs give: named, or the width over the heads."""
+    head_dim = next((kwargs[k] for k in KWARG_KEYS.head_dim if kwargs.get(k)), None)
+    heads = next((kwargs[k] for k in KWARG_KEYS.heads if kwargs.get(k)), None)
+    hidden = next((kwargs[k] for k in KWARG_KEYS.hidden if kwargs.get(k)), None)
+    return head_dim or (hidden // heads if heads and hidden else None)
+
+
+def _paths_from(directories: list[Path], folder: Path) -> list[str]:
+    """Directories as a config in `folder` names them: relative below it, absolute elsewhere; the folder itself is
+    left out (a config's own folder is always on sys.path)."""
+    folder = folder.resolve()
+    shown = []
+    for directory in directories:
+        directory = directory.resolve()
+        if directory == folder:
+            continue
+        shown.append(str(directory.relative_to(folder)) if folder in directory.parents else str(directory))
+    return list(dict.fromkeys(shown))

@@ -157,6 +157,12 @@ def _nested_config_json(depth: int):
     return write
 
 
+def _large_config_json(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**LLAMA, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+                                "num_hidden_layers": 24, "num_attention_heads": 16}))
+
+
 GENERATORS = {
     "truncated.safetensors": _truncated_safetensors,
     "whole_model.pt": _pickled_module,
@@ -169,6 +175,7 @@ GENERATORS = {
     "fifo.pt": _fifo,
     "hf_deep/config.json": _nested_config_json(5000),
     "hf_deep200/config.json": _nested_config_json(200),
+    "hf_large/config.json": _large_config_json,
 }
 
 

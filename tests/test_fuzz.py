@@ -1,6 +1,8 @@
 """Fuzzing the config file: whatever it holds, `fwdcheck run` answers with a documented exit code, never 3.
 
-Two generators, each example written to a temporary file and run through the CLI in-process (typer's CliRunner):
+Generators, each example written to a temporary file and run through the CLI in-process (typer's CliRunner, and
+`--in-process`, so that the model runs here too: the property below includes this process's state after the run; the
+worker process of a default run is tested in tests/test_supervisor.py):
 
 (a) arbitrary YAML documents: nested dicts, lists, strings, numbers, booleans and nulls (keys often the config's own
     names, values often its own words), dumped with yaml.safe_dump in varying styles, sometimes corrupted as text
@@ -310,7 +312,8 @@ def process_state() -> dict:
 def run_and_judge(config: Path, text_: str, output_format: str, outcomes: Counter) -> None:
     config.write_text(text_, encoding="utf-8")
     before, rng = process_state(), torch.get_rng_state()
-    result = runner.invoke(app, ["run", str(config), "--format", output_format], catch_exceptions=False)
+    result = runner.invoke(app, ["run", str(config), "--format", output_format, "--in-process"],
+                           catch_exceptions=False)
     everything = result.stdout + result.stderr
     code = result.exit_code
     outcomes[code] += 1
@@ -523,7 +526,7 @@ def test_expected_ledgers(saved_ledger):
         @given(text_=st.one_of(json_values.map(json.dumps), mutated_ledgers(saved_ledger)))
         def check(text_):
             ledger.write_text(text_, encoding="utf-8")
-            result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--format", "json",
+            result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--format", "json", "--in-process",
                                          "--expect-ledger", str(ledger)], catch_exceptions=False)
             everything = result.stdout + result.stderr
             outcomes[result.exit_code] += 1

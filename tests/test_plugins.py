@@ -221,6 +221,24 @@ def test_direct_class_that_does_not_import_is_an_error_naming_it(project):
     assert "No module named 'acme_nowhere'" in failed["summary"]
 
 
+def test_a_check_whose_run_returns_none_is_its_own_internal_error(project):
+    """A plugin's run() that forgets its return value: that check errors (FWD003, exit 3: a bug in check code, not in
+    the model) and the checks before and after it still run and are reported."""
+    (project / "acme_none.py").write_text(DIRECT_CHECK.replace("        return CheckResult.from_findings(",
+                                                               "        CheckResult.from_findings("))
+    path = config(project / "none.yaml", **toy(checks=["shape-ledger", "acme_none:VocabularyUsed", "rope"]))
+    try:
+        result = invoke("run", path, "--format", "json")
+    finally:
+        sys.modules.pop("acme_none", None)
+    assert result.exit_code == 3, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["shape-ledger"]["status"] == "pass" and checks["rope"]["status"] == "pass"
+    failed = checks["acme_none:VocabularyUsed"]
+    assert failed["status"] == "error" and [f["code"] for f in failed["findings"]] == ["FWD003"]
+    assert "VocabularyUsed.run() returned None, not a CheckResult" in failed["summary"]
+
+
 @pytest.mark.parametrize("reference", ["acme_direct:", "acme_direct:Vocabulary:Used", "acme direct:VocabularyUsed"])
 def test_malformed_direct_reference_is_a_usage_error(project, reference):
     path = config(project / "direct.yaml", **toy(checks=["shape-ledger", reference]))

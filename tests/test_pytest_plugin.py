@@ -180,7 +180,7 @@ def test_subset_and_fail_on_warn(tester, monkeypatch):
                         or run_model(model, settings, entries, **kw))
     result = run(tester, "-m", "fwdcheck", "--fwdcheck", "sample_configs/toy.yaml", "--fwdcheck", "warn.yaml", "-k",
                  "rope or mask or AlwaysWarns", "--fwdcheck-fail-on", "warn")
-    result.assert_outcomes(passed=3, failed=1, deselected=5)  # -m fwdcheck: test_my_model.py's tests too
+    result.assert_outcomes(passed=3, failed=1, deselected=2)  # toy's shape-ledger and future-token
     # a -k subset runs only its checks, as `fwdcheck run --check` would
     assert runs == [["mask-audit", "rope"], ["mask-audit", "acme_checks:AlwaysWarns"]]
     result.stdout.fnmatch_lines(["  ACME901 warn: something to look at"])  # a warning fails on request
@@ -222,6 +222,24 @@ def test_without_the_option_nothing_is_collected(tester):
     assert [line for line in result.stdout.lines if "::" in line] == [
         f"test_my_model.py::{t}" for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")]
     assert "fwdcheck:" not in result.stdout.str()
+
+
+def test_the_option_alone_collects_the_configs_alone(tester):
+    """`pytest --fwdcheck configs/` in a repository whose ini names testpaths collects the configs, not the test
+    suite too; a test path named beside it is collected as well."""
+    (tester.path / "tests").mkdir()
+    shutil.move(tester.path / "test_my_model.py", tester.path / "tests" / "test_my_model.py")
+    (tester.path / "configs").mkdir()
+    shutil.copy(tester.path / "sample_configs" / "toy.yaml", tester.path / "configs" / "toy.yaml")
+    tester.makeini("[pytest]\ntestpaths = tests\n")
+    config_items = [f"configs/toy.yaml::{n}" for n in CHECKS]
+    test_items = [f"tests/test_my_model.py::{t}" for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")]
+
+    alone = run(tester, "--fwdcheck", "configs/", "--collect-only", "-q")
+    assert [line for line in alone.stdout.lines if "::" in line] == config_items
+
+    beside = run(tester, "tests", "--fwdcheck", "configs/", "--collect-only", "-q")
+    assert sorted(line for line in beside.stdout.lines if "::" in line) == sorted(test_items + config_items)
 
 
 def test_ini_option_collects_as_the_flag_does(tester):

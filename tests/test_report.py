@@ -1,21 +1,32 @@
-"""The terminal report shows what the checks found: the leak map, the ledger, the mask table, the RoPE numbers."""
+"""The terminal report shows what the checks found: the leak map, the ledger, the mask table, the RoPE numbers; a green
+run briefly, a red one with the detail of what did not pass, in one line when asked; key numbers the verdict rests
+on; ignored findings marked in every report."""
 
 from __future__ import annotations
 
+import functools
 import io
 import re
+import xml.etree.ElementTree as ET
 
 from rich.console import Console
 
 import fwdcheck
-from fwdcheck.report.terminal import may_read_grid, render
+from fwdcheck.reference import build
+from fwdcheck.report import Report
+from fwdcheck.report.github import to_github
+from fwdcheck.report.junit import to_junit
+from fwdcheck.report.markdown import to_markdown
+from fwdcheck.report.terminal import Verbosity, key_number, may_read_grid, render
+from fwdcheck.result import Status
+from tests import readme_example
 from tests.conftest import run_checks
 from tests.corpus import VOCAB, gpt_fast, modded, torch_models
 
 
-def rendered(report) -> str:
+def rendered(report, verbosity: Verbosity = Verbosity.VERBOSE, **options) -> str:
     console = Console(file=io.StringIO(), width=140, color_system=None)
-    render(report, console)
+    render(report, console, verbosity=verbosity, **options)
     return console.file.getvalue()
 
 
@@ -57,10 +68,10 @@ def test_messages_with_brackets_are_shown_verbatim():
 RED = ("\x1b[31m", "\x1b[1;31m")
 
 
-def styled(report, width: int = 120) -> str:
+def styled(report, width: int = 120, verbosity: Verbosity = Verbosity.VERBOSE) -> str:
     """The report with its colours, as ANSI escapes: a failure is red, a note or a call not judged is dim."""
     console = Console(file=io.StringIO(), width=width, force_terminal=True, color_system="standard", no_color=False)
-    render(report, console)
+    render(report, console, verbosity=verbosity)
     return console.file.getvalue()
 
 
@@ -185,3 +196,145 @@ def test_a_long_cache_is_drawn_as_a_window_around_the_query_position():
                              "slots, 45..92 shown)")
     assert line.plain.split() == ["■"] * 36 + ["·"] * 9 + ["■", "·", "·"]
     assert grid_spans(call) == ["green"] * 36 + ["red"]
+
+
+# -- how much is shown: quiet when green, the detail of what did not pass, one line when asked -------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def reference_run(*bugs: str, checks: tuple[str, ...] | None = None, **model) -> Report:
+    """A run of the reference model with the bugs planted, shared by the tests below (reports are read, not changed)."""
+    return run_checks({"source": "reference", "bugs": list(bugs), **model}, list(checks) if checks else None)
+
+
+def test_a_passing_run_is_its_summary_table_and_verdict():
+    report = reference_run()
+    text = rendered(report, Verbosity.DEFAULT)
+    assert "╭─" not in text, text  # no detail panel
+    lines = text.splitlines()
+    assert len(lines) <= 10, text
+    for name in ("shape-ledger", "future-token", "mask-audit", "rope"):
+        assert re.search(rf"^{name}\s+pass\s+\S.*\s\d+\.\d\ds\s", text, re.MULTILINE), text  # key number and time
+    assert lines[-1] == "passed (exit 0)" and report.exit_code == 0
+
+
+def test_a_failing_run_details_only_the_checks_that_did_not_pass():
+    report = reference_run("no-causal-mask")
+    text = rendered(report, Verbosity.DEFAULT)
+    assert re.findall(r"^╭─ (\S+) (\S+)", text, re.MULTILINE) == [("future-token", "fail"), ("mask-audit", "fail")]
+    assert "FWD101" in text and "FWD201" in text and "query\\k" in text
+    assert text.splitlines()[-1] == f"failed (exit {report.exit_code})" and report.exit_code == 1
+
+
+def test_verbose_details_every_check_that_ran():
+    report = reference_run(positional="learned")  # rope skips: nothing to detail
+    panels = re.findall(r"^╭─ (\S+) (\S+)", rendered(report), re.MULTILINE)
+    assert panels == [("shape-ledger", "pass"), ("future-token", "pass"), ("mask-audit", "pass")]
+
+
+def test_quiet_is_one_line_with_what_decided_the_exit_code():
+    failing = reference_run("no-causal-mask")
+    line = rendered(failing, Verbosity.QUIET)
+    assert line.count("\n") == 1, line
+    assert line.startswith("fwdcheck: failed (exit 1) — future-token FWD101 FWD105, mask-audit FWD201 · "), line
+    assert re.search(r" · \d+\.\d s$", line.rstrip())
+    passing = rendered(reference_run(positional="learned"), Verbosity.QUIET)
+    assert passing.startswith("fwdcheck: passed (exit 0) — 3 checks (shape-ledger, future-token, mask-audit); "
+                              "skipped: rope · "), passing
+    nothing = reference_run(positional="learned", checks=("rope",))
+    assert rendered(nothing, Verbosity.QUIET).startswith("fwdcheck: nothing ran (exit 5) — 0 checks; skipped: rope")
+
+
+def test_every_view_ends_with_the_exit_code_the_run_returns():
+    for report in (reference_run(), reference_run("batch-mix"), reference_run(positional="learned", checks=("rope",))):
+        for verbosity in Verbosity:
+            assert f"(exit {report.exit_code})" in rendered(report, verbosity).splitlines()[-1]
+
+
+def test_durations_can_be_left_out():
+    report = reference_run("no-causal-mask")
+    for verbosity in Verbosity:
+        text = rendered(report, verbosity, durations=False)
+        assert not re.search(r"\d\.\d+ ?s\b", text), text
+
+
+# -- key numbers and summaries: the measurement the verdict rests on ---------------------------------------------------
+
+
+def test_the_key_number_is_the_change_that_failed():
+    for bug in ("batch-mix", "no-causal-mask"):
+        result = reference_run(bug).result("future-token")
+        m = result.metrics
+        assert result.status == Status.FAIL and m["decided_by"] == "max_change" and m["max_change"] > m["threshold"]
+        assert key_number(result) == f"{m['max_change']:.2g} / {m['threshold']:.2g}"
+    batch_mix = reference_run("batch-mix").result("future-token").metrics
+    assert batch_mix["max_change"] == batch_mix["batch_max_change"] > 0.01  # samples read each other, and by this much
+
+
+def test_dropout_live_in_eval_is_the_key_number_when_nothing_moved():
+    result = reference_run("sdpa-dropout-in-eval", dropout=0.1).result("future-token")
+    assert result.status == Status.FAIL and result.metrics["max_change"] <= result.metrics["threshold"]
+    assert key_number(result) == "dropout in 2 calls"
+
+
+def test_a_pass_shows_the_largest_change_of_every_comparison():
+    result = reference_run().result("future-token")
+    m = result.metrics
+    compared = [m[name] for name in ("max_change_before_cut", "batch_max_change", "prefix_max_change",
+                                     "single_row_max_change")]
+    assert m["max_change"] == max(compared) <= m["threshold"]
+    assert key_number(result) == f"{max(compared):.2g} / {m['threshold']:.2g}"
+    assert result.summary == (f"3 cuts + batch + prefix + single row: max change {max(compared):.2g} vs threshold "
+                              f"{m['threshold']:.2g}")
+
+
+def test_a_model_declared_not_causal_is_summarised_by_what_was_judged():
+    model = build(vocab_size=16, d_model=8, n_heads=2, n_layers=2, bugs=["no-causal-mask"])
+    result = fwdcheck.check_model(model, ["future-token"], causal=False, vocab_size=16).result("future-token")
+    m = result.metrics
+    assert result.status == Status.PASS and "max_change_before_cut" not in m
+    assert result.summary == (f"batch: max change {m['batch_max_change']:.2g} vs threshold {m['threshold']:.2g}; "
+                              "part (a) skipped: model.causal is false")
+
+
+def test_a_skipped_check_shows_no_number():
+    report = reference_run(positional="learned")
+    rope = report.result("rope")
+    assert rope.status == Status.SKIP and key_number(rope) == ""
+    row = re.search(r"^rope\s+skip\s+(.*)$", rendered(report, Verbosity.DEFAULT), re.MULTILINE).group(1)
+    assert row.startswith("no rotary embedding"), row  # neither a key number nor a duration before the summary
+
+
+# -- ignored findings: shown, marked with the config's reason, counted nowhere -----------------------------------------
+
+REASON = "known; fixed in #12"
+
+
+def test_ignored_findings_are_marked_in_every_report():
+    report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]}, ["mask-audit"],
+                        ignore=[{"code": "FWD201", "reason": REASON}])
+    assert report.exit_code == 0 and report.result("mask-audit").findings[0].ignored == REASON
+
+    for verbosity in (Verbosity.DEFAULT, Verbosity.VERBOSE):
+        text = styled(report, verbosity=verbosity)
+        marked = [line for line in text.splitlines() if "FWD201" in line and "[ignored: FWD201]" not in line]
+        assert marked and not any(red in line for red in RED for line in marked), marked
+        assert all("\x1b[2m" in line for line in marked), marked  # dim
+        assert re.search(rf"ignored: {re.escape(REASON)}", plain(text)), plain(text)
+    assert "ignored: mask-audit FWD201" in rendered(report, Verbosity.QUIET)
+
+    assert f"| FWD201 | fail (ignored: {REASON}) |" in to_markdown(report)
+    junit = ET.fromstring(to_junit(report)).find("testsuite/testcase")
+    assert junit.find("failure") is None and f"(ignored: {REASON})" in junit.find("system-out").text
+    github = to_github(report)
+    assert "::error" not in github
+    assert re.search(rf"^::notice [^:]*title=fwdcheck mask-audit FWD201 \(ignored\)::.*\(ignored: {REASON}\)$",
+                     github, re.MULTILINE), github
+
+
+# -- the README's example is a real run --------------------------------------------------------------------------------
+
+
+def test_readme_example_is_what_a_run_prints():
+    assert readme_example.readme_example() == readme_example.example(), \
+        "run `python -m tests.readme_example --write` and commit the README"

@@ -1,7 +1,8 @@
 """`fwdcheck shrink`: a big model's real config becomes a 2-layer copy of the same architecture every check can run on.
 
-Real transformers configs (no mocks), written into tmp_path as a user's project holds them; the shrunk configs then
-run through `fwdcheck run` in-process. The code-path matrix is narrowed in most source configs (the `paths:` key, which
+Real transformers configs (no mocks), written into tmp_path as a user's project holds them; each test works from
+another directory (the shrunk config is written to the working directory), and the shrunk configs then run through
+`fwdcheck run` in-process. The code-path matrix is narrowed in most source configs (the `paths:` key, which
 shrink carries over) so the file stays well under a minute; the Llama case runs the whole matrix.
 """
 
@@ -15,7 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.shrink import clamp_token, keep_layers, resample, shrink_heads, shrink_hf_dict
+from fwdcheck.shrink import KWARG_KEYS, clamp_token, keep_layers, resample, shrink_heads, shrink_hf_dict, shrink_sizes
 
 # Imported here, not first inside a CliRunner call: transformers' log handler would keep that call's closed stderr.
 transformers = pytest.importorskip("transformers")
@@ -52,6 +53,14 @@ FEW_PATHS = {"attn_implementation": ["eager", "sdpa"], "output_attentions": [Fal
              "attention_mask": ["absent", "left-pad"], "batch_size": [2]}
 
 
+@pytest.fixture(autouse=True)
+def work(tmp_path, monkeypatch) -> Path:
+    """The working directory: not the folder the configs are in."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    return tmp_path / "work"
+
+
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
@@ -66,10 +75,11 @@ def hf_project(tmp_path: Path, name: str, hf_config: dict, **top) -> Path:
 
 
 def shrink(config: Path, *args) -> tuple[Path, dict, str]:
-    """Shrink into the default place; the written document and what the command printed."""
+    """Shrink into the default place, the working directory; the written document and what the command printed."""
     result = invoke("shrink", config, *args)
     assert result.exit_code == 0, result.output
-    out = config.with_name(f"{config.stem}.shrunk.yaml")
+    out = Path(f"{config.stem}.shrunk.yaml")
+    assert out.exists() and not config.with_name(out.name).exists()
     return out, yaml.safe_load(out.read_text(encoding="utf-8")), result.stdout
 
 
@@ -204,7 +214,7 @@ def test_inline_config_with_one_kv_head_keeps_multi_query_and_the_other_keys(tmp
 def test_refuses_to_overwrite_without_force(tmp_path):
     config = tmp_path / "toy.yaml"
     config.write_text((REPO / "sample_configs" / "toy.yaml").read_text(encoding="utf-8"), encoding="utf-8")
-    out = tmp_path / "toy.shrunk.yaml"
+    out = Path("toy.shrunk.yaml")
     out.write_text("# mine\n", encoding="utf-8")
 
     result = invoke("shrink", config)
@@ -218,11 +228,60 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     assert same.exit_code == 2 and "another --output" in same.stderr
 
 
-@pytest.mark.parametrize("source", ["python", "checkpoint"])
-def test_factory_sources_cannot_be_shrunk(tmp_path, source):
-    model = {"source": source, "factory": "mypkg.model:build", "kwargs": {"n_layers": 32}}
-    if source == "checkpoint":
-        model["path"] = "model.safetensors"
+FACTORY_MODULE = """\
+from fwdcheck.reference import build
+
+
+def make(**sizes):
+    return build(**sizes)
+"""
+
+
+def test_python_kwargs_shrink_by_name_and_the_copy_finds_the_factory_from_the_working_directory(tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "mymodel.py").write_text(FACTORY_MODULE, encoding="utf-8")
+    config = project / "big.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"source": "python", "factory": "mymodel:make", "path": ["src"],
+                  "kwargs": {"vocab_size": 128256, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8, "n_layers": 32,
+                             "d_ff": 14336, "max_seq_len": 8192},
+                  "vocab_size": 128256, "dims": {"d": 4096, "h": 32, "h_kv": 8, "d_h": 128, "V": 128256},
+                  "rope": {"base": 10000, "rotary_dim": 128}},
+        "meta": True,
+    }, sort_keys=False), encoding="utf-8")
+    out, document, printed = shrink(config)
+
+    model = document["model"]
+    assert model["kwargs"] == {"vocab_size": 512, "d_model": 128, "n_heads": 8, "n_kv_heads": 2, "n_layers": 2,
+                               "d_ff": 448, "max_seq_len": 8192}  # 4 query heads per kv head, head size 16
+    assert model["vocab_size"] == 512 and model["dims"] == {"d": 128, "h": 8, "h_kv": 2, "d_h": 16, "V": 512}
+    assert model["rope"] == {"base": 10000, "rotary_dim": 16}  # the whole head, as before
+    assert model["path"] == [str(project / "src"), str(project)]  # the module, from here
+    assert "meta" not in document
+    assert any(line.split()[:3] == ["kwargs.n_layers", "32", "2"] for line in printed.splitlines()), printed
+
+    code, report = run_json(out)
+    assert code == 0 and set(statuses(report).values()) == {"pass"}, report
+    assert report["model"]["dims"]["d_h"] == 16
+
+
+def test_checkpoint_becomes_the_factory_randomly_initialised_and_the_samples_stay_unwritten():
+    config = REPO / "sample_configs" / "checkpoint" / "reference.yaml"
+    out, document, printed = shrink(config)
+
+    model = document["model"]
+    assert model["source"] == "python" and model["factory"] == "fwdcheck.reference:build"
+    assert not {"python_path", "strict", "trust_checkpoint"} & set(model)
+    assert "reference.safetensors are not carried over" in " ".join(printed.split())
+
+    code, report = run_json(out)
+    assert code == 0 and set(statuses(report).values()) == {"pass"}, report
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [(None, "no `kwargs:`"), ({"seed": 1}, "its kwargs (seed) name no size")])
+def test_a_factory_without_size_kwargs_is_one_line(tmp_path, kwargs, says):
+    model = {"source": "python", "factory": "mypkg.model:build", **({"kwargs": kwargs} if kwargs else {})}
     config = tmp_path / "factory.yaml"
     config.write_text(yaml.safe_dump({"model": model}), encoding="utf-8")
 
@@ -230,8 +289,8 @@ def test_factory_sources_cannot_be_shrunk(tmp_path, source):
     assert result.exit_code == 2 and result.stdout == ""
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in result.output
-    assert "hf" in line and "reference" in line and "kwargs" in line
-    assert not (tmp_path / "factory.shrunk.yaml").exists()
+    assert says in line and "n_layers" in line
+    assert not Path("factory.shrunk.yaml").exists()
 
 
 def test_reference_toy_is_already_small_and_still_runs(tmp_path):
@@ -317,3 +376,20 @@ def test_partial_rotary_and_longrope_factors_follow_the_head_size():
     shrink_hf_dict(neox)
     assert neox["rope_parameters"]["partial_rotary_factor"] == 0.25
     assert neox["hidden_size"] // neox["num_attention_heads"] == 16
+
+
+def test_factory_kwargs_in_the_spellings_models_use():
+    nanogpt = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50304, "block_size": 1024, "bias": False}
+    shrink_sizes(nanogpt, KWARG_KEYS)
+    assert nanogpt == {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 512, "block_size": 1024, "bias": False}
+
+    litgpt = {"n_layer": 32, "n_head": 32, "n_query_groups": 8, "n_embd": 4096, "head_size": 128,
+              "intermediate_size": 14336, "padded_vocab_size": 128256, "rotary_percentage": 1.0}
+    edits = shrink_sizes(litgpt, KWARG_KEYS)
+    assert litgpt == {"n_layer": 2, "n_head": 8, "n_query_groups": 2, "n_embd": 128, "head_size": 16,
+                      "intermediate_size": 448, "padded_vocab_size": 512, "rotary_percentage": 1.0}
+    assert len(edits.changes) == 7
+
+    width_in_code = {"n_layers": 24, "d_model": 1024}  # no heads: the width cannot be cut safely
+    shrink_sizes(width_in_code, KWARG_KEYS)
+    assert width_in_code == {"n_layers": 2, "d_model": 1024}

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fwdcheck import __version__
-from fwdcheck.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK
+from fwdcheck.errors import (EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK,
+                             EXIT_TERMINATED)
 from fwdcheck.result import CheckResult, Status, worst
 
 SCHEMA_VERSION = 1
@@ -28,7 +29,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     config_path: str | None = None
     fail_on: str = "fail"  # fail | warn
-    interrupted: bool = False  # Ctrl-C: the report holds what ran
+    interrupted: bool = False  # Ctrl-C or SIGTERM: the report holds what ran
+    interrupted_exit: int = EXIT_INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
 
     @property
     def status(self) -> Status:
@@ -40,7 +42,7 @@ class Report:
         """0 passed (warnings allowed unless fail_on=warn); 1 failed or the model raised; 3 fwdcheck broke;
         5 nothing ran."""
         if self.interrupted:
-            return EXIT_INTERRUPTED
+            return self.interrupted_exit
         if any(r.internal_error for r in self.results):
             return EXIT_INTERNAL
         status = self.status
@@ -49,6 +51,14 @@ class Report:
         if status == Status.SKIP:
             return EXIT_NOTHING_RAN
         return EXIT_OK
+
+    @property
+    def verdict(self) -> str:
+        """The exit code in a word, as every renderer says it."""
+        if self.interrupted:
+            return "terminated" if self.interrupted_exit == EXIT_TERMINATED else "interrupted"
+        return {EXIT_OK: "passed", EXIT_FAILED: "failed", EXIT_INTERNAL: "internal error",
+                EXIT_NOTHING_RAN: "nothing ran"}[self.exit_code]
 
     @property
     def ok(self) -> bool:
@@ -68,6 +78,15 @@ class Report:
                      for r in self.results if r.status in (Status.FAIL, Status.ERROR) or
                      (self.fail_on == "warn" and r.status == Status.WARN)]
             raise ChecksFailed(f"fwdcheck: exit {self.exit_code}\n" + "\n".join(lines), self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, internal_errors: list[bool] | None = None, fail_on: str = "fail",
+                  interrupted: bool = False) -> Report:
+        """The inverse of to_dict, given what the JSON report leaves out (which errors were fwdcheck's own)."""
+        flags = internal_errors or [False] * len(d["checks"])
+        return cls(results=[CheckResult.from_dict(c, flag) for c, flag in zip(d["checks"], flags)],
+                   model=d.get("model", {}), environment=d.get("environment", {}), notes=d.get("notes", []),
+                   config_path=d.get("config"), fail_on=fail_on, interrupted=interrupted)
 
     def to_json(self, **dump_options) -> str:
         import json

@@ -1,7 +1,8 @@
 """GitHub Actions: workflow-command annotations on the model code, and a markdown job summary.
 
 Messages are escaped as GitHub requires (% \\r \\n in the message; also : and , in properties). At most ten errors
-and ten warnings are annotated; the rest are counted in a notice, and all of them are in the summary.
+and ten warnings are annotated; the rest are counted in a notice, and all of them are in the summary. A finding the
+config ignores is a notice, marked with the config's reason: it still shows, and fails nothing.
 """
 
 from __future__ import annotations
@@ -26,28 +27,30 @@ def escape_property(text: str) -> str:
 
 
 def to_github(report: Report) -> str:
-    lines, left_out = [], {"error": 0, "warning": 0}
-    shown = {"error": 0, "warning": 0}
+    lines, left_out = [], {"error": 0, "warning": 0, "notice": 0}
+    shown = {"error": 0, "warning": 0, "notice": 0}
     for result in report.results:
         for f in result.findings:
             kind = KIND.get(f.status)
-            if kind is None or f.ignored:
+            if kind is None:
                 continue
+            kind = "notice" if f.ignored else kind
             if shown[kind] == MAX_PER_KIND:
                 left_out[kind] += 1
                 continue
             shown[kind] += 1
-            properties = [f"title={escape_property(f'fwdcheck {result.name} {f.code}')}"]
+            title = f"fwdcheck {result.name} {f.code}" + (" (ignored)" if f.ignored else "")
+            properties = [f"title={escape_property(title)}"]
             if f.source and ":" in f.source:
                 file, line = f.source.rsplit(":", 1)
                 properties[:0] = [f"file={escape_property(file)}", f"line={escape_property(line)}"]
             where = f" (at {f.where})" if f.where else ""
-            lines.append(f"::{kind} {','.join(properties)}::{escape_data(f.message + where)}")
+            ignored = f" (ignored: {f.ignored})" if f.ignored else ""
+            lines.append(f"::{kind} {','.join(properties)}::{escape_data(f.message + where + ignored)}")
     for kind, count in left_out.items():
         if count:
             lines.append(f"::notice title=fwdcheck::{count} more {kind}s are in the job summary and the report")
-    verdict = {0: "passed", 1: "failed", 3: "internal error", 5: "nothing ran", 130: "interrupted"}[report.exit_code]
-    lines.append(f"fwdcheck {verdict} (exit {report.exit_code})")
+    lines.append(f"fwdcheck {report.verdict} (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
 
 

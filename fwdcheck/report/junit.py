@@ -11,7 +11,15 @@ from fwdcheck.result import Finding, Status
 OUTCOME = {Status.FAIL: "failure", Status.ERROR: "error", Status.SKIP: "skipped"}
 
 
-def to_junit(report: Report) -> str:
+def to_junit(*reports: Report) -> str:
+    """One <testsuites> document: a <testsuite> per report (per config)."""
+    suites = ET.Element("testsuites", name="fwdcheck")
+    suites.extend(testsuite(report) for report in reports)
+    ET.indent(suites)
+    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def testsuite(report: Report) -> ET.Element:
     name = report.config_path or report.model.get("label", "fwdcheck")
     cases = []
     for result in report.results:
@@ -33,10 +41,7 @@ def to_junit(report: Report) -> str:
                        ("model", report.model.get("label"))):
         ET.SubElement(properties, "property", name=key, value=str(value))
     suite.extend(cases)
-    suites = ET.Element("testsuites", name="fwdcheck")
-    suites.append(suite)
-    ET.indent(suites)
-    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+    return suite
 
 
 def _case(check: str, name: str, status: Status, summary: str, findings: list[Finding], seconds: float) -> ET.Element:
@@ -62,5 +67,5 @@ def _line(f: Finding) -> str:
     if f.source:
         parts.append(f"({f.source})")
     if f.ignored:
-        parts.append(f"[ignored: {f.ignored}]")
+        parts.append(f"(ignored: {f.ignored})")
     return " ".join(parts)

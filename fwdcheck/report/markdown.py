@@ -14,8 +14,7 @@ def _cell(text: str) -> str:
 
 def to_markdown(report: Report) -> str:
     env = report.environment
-    verdict = {0: "passed", 1: "failed", 3: "internal error", 5: "nothing ran", 130: "interrupted"}[report.exit_code]
-    lines = [f"### fwdcheck {verdict}: {_cell(report.model.get('label', ''))}", "",
+    lines = [f"### fwdcheck {report.verdict}: {_cell(report.model.get('label', ''))}", "",
              f"{env.get('device')} · {env.get('dtype')} · B={env.get('batch_size')} T={env.get('seq_len')} · "
              f"seed {env.get('seed')} · torch {env.get('torch')}", "",
              "| check | status | summary |", "| --- | --- | --- |"]

@@ -46,7 +46,7 @@ JSON_REPORT_SCHEMA = {
         "schema_version": {"const": SCHEMA_VERSION},
         "fwdcheck_version": {"type": "string"},
         "status": STATUS,
-        "exit_code": {"enum": [0, 1, 3, 5, 130]},
+        "exit_code": {"enum": [0, 1, 3, 5, 130, 143]},
         "config": {"type": ["string", "null"]},
         "model": {"type": "object"},
         "environment": {

@@ -1,82 +1,166 @@
 """The rich terminal report: a summary table, then each check's detail (ledger, leak map, mask table, RoPE numbers).
 
-It only shows what the checks put in their results; it computes nothing but layout.
+It only shows what the checks put in their results; it computes nothing but layout. How much it shows is the
+reader's choice (Verbosity): a green run is a few lines, a red one shows the detail of what did not pass. Tables are
+laid out for the console's width: a word is never cut, and at a narrow width the least needed columns give way first.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.panel import Panel
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from fwdcheck.report import Report
-from fwdcheck.result import CheckResult, Status
+from fwdcheck.result import CheckResult, Finding, Status
 
 STYLE = {Status.PASS: "bold green", Status.WARN: "bold yellow", Status.FAIL: "bold red", Status.SKIP: "dim",
          Status.ERROR: "bold magenta"}
+IGNORED = "dim"  # an ignored finding is shown, never in its status's colour: it does not count
+VERDICT_STYLE = {"passed": "bold green", "failed": "bold red", "internal error": "bold magenta",
+                 "nothing ran": "dim", "interrupted": "bold red", "terminated": "bold red"}
 MAP_WIDTH = 64  # leak maps wider than this many positions are binned
-GRID_KEYS = 48  # may-read grids show at most this many key slots (two characters each), to fit a 120-column report
+GRID_KEYS = 48  # may-read grids show at most this many key slots (two characters each), fewer on a narrow console
 
 
-def render(report: Report, console: Console, debug: bool = False) -> None:
+class Verbosity(str, Enum):
+    QUIET = "quiet"  # one line: the verdict, its exit code, and what failed
+    DEFAULT = "default"  # the summary table; the detail of every check that did not pass
+    VERBOSE = "verbose"  # the summary table and every check's detail
+
+
+def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity = Verbosity.DEFAULT,
+           durations: bool = True) -> None:
+    """The report on `console`, laid out for its width. `durations` False leaves every time out, for text that must
+    not change from run to run (documentation, comparisons)."""
+    verbosity = Verbosity(verbosity)
+    if verbosity == Verbosity.QUIET:
+        console.print(one_line(report, durations), soft_wrap=True)  # one line, however narrow: the terminal wraps it
+        return
     env = report.environment
     console.print(Text.assemble(("fwdcheck ", "bold"), f"· {report.model.get('label', '?')} · ",
                                 f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
                                 f"T={env.get('seq_len')} seed={env.get('seed')}"))
     for note in report.notes:
         console.print(Text(f"note: {note}", style="dim"))
-    console.print(summary_table(report))
+    console.print(summary_table(report, verbosity, durations))
     for result in report.results:
-        if result.status == Status.SKIP:
-            continue
-        console.print(detail(result, debug))
-    verdict = {0: "[bold green]passed[/]", 1: "[bold red]failed[/]", 3: "[bold magenta]internal error[/]",
-               5: "[dim]nothing ran[/]", 130: "[bold red]interrupted[/]"}[report.exit_code]
-    console.print(f"{verdict} (exit {report.exit_code})")
+        if shows_detail(result, verbosity):
+            console.print(detail(result, debug, durations))
+        else:  # no panel to show them in: an ignored finding still shows, marked, on a line of its own
+            for f in result.findings:
+                if f.ignored:
+                    console.print(Text(f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})",
+                                       style=IGNORED))
+    word, style = verdict(report)
+    console.print(Text.assemble((word, style), f" (exit {report.exit_code})"))
 
 
-def summary_table(report: Report) -> Table:
-    table = Table(box=box.SIMPLE_HEAVY, show_edge=False, pad_edge=False)
-    table.add_column("check", style="bold")
-    table.add_column("status")
-    table.add_column("key number", justify="right")
-    table.add_column("summary", overflow="fold")
+def verdict(report: Report) -> tuple[str, str]:
+    """The word for the exit code, and its style."""
+    return report.verdict, VERDICT_STYLE[report.verdict]
+
+
+def shows_detail(result: CheckResult, verbosity: Verbosity) -> bool:
+    """Verbose shows every check that ran; the default only those a reader has to look at."""
+    if verbosity == Verbosity.VERBOSE:
+        return result.status != Status.SKIP
+    return result.status in (Status.WARN, Status.FAIL, Status.ERROR)
+
+
+def one_line(report: Report, durations: bool) -> Text:
+    """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · 2.1 s': what decided the exit
+    code, then what else a reader should know (warnings that did not count, skipped and ignored checks)."""
+    word, style = verdict(report)
+    counted = [r for r in report.results if r.status in (Status.FAIL, Status.ERROR)
+               or (r.status == Status.WARN and report.fail_on == "warn")]
+    ran = [r.name for r in report.results if r.status != Status.SKIP]
+    if counted:
+        what = ", ".join(" ".join([r.name, *(_counted_codes(r) or [r.status.value])]) for r in counted)
+    else:
+        what = f"{len(ran)} check{'s' if len(ran) != 1 else ''}" + (f" ({', '.join(ran)})" if ran else "")
+    line = Text.assemble("fwdcheck: ", (word, style), f" (exit {report.exit_code}) — {what}")
+    warned = [" ".join([r.name, *_counted_codes(r)]) for r in report.results
+              if r.status == Status.WARN and r not in counted]
+    skipped = [r.name for r in report.results if r.status == Status.SKIP]
+    ignored = list(dict.fromkeys(f"{r.name} {f.code}" for r in report.results for f in r.findings if f.ignored))
+    for label, names in (("warn", warned), ("skipped", skipped), ("ignored", ignored)):
+        if names:
+            line.append(f"; {label}: {', '.join(names)}")
+    if durations:
+        line.append(f" · {sum(r.duration_s for r in report.results):.1f} s")
+    return line
+
+
+def _counted_codes(r: CheckResult) -> list[str]:
+    """The codes behind a check's status: its findings of that status that are not ignored, each once."""
+    return list(dict.fromkeys(f.code for f in r.findings if f.status == r.status and not f.ignored))
+
+
+def summary_table(report: Report, verbosity: Verbosity = Verbosity.DEFAULT, durations: bool = True) -> RenderableType:
+    """One row per check. In the default view a passing check's summary is one line, cut to the width: its detail is
+    a -v away, while a check that did not pass is the one to read in full."""
+    columns = [FitColumn("check", style="bold", whole=True), FitColumn("status", whole=True),
+               FitColumn("key number", justify="right", whole=True)]
+    columns += [FitColumn("time", justify="right", whole=True)] if durations else []
+    columns += [FitColumn("summary")]
+    rows = []
     for r in report.results:
-        table.add_row(r.name, Text(r.status.value, STYLE[r.status]), key_number(r), Text(r.summary))
-    return table
+        brief = verbosity == Verbosity.DEFAULT and r.status == Status.PASS
+        summary = Text(r.summary, no_wrap=brief, overflow="ellipsis" if brief else "fold")
+        time = [Text("" if r.status == Status.SKIP else f"{r.duration_s:.2f}s")] if durations else []
+        rows.append([Text(r.name), Text(r.status.value, STYLE[r.status]), Text(key_number(r)), *time, summary])
+    return FitTable(columns, rows, box=box.SIMPLE_HEAVY, show_edge=False, pad_edge=False)
 
 
 def key_number(r: CheckResult) -> str:
+    """The number the verdict rests on, as the check measured it: for a failure the measurement that failed, for a
+    pass the one that came closest; nothing for a skipped check, which measured nothing."""
     m = r.metrics
-    if r.name == "future-token" and "threshold" in m:
-        return f"{m.get('max_change_before_cut', m.get('batch_max_change', 0)):.2g} / {m['threshold']:.2g}"
+    if r.status == Status.SKIP:
+        return ""
+    if m.get("failing_code_paths"):  # the verdict came from the code-path matrix: how much of it failed
+        return f"{m['failing_code_paths']} of {m['code_paths']} paths"
+    if r.name == "future-token":
+        return _future_token_key(m)
     if r.name == "shape-ledger" and "tensors" in m:
         return f"{m['tensors']} tensors"
     if r.name == "mask-audit" and "attention_calls" in m:
         return f"{m['attention_calls']} calls"
+    if r.name == "rope" and r.status != Status.PASS and "logits_shift_change" in m \
+            and m["logits_shift_change"] > m["logits_shift_threshold"]:
+        return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
     if r.name == "rope" and m.get("base"):
         return f"base {m['base']:.4g}"
-    return f"{r.duration_s:.2f}s"
+    return ""
 
 
-def detail(r: CheckResult, debug: bool) -> Panel:
+def _future_token_key(m: dict) -> str:
+    """The measurement the check says its verdict rests on (metrics['decided_by'])."""
+    decided = m.get("decided_by")
+    if decided == "nonfinite":
+        return f"NaN/Inf at {m['nonfinite_positions']}" if "nonfinite_positions" in m else "NaN/Inf"
+    if decided == "live_dropout_calls":
+        return f"dropout in {m['live_dropout_calls']} call{'s' if m['live_dropout_calls'] != 1 else ''}"
+    if decided == "noise_floor":
+        return f"noise {m['noise_floor']:.2g} / {m['tolerance']:.2g}"
+    if "max_change" in m:
+        return f"{m['max_change']:.2g} / {m['threshold']:.2g}"
+    return ""
+
+
+def detail(r: CheckResult, debug: bool, durations: bool = True) -> Panel:
     parts: list[RenderableType] = []
     if r.findings:
-        findings = Table(box=None, show_header=False, pad_edge=False)
-        findings.add_column(no_wrap=True)
-        findings.add_column(no_wrap=True)
-        findings.add_column(overflow="fold")
-        for f in r.findings:
-            message = Text(f.message)
-            if f.where:
-                message.append(f"\nat {f.where}", style="dim")
-            findings.add_row(f.code, Text(f.status.value, STYLE[f.status]), message)
-        parts.append(findings)
+        parts.append(findings_table(r.findings))
     render_data = DETAIL.get(r.name)
     if render_data is not None and r.data:
         parts.append(render_data(r))
@@ -86,18 +170,120 @@ def detail(r: CheckResult, debug: bool) -> Panel:
         parts.append(Text(r.data["traceback"], style="dim"))
     if not parts:
         parts.append(Text(r.summary))
-    title = Text.assemble((r.name, "bold"), " ", (r.status.value, STYLE[r.status]), f"  {r.duration_s:.2f}s")
+    title = Text.assemble((r.name, "bold"), " ", (r.status.value, STYLE[r.status]))
+    if durations:
+        title.append(f"  {r.duration_s:.2f}s")
     return Panel(Group(*parts), title=title, title_align="left", border_style=STYLE[r.status].split()[-1])
+
+
+def findings_table(findings: list[Finding]) -> RenderableType:
+    """Code, status and message of each finding, with where it is; an ignored one dim, with the config's reason."""
+    rows = []
+    for f in findings:
+        message = Text(f.message, style=IGNORED if f.ignored else "")
+        if f.where or f.source:  # the model code's file:line, to open in an editor
+            at = " · ".join(part for part in (f.where, f.source) if part)
+            message.append(f"\nat {at}", style="dim")
+        if f.ignored:
+            message.append(f"\nignored: {f.ignored}", style=IGNORED)
+        status = Text(f.status.value, IGNORED if f.ignored else STYLE[f.status])
+        rows.append([Text(f.code, IGNORED if f.ignored else ""), status, message])
+    columns = [FitColumn("", whole=True), FitColumn("", whole=True), FitColumn("")]  # code, status, message
+    return FitTable(columns, rows, box=None, show_header=False, pad_edge=False)
+
+
+# -- layout for the console's width -----------------------------------------------------------------------------------
+
+
+@dataclass
+class FitColumn:
+    header: str
+    justify: str = "left"
+    style: str = ""
+    whole: bool = False  # never wrapped (a shape, a number, a name); other columns wrap between words
+    give_way: int | None = None  # at a width too narrow for every column, these are left out, lowest first
+
+
+class FitTable:
+    """A table laid out for the width it is rendered at. Every column gets at least its longest word (its longest
+    cell, for a `whole` column), so no word is cut; the width left over goes to the columns with more to show. When
+    even the words do not fit, the columns that may give way are left out, least needed first, and a line under the
+    table says which; only when nothing is left to leave out does the widest column fold."""
+
+    def __init__(self, columns: list[FitColumn], rows: list[list[Text]], title: str | None = None, **options):
+        self.columns, self.rows, self.title, self.options = columns, rows, title, options
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        kept = list(range(len(self.columns)))
+        while sum(map(self._least, kept)) > self._room(console, options, kept):
+            giving_way = [i for i in kept if self.columns[i].give_way is not None]
+            if not giving_way:
+                break
+            kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way))
+        widths = self._widths(kept, self._room(console, options, kept))
+        # A whole column narrowed below its longest cell (the last resort) folds like the others rather than crop.
+        table = Table(*(Column(self.columns[i].header, justify=self.columns[i].justify, style=self.columns[i].style,
+                               no_wrap=self.columns[i].whole and width >= self._least(i), overflow="fold",
+                               width=width)
+                        for i, width in zip(kept, widths)),
+                      title=self.title, title_justify="left", **self.options)
+        for row in self.rows:
+            table.add_row(*(row[i] for i in kept))
+        yield table
+        left_out = [column.header for i, column in enumerate(self.columns) if i not in kept]
+        if left_out:
+            yield Text(f"{', '.join(left_out)}: left out to fit the width", style="dim")
+
+    def _room(self, console: Console, options: ConsoleOptions, kept: list[int]) -> int:
+        """The width the kept columns' contents share: the rest goes to padding and rules."""
+        probe = Table(*(Column(width=1) for _ in kept), **self.options)
+        return options.max_width - (Measurement.get(console, options, probe).maximum - len(kept))
+
+    def _widths(self, kept: list[int], room: int) -> list[int]:
+        least = [self._least(i) for i in kept]
+        most = [max(self._least(i), _longest_line(Text(self.columns[i].header)),
+                    *(_longest_line(row[i]) for row in self.rows)) for i in kept]
+        if sum(most) <= room:
+            return most
+        widths = list(least)
+        if sum(least) > room:  # even the words do not fit: the widest column folds, a column at a time
+            while sum(widths) > room and max(widths) > 1:
+                widths[widths.index(max(widths))] -= 1
+            return widths
+        # The spare width shared evenly, the columns that want least first: a short column gets all it wants and
+        # stays on one line, the long ones share what is left.
+        spare = room - sum(least)
+        wanting = sorted(range(len(kept)), key=lambda n: most[n] - least[n])
+        for k, n in enumerate(wanting):
+            given = min(most[n] - least[n], spare // (len(wanting) - k))
+            widths[n] += given
+            spare -= given
+        return widths
+
+    def _least(self, i: int) -> int:
+        """The narrowest a column can be without cutting a word, its header included. A cell that may be cut short
+        (no_wrap with an ellipsis) asks for nothing."""
+        column = self.columns[i]
+        cells = [Text(column.header), *(row[i] for row in self.rows)]
+        return max((_longest_line(c) if column.whole else _longest_word(c)) for c in cells
+                   if not (c.no_wrap and c.overflow == "ellipsis"))
+
+
+def _longest_word(text: Text) -> int:
+    return max((Text(word).cell_len for word in text.plain.split()), default=0)
+
+
+def _longest_line(text: Text) -> int:
+    return max((Text(line).cell_len for line in text.plain.splitlines()), default=0)
 
 
 # -- per-check detail -------------------------------------------------------------------------------------------------
 
 
 def ledger(r: CheckResult) -> RenderableType:
-    """The ledger, with rows that repeat across layers folded into one: layers.{0..11}.attn q."""
-    table = Table(box=box.SIMPLE, pad_edge=False, show_edge=False)
-    for column in ("tensor", "shape", "dims", "expected"):
-        table.add_column(column)
+    """The ledger, with rows that repeat across layers folded into one: layers.{0..11}.attn q. At a narrow width the
+    expected dims give way: a mismatch is red in the dims column and named by its finding."""
+    rows = []
     folded: dict[tuple, list[str]] = {}
     order = []
     for e in r.data.get("entries", []):
@@ -114,7 +300,10 @@ def ledger(r: CheckResult) -> RenderableType:
         expected = f"[{','.join(e['expected'])}]" if e.get("expected") else ""
         if e.get("implied"):
             name += " (implied)"
-        table.add_row(Text(name), Text(str(e["shape"])), Text(dims, "green" if e["ok"] else "bold red"), Text(expected))
+        rows.append([Text(name), Text(str(e["shape"])), Text(dims, "green" if e["ok"] else "bold red"), Text(expected)])
+    columns = [FitColumn("tensor"), FitColumn("shape", whole=True), FitColumn("dims", whole=True),
+               FitColumn("expected", whole=True, give_way=1)]
+    table = FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False)
     dims = ", ".join(f"{k}={v}" for k, v in r.data.get("dims", {}).items())
     probe = r.data.get("probe", {})
     caption = Text(f"dims: {dims}. Axes named by a second pass at B={probe.get('batch_size')}, "
@@ -187,21 +376,24 @@ def _cell(values: list[float], threshold: float) -> Text:
 
 
 def mask_table(r: CheckResult) -> RenderableType:
-    conventions = Table(title="conventions", box=box.SIMPLE, pad_edge=False, show_edge=False, title_justify="left")
-    for column in ("API", "bool mask", "float mask", "flag"):
-        conventions.add_column(column)
-    for c in r.data.get("conventions", []):
-        conventions.add_row(*(Text(c[key]) for key in ("api", "bool", "float", "flag")))
-    calls = Table(title="what each call used", box=box.SIMPLE, pad_edge=False, show_edge=False, title_justify="left")
-    # A module's name is how a row is found in the code: it stays whole while the pattern wraps, and folds rather
-    # than lose its end only when nothing else can give way.
-    for column in ("module", "api", "mask", "shape", "values", "flags", "L x S", "may read"):
-        calls.add_column(column, overflow="fold", no_wrap=column in ("module", "L x S"))
+    conventions = FitTable([FitColumn("API", whole=True), FitColumn("bool mask"), FitColumn("float mask"),
+                            FitColumn("flag")],
+                           [[Text(c[key]) for key in ("api", "bool", "float", "flag")]
+                            for c in r.data.get("conventions", [])],
+                           title="conventions", box=box.SIMPLE, pad_edge=False, show_edge=False)
+    # What a reader needs of each call: which call (the module's name is how it is found in the code), the mask in
+    # its convention, the flags beside it (is_causal, a live dropout_p) and the verdict. At a narrow width the mask's
+    # shape and values, the extent and then the API give way, in that order, before any of those is cut.
+    columns = [FitColumn("module"), FitColumn("api", give_way=4), FitColumn("mask"),
+               FitColumn("shape", whole=True, give_way=1), FitColumn("values", give_way=2), FitColumn("flags"),
+               FitColumn("L x S", whole=True, give_way=3), FitColumn("may read")]
     rows = r.data.get("calls", [])
+    cells = []
     for c in rows:
         module = c["module"] + (" at B=1" if c.get("batch_size") == 1 else "")
-        cells = (module, c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], _flags(c), _extent(c))
-        calls.add_row(*map(Text, cells), _pattern(c))
+        cells.append([*map(Text, (module, c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], _flags(c),
+                                  _extent(c))), _pattern(c)])
+    calls = FitTable(columns, cells, title="what each call used", box=box.SIMPLE, pad_edge=False, show_edge=False)
     parts: list[RenderableType] = [conventions, calls]
     # The reasons a call was not judged are sentences: said once each under the table, not squeezed into a column.
     reasons: dict[str, int] = {}
@@ -216,7 +408,7 @@ def mask_table(r: CheckResult) -> RenderableType:
         parts += _notes([r.data["batch1"]])
     shown = _grid_call(rows)
     if shown is not None:
-        parts.append(may_read_grid(shown))
+        parts.append(FittedGrid(shown))
     return Group(*parts)
 
 
@@ -269,26 +461,37 @@ def _grid_call(rows: list[dict]) -> dict | None:
     return next(iter(failing or judged or small), None)
 
 
-def may_read_grid(call: dict) -> RenderableType:
+class FittedGrid:
+    """A call's may-read grid with as many key slots as the width holds, two characters each."""
+
+    def __init__(self, call: dict):
+        self.call = call
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield may_read_grid(self.call, keys=min(GRID_KEYS, options.max_width // 2))
+
+
+def may_read_grid(call: dict, keys: int = GRID_KEYS) -> RenderableType:
     """Rows: queries; columns: key slots; a key after the query's own position is the future. That position is
     query_positions[i] when the call has them (a KV cache, a decode step: query 0 of a decode step may sit at
-    position 37), else i. A call that was not judged has no future to colour: its set is drawn plain."""
+    position 37), else i. A call that was not judged has no future to colour: its set is drawn plain. At most
+    `keys` key slots are drawn."""
     may_read = call["may_read"]
     judged = call.get("judged", True)
     positions = call.get("query_positions")
     if not positions or len(positions) != len(may_read):
         positions = list(range(len(may_read)))  # the square case: query i sits at position i
-    keys = len(may_read[0]) if may_read else 0
+    slots = len(may_read[0]) if may_read else 0
     # A long cache would wrap the grid into noise: a window of slots is drawn, ending a little after the last query's
     # own position, so that the boundary between past and future is in it.
-    width = min(keys, GRID_KEYS)
-    end = min(keys, max(width, max(positions, default=0) + 1 + GRID_KEYS // 4))
+    width = min(slots, keys)
+    end = min(slots, max(width, max(positions, default=0) + 1 + keys // 4))
     start = end - width
     where = f" at {_positions(positions)} ({call['positions_from']})" if call.get("positions_from") not in (
         None, "", "square") and call.get("query_positions") else ""
-    slots = f"{keys} key slots" + (f", {start}..{end - 1} shown" if width < keys else "")
+    shown = f"{slots} key slots" + (f", {start}..{end - 1} shown" if width < slots else "")
     caption = Text(f"may-read set of {call['module']}{' at B=1' if call.get('batch_size') == 1 else ''} "
-                   f"(rows: queries{where}; columns: {slots})" + ("" if judged else ": not judged, drawn plain"),
+                   f"(rows: queries{where}; columns: {shown})" + ("" if judged else ": not judged, drawn plain"),
                    style="dim")
     lines = []
     for i, row in enumerate(may_read):
@@ -305,19 +508,20 @@ def may_read_grid(call: dict) -> RenderableType:
 
 
 def rope_numbers(r: CheckResult) -> RenderableType:
-    table = Table(box=box.SIMPLE, pad_edge=False, show_edge=False)
-    for column in ("view", "rotates", "pairing", "rotary dim", "base", "first frequencies (rad/position)"):
-        table.add_column(column)
     probe = r.data.get("probe")
     rows = []
     if isinstance(probe, dict):
         rows += [("probe q", probe["q"]), ("probe k", probe["k"])]
     if r.data.get("component"):
         rows.append(("rotary function", r.data["component"]))
+    cells = []
     for view, rot in rows:
         thetas = ", ".join(f"{t:.4g}" for t in rot.get("thetas", [])[:4])
-        table.add_row(view, str(rot["rotates"]), str(rot.get("pairing")), str(rot.get("rotary_dim")),
-                      f"{rot['base']:.5g}" if rot.get("base") else "-", thetas)
+        cells.append([*map(Text, (view, str(rot["rotates"]), str(rot.get("pairing")), str(rot.get("rotary_dim")),
+                                  f"{rot['base']:.5g}" if rot.get("base") else "-", thetas))])
+    columns = [FitColumn("view"), FitColumn("rotates"), FitColumn("pairing"), FitColumn("rotary dim"),
+               FitColumn("base", whole=True), FitColumn("first frequencies (rad/position)")]
+    table = FitTable(columns, cells, box=box.SIMPLE, pad_edge=False, show_edge=False)
     declared = r.data.get("declared")
     lines: list[RenderableType] = [table] if rows else []  # headers over nothing say less than the notes below
     if declared:
@@ -379,14 +583,11 @@ def code_paths(rows: list[dict]) -> RenderableType:
     bad = [row for row in rows if row["status"] != "pass"]
     if not bad:
         return Text(f"all {len(rows)} code paths pass", style="green")
-    table = Table(title=f"code paths: {len(bad)} of {len(rows)} not passing", box=box.SIMPLE, pad_edge=False,
-                  show_edge=False, title_justify="left")
-    for column in ("path", "status", "codes", "summary"):
-        table.add_column(column, overflow="fold")
-    for row in bad:
-        table.add_row(Text(row["path"]), Text(row["status"], STYLE[Status(row["status"])]),
-                      Text(", ".join(row.get("codes", []))), Text(row["summary"]))
-    return table
+    cells = [[Text(row["path"]), Text(row["status"], STYLE[Status(row["status"])]),
+              Text(", ".join(row.get("codes", []))), Text(row["summary"])] for row in bad]
+    columns = [FitColumn("path"), FitColumn("status", whole=True), FitColumn("codes"), FitColumn("summary")]
+    return FitTable(columns, cells, title=f"code paths: {len(bad)} of {len(rows)} not passing", box=box.SIMPLE,
+                    pad_edge=False, show_edge=False)
 
 
 DETAIL: dict[str, Callable[[CheckResult], RenderableType]] = {

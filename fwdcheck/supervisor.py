@@ -1,0 +1,271 @@
+"""`fwdcheck run` runs the model in a worker process (fwdcheck/worker.py) and keeps for itself what a gate must not
+let model code touch: the exit code, the report, the output files and the clock.
+
+- The worker streams each check's result as it finishes; whatever happens to it later, those results stand.
+- It prints into a pipe relayed to stderr, so a report on stdout stays valid JSON or XML.
+- timeout_s is enforced twice: inside the worker (a CheckTimeout raised in Python code) and here, where a worker that
+  stays silent past the limit and a grace period (a forward that swallows the timeout, or hangs in C code) is killed.
+- SIGINT / SIGTERM here are passed on to the worker as one SIGINT, which ends its run with the model restored and a
+  partial report; a worker that does not answer in time is killed and the streamed results are the report (130/143).
+- A worker that dies (any exit code, any signal: a segfault, the out-of-memory killer) without its report is FWD005
+  on the check that was running, the finished ones kept: exit 1.
+
+The Python API and the pytest plugin run in-process: there the caller owns the process anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Callable
+
+from fwdcheck.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, FwdcheckError
+from fwdcheck.report import Report
+from fwdcheck.result import CheckResult, Finding, Status
+from fwdcheck.worker import Job
+
+GRACE_S = 10.0  # at most, past timeout_s, before a silent worker is killed; for a signalled worker to report
+EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
+
+
+class WorkerError(FwdcheckError):
+    """The worker could not make the run (a usage error, fwdcheck's own bug): its line and exit code, and the
+    traceback and warnings that --debug shows."""
+
+    def __init__(self, message: str, exit_code: int, detail: str = "", notes: list[str] | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.detail = detail
+        self.warning_notes = notes or []
+
+
+class Run:
+    """What the supervisor has heard from the worker so far."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.checks: list[str] = list(job.checks)
+        self.per_code_path: list[str] = []
+        self.model: dict = {"label": job.label}
+        self.results: dict[str, CheckResult] = {}
+        self.current: str | None = None  # the check (or "code paths") running now; None while the model loads
+        self.report: Report | None = None
+        self.error: WorkerError | None = None
+
+    def hear(self, event: dict, progress: Callable[[str], None] | None) -> None:
+        kind = event.get("event")
+        if kind == "plan":
+            self.checks, self.per_code_path = event["checks"], event["per_code_path"]
+        elif kind == "model":
+            self.model = event["model"]
+        elif kind == "progress":
+            description = event["description"]  # a check's name, or "code path 3/24: <cell>"
+            self.current = description if description in self.checks else "code paths"
+            if progress and description in self.checks:
+                progress(f"check {self.checks.index(description) + 1}/{len(self.checks)}: {description}")
+            elif progress:
+                progress(description)
+        elif kind == "result":
+            result = CheckResult.from_dict(event["result"], event.get("internal_error", False))
+            self.results[result.name] = result
+        elif kind == "report":
+            self.report = Report.from_dict(event["report"], internal_errors=event["internal_errors"],
+                                           fail_on=self.job.fail_on, interrupted=event["interrupted"])
+        elif kind == "error":
+            self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
+
+    def step_limit(self, timeout_s: float) -> float:
+        """How long the worker may stay silent: each check, and each code-path cell's checks, run under timeout_s
+        in the worker; loading the model gets timeout_s too."""
+        checks_in_step = max(1, len(self.per_code_path)) if self.current == "code paths" else 1
+        return timeout_s * checks_in_step + grace(timeout_s)
+
+    def partial_report(self, how: str, code: str, status: Status = Status.ERROR) -> Report:
+        """The report of a run the worker did not finish: every finished check as it was streamed; the check that
+        was running, and those that never started, an error `code` saying how the worker ended."""
+        results = []
+        for name in self.checks:
+            if name in self.results:
+                result = self.results[name]
+                if self.current == "code paths" and name in self.per_code_path and result.status not in (
+                        Status.SKIP, Status.ERROR):
+                    message = f"the code-path matrix did not finish: {how}; the default path's result is kept"
+                    result.findings.append(Finding(code, status, message))
+                    result.status, result.summary = status, f"{result.summary}; {message}"
+                results.append(result)
+            elif name == self.current:
+                message = f"while this check ran, {how}"
+                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
+            else:
+                message = f"not run: {how} " + ("before the model loaded" if self.current is None
+                                                else "before this check began")
+                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
+        job = self.job
+        environment = {"device": job.device or "config", "dtype": job.dtype or "config", "seed": job.seed}
+        return Report(results=results, model=self.model, environment=environment, notes=[f"{how}"],
+                      config_path=job.config, fail_on=job.fail_on)
+
+
+def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str], None] | None = None) -> Report:
+    """Run `job` in a worker process and return its report (or the partial report of a worker that died, hung or
+    was interrupted). Raises WorkerError when the worker could not make the run at all."""
+    events_read, events_write = os.pipe()
+    output_read, output_write = os.pipe()
+    try:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on once
+        )
+    finally:
+        os.close(events_write)
+        os.close(output_write)
+    run = Run(job)
+    try:
+        worker.stdin.write(json.dumps(asdict(job)).encode())
+        worker.stdin.close()
+    except OSError:  # it died at once; what it printed says why
+        pass
+    with caught_signals() as received:
+        ending = supervise(worker, run, events_read, output_read, timeout_s, progress, received)
+    os.close(events_read)
+    os.close(output_read)
+    if run.report is not None:
+        if received:  # the worker's partial report, under the signal the supervisor received
+            run.report.interrupted = True
+            run.report.interrupted_exit = exit_for(received[0])
+        return run.report
+    if received:
+        report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", "FWD005")
+        report.interrupted, report.interrupted_exit = True, exit_for(received[0])
+        return report
+    if run.error is not None:
+        raise run.error
+    if ending == "timeout":
+        limit = f"{timeout_s:g} s" if timeout_s else "its limit"
+        return run.partial_report(f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
+                                  "forward that ignores the time limit, or hangs in native code)", "FWD004")
+    return run.partial_report(f"the model process {died(worker.returncode)}", "FWD005")
+
+
+def supervise(worker: subprocess.Popen, run: Run, events_fd: int, output_fd: int, timeout_s: float | None,
+              progress, received: list[int]) -> str:
+    """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout' or 'signal'."""
+    buffer = b""
+    open_fds = [events_fd, output_fd]
+    deadline = time.monotonic() + run.step_limit(timeout_s) if timeout_s else None
+    signalled_at: float | None = None
+    while open_fds:
+        if received and signalled_at is None:
+            signalled_at = time.monotonic()
+            _signal(worker, signal.SIGINT)
+        if received and (len(received) > 1 or time.monotonic() - signalled_at > GRACE_S):
+            _signal(worker, signal.SIGKILL)
+        if deadline is not None and time.monotonic() > deadline and not received:
+            _signal(worker, signal.SIGKILL)
+            worker.wait()
+            return "timeout"
+        ready, _, _ = select.select(open_fds, [], [], 0.2)
+        for fd in ready:
+            chunk = _read(fd)
+            if not chunk:
+                open_fds.remove(fd)
+            elif fd == output_fd:
+                relay(chunk)
+            else:
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    run.hear(json.loads(line), progress)
+                if timeout_s:
+                    deadline = time.monotonic() + run.step_limit(timeout_s)
+        if run.report is not None or run.error is not None:
+            break
+        if worker.poll() is not None and not ready:  # ended, and its pipes are empty (a child may hold them open)
+            break
+    try:
+        worker.wait(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:  # a model thread or exit hook holding the process: the report is in
+        _signal(worker, signal.SIGKILL)
+        worker.wait()
+    _drain(output_fd)
+    return "signal" if received else "done"
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
+
+
+def _drain(fd: int) -> None:
+    """What the worker printed last, after its final event."""
+    while select.select([fd], [], [], 0)[0]:
+        chunk = _read(fd)
+        if not chunk:
+            return
+        relay(chunk)
+
+
+def relay(chunk: bytes) -> None:
+    """The worker's prints onto the supervisor's stderr (a closed one drops them)."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(chunk.decode("utf-8", errors="replace"))
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _signal(worker: subprocess.Popen, signum: int) -> None:
+    try:
+        worker.send_signal(signum)
+    except (ProcessLookupError, OSError):  # it has ended already
+        pass
+
+
+@contextmanager
+def caught_signals():
+    """SIGINT and SIGTERM recorded (in the list yielded) instead of raised, so the supervisor can end the worker
+    and still write the report. Only the main thread can install handlers; elsewhere signals keep their default."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def grace(timeout_s: float | None) -> float:
+    """The time a worker gets past a limit before it is killed: short limits get short grace (a test's 2 s)."""
+    return min(GRACE_S, max(1.0, timeout_s or GRACE_S))
+
+
+def exit_for(signum: int) -> int:
+    return EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def died(returncode: int) -> str:
+    """How a worker that sent no report ended, in words."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        why = {"SIGKILL": " (the out-of-memory killer sends this)", "SIGSEGV": " (a segmentation fault)",
+               "SIGABRT": " (an abort in native code)", "SIGBUS": " (a bus error)"}.get(name, "")
+        return f"was killed by {name}{why}"
+    return f"exited with code {returncode} (sys.exit or os._exit in model code)"

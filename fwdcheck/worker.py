@@ -1,0 +1,197 @@
+"""The process the model runs in: `fwdcheck run` starts it and supervises it (fwdcheck/supervisor.py).
+
+Model code can print, exit, hang, crash or swallow signals here without ending the run, deciding its exit code or
+spoiling a report on stdout: the supervisor owns all three. The worker reads one job (JSON) on stdin and writes its
+events, one JSON object a line, on the descriptor named on its command line:
+
+    {"event": "plan", "checks": [...], "per_code_path": [...]}    the checks, in order, before the model loads
+    {"event": "model", "model": {...}}                              the model loaded (the report's `model` section)
+    {"event": "progress", "description": "..."}                      a check or a code-path cell begins
+    {"event": "result", "result": {...}, "internal_error": false}    a check's default-path result
+    {"event": "report", "report": {...}, ...}                        the whole report: the last event of a run
+    {"event": "error", "exit_code": 2, "message": "...", ...}        the run could not be made (a usage error)
+
+Its stdout is its stderr: whatever model code prints never reaches the supervisor's stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FwdcheckError, UsageError, exception_text
+
+
+@dataclass
+class Job:
+    """What to run: the command line's choices once the supervisor has validated them."""
+
+    config: str | None  # the config file, or None with `factory`
+    factory: str | None  # --model pkg.module:factory
+    checks: list[str]  # the selection, validated
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    exhaustive: bool = False
+    meta: bool = False
+    expect_ledger: dict | None = None  # the --expect-ledger document, already read and validated
+    fail_on: str = "fail"
+    sys_path: list[str] = field(default_factory=list)  # the supervisor's import path, so modules resolve alike
+
+    @property
+    def label(self) -> str:
+        """What the model is called before it has loaded (a partial report of a run that died early)."""
+        return self.factory or Path(self.config or "model").stem
+
+
+def execute(job: Job, *, progress: Callable[[str], None] | None = None,
+            on_model: Callable[[dict], None] | None = None, on_result=None):
+    """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
+    on an error they travel on the exception as `warning_notes`, for --debug."""
+    from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.model import load_model
+    from fwdcheck.registry import select
+    from fwdcheck.runner import model_summary, run_model
+    from fwdcheck.session import Settings
+
+    config_path = Path(job.config) if job.config is not None else None
+    if config_path is not None:
+        config = load_config(config_path)
+    else:
+        config = config_from_dict({"model": {"source": "python", "factory": job.factory}})
+    entries = select(job.checks)
+    config.meta = job.meta or config.meta
+    settings = Settings.from_config(config)
+    settings.device = job.device or settings.device
+    settings.dtype = job.dtype or settings.dtype
+    settings.seed = job.seed if job.seed is not None else settings.seed
+    settings.exhaustive = job.exhaustive or settings.exhaustive
+    settings.expect_ledger = job.expect_ledger
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            with about_config(config_path):
+                loaded = load_model(config)
+            if on_model:
+                on_model(model_summary(loaded))
+            with about_config(config_path):
+                report = run_model(loaded, settings, entries, config_path=config_path, fail_on=job.fail_on,
+                                   progress=progress, on_result=on_result)
+        except BaseException as exc:
+            exc.warning_notes = warning_notes(caught)
+            raise
+    report.notes += [n for n in warning_notes(caught) if n not in report.notes]
+    return report
+
+
+def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`."""
+    notes: list[str] = []
+    for w in caught:
+        text = (exception_text(w.message).strip().splitlines() or [""])[0]
+        note = f"warning: {w.category.__name__}: {text} ({Path(w.filename).name}:{w.lineno})"
+        if note not in notes:
+            notes.append(note)
+    return notes
+
+
+@contextmanager
+def about_config(path: Path | None, key: str = ""):
+    """A usage error about what the config file names (its checks, its model, its inputs) carries the file's name
+    first, as the config's own validation errors do: `error: model.yaml: factory 'pkg:build' raised ...`."""
+    try:
+        yield
+    except UsageError as exc:
+        if path is not None and not str(exc).startswith(f"{path}:"):
+            exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
+        raise
+
+
+class Events:
+    """The worker's end of the event pipe. A write the supervisor can no longer read (it was killed) ends the worker:
+    nobody is left to report to."""
+
+    def __init__(self, fd: int):
+        self.stream = os.fdopen(fd, "w", encoding="utf-8", buffering=1)
+        self.lock = threading.Lock()
+
+    def send(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields}, default=str)
+        with self.lock:
+            try:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                os._exit(EXIT_INTERNAL)
+
+
+def die_with_parent(parent: int) -> None:
+    """The worker must not outlive its supervisor (killed with SIGKILL, it cannot end us itself): on Linux the kernel
+    sends SIGKILL when the parent dies; elsewhere a watcher thread notices the parent is gone."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+            if os.getppid() != parent:  # it died before the request took effect
+                os._exit(EXIT_INTERRUPTED)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            threading.Event().wait(0.5)
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=watch, daemon=True, name="fwdcheck-parent-watch").start()
+
+
+def main(argv: list[str]) -> None:
+    events_fd, parent = int(argv[0]), int(argv[1])
+    die_with_parent(parent)
+    # Model code's prints go where the supervisor relays them (its stderr), never onto a report on stdout.
+    os.dup2(2, 1)
+    job = Job(**json.loads(sys.stdin.read()))
+    sys.stdin.close()
+    for entry in reversed(job.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    events = Events(events_fd)
+    try:
+        from fwdcheck.registry import select
+        from fwdcheck.runner import per_code_path
+
+        entries = select(job.checks)
+        events.send("plan", checks=[e.name for e in entries],
+                    per_code_path=[e.name for e in entries if per_code_path(e)])
+        report = execute(job, progress=lambda description: events.send("progress", description=description),
+                         on_model=lambda model: events.send("model", model=model),
+                         on_result=lambda r: events.send("result", result=r.to_dict(),
+                                                         internal_error=r.internal_error))
+        events.send("report", report=report.to_dict(), internal_errors=[r.internal_error for r in report.results],
+                    interrupted=report.interrupted)
+    except FwdcheckError as exc:
+        events.send("error", exit_code=exc.exit_code, message=exception_text(exc), detail=traceback.format_exc(),
+                    notes=getattr(exc, "warning_notes", []))
+    except KeyboardInterrupt:  # while the model loaded: the supervisor sent it, and reports what it has
+        events.send("error", exit_code=EXIT_INTERRUPTED, message="interrupted", detail="", notes=[])
+    except BaseException as exc:  # a bug of fwdcheck's; the supervisor prints it as one
+        events.send("error", exit_code=EXIT_INTERNAL, message=f"{type(exc).__name__}: {exception_text(exc)}",
+                    detail=traceback.format_exc(), notes=getattr(exc, "warning_notes", []))
+    # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,42 @@
+"""A config wrong in several places gets every problem named, on the one error line the CLI prints."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from fwdcheck.cli import app
+from fwdcheck.config import MAX_PROBLEMS, config_from_dict
+from fwdcheck.errors import ConfigError
+
+
+def problems(document: dict) -> str:
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(document)
+    return str(raised.value)
+
+
+def test_every_problem_is_listed_unknown_keys_first():
+    line = problems({"model": {"source": "reference", "vocab_size": -1, "n_head": 2},
+                     "inputs": {"seq_len": 1}, "dtype": "f8"})
+    assert line == (
+        "config: model.n_head: unknown key; did you mean 'n_heads'?; "
+        "model.vocab_size: Input should be greater than 0 (got -1); "
+        "inputs.seq_len: Input should be greater than or equal to 2 (got 1); "
+        "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'f8')")
+
+
+def test_past_the_limit_the_rest_are_counted_and_the_valid_keys_named_once():
+    line = problems({"model": {"source": "reference", **{f"extra{i}": 1 for i in range(MAX_PROBLEMS + 4)}}})
+    assert line.count("unknown key") == MAX_PROBLEMS and line.endswith("; and 4 more")
+    assert line.count("valid keys: ") == 1
+
+
+def test_the_cli_prints_them_on_one_line(tmp_path):
+    path = tmp_path / "wrong.yaml"
+    path.write_text("model: {source: reference, n_head: 2}\ninputs: {seq_len: 1}\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["run", str(path), "--in-process"], catch_exceptions=False)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "model.n_head: unknown key" in lines[0] and "inputs.seq_len:" in lines[0]
