@@ -5,7 +5,7 @@ one row keeps tokens < k and replaces every token >= k; the logits at positions 
 baseline. The cut rows, plus one unchanged copy of sample 0, run in forwards of the baseline's row count: the unchanged
 copy sits beside other companions than in the baseline, so if it moves, samples read each other. A prefix pass
 complements the cuts cheaply: for a causal model, the first k tokens run alone give the full run's logits at those
-positions (k = 1, 2, 4, ...). Batch size 1 is a code path of its own in many models, so one short row also runs alone
+positions (k = 1, 2 and 16). Batch size 1 is a code path of its own in many models, so one short row also runs alone
 with its later half replaced.
 
 A pass the model refuses at some size (code that asserts T > 1, a cache sized for the batch) is a note: the findings of
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fwdcheck.errors import ModelRaised
+from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
@@ -50,8 +50,8 @@ JUDGED = {"max_change_before_cut": "{cuts} cut{s}", "batch_max_change": "batch",
 
 def default_cuts(T: int) -> list[int]:
     """The first changed position of each cut row: k = 1 (position 0 against every later token), T/2 (the first half
-    against the second) and T-1 (every position against the last token). The prefix ladder adds k = 1, 2, 4, ... up to
-    T/4 at little cost, and the single row one more cut at batch size 1: a leak at some other k shows there, or at
+    against the second) and T-1 (every position against the last token). The prefix ladder adds k = 1, 2 and 16 (up to
+    T/4) at little cost, and the single row one more cut at batch size 1: a leak at some other k shows there, or at
     these three (a mask shifted by one, a window or chunk read both ways: at k = 1 and T-1 alike)."""
     return sorted({k for k in (1, T // 2, T - 1) if 1 <= k < T})
 
@@ -86,7 +86,7 @@ class FutureToken(Check):
 Verifies, with the model untouched in eval mode and dropout forced to zero, that
   (a) changing the token at a cut position k and every later one leaves the logits at positions < k unchanged,
       for k = 1, T/2 and T-1 (every k with --exhaustive, which draws the full leak map),
-      and that the first k tokens run alone reproduce the full run's logits there (k = 1, 2, 4, ... up to T/4);
+      and that the first k tokens run alone reproduce the full run's logits there (k = 1, 2 and 16, up to T/4);
       batch size 1 included: one row run alone with its later half replaced must keep its earlier logits (it has
       the length of the longest prefix, and is compared with that prefix, also run alone);
   (b) a sample's logits do not move when the other samples of its batch change.
@@ -113,6 +113,23 @@ lengths, and cut rows the model will not take run in forwards of exactly the bas
 sequence forward accepts as `inputs.min_seq_len` to skip the shorter prefixes without a note. The check is an error
 only when the model refused every comparison."""
 
+    order = 20
+    detail_view = "fwdcheck.report.terminal:leak_map"
+
+    def key_number(self, result: CheckResult) -> str:
+        """The measurement the verdict rests on (metrics['decided_by'])."""
+        m = result.metrics
+        decided = m.get("decided_by")
+        if decided == "nonfinite":
+            return f"NaN/Inf at {m['nonfinite_positions']}" if "nonfinite_positions" in m else "NaN/Inf"
+        if decided == "live_dropout_calls":
+            return f"dropout in {m['live_dropout_calls']} call{'s' if m['live_dropout_calls'] != 1 else ''}"
+        if decided == "noise_floor":
+            return f"noise {m['noise_floor']:.2g} / {m['tolerance']:.2g}"
+        if "max_change" in m:
+            return f"{m['max_change']:.2g} / {m['threshold']:.2g}"
+        return ""
+
     def run(self, model, session) -> CheckResult:
         live_dropout = self._observe_dropout(session)
         # The observation pass's logits stand in for the baseline until a comparison moves (session.reference()); if
@@ -125,9 +142,11 @@ only when the model refused every comparison."""
         B, T, _ = reference.shape
         findings: list[Finding] = []
         if live_dropout:
+            spots = [spot for spot, _ in live_dropout]
             findings.append(Finding("FWD103", Status.FAIL, f"dropout is live in eval mode at {len(live_dropout)} "
                                     "call(s); forced to zero for the comparisons below",
-                                    where="; ".join(live_dropout[:4]) + (" ..." if len(live_dropout) > 4 else "")))
+                                    where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
+                                    source=live_dropout[0][1]))  # the first live call's line
         if broken:
             return self._nonfinite_baseline(findings, reference)
 
@@ -209,7 +228,7 @@ only when the model refused every comparison."""
                 findings += self._causal(plan, cut_changes, threshold, metrics, data)
             findings += self._prefix(prefix, threshold, metrics)
             single = self._single_row(measured.single, plan, alone, threshold, metrics, data)
-            findings = _with_single_row(findings, single)
+            findings = _with_single_row(findings, single, metrics.get("single_row_max_change"))
         elif not model.causal:
             data["note"] = "model.causal is false: part (a) skipped"
 
@@ -312,7 +331,7 @@ only when the model refused every comparison."""
                         "the positions count them", where=f"real positions {span(moved)}")]
 
     @staticmethod
-    def _observe_dropout(session) -> list[str]:
+    def _observe_dropout(session) -> list[tuple[str, str | None]]:
         """Where dropout is live in eval (e.g. dropout_p handed to SDPA regardless of training): a finding in itself;
         the comparisons then run with it forced to zero so they measure the mask, not the dice."""
         try:
@@ -368,7 +387,7 @@ only when the model refused every comparison."""
         T = reference.shape[1]
         prefix = Prefix()
         refused = []
-        for k in prefix_lengths(T, session.min_seq_len):
+        for k in prefix_lengths(T, session.min_seq_len, session.short_length):
             try:
                 alone = session.prefix_logits(k)  # (1, k, V); the short length is shared with other checks
             except ModelRaised as exc:
@@ -560,7 +579,7 @@ class Refusals:
             return None
 
 
-def _with_single_row(findings: list[Finding], single: list[Finding]) -> list[Finding]:
+def _with_single_row(findings: list[Finding], single: list[Finding], single_change: float | None) -> list[Finding]:
     """A leak the batched cuts found too is one finding that says it also shows on one row; a leak only one row
     shows is its own finding. A prefix mismatch is then explained: the prefixes also run one row at a time."""
     leak = next((f for f in single if f.code == "FWD101"), None)
@@ -571,7 +590,8 @@ def _with_single_row(findings: list[Finding], single: list[Finding]) -> list[Fin
             f.message += "; the prefixes run one row alone too, and a row run alone reads the future (FWD101)"
     batched = next((f for f in findings if f.code == "FWD101"), None)
     if batched is not None:
-        batched.where = f"{batched.where}; also with one row run alone (batch size 1)"
+        by = f", by up to {single_change:.3g}" if single_change is not None else ""
+        batched.where = f"{batched.where}; also with one row run alone (batch size 1{by})"
         return findings + [f for f in single if f is not leak]
     return findings + single
 
@@ -597,8 +617,7 @@ def _reason(exc: ModelRaised, size: str) -> str:
     cause = exc.__cause__
     if cause is None:  # fwdcheck's own words: the output cannot be checked
         return f"{exc} at {size}"
-    detail = (str(cause).strip().splitlines() or [""])[0]
-    detail = detail if len(detail) <= 120 else detail[:117] + "..."
+    detail = first_line(cause, limit=120)
     return f"the model raised {type(cause).__name__} at {size}" + (f" ({detail})" if detail else "")
 
 

@@ -14,13 +14,16 @@ The first row of the batch is also observed alone, at a short length, where "sin
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
 from fwdcheck.paths import path_cells
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
     {"api": "F.scaled_dot_product_attention", "bool": "True = may attend", "float": "added to scores (0 keep, -inf drop)",
@@ -32,7 +35,21 @@ CONVENTIONS = [
 ]
 
 
-def pattern(allowed: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[str, list[tuple[int, int]]]:
+class MayRead(str, Enum):
+    """The shape of an attention call's may-read set; the value is how reports name it."""
+
+    CAUSAL = "causal"
+    RESTRICTED = "causal, restricted (window or sparse)"
+    BIDIRECTIONAL = "bidirectional: every key"
+    INVERTED = "inverted: the future only"
+    LEAKY = "leaky: some future keys"
+
+    @property
+    def reads_future(self) -> bool:
+        return self not in (MayRead.CAUSAL, MayRead.RESTRICTED)
+
+
+def pattern(allowed: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[MayRead, list[tuple[int, int]]]:
     """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
 
     positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i."""
@@ -43,35 +60,43 @@ def pattern(allowed: torch.Tensor, positions: torch.Tensor | None = None) -> tup
     future = allowed & ~past_and_self
     pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
     if not pairs:
-        if torch.equal(allowed, past_and_self):
-            return "causal", []
-        return "causal, restricted (window or sparse)", []
+        return (MayRead.CAUSAL if torch.equal(allowed, past_and_self) else MayRead.RESTRICTED), []
     if bool(allowed.all()):
-        return "bidirectional: every key", pairs
+        return MayRead.BIDIRECTIONAL, pairs
     if not bool((allowed & past_and_self).any()):
-        return "inverted: the future only", pairs
-    return "leaky: some future keys", pairs
+        return MayRead.INVERTED, pairs
+    return MayRead.LEAKY, pairs
 
 
-# Why a call was not compared with causal, in short (for the summary), by the start of its row's pattern.
-NOT_JUDGED = {"cross-attention": "cross-attention", "another sequence": "over another sequence",
-              "not judged": "query positions unknown"}
+@dataclass(frozen=True)
+class NotJudged:
+    """Why a call's may-read set is not compared with causal: a short kind (the table's cell, the summary's count)
+    and the whole reason (said under the table)."""
+
+    kind: str  # cross-attention | another sequence | query positions unknown
+    reason: str
+
+    @property
+    def in_summary(self) -> str:
+        return "over another sequence" if self.kind == "another sequence" else self.kind
 
 
-def not_judged(call: AttentionCall, input_followed: bool) -> str | None:
+def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
     """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
     ids were followed into some attention call of the pass, so a call they did not reach attends over another
     sequence (when they reached none, the following itself failed, and says nothing)."""
     if call.cross:
-        return "cross-attention: keys from another sequence, not judged for causality"
+        return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
     if input_followed and call.reads_input is False:
-        return ("another sequence: queries not computed from the input tokens (an encoder over a fixed source), "
-                "not judged for causality")
+        return NotJudged("another sequence", "another sequence: queries not computed from the input tokens (an "
+                         "encoder over a fixed source), not judged for causality")
     if call.query_positions is None:
-        return (f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key slots, "
-                f"{call.written} tokens written; no input_pos / cache_position / position_ids of {call.query_len} "
-                "positions reached the attention)")
+        return NotJudged("query positions unknown",
+                         f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key "
+                         f"slots, {call.written} tokens written; no input_pos / cache_position / position_ids of "
+                         f"{call.query_len} positions reached the attention)")
     return None
+
 
 
 class MaskAudit(Check):
@@ -122,6 +147,12 @@ mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_att
 dropout_p=self.p if self.training else 0.0. A model without interceptable attention calls (custom kernels) is skipped
 here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
 the attention module's forward as input_pos or cache_position."""
+
+    order = 30
+    detail_view = "fwdcheck.report.terminal:mask_table"
+
+    def key_number(self, result: CheckResult) -> str:
+        return f"{result.metrics['attention_calls']} calls" if "attention_calls" in result.metrics else ""
 
     def run(self, model, session) -> CheckResult:
         B = session.inputs.shape[0]
@@ -175,26 +206,30 @@ the attention module's forward as input_pos or cache_position."""
                 if reads_padding:
                     findings.append(Finding("FWD208", Status.FAIL, "real tokens may read the padding keys: the "
                                             "attention_mask is not applied", f"{call.module or 'model'} ({call.api})",
-                                            source=call.source))
+                                            source=call.source, module=call.module))
             reason = not_judged(call, input_followed)
             positions = call.query_positions
-            shape, future_pairs = (reason, []) if reason else pattern(call.allowed, positions)
+            shape, future_pairs = (None, []) if reason else pattern(call.allowed, positions)
             L, S = call.allowed.shape
             rows.append({"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
                          "mask_shape": list(call.mask_shape) if call.mask_shape else None, "values": call.mask_values,
-                         "is_causal": call.is_causal, "dropout_p": call.dropout_p, "pattern": shape,
-                         "judged": reason is None, "queries": L, "keys": S,
+                         "is_causal": call.is_causal, "dropout_p": call.dropout_p,
+                         "pattern": reason.reason if reason else shape.value, "judged": reason is None,
+                         "reads_future": shape is not None and shape.reads_future,
+                         "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
                          "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
                          "positions_from": call.positions_from or None, "source": call.source,
                          "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None})
-            findings += self.judge(call, shape, future_pairs, model.causal)
+            if shape is not None:
+                findings += self.judge(call, shape, future_pairs, model.causal)
         findings += [Finding("FWD207", Status.FAIL, f"F.dropout(p={d.p:g}, training=True) with the model in eval "
-                             "mode: pass training=self.training", where=d.module or "model", source=d.source)
+                             "mode: pass training=self.training", where=d.module or "model", source=d.source,
+                             module=d.module)
                      for d in observation.dropouts if d.training and d.p > 0]
         return findings, rows
 
     @staticmethod
-    def judge(call: AttentionCall, shape: str, future_pairs, causal: bool) -> list[Finding]:
+    def judge(call: AttentionCall, shape: MayRead, future_pairs, causal: bool) -> list[Finding]:
         where = f"{call.module or 'model'} ({call.api})"
         api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
                "softmax": "eager softmax"}[call.api]
@@ -204,19 +239,19 @@ the attention module's forward as input_pos or cache_position."""
                                     "added to the scores it masks nothing (a boolean turned into float?)", where))
         elif causal and future_pairs:
             L, S = call.allowed.shape
-            if shape.startswith("bidirectional"):
+            if shape is MayRead.BIDIRECTIONAL:
                 how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
                     call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
                 every = f"every query of {L} reads every key" if L == S else \
                     f"each of {L} queries reads all {S} key slots, those after its own position included"
                 findings.append(Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where))
-            elif shape.startswith("inverted") and call.mask_kind.startswith("bool"):
+            elif shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
                 convention = ("True = may attend, but this mask is True on the future (nn.MultiheadAttention's "
                               "convention)" if call.api == "sdpa" else
                               "True = masked out, but this mask is True on the past (SDPA's convention)")
                 findings.append(Finding("FWD202", Status.FAIL, f"boolean mask in the other convention: for {api} "
                                         f"{convention}; pass ~mask", where))
-            elif shape.startswith("inverted") and call.mask_kind.startswith("float"):
+            elif shape is MayRead.INVERTED and call.mask_kind.startswith("float"):
                 # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
                 # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
                 findings.append(Finding("FWD202", Status.FAIL, f"the mask handed to {api} blocks the past and opens "
@@ -241,7 +276,7 @@ the attention module's forward as input_pos or cache_position."""
             findings.append(Finding("FWD207", Status.FAIL, f"dropout_p={call.dropout_p:g} handed to {api} with the "
                                     "model in eval mode: pass dropout_p=p if self.training else 0.0", where))
         for f in findings:  # each is about this call: it points at the line of model code that made it
-            f.source = call.source
+            f.source, f.module = call.source, call.module
         return findings
 
 
@@ -257,7 +292,7 @@ def _patterns(rows: list[dict]) -> str:
     counts = {}
     for r in rows:
         if not r["judged"]:
-            why = next(short for start, short in NOT_JUDGED.items() if r["pattern"].startswith(start))
+            why = NotJudged(r["not_judged"], r["pattern"]).in_summary
             counts[why] = counts.get(why, 0) + 1
     return ", ".join(judged + [f"{n} not judged: {why}" for why, n in counts.items()])
 
@@ -266,15 +301,10 @@ def _group(findings: list[Finding]) -> list[Finding]:
     """One finding per code, message shape and line of model code, listing every call it applies to (the layers
     share their attention's line); a module called more than once in the forward (decode steps through a cache) is
     listed once, with its count."""
-    places: dict[tuple[str, str, str | None], dict[str, int]] = {}
-    first: dict[tuple[str, str, str | None], Finding] = {}
-    for f in findings:
-        key = (f.code, f.message, f.source)
-        first.setdefault(key, f)
-        counts = places.setdefault(key, {})
-        counts[f.where] = counts.get(f.where, 0) + 1
-    grouped = []
-    for key, f in first.items():
-        where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in places[key].items())
-        grouped.append(Finding(f.code, f.status, f.message, where, source=f.source))
-    return grouped
+    merged = []
+    for first, members in grouped(findings, key=lambda f: (f.code, f.message, f.source)):
+        counts = Counter(f.where for f in members)  # in the order first seen
+        where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in counts.items())
+        merged.append(Finding(first.code, first.status, first.message, where, source=first.source,
+                              module=first.module))
+    return merged

@@ -30,7 +30,7 @@ import torch.nn as nn
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, model_failure, model_frame
 from fwdcheck.observe import Observation, first_tensor
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.session import logit_scale, position_change
 
 # Relative tolerance for comparing rotated vectors and scores, by dtype: rotations are exact up to rounding.
@@ -308,6 +308,16 @@ positions and sign, for both. FWD303 -> rotate by angles linear in the position 
 positions). FWD304 -> pass the same positions (offset included) to q and k. FWD307 -> apply the rotary embedding,
 or correct the declaration."""
 
+    order = 40
+    detail_view = "fwdcheck.report.terminal:rope_numbers"
+
+    def key_number(self, result: CheckResult) -> str:
+        """A failed position shift by how far it moved the logits; otherwise the base the probe found."""
+        m = result.metrics
+        if result.status != Status.PASS and m.get("logits_shift_change", 0.0) > m.get("logits_shift_threshold", 0.0):
+            return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
+        return f"base {m['base']:.4g}" if m.get("base") else ""
+
     def run(self, model, session) -> CheckResult:
         tol = RELATIVE[session.dtype]
         self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
@@ -420,7 +430,8 @@ or correct the declaration."""
             findings += specific
             if toeplitz > tol and not specific and probe.rotates:
                 findings.append(Finding("FWD303", Status.FAIL, f"q_m . k_n varies along diagonals by {toeplitz:.3g} "
-                                        f"of its scale (tolerance {tol:g}): it depends on more than n - m", where0))
+                                        f"of its scale (tolerance {tol:g}): it depends on more than n - m", where0,
+                                        module=where0))
             if model.accepts_position_ids and probe.rotates:
                 findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
         return probe
@@ -504,18 +515,20 @@ or correct the declaration."""
             if q.rotates != k.rotates:
                 still, moving = ("k", "q") if q.rotates else ("q", "k")
                 findings.append(Finding("FWD301", Status.FAIL, f"{moving} is rotated by position but {still} is "
-                                        f"not: the rotary embedding is missing on {still}", where))
+                                        f"not: the rotary embedding is missing on {still}", where, module=where))
             elif q.rotates and (q.pairing is None or k.pairing is None):
                 if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
                     findings.append(Finding("FWD306", Status.FAIL, "q/k change with position but no pairing keeps "
                                             f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
                                             f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
-                                            "rotation", where))
+                                            "rotation", where, module=where))
             elif q.rotates and q.pairing != k.pairing:
                 findings.append(Finding("FWD302", Status.FAIL, f"q is rotated with {q.pairing} pairing, k with "
-                                        f"{k.pairing}: their dot product loses the relative property", where))
+                                        f"{k.pairing}: their dot product loses the relative property", where,
+                                        module=where))
             elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
-                findings.append(Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where))
+                findings.append(Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where,
+                                        module=where))
         return _first_per_code(findings, len(results))
 
     def _probe_shift(self, model, session, token, look, P, tol, points, hold, blocks, data) -> list[Finding]:
@@ -557,7 +570,7 @@ or correct the declaration."""
                     "k moved and q did not" if k_moved and not q_moved else "both moved, differently"
                 return [Finding("FWD304", Status.FAIL, f"shifting every position by {offset} changes q . k by "
                                 f"{change:.3g} of its scale ({who}): the offset reaches q and k differently",
-                                before.where)]
+                                before.where, module=before.where)]
         if not compared:
             data["probe_shift"] = "skipped: no call computed q and k from the same input in both probes"
         return []
@@ -617,7 +630,7 @@ or correct the declaration."""
             except BaseException as exc:
                 if not model_failure(exc):  # Ctrl-C, a time limit, fwdcheck's own errors
                     raise
-                raise ModelRaised(f"the rotary function raised {describe(exc)}", where=model_frame(exc)) from exc
+                raise ModelRaised(f"the rotary function raised {describe(exc)}", frame=model_frame(exc)) from exc
             return rotated[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)
@@ -832,12 +845,9 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
 
 def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:
     """The same rotary bug repeats in every layer: keep its first occurrence and say how many calls share it."""
-    first: dict[str, Finding] = {}
-    count: dict[str, int] = {}
-    for f in findings:
-        first.setdefault(f.code, f)
-        count[f.code] = count.get(f.code, 0) + 1
-    for code, f in first.items():
-        if count[code] > 1:
-            f.where = f"{f.where} and {count[code] - 1} more of {calls} calls"
-    return list(first.values())
+    kept = []
+    for first, members in grouped(findings, key=lambda f: f.code):
+        if len(members) > 1:
+            first.where = f"{first.where} and {len(members) - 1} more of {calls} calls"
+        kept.append(first)
+    return kept

@@ -19,9 +19,9 @@ import re
 from collections import ChainMap
 from dataclasses import dataclass
 
-from fwdcheck.errors import ModelRaised
+from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.observe import ModuleCall, Observation
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
 NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
@@ -113,6 +113,12 @@ over). A softmax over dim=-2 normalises over queries and lets later queries shif
 How to fix: the failing row names the tensor, the module and the axis; compare its dims with the expected layout.
 If a size is named wrongly because the model's config says something else, declare it: `model.dims: {h: 12}`."""
 
+    order = 10  # first: its observation pass is the one the other checks share
+    detail_view = "fwdcheck.report.terminal:ledger"
+
+    def key_number(self, result: CheckResult) -> str:
+        return f"{result.metrics['tensors']} tensors" if "tensors" in result.metrics else ""
+
     def run(self, model, session) -> CheckResult:
         first = session.observation()
         B, T = session.inputs.shape
@@ -178,7 +184,7 @@ def naming_pass(session, entries: list[Entry], blocks: str | None, known: dict[s
             second, B2 = session.observe(session.random_ids((batch, T2))), batch
             break
         except ModelRaised as exc:
-            refused.append(f"B={batch}, T={T2} ({(str(exc).splitlines() or [''])[0]})")
+            refused.append(f"B={batch}, T={T2} ({first_line(exc)})")
     if second is None:
         return (B2, T2), False, [f"the naming pass raised at {' and at '.join(refused)}: axes are named by position "
                                  "and size only, which cannot tell a missing transpose from a chunk of the sequence"]
@@ -548,17 +554,17 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None,
         over = -1 if e.role == "scores_k" else -2
         findings.append(Finding("FWD402", Status.FAIL, f"{e.name} is {shown}: the sequence T is axis {misplaced}, "
                                 f"but attention runs over axis {over}, which is {dims[over]} here (a missing "
-                                "transpose(1, 2)?)", where=e.module))
+                                "transpose(1, 2)?)", where=e.module, module=e.module))
     elif not ok and expected:
         status = Status.WARN if e.role in ("hidden", "embedding") else Status.FAIL
         findings.append(Finding("FWD401", status, f"{e.name} is {shown}, expected "
-                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None))
+                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None, module=e.module or None))
     if e.role == "weights" and e.softmax_dim is not None and e.softmax_dim != -1:
         findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,S] scores: "
-                                "it normalises over the queries, not the keys each query reads", where=e.module))
+                                "it normalises over the queries, not the keys each query reads", where=e.module, module=e.module))
     elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
         findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
-                                f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module))
+                                f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module, module=e.module))
     for f in findings:  # a tensor of an attention call points at the line that made the call
         f.source = e.source
     return findings
@@ -614,14 +620,10 @@ def _direction(e: Entry) -> str:
 
 def _merge_layers(findings: list[Finding]) -> list[Finding]:
     """One finding per problem, not one per layer: 'layers.0.attn q' and 'layers.1.attn q' become one."""
-    merged: dict[tuple[str, str], Finding] = {}
-    counts: dict[tuple[str, str], int] = {}
-    for f in findings:
-        key = (f.code, re.sub(r"\.\d+\.", ".*.", f.message))
-        if key not in merged:
-            merged[key] = f
-        counts[key] = counts.get(key, 0) + 1
-    for key, f in merged.items():
-        if counts[key] > 1:
-            f.where = f"{f.where} and {counts[key] - 1} more like it" if f.where else f"{counts[key]} places"
-    return list(merged.values())
+    merged = []
+    for first, members in grouped(findings, key=lambda f: (f.code, re.sub(r"\.\d+\.", ".*.", f.message))):
+        if len(members) > 1:
+            first.where = f"{first.where} and {len(members) - 1} more like it" if first.where \
+                else f"{len(members)} places"
+        merged.append(first)
+    return merged

@@ -14,4 +14,22 @@ BUGS: dict[str, str] = {
     "rope-pairing-mismatch": "queries rotated with rotate_half pairing, keys with interleaved pairing",
     "rope-absolute-offset": "the caller's position offset (position_ids) reaches the queries only; the keys are "
     "rotated at 0..T-1",
+    "kv-cache-position-off-by-one": "decoding through the KV cache, the new tokens' positions start at "
+    "past_len + 1 (the 1-based count of tokens seen) instead of past_len",
+    "kv-cache-mask-top-left": "the causal mask of several new queries over past + new keys built as "
+    "torch.ones(T, S).tril() (aligned top-left, as torch's is_causal=True) instead of .tril(diagonal=past_len)",
+    "kv-cache-rope-restart": "decoded tokens rotated at positions 0..T-1 of the new chunk (freqs[:T]) instead of "
+    "freqs[start_pos:start_pos + T]",
+    "eager-scale-1-over-d": "the eager attention path scales the scores by 1/d (attn_weights = q @ "
+    "k.transpose(-2, -1) / self.head_dim) instead of 1/sqrt(d); the SDPA path is right",
+    "rope-angles-in-model-dtype": "rotary angles computed in the activations' dtype (freqs = position_ids.to(x.dtype)"
+    "[..., None] * inv_freq.to(x.dtype)): in bfloat16 or float16 the angles of long positions are off by radians",
+    "label-no-shift": "the loss compares each position's logits with its own label (F.cross_entropy(logits.view(-1, "
+    "V), labels.view(-1))) instead of logits[:, :-1] with labels[:, 1:]",
+    "label-double-shift": "labels shifted once on the flattened batch (flat[1:]) and again per row (labels[:, 1:]): "
+    "each position is scored two tokens ahead, and the last of each row against the next row's first label",
+    "packing-positions-not-reset": "packed documents run at position_ids = torch.arange(T): positions continue "
+    "across document boundaries instead of restarting at 0",
+    "packing-no-document-mask": "packed documents get the plain causal mask: document_ids never reach the "
+    "attention, so each document reads the ones before it",
 }

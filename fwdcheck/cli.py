@@ -26,8 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck import __version__
-from fwdcheck.errors import (EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK,
-                             EXIT_TERMINATED, EXIT_USAGE, FwdcheckError, UsageError, exception_text)
+from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text
 from fwdcheck.worker import about_config
 
 EXIT_CODES = """\b
@@ -109,7 +108,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
              "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
              "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
 def run(
-    configs: Annotated[Optional[list[Path]], typer.Argument(metavar="[CONFIG]...", show_default=False,
+    configs: Annotated[Optional[list[Path]], typer.Argument(metavar="CONFIG", show_default=False,
                                                             help="YAML configs (`fwdcheck init` writes one).")] = None,
     check: Annotated[Optional[list[str]], typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
                                                        "(repeatable); narrows the config's selection.")] = None,
@@ -247,16 +246,18 @@ def default_config() -> Path:
 def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_from_dict, load_config
-    from fwdcheck.registry import select
+    from fwdcheck.registry import DIRECT, select
     from fwdcheck.worker import Job
 
     config = load_config(path) if path is not None else config_from_dict(
         {"model": {"source": "python", "factory": o.model}})
     selection = o.checks if o.checks else config.checks
-    if o.checks:
-        select(o.checks)  # an unknown name is reported as unknown (with the known ones), not as outside the config
+    # an unknown name is reported as unknown (with the known ones), not as outside the config
+    named = select(o.checks) if o.checks else []
     if o.checks and config.checks:
-        outside = [c for c in o.checks if c not in config.checks and ":" not in c]  # module:Class is explicit
+        with about_config(path, "checks: "):
+            in_config = [entry.name for entry in select(config.checks)]
+        outside = [e.name for e in named if e.name not in in_config and e.distribution != DIRECT]
         if outside:
             raise UsageError(f"{path}: --check {outside[0]} is not among the config's checks "
                              f"({', '.join(config.checks)})")
@@ -273,11 +274,11 @@ def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Plan
 
 # Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
 # not run, then a failure, then nothing ran, then a pass.
-EXIT_SEVERITY = (EXIT_TERMINATED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_FAILED, EXIT_NOTHING_RAN, EXIT_OK)
+EXIT_SEVERITY = (ExitCode.TERMINATED, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.FAILED, ExitCode.NOTHING_RAN, ExitCode.OK)
 
 
 def worst_exit(codes: list[int]) -> int:
-    return min(codes, key=lambda code: EXIT_SEVERITY.index(code) if code in EXIT_SEVERITY else 0, default=EXIT_OK)
+    return min(codes, key=lambda code: EXIT_SEVERITY.index(code) if code in EXIT_SEVERITY else 0, default=ExitCode.OK)
 
 
 @contextmanager
@@ -486,24 +487,24 @@ def _guarded(action, debug: bool) -> int:
         return print_error(exc, debug)
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except Exception as exc:  # a bug of fwdcheck's
         if debug:
             err.print(traceback.format_exc(), style="dim")
         message = escape(one_line(exception_text(exc)))
         err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {message} — this is a bug in fwdcheck; "
                   "please report it with the output of --debug")
-        return EXIT_INTERNAL
+        return ExitCode.INTERNAL
 
 
 def print_error(exc: FwdcheckError, debug: bool) -> int:
     """An expected error's one line on stderr (with --debug, the traceback first); its exit code."""
     if debug:  # an error made in the model's process carries that process's traceback
         err.print(getattr(exc, "detail", None) or traceback.format_exc(), style="dim")
-    if exc.exit_code == EXIT_INTERNAL:
+    if exc.exit_code == ExitCode.INTERNAL:
         err.print(f"[bold magenta]internal error:[/] {escape(one_line(exception_text(exc)))} — this is a bug in "
                   "fwdcheck; please report it with the output of --debug")
-    elif exc.exit_code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+    elif exc.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
         err.print("[bold red]interrupted[/]")
     else:
         err.print(f"[bold red]error:[/] {escape(one_line(exception_text(exc)))}")  # paths, names: not markup
@@ -746,15 +747,20 @@ def list_checks() -> None:
         table = Table(box=None, pad_edge=False)
         table.add_column("check", no_wrap=True)
         table.add_column("from", no_wrap=True)  # a plugin's distribution and version, whole
+        table.add_column("default", no_wrap=True)  # runs when a config names no checks
         table.add_column("what it verifies")
         for entry in available().values():
             try:
-                description = escape(info(entry).description)
+                about = info(entry)
+                description, default = escape(about.description), "yes" if about.default else "no"
             except FwdcheckError as exc:
-                description = f"[red]{escape(str(exc))}[/red]"
+                description, default = f"[red]{escape(str(exc))}[/red]", "yes"
             # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
-            table.add_row(escape(entry.name), escape(entry.label), description)
-        Console().print(table)
+            table.add_row(escape(entry.name), escape(entry.label), default, description)
+        console = Console()
+        console.print(table)
+        console.print("A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
+                      "`checks: [all]` runs every check.", highlight=False, markup=False)
         return 0
 
     raise typer.Exit(_guarded(action, False))
@@ -933,7 +939,7 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # outside a command's own guard
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(ExitCode.INTERRUPTED)
     except SystemExit as exc:
         # What a command printed may still sit in stdout's buffer: flush it here, where a failure (a full disk, a
         # reader gone) is still one line and exit 2, and not Python's traceback at shutdown.
@@ -945,7 +951,7 @@ def main() -> None:
         except (OSError, ValueError) as flush_error:
             silence_stdout()
             err.print(f"[bold red]error:[/] {escape(f'cannot write to stdout ({why_not(flush_error)})')}")
-            sys.exit(EXIT_USAGE if exc.code in (0, None) else exc.code)
+            sys.exit(ExitCode.USAGE if exc.code in (0, None) else exc.code)
         raise
 
 

@@ -107,9 +107,53 @@ class FactoryModel(Strict):
         return value
 
 
+class CacheSpec(Strict):
+    """How to run the model incrementally through its KV cache, for the kv-cache check.
+
+    hf: forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache (an object with
+    .past_key_values or .cache, or a tuple (logits, cache)); the first call gets no cache, and positions are left to
+    the model. gpt-fast: model.<setup>(max_batch_size, max_seq_length) allocates the cache, then
+    forward(input_ids, input_pos) runs the tokens at positions input_pos [T] (litgpt: setup set_kv_cache)."""
+
+    style: Literal["hf", "gpt-fast"]
+    setup: str = Field("setup_caches", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                       description="gpt-fast: the model's method that allocates the cache")
+
+
+class LossSpec(Strict):
+    """How forward computes its training loss, for the label-shift check: forward(input_ids, <argument>=labels)
+    returns the loss beside the logits. Hugging Face: labels are the input ids and the model shifts them
+    (argument labels, shifted_by model, output loss). nanoGPT: targets[t] is the token after position t, shifted by
+    the caller (argument targets, shifted_by caller, output 1, ignore_index -1)."""
+
+    argument: str = Field("labels", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the keyword forward takes "
+                          "the labels by: labels (Hugging Face) or targets (nanoGPT)")
+    shifted_by: Literal["model", "caller"] = Field("model", description="model: labels line up with input_ids and "
+                                                   "forward shifts them; caller: labels[t] is already the token after "
+                                                   "position t")
+    output: int | str = Field("loss", description="where the loss is in forward's output: a tuple index (nanoGPT's "
+                              "(logits, loss): 1), or an attribute or key name")
+    ignore_index: int = Field(-100, description="the label value the loss skips (nanoGPT uses -1)")
+
+
+class PackingSpec(Strict):
+    """How forward isolates documents packed into one row, for the packing check."""
+
+    argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the keyword forward takes the "
+                          "documents by")
+    form: Literal["document_ids", "mask"] = Field("document_ids", description="document_ids: [B, T] integers, one "
+                                                  "per document; mask: [B, 1, T, T] booleans, True = may attend, "
+                                                  "causal within each document")
+    position_ids: bool = Field(False, description="also pass position_ids restarting at 0 in each document (when "
+                               "forward does not restart them itself)")
+
+
 class PythonModel(FactoryModel):
     source: Literal["python"]
     path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
+    cache: CacheSpec | None = Field(None, description="how to decode through the model's KV cache (kv-cache check)")
+    loss: LossSpec | None = Field(None, description="how forward computes its loss from labels (label-shift check)")
+    packing: PackingSpec | None = Field(None, description="how forward isolates packed documents (packing check)")
 
 
 class CheckpointModel(FactoryModel):
@@ -189,7 +233,8 @@ class Config(Strict):
     inputs: Inputs = Field(default_factory=Inputs)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    checks: list[str] | None = Field(None, description="omitted: every registered check")
+    checks: list[str] | None = Field(None, description="omitted: the checks `fwdcheck list` marks default; "
+                                      "`default` and `all` may be listed beside check names")
     tolerance: Tolerance = Field(default_factory=Tolerance)
     exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
     paths: Paths = Field(default_factory=Paths)

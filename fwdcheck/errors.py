@@ -6,13 +6,28 @@ it is being checked makes that check `error` (exit 1); anything else escaping fr
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERNAL = 3
-EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C)
-EXIT_TERMINATED = 143  # SIGTERM (a CI runner cancelling the job)
-EXIT_NOTHING_RAN = 5
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What `fwdcheck run` exits with, and how every report says it in a word."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    INTERNAL = 3
+    NOTHING_RAN = 5
+    INTERRUPTED = 130  # SIGINT (Ctrl-C)
+    TERMINATED = 143  # SIGTERM (a CI runner cancelling the job)
+
+    @property
+    def verdict(self) -> str:
+        return _VERDICTS[self]
+
+
+_VERDICTS = {ExitCode.OK: "passed", ExitCode.FAILED: "failed", ExitCode.USAGE: "usage error",
+             ExitCode.INTERNAL: "internal error", ExitCode.NOTHING_RAN: "nothing ran",
+             ExitCode.INTERRUPTED: "interrupted", ExitCode.TERMINATED: "terminated"}
 
 
 # The finding codes of fwdcheck itself (a check's own codes are in its `codes`; `fwdcheck explain CODE` reads both).
@@ -29,13 +44,13 @@ OWN_CODES = {
 class FwdcheckError(Exception):
     """Base class; its message is the one line the user sees."""
 
-    exit_code = EXIT_INTERNAL
+    exit_code = ExitCode.INTERNAL
 
 
 class UsageError(FwdcheckError):
     """Bad command line or configuration: nothing was checked."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitCode.USAGE
 
 
 class ConfigError(UsageError):
@@ -53,21 +68,33 @@ class DeviceError(UsageError):
 class CheckLoadError(FwdcheckError):
     """A registered check could not be imported or instantiated."""
 
-    exit_code = EXIT_FAILED
+    exit_code = ExitCode.FAILED
 
 
 class ModelRaised(FwdcheckError):
     """The model under test raised (or returned something uncheckable) while a check ran it."""
 
-    exit_code = EXIT_FAILED
+    exit_code = ExitCode.FAILED
 
-    def __init__(self, message: str, *, where: str | None = None):
+    def __init__(self, message: str, *, frame: tuple[str, int, str] | None = None):
         super().__init__(message)
-        self.where = where
+        self.frame = frame  # (file, line, function) of the model code that raised, when it did
+
+    @property
+    def where(self) -> str | None:
+        return f"{self.frame[0]}:{self.frame[1]} in {self.frame[2]}" if self.frame else None
 
 
 class SkipCheck(Exception):
     """Raised by a check that does not apply to this model; the message is the reason."""
+
+
+def first_line(message: object, limit: int | None = None) -> str:
+    """The first line of an error's message (an exception's, a warning's), cut to `limit` characters if given:
+    what a one-line report can show of it."""
+    text = exception_text(message) if isinstance(message, BaseException) else str(message)
+    line = (text.strip().splitlines() or [""])[0]
+    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
 
 
 def exception_text(exc: BaseException) -> str:

@@ -8,8 +8,9 @@ and say clearly when they cannot.
 from __future__ import annotations
 
 import builtins
-import importlib
 import inspect
+import pkgutil
+import re
 import sys
 import traceback
 from contextlib import contextmanager, nullcontext
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.config import CheckpointModel, Config, FactoryModel, HFModel, PythonModel, ReferenceModel, RopeSpec
-from fwdcheck.errors import ModelLoadError, ModelRaised
+from fwdcheck.errors import ModelLoadError, ModelRaised, first_line
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
 
@@ -94,7 +95,20 @@ class ModelUnderTest:
         except BaseException as exc:
             if not model_failure(exc):
                 raise
-            raise ModelRaised(f"the model raised {describe(exc)}", where=model_frame(exc)) from exc
+            raise ModelRaised(f"the model raised {describe(exc)}", frame=model_frame(exc)) from exc
+
+    def call(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """The module's own forward with keyword arguments of its own (labels, document ids, a 4-D mask): the raw
+        output, exceptions as forward() reports them. The `forward:` adapter is not used: it turns a call into
+        logits, and these calls ask forward for something else beside them."""
+        try:
+            return self.module(input_ids, **kwargs)
+        except ModelRaised:
+            raise
+        except BaseException as exc:
+            if not model_failure(exc):
+                raise
+            raise ModelRaised(f"the model raised {describe(exc)}", frame=model_frame(exc)) from exc
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""
@@ -184,7 +198,7 @@ def extract_logits(output: Any) -> torch.Tensor:
         if not model_failure(exc):
             raise
         raise ModelRaised(f"reading the logits from what forward returned ({type(output).__name__}) raised "
-                          f"{describe(exc)}", where=model_frame(exc)) from exc
+                          f"{describe(exc)}", frame=model_frame(exc)) from exc
 
 
 def _extract_logits(output: Any) -> torch.Tensor:
@@ -202,14 +216,15 @@ def _extract_logits(output: Any) -> torch.Tensor:
     )
 
 
-def model_frame(exc: BaseException) -> str | None:
-    """The innermost traceback frame outside torch and fwdcheck: the line of model code that raised."""
+def model_frame(exc: BaseException) -> tuple[str, int, str] | None:
+    """The innermost traceback frame outside torch and fwdcheck, (file, line, function): the line of model code
+    that raised."""
     skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return None
     f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}"
+    return f.filename, f.lineno or 0, f.name
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -253,7 +268,7 @@ def _load_reference(spec: ReferenceModel) -> ModelUnderTest:
     try:
         module = ReferenceTransformer(cfg)
     except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first_line(exc)
         raise ModelLoadError(f"the reference model cannot be built with these sizes: {type(exc).__name__}: "
                              f"{first}") from exc
     rope = rotary = None
@@ -352,26 +367,43 @@ def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts
 def _load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
     search = search_dirs(spec.path, config)
     parts = import_factory_parts(spec, search)
-    return model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
+    loaded = model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
+    if spec.cache is not None:
+        loaded.extra["cache"] = spec.cache.model_dump()  # how the kv-cache check decodes through the model
+    if spec.loss is not None:
+        loaded.extra["loss"] = spec.loss.model_dump()  # how the label-shift check asks forward for its loss
+    if spec.packing is not None:
+        loaded.extra["packing"] = spec.packing.model_dump()  # how the packing check hands forward its documents
+    return loaded
+
+
+_DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")  # what pkgutil.resolve_name accepts before the colon
 
 
 def resolve_callable(reference: str, what: str) -> Callable:
-    """'package.module:attr' -> the object, with one clear ModelLoadError for each way that can go wrong."""
+    """'package.module:attr' -> the object (pkgutil.resolve_name), with one clear ModelLoadError for each way that
+    can go wrong."""
     module_name, _, attr = reference.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        obj = pkgutil.resolve_name(reference)
     except ModuleNotFoundError as exc:
         raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
+    except ValueError as exc:
+        if module_name not in sys.modules and not _DOTTED.fullmatch(module_name):  # resolve_name's "invalid format"
+            raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': not a dotted module name "
+                                 "(package.module:attribute)") from exc
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
+    except AttributeError as exc:
+        if module_name not in sys.modules:  # raised while importing the module, not looking up the attribute
+            raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised "
+                                 f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}") from exc
+        raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'") from exc
     except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
         if not model_failure(exc):
             raise
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
     if not callable(obj):
         raise ModelLoadError(f"{what} '{reference}' is a {type(obj).__name__}, not a callable")
     return obj

@@ -182,10 +182,11 @@ class Observation:
         return self.clock
 
     @property
-    def active_dropout(self) -> list[str]:
-        """Where dropout was still live although the model was in eval mode."""
-        spots = [f"{c.module or 'model'} ({c.api}, dropout_p={c.dropout_p:g})" for c in self.attention if c.dropout_p]
-        spots += [f"{d.module or 'model'} (F.dropout p={d.p:g}, training=True)" for d in self.dropouts
+    def active_dropout(self) -> list[tuple[str, str | None]]:
+        """Where dropout was still live although the model was in eval mode: (module and call, "file:line")."""
+        spots = [(f"{c.module or 'model'} ({c.api}, dropout_p={c.dropout_p:g})", c.source)
+                 for c in self.attention if c.dropout_p]
+        spots += [(f"{d.module or 'model'} (F.dropout p={d.p:g}, training=True)", d.source) for d in self.dropouts
                   if d.training and d.p > 0]
         return spots
 

@@ -18,8 +18,8 @@ from importlib.metadata import entry_points
 from fwdcheck.errors import CheckLoadError, UsageError
 
 GROUP = "fwdcheck.checks"
-BUILTIN_ORDER = ("shape-ledger", "future-token", "mask-audit", "rope")
 BUILTIN_DIST = "fwdcheck"
+LAST = 100  # Check.order of a check that declares none: after the built-ins
 DIRECT = "direct"  # the distribution of a check named as module:Class, not registered
 
 
@@ -63,6 +63,9 @@ class CheckInfo:
     description: str
     explain: str
     codes: dict[str, str]
+    default: bool = True  # in the default selection (a config without `checks:`)
+    order: int = LAST
+    detail_view: str | None = None  # "module:function" drawing its data in the terminal
 
 
 def info(entry: CheckEntry) -> CheckInfo:
@@ -73,7 +76,9 @@ def info(entry: CheckEntry) -> CheckInfo:
     if literal is not None:
         return literal
     check = entry.load()
-    return CheckInfo(check.description, getattr(check, "explain", ""), dict(getattr(check, "codes", {})))
+    return CheckInfo(check.description, getattr(check, "explain", ""), dict(getattr(check, "codes", {})),
+                     bool(getattr(check, "default", True)), int(getattr(check, "order", LAST)),
+                     getattr(check, "detail_view", None))
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
@@ -103,8 +108,12 @@ def _literal_info(entry: CheckEntry) -> CheckInfo | None:
                         values[targets[0].id] = ast.literal_eval(statement.value)
                     except ValueError:  # computed: not a literal
                         pass
-            if isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict):
-                return CheckInfo(values["description"], values.get("explain", ""), values.get("codes", {}))
+            literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
+                       and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
+                       and isinstance(values.get("detail_view", ""), (str, type(None))))
+            if literal:
+                return CheckInfo(values["description"], values.get("explain", ""), values.get("codes", {}),
+                                 values.get("default", True), values.get("order", LAST), values.get("detail_view"))
     return None
 
 
@@ -122,8 +131,25 @@ def available() -> dict[str, CheckEntry]:
             found[ep.name] = entry
     if not found:
         raise UsageError("no checks are registered: is fwdcheck installed (`pip install -e .`)?")
-    order = {name: i for i, name in enumerate(BUILTIN_ORDER)}
-    return dict(sorted(found.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+    return dict(sorted(found.items(), key=lambda item: (_order(item[1]), item[0])))
+
+
+def _order(entry: CheckEntry) -> int:
+    """A check's declared order, read without importing it: a plugin whose order is not a literal (or that does
+    not load) goes after the built-ins, as listing must not import a hundred plugins to sort them."""
+    literal = _literal_info(entry)
+    return literal.order if literal is not None else LAST
+
+
+def view_of(name: str) -> str | None:
+    """The detail view (Check.detail_view) of the registered check of this name, if it names one."""
+    entry = available().get(name)
+    if entry is None:
+        return None
+    try:
+        return info(entry).detail_view
+    except CheckLoadError:
+        return None
 
 
 def _is_builtin(entry: CheckEntry) -> bool:
@@ -139,21 +165,38 @@ def direct(reference: str) -> CheckEntry:
     return CheckEntry(reference, reference, DIRECT)
 
 
+def in_default_selection(entry: CheckEntry) -> bool:
+    """Whether a check runs when a config names none. A plugin that fails to load counts as default, so its error
+    is reported instead of the check silently not running."""
+    try:
+        return info(entry).default
+    except CheckLoadError:
+        return True
+
+
+# Words a `checks:` list may use beside check names: the default selection, and every registered check.
+DEFAULT, ALL = "default", "all"
+
+
 def select(names: list[str] | None) -> list[CheckEntry]:
-    """The entries for the given names (all when None); an unknown name is a usage error listing the known ones."""
+    """The entries for the given names (the default selection when None); an unknown name is a usage error listing
+    the known ones. `default` stands for the checks that run when none are named, `all` for every registered one."""
     registered = available()
     if names is None:
-        return list(registered.values())
+        names = [DEFAULT]
     chosen = []
     for name in names:
-        if ":" in name:  # a check class named directly, module:Class
-            entry = direct(name)
+        if name == ALL:
+            entries = list(registered.values())
+        elif name == DEFAULT:
+            entries = [entry for entry in registered.values() if in_default_selection(entry)]
+        elif ":" in name:  # a check class named directly, module:Class
+            entries = [direct(name)]
         elif name in registered:
-            entry = registered[name]
+            entries = [registered[name]]
         else:
-            close = difflib.get_close_matches(name, list(registered), n=1)
+            close = difflib.get_close_matches(name, [*registered, DEFAULT, ALL], n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise UsageError(f"unknown check '{name}'; {hint}known: {', '.join(registered)}")
-        if entry not in chosen:
-            chosen.append(entry)
+            raise UsageError(f"unknown check '{name}'; {hint}known: {', '.join(registered)} (or {DEFAULT}, {ALL})")
+        chosen += [entry for entry in entries if entry not in chosen]
     return chosen

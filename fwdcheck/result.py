@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable
 
 if TYPE_CHECKING:
     from fwdcheck.model import ModelUnderTest
@@ -36,6 +36,8 @@ class Finding:
     where: str | None = None  # module path, positions, layer/head
     source: str | None = None  # "file:line" of the model code it concerns, when fwdcheck can tell
     ignored: str | None = None  # the config's reason for ignoring this code; an ignored finding does not count
+    module: str | None = None  # the module it concerns (a name of model.named_modules()); its class is the source
+    # when the check names no line
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Finding:
@@ -45,7 +47,16 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "status": self.status.value, "message": self.message, "where": self.where,
-                "source": self.source, "ignored": self.ignored}
+                "source": self.source, "ignored": self.ignored, "module": self.module}
+
+
+def grouped(findings: list[Finding], key: Callable[[Finding], Hashable]) -> list[tuple[Finding, list[Finding]]]:
+    """Findings that say the same thing (the same `key`) gathered, in the order first seen: each group's first
+    finding and every member. A bug in shared code repeats in every layer; a check reports it once, saying where."""
+    groups: dict[Hashable, list[Finding]] = {}
+    for f in findings:
+        groups.setdefault(key(f), []).append(f)
+    return [(members[0], members) for members in groups.values()]
 
 
 @dataclass
@@ -58,6 +69,7 @@ class CheckResult:
     data: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0
     internal_error: bool = False  # an exception of fwdcheck's own, not of the model: exit 3
+    key_number: str = ""  # the measurement the verdict rests on, in a few characters (Check.key_number)
 
     @classmethod
     def from_findings(cls, name: str, findings: list[Finding], summary: str, **kw) -> CheckResult:
@@ -80,7 +92,8 @@ class CheckResult:
         """The inverse of to_dict, which leaves internal_error out of the JSON report."""
         return cls(name=d["name"], status=Status(d["status"]), summary=d["summary"],
                    findings=[Finding.from_dict(f) for f in d.get("findings", [])], metrics=d.get("metrics", {}),
-                   data=d.get("data", {}), duration_s=d.get("duration_s", 0.0), internal_error=internal_error)
+                   data=d.get("data", {}), duration_s=d.get("duration_s", 0.0), key_number=d.get("key_number", ""),
+                   internal_error=internal_error)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -103,6 +116,17 @@ class Check:
     codes: ClassVar[dict[str, str]] = {}  # finding code -> what it means
     needs_values: ClassVar[bool] = True  # False: runs on the meta device, from shapes alone
     per_code_path: ClassVar[bool] = False  # True: runs again on every cell of the code-path matrix (fwdcheck.paths)
+    default: ClassVar[bool] = True  # runs when a config names no checks; False: only when named (or `all`)
+    order: ClassVar[int] = 100  # where it runs and is reported: lower first (built-ins 10-90), ties by name
+    # "module:function" of a function (CheckResult) -> rich renderable drawing the check's `data` in the terminal's
+    # detail panel. It must import without torch: the report is drawn in a process that never loads it.
+    detail_view: ClassVar[str | None] = None
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def key_number(self, result: CheckResult) -> str:
+        """The number the verdict rests on, in a few characters, for the summary table (e.g. "0.18 / 1.2e-05",
+        "14 tensors"): for a failure the measurement that failed, for a pass the one that came closest. Called
+        after run() on every result that is not a skip; "" shows nothing."""
+        return ""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import platform
-import re
 import signal
 import threading
 import time
@@ -59,7 +58,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
                     if result is not before:  # the check ran over the matrix
                         report_parameter_writes(result, written, session, " on the code-path matrix")
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
-        results += [CheckResult(e.name, Status.ERROR, str(exc), [Finding("FWD002", Status.ERROR, str(exc), exc.where)])
+        results += [CheckResult(e.name, Status.ERROR, str(exc), [model_raised(exc)])
                     for e in entries[len(results):]]
     except KeyboardInterrupt:  # Ctrl-C: the model is restored by now; report what ran, mark the rest
         interrupted = True
@@ -69,7 +68,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     for result in results:
         result.apply_ignores(settings.ignore)
         for finding in result.findings:
-            finding.source = finding.source or locate(finding.where, model)
+            finding.source = finding.source or locate(finding, model)
     return Report(
         results=results,
         model=model_summary(model),
@@ -97,24 +96,22 @@ def environment_summary(settings: Settings, device: str) -> dict:
             "seq_len": settings.seq_len}
 
 
-def locate(where: str | None, model: ModelUnderTest) -> str | None:
-    """'file:line' for a finding the check gave no source: the frame a model exception came from, or else the class
-    of the first module path its `where` names (a finding about the module as a whole, not about one call in it)."""
-    if not where:
+def model_raised(exc: ModelRaised) -> Finding:
+    """FWD002, pointing at the line of model code that raised when there is one."""
+    source = code_location(exc.frame[0], exc.frame[1]) if exc.frame else None
+    return Finding("FWD002", Status.ERROR, str(exc), exc.where, source=source)
+
+
+def locate(finding: Finding, model: ModelUnderTest) -> str | None:
+    """'file:line' for a finding the check gave no source: the class of the module it concerns (a finding about the
+    module as a whole, not about one call in it)."""
+    module = dict(model.module.named_modules()).get(finding.module) if finding.module else None
+    if module is None:
         return None
-    frame = re.match(r"^(.+?):(\d+) in ", where)
-    if frame:
-        return code_location(frame.group(1), int(frame.group(2)))
-    modules = dict(model.module.named_modules())
-    # Module paths may start with a digit (the children of an nn.Sequential); a bare number is a count or position.
-    for token in re.findall(r"[\w.]*[A-Za-z_][\w.]*", where):
-        if token in modules and token:
-            try:
-                cls = type(modules[token])
-                return code_location(inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1])
-            except (TypeError, OSError):
-                return None
-    return None
+    try:
+        return code_location(inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module))[1])
+    except (TypeError, OSError):
+        return None
 
 
 @dataclass
@@ -277,7 +274,7 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     return CheckResult(default.name, status, summary, findings, dict(default.metrics, code_paths=len(cells),
                        failing_code_paths=len(failing)), {**default.data, "paths": rows},
                        default.duration_s + sum(r.duration_s for _, r in cells),
-                       default.internal_error or any(r.internal_error for _, r in cells))
+                       default.internal_error or any(r.internal_error for _, r in cells), default.key_number)
 
 
 class CheckTimeout(BaseException):
@@ -352,6 +349,8 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         if not isinstance(result, CheckResult):  # a plugin's bug: its own error, not the end of the run
             raise TypeError(f"{type(check).__name__}.run() returned "
                             f"{'None' if result is None else type(result).__name__}, not a CheckResult")
+        if result.status != Status.SKIP and callable(getattr(check, "key_number", None)):
+            result.key_number = str(check.key_number(result) or "")
     except CheckTimeout as timeout:
         message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); a forward that hangs?"
         result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
@@ -360,7 +359,7 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
     except CheckLoadError as exc:
         result = CheckResult(entry.name, Status.ERROR, str(exc), [Finding("FWD001", Status.ERROR, str(exc))])
     except ModelRaised as exc:
-        result = CheckResult(entry.name, Status.ERROR, str(exc), [Finding("FWD002", Status.ERROR, str(exc), exc.where)])
+        result = CheckResult(entry.name, Status.ERROR, str(exc), [model_raised(exc)])
     except Exception as exc:  # a bug of fwdcheck's (or of a plugin's), not of the model: exit 3
         message = f"internal error in check {entry.label}: {type(exc).__name__}: {exc}"
         result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD003", Status.ERROR, message)],

@@ -22,7 +22,7 @@ import torch.nn.modules.module as module_globals
 from torch.nn.modules.dropout import _DropoutNd
 
 from fwdcheck.config import Config, Paths
-from fwdcheck.errors import DeviceError, ModelRaised, UsageError
+from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
 from fwdcheck.hf import library_messages
 from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
@@ -322,7 +322,7 @@ class Session:
         try:
             self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
         except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = first_line(exc)
             raise UsageError(f"inputs: batch_size {settings.batch_size} x seq_len {settings.seq_len} token ids cannot "
                              f"be allocated ({type(exc).__name__}: {first})") from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
@@ -353,7 +353,7 @@ class Session:
                 if not model_failure(exc):
                     raise
                 raise ModelRaised(f"the model cannot be put in eval mode: {describe(exc)}",
-                                  where=model_frame(exc)) from exc
+                                  frame=model_frame(exc)) from exc
             for dropout in state.dropout_p:
                 dropout.p = 0.0
             self._place(module)
@@ -398,6 +398,15 @@ class Session:
             positions = position_ids[start:start + self.max_rows] if position_ids is not None else None
             chunks.append(self._forward(rows, positions, model))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def output(self, ids: torch.Tensor, **kwargs: Any) -> Any:
+        """The model's raw output for ids [N, T] with keyword arguments of its own (labels, document ids, a 4-D mask;
+        ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), under
+        torch.no_grad(), dropout forced off where needed, model exceptions as ModelRaised."""
+        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else nullcontext()):
+            output = self.model.call(ids, **kwargs)
+        self.forward_tokens += ids.numel()
+        return output
 
     def changes(self, ids: torch.Tensor, reference: torch.Tensor, against: list[int]) -> torch.Tensor:
         """Per row and position, the largest |change| of the logits of `ids` [N, T] from reference[against[i]]
@@ -608,11 +617,17 @@ def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return change.nan_to_num_(nan=float("inf"))
 
 
-def prefix_lengths(T: int, shortest: int = 1) -> list[int]:
-    """The prefix ladder: k = 1, 2, 4, ... up to T/4 (future-token's cuts cover T/2 and T-1), none below the shortest
-    length the model accepts; when that is longer than T/4, the shortest length alone, if it is still a prefix."""
-    lengths = [2**i for i in range(T.bit_length()) if shortest <= 2**i <= max(T // 4, 1)]
-    return lengths or ([shortest] if shortest < T else [])
+def prefix_lengths(T: int, shortest: int = 1, longest: int = SHORT_LENGTH) -> list[int]:
+    """The prefix ladder: k = 1 (the one-token path many models special-case for decoding), 2 (the shortest with a
+    past) and `longest` (the short length other checks share, so the rung costs them nothing), none above T/4
+    (future-token's cuts cover T/2 and T-1) nor below the shortest length the model accepts, which joins the
+    ladder itself; when that is longer than T/4, the shortest length alone, if it is still a prefix.
+
+    A length-dependent bug (a mask or position table built for another length, a bias counted from the end) shows
+    at any prefix: each rung is a forward whose fixed cost, reading every weight, dwarfs its tokens', so the ladder
+    keeps the lengths that are code paths of their own rather than every power of two."""
+    rungs = sorted({k for k in (1, 2, longest, shortest) if shortest <= k <= max(T // 4, 1)})
+    return rungs or ([shortest] if shortest < T else [])
 
 
 def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:

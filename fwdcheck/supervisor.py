@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable
 
-from fwdcheck.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, FwdcheckError
+from fwdcheck.errors import ExitCode, FwdcheckError
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status
 from fwdcheck.worker import Job
@@ -258,7 +258,7 @@ def grace(timeout_s: float | None) -> float:
 
 
 def exit_for(signum: int) -> int:
-    return EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+    return ExitCode.TERMINATED if signum == signal.SIGTERM else ExitCode.INTERRUPTED
 
 
 def died(returncode: int) -> str:

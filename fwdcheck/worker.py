@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fwdcheck.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, FwdcheckError, UsageError, exception_text
+from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text, first_line
 
 
 @dataclass
@@ -96,7 +96,7 @@ def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
     """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`."""
     notes: list[str] = []
     for w in caught:
-        text = (exception_text(w.message).strip().splitlines() or [""])[0]
+        text = first_line(w.message)
         note = f"warning: {w.category.__name__}: {text} ({Path(w.filename).name}:{w.lineno})"
         if note not in notes:
             notes.append(note)
@@ -130,7 +130,7 @@ class Events:
                 self.stream.write(line + "\n")
                 self.stream.flush()
             except (OSError, ValueError):
-                os._exit(EXIT_INTERNAL)
+                os._exit(ExitCode.INTERNAL)
 
 
 def die_with_parent(parent: int) -> None:
@@ -143,7 +143,7 @@ def die_with_parent(parent: int) -> None:
         PR_SET_PDEATHSIG = 1
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
             if os.getppid() != parent:  # it died before the request took effect
-                os._exit(EXIT_INTERRUPTED)
+                os._exit(ExitCode.INTERRUPTED)
             return
     except (OSError, AttributeError):
         pass
@@ -151,7 +151,7 @@ def die_with_parent(parent: int) -> None:
     def watch():
         while os.getppid() == parent:
             threading.Event().wait(0.5)
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(ExitCode.INTERRUPTED)
 
     threading.Thread(target=watch, daemon=True, name="fwdcheck-parent-watch").start()
 
@@ -184,9 +184,9 @@ def main(argv: list[str]) -> None:
         events.send("error", exit_code=exc.exit_code, message=exception_text(exc), detail=traceback.format_exc(),
                     notes=getattr(exc, "warning_notes", []))
     except KeyboardInterrupt:  # while the model loaded: the supervisor sent it, and reports what it has
-        events.send("error", exit_code=EXIT_INTERRUPTED, message="interrupted", detail="", notes=[])
+        events.send("error", exit_code=ExitCode.INTERRUPTED, message="interrupted", detail="", notes=[])
     except BaseException as exc:  # a bug of fwdcheck's; the supervisor prints it as one
-        events.send("error", exit_code=EXIT_INTERNAL, message=f"{type(exc).__name__}: {exception_text(exc)}",
+        events.send("error", exit_code=ExitCode.INTERNAL, message=f"{type(exc).__name__}: {exception_text(exc)}",
                     detail=traceback.format_exc(), notes=getattr(exc, "warning_notes", []))
     # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
     sys.stderr.flush()

@@ -79,6 +79,12 @@ def report(name: str):
     return run_checks(CASES[name][0], inputs={"batch_size": 2, "seq_len": 8})
 
 
+def shown_base(base: float) -> str:
+    """A fitted estimate of the rotary base: 3 significant digits (500000, not 500006) stay the same across the
+    numerics of a run; 1.1e+12 rather than 13 digits of a base that large."""
+    return f"{float(f'{base:.3g}'):.0f}" if base < 1e7 else f"{base:.2g}"
+
+
 def table() -> str:
     lines = ["| model | what it is | " + " | ".join(CHECKS) + " | code paths | rope measured |",
              "| --- | --- | " + " | ".join("---" for _ in CHECKS) + " | ---: | --- |"]
@@ -87,8 +93,9 @@ def table() -> str:
         cells = [r.result(c).status.value for c in CHECKS]
         paths = r.result("future-token").metrics.get("code_paths", 1)
         rope = r.result("rope")
-        measured = (f"{rope.metrics['pairing']}, dim {rope.metrics['rotary_dim']}, base {rope.metrics['base']:.0f}"
-                    if rope.status.value == "pass" and rope.metrics.get("base") else "-")
+        m = rope.metrics
+        measured = (f"{m['pairing']}, dim {m['rotary_dim']}, base {shown_base(m['base'])}"
+                    if rope.status.value == "pass" and m.get("base") else "-")
         lines.append(f"| {name} | {what} | " + " | ".join(cells) + f" | {paths} | {measured} |")
     return "\n".join(lines)
 
@@ -102,8 +109,7 @@ def corpus_table() -> str:
         if rope.status.value != "pass" or not m.get("pairing"):
             return "-"
         base = m.get("base")
-        # 1.1e+12 rather than 13 digits of a base that large
-        shown = "" if not base else f", base {base:.0f}" if base < 1e7 else f", base {base:.2g}"
+        shown = f", base {shown_base(base)}" if base else ""
         return f"{m['pairing']}, dim {m['rotary_dim']}{shown}"
 
     lines = ["| library | model | what it is | " + " | ".join(CHECKS) + " | rope measured |",

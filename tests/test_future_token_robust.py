@@ -7,6 +7,7 @@ that measured nothing at all is an error. Batch size 1 is covered in every defau
 
 from __future__ import annotations
 
+import re
 import math
 
 import pytest
@@ -153,7 +154,7 @@ def test_the_session_learns_the_refused_length_for_the_checks_after():
 
 @pytest.mark.parametrize("T, shortest, expected", [
     (8, 1, [1, 2]), (8, 2, [2]), (8, 4, [4]), (8, 8, []), (2, 1, [1]), (3, 2, [2]),
-    (256, 1, [1, 2, 4, 8, 16, 32, 64]), (256, 3, [4, 8, 16, 32, 64]),
+    (256, 1, [1, 2, 16]), (256, 3, [3, 16]), (64, 2, [2, 16]), (32, 1, [1, 2]), (256, 20, [20]),
 ])
 def test_prefix_ladder_starts_at_the_shortest_accepted_length(T, shortest, expected):
     assert prefix_lengths(T, shortest) == expected
@@ -242,7 +243,7 @@ def test_mask_dropped_for_one_row_in_a_gpt_that_asserts_two_tokens():
 def test_leak_on_every_path_is_one_finding_that_also_names_one_row():
     result = future_token(gpt(leak="no-mask"))
     (leak,) = [f for f in result.findings if f.code == "FWD101"]
-    assert leak.where.endswith("also with one row run alone (batch size 1)")
+    assert re.search(r"also with one row run alone \(batch size 1, by up to [0-9.e+-]+\)$", leak.where), leak.where
 
 
 @pytest.mark.parametrize("guard", [None, "needs_two", "max_batch"])

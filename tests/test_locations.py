@@ -93,6 +93,15 @@ def test_dropout_live_in_eval_points_at_the_call_that_applies_it(attention, call
     assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
 
 
+@pytest.mark.parametrize("attention, call", [("sdpa", "F.scaled_dot_product_attention("),
+                                             ("eager", "F.dropout(weights")])
+def test_future_token_names_the_line_of_live_dropout(attention, call):
+    report = run_checks({"source": "reference", "bugs": ["sdpa-dropout-in-eval"], "attention": attention,
+                         "dropout": 0.1}, ["future-token"])
+    live = [f for f in report.result("future-token").findings if f.code == "FWD103"]
+    assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
+
+
 def test_third_party_finding_points_into_the_library_at_its_attention_call():
     """x-transformers with its causal flag off: the eager softmax is made in x_transformers/attend.py."""
     report = run_checks({"source": "python", "factory": "tests.corpus.xtransformers_models:rotary_with",

@@ -118,7 +118,10 @@ def test_installed_plugin_is_listed(installed):
     row = next(r for r in rows if r and r[0] == "logit-bound")
     assert row[1] == LABEL
     assert "finite" in " ".join(row[2:])
-    assert [r[0] for r in rows[1:6]] == [*BUILTINS, "logit-bound"]  # built-ins first, in their order
+    named = [r[0] for r in rows[1:] if len(r) > 1 and "[" in r[1]]  # rows that start a check (name, label, ...)
+    assert named[:len(BUILTINS)] == BUILTINS  # the default built-ins first, in their order
+    builtins = [r[0] for r in rows[1:] if len(r) > 1 and r[1].startswith("fwdcheck[")]
+    assert named.index("logit-bound") == len(builtins)  # a plugin after every built-in
 
 
 def test_installed_plugin_runs_and_passes_on_the_toy_model(installed):
@@ -300,3 +303,47 @@ def test_a_plugin_cannot_replace_a_builtin(tmp_path, monkeypatch):
     from fwdcheck.registry import available
 
     assert available()["rope"].label == "fwdcheck[rope]"
+
+
+OPT_IN_CHECK = '''
+from fwdcheck.result import Check, CheckResult, Status
+
+
+class Expensive(Check):
+    name = "acme-expensive"
+    description = "a check that runs only when named"
+    explain = "illustration"
+    codes = {}
+    default = False
+
+    def run(self, model, session):
+        return CheckResult(self.name, Status.PASS, "ran")
+'''
+
+
+@pytest.fixture
+def opt_in_plugin(tmp_path, monkeypatch):
+    """An installed plugin whose check says `default = False`."""
+    site = tmp_path / "site"
+    write_dist_info(site, "acme-opt-in", {"acme-expensive": "acme_opt_in:Expensive"})
+    (site / "acme_opt_in.py").write_text(OPT_IN_CHECK)
+    monkeypatch.syspath_prepend(str(site))
+    yield site
+    sys.modules.pop("acme_opt_in", None)
+
+
+def test_a_check_outside_the_default_runs_only_when_named(opt_in_plugin, tmp_path):
+    from fwdcheck.registry import select
+
+    assert [e.name for e in select(None)] == BUILTINS
+    assert [e.name for e in select(["default"])] == BUILTINS
+    assert [e.name for e in select(["default", "acme-expensive"])] == [*BUILTINS, "acme-expensive"]
+    assert "acme-expensive" in [e.name for e in select(["all"])]
+    assert [e.name for e in select(["rope", "all"])][0] == "rope"  # named order first, no duplicates
+    listing = invoke("list").stdout
+    row = next(line for line in listing.splitlines() if line.startswith("acme-expensive"))
+    assert " no " in row, listing
+    path = config(tmp_path / "opt-in.yaml", **toy(checks=["default", "acme-expensive"]))
+    result = invoke("run", path, "--format", "json", "--check", "acme-expensive")
+    assert result.exit_code == 0, result.output
+    assert [c["name"] for c in json.loads(result.stdout)["checks"]] == ["acme-expensive"]

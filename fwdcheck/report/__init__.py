@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fwdcheck import __version__
-from fwdcheck.errors import (EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING_RAN, EXIT_OK,
-                             EXIT_TERMINATED)
+from fwdcheck.errors import ExitCode
 from fwdcheck.result import CheckResult, Status, worst
 
 SCHEMA_VERSION = 1
@@ -30,7 +29,7 @@ class Report:
     config_path: str | None = None
     fail_on: str = "fail"  # fail | warn
     interrupted: bool = False  # Ctrl-C or SIGTERM: the report holds what ran
-    interrupted_exit: int = EXIT_INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
+    interrupted_exit: int = ExitCode.INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
 
     @property
     def status(self) -> Status:
@@ -44,25 +43,22 @@ class Report:
         if self.interrupted:
             return self.interrupted_exit
         if any(r.internal_error for r in self.results):
-            return EXIT_INTERNAL
+            return ExitCode.INTERNAL
         status = self.status
         if status in (Status.FAIL, Status.ERROR) or (status == Status.WARN and self.fail_on == "warn"):
-            return EXIT_FAILED
+            return ExitCode.FAILED
         if status == Status.SKIP:
-            return EXIT_NOTHING_RAN
-        return EXIT_OK
+            return ExitCode.NOTHING_RAN
+        return ExitCode.OK
 
     @property
     def verdict(self) -> str:
         """The exit code in a word, as every renderer says it."""
-        if self.interrupted:
-            return "terminated" if self.interrupted_exit == EXIT_TERMINATED else "interrupted"
-        return {EXIT_OK: "passed", EXIT_FAILED: "failed", EXIT_INTERNAL: "internal error",
-                EXIT_NOTHING_RAN: "nothing ran"}[self.exit_code]
+        return ExitCode(self.interrupted_exit if self.interrupted else self.exit_code).verdict
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == EXIT_OK
+        return self.exit_code == ExitCode.OK
 
     @property
     def failures(self) -> list[CheckResult]:

@@ -12,7 +12,8 @@ FINDING = {
     "required": ["code", "status", "message", "where"],
     "properties": {
         "code": {"type": "string", "description": "stable id: FWD1xx future-token, FWD2xx mask-audit, FWD3xx rope, "
-                 "FWD4xx shape-ledger, FWD0xx fwdcheck itself; plugins use their own prefixes"},
+                 "FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins use "
+                 "their own prefixes"},
         "status": STATUS,
         "message": {"type": "string"},
         "where": {"type": ["string", "null"], "description": "module path, positions, code paths"},
@@ -34,6 +35,8 @@ CHECK = {
                  "future-token: leak_map, mask-audit: calls, code-path checks: paths [{path, status, summary, "
                  "codes}]"},
         "duration_s": {"type": "number"},
+        "key_number": {"type": "string", "description": "the measurement the verdict rests on, as the terminal "
+                       "summary shows it; empty when the check names none"},
     },
 }
 

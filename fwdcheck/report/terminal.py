@@ -7,6 +7,8 @@ laid out for the console's width: a word is never cut, and at a narrow width the
 
 from __future__ import annotations
 
+import functools
+import pkgutil
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -122,46 +124,20 @@ def summary_table(report: Report, verbosity: Verbosity = Verbosity.DEFAULT, dura
 
 
 def key_number(r: CheckResult) -> str:
-    """The number the verdict rests on, as the check measured it: for a failure the measurement that failed, for a
-    pass the one that came closest; nothing for a skipped check, which measured nothing."""
-    m = r.metrics
+    """The number the verdict rests on, as the check measured it (Check.key_number); for a verdict that came from
+    the code-path matrix, how much of it failed; nothing for a skipped check, which measured nothing."""
     if r.status == Status.SKIP:
         return ""
-    if m.get("failing_code_paths"):  # the verdict came from the code-path matrix: how much of it failed
-        return f"{m['failing_code_paths']} of {m['code_paths']} paths"
-    if r.name == "future-token":
-        return _future_token_key(m)
-    if r.name == "shape-ledger" and "tensors" in m:
-        return f"{m['tensors']} tensors"
-    if r.name == "mask-audit" and "attention_calls" in m:
-        return f"{m['attention_calls']} calls"
-    if r.name == "rope" and r.status != Status.PASS and "logits_shift_change" in m \
-            and m["logits_shift_change"] > m["logits_shift_threshold"]:
-        return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
-    if r.name == "rope" and m.get("base"):
-        return f"base {m['base']:.4g}"
-    return ""
-
-
-def _future_token_key(m: dict) -> str:
-    """The measurement the check says its verdict rests on (metrics['decided_by'])."""
-    decided = m.get("decided_by")
-    if decided == "nonfinite":
-        return f"NaN/Inf at {m['nonfinite_positions']}" if "nonfinite_positions" in m else "NaN/Inf"
-    if decided == "live_dropout_calls":
-        return f"dropout in {m['live_dropout_calls']} call{'s' if m['live_dropout_calls'] != 1 else ''}"
-    if decided == "noise_floor":
-        return f"noise {m['noise_floor']:.2g} / {m['tolerance']:.2g}"
-    if "max_change" in m:
-        return f"{m['max_change']:.2g} / {m['threshold']:.2g}"
-    return ""
+    if r.metrics.get("failing_code_paths"):
+        return f"{r.metrics['failing_code_paths']} of {r.metrics['code_paths']} paths"
+    return r.key_number
 
 
 def detail(r: CheckResult, debug: bool, durations: bool = True) -> Panel:
     parts: list[RenderableType] = []
     if r.findings:
         parts.append(findings_table(r.findings))
-    render_data = DETAIL.get(r.name)
+    render_data = detail_view(r.name)
     if render_data is not None and r.data:
         parts.append(render_data(r))
     if r.data.get("paths"):
@@ -261,12 +237,14 @@ class FitTable:
         return widths
 
     def _least(self, i: int) -> int:
-        """The narrowest a column can be without cutting a word, its header included. A cell that may be cut short
-        (no_wrap with an ellipsis) asks for nothing."""
+        """The narrowest a column can be without cutting a word or folding its header (a header of two words
+        read one above the other names nothing). A cell that may be cut short (no_wrap with an ellipsis) asks for
+        nothing."""
         column = self.columns[i]
-        cells = [Text(column.header), *(row[i] for row in self.rows)]
-        return max((_longest_line(c) if column.whole else _longest_word(c)) for c in cells
-                   if not (c.no_wrap and c.overflow == "ellipsis"))
+        cells = [row[i] for row in self.rows]
+        return max([_longest_line(Text(column.header)),
+                    *((_longest_line(c) if column.whole else _longest_word(c)) for c in cells
+                      if not (c.no_wrap and c.overflow == "ellipsis"))])
 
 
 def _longest_word(text: Text) -> int:
@@ -416,12 +394,10 @@ def _pattern(call: dict) -> Text:
     """Red only for a judged call that lets a query read past its own position. A call that was not compared with
     causal (cross-attention, an encoder over another sequence, query positions unknown) is no failure: dim, named by
     the start of its reason ('not judged: cross-attention'); the whole reason is said under the table."""
-    pattern = call["pattern"]
     if call.get("judged", True):
-        return Text(pattern, "green" if pattern.startswith("causal") else "bold red")
-    why = pattern.split(" (")[0].removeprefix("not judged: ") if pattern.startswith("not judged") else \
-        pattern.split(":")[0]
-    return Text(f"not judged:\n{why}", "dim")  # two short lines fit a narrow column where one long one breaks words
+        return Text(call["pattern"], "bold red" if call.get("reads_future") else "green")
+    # two short lines fit a narrow column where one long one breaks words
+    return Text(f"not judged:\n{call.get('not_judged') or 'see below'}", "dim")
 
 
 def _flags(call: dict) -> str:
@@ -457,7 +433,7 @@ def _grid_call(rows: list[dict]) -> dict | None:
     else the first judged one, else the first at all; only sets of at most 16 queries fit."""
     small = [c for c in rows if c.get("may_read") and len(c["may_read"]) <= 16]
     judged = [c for c in small if c.get("judged", True)]
-    failing = [c for c in judged if not c["pattern"].startswith("causal")]
+    failing = [c for c in judged if c.get("reads_future")]
     return next(iter(failing or judged or small), None)
 
 
@@ -590,9 +566,16 @@ def code_paths(rows: list[dict]) -> RenderableType:
                     pad_edge=False, show_edge=False)
 
 
-DETAIL: dict[str, Callable[[CheckResult], RenderableType]] = {
-    "shape-ledger": ledger,
-    "future-token": leak_map,
-    "mask-audit": mask_table,
-    "rope": rope_numbers,
-}
+@functools.lru_cache(maxsize=None)
+def detail_view(check: str) -> Callable[[CheckResult], RenderableType] | None:
+    """The function a check names (Check.detail_view) to draw its data in its panel; None when it names none, or
+    is not installed here (a report read from a file), or its view does not import: the findings still show."""
+    from fwdcheck.registry import view_of
+
+    reference = view_of(check)
+    if reference is None:
+        return None
+    try:
+        return pkgutil.resolve_name(reference)
+    except Exception:  # a plugin's view that does not import: no detail, not a broken report
+        return None

@@ -1,0 +1,561 @@
+"""kv-cache: decoding through the model's KV cache gives the logits of the full forward.
+
+The full forward of the session's inputs (the shared baseline) is the truth. The same tokens then run incrementally:
+a prefill of the first P = T - D tokens (D = min(T/2, 4)), then two ways from copies of that prefill's cache:
+  token-by-token  the next 2 positions, one new token per call, as generation runs;
+  chunked         the last D positions, 2-3 new tokens per call (speculative decoding, chunked prefill): the queries
+                  are fewer than the keys, where a causal mask aligned top-left instead of bottom-right reads the
+                  wrong keys.
+Every position's logits must agree with the full forward's within the session's threshold. Where they part, the
+first position is reported and, replaying the run with forward hooks on the layer stack, the first layer whose
+output parts.
+
+Models it drives: Hugging Face transformers models (a DynamicCache with use_cache=True and the inputs generate
+passes), the reference transformer, and python models whose config declares `cache:` (style hf: past_key_values in,
+the cache back out; style gpt-fast: a setup method, then forward(input_ids, input_pos)). Anything else skips.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model import describe, extract_logits, model_failure, model_frame
+from fwdcheck.observe import ZeroAttentionDropout, first_tensor
+from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.session import logit_scale, nonfinite_positions, position_change
+
+# Calls bound the cost: each costs about a forward while the weights, not the tokens, dominate (short sequences, one
+# token per call). A prefill, two one-token steps (the second reads what the first cached) and two chunks of two (the
+# second reads what the first cached): 5 calls, about the tokens of 1.5 forwards at T = 8 and of 1 at long T.
+MAX_DECODED = 4  # positions decoded in chunks, at the end of the sequence
+TOKEN_STEPS = 2  # of them decoded one token at a time
+MIN_LENGTH = 4  # a prefill of 2 and 2 decoded positions: the shortest run with a chunk of 2 over a cache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What runs: the lengths
+
+
+@dataclass
+class Plan:
+    """Prefill the first `prefill` tokens; from its cache decode the next `tokens` positions one at a time, and
+    positions prefill .. T-1 in `chunks`."""
+
+    length: int
+    prefill: int
+    tokens: int
+    chunks: list[int]
+
+    @classmethod
+    def for_length(cls, T: int) -> Plan:
+        decoded = min(T // 2, MAX_DECODED)
+        n = decoded // 2  # chunks of 2, the last of 3 when the count is odd: 2 -> 2, 3 -> 3, 4 -> 2 + 2
+        chunks = [2] * (n - 1) + [decoded - 2 * (n - 1)]
+        return cls(T, T - decoded, min(decoded, TOKEN_STEPS), chunks)
+
+    def steps(self, variant: str) -> list[tuple[int, int]]:
+        """(start, length) of each call after the prefill."""
+        if variant == "token-by-token":
+            return [(self.prefill + i, 1) for i in range(self.tokens)]
+        starts = [self.prefill + sum(self.chunks[:i]) for i in range(len(self.chunks))]
+        return list(zip(starts, self.chunks))
+
+    def positions(self, variant: str) -> str:
+        """'4-5': the positions a variant decodes."""
+        last = self.prefill + (self.tokens if variant == "token-by-token" else sum(self.chunks)) - 1
+        return f"{self.prefill}-{last}" if last > self.prefill else f"{self.prefill}"
+
+    @property
+    def calls(self) -> int:
+        return 1 + self.tokens + len(self.chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# How the model is run incrementally
+
+
+def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
+    try:
+        return fn(*args, **kwargs)
+    except ModelRaised:
+        raise
+    except BaseException as exc:
+        if not model_failure(exc):
+            raise
+        frame = model_frame(exc)
+        if frame is not None and frame[0].startswith(__file__):
+            frame = None  # raised by the call itself (an argument forward does not take): no line of the model's
+        raise ModelRaised(f"{what} raised {describe(exc)}", frame=frame) from exc
+
+
+def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
+    logits = extract_logits(output)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        raise ModelRaised(f"{what} returned logits of shape {list(logits.shape)} for input_ids {list(ids.shape)}; "
+                          "the cached path must return every new position's logits [B, T_new, V]")
+    return logits.float()
+
+
+class Decoder:
+    """Runs a model incrementally: begin(rows, length) once, prefill, then step() for the tokens that follow."""
+
+    label = ""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def begin(self, rows: int, length: int) -> None:
+        """Make room for `rows` sequences of `length` tokens (a preallocated cache); nothing by default."""
+
+    def step(self, state: Any, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, Any]:
+        """Logits [B, n, V] of ids [B, n] at positions start .. start + n - 1, after what `state` holds."""
+        raise NotImplementedError
+
+    def fork(self, state: Any) -> Any:
+        """An independent copy of the state after the prefill, for the second way of decoding."""
+        return copy.deepcopy(state)
+
+
+class PastKeyValues(Decoder):
+    """Hugging Face style: forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache.
+
+    For a transformers model it runs as generate does: a DynamicCache made up front, the new tokens' position_ids,
+    and, where forward still takes them (releases before 5), cache_position and an all-ones attention_mask. Other
+    models get no cache on the first call and derive their positions from the cache themselves."""
+
+    def __init__(self, module: nn.Module, transformers: bool):
+        super().__init__(module)
+        self.transformers = transformers
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        # transformers 5 renamed past_key_values to cache
+        self.cache_arg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+        if transformers and not {"cache", "past_key_values"} & set(params):
+            raise SkipCheck(f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through")
+        self.label = f"{self.cache_arg}=..., use_cache=True"
+        self.position_ids = transformers and "position_ids" in params
+        self.cache_position = transformers and "cache_position" in params
+
+    def step(self, state, ids, start):
+        B, n = ids.shape
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if state is None and self.transformers:
+            from transformers import DynamicCache
+
+            try:  # the layer types (sliding window, ...) come from the config, as generate builds it
+                state = DynamicCache(config=self.module.config)
+            except TypeError:  # releases whose DynamicCache takes no config
+                state = DynamicCache()
+        if state is not None:
+            kwargs[self.cache_arg] = state
+        positions = torch.arange(start, start + n, device=ids.device)
+        if self.position_ids:  # generate: attention_mask.cumsum(-1) - 1, the new tokens' slice
+            kwargs["position_ids"] = positions.expand(B, n)
+        if self.cache_position:
+            kwargs["cache_position"] = positions
+            kwargs["attention_mask"] = torch.ones(B, start + n, dtype=torch.long, device=ids.device)
+        what = f"forward({self.label}) at positions {start}-{start + n - 1}"
+        output = call_model(what, self.module, ids, **kwargs)
+        cache = returned_cache(output)
+        if cache is None and not self.transformers:
+            raise ModelRaised(f"{what} returned no cache (no .past_key_values, .cache, nor a (logits, cache) "
+                              "tuple); the config's `cache: {style: hf}` says it would")
+        return logits_of(output, ids, what), cache if cache is not None else state
+
+
+def returned_cache(output: Any) -> Any:
+    for name in ("past_key_values", "cache"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    if isinstance(output, (tuple, list)) and len(output) > 1:
+        return output[1]
+    return None
+
+
+class InputPos(Decoder):
+    """gpt-fast style: model.<setup>(max_batch_size, max_seq_length) allocates the cache, then forward(idx, input_pos)
+    writes the tokens' keys and values at input_pos and reads the slots up to them. The state is the positions
+    written: decoding again from the prefill overwrites the same slots."""
+
+    def __init__(self, module: nn.Module, setup: str):
+        super().__init__(module)
+        self.setup = getattr(module, setup, None)
+        if not callable(self.setup):
+            raise ModelRaised(f"the config's cache.setup names '{setup}', but {type(module).__name__} has no such "
+                              "method")
+        self.label = f"{setup}, then forward(input_ids, input_pos)"
+
+    def begin(self, rows, length):
+        call_model(f"{self.setup.__name__}({rows}, {length})", self.setup, rows, length)
+
+    def step(self, state, ids, start):
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # input_pos [n]
+        what = f"forward(input_ids, input_pos={start}..{start + ids.shape[1] - 1})"
+        return logits_of(call_model(what, self.module, ids, positions), ids, what), None
+
+    def fork(self, state):
+        return state
+
+
+def decoder_for(model) -> Decoder:
+    """The way to run this model through its cache, or SkipCheck saying there is none fwdcheck knows."""
+    if model.source == "hf":
+        return PastKeyValues(model.module, transformers=True)
+    declared = model.extra.get("cache")
+    if declared is not None:
+        if declared["style"] == "gpt-fast":
+            return InputPos(model.module, declared["setup"])
+        return PastKeyValues(model.module, transformers=False)
+    from fwdcheck.reference import ReferenceTransformer
+
+    if isinstance(model.module, ReferenceTransformer):
+        return PastKeyValues(model.module, transformers=False)
+    raise SkipCheck(f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
+                    "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
+                    "setup_caches}` (input_pos)")
+
+
+@contextmanager
+def attributes_restored(module: nn.Module):
+    """Every submodule's attributes, child modules and buffers put back as they were: a cache setup (gpt-fast's
+    setup_caches, litgpt's set_kv_cache) hangs cache modules, masks and sizes on the model, which must not outlive
+    the check. Containers are restored in place, so whatever refers to them still does."""
+    saved = []
+    for m in module.modules():
+        state = vars(m)
+        saved.append((state, dict(state), {k: copy.copy(v) for k, v in state.items() if isinstance(v, (dict, set))}))
+    try:
+        yield
+    finally:
+        for state, attributes, contents in saved:
+            for name in [n for n in state if n not in attributes]:
+                del state[name]
+            state.update(attributes)
+            for name, kept in contents.items():
+                state[name].clear()
+                state[name].update(kept)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The check
+
+
+@dataclass
+class Decoded:
+    """Logits [B, n, V] of each part of a cached run, in the order of the positions."""
+
+    prefill: torch.Tensor
+    token: torch.Tensor
+    chunked: torch.Tensor
+    tokens: int = 0  # rows x positions run
+
+
+@dataclass
+class Changes:
+    """Per row and position, the largest |change| from the full forward's logits: [B, n] each."""
+
+    prefill: torch.Tensor
+    token: torch.Tensor
+    chunked: torch.Tensor
+    parts: dict[str, torch.Tensor] = field(init=False)
+
+    def __post_init__(self):
+        self.parts = {"prefill": self.prefill, "token-by-token": self.token, "chunked": self.chunked}
+
+    @classmethod
+    def of(cls, decoded: Decoded, reference: torch.Tensor, plan: Plan) -> Changes:
+        P = plan.prefill
+        return cls(position_change(decoded.prefill, reference[:, :P]),
+                   position_change(decoded.token, reference[:, P:P + plan.tokens]),
+                   position_change(decoded.chunked, reference[:, P:]))
+
+    def largest(self) -> float:
+        return max(float(c.max()) for c in self.parts.values())
+
+
+class KVCache(Check):
+    name = "kv-cache"
+    default = False
+    order = 50  # after the default built-ins, before plugins
+    description = "decoding through the KV cache (token by token and in chunks) matches the full forward"
+    codes = {
+        "FWD501": "decoding one token at a time through the cache gives other logits than the full forward",
+        "FWD502": "decoding 2-3 tokens at a time through the cache gives other logits, one at a time does not",
+        "FWD503": "the prefill with the cache on gives other logits than the full forward at the prompt's positions",
+        "FWD504": "decoding through the cache gives NaN or Inf where the full forward is finite",
+    }
+    explain = """\
+Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
+forward. A prefill of the first P = T - D tokens (D = min(T/2, 4)) with the cache on, then, from copies of its cache,
+the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
+(speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
+forward within the session's threshold (the dtype tolerance, or 10x the noise floor where measured).
+Why it matters: the cache path is the one generation takes, and the forward that training and evaluation run never
+exercises it. A position off by one, RoPE restarted at 0 for the new tokens, or a causal mask aligned top-left over
+the cache generates plausible text from wrong logits, and no loss curve shows it.
+How it drives the model: Hugging Face transformers models as generate does (a DynamicCache made from the config,
+use_cache=True, the new tokens' position_ids; cache_position and an all-ones attention_mask where forward takes
+them); the reference transformer through its past_key_values; a python model through what its config declares:
+  cache: {style: hf}    forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache
+                        (.past_key_values, .cache, or a tuple (logits, cache)); no cache on the first call, and the
+                        model derives the positions from its cache;
+  cache: {style: gpt-fast, setup: setup_caches}
+                        model.setup_caches(max_batch_size, max_seq_length), then forward(input_ids, input_pos) with
+                        input_pos the positions [T_new] (litgpt: setup: set_kv_cache).
+The cached calls go to the module itself, not through a `forward:` adapter; the full forward is the shared baseline.
+Attributes, modules and buffers a cache setup adds are removed afterwards.
+Findings (each names the first sample and position that parts and, from a replay with forward hooks on the layer
+stack, the first layer whose output parts there):
+  FWD501  one token at a time differs (the message says whether the chunks do too): the new token's position (the
+          cache length + 1, or 0 for the rotary embedding: `freqs[:T]` instead of `freqs[start:start + T]`), or what
+          the cache hands back (keys stored before rotation, a step that does not append). Compare the positions
+          forward uses with the cache length.
+  FWD502  chunks of 2-3 differ while one token at a time agrees: the mask of several new queries over the cached
+          keys is aligned top-left (tril over (T_new, T_total) without the past_len offset, or torch's
+          is_causal=True with a cache); build it bottom-right, tril(diagonal=past_len). A ring-buffer cache (sliding
+          window) whose mask ignores the wrap fails the same way.
+  FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
+          (or the full forward reads future tokens: see future-token).
+  FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
+Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of T - 4 tokens, 2 of one token, 2 of two), about the tokens of
+1.5 forwards at T = 8 and of 1 at long T; while the weights dominate (short T) each call costs about a forward. The
+noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward of one row and
+a replay, to name the layer.
+Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
+4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
+paths share is not its to see (future-token, rope). Decoding starts from one prefill length, in the session's batch
+(rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled ones."""
+
+    def run(self, model, session) -> CheckResult:
+        if not model.causal:
+            raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
+        decoder = decoder_for(model)
+        T = session.inputs.shape[1]
+        if T < MIN_LENGTH:
+            raise SkipCheck(f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it "
+                            f"(seq_len >= {MIN_LENGTH})")
+        plan = Plan.for_length(T)
+        if session.min_seq_len > 1:
+            raise SkipCheck(f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
+                            "decoding steps cannot run")
+
+        reference = session.reference()  # (B, T, V)
+        if nonfinite_positions(reference) and not session.reference_untouched:
+            reference = session.baseline()
+        if nonfinite_positions(reference):
+            raise SkipCheck("the full forward's logits hold NaN or Inf: there is nothing to compare the cached "
+                            "decoding with (shape-ledger and future-token report the NaN)")
+        decoded = self._decode(decoder, model, session, plan)
+        changes = Changes.of(decoded, reference, plan)
+        scale = logit_scale(reference)
+        if session.noise_matters(changes.largest(), scale) and not session.reference_untouched:
+            reference = session.baseline()  # a change beyond the tolerance is judged against the untouched forward
+            scale = logit_scale(reference)
+            changes = Changes.of(decoded, reference, plan)
+        noise = session.repeat_change() if session.noise_matters(changes.largest(), scale) else None
+        tolerance = session.tolerance(scale)
+        threshold = session.threshold(scale, noise or 0.0)
+
+        findings = self._findings(decoded, changes, plan, threshold)
+        failing = [f for f in findings if f.status == Status.FAIL]
+        if failing:
+            layer = self._first_layer(decoder, model, session, plan, changes, threshold)
+            if layer:
+                for finding in failing:
+                    finding.where = f"{finding.where}; {layer}"
+        largest = {name: float(c.max()) for name, c in changes.parts.items()}
+        metrics = {"max_change": max(largest.values()), "threshold": threshold, "tolerance": tolerance,
+                   "logit_scale": scale, "prefill_max_change": largest["prefill"],
+                   "token_max_change": largest["token-by-token"], "chunked_max_change": largest["chunked"],
+                   "prefill": plan.prefill, "decoded": sum(plan.chunks), "calls": plan.calls,
+                   "tokens_run": decoded.tokens}
+        if noise is not None:
+            metrics["noise_floor"] = noise
+        chunks = "+".join(map(str, plan.chunks))
+        data = {"cache_call": decoder.label, "chunks": plan.chunks,
+                "noise_floor": "measured" if noise is not None else ("not measured: nothing moved beyond the "
+                                                                     "tolerance, where no noise floor can change "
+                                                                     "the verdict")}
+        if failing:
+            summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
+        else:
+            summary = (f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a "
+                       f"time and {plan.positions('chunked')} in chunks of {chunks}: max change "
+                       f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}")
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    def key_number(self, result: CheckResult) -> str:
+        """The largest change of any decoded position against the threshold it was judged by."""
+        metrics = result.metrics
+        if "max_change" not in metrics:
+            return ""
+        return f"{metrics['max_change']:.2g} / {metrics['threshold']:.2g}"
+
+    # -- running ----------------------------------------------------------------------------------------------------
+
+    def _decode(self, decoder: Decoder, model, session, plan: Plan) -> Decoded:
+        """The cached run over every row of the session's inputs, in row groups no larger than the baseline's."""
+        parts: dict[str, list[torch.Tensor]] = {"prefill": [], "token-by-token": [], "chunked": []}
+        tokens = 0
+        for start in range(0, session.inputs.shape[0], session.max_rows):
+            rows = session.inputs[start:start + session.max_rows]
+            run = self._replay(decoder, model, session, plan, rows, ["token-by-token", "chunked"])
+            for name, logits in run.items():
+                parts[name].append(logits)
+            tokens += rows.shape[0] * (plan.prefill + plan.tokens + sum(plan.chunks))
+        session.forward_tokens += tokens
+        joined = {name: torch.cat(chunks) for name, chunks in parts.items()}
+        return Decoded(joined["prefill"], joined["token-by-token"], joined["chunked"], tokens)
+
+    def _replay(self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor, variants: list[str],
+                until: int | None = None) -> dict[str, torch.Tensor]:
+        """Prefill, then each variant's steps from a copy of the prefill's state (up to position `until`); logits
+        [B, n, V] per part, positions in order."""
+        dropout_off = ZeroAttentionDropout() if session.force_zero_dropout else nullcontext()
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), dropout_off, attributes_restored(model.module):
+            decoder.begin(rows.shape[0], plan.length)
+            out["prefill"], prefilled = decoder.step(None, rows[:, :plan.prefill], 0)
+            for variant in variants:
+                state, logits = decoder.fork(prefilled), []
+                for start, n in plan.steps(variant):
+                    if until is not None and start > until:
+                        break
+                    step_logits, state = decoder.step(state, rows[:, start:start + n], start)
+                    logits.append(step_logits)
+                out[variant] = torch.cat(logits, dim=1)
+        return out
+
+    # -- judging ----------------------------------------------------------------------------------------------------
+
+    def _findings(self, decoded: Decoded, changes: Changes, plan: Plan, threshold: float) -> list[Finding]:
+        """One finding per cause: the prefill (FWD503); one token at a time (FWD501), which says whether the chunks
+        part too; the chunks alone (FWD502), where only the queries-fewer-than-keys path is wrong; NaN (FWD504)."""
+        findings = []
+        logits = {"prefill": decoded.prefill, "token-by-token": decoded.token, "chunked": decoded.chunked}
+        offsets = {"prefill": 0, "token-by-token": plan.prefill, "chunked": plan.prefill}
+        parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
+        chunks = "+".join(map(str, plan.chunks))
+        for name in ("prefill", "token-by-token", "chunked"):
+            if parted[name] is None or (name == "chunked" and parted["token-by-token"] is not None):
+                continue
+            row, index = parted[name]
+            position = offsets[name] + index
+            change = changes.parts[name]
+            nonfinite = nonfinite_positions(logits[name])
+            if nonfinite:
+                row, index = nonfinite[0]
+                findings.append(Finding("FWD504", Status.FAIL, f"{name} decoding gives NaN or Inf at "
+                                        f"{len(nonfinite)} position(s) where the full forward is finite",
+                                        f"{name}, sample {row}, position {offsets[name] + index}"))
+                continue
+            value = float(change[row, index])
+            moved = int((change > threshold).any(0).sum())
+            base = (f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
+                    f"{threshold:.3g}); {moved} of {change.shape[1]} positions part")
+            if name == "prefill":
+                code, message = "FWD503", (
+                    f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how the "
+                    "prompt is computed (or the full forward reads future tokens: see future-token)")
+            elif name == "token-by-token":
+                also = (f"in chunks of {chunks} from position {plan.prefill + parted['chunked'][1]} too"
+                        if parted["chunked"] is not None else f"in chunks of {chunks} they agree")
+                code, message = "FWD501", (
+                    f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
+                    "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
+                    "rotary embedding) and what the cache hands back")
+            else:
+                code, message = "FWD502", (
+                    f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
+                    "a time agrees: the mask of several new queries over the cached keys is likely aligned "
+                    "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
+                    "cache) instead of bottom-right")
+            findings.append(Finding(code, Status.FAIL, message, f"{name}, sample {row}, position {position}"))
+        if not findings:
+            findings.append(Finding("FWD501", Status.PASS, f"positions {plan.positions('token-by-token')} one token "
+                                    "at a time match the full forward (max change "
+                                    f"{float(changes.token.max()):.2g})"))
+            findings.append(Finding("FWD502", Status.PASS, f"positions {plan.positions('chunked')} in chunks of "
+                                    f"{chunks} match it (max change {float(changes.chunked.max()):.2g})"))
+        return findings
+
+    # -- where it parts ---------------------------------------------------------------------------------------------
+
+    def _first_layer(self, decoder: Decoder, model, session, plan: Plan, changes: Changes,
+                     threshold: float) -> str | None:
+        """The first block of the layer stack whose output parts from the full forward's at the first parting
+        position of the first failing part: one hooked full forward of that row, and a replay of the cached run up
+        to that position. None when the model has no layer stack or no block output parts beyond rounding."""
+        stack = model.layer_stack
+        if stack is None:
+            return None
+        name, row, position = None, 0, 0
+        for part in ("prefill", "token-by-token", "chunked"):
+            first = first_parting(changes.parts[part], threshold)
+            if first is not None:
+                offset = 0 if part == "prefill" else plan.prefill
+                name, row, position = part, first[0], offset + first[1]
+                break
+        if name is None:
+            return None
+        blocks = list(model.module.get_submodule(stack))
+        sample = session.inputs[row:row + 1]  # (1, T)
+        full = self._block_outputs(blocks, lambda: session.logits(sample))  # per block, per call: (1, n, C)
+        cached = self._block_outputs(blocks, lambda: self._replay(decoder, model, session, plan, sample,
+                                                                  [] if name == "prefill" else [name], position))
+        if full is None or cached is None:
+            return None
+        starts = [0] + [start for start, _ in ([] if name == "prefill" else plan.steps(name)) if start <= position]
+        call, start = len(starts) - 1, starts[-1]
+        for i, (whole, calls) in enumerate(zip(full, cached)):
+            if len(whole) != 1 or len(calls) <= call:
+                return None  # a block called more or less often than once per forward: no position to line up
+            expected, got = whole[0][0, position], calls[call][0, position - start]  # (C,)
+            scale = float(expected.abs().max())
+            change = float((got - expected).abs().max())
+            if not change <= session.threshold(scale, 0.0):
+                return f"first parts at {stack}.{i} (output changed by {change:.3g})"
+        return None
+
+    @staticmethod
+    def _block_outputs(blocks: list[nn.Module], run: Callable) -> list[list[torch.Tensor]] | None:
+        """run() with a forward hook on each block: each block's hidden-state outputs, per call, as float32."""
+        seen: list[list[torch.Tensor]] = [[] for _ in blocks]
+        handles = []
+
+        def keep(i):
+            def hook(module, args, output):
+                hidden = first_tensor(output)
+                if hidden is not None and hidden.dim() == 3:
+                    seen[i].append(hidden.detach().float())
+            return hook
+
+        try:
+            handles = [block.register_forward_hook(keep(i)) for i, block in enumerate(blocks)]
+            run()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen
+
+
+def first_parting(change: torch.Tensor, threshold: float) -> tuple[int, int] | None:
+    """(row, index) of the earliest position whose change exceeds the threshold (NaN counts), or None."""
+    parted = ~(change <= threshold)  # (B, n)
+    if not bool(parted.any()):
+        return None
+    index = int(parted.any(0).nonzero()[0])
+    row = int(parted[:, index].nonzero()[0])
+    return row, index

@@ -1,0 +1,302 @@
+"""packing: documents packed into one row read only themselves, at positions that restart, where the model offers a
+way to isolate them.
+
+Training on packed rows (several documents concatenated to fill the context) is correct only if each document is
+computed as if it ran alone. With position_ids restarting per document but no document mask, a standard causal model
+does read the earlier documents: that is what the plain causal mask means, not a bug. So the check tests only the
+contract a model offers, the way it offers it:
+  Hugging Face models whose mask builder is handed position_ids (transformers' masking_utils finds packed documents
+    from positions that restart, when no attention_mask and no cache are given): position_ids restarting per
+    document, use_cache=False;
+  other Hugging Face models (without sliding-window or chunked attention): a 4-D block-diagonal causal
+    attention_mask, additive (0 keep, the dtype's minimum drop), with position_ids restarting per document;
+  the reference model: document_ids;
+  python models: what the config declares under `packing:` (document ids or a boolean mask, with or without
+    restarting position_ids).
+A model that offers none skips.
+
+Each packed row holds three documents (from the session's own rows); a second row changes every token of the first
+document. Changing it must not move the later documents' logits (isolation), and each document's logits must equal
+those of its tokens run alone (positions restart; the first document is the unpacked row's own prefix).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from fwdcheck.checks.label_shift import is_causal_lm
+from fwdcheck.errors import SkipCheck
+from fwdcheck.model import extract_logits
+from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.session import logit_scale, nonfinite_positions, position_change
+
+Kwargs = Callable[[torch.Tensor], dict[str, Any]]  # document ids [N, T] -> forward's keyword arguments
+
+
+@dataclass
+class Way:
+    """How the model is told where its documents are."""
+
+    name: str  # for the report
+    kwargs: Kwargs
+
+
+def positions_within(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its own document, [N, T]: 0 again at every document's first token."""
+    N, T = document_ids.shape
+    index = torch.arange(T, device=document_ids.device).expand(N, T)  # (N, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # (N, T) True where a document begins
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[N, 1, T, T] booleans, True = may attend: causal, and within the query's own document."""
+    T = document_ids.shape[1]
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (N, T, T) query, key
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()  # (T, T)
+    return (same & causal)[:, None]
+
+
+def mask_builder_reads_positions(module) -> bool:
+    """Whether a transformers model hands position_ids to the masking_utils mask builder, which then finds packed
+    documents from positions that restart and keeps each one to itself: its base model's forward calls a *mask*
+    function with position_ids=..., or with **kwargs from a dict holding "position_ids", and its modeling module
+    uses masking_utils' create_causal_mask."""
+    base = getattr(module, "base_model", module)
+    masking = sys.modules.get("transformers.masking_utils")
+    modeling = sys.modules.get(type(base).__module__)
+    if masking is None or getattr(modeling, "create_causal_mask", None) is not masking.create_causal_mask:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    holding_positions = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                         and isinstance(node.value, ast.Dict)
+                         and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
+                         for target in node.targets if isinstance(target, ast.Name)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if "mask" not in called.lower():
+            continue
+        for keyword in node.keywords:
+            if keyword.arg == "position_ids":
+                return True
+            if keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id in holding_positions:
+                return True
+    return False
+
+
+def windowed(config) -> str | None:
+    """Why one 4-D mask for every layer cannot stand for this model's own masks (sliding-window or chunked
+    attention), or None."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return f"sliding_window {window}"
+    if getattr(config, "attention_chunk_size", None):
+        return f"attention_chunk_size {config.attention_chunk_size}"
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        return f"layer_types {sorted(kinds)}"
+    return None
+
+
+def isolation(model, session) -> Way:
+    """The way this model offers to isolate packed documents, or SkipCheck naming why there is none to test."""
+    if not model.causal:
+        raise SkipCheck("the model is declared bidirectional (causal: false): packing is checked on causal models")
+    if model.source == "reference":
+        return Way("document_ids (the reference model's packed path)", lambda docs: {"document_ids": docs})
+    declared = model.extra.get("packing")
+    if declared:
+        def kwargs(docs: torch.Tensor) -> dict[str, Any]:
+            given = {declared["argument"]: docs if declared["form"] == "document_ids" else document_mask(docs)}
+            if declared["position_ids"]:
+                given["position_ids"] = positions_within(docs)
+            return given
+
+        return Way(f"{declared['argument']}= ({declared['form']}, declared in the config)", kwargs)
+    if model.source == "hf":
+        if not is_causal_lm(model.module):
+            raise SkipCheck(f"{type(model.module).__name__} is not one of transformers' causal language models: "
+                            "documents packed for causal training do not apply")
+        if mask_builder_reads_positions(model.module):
+            return Way("position_ids restarting per document, no attention_mask, use_cache=False (transformers "
+                       "finds the documents from the positions)",
+                       lambda docs: {"position_ids": positions_within(docs), "use_cache": False})
+        reason = windowed(model.module.config)
+        if reason:
+            raise SkipCheck(f"{type(model.module).__name__} does not find packed documents from position_ids, and "
+                            f"one 4-D attention_mask cannot carry its own attention pattern ({reason})")
+        lowest = torch.finfo(session.dtype).min
+
+        def additive(docs: torch.Tensor) -> dict[str, Any]:
+            mask = torch.zeros(document_mask(docs).shape, dtype=session.dtype, device=docs.device)
+            return {"attention_mask": mask.masked_fill(~document_mask(docs), lowest),  # (N, 1, T, T)
+                    "position_ids": positions_within(docs)}
+
+        return Way("a 4-D block-diagonal causal attention_mask (additive) with position_ids restarting per document",
+                   additive)
+    raise SkipCheck("the model offers no way to isolate packed documents that fwdcheck knows: declare one under "
+                    "`packing:` in the model section (document ids or a mask keyword). position_ids restarting "
+                    "alone do not isolate documents in a causal model, so they are not checked")
+
+
+class Packing(Check):
+    name = "packing"
+    default = False
+    order = 52  # after the default built-ins, before plugins
+    description = "documents packed in one row give the logits of each run alone; none reads another"
+    codes = {
+        "FWD601": "documents are not isolated: changing one document moves the logits of the documents after it",
+        "FWD602": "a packed document's logits differ from the document run alone although no other document "
+                  "reaches it: positions do not restart at the document boundary",
+        "FWD603": "the first document, at the unpacked row's own positions, changes when packed: the packed path "
+                  "computes differently (a mask letting it read later documents?)",
+        "FWD604": "the packed forward gives NaN or Inf",
+    }
+    explain = """\
+Builds two packed rows of three documents each, from the session's inputs: document 1 = row 0's first a tokens,
+document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = T - 2b, b = (T-1)//2); the second row
+changes every token of document 1. Both run in one forward, told where the documents are the way the model offers:
+  Hugging Face, mask builder handed position_ids (Llama, Mistral, Qwen2, GPT-2, ... in transformers 5): position_ids
+    restarting per document, no attention_mask, use_cache=False (transformers finds packed documents from the
+    positions only without a cache);
+  Hugging Face otherwise (OPT): a 4-D additive block-diagonal causal attention_mask [N, 1, T, T] with restarting
+    position_ids; models with sliding-window or chunked attention skip (one 4-D mask would drop their window);
+  the reference model: document_ids;
+  python models: `packing: {argument: NAME, form: document_ids | mask, position_ids: true | false}` in the model
+    section (mask: [N, 1, T, T] booleans, True = may attend).
+Compared with the session's threshold (tolerance of the dtype, or 10x the noise floor):
+  FWD601 documents 2 and 3 of the two rows must agree: a change in document 1 that reaches them is a leak;
+  FWD602 documents 2 and 3 must equal their tokens run alone (confirmed by running them alone): with isolation
+    intact, a difference means positions continue across the boundary (learned or absolute positions);
+  FWD603 document 1 must equal the unpacked row's prefix (the same tokens at the same positions).
+Why: a packed batch whose documents read each other trains on contexts that never occur at inference (and leaks
+across examples); positions that do not restart train documents at positions they will not have alone.
+How to fix: FWD601 -> build the mask from the document ids (same_document & causal) and hand it to every attention
+call, or pass restarting position_ids with use_cache=False and no attention_mask to transformers models; FWD602 ->
+restart position_ids at each document (position - first index of the document); FWD603 -> the document mask must
+stay causal.
+Limits: with a rotary (relative) position encoding, positions that do not restart give the same logits once the
+documents are isolated: not a finding, and not visible. A model that offers no isolation skips: restarting
+position_ids alone leave a causal model reading the earlier documents, by design."""
+
+    def run(self, model, session) -> CheckResult:
+        way = isolation(model, session)
+        B, T = session.inputs.shape
+        if T < 5:
+            raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
+        b = (T - 1) // 2
+        a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
+        spans = {"document 1": (0, a), "document 2": (a, a + b), "document 3": (a + b, T)}
+        other = 1 % B  # the session's second row, or the first again for batch size 1
+        X = session.inputs
+        generator = torch.Generator().manual_seed(session.settings.seed)  # own draws: the shared ones stay put
+        changed = (X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator))
+        changed = (changed % model.vocab_size).to(X.device)  # every token of document 1 differs
+        rows = torch.stack([torch.cat([X[0, :a], X[other, :b], X[0, :b]]),
+                            torch.cat([changed, X[other, :b], X[0, :b]])])  # (2, T)
+        document_ids = torch.tensor([0] * a + [1] * b + [2] * b, device=X.device).expand(2, T)  # (2, T)
+
+        packed = extract_logits(session.output(rows, **way.kwargs(document_ids))).float()  # (2, T, V)
+        if tuple(packed.shape[:2]) != (2, T):
+            raise SkipCheck(f"the packed forward returned logits {list(packed.shape)} for {[2, T]} ids")
+        data = {"way": way.name, "documents": {name: list(span) for name, span in spans.items()}}
+        broken = nonfinite_positions(packed)
+        if broken:
+            finding = Finding("FWD604", Status.FAIL, f"the packed forward gives NaN or Inf at {len(broken)} positions "
+                              f"({way.name})", where=f"row {broken[0][0]} pos {broken[0][1]}")
+            return CheckResult.from_findings(self.name, [finding], finding.message, data=data)
+
+        reference = session.reference()  # (B, T, V): each document alone is a prefix of a session row
+        alone_rows = {"document 1": 0, "document 2": other, "document 3": 0}
+
+        def changes(reference: torch.Tensor) -> dict[str, float]:
+            found = {"leak": float(position_change(packed[1, a:], packed[0, a:]).max())}
+            for name, (start, end) in spans.items():
+                alone = reference[alone_rows[name], :end - start]
+                found[name] = float(position_change(packed[0, start:end], alone).max())
+            return found
+
+        measured = changes(reference)
+        scale = logit_scale(reference)
+        noise = 0.0
+        if session.noise_matters(max(measured.values()), scale):
+            if not session.reference_untouched:  # judged against the untouched model, not the observed pass
+                reference = session.baseline()
+                measured, scale = changes(reference), logit_scale(reference)
+            noise = session.repeat_change()
+        threshold = session.threshold(scale, noise)
+        metrics = {"leak": measured["leak"], "threshold": threshold,
+                   **{f"{name.replace(' ', '_')}_vs_alone": measured[name] for name in spans}}
+
+        findings = []
+        if measured["leak"] > threshold:
+            findings.append(Finding("FWD601", Status.FAIL, f"changing document 1 moves the logits of the documents "
+                                    f"after it by {measured['leak']:.3g} (threshold {threshold:.3g}): {way.name} "
+                                    "does not isolate them", where=f"positions {a}..{T - 1}"))
+        # A leak explains later documents that differ from their runs alone; without one, a difference is positions.
+        differ = [name for name in spans if measured[name] > threshold and (name == "document 1" or not findings)]
+        if differ:
+            # The unpacked rows' prefixes stand for the documents alone only in a causal model: run them alone.
+            confirmed = self._run_alone(session, packed, spans, [X[0, :a], X[other, :b], X[0, :b]], differ)
+            metrics.update({f"{name.replace(' ', '_')}_vs_run_alone": value for name, value in confirmed.items()})
+            if len([name for name in differ if confirmed[name] <= threshold]):
+                data["prefixes"] = ("the unpacked rows' prefixes differ from the same tokens run alone (the model "
+                                    "is not causal): those documents were judged against their runs alone")
+            differ = [name for name in differ if confirmed[name] > threshold]
+        for name in differ:
+            start, end = spans[name]
+            where = f"positions {start}..{end - 1}"
+            if name == "document 1":
+                findings.append(Finding("FWD603", Status.FAIL, f"document 1 ({where}, as in the unpacked row) differs "
+                                        f"from its tokens run alone by {confirmed[name]:.3g} when packed (threshold "
+                                        f"{threshold:.3g}): the packed path computes it differently", where=where))
+            elif not any(f.code == "FWD602" for f in findings):
+                findings.append(Finding("FWD602", Status.FAIL, f"{name} ({where}) differs from its tokens run alone "
+                                        f"by {confirmed[name]:.3g} (threshold {threshold:.3g}) while changes to "
+                                        "document 1 do not reach it: positions do not restart at the document "
+                                        "boundary", where=where))
+        if findings:
+            return CheckResult.from_findings(self.name, findings, findings[0].message, metrics=metrics, data=data)
+        summary = (f"3 documents in a row via {way.name.split(' (')[0]}: leak {measured['leak']:.2g}, each vs alone "
+                   f"<= {max(measured[name] for name in spans):.2g} (threshold {threshold:.2g})")
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    def key_number(self, result: CheckResult) -> str:
+        """The change the verdict rests on, over the threshold: the leak when documents read each other, a document
+        against its run alone when positions are wrong, else the largest of them all (the closest call)."""
+        m = result.metrics
+        if "threshold" not in m:
+            return ""
+        found = {f.code for f in result.findings}
+        run_alone = [value for name, value in m.items() if name.endswith("_vs_run_alone")]
+        if "FWD601" in found or not found:
+            changes = [m["leak"]] + ([] if found else [v for n, v in m.items() if n.endswith("_vs_alone")])
+        else:
+            changes = run_alone
+        return f"{max(changes):.2g} / {m['threshold']:.2g}"
+
+    @staticmethod
+    def _run_alone(session, packed: torch.Tensor, spans: dict, documents: list[torch.Tensor],
+                   names: list[str]) -> dict[str, float]:
+        """Largest change of each named document's packed logits (row 0) from its tokens run alone, each beside the
+        session's first row cut to its length (a row alone is a code path of its own)."""
+        found = {}
+        for name, tokens in zip(spans, documents):
+            if name in names:
+                start, end = spans[name]
+                alone = session.logits(torch.stack([tokens, session.inputs[0, :len(tokens)]]))[0]  # (len, V)
+                found[name] = float(position_change(packed[0, start:end], alone).max())
+        return found

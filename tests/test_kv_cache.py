@@ -1,0 +1,279 @@
+"""kv-cache: decoding through the KV cache matches the full forward, on the reference transformer (clean and with each
+planted cache bug), tiny Hugging Face models (eager and sdpa), gpt-fast and litgpt (through `cache:` in the config).
+
+Shapes: B (batch), T (sequence), S (key slots).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import fwdcheck
+from fwdcheck.config import PythonModel, config_from_dict
+from fwdcheck.errors import ConfigError
+from fwdcheck.model import load_model
+from fwdcheck.reference import build
+from fwdcheck.registry import available, info
+from fwdcheck.runner import run_model
+from fwdcheck.session import Settings
+from tests.conftest import run_checks
+
+CHECK = ["kv-cache"]
+
+
+def result(model: dict, seq_len: int = 8, **top):
+    return run_checks(model, CHECK, inputs={"batch_size": 2, "seq_len": seq_len}, **top).result("kv-cache")
+
+
+def failing(res) -> set[str]:
+    return {f.code for f in res.findings if f.status.value == "fail"}
+
+
+def clean_pass(res) -> None:
+    assert res.status.value == "pass", (res.summary, res.findings)
+    assert {f.code for f in res.findings} == {"FWD501", "FWD502"}
+
+
+# =====================================================================================================================
+# The reference transformer
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("variant", [{}, {"mask": "float"}, {"mask": "is_causal"}, {"n_kv_heads": 1},
+                                     {"positional": "learned"}, {"norm": "post"}, {"rope": {"pairing": "interleaved"}}])
+def test_reference_passes(reference, attention, variant):
+    res = result(reference(attention=attention, **variant))
+    clean_pass(res)
+    assert res.metrics["calls"] == 5 and res.metrics["prefill"] == 4
+    assert res.metrics["max_change"] <= res.metrics["threshold"]
+
+
+# bug -> (code, why): which way of decoding catches it
+PLANTED = {
+    "kv-cache-position-off-by-one": "FWD501",  # every decoded token sits one position late: caught at the first step
+    "kv-cache-rope-restart": "FWD501",  # decoded tokens rotated from 0: caught at the first step
+    "kv-cache-mask-top-left": "FWD502",  # one query reads every key (no mask needed): only chunks show it
+}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("mask", ["bool", "is_causal"])
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_reference_bugs_fail_at_the_first_decoded_position(reference, bug, attention, mask):
+    res = result(reference(bugs=[bug], attention=attention, mask=mask))
+    assert res.status.value == "fail"
+    assert failing(res) == {PLANTED[bug]}, res.findings
+    finding = res.findings[0]
+    assert "position 4" in finding.where and "first parts at layers.0" in finding.where
+    if bug == "kv-cache-mask-top-left":
+        assert "one token at a time agrees" in finding.message and "top-left" in finding.message
+        assert res.metrics["token_max_change"] <= res.metrics["threshold"] < res.metrics["chunked_max_change"]
+    else:
+        assert "in chunks of 2+2 from position 4 too" in finding.message
+
+
+def test_position_bug_without_positions_is_no_bug(reference):
+    """No positional encoding at all: a position off by one changes nothing, and nothing is reported."""
+    clean_pass(result(reference(positional="none", bugs=["kv-cache-position-off-by-one"])))
+
+
+def test_short_sequences_shape_the_plan(reference):
+    res = result(reference(), seq_len=4)
+    clean_pass(res)
+    assert (res.metrics["prefill"], res.data["chunks"], res.metrics["calls"]) == (2, [2], 4)
+    assert result(reference(), seq_len=7).data["chunks"] == [3]
+    res = result(reference(), seq_len=16)
+    assert (res.metrics["prefill"], res.data["chunks"]) == (12, [2, 2])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_passes_clean_and_still_catches(reference, dtype):
+    clean_pass(result(reference(), seq_len=16, dtype=dtype))
+    assert failing(result(reference(bugs=["kv-cache-mask-top-left"]), seq_len=16, dtype=dtype)) == {"FWD502"}
+
+
+def test_reference_cache_leaves_the_plain_forward_alone():
+    torch.manual_seed(0)
+    model = build(vocab_size=32, d_model=16, n_heads=4).eval()
+    ids = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        logits, cache = model(ids, use_cache=True)
+        assert torch.equal(logits, model(ids))
+        assert cache.get_seq_length() == 8 and len(cache.keys) == 2
+
+
+# =====================================================================================================================
+# Hugging Face
+
+
+def hf_model(model_type: str, attn: str, **fields):
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    if model_type == "gpt2":
+        sizes = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, max_position_embeddings=128,
+                                               **{**sizes, **fields})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def hf_result(model, seq_len: int = 8, **kw):
+    report = fwdcheck.check_model(model, CHECK, seq_len=seq_len, paths={"enabled": False}, **kw)
+    return report.result("kv-cache")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type, fields", [("llama", {}), ("gpt2", {}), ("mistral", {"sliding_window": 64}),
+                                                ("qwen2", {})])
+def test_hf_models_pass(model_type, fields, attn):
+    res = hf_result(hf_model(model_type, attn, **fields))
+    clean_pass(res)
+    assert res.data["cache_call"].endswith("use_cache=True")
+
+
+def test_hf_sliding_window_shorter_than_the_sequence_passes():
+    """Mistral with a window of 4 decoding positions 12-15: the cache and the mask keep the window."""
+    clean_pass(hf_result(hf_model("mistral", "sdpa", sliding_window=4), seq_len=16))
+
+
+def test_hf_bfloat16_passes():
+    clean_pass(hf_result(hf_model("llama", "sdpa"), seq_len=16, dtype="bfloat16"))
+
+
+def test_hf_rope_restarted_for_decoded_tokens_fails():
+    """The rotary embedding fed positions counted from the first new token: right for the prompt, wrong after."""
+    model = hf_model("llama", "sdpa")
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+    rotary.forward = lambda x, position_ids: original(x, position_ids - position_ids[:, :1])
+    res = hf_result(model)
+    assert failing(res) == {"FWD501"}, res.findings
+    assert "model.layers.0" in res.findings[0].where
+
+
+# =====================================================================================================================
+# Declared caches: gpt-fast and litgpt (input_pos), Hugging Face style python models (past_key_values)
+
+GPT_FAST = {"source": "python", "factory": "tests.corpus.gpt_fast:transformer",
+            "forward": "tests.corpus.gpt_fast:prefill", "cache": {"style": "gpt-fast"}}
+
+
+def litgpt(name: str) -> dict:
+    pytest.importorskip("litgpt")
+    return {"source": "python", "factory": f"tests.corpus.litgpt_models:{name}",
+            "cache": {"style": "gpt-fast", "setup": "set_kv_cache"}}
+
+
+def gpt_fast_mask_rows_by_length():
+    """gpt-fast whose forward slices the mask rows by length, causal_mask[None, None, :T], instead of by input_pos:
+    right for a prompt at 0 .. T-1, the rows of the first positions for every later call."""
+    from tests.corpus import gpt_fast
+
+    class MaskRowsByLength(gpt_fast.Transformer):
+        def forward(self, idx, input_pos):
+            mask = self.causal_mask[None, None, :idx.shape[1]]  # (1, 1, T, S): the first T rows
+            freqs_cis = self.freqs_cis.to(idx.device)[input_pos]
+            x = self.tok_embeddings(idx)
+            for layer in self.layers:
+                x = layer(x, input_pos, freqs_cis, mask)
+            return self.output(self.norm(x))
+
+    torch.manual_seed(0)
+    return MaskRowsByLength(gpt_fast.ModelArgs())
+
+
+def test_gpt_fast_passes_and_is_left_as_found():
+    config = config_from_dict({"model": GPT_FAST, "checks": CHECK})
+    model = load_model(config)
+    report = run_model(model, Settings.from_config(config), fwdcheck.registry.select(CHECK))
+    clean_pass(report.result("kv-cache"))
+    assert report.result("kv-cache").data["cache_call"] == "setup_caches, then forward(input_ids, input_pos)"
+    # the check sized the caches for its own run (8 slots); what stays is what the `forward:` adapter's forward set
+    # up (8 + 20 tokens, rounded up to 32 slots)
+    assert model.module.max_seq_length == 32 and model.module.causal_mask.shape == (32, 32)
+    assert all(block.attention.kv_cache.k_cache.shape[2] == 32 for block in model.module.layers)
+
+
+def test_gpt_fast_mask_rows_by_length_fails():
+    res = result({**GPT_FAST, "factory": "tests.test_kv_cache:gpt_fast_mask_rows_by_length"})
+    assert failing(res) == {"FWD501"}, res.findings
+
+
+@pytest.mark.parametrize("name", ["llama", "pythia"])
+def test_litgpt_passes(name):
+    clean_pass(result(litgpt(name)))
+
+
+def test_litgpt_sliding_window_ring_buffer_fails_in_chunks():
+    """litgpt 0.5's sliding-window cache is a ring buffer of window slots whose mask is the first `window` columns of
+    the input_pos rows: once the ring wraps, a chunk's first query reads its successor's key. One token at a time it
+    is right (it reads every slot), so only the chunks part: a real finding, not a false alarm."""
+    res = result(litgpt("mistral"))
+    assert failing(res) == {"FWD502"}, res.findings
+
+
+def test_python_model_with_declared_hf_style_cache():
+    model = {"source": "python", "factory": "fwdcheck.reference:build", "kwargs": {"vocab_size": 32},
+             "cache": {"style": "hf"}}
+    clean_pass(result(model))
+    bad = {**model, "kwargs": {"vocab_size": 32, "bugs": ["kv-cache-rope-restart"]}}
+    assert failing(result(bad)) == {"FWD501"}
+
+
+def test_reference_through_the_python_api():
+    torch.manual_seed(0)
+    clean = fwdcheck.check_model(build(vocab_size=32, d_model=16, n_heads=4), CHECK)
+    clean_pass(clean.result("kv-cache"))
+    torch.manual_seed(0)
+    broken = fwdcheck.check_model(build(vocab_size=32, d_model=16, n_heads=4, bugs=["kv-cache-mask-top-left"]), CHECK)
+    assert failing(broken.result("kv-cache")) == {"FWD502"}
+    assert not broken.ok
+
+
+# =====================================================================================================================
+# Skips, errors, registration, config
+
+
+@pytest.mark.parametrize("model, seq_len, reason", [
+    ({"source": "python", "factory": "tests.models:nanogpt"}, 8, "no KV-cache path fwdcheck knows how to drive"),
+    ({"source": "reference"}, 3, "seq_len 3 is too short"),
+    ({"source": "python", "factory": "fwdcheck.reference:build", "causal": False, "cache": {"style": "hf"}}, 8,
+     "bidirectional"),
+])
+def test_skips_with_a_reason(model, seq_len, reason):
+    res = result(model, seq_len=seq_len)
+    assert res.status.value == "skip" and reason in res.summary, res.summary
+
+
+def test_meta_skips(reference):
+    res = result(reference(), meta=True)
+    assert res.status.value == "skip"
+
+
+def test_model_raising_in_the_cached_call_is_fwd002():
+    """A model the config says takes past_key_values, whose forward does not: the model's error, not fwdcheck's."""
+    report = run_checks({"source": "python", "factory": "tests.models:nanogpt", "cache": {"style": "hf"}}, CHECK)
+    res = report.result("kv-cache")
+    assert res.status.value == "error" and [f.code for f in res.findings] == ["FWD002"]
+    assert "unexpected keyword argument 'use_cache'" in res.summary
+    assert report.exit_code == 1
+
+
+def test_registered_and_not_default():
+    entry = available()["kv-cache"]
+    assert entry.value == "fwdcheck.checks.kv_cache:KVCache"
+    assert info(entry).default is False
+    assert set(info(entry).codes) == {"FWD501", "FWD502", "FWD503", "FWD504"}
+
+
+def test_cache_config_is_validated():
+    spec = PythonModel(source="python", factory="a:b", cache={"style": "gpt-fast", "setup": "set_kv_cache"})
+    assert spec.cache.setup == "set_kv_cache"
+    assert PythonModel(source="python", factory="a:b", cache={"style": "hf"}).cache.setup == "setup_caches"
+    with pytest.raises(ValidationError):
+        PythonModel(source="python", factory="a:b", cache={"style": "vllm"})
+    with pytest.raises(ConfigError, match="cache"):
+        config_from_dict({"model": {"source": "reference", "cache": {"style": "hf"}}})
