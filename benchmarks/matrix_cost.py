@@ -5,7 +5,7 @@
 
 Both models are built offline from transformers configs with random weights (no hub). A default run is every check
 on the default path at B x T, then every check that declares per_code_path on every cell of the code-path matrix
-(fwdcheck.paths), exactly as fwdcheck.runner.run_model runs them: this script calls the same run_one and run_path.
+(fwdcheck.code_paths), exactly as fwdcheck.runner.run_model runs them: this script calls the same run_one and run_path.
 
 Every number is a ratio to one plain forward of the run's inputs (eval, no_grad, B x T) in the same process:
   tokens  rows x positions the checks ran (fwdcheck's own count, session.forward_tokens; pads not counted) / (B x T).
@@ -14,7 +14,7 @@ Every number is a ratio to one plain forward of the run's inputs (eval, no_grad,
           the two), so that a machine whose load changes during the run still gives ratios that hold.
           Short forwards cost more time than their tokens say: every forward reads all the weights.
 Shared passes (a session's observation, its baseline) land on the first check that asks for them. A cell whose
-observation pass saw exactly what an earlier cell's did shares that cell's verdict (fwdcheck.paths): it costs its
+observation pass saw exactly what an earlier cell's did shares that cell's verdict (fwdcheck.code_paths): it costs its
 observation pass alone, and the table says which cell it shares.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from fwdcheck.config import config_from_dict
 from fwdcheck.model import load_model
-from fwdcheck.paths import path_cells, runs_per_code_path
+from fwdcheck.code_paths import path_cells, runs_per_code_path
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path
@@ -80,7 +80,7 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
     entries = select(None)
     default_rows, cell_rows = [], []
     session = Session(model, settings)
-    cells = path_cells(model, settings.paths, settings.batch_size)
+    cells = path_cells(model, settings.code_paths, settings.inputs.batch_size)
     with session.active():
         before = 0
         results = []

@@ -45,7 +45,8 @@ class AttentionStats(Check):
     description = "the scale each attention call applies (1/sqrt(d_h)?) and its score spread, entropy, saturation"
     codes = {
         "FWD951": "attention scores are not scaled (scale 1): their spread is sqrt(d_h) times 1/sqrt(d_h)'s",
-        "FWD952": "attention scores are scaled by 1/d_h: 1/sqrt(d_h) applied twice, the softmax sqrt(d_h) times flatter",
+        "FWD952": "attention scores are scaled by 1/d_h: 1/sqrt(d_h) applied twice, the softmax sqrt(d_h) times "
+                  "flatter",
         "FWD953": "attention scores are scaled by neither 1/sqrt(d_h) nor what the model's config declares",
         "FWD954": "at initialisation most attention rows put more than 0.99 of their weight on one key",
     }

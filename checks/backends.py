@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from fwdcheck.errors import SkipCheck
 from fwdcheck.hf import attn_implementations, using_attn_implementation
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
-from fwdcheck.paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
+from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
 
@@ -198,7 +198,7 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
         base = session.baseline()  # (B, T, V), under the default implementation: shared with every check
         scale = logit_scale(base)
         # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
-        # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.paths), and a
+        # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.code_paths), and a
         # short row keeps this comparison a small fraction of a forward.
         view = path_view(model, CodePath(None, None, "left-pad", 1)) if padded else None
         T = session.inputs.shape[1]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fwdcheck.errors import ModelRaised, first_line
-from fwdcheck.paths import path_cells
+from fwdcheck.code_paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
@@ -106,7 +106,7 @@ How to fix: read the leak map (query position x perturbed position). A full uppe
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
 `fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set
 `model.causal: false`: part (a) is then skipped, part (b) still runs. A leak shown only by the row run alone is a
-shortcut taken for a single sequence; the code-path matrix (`paths:`) names such paths one by one.
+shortcut taken for a single sequence; the code-path matrix (`code_paths:`) names such paths one by one.
 Sizes the model refuses: a forward that raises at some length or row count is noted ("prefix pass at k=1 skipped:
 the model raised AssertionError at T=1") and the other passes still judge; the prefix pass goes on with longer
 lengths, and cut rows the model will not take run in forwards of exactly the baseline's row count. Declare the shortest
@@ -192,7 +192,7 @@ only when the model refused every comparison."""
                 findings.append(Finding("FWD103", Status.FAIL, f"two identical eval-mode forwards differ by "
                                         f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
                                         "in eval mode"))
-            if session.settings.noise_factor * noise > 10 * tolerance:
+            if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
                 findings.append(Finding("FWD106", Status.WARN, f"noise floor {noise:.3g} is over 10x the dtype "
                                         f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen"))
         if measured.padding is not None:
@@ -224,11 +224,14 @@ only when the model refused every comparison."""
                     data["note"] = "samples read each other: the causal comparisons ran one row at a time"
 
         if causal:
-            if cut_changes is not None:
-                findings += self._causal(plan, cut_changes, threshold, metrics, data)
-            findings += self._prefix(prefix, threshold, metrics)
-            single = self._single_row(measured.single, plan, alone, threshold, metrics, data)
-            findings = _with_single_row(findings, single, metrics.get("single_row_max_change"))
+            cuts = self._causal(plan, cut_changes, threshold) if cut_changes is not None else Judged()
+            prefixes = self._prefix(prefix, threshold)
+            single = self._single_row(measured.single, plan, alone, threshold)
+            for judged in (cuts, prefixes, single):
+                metrics.update(judged.metrics)
+                data.update(judged.data)
+            findings += _with_single_row(cuts.findings + prefixes.findings, single.findings,
+                                         single.metrics.get("single_row_max_change"))
         elif not model.causal:
             data["note"] = "model.causal is false: part (a) skipped"
 
@@ -339,7 +342,8 @@ only when the model refused every comparison."""
         except Exception:  # the observer cannot follow every model; the behavioural checks still stand
             return []
 
-    def _causal(self, plan: Plan, changes: torch.Tensor, threshold, metrics, data) -> list[Finding]:
+    @staticmethod
+    def _causal(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
         """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
         findings = []
         columns = []
@@ -357,9 +361,6 @@ only when the model refused every comparison."""
                     nan_pairs.append((p, k))
                 elif c > threshold:
                     leaked_pairs.append((p, k))
-        metrics["max_change_before_cut"] = worst
-        metrics["cuts"] = cuts
-        data["leak_map"] = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
         what = "token {k} changed" if exhaustive else "tokens >= {k} changed"
         if leaked_pairs:
             by_cut: dict[int, list[int]] = {}
@@ -377,7 +378,8 @@ only when the model refused every comparison."""
             findings.append(Finding("FWD104", Status.FAIL, f"NaN or Inf appeared at {len(nan_pairs)} earlier "
                                     "(query, perturbed) pairs when later tokens changed",
                                     where=f"position {p} when {what.format(k=k)}"))
-        return findings
+        leak_map = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
+        return Judged(findings, {"max_change_before_cut": worst, "cuts": cuts}, {"leak_map": leak_map})
 
     @staticmethod
     def _run_prefix(session, reference: torch.Tensor, refusals: Refusals) -> Prefix:
@@ -406,7 +408,7 @@ only when the model refused every comparison."""
         return prefix
 
     @staticmethod
-    def _prefix(prefix: Prefix, threshold: float, metrics) -> list[Finding]:
+    def _prefix(prefix: Prefix, threshold: float) -> Judged:
         """The first k tokens run alone must give the full run's logits there."""
         worst, moved = 0.0, []
         for k, change in zip(prefix.ran, prefix.changes):
@@ -414,15 +416,14 @@ only when the model refused every comparison."""
             worst = max([worst, *values])
             if max(values) > threshold:
                 moved.append((k, [p for p, c in enumerate(values) if c > threshold]))
-        metrics["prefix_lengths"] = prefix.ran
-        if prefix.ran:
-            metrics["prefix_max_change"] = worst
+        metrics = {"prefix_lengths": prefix.ran, **({"prefix_max_change": worst} if prefix.ran else {})}
         if not moved:
-            return []
+            return Judged(metrics=metrics)
         k, positions = moved[0]
-        return [Finding("FWD105", Status.FAIL, f"the first k tokens run alone differ from the full run by up to "
-                        f"{worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
-                        where=f"sample 0, positions {span(positions)} with the first {k} tokens alone")]
+        return Judged([Finding("FWD105", Status.FAIL, f"the first k tokens run alone differ from the full run by up "
+                               f"to {worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
+                               where=f"sample 0, positions {span(positions)} with the first {k} tokens alone")],
+                      metrics)
 
     @staticmethod
     def _run_single_row(plan: Plan, session, prefix: Prefix, reference: torch.Tensor,
@@ -443,30 +444,37 @@ only when the model refused every comparison."""
         return SingleRow(L, cut, "prefix" if prefix.longest is not None else "baseline", change)
 
     @staticmethod
-    def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold, metrics, data) -> list[Finding]:
+    def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold: float) -> Judged:
         if plan.single_row_skipped or alone:
-            data["single_row"] = plan.single_row_skipped or "not needed: the comparisons above already ran one row " \
-                                                             "beside several"
-            return []
+            return Judged(data={"single_row": plan.single_row_skipped or "not needed: the comparisons above already "
+                                                                         "ran one row beside several"})
         if single is None:  # refused: a note says so
-            return []
+            return Judged()
         L, cut, change = single.length, single.cut, single.change.tolist()
-        metrics["single_row_max_change"] = max([0.0] + [c for c in change if math.isfinite(c)])
-        data["single_row"] = {"length": L, "cut": cut, "against": single.against, "change": change}
+        largest = max([0.0] + [c for c in change if math.isfinite(c)])
         nan = [p for p, c in enumerate(change) if not math.isfinite(c)]
         moved = [p for p, c in enumerate(change) if math.isfinite(c) and c > threshold]
         where = f"sample 0 run alone (T={L}), positions {span(moved or nan)} when tokens >= {cut} changed"
         findings = []
         if moved:
             findings.append(Finding("FWD101", Status.FAIL, f"with one row run alone (batch size 1), earlier logits "
-                                    f"moved by up to {metrics['single_row_max_change']:.3g} (threshold "
-                                    f"{threshold:.3g}) when later tokens changed: the single-row path reads the "
-                                    "future", where=where))
+                                    f"moved by up to {largest:.3g} (threshold {threshold:.3g}) when later tokens "
+                                    "changed: the single-row path reads the future", where=where))
         if nan:
             findings.append(Finding("FWD104", Status.FAIL, f"with one row run alone (batch size 1), NaN or Inf "
                                     f"appeared at {len(nan)} earlier positions when later tokens changed",
                                     where=where))
-        return findings
+        return Judged(findings, {"single_row_max_change": largest},
+                      {"single_row": {"length": L, "cut": cut, "against": single.against, "change": change}})
+
+
+@dataclass
+class Judged:
+    """What one comparison concluded: its findings, and the numbers and detail it adds to the result."""
+
+    findings: list[Finding] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
 
 
 class Plan:
@@ -502,7 +510,7 @@ class Plan:
         self.single_row_skipped = None  # why the single-row pass does not run, or None
         if B == 1:
             self.single_row_skipped = "not needed: the comparisons above already ran one row beside several"
-        elif any(cell.batch_size == 1 for cell in path_cells(model, session.settings.paths, B)):
+        elif any(cell.batch_size == 1 for cell in path_cells(model, session.settings.code_paths, B)):
             self.single_row_skipped = "left to the code-path matrix, whose batch-size-1 cells are named as such"
 
     @property

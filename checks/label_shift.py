@@ -227,7 +227,7 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             raise SkipCheck("a vocabulary of one token makes every shift score the same")
         N = session.max_rows  # at least 2: rows beside each other are what a label crossing rows needs
         # Own draws: the session's shared generator stays where the other checks expect it.
-        generator = torch.Generator().manual_seed(session.settings.seed)
+        generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         tokens = torch.randint(0, model.vocab_size, (N, T + 1), generator=generator).to(session.device)  # (N, T+1)
         input_ids = tokens[:, :T]  # (N, T)
         labels = (tokens[:, 1:] if way.caller_shifts else input_ids).clone()  # (N, T)
@@ -296,7 +296,9 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
                             f"1's: these logits cannot tell the shifts apart in {session.settings.dtype}")
         untold = sorted(set(WRONG) - told)
         summary = (f"loss {loss:.4g} = shift 1 cross-entropy {looks[0].candidates[RIGHT]:.4g} (threshold "
-                   f"{threshold:.2g}); rows in any order" + (f"; not told apart: {', '.join(untold)}" if untold else ""))
+                   f"{threshold:.2g}); rows in any order")
+        if untold:
+            summary += f"; not told apart: {', '.join(untold)}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
     def key_number(self, result: CheckResult) -> str:

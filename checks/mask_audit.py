@@ -22,7 +22,7 @@ import torch
 
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
-from fwdcheck.paths import path_cells
+from fwdcheck.code_paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
@@ -161,7 +161,7 @@ the attention module's forward as input_pos or cache_position."""
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
         # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
-        batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.paths, B))
+        batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B))
         if batch1:
             length = session.short_length
             try:

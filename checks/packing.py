@@ -202,7 +202,7 @@ position_ids alone leave a causal model reading the earlier documents, by design
         spans = {"document 1": (0, a), "document 2": (a, a + b), "document 3": (a + b, T)}
         other = 1 % B  # the session's second row, or the first again for batch size 1
         X = session.inputs
-        generator = torch.Generator().manual_seed(session.settings.seed)  # own draws: the shared ones stay put
+        generator = torch.Generator().manual_seed(session.settings.inputs.seed)  # own draws: the shared ones stay put
         changed = (X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator))
         changed = (changed % model.vocab_size).to(X.device)  # every token of document 1 differs
         rows = torch.stack([torch.cat([X[0, :a], X[other, :b], X[0, :b]]),

@@ -620,7 +620,7 @@ or correct the declaration."""
                                     "is unknown (no attention call seen); set rope.rotary_dim", "rotary function"))
             return None
         P = 32
-        g = torch.Generator().manual_seed(session.settings.seed)
+        g = torch.Generator().manual_seed(session.settings.inputs.seed)
         q, k = torch.randn(2, D, generator=g).to(session.device, session.dtype)
         positions = torch.arange(P, device=session.device)
 

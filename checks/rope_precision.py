@@ -73,7 +73,8 @@ with apply_rotary_pos_emb, or a config's `rotary_function`; without one the chec
 tables held in buffers are read as the run holds them: a buffer cast to bfloat16 with the model (model.to(bfloat16)
 casts Hugging Face's inv_freq; from_pretrained(dtype=...) keeps it float32) is the same in both runs and not judged;
 `data.buffers` lists such buffers. Scaled rotary types (yarn, longrope) are compared as computed: angles and the
-identity's relative error do not depend on their scale. When the rotary function cannot run in float64, float32 is the reference (a float32 run then skips)."""
+identity's relative error do not depend on their scale. When the rotary function cannot run in float64, float32
+is the reference (a float32 run then skips)."""
 
     def run(self, model, session) -> CheckResult:
         rotary = model.rotary
@@ -92,7 +93,7 @@ identity's relative error do not depend on their scale. When the rotary function
         if not positions:
             raise SkipCheck(f"the model's maximum positions ({cap}) leave no long position to measure")
 
-        g = torch.Generator().manual_seed(session.settings.seed)
+        g = torch.Generator().manual_seed(session.settings.inputs.seed)
         q, k = torch.randn(2, D, generator=g, dtype=torch.float64)
         short = torch.arange(SHORT)
         windows = torch.cat([torch.arange(p - WINDOW + 1, p + 1) for p in positions])  # (len(positions) * WINDOW,)

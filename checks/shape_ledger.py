@@ -558,10 +558,12 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None,
     elif not ok and expected:
         status = Status.WARN if e.role in ("hidden", "embedding") else Status.FAIL
         findings.append(Finding("FWD401", status, f"{e.name} is {shown}, expected "
-                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None, module=e.module or None))
+                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None,
+                                module=e.module or None))
     if e.role == "weights" and e.softmax_dim is not None and e.softmax_dim != -1:
         findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,S] scores: "
-                                "it normalises over the queries, not the keys each query reads", where=e.module, module=e.module))
+                                "it normalises over the queries, not the keys each query reads", where=e.module,
+                                module=e.module))
     elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
         findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
                                 f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module, module=e.module))

@@ -10,13 +10,15 @@ from typing import Any
 
 import torch.nn as nn
 
-from fwdcheck.config import Dims, FactoryModel, HFModel, Paths, RopeSpec
+from pydantic import ValidationError
+
+from fwdcheck.config import (CodePaths, Dims, FactoryModel, HFModel, Inputs, RopeSpec, RunConfig,
+                             describe_validation_error)
 from fwdcheck.errors import UsageError
 from fwdcheck.model import FactoryParts, ModelUnderTest, model_from_module
-from fwdcheck.registry import select
+from fwdcheck.overrides import Overrides
 from fwdcheck.report import Report
-from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.runner import Run
 
 
 def check_model(
@@ -36,28 +38,32 @@ def check_model(
     dims: dict[str, int] | None = None,
     forward: Any = None,
     exhaustive: bool = False,
-    paths: dict[str, Any] | None = None,
+    code_paths: dict[str, Any] | None = None,
     fail_on: str = "fail",
 ) -> Report:
-    """Run fwdcheck's checks (all registered ones when `checks` is None) on an nn.Module whose forward takes
+    """Run fwdcheck's checks (the default ones when `checks` is None) on an nn.Module whose forward takes
     input_ids [B, T] and returns logits [B, T, V] (a tensor, .logits, or a tuple led by them).
 
     The model is left as found: mode, device, dtype, parameters, dropout probabilities, hooks and RNG state.
     device None means the device the model's parameters are on. `forward` is an optional adapter
     (model, input_ids, **kw) -> logits for unusual call conventions. `dims` declares sizes fwdcheck cannot read off
-    a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models get the code-path matrix
-    by default, as from the command line; `paths` narrows it ({"enabled": False} turns it off).
+    a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models
+    get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
+    turns it off). The arguments are validated as a config file's keys are: a wrong one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
-    under_test = _wrap(model, vocab_size, max_positions, causal, rope, dims, forward)
     if device is None:
         first = next(model.parameters(), None)
         device = str(first.device) if first is not None else "cpu"
-    settings = Settings(device=device, dtype=dtype, batch_size=batch_size, seq_len=seq_len, min_seq_len=min_seq_len,
-                        seed=seed,
-                        exhaustive=exhaustive, paths=Paths(**(paths or {})))
-    return run_model(under_test, settings, select(checks), fail_on=fail_on)
+    try:
+        inputs = Inputs(batch_size=batch_size, seq_len=seq_len, min_seq_len=min_seq_len, seed=seed)
+        config = RunConfig(inputs=inputs, device=device, dtype=dtype, exhaustive=exhaustive,
+                           code_paths=CodePaths(**(code_paths or {})))
+    except ValidationError as exc:
+        raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
+    run = Run.build(config, Overrides(checks=checks, fail_on=fail_on))
+    return run.check(_wrap(model, vocab_size, max_positions, causal, rope, dims, forward))
 
 
 def _wrap(model, vocab_size, max_positions, causal, rope, dims, forward) -> ModelUnderTest:

@@ -247,6 +247,7 @@ def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Plan
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_from_dict, load_config
     from fwdcheck.registry import DIRECT, select
+    from fwdcheck.overrides import Overrides
     from fwdcheck.worker import Job
 
     config = load_config(path) if path is not None else config_from_dict(
@@ -265,16 +266,18 @@ def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Plan
         entries = select(selection)
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
-    job = Job(config=str(path) if path is not None else None, factory=o.model, checks=[e.name for e in entries],
-              device=o.device.value if o.device else None, dtype=o.dtype.value if o.dtype else None, seed=o.seed,
-              exhaustive=o.exhaustive, meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value,
+    overrides = Overrides(checks=[e.name for e in entries], device=o.device.value if o.device else None,
+                          dtype=o.dtype.value if o.dtype else None, seed=o.seed, exhaustive=o.exhaustive,
+                          meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value)
+    job = Job(config=str(path) if path is not None else None, factory=o.model, overrides=overrides,
               sys_path=[p for p in sys.path if p])
     return Planned(path, config, job)
 
 
 # Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
 # not run, then a failure, then nothing ran, then a pass.
-EXIT_SEVERITY = (ExitCode.TERMINATED, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.FAILED, ExitCode.NOTHING_RAN, ExitCode.OK)
+EXIT_SEVERITY = (ExitCode.TERMINATED, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.FAILED,
+                 ExitCode.NOTHING_RAN, ExitCode.OK)
 
 
 def worst_exit(codes: list[int]) -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
@@ -188,7 +190,7 @@ class HFModel(Strict):
 ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
 
 
-class Paths(Strict):
+class CodePaths(Strict):
     """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
     built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
     the default path (other models)."""
@@ -228,19 +230,39 @@ class Ignore(Strict):
     reason: str = Field(min_length=1, description="why: required, and shown beside the ignored finding")
 
 
-class Config(Strict):
-    model: ModelSource
+class RunConfig(Strict):
+    """How to check a model, whatever the model: every key of a config but `model:`. The Python API builds one from
+    its keyword arguments, so a wrong value is refused there as it is in a YAML file."""
+
     inputs: Inputs = Field(default_factory=Inputs)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    device: str = Field("cpu", description="cpu | cuda | cuda:N | auto (cuda when available)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     checks: list[str] | None = Field(None, description="omitted: the checks `fwdcheck list` marks default; "
                                       "`default` and `all` may be listed beside check names")
     tolerance: Tolerance = Field(default_factory=Tolerance)
     exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
-    paths: Paths = Field(default_factory=Paths)
+    # `paths:` is the key's former name, still read
+    code_paths: CodePaths = Field(default_factory=CodePaths, validation_alias=AliasChoices("code_paths", "paths"))
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
     ignore: list[Ignore] = Field(default_factory=list, description="finding codes that do not count, with reasons")
     timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
+
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
+            raise ValueError("Input should be 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        return value
+
+
+class _ModelSection(Strict):
+    model: ModelSource
+
+
+# _ModelSection last among the bases puts `model` first among the fields: in the schema and in lists of valid keys.
+class Config(RunConfig, _ModelSection):
+    """A whole config file: the model to check and how to check it."""
 
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 

@@ -29,7 +29,7 @@ import os
 import sys
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -439,16 +439,13 @@ class _Observer(TorchFunctionMode):
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
         L, S = q.shape[-2], k.shape[-2]
         is_causal = bool(a.get("is_causal", False))
-        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
+        read = MaskRead(torch.ones(L, S, dtype=torch.bool, device=q.device), "is_causal" if is_causal else "none")
         if is_causal:
-            allowed = allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
-        kind, values, float_01 = ("is_causal" if is_causal else "none"), "-", False
+            read.allowed = read.allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
         if mask is not None:
-            kind, values, float_01, may = _read_mask(mask, true_means_masked=False)
-            allowed = allowed & may
-        batch_heads = tuple(q.shape[:-2])
-        return self._call("sdpa", module, q, k, v, batch_heads, L, S, allowed, kind, mask, values, float_01,
-                          is_causal, float(a.get("dropout_p", 0.0) or 0.0), cross=self._cross(),
+            read = read.combined(_read_mask(mask, true_means_masked=False))
+        return self._call("sdpa", module, q, k, v, batch_heads=tuple(q.shape[:-2]), mask=read, is_causal=is_causal,
+                          dropout=float(a.get("dropout_p", 0.0) or 0.0), cross=self._cross(),
                           reads_input=self._reads_input(q))
 
     def _mha(self, a: dict, module: str) -> AttentionCall:
@@ -458,23 +455,24 @@ class _Observer(TorchFunctionMode):
         N, h = (q.shape[1] if batched else 1), int(a["num_heads"])
         mask, padding = a.get("attn_mask"), a.get("key_padding_mask")
         is_causal, need_weights = bool(a.get("is_causal", False)), bool(a.get("need_weights", True))
-        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
-        kind, values, float_01 = "none", "-", False
+        read = MaskRead(torch.ones(L, S, dtype=torch.bool, device=q.device))
         # is_causal is only a hint here; it replaces the mask exactly when torch takes the SDPA path without one.
         if is_causal and padding is None and not need_weights:
-            kind, allowed = "is_causal", allowed.tril()
+            read = MaskRead(read.allowed.tril(), "is_causal", shape=tuple(mask.shape) if mask is not None else None)
         elif mask is not None:
-            kind, values, float_01, may = _read_mask(mask, true_means_masked=True)
-            allowed = allowed & (may.view(N, h, L, S) if may.dim() == 3 else may)  # (N*h, L, S) or (L, S)
+            given = _read_mask(mask, true_means_masked=True)
+            if given.allowed.dim() == 3:  # (N*h, L, S)
+                given.allowed = given.allowed.view(N, h, L, S)
+            read = read.combined(given)
         if padding is not None:
-            _, pad_values, pad_01, pad_may = _read_mask(padding, true_means_masked=True)
-            allowed = allowed & pad_may.view(N, 1, 1, S)
-            kind, values, float_01 = kind + "+key_padding", f"{values}; padding {pad_values}", float_01 or pad_01
+            pads = _read_mask(padding, true_means_masked=True)
+            pads.allowed = pads.allowed.view(N, 1, 1, S)
+            read = read.combined(pads, joined=True)
         dropout = float(a.get("dropout_p", 0.0) or 0.0) if a.get("training", True) else 0.0
         # nn.MultiheadAttention hands its own inputs on: self-attention passes one tensor as query, key and value
         # (it keeps that identity through its batch_first transpose), cross-attention passes the memory as key.
-        return self._call("mha", module, q, k, v, (N, h), L, S, allowed, kind, mask, values, float_01,
-                          is_causal, dropout, cross=k is not q, reads_input=self._reads_input(q))
+        return self._call("mha", module, q, k, v, batch_heads=(N, h), mask=read, is_causal=is_causal,
+                          dropout=dropout, cross=k is not q, reads_input=self._reads_input(q))
 
     def _softmax(self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str,
                  product: _Product) -> AttentionCall:
@@ -514,17 +512,22 @@ class _Observer(TorchFunctionMode):
             cross=cross, written=written, matmul=matmul, reads_input=product.reads_input, source=self._model_line(),
         )
 
-    def _call(self, api, module, q, k, v, batch_heads, L, S, allowed, kind, mask, values, float_01, is_causal,
-              dropout, cross: bool, reads_input: bool | None) -> AttentionCall:
-        empty = _empty_rows(allowed, batch_heads, L)
+    def _call(self, api: str, module: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              batch_heads: tuple[int, ...], mask: MaskRead, is_causal: bool, dropout: float, cross: bool,
+              reads_input: bool | None) -> AttentionCall:
+        """The record of one SDPA or nn.MultiheadAttention call: q, k, v as the API got them, the (batch, head)
+        sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
+        its keys come from another sequence and whether its queries were computed from the input ids."""
+        L, S = mask.allowed.shape[-2:]
         positions, source, written, cross = self._where_queries(api, module, L, S, cross)
         keep = self.keep_tensors
         return AttentionCall(
             index=len(self.record.attention), api=api, module=module, query_shape=tuple(q.shape),
             key_shape=tuple(k.shape), value_shape=tuple(v.shape), weights_shape=(*batch_heads, L, S),
-            mask_kind=kind, mask_shape=tuple(mask.shape) if mask is not None else None, mask_values=values,
-            is_causal=is_causal, dropout_p=dropout, allowed=allowed.reshape(-1, L, S).any(0), empty_rows=empty,
-            float_01=float_01, query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
+            mask_kind=mask.kind, mask_shape=mask.shape, mask_values=mask.values, is_causal=is_causal,
+            dropout_p=dropout, allowed=mask.allowed.reshape(-1, L, S).any(0),
+            empty_rows=_empty_rows(mask.allowed, batch_heads, L), float_01=mask.float_01,
+            query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
             seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."), query_positions=positions,
             positions_from=source, cross=cross, written=written, reads_input=reads_input, source=self._model_line(),
         )
@@ -694,15 +697,36 @@ def _values_layout(equation: str, a: torch.Tensor, b: torch.Tensor,
     return w.permute(*[lw.index(c) for c in w_order]), v.permute(*[lv.index(c) for c in v_order])
 
 
-def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> tuple[str, str, bool, torch.Tensor]:
-    """(kind, values description, is a 0/1 float mask, may-attend bool tensor of the mask's shape)."""
+@dataclass
+class MaskRead:
+    """What an attention call's mask arguments let each query read, in its API's own convention."""
+
+    allowed: torch.Tensor  # bool, broadcasting to (..., L, S): True where a query may read a key (meta: no values)
+    kind: str = "none"  # none | is_causal | bool | float, with `+key_padding` for nn.MultiheadAttention's padding mask
+    values: str = "-"  # a short description of the mask's values
+    float_01: bool = False  # a float mask of only 0 and 1: added to the scores it masks nothing
+    shape: tuple[int, ...] | None = None  # of the attn_mask handed over
+
+    def combined(self, other: MaskRead, joined: bool = False) -> MaskRead:
+        """Both restrictions at once: `other` replaces this one's description (a mask on top of nothing or of
+        is_causal), or with `joined` is added to it (a key padding mask beside an attn_mask)."""
+        if not joined:
+            return replace(other, allowed=self.allowed & other.allowed)
+        return MaskRead(self.allowed & other.allowed, f"{self.kind}+key_padding",
+                        f"{self.values}; padding {other.values}", self.float_01 or other.float_01, self.shape)
+
+
+def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
+    """A mask tensor read in its API's convention: boolean True means masked out (nn.MultiheadAttention) or may
+    attend (SDPA); a float mask is added to the scores, so -inf or very negative drops a key."""
+    shape = tuple(mask.shape)
     if mask.is_meta:  # no values: may-attend everywhere, itself on the meta device (nothing allocated)
         kind = "bool" if mask.dtype == torch.bool else "float"
-        return kind, "(meta: no values)", False, torch.ones(mask.shape, dtype=torch.bool, device="meta")
+        return MaskRead(torch.ones(mask.shape, dtype=torch.bool, device="meta"), kind, "(meta: no values)",
+                        shape=shape)
     if mask.dtype == torch.bool:
-        may = ~mask if true_means_masked else mask
         share = float(mask.float().mean())
-        return "bool", f"True on {share:.0%}", False, may
+        return MaskRead(~mask if true_means_masked else mask, "bool", f"True on {share:.0%}", shape=shape)
     m = mask.detach().float()
     finite = m[torch.isfinite(m)]
     has_neg_inf = bool(torch.isneginf(m).any())
@@ -714,7 +738,7 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> tuple[str, str, b
         values = f"[{float(finite.min()):.3g}, {float(finite.max()):.3g}]" + (" and -inf" if has_neg_inf else "")
     float_01 = (not has_neg_inf and distinct.numel() == 2 and distinct.tolist() == [0.0, 1.0])
     may = torch.isfinite(m) & (m > MASKED_BELOW)  # float masks are added to the scores: -inf / very negative = drop
-    return "float", values, float_01, may
+    return MaskRead(may, "float", values, float_01, shape)
 
 
 def _parameters(module: nn.Module) -> tuple[list[str], set[str]]:

@@ -209,18 +209,15 @@ class ConfigFile(pytest.File):
         return self._outcome
 
     def _run(self):
-        from fwdcheck.model import load_model
-        from fwdcheck.runner import run_model
-        from fwdcheck.session import Settings
+        from fwdcheck.overrides import Overrides
+        from fwdcheck.runner import Run
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
         options = self.config.option
-        settings = Settings.from_config(self.fwd_config)
-        settings.device = options.fwdcheck_device or settings.device
-        settings.dtype = options.fwdcheck_dtype or settings.dtype
-        model = load_model(self.fwd_config)
-        report = run_model(model, settings, entries, config_path=self.shown, fail_on=options.fwdcheck_fail_on)
+        run = Run.build(self.fwd_config, Overrides(checks=[e.name for e in entries], device=options.fwdcheck_device,
+                                                   dtype=options.fwdcheck_dtype, fail_on=options.fwdcheck_fail_on))
+        report = run.check(run.load(), config_path=self.shown)
         return report, dict(zip((e.name for e in entries), report.results))
 
 

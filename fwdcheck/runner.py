@@ -13,15 +13,44 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+from fwdcheck.code_paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
+                                 runs_per_code_path)
+from fwdcheck.config import RunConfig
+from fwdcheck.overrides import Overrides
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
-from fwdcheck.model import ModelUnderTest
+from fwdcheck.model import ModelUnderTest, load_model
 from fwdcheck.observe import code_location
-from fwdcheck.registry import CheckEntry
-from fwdcheck.paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
-                            runs_per_code_path)
+from fwdcheck.registry import CheckEntry, select
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.session import ParameterWatch, Session, Settings
+
+
+@dataclass
+class Run:
+    """One run, built the same way by the command line's worker, the pytest plugin and the Python API: a config (a
+    whole Config, or the RunConfig the API makes of its keyword arguments) with the caller's overrides, the settings
+    the checks see, and the selected checks."""
+
+    config: RunConfig  # with the overrides applied: a loader reads `meta` here
+    settings: Settings
+    entries: list[CheckEntry]
+    fail_on: str = "fail"
+
+    @classmethod
+    def build(cls, config: RunConfig, overrides: Overrides | None = None) -> Run:
+        overrides = overrides or Overrides()
+        config = overrides.applied(config)
+        return cls(config, Settings.from_config(config, overrides), select(config.checks), overrides.fail_on)
+
+    def load(self) -> ModelUnderTest:
+        """The model the config names (a Config's `model:` section)."""
+        return load_model(self.config)
+
+    def check(self, model: ModelUnderTest, *, config_path=None, progress: Callable[[str], None] | None = None,
+              on_result: Callable[[CheckResult], None] | None = None) -> Report:
+        return run_model(model, self.settings, self.entries, config_path=config_path, fail_on=self.fail_on,
+                         progress=progress, on_result=on_result)
 
 
 def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntry], *, config_path=None,
@@ -31,7 +60,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
     this returns, however it returns. `on_result` is told each check's default-path result as soon as it is known
     (the CLI's worker streams them to its supervisor, which keeps them if the process dies later)."""
     session = Session(model, settings)
-    cells = path_cells(model, settings.paths, settings.batch_size)
+    cells = path_cells(model, settings.code_paths, settings.inputs.batch_size)
     results: list[CheckResult] = []
     interrupted = False
     try:
@@ -66,7 +95,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
             session.notes.append("interrupted during the code-path matrix: the results cover the default path only")
         results += [CheckResult(e.name, Status.ERROR, "interrupted before it finished") for e in entries[len(results):]]
     for result in results:
-        result.apply_ignores(settings.ignore)
+        result.apply_ignores(settings.ignored)
         for finding in result.findings:
             finding.source = finding.source or locate(finding, model)
     return Report(
@@ -92,8 +121,8 @@ def environment_summary(settings: Settings, device: str) -> dict:
     import torch
 
     return {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "dtype": settings.dtype, "seed": settings.seed, "batch_size": settings.batch_size,
-            "seq_len": settings.seq_len}
+            "dtype": settings.dtype, "seed": settings.inputs.seed, "batch_size": settings.inputs.batch_size,
+            "seq_len": settings.inputs.seq_len}
 
 
 def model_raised(exc: ModelRaised) -> Finding:
@@ -157,8 +186,8 @@ def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     `taken`: the cells run so far, by path_signature, whose verdict a cell on the same code path shares."""
     run = run_cell(cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows,
                    taken=taken)
-    if run.seq_len < settings.seq_len and _model_raised(run):
-        again = run_cell(cell, entries, model, settings, shortest=settings.seq_len, max_rows=session.max_rows,
+    if run.seq_len < settings.inputs.seq_len and _model_raised(run):
+        again = run_cell(cell, entries, model, settings, shortest=settings.inputs.seq_len, max_rows=session.max_rows,
                          taken=taken)
         again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens)]
         again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
@@ -182,11 +211,11 @@ def per_code_path(entry: CheckEntry) -> bool:
 def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings, *,
              shortest: int = 1, max_rows: int | None = None, taken: dict[str, CellRun] | None = None) -> CellRun:
     """Every given check on one cell, in one session: the model's forward takes the cell's path, on inputs of the
-    cell's batch size and length (paths.cell_settings). A left-padded cell also holds the same path without padding,
-    whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's.
+    cell's batch size and length (code_paths.cell_settings). A left-padded cell also holds the same path without
+    padding, whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's.
 
     With `taken` (the cells run so far, by path_signature) the cell's observation pass runs first: a cell that saw
-    exactly what an earlier one saw takes that cell's verdict (paths.py says why that holds), and a cell that runs
+    exactly what an earlier one saw takes that cell's verdict (code_paths.py says why that holds), and a cell that runs
     in full is added to it."""
     from fwdcheck.hf import using_attn_implementation
 
@@ -208,7 +237,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
                 results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0)
                            for i, r in enumerate(same.results)]
                 tokens = [session.forward_tokens] + [0] * (len(entries) - 1)  # the shared pass, on the first check
-                return CellRun(cell, own.seq_len, results, tokens,
+                return CellRun(cell, own.inputs.seq_len, results, tokens,
                                note=f"the same code path as {same.cell.label} (the same calls, masks and logits): "
                                     "its verdict")
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
@@ -223,7 +252,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
         signature = None
-    run = CellRun(cell, own.seq_len, results, tokens)
+    run = CellRun(cell, own.inputs.seq_len, results, tokens)
     if signature:
         taken.setdefault(signature, run)
     return run

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 from torch.nn.modules.dropout import _DropoutNd
 
-from fwdcheck.config import Config, Paths
+from fwdcheck.config import RunConfig
+from fwdcheck.overrides import Overrides
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
 from fwdcheck.hf import library_messages
 from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
@@ -37,32 +38,25 @@ SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_le
 DIFFERENCE_BLOCK = 1 << 20
 
 
-@dataclass
-class Settings:
-    device: str = "cpu"  # cpu | cuda | auto
-    dtype: str = "float32"
-    batch_size: int = 2
-    seq_len: int = 8
-    min_seq_len: int | None = None  # the shortest sequence the model accepts, when declared
-    seed: int = 0
-    rtol: float | None = None
-    atol: float | None = None
-    noise_factor: float = 10.0
-    exhaustive: bool = False
-    meta: bool = False  # the model lives on the meta device: shapes only
-    max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
-    paths: Paths = field(default_factory=Paths)  # the code-path matrix for future-token and mask-audit
-    ignore: dict[str, str] = field(default_factory=dict)  # finding code -> the config's reason
+class Settings(RunConfig):
+    """How one run checks the model: the config's run section with the caller's Overrides applied, and what only a
+    run knows. The command line's worker, the pytest plugin and the Python API build it the same way
+    (fwdcheck.runner.Run); a cell of the code-path matrix derives its own from it (code_paths.cell_settings)."""
+
     expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
-    timeout_s: float | None = 600.0  # per check; a hung forward ends as an error
+    max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
 
     @classmethod
-    def from_config(cls, config: Config) -> Settings:
-        return cls(device=config.device, dtype=config.dtype, batch_size=config.inputs.batch_size,
-                   seq_len=config.inputs.seq_len, min_seq_len=config.inputs.min_seq_len, seed=config.inputs.seed,
-                   rtol=config.tolerance.rtol, atol=config.tolerance.atol, noise_factor=config.tolerance.noise_factor,
-                   exhaustive=config.exhaustive, paths=config.paths, meta=config.meta,
-                   ignore={i.code: i.reason for i in config.ignore}, timeout_s=config.timeout_s)
+    def from_config(cls, config: RunConfig, overrides: Overrides | None = None) -> Settings:
+        overrides = overrides or Overrides()
+        run = overrides.applied(config)
+        return cls(**{name: getattr(run, name) for name in RunConfig.model_fields},
+                   expect_ledger=overrides.expect_ledger)
+
+    @property
+    def ignored(self) -> dict[str, str]:
+        """Finding code -> the config's reason for ignoring it."""
+        return {i.code: i.reason for i in self.ignore}
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:
@@ -307,24 +301,24 @@ class Session:
         self.device, device_note = resolve_device("meta" if settings.meta else settings.device)
         self.dtype = DTYPES[settings.dtype]
         self.notes: list[str] = [device_note] if device_note else []
-        if settings.seq_len > (model.max_positions or settings.seq_len):
-            raise UsageError(f"inputs.seq_len {settings.seq_len} exceeds the model's maximum positions "
+        if settings.inputs.seq_len > (model.max_positions or settings.inputs.seq_len):
+            raise UsageError(f"inputs.seq_len {settings.inputs.seq_len} exceeds the model's maximum positions "
                              f"{model.max_positions}")
         rtol, atol = DEFAULT_TOLERANCE[self.dtype]
-        self.rtol = settings.rtol if settings.rtol is not None else rtol
-        self.atol = settings.atol if settings.atol is not None else atol
+        self.rtol = settings.tolerance.rtol if settings.tolerance.rtol is not None else rtol
+        self.atol = settings.tolerance.atol if settings.tolerance.atol is not None else atol
         # Rows per forward: no more than the baseline runs, so that no forward of a check needs more memory than the
         # model's own forward of the session's inputs (two for batch size 1: a row beside another is what shows
         # samples reading each other).
-        self.max_rows = settings.max_rows or max(settings.batch_size, 2)
+        self.max_rows = settings.max_rows or max(settings.inputs.batch_size, 2)
         self.force_zero_dropout = False  # set when the observation pass saw dropout live in eval mode
-        self._generator = torch.Generator().manual_seed(settings.seed)
+        self._generator = torch.Generator().manual_seed(settings.inputs.seed)
+        B, T = settings.inputs.batch_size, settings.inputs.seq_len
         try:
-            self.inputs = self.random_ids((settings.batch_size, settings.seq_len))
+            self.inputs = self.random_ids((B, T))
         except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
-            first = first_line(exc)
-            raise UsageError(f"inputs: batch_size {settings.batch_size} x seq_len {settings.seq_len} token ids cannot "
-                             f"be allocated ({type(exc).__name__}: {first})") from None
+            raise UsageError(f"inputs: batch_size {B} x seq_len {T} token ids cannot be allocated "
+                             f"({type(exc).__name__}: {first_line(exc)})") from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
         self._observed: torch.Tensor | None = None  # the observation pass's logits, while they may stand in
         self.forward_tokens = 0  # rows x positions run, for benchmarks
@@ -514,7 +508,8 @@ class Session:
         coarse comparisons (noise_factor x noise over 10 x the tolerance); those forwards are draws of the same
         noise as an identical repeat, so a noise floor that could matter shows among them first."""
         tolerance = self.tolerance(scale)
-        return not largest_change <= tolerance * min(1.0, 10.0 / self.settings.noise_factor)  # NaN matters too
+        factor = self.settings.tolerance.noise_factor
+        return not largest_change <= tolerance * min(1.0, 10.0 / factor)  # NaN matters too
 
     def prefix_logits(self, length: int) -> torch.Tensor:
         """Logits [1, length, V] of the first sample's first `length` tokens run alone. Those of `short_length`,
@@ -561,7 +556,7 @@ class Session:
         length the model was seen to refuse while a longer one ran; 1 when nothing says otherwise. Checks that run
         shorter forwards than the baseline (a probe at another T, a prefix) start here."""
         found = max(self.refused_lengths, default=0) + 1
-        return max(self.settings.min_seq_len or 1, found)
+        return max(self.settings.inputs.min_seq_len or 1, found)
 
     @property
     def short_length(self) -> int:
@@ -594,7 +589,7 @@ class Session:
 
     def threshold(self, scale: float, noise_floor: float) -> float:
         """A change counts when it exceeds both the dtype tolerance and noise_factor times the measured noise."""
-        return max(self.tolerance(scale), self.settings.noise_factor * noise_floor)
+        return max(self.tolerance(scale), self.settings.tolerance.noise_factor * noise_floor)
 
     @property
     def baseline_tokens(self) -> int:

@@ -52,7 +52,7 @@ class Run:
 
     def __init__(self, job: Job):
         self.job = job
-        self.checks: list[str] = list(job.checks)
+        self.checks: list[str] = list(job.overrides.checks or [])
         self.per_code_path: list[str] = []
         self.model: dict = {"label": job.label}
         self.results: dict[str, CheckResult] = {}
@@ -78,7 +78,7 @@ class Run:
             self.results[result.name] = result
         elif kind == "report":
             self.report = Report.from_dict(event["report"], internal_errors=event["internal_errors"],
-                                           fail_on=self.job.fail_on, interrupted=event["interrupted"])
+                                           fail_on=self.job.overrides.fail_on, interrupted=event["interrupted"])
         elif kind == "error":
             self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
 
@@ -109,9 +109,10 @@ class Run:
                                                 else "before this check began")
                 results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
         job = self.job
-        environment = {"device": job.device or "config", "dtype": job.dtype or "config", "seed": job.seed}
+        environment = {"device": job.overrides.device or "config", "dtype": job.overrides.dtype or "config",
+                       "seed": job.overrides.seed}
         return Report(results=results, model=self.model, environment=environment, notes=[f"{how}"],
-                      config_path=job.config, fail_on=job.fail_on)
+                      config_path=job.config, fail_on=job.overrides.fail_on)
 
 
 def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str], None] | None = None) -> Report:

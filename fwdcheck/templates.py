@@ -63,7 +63,7 @@ model:
   # class: BertForMaskedLM # a class other than AutoModelForCausalLM
   causal: true             # false for bidirectional encoders: future-token then skips its causal part
 # future-token and mask-audit run over every code path the model offers (attention implementation, output_attentions,
-# attention_mask, batch size); narrow them with e.g. `paths: {attention_mask: [ones], batch_size: [2]}`.
+# attention_mask, batch size); narrow them with e.g. `code_paths: {attention_mask: [ones], batch_size: [2]}`.
 """,
     "checkpoint": """\
 model:

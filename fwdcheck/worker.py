@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text, first_line
+from fwdcheck.overrides import Overrides
 
 
 @dataclass
@@ -37,15 +38,12 @@ class Job:
 
     config: str | None  # the config file, or None with `factory`
     factory: str | None  # --model pkg.module:factory
-    checks: list[str]  # the selection, validated
-    device: str | None = None
-    dtype: str | None = None
-    seed: int | None = None
-    exhaustive: bool = False
-    meta: bool = False
-    expect_ledger: dict | None = None  # the --expect-ledger document, already read and validated
-    fail_on: str = "fail"
+    overrides: Overrides  # the command line's flags, its check selection validated
     sys_path: list[str] = field(default_factory=list)  # the supervisor's import path, so modules resolve alike
+
+    def __post_init__(self):
+        if isinstance(self.overrides, dict):  # as it arrives on the worker's stdin
+            self.overrides = Overrides(**self.overrides)
 
     @property
     def label(self) -> str:
@@ -58,33 +56,22 @@ def execute(job: Job, *, progress: Callable[[str], None] | None = None,
     """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
     on an error they travel on the exception as `warning_notes`, for --debug."""
     from fwdcheck.config import config_from_dict, load_config
-    from fwdcheck.model import load_model
-    from fwdcheck.registry import select
-    from fwdcheck.runner import model_summary, run_model
-    from fwdcheck.session import Settings
+    from fwdcheck.runner import Run, model_summary
 
     config_path = Path(job.config) if job.config is not None else None
     if config_path is not None:
         config = load_config(config_path)
     else:
         config = config_from_dict({"model": {"source": "python", "factory": job.factory}})
-    entries = select(job.checks)
-    config.meta = job.meta or config.meta
-    settings = Settings.from_config(config)
-    settings.device = job.device or settings.device
-    settings.dtype = job.dtype or settings.dtype
-    settings.seed = job.seed if job.seed is not None else settings.seed
-    settings.exhaustive = job.exhaustive or settings.exhaustive
-    settings.expect_ledger = job.expect_ledger
+    run = Run.build(config, job.overrides)
     with warnings.catch_warnings(record=True) as caught:
         try:
             with about_config(config_path):
-                loaded = load_model(config)
+                loaded = run.load()
             if on_model:
                 on_model(model_summary(loaded))
             with about_config(config_path):
-                report = run_model(loaded, settings, entries, config_path=config_path, fail_on=job.fail_on,
-                                   progress=progress, on_result=on_result)
+                report = run.check(loaded, config_path=config_path, progress=progress, on_result=on_result)
         except BaseException as exc:
             exc.warning_notes = warning_notes(caught)
             raise
@@ -171,7 +158,7 @@ def main(argv: list[str]) -> None:
         from fwdcheck.registry import select
         from fwdcheck.runner import per_code_path
 
-        entries = select(job.checks)
+        entries = select(job.overrides.checks)
         events.send("plan", checks=[e.name for e in entries],
                     per_code_path=[e.name for e in entries if per_code_path(e)])
         report = execute(job, progress=lambda description: events.send("progress", description=description),

@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model
-from fwdcheck.registry import select
+from fwdcheck.overrides import Overrides
 from fwdcheck.report import Report
-from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.runner import Run
 
 
 def run_checks(model: dict, checks: list[str] | None = None, **top) -> Report:
-    """Run the named checks (all when None) on the model a config dict describes."""
+    """Run the named checks (the config's, else the default ones, when None) on the model a config dict describes,
+    as the command line's worker runs a config file."""
     document = {"model": model, "inputs": top.pop("inputs", {"batch_size": 2, "seq_len": 8}), **top}
-    config = config_from_dict(document)
-    return run_model(load_model(config), Settings.from_config(config), select(checks))
+    run = Run.build(config_from_dict(document), Overrides(checks=checks))
+    return run.check(run.load())
 
 
 def statuses(report: Report) -> dict[str, str]:

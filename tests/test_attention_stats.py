@@ -101,7 +101,7 @@ def test_reference_model_passes(reference, attention, dtype):
 def test_hf_models_pass(name):
     from tests import compat
 
-    r = result(run_checks(compat.CASES[name][0], [CHECK], paths={"enabled": False}))
+    r = result(run_checks(compat.CASES[name][0], [CHECK], code_paths={"enabled": False}))
     assert r.status.value == "pass", r.findings
 
 
@@ -109,7 +109,7 @@ def test_hf_eager_weights_reproduce_the_scale():
     from tests import compat
 
     spec = compat.hf("llama", num_key_value_heads=2, attn_implementation="eager", **compat.LLAMA_LIKE)
-    r = result(run_checks(spec, [CHECK], paths={"enabled": False}))
+    r = result(run_checks(spec, [CHECK], code_paths={"enabled": False}))
     assert r.status.value == "pass", r.findings
     assert {c["measured_by"] for c in r.data["calls"]} == {"weights"}
 

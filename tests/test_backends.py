@@ -57,7 +57,7 @@ def test_low_precision_clean_model_passes(reference, dtype):
     ("gemma", {"num_key_value_heads": 1, "head_dim": 8}),
 ])
 def test_hf_models_pass_with_left_padding(model_type, fields):
-    r = result(run_checks(hf_spec(model_type, **fields), [CHECK], paths=NO_PATHS))
+    r = result(run_checks(hf_spec(model_type, **fields), [CHECK], code_paths=NO_PATHS))
     assert r.status.value == "pass", r.findings
     assert r.data["implementations"]["left_padding"] == 3
     assert set(r.data["padded_changes"]) == {"eager"}
@@ -65,14 +65,14 @@ def test_hf_models_pass_with_left_padding(model_type, fields):
 
 
 def test_hf_llama_bfloat16_passes():
-    assert result(run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], paths=NO_PATHS,
+    assert result(run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], code_paths=NO_PATHS,
                              dtype="bfloat16")).status.value == "pass"
 
 
 def test_gpt2_passes():
     from tests import compat
 
-    assert result(run_checks(compat.CASES["GPT-2"][0], [CHECK], paths=NO_PATHS)).status.value == "pass"
+    assert result(run_checks(compat.CASES["GPT-2"][0], [CHECK], code_paths=NO_PATHS)).status.value == "pass"
 
 
 def test_eager_path_that_ignores_the_padding_mask_fails_on_padded_rows_only(monkeypatch):
@@ -88,7 +88,7 @@ def test_eager_path_that_ignores_the_padding_mask_fails_on_padded_rows_only(monk
         return original(module, query, key, value, causal[None, None], scaling, dropout, **kwargs)
 
     monkeypatch.setattr(llama, "eager_attention_forward", own_causal_mask)
-    report = run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], paths=NO_PATHS)
+    report = run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], code_paths=NO_PATHS)
     assert result(report).status.value == "fail"
     assert codes(report, "backends") == {"FWD802"}
     assert "left-padded by 3" in result(report).findings[0].message

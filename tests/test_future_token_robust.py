@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from checks.future_token import FutureToken, prefix_lengths
 from fwdcheck.api import check_model
-from fwdcheck.config import FactoryModel
+from fwdcheck.config import FactoryModel, Inputs
 from fwdcheck.model import FactoryParts, model_from_module
 from fwdcheck.result import Status
 from fwdcheck.session import Session, Settings
@@ -143,12 +143,12 @@ def test_the_session_learns_the_refused_length_for_the_checks_after():
     spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
     under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
                                    source="python")
-    session = Session(under_test, Settings(batch_size=2, seq_len=8))
+    session = Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
     assert session.min_seq_len == 1
     with session.active():
         FutureToken().run(under_test, session)
     assert session.min_seq_len == 2
-    declared = Session(under_test, Settings(batch_size=2, seq_len=8, min_seq_len=4))
+    declared = Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8, min_seq_len=4)))
     assert declared.min_seq_len == 4
 
 
@@ -258,7 +258,7 @@ def test_single_row_pass_is_skipped_where_one_row_is_already_covered():
     one = future_token(gpt(leak="batch1-no-mask"), batch_size=1)
     assert "not needed" in one.data["single_row"]
     assert one.status == Status.FAIL and "FWD101" in problems(one)  # the baseline itself is the single row
-    matrix = future_token(gpt(), paths={"enabled": True})
+    matrix = future_token(gpt(), code_paths={"enabled": True})
     assert "code-path matrix" in matrix.data["single_row"]
 
 
@@ -290,11 +290,11 @@ class Observed(nn.Module):
         return logits + self.shift if observed else logits
 
 
-def session_for(module: nn.Module, **settings) -> tuple:
+def session_for(module: nn.Module) -> tuple:
     spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
     under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
                                    source="python")
-    return under_test, Session(under_test, Settings(**{"batch_size": 2, "seq_len": 8, **settings}))
+    return under_test, Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
 
 
 def test_a_clean_run_compares_with_the_observed_logits_and_measures_no_noise_floor():

@@ -78,7 +78,7 @@ runner = CliRunner()
 # Vocabulary
 
 CONFIG_CLASSES = [schema.Config, schema.ReferenceModel, schema.PythonModel, schema.CheckpointModel, schema.HFModel,
-                  schema.Inputs, schema.Tolerance, schema.Paths, schema.Ignore, schema.RopeSpec]
+                  schema.Inputs, schema.Tolerance, schema.CodePaths, schema.Ignore, schema.RopeSpec]
 KEYS = sorted({name for cls in CONFIG_CLASSES for name in cls.model_fields} - {"source_path"} | {"class"})
 SIZE_KEYS = {"vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "d_ff", "max_seq_len", "rotary_dim",
              "batch_size", "seq_len", "max_positions"}

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fwdcheck.config import Inputs
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.registry import select
 from fwdcheck.runner import CheckTimeout, run_model, time_limit
@@ -66,7 +67,7 @@ class FlipsSwitches(nn.Module):
 def test_switches_a_forward_flips_are_put_back():
     before = switches()
     model = ModelUnderTest(module=FlipsSwitches(), label="flips", source="python", vocab_size=16)
-    report = run_model(model, Settings(seq_len=4), select(["shape-ledger"]))
+    report = run_model(model, Settings(inputs=Inputs(seq_len=4)), select(["shape-ledger"]))
     assert report.exit_code == 0, report.results[0].summary
     assert switches() == before
     notes = " ".join(report.notes)

@@ -99,12 +99,12 @@ def test_analyze_sees_partial_rotary_and_no_rotation():
 def test_mask_conventions():
     """One causal intent, four encodings: the may-read set is the same lower triangle every time."""
     causal = torch.ones(3, 3, dtype=torch.bool).tril()
-    assert torch.equal(_read_mask(causal, true_means_masked=False)[3], causal)  # SDPA bool: True = may attend
-    assert torch.equal(_read_mask(~causal, true_means_masked=True)[3], causal)  # MHA bool: True = masked out
-    additive = torch.zeros(3, 3).masked_fill(~causal, float("-inf"))
-    kind, values, zero_one, may = _read_mask(additive, true_means_masked=True)
-    assert (kind, values, zero_one) == ("float", "{0, -inf}", False) and torch.equal(may, causal)
-    kind, values, zero_one, may = _read_mask(causal.float(), true_means_masked=False)
-    assert zero_one and may.all()  # 0/1 floats are added to the scores: nothing is masked
+    assert torch.equal(_read_mask(causal, true_means_masked=False).allowed, causal)  # SDPA bool: True = may attend
+    assert torch.equal(_read_mask(~causal, true_means_masked=True).allowed, causal)  # MHA bool: True = masked out
+    additive = _read_mask(torch.zeros(3, 3).masked_fill(~causal, float("-inf")), true_means_masked=True)
+    assert (additive.kind, additive.values, additive.float_01) == ("float", "{0, -inf}", False)
+    assert torch.equal(additive.allowed, causal)
+    zero_one = _read_mask(causal.float(), true_means_masked=False)
+    assert zero_one.float_01 and zero_one.allowed.all()  # 0/1 floats are added to the scores: nothing is masked
     finfo_min = torch.zeros(3, 3).masked_fill(~causal, torch.finfo(torch.float32).min)
-    assert torch.equal(_read_mask(finfo_min, true_means_masked=False)[3], causal)
+    assert torch.equal(_read_mask(finfo_min, true_means_masked=False).allowed, causal)

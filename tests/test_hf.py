@@ -62,7 +62,7 @@ def test_directory_with_weights_round_trips(tmp_path):
     for name, tensor in built.state_dict().items():
         assert torch.equal(tensor, loaded.module.state_dict()[name]), name
     assert any("weights loaded" in n for n in loaded.extra["notes"])
-    report = run_checks({"source": "hf", "path": str(tmp_path)}, paths={"enabled": False})
+    report = run_checks({"source": "hf", "path": str(tmp_path)}, code_paths={"enabled": False})
     assert set(statuses(report).values()) == {"pass"}
 
 
@@ -183,7 +183,7 @@ def test_sliding_window_wider_than_the_naming_pass_is_named_right():
     """The ledger's small second pass is shorter than the window: the model takes another code path there (no
     window mask, kv heads not repeated). Axes are still named from the sizes, without a false FWD401."""
     spec = compat.hf("mistral", num_key_value_heads=2, sliding_window=8, **compat.LLAMA_LIKE)
-    report = run_checks(spec, inputs={"batch_size": 2, "seq_len": 16}, paths={"enabled": False})
+    report = run_checks(spec, inputs={"batch_size": 2, "seq_len": 16}, code_paths={"enabled": False})
     assert set(statuses(report).values()) == {"pass"}
     assert "restricted" in report.result("mask-audit").summary
 

@@ -121,7 +121,7 @@ def hf_model(model_type: str, attn: str, **fields):
 
 
 def hf_result(model, seq_len: int = 8, **kw):
-    report = fwdcheck.check_model(model, CHECK, seq_len=seq_len, paths={"enabled": False}, **kw)
+    report = fwdcheck.check_model(model, CHECK, seq_len=seq_len, code_paths={"enabled": False}, **kw)
     return report.result("kv-cache")
 
 

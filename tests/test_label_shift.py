@@ -98,7 +98,7 @@ def test_hugging_face_causal_lms_pass(name, dtype):
     pytest.importorskip("transformers")
     from tests import compat
 
-    got = result(compat.CASES[name][0], dtype=dtype, paths={"enabled": False})
+    got = result(compat.CASES[name][0], dtype=dtype, code_paths={"enabled": False})
     assert got.status.value == "pass", (got.summary, got.findings)
     assert got.data["convention"].startswith("transformers")
 
@@ -107,7 +107,7 @@ def test_hugging_face_masked_lm_skips():
     pytest.importorskip("transformers")
     from tests import compat
 
-    got = result(compat.CASES["BERT (BertForMaskedLM)"][0], paths={"enabled": False})
+    got = result(compat.CASES["BERT (BertForMaskedLM)"][0], code_paths={"enabled": False})
     assert got.status.value == "skip"
     assert "not one of transformers' causal language models" in got.summary
 

@@ -69,7 +69,7 @@ def test_hugging_face_causal_lms_pass(name, dtype):
     pytest.importorskip("transformers")
     from tests import compat
 
-    got = result(compat.CASES[name][0], dtype=dtype, paths={"enabled": False})
+    got = result(compat.CASES[name][0], dtype=dtype, code_paths={"enabled": False})
     assert got.status.value == "pass", (got.summary, got.findings)
     # transformers 5 finds packed documents from restarting position_ids where the mask builder is handed them;
     # OPT's is not, so it gets a 4-D mask.
@@ -80,7 +80,7 @@ def test_hugging_face_masked_lm_skips():
     pytest.importorskip("transformers")
     from tests import compat
 
-    got = result(compat.CASES["BERT (BertForMaskedLM)"][0], paths={"enabled": False})
+    got = result(compat.CASES["BERT (BertForMaskedLM)"][0], code_paths={"enabled": False})
     assert got.status.value == "skip"
 
 

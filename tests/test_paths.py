@@ -15,7 +15,7 @@ def failing_paths(report, check: str) -> set[str]:
 
 def run_path_bug(bug: str):
     return run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": bug}}, CHECKS,
-                      paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
+                      code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
 
 
 def test_matrix_covers_masks_weights_and_batch_sizes():
@@ -58,7 +58,7 @@ def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
     assert "paths" not in default.result("future-token").data
     narrowed = run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": "mask-ignored"}},
-                          CHECKS, paths={"enabled": True, "attention_mask": ["ones"], "batch_size": [2]})
+                          CHECKS, code_paths={"enabled": True, "attention_mask": ["ones"], "batch_size": [2]})
     assert [r["path"] for r in narrowed.result("future-token").data["paths"]] == [
         "default attention, mask ones, output_attentions=False, B=2",
         "default attention, mask ones, output_attentions=True, B=2"]

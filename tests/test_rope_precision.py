@@ -59,7 +59,7 @@ def test_positions_are_capped_at_the_model_maximum(reference):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_hf_rotary_passes(model_type, dtype):
     """transformers computes position_ids.float() * inv_freq.float() with autocast off: no finding in any dtype."""
-    r = result(run_checks(hf_spec(model_type, num_key_value_heads=2), [CHECK], paths={"enabled": False},
+    r = result(run_checks(hf_spec(model_type, num_key_value_heads=2), [CHECK], code_paths={"enabled": False},
                           dtype=dtype))
     assert r.status.value == "pass", r.findings
     if dtype != "float32":  # the run cast inv_freq with the model: listed, not judged
@@ -75,6 +75,6 @@ def test_no_rotary_skips(reference):
 def test_rotary_found_by_convention_that_cannot_be_called_alone_skips():
     from tests import compat
 
-    r = result(run_checks(compat.CASES["GPT-J (interleaved rotary)"][0], [CHECK], paths={"enabled": False}))
+    r = result(run_checks(compat.CASES["GPT-J (interleaved rotary)"][0], [CHECK], code_paths={"enabled": False}))
     assert r.status.value == "skip"
     assert "cannot be called alone" in r.summary

@@ -93,7 +93,7 @@ a subclass."""
         std = logits.std(-1, unbiased=False) if V > 1 else logits.new_zeros(B, T)  # over the vocabulary
         mean_std = float(std.mean())
         # Own generator: drawing from session.random_ids would shift every later check's inputs.
-        generator = torch.Generator().manual_seed(session.settings.seed)
+        generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         targets = torch.randint(0, V, (B, T), generator=generator).to(logits.device)
         loss = float((logits.logsumexp(-1) - logits.gather(-1, targets[..., None])[..., 0]).mean())
         ln_v = math.log(V)

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fwdcheck.config import Paths
+from fwdcheck.config import CodePaths
 from fwdcheck.model import ModelUnderTest, extract_logits
 from fwdcheck.observe import Observation
 from fwdcheck.session import Settings
 
 LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
-# Tokens per row in a cell, unless paths.seq_len says otherwise. At eight positions future-token cuts at 1, 4 and 7
+# Tokens per row in a cell, unless code_paths.seq_len says otherwise. At eight positions future-token cuts at 1, 4 and 7
 # and mask-audit reads the whole 8 x 8 mask: a causal mask dropped, inverted, shifted by one or ignored for the pads
 # shows in both. Longer cells cost tokens in proportion and find nothing more of what differs between paths; what
 # needs length (a window, a chunk) is checked on the default path at inputs.seq_len.
@@ -68,22 +68,22 @@ class CodePath:
         return LEFT_PADDING if self.attention_mask == "left-pad" else 0
 
 
-def path_cells(model: ModelUnderTest, paths: Paths, batch_size: int) -> list[CodePath]:
+def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) -> list[CodePath]:
     """Every cell of the matrix; empty when the matrix is off (the default for models not from Hugging Face)."""
-    enabled = paths.enabled if paths.enabled is not None else model.source == "hf"
+    enabled = code_paths.enabled if code_paths.enabled is not None else model.source == "hf"
     if not enabled:
         return []
-    implementations = paths.attn_implementation or model.attn_implementations or [None]
+    implementations = code_paths.attn_implementation or model.attn_implementations or [None]
     implementations = [i for i in implementations if not model.attn_implementations or i in model.attn_implementations]
-    attentions = paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
-    masks = paths.attention_mask
+    attentions = code_paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
+    masks = code_paths.attention_mask
     if masks is None:
         masks = ["absent"]
         if model.accepts("attention_mask"):
             masks.append("ones")
             if model.accepts("position_ids"):  # left padding is only fair when positions can skip the pads
                 masks.append("left-pad")
-    batches = paths.batch_size or sorted({1, max(batch_size, 2)})
+    batches = code_paths.batch_size or sorted({1, max(batch_size, 2)})
     return [CodePath(*cell) for cell in itertools.product(implementations, attentions, masks, batches)]
 
 
@@ -94,11 +94,11 @@ def runs_per_code_path(check) -> bool:
 
 
 def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1) -> int:
-    """The sequence length of a cell's inputs: paths.seq_len or CELL_LENGTH, never longer than inputs.seq_len nor
-    shorter than the model accepts (`shortest`: the default session's min_seq_len, declared or found out), and with
-    the left padding still within the model's positions."""
-    wanted = settings.paths.seq_len or CELL_LENGTH
-    length = min(settings.seq_len, max(wanted, shortest))
+    """The sequence length of a cell's inputs: code_paths.seq_len or CELL_LENGTH, never longer than inputs.seq_len
+    nor shorter than the model accepts (`shortest`: the default session's min_seq_len, declared or found out), and
+    with the left padding still within the model's positions."""
+    wanted = settings.code_paths.seq_len or CELL_LENGTH
+    length = min(settings.inputs.seq_len, max(wanted, shortest))
     if model.max_positions:
         length = min(length, model.max_positions - cell.padding)
     return length
@@ -113,9 +113,11 @@ def cell_settings(settings: Settings, model: ModelUnderTest, cell: CodePath, sho
     rows of inputs.seq_len, the run's own session's), so the shorter rows of a cell go through in fewer forwards
     without any forward holding more than the run's."""
     length = cell_length(settings, model, cell, shortest)
-    rows = max_rows or settings.max_rows or max(settings.batch_size, 2)
-    return dataclasses.replace(settings, batch_size=cell.batch_size, seq_len=length, min_seq_len=length,
-                               max_rows=max(rows * settings.seq_len // length, 1))
+    rows = max_rows or settings.max_rows or max(settings.inputs.batch_size, 2)
+    inputs = settings.inputs.model_copy(update={"batch_size": cell.batch_size, "seq_len": length,
+                                                "min_seq_len": length})
+    return settings.model_copy(update={"inputs": inputs,
+                                       "max_rows": max(rows * settings.inputs.seq_len // length, 1)})
 
 
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:

@@ -1,0 +1,36 @@
+"""Overrides: what a caller changes on a config for one run.
+
+Its own module, free of pydantic and torch: the command line builds one before anything heavy is imported, and
+sends it to the worker process inside its Job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fwdcheck.config import RunConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overrides:
+    """What a caller changes on a config for one run: the command line's flags, the pytest plugin's options, the
+    Python API's check selection. None (and False) leave the config's value."""
+
+    checks: list[str] | None = None  # the selection, instead of the config's `checks:`
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    exhaustive: bool = False  # True turns it on; a config's `exhaustive: true` is not turned off
+    meta: bool = False  # likewise
+    expect_ledger: dict | None = None  # a saved shape ledger (ledger_from_dict) the shape-ledger check compares with
+    fail_on: str = "fail"  # fail | warn: the lowest status that fails the run
+
+    def applied(self, config: RunConfig) -> RunConfig:
+        """The config with these overrides in it (a copy; the config itself is left alone)."""
+        inputs = config.inputs if self.seed is None else config.inputs.model_copy(update={"seed": self.seed})
+        return config.model_copy(update={
+            "inputs": inputs, "device": self.device or config.device, "dtype": self.dtype or config.dtype,
+            "checks": self.checks if self.checks is not None else config.checks,
+            "exhaustive": self.exhaustive or config.exhaustive, "meta": self.meta or config.meta})
