@@ -12,11 +12,13 @@ import torch.nn as nn
 
 from fwdcheck.config import Dims, FactoryModel, HFModel, Paths, RopeSpec
 from fwdcheck.errors import UsageError
-from fwdcheck.model import FactoryParts, ModelUnderTest, model_from_module
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources.factory import FactoryParts, model_from_module
+from fwdcheck.sources.hf import hf_model_under_test
 
 
 def check_model(
@@ -63,8 +65,6 @@ def check_model(
 def _wrap(model, vocab_size, max_positions, causal, rope, dims, forward) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly; Hugging Face modules keep their richer description."""
     if hasattr(model, "config") and hasattr(model.config, "model_type") and forward is None:
-        from fwdcheck.hf import hf_model_under_test
-
         spec = HFModel(source="hf", config={"model_type": model.config.model_type}, causal=causal,
                        rope=RopeSpec(**rope) if rope else None)
         return hf_model_under_test(model, spec, notes=[])

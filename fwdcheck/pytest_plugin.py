@@ -209,9 +209,9 @@ class ConfigFile(pytest.File):
         return self._outcome
 
     def _run(self):
-        from fwdcheck.model import load_model
         from fwdcheck.runner import run_model
         from fwdcheck.session import Settings
+        from fwdcheck.sources import load_model
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries

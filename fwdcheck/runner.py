@@ -188,7 +188,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     With `taken` (the cells run so far, by path_signature) the cell's observation pass runs first: a cell that saw
     exactly what an earlier one saw takes that cell's verdict (paths.py says why that holds), and a cell that runs
     in full is added to it."""
-    from fwdcheck.hf import using_attn_implementation
+    from fwdcheck.sources.hf import using_attn_implementation
 
     results: list[CheckResult] = []
     tokens: list[int] = []

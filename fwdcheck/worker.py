@@ -58,10 +58,10 @@ def execute(job: Job, *, progress: Callable[[str], None] | None = None,
     """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
     on an error they travel on the exception as `warning_notes`, for --debug."""
     from fwdcheck.config import config_from_dict, load_config
-    from fwdcheck.model import load_model
     from fwdcheck.registry import select
     from fwdcheck.runner import model_summary, run_model
     from fwdcheck.session import Settings
+    from fwdcheck.sources import load_model
 
     config_path = Path(job.config) if job.config is not None else None
     if config_path is not None:

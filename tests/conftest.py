@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model
 from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 
 
 def run_checks(model: dict, checks: list[str] | None = None, **top) -> Report:

@@ -103,12 +103,12 @@ def section(result: pytest.RunResult, title: str) -> str:
 
 def test_configs_become_items(tester, monkeypatch):
     """One session over five configs and a model repo's own test file (pytest sessions are costly: one run)."""
-    import fwdcheck.model
     import fwdcheck.runner
+    import fwdcheck.sources
 
     loads, runs = [], []
-    load_model, run_model = fwdcheck.model.load_model, fwdcheck.runner.run_model
-    monkeypatch.setattr(fwdcheck.model, "load_model", lambda config: loads.append(config) or load_model(config))
+    load_model, run_model = fwdcheck.sources.load_model, fwdcheck.runner.run_model
+    monkeypatch.setattr(fwdcheck.sources, "load_model", lambda config: loads.append(config) or load_model(config))
     monkeypatch.setattr(fwdcheck.runner, "run_model",
                         lambda model, settings, entries, **kw: (kw.get("config_path") and runs.append(
                             [e.name for e in entries])) or run_model(model, settings, entries, **kw))
