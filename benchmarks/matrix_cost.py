@@ -27,12 +27,12 @@ import time
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model
 from fwdcheck.code_paths import path_cells, runs_per_code_path
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path
 from fwdcheck.session import Session, Settings
+from fwdcheck.sources import load_model
 
 MODELS = {
     "GPT-2 small": {"model_type": "gpt2"},  # transformers' defaults: d=768, 12 layers, 12 heads, V=50257

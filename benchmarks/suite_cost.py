@@ -33,10 +33,10 @@ import time
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model, run_one
 from fwdcheck.session import Session, Settings
+from fwdcheck.sources import load_model
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
 SMALL = dict(vocab_size=4096, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=512)

@@ -28,10 +28,8 @@ from fwdcheck.checks.backends import RecordSdpa
 from fwdcheck.errors import SkipCheck
 from fwdcheck.observe import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.tolerances import TOLERANCES
 
-# How far a weight may be from softmax(c . q . k) and still be reproduced by c, by the dtype the model computed in:
-# the rounding of the scores (q . k is rounded to the dtype before the softmax) and of the weights.
-WEIGHT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 SATURATED = 0.99  # a row whose largest weight exceeds this reads one key
 SATURATED_SHARE = 0.5  # at initialisation, more rows than this reading one key is worth a look
 # Names under which attention modules keep their query projection (Hugging Face, fairseq, x-transformers, Llama).
@@ -203,7 +201,8 @@ is learned, not a bug. Skips when no call's scale could be measured."""
         dtype = getattr(torch, call.dtype, session.dtype)
         tiny = torch.finfo(dtype).tiny if dtype.is_floating_point else 1e-30
         allowed = weights > tiny  # the keys the model left a weight on: masked ones carry none
-        scale, how = reproducing_scale(raw, weights, allowed, d_h, WEIGHT_TOLERANCE.get(dtype, 2e-2))
+        tolerance = TOLERANCES[dtype].attention_weights if dtype in TOLERANCES else 2e-2
+        scale, how = reproducing_scale(raw, weights, allowed, d_h, tolerance)
         return raw, weights, allowed, scale, how, d_h, scores.a
 
 

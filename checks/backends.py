@@ -3,14 +3,14 @@
 Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
     model's forward under `attn_implementation` eager and sdpa (flex_attention with `exhaustive: true`), switched
-    as the code-path matrix switches it (fwdcheck.hf.using_attn_implementation), on the session's inputs and, when
-    forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
+    as the code-path matrix switches it (fwdcheck.sources.hf.using_attn_implementation), on the session's inputs
+    and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
     device, dtype and call must give the math kernel's output. Kernels that cannot run are named, not judged.
 
 The bar is Hugging Face's own eager-vs-SDPA test bar for the dtype (float32 atol 1e-6, rtol 1e-4; float16 5e-3;
-bfloat16 1e-2), never below the session's threshold (its tolerance and noise floor).
+bfloat16 1e-2; fwdcheck/tolerances.py), never below the session's threshold (its tolerance and noise floor).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from fwdcheck.errors import SkipCheck
-from fwdcheck.hf import attn_implementations, using_attn_implementation
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
 from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
+from fwdcheck.sources.hf import attn_implementations, using_attn_implementation
+from fwdcheck.tolerances import TOLERANCES
 
-# Hugging Face's test_eager_matches_sdpa_inference bar, (atol, rtol) per dtype.
-HF_TOLERANCE = {torch.float32: (1e-6, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (1e-2, 1e-2)}
 # The SDPA kernels compared with the math kernel, by the names reports use.
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
            "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -93,7 +92,7 @@ def switchable(model) -> tuple[list[str], str | None]:
 
 def tolerance(session, scale: float, noise: float = 0.0) -> float:
     """The bar for values of magnitude `scale`: Hugging Face's eager-vs-SDPA bar, never below the session's."""
-    atol, rtol = HF_TOLERANCE[session.dtype]
+    rtol, atol = TOLERANCES[session.dtype].backends
     return max(atol + rtol * scale, session.threshold(scale, noise))
 
 
@@ -229,7 +228,7 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
         changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
         pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
         largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
-        atol, rtol = HF_TOLERANCE[session.dtype]
+        rtol, atol = TOLERANCES[session.dtype].backends
         needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
         noise = session.repeat_change() if needs_noise else 0.0
         bar = tolerance(session, scale, noise)
@@ -266,7 +265,7 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
             ran["math"] += 1
             rows = _rows_with_keys(arguments, reference.shape)  # (..., L): query rows that read some key
             scale = float(reference[rows].abs().max()) if bool(rows.any()) else 0.0
-            atol, rtol = HF_TOLERANCE[session.dtype]
+            rtol, atol = TOLERANCES[session.dtype].backends
             bar = max(atol + rtol * scale, session.tolerance(scale))
             for name, backend in KERNELS.items():
                 output = _replay(arguments, backend)

@@ -29,6 +29,7 @@ import torch.nn as nn
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, extract_logits, model_failure, model_frame
 from fwdcheck.observe import ZeroAttentionDropout, first_tensor
+from fwdcheck.reference import ReferenceTransformer
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change
 
@@ -151,7 +152,7 @@ class PastKeyValues(Decoder):
         B, n = ids.shape
         kwargs: dict[str, Any] = {"use_cache": True}
         if state is None and self.transformers:
-            from transformers import DynamicCache
+            from transformers import DynamicCache  # on use: transformers is optional
 
             try:  # the layer types (sliding window, ...) come from the config, as generate builds it
                 state = DynamicCache(config=self.module.config)
@@ -218,8 +219,6 @@ def decoder_for(model) -> Decoder:
         if declared["style"] == "gpt-fast":
             return InputPos(model.module, declared["setup"])
         return PastKeyValues(model.module, transformers=False)
-    from fwdcheck.reference import ReferenceTransformer
-
     if isinstance(model.module, ReferenceTransformer):
         return PastKeyValues(model.module, transformers=False)
     raise SkipCheck(f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "

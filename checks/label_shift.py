@@ -72,6 +72,7 @@ def convention(model) -> Convention:
 
 def is_causal_lm(module) -> bool:
     """Whether a transformers model is one of the classes AutoModelForCausalLM builds (their loss shifts labels)."""
+    # on use: transformers is optional, and only a Hugging Face model is asked
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names = set()

@@ -32,9 +32,8 @@ from fwdcheck.model import describe, model_failure, model_frame
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.session import logit_scale, position_change
+from fwdcheck.tolerances import TOLERANCES
 
-# Relative tolerance for comparing rotated vectors and scores, by dtype: rotations are exact up to rounding.
-RELATIVE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 # Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
 # probe: at 32 positions in float32, theta > 6.5e-5, down to base 10000's slowest pair at head size 128); more only
 # costs time, two observed forwards of this length.
@@ -319,7 +318,7 @@ or correct the declaration."""
         return f"base {m['base']:.4g}" if m.get("base") else ""
 
     def run(self, model, session) -> CheckResult:
-        tol = RELATIVE[session.dtype]
+        tol = TOLERANCES[session.dtype].rotation
         self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
         declared = model.rope
         findings: list[Finding] = []

@@ -19,10 +19,11 @@ import math
 
 import torch
 
-from fwdcheck.checks.rope import RELATIVE, analyze, pair_indices
+from fwdcheck.checks.rope import analyze, pair_indices
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, model_failure, model_frame
 from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.tolerances import TOLERANCES
 
 POSITIONS = (1024, 8192, 32768, 131072)  # the long positions measured, capped at the model's maximum
 WINDOW = 8  # positions ending at each long one: the relative identity is checked over their pairs
@@ -126,7 +127,7 @@ is the reference (a float32 run then skips)."""
                                 "precise reference") from None
             reference_dtype = torch.float32
         # Which dims rotate, paired how: from q turned through the short positions at the reference precision.
-        tol = RELATIVE[torch.float32]
+        tol = TOLERANCES[torch.float32].rotation
         turn = analyze(rotate(q, short, reference_dtype), tol, model.rope.pairing if model.rope else None)
         if not turn.rotates or turn.pairing is None:
             raise SkipCheck("the rotary function alone does not rotate pairs of dims at positions 0..31"
@@ -160,7 +161,7 @@ is the reference (a float32 run then skips)."""
             angle = float(angle_error[i].max())
             angle = float("inf") if math.isnan(angle) else angle
             bar = angle_bar(position)
-            identity_bar = RELATIVE[session.dtype] + 2 * bar
+            identity_bar = TOLERANCES[session.dtype].rotation + 2 * bar
             rows.append({"position": position, "angle_error": angle, "angle_bar": bar, "identity_error": identity,
                          "identity_bar": identity_bar})
             dtype = str(session.dtype).removeprefix("torch.")

@@ -15,10 +15,12 @@ from pydantic import ValidationError
 from fwdcheck.config import (CodePaths, Dims, FactoryModel, HFModel, Inputs, RopeSpec, RunConfig,
                              describe_validation_error)
 from fwdcheck.errors import UsageError
-from fwdcheck.model import FactoryParts, ModelUnderTest, model_from_module
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.overrides import Overrides
 from fwdcheck.report import Report
 from fwdcheck.runner import Run
+from fwdcheck.sources.factory import FactoryParts, model_from_module
+from fwdcheck.sources.hf import hf_model_under_test
 
 
 def check_model(
@@ -69,8 +71,6 @@ def check_model(
 def _wrap(model, vocab_size, max_positions, causal, rope, dims, forward) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly; Hugging Face modules keep their richer description."""
     if hasattr(model, "config") and hasattr(model.config, "model_type") and forward is None:
-        from fwdcheck.hf import hf_model_under_test
-
         spec = HFModel(source="hf", config={"model_type": model.config.model_type}, causal=causal,
                        rope=RopeSpec(**rope) if rope else None)
         return hf_model_under_test(model, spec, notes=[])

@@ -191,6 +191,8 @@ class Planned:
 
 
 def _run(o: RunOptions) -> int:
+    from fwdcheck.ledger import read_ledger
+
     if o.configs and o.model is not None:
         raise UsageError("give either a config file or --model, not both")
     paths: list[Path | None] = list(o.configs) or ([None] if o.model is not None else [default_config()])
@@ -367,13 +369,9 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
 
 
 def save_ledger(report, path: Path) -> None:
-    ledger = next((r for r in report.results if r.name == "shape-ledger"), None) if report else None
-    if ledger is None or "entries" not in ledger.data:
-        why = ledger.summary if ledger is not None else "not selected"
-        raise UsageError(f"--save-ledger {path}: the shape ledger did not run ({why})")
-    document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
-                "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]]}
-    write_whole(path, json.dumps(document, indent=2) + "\n", what="--save-ledger")
+    from fwdcheck.ledger import ledger_text
+
+    write_whole(path, ledger_text(report, path), what="--save-ledger")
 
 
 class StdoutConsole(Console):
@@ -448,24 +446,6 @@ def recorded(outcome: Outcome, verbosity: Verbosity, debug: bool) -> Console:
     console = Console(file=io.StringIO(), record=True, width=120, force_terminal=True, color_system="truecolor")
     render_terminal(outcome, console, verbosity, debug)
     return console
-
-
-def read_ledger(path: Path) -> dict:
-    from fwdcheck.config import ledger_from_dict, regular_file
-
-    label = f"--expect-ledger {path}"
-    regular_file(Path(path), label, UsageError, what="ledger")
-    try:
-        # NaN and Infinity are no JSON; Python's reader accepts them unless told not to. The ledger check refuses
-        # them by type (a size is an integer), which names the key.
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{label}: no such file (write one with --save-ledger)") from None
-    except RecursionError:
-        raise UsageError(f"{label}: nested too deeply; not a ledger written by --save-ledger") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{label}: not a readable JSON ledger ({exc})") from None
-    return ledger_from_dict(document, label)
 
 
 @contextmanager
@@ -598,7 +578,7 @@ def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[st
         inputs.append(("the checkpoint", model.path))
         inputs += [("a checkpoint shard", shard) for shard in _shards(model.path)]
     elif isinstance(model, HFModel) and model.path is not None:
-        from fwdcheck.hf import WEIGHT_FILES
+        from fwdcheck.sources.hf import WEIGHT_FILES
 
         for name in ("config.json", *WEIGHT_FILES):
             inputs.append((f"the model's {name}", model.path / name))

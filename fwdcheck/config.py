@@ -12,14 +12,14 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
 from fwdcheck.bugs import BUGS
-from fwdcheck.errors import ConfigError, UsageError
+from fwdcheck.errors import ConfigError
 
 Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
 
@@ -188,6 +188,10 @@ class HFModel(Strict):
 
 
 ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
+# source name -> its config class, read off the union (each class's `source` Literal): the one list of the sources.
+MODEL_CLASSES: dict[str, type[BaseModel]] = {
+    get_args(cls.model_fields["source"].annotation)[0]: cls for cls in get_args(get_args(ModelSource)[0])
+}
 
 
 class CodePaths(Strict):
@@ -439,73 +443,20 @@ def _describe_problem(error: dict, listed: set[tuple]) -> str:
         return f"{loc}: required key is missing"
     if error["type"] == "union_tag_invalid":
         return f"{loc or 'model'}.source: unknown source {error['input'].get('source')!r}; " \
-            f"known: {', '.join(_model_classes())}"
+            f"known: {', '.join(MODEL_CLASSES)}"
     if error["type"] == "union_tag_not_found":
-        return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(_model_classes())})"
+        return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(MODEL_CLASSES)})"
     got = error.get("input")
     shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
     text = error["msg"].removeprefix("Value error, ")
     return f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
 
 
-class LedgerEntry(BaseModel):
-    """One tensor of a ledger written by --save-ledger. strict: a JSON number where a name belongs, a float (NaN)
-    where a size belongs, a null where a list belongs, are refused rather than coerced."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str = Field(min_length=1)
-    dims: list[str]
-    shape: list[Annotated[int, Field(ge=0)]] | None = None
-    dtype: str | None = None
-
-
-class Ledger(BaseModel):
-    """The document --save-ledger writes and --expect-ledger reads. Keys it does not know are ignored (a newer
-    fwdcheck may add some); the version, when given, must be one this fwdcheck reads."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    fwdcheck_ledger: Literal[1] = 1
-    dims: dict[str, PositiveInt] = Field(default_factory=dict)
-    entries: list[LedgerEntry]
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Ledger:
-        first: dict[str, int] = {}
-        for i, entry in enumerate(self.entries):
-            if entry.name in first:
-                raise ValueError(f"entries[{i}]: '{entry.name}' is listed twice (first as "
-                                 f"entries[{first[entry.name]}])")
-            first[entry.name] = i
-            if entry.shape is not None and len(entry.shape) != len(entry.dims):
-                raise ValueError(f"entries[{i}]: '{entry.name}' has {len(entry.shape)} sizes in shape but "
-                                 f"{len(entry.dims)} names in dims")
-        return self
-
-
-def ledger_from_dict(document: Any, name: str) -> dict:
-    """A parsed --expect-ledger file, validated: the ledger as a plain dict, or one UsageError line naming the key."""
-    if not isinstance(document, dict) or "entries" not in document:
-        raise UsageError(f"{name}: not a ledger written by --save-ledger (a JSON object with 'entries')")
-    if nesting_depth(document) > MAX_DEPTH:
-        raise UsageError(f"{name}: nested more than {MAX_DEPTH} levels deep; not a ledger written by --save-ledger")
-    try:
-        ledger = Ledger.model_validate(document)
-    except ValidationError as exc:
-        raise UsageError(f"{name}: not a ledger written by --save-ledger: {describe_validation_error(exc)}") from None
-    return ledger.model_dump()
-
-
-def _model_classes() -> dict[str, type[BaseModel]]:
-    return {"reference": ReferenceModel, "python": PythonModel, "checkpoint": CheckpointModel, "hf": HFModel}
-
-
 def _yaml_loc(loc: tuple) -> str:
     """pydantic's location as a YAML path, without the discriminator tag it inserts: model.bugs[0]."""
     text = ""
     for i, part in enumerate(loc):
-        if i == 1 and loc[0] == "model" and part in _model_classes():
+        if i == 1 and loc[0] == "model" and part in MODEL_CLASSES:
             continue
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
@@ -520,7 +471,7 @@ def _did_you_mean(loc: tuple, *, name_valid_keys: bool) -> str:
     while path and cls is not None:
         part = path.pop(0)
         if cls is Config and part == "model":
-            cls = _model_classes().get(path.pop(0)) if path else None
+            cls = MODEL_CLASSES.get(path.pop(0)) if path else None
             continue
         annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
         candidates = getattr(annotation, "__args__", (annotation,))

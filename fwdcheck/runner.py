@@ -16,14 +16,15 @@ from typing import Callable
 from fwdcheck.code_paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
                                  runs_per_code_path)
 from fwdcheck.config import RunConfig
-from fwdcheck.overrides import Overrides
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
-from fwdcheck.model import ModelUnderTest, load_model
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import code_location
+from fwdcheck.overrides import Overrides
 from fwdcheck.registry import CheckEntry, select
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.session import ParameterWatch, Session, Settings
+from fwdcheck.sources import load_model
 
 
 @dataclass
@@ -217,7 +218,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     With `taken` (the cells run so far, by path_signature) the cell's observation pass runs first: a cell that saw
     exactly what an earlier one saw takes that cell's verdict (code_paths.py says why that holds), and a cell that runs
     in full is added to it."""
-    from fwdcheck.hf import using_attn_implementation
+    from fwdcheck.sources.hf import using_attn_implementation
 
     results: list[CheckResult] = []
     tokens: list[int] = []

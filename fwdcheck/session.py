@@ -22,16 +22,15 @@ import torch.nn.modules.module as module_globals
 from torch.nn.modules.dropout import _DropoutNd
 
 from fwdcheck.config import RunConfig
-from fwdcheck.overrides import Overrides
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
-from fwdcheck.hf import library_messages
 from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
+from fwdcheck.overrides import Overrides
+from fwdcheck.sources.hf import library_messages
+from fwdcheck.tolerances import TOLERANCES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# (rtol, atol) per dtype, as torch.testing.assert_close uses them; rtol is scaled by the largest |logit|.
-DEFAULT_TOLERANCE = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
 SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_length)
 # Elements of one [.., V] difference computed at once by position_change: a slice of the vocabulary at a time, so that
 # comparing logits needs a few MB beside them instead of another copy of them.
@@ -304,7 +303,7 @@ class Session:
         if settings.inputs.seq_len > (model.max_positions or settings.inputs.seq_len):
             raise UsageError(f"inputs.seq_len {settings.inputs.seq_len} exceeds the model's maximum positions "
                              f"{model.max_positions}")
-        rtol, atol = DEFAULT_TOLERANCE[self.dtype]
+        rtol, atol = TOLERANCES[self.dtype].logits
         self.rtol = settings.tolerance.rtol if settings.tolerance.rtol is not None else rtol
         self.atol = settings.tolerance.atol if settings.tolerance.atol is not None else atol
         # Rows per forward: no more than the baseline runs, so that no forward of a check needs more memory than the

@@ -15,7 +15,8 @@ the same factory, randomly initialised.
 The shrunk config is written where the user is (the working directory) by default, so paths in it that pointed
 next to the original (a factory's modules, `path:` entries) are rewritten to still find them from there.
 
-Nothing heavy at import time: transformers is imported by the functions that need it.
+Nothing heavy at import time: torch and transformers (and fwdcheck.sources.hf, which imports torch) are imported by
+the functions that need them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import yaml
 
 from fwdcheck.config import (
     CheckpointModel,
+    Dims,
     FactoryModel,
     HFModel,
     Inputs,
@@ -37,6 +39,7 @@ from fwdcheck.config import (
     config_from_dict,
     load_config,
 )
+from fwdcheck.config_keys import CONFIG_KEYS, Spellings, extended
 from fwdcheck.errors import ConfigError, UsageError
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
@@ -50,17 +53,15 @@ VOCAB = 512
 WINDOW = 3
 LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary ones cost nothing and are kept)
 
-# Configuration keys, by what they mean, in the spellings architectures use. The first present one is the model's.
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
-              "num_decoder_layers")
-HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
-KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
-HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
-HEAD_DIM_KEYS = ("head_dim", "d_kv")
-FF_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "moe_intermediate_size",
-           "shared_expert_intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim")
+# A Hugging Face config's sizes, by what they mean (fwdcheck/config_keys.py; the first present one is the model's):
+# the shared spellings, and those of encoder-decoder models (encoder_layers, num_decoder_layers, encoder_ffn_dim, ...),
+# T5 (d_kv), ChatGLM (multi_query_group_num, ffn_hidden_size) and mixtures of experts.
+HF_KEYS = extended(CONFIG_KEYS, L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
+                   h_kv=("multi_query_group_num",), d_h=("d_kv",),
+                   d_ff=("ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "encoder_ffn_dim", "decoder_ffn_dim"))
 EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor",
                "rotary_emb_base")
 # Bookkeeping that says where the config came from, not what the model is; quantization needs real weights.
@@ -123,8 +124,10 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
         block, edits = _shrink_hf_block(raw["model"], model, _seq_len(raw))
     elif isinstance(model, ReferenceModel):
         block, edits = _shrink_reference_block(raw["model"])
-    else:
+    elif isinstance(model, FactoryModel):
         block, edits = _shrink_factory_block(raw["model"], model, config_path, output)
+    else:  # a source added without shrink rules of its own
+        raise UsageError(f"{config_path}: fwdcheck shrink has no rules for `source: {model.source}` models")
     document = {key: value for key, value in raw.items() if key != "meta"}  # a shrunk config runs with values
     document["model"] = block
     changes, notes = edits.changes, edits.notes
@@ -232,12 +235,12 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     e = Edits(data)
     # Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
     # layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more.
-    layer_key = e.first(LAYER_KEYS)
+    layer_key = e.first(HF_KEYS["L"])
     old_layers = data[layer_key] if layer_key else None
     if layer_key:
         types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
         kept = keep_layers(types, min(old_layers, LAYERS))
-        for key in LAYER_KEYS:
+        for key in HF_KEYS["L"]:
             if isinstance(data.get(key), int):
                 e.set(key, min(data[key], len(kept)))
         for key, value in list(data.items()):
@@ -245,7 +248,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
                 e.set(key, [value[i] for i in kept])
 
     # Heads: at most 2 kv heads, the query heads per kv head kept (MQA stays MQA), at most 16 heads.
-    head_key, kv_key, hidden_key = e.first(HEAD_KEYS), e.first(KV_KEYS), e.first(HIDDEN_KEYS)
+    head_key, kv_key, hidden_key = e.first(HF_KEYS["h"]), e.first(HF_KEYS["h_kv"]), e.first(HF_KEYS["d"])
     old_hidden = data.get(hidden_key) if hidden_key else None
     old_head = None
     if head_key:
@@ -264,7 +267,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     new_head = old_head
     if old_head:
         new_head = shrunk_head_size(old_head, partial)
-        for key in HEAD_DIM_KEYS:
+        for key in HF_KEYS["d_h"]:
             if data.get(key) is not None:
                 e.set(key, new_head)
         if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
@@ -274,7 +277,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
 
     # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8).
     if old_hidden and hidden_key:
-        for key in FF_KEYS + EMBED_KEYS:
+        for key in HF_KEYS["d_ff"] + EMBED_KEYS:
             if isinstance(data.get(key), int):
                 e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
 
@@ -295,14 +298,14 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
             e.set(key, clamp_token(data[key], data["vocab_size"]))
 
     # The mask type is kept: a sliding window stays, small enough for a short test sequence to reach past it.
-    for key in ("sliding_window", "attention_chunk_size"):
+    for key in WINDOW_KEYS:
         if isinstance(data.get(key), int) and data[key] > WINDOW:
             e.set(key, WINDOW)
 
     # Positions: rotary models keep max_position_embeddings (it costs nothing and rope scaling may depend on it);
     # learned absolute tables (GPT-2, OPT, BERT) are capped at 256, never below the test sequence.
     if not _rotary(data):
-        for key in POSITION_KEYS:
+        for key in HF_KEYS["max_positions"]:
             if isinstance(data.get(key), int):
                 e.set(key, min(data[key], max(LEARNED_POSITIONS, seq_len)))
 
@@ -363,7 +366,7 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
     block["config"] = config
     verify_hf(config, spec.model_class)
     if spec.path is not None:
-        from fwdcheck.hf import WEIGHT_FILES
+        from fwdcheck.sources.hf import WEIGHT_FILES  # on use: it imports torch
 
         if any((spec.path / f).exists() for f in WEIGHT_FILES):
             edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
@@ -372,14 +375,14 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
 
 
 def _head_of(data: dict) -> int | None:
-    heads = next((data[k] for k in HEAD_KEYS if data.get(k)), None)
-    hidden = next((data[k] for k in HIDDEN_KEYS if data.get(k)), None)
+    heads = next((data[k] for k in HF_KEYS["h"] if data.get(k)), None)
+    hidden = next((data[k] for k in HF_KEYS["d"] if data.get(k)), None)
     return hidden // heads if heads and hidden else None
 
 
 def load_hf_config(spec: HFModel):
     """The model's transformers config, offline, exactly as `fwdcheck run` reads it."""
-    from fwdcheck.hf import _hf_config, offline, require_transformers
+    from fwdcheck.sources.hf import _hf_config, offline, require_transformers  # on use: it imports torch
 
     transformers = require_transformers()
     with offline():
@@ -388,9 +391,9 @@ def load_hf_config(spec: HFModel):
 
 def verify_hf(config: dict, model_class: str | None) -> None:
     """Refuse to write a shrunk config transformers cannot build: read it back and build it on the meta device."""
-    import torch
+    import torch  # on use: shrinking a reference or factory config needs none
 
-    from fwdcheck.hf import offline, require_transformers
+    from fwdcheck.sources.hf import offline, require_transformers
 
     transformers = require_transformers()
     rest = dict(config)
@@ -454,50 +457,34 @@ def _shrink_reference_block(raw_model: dict) -> tuple[dict, Edits]:
 # source: python and checkpoint: the factory's keyword arguments
 
 
-@dataclass(frozen=True)
-class SizeKeys:
-    """Where a mapping of sizes keeps each one, by meaning; the first present key of each tuple is the model's."""
-
-    layers: tuple[str, ...] = ()
-    heads: tuple[str, ...] = ()
-    kv_heads: tuple[str, ...] = ()
-    hidden: tuple[str, ...] = ()
-    head_dim: tuple[str, ...] = ()
-    ff: tuple[str, ...] = ()
-    vocab: tuple[str, ...] = ()
-    rotary_dim: tuple[str, ...] = ()
-    windows: tuple[str, ...] = ()
-
-    def all(self) -> tuple[str, ...]:
-        return (*self.layers, *self.heads, *self.kv_heads, *self.hidden, *self.head_dim, *self.ff, *self.vocab,
-                *self.rotary_dim, *self.windows)
-
-
-# A factory's keyword arguments: the Hugging Face spellings, plus gpt-fast's n_local_heads and litgpt's
-# n_query_groups, head_size and padded_vocab_size. Position limits (block_size, max_seq_len) are kept: once the width
-# is cut a position table costs little, and a rotary cache may be sized by them.
-KWARG_KEYS = SizeKeys(layers=LAYER_KEYS, heads=HEAD_KEYS, kv_heads=(*KV_KEYS, "n_local_heads", "n_query_groups"),
-                      hidden=HIDDEN_KEYS, head_dim=(*HEAD_DIM_KEYS, "head_size"), ff=FF_KEYS,
-                      vocab=("vocab_size", "padded_vocab_size"), rotary_dim=("rotary_dim",),
-                      windows=("sliding_window", "attention_chunk_size"))
-# The config's own `dims:` declaration, shrunk alike so that it keeps describing the shrunk model.
-DIMS_KEYS = SizeKeys(heads=("h",), kv_heads=("h_kv",), hidden=("d",), head_dim=("d_h",), ff=("d_ff",), vocab=("V",))
+# A factory's keyword arguments, by the symbols of fwdcheck/config_keys.py and two of shrink's own (rotary_dim,
+# windows): the Hugging Face spellings, plus gpt-fast's n_local_heads and litgpt's n_query_groups, head_size and
+# padded_vocab_size.
+KWARG_KEYS: Spellings = {**extended(HF_KEYS, h_kv=("n_local_heads", "n_query_groups"), d_h=("head_size",),
+                                    V=("padded_vocab_size",)),
+                         "rotary_dim": ("rotary_dim",), "windows": WINDOW_KEYS}
+# Position limits (block_size, max_seq_len) are kept: once the width is cut a position table costs little, and a
+# rotary cache may be sized by them.
+del KWARG_KEYS["max_positions"]
+# The config's own `dims:` declaration, keyed by the symbols themselves, shrunk alike so that it keeps describing the
+# shrunk model.
+DIMS_KEYS: Spellings = {symbol: (symbol,) for symbol in Dims.model_fields}
 PARTIAL_ROTARY_KEYS = ("partial_rotary_factor", "rotary_pct", "rotary_percentage")
 # Model keys written anew: the sys.path directories (to be found from where the shrunk config lies), and what only
 # loading a checkpoint's weights needs (the shrunk copy has none).
 REWRITTEN_KEYS = ("path", "python_path", "trust_checkpoint", "strict")
 
 
-def shrink_sizes(data: dict[str, Any], keys: SizeKeys, partial: float | None = None) -> Edits:
+def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = None) -> Edits:
     """Shrink the sizes a mapping names by the rules of a Hugging Face config, in place. No key is added: a factory
     may not accept one it was not given. A width is cut only when the heads say how (heads x head size)."""
     e = Edits(data)
-    for key in keys.layers:
+    for key in keys.get("L", ()):
         if isinstance(data.get(key), int):
             e.set(key, min(data[key], LAYERS))
 
-    head_key, kv_key, hidden_key = e.first(keys.heads), e.first(keys.kv_heads), e.first(keys.hidden)
-    head_dim_key = e.first(keys.head_dim)
+    head_key, kv_key, hidden_key = e.first(keys.get("h", ())), e.first(keys.get("h_kv", ())), e.first(keys.get("d", ()))
+    head_dim_key = e.first(keys.get("d_h", ()))
     old_hidden = data.get(hidden_key) if hidden_key else None
     heads = data.get(head_key) if head_key else None
     old_head = data[head_dim_key] if head_dim_key else (old_hidden // heads if old_hidden and heads else None)
@@ -508,36 +495,35 @@ def shrink_sizes(data: dict[str, Any], keys: SizeKeys, partial: float | None = N
             e.set(kv_key, new_kv)
     if old_head:
         new_head = shrunk_head_size(old_head, partial)
-        for key in keys.head_dim:
+        for key in keys.get("d_h", ()):
             if data.get(key) is not None:
                 e.set(key, new_head)
-        for key in keys.rotary_dim:
+        for key in keys.get("rotary_dim", ()):
             if isinstance(data.get(key), int):
                 e.set(key, even_rotary(data[key], old_head, new_head))
         if hidden_key and heads:
             e.set(hidden_key, data[head_key] * new_head)
     if old_hidden and data.get(hidden_key) != old_hidden:
-        for key in keys.ff:
+        for key in keys.get("d_ff", ()):
             if isinstance(data.get(key), int):
                 e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
 
-    for key in keys.vocab:
+    for key in keys.get("V", ()):
         if isinstance(data.get(key), int):
             e.set(key, min(data[key], VOCAB))
-    vocab_key = e.first(keys.vocab)
+    vocab_key = e.first(keys.get("V", ()))
     if vocab_key:
         for key in [k for k in data if k.endswith(("_token_id", "_token_ids"))]:
             e.set(key, clamp_token(data[key], data[vocab_key]))
-    for key in keys.windows:
+    for key in keys.get("windows", ()):
         if isinstance(data.get(key), int) and data[key] > WINDOW:
             e.set(key, WINDOW)
     return e
 
 
-
 def _shrink_factory_block(raw_model: dict, spec: FactoryModel, config_path: Path, output: Path) -> tuple[dict, Edits]:
     """A python (or checkpoint) model block with its factory's size kwargs shrunk, as a `source: python` block."""
-    known = [key for key in spec.kwargs if key in KWARG_KEYS.all()]
+    known = [key for key in spec.kwargs if any(key in names for names in KWARG_KEYS.values())]
     if not known:
         given = f"its kwargs ({', '.join(spec.kwargs)}) name" if spec.kwargs else "it has no `kwargs:`, so it names"
         raise UsageError(f"{config_path}: cannot shrink this `source: {spec.source}` config: {given} no size "
@@ -582,9 +568,9 @@ def _shrink_factory_block(raw_model: dict, spec: FactoryModel, config_path: Path
 
 def _kwargs_head(kwargs: dict) -> int | None:
     """The head size a factory's kwargs give: named, or the width over the heads."""
-    head_dim = next((kwargs[k] for k in KWARG_KEYS.head_dim if kwargs.get(k)), None)
-    heads = next((kwargs[k] for k in KWARG_KEYS.heads if kwargs.get(k)), None)
-    hidden = next((kwargs[k] for k in KWARG_KEYS.hidden if kwargs.get(k)), None)
+    head_dim = next((kwargs[k] for k in KWARG_KEYS["d_h"] if kwargs.get(k)), None)
+    heads = next((kwargs[k] for k in KWARG_KEYS["h"] if kwargs.get(k)), None)
+    hidden = next((kwargs[k] for k in KWARG_KEYS["d"] if kwargs.get(k)), None)
     return head_dim or (hidden // heads if heads and hidden else None)
 
 

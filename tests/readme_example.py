@@ -17,11 +17,11 @@ from pathlib import Path
 from rich.console import Console
 
 from fwdcheck.config import load_config
-from fwdcheck.model import load_model
 from fwdcheck.registry import select
 from fwdcheck.report.terminal import render
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 from fwdcheck.cli import app
 from fwdcheck.config import config_from_dict
 from fwdcheck.errors import ModelLoadError
-from fwdcheck.model import load_model
 from fwdcheck.reference import build
+from fwdcheck.sources import load_model
 from tests.conftest import codes, run_checks, statuses
 
 REF = {"vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2}

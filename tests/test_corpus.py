@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model, on_sys_path, resolve_callable
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
+from fwdcheck.sources.factory import on_sys_path, resolve_callable
 from tests.corpus import VOCAB
 from tests.corpus.meta_llama import DIMS as META_DIMS
 from tests.corpus.modded import DIMS as MODDED_DIMS

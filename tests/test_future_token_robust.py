@@ -18,9 +18,9 @@ from torch.nn import functional as F
 from checks.future_token import FutureToken, prefix_lengths
 from fwdcheck.api import check_model
 from fwdcheck.config import FactoryModel, Inputs
-from fwdcheck.model import FactoryParts, model_from_module
 from fwdcheck.result import Status
 from fwdcheck.session import Session, Settings
+from fwdcheck.sources.factory import FactoryParts, model_from_module
 from tests.conftest import run_checks
 
 V = 32

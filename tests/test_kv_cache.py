@@ -13,11 +13,11 @@ from pydantic import ValidationError
 import fwdcheck
 from fwdcheck.config import PythonModel, config_from_dict
 from fwdcheck.errors import ConfigError
-from fwdcheck.model import load_model
 from fwdcheck.reference import build
 from fwdcheck.registry import available, info
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 from tests.conftest import run_checks
 
 CHECK = ["kv-cache"]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from fwdcheck.config import config_from_dict, ledger_from_dict
-from fwdcheck.model import load_model
+from fwdcheck.config import config_from_dict
+from fwdcheck.ledger import ledger_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 
 REFERENCE = {"source": "reference", "vocab_size": 40, "d_model": 24, "n_heads": 4, "n_layers": 2, "d_ff": 56}
 INPUTS = {"batch_size": 3, "seq_len": 10}  # no size the reference above uses (d_h = 6)

@@ -529,7 +529,7 @@ def test_meta_inputs_allocate_nothing_of_size_T_squared():
 def test_hugging_face_decode_steps_are_judged(implementation):
     pytest.importorskip("transformers")
     from fwdcheck.config import config_from_dict
-    from fwdcheck.model import load_model
+    from fwdcheck.sources import load_model
     from tests import compat
 
     model = load_model(config_from_dict({"model": compat.CASES["Llama (GQA)"][0]})).module.eval()

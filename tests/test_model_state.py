@@ -7,10 +7,11 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.config import Inputs, config_from_dict
-from fwdcheck.model import ModelUnderTest, load_model
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 
 
 def snapshot(module: nn.Module) -> dict:

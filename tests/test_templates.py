@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from fwdcheck.cli import app
 from fwdcheck.config import load_config
 from fwdcheck.errors import UsageError
-from fwdcheck.model import load_model
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 from fwdcheck.templates import SOURCES, starter_config
 
 # A key left commented out in a template, as the user would uncomment it: `  # n_kv_heads: 1   # ...`.

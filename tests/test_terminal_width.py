@@ -16,12 +16,12 @@ from rich.console import Console
 
 import fwdcheck
 from fwdcheck.config import load_config
-from fwdcheck.model import load_model
 from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.report.terminal import Verbosity, render
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
 from tests.corpus import torch_models
 
 ROOT = Path(__file__).resolve().parent.parent

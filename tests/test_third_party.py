@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.model import load_model, resolve_callable
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
+from fwdcheck.sources import load_model
+from fwdcheck.sources.factory import resolve_callable
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")

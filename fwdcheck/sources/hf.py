@@ -1,4 +1,4 @@
-"""Hugging Face transformers models, built offline from a local config (weights optional).
+"""The `hf` source: Hugging Face transformers models, built offline from a local config (weights optional).
 
 Nothing here touches the network: the load runs with HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE set, from a directory
 holding config.json or from an inline config. `trust_remote_code` stays off unless the config sets it, and then the
@@ -19,6 +19,7 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from fwdcheck.config import MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error, nesting_depth, regular_file
+from fwdcheck.config_keys import CONFIG_KEYS
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
 
@@ -30,13 +31,14 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 # any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
 # model_type builds, is 6.7B parameters, 27 GB in float32). `fwdcheck shrink` keeps the architecture at small widths.
 MAX_RANDOM_PARAMETERS = 1_000_000_000
-# The sizes a config gives (as transformers' standard names; attribute_map has each architecture's spelling).
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# The sizes a config gives, by transformers' standard names (the first of each row; attribute_map has each
+# architecture's spelling).
+SIZE_KEYS = tuple(CONFIG_KEYS[symbol][0] for symbol in ("V", "d", "d_ff", "L", "h"))
 
 
 def require_transformers():
     try:
-        import transformers
+        import transformers  # imported on use: an optional package, and seconds to import
     except ImportError:
         raise ModelLoadError("source: hf needs the transformers package: pip install 'fwdcheck[hf]'") from None
     return transformers
@@ -59,6 +61,8 @@ def offline():
 
 
 def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
+    """Build the model the config's directory or inline config describes: its weights when the directory holds
+    them, else seeded random ones (or none, on the meta device, with `meta: true`)."""
     transformers = require_transformers()
     notes = []
     if spec.trust_remote_code:
@@ -92,6 +96,8 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
 
 def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> ModelUnderTest:
     cfg = module.config
+    # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
+    # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     dims = {"V": cfg.vocab_size}

@@ -29,9 +29,9 @@ import torch.nn as nn
 
 from fwdcheck.config import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
-from fwdcheck.model import (
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.sources.factory import (
     FactoryParts,
-    ModelUnderTest,
     call_factory,
     import_factory_parts,
     model_from_module,
@@ -179,7 +179,7 @@ def read_checkpoint(path: Path, kind: str, *, trust: bool, search: list[Path],
 
 
 def _read_safetensors(path: Path, head: bytes) -> dict[str, torch.Tensor]:
-    try:
+    try:  # imported on use: an optional package, needed only for .safetensors files
         from safetensors import SafetensorError
         from safetensors.torch import load_file
     except ImportError:

@@ -1,0 +1,48 @@
+"""The `reference` source: fwdcheck's built-in transformer (fwdcheck/reference.py), with the bugs the config plants."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+
+from fwdcheck.config import Config, ReferenceModel, RopeSpec
+from fwdcheck.errors import ModelLoadError, first_line
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.reference import ReferenceConfig, ReferenceTransformer, apply_rope
+
+
+def load_reference(spec: ReferenceModel, config: Config) -> ModelUnderTest:
+    """Build the reference model the config describes (on the meta device with `meta: true`)."""
+    with torch.device("meta") if config.meta else nullcontext():
+        return _build(spec)
+
+
+def _build(spec: ReferenceModel) -> ModelUnderTest:
+    fields = spec.model_dump(exclude={"source"})
+    cfg = ReferenceConfig(**fields)
+    try:
+        module = ReferenceTransformer(cfg)
+    except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
+        first = first_line(exc)
+        raise ModelLoadError(f"the reference model cannot be built with these sizes: {type(exc).__name__}: "
+                             f"{first}") from exc
+    rope = rotary = None
+    if cfg.positional == "rope":
+        rope = RopeSpec(base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
+        rotary = partial(apply_rope, base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
+
+    bugs = ", ".join(cfg.bugs) or "none"
+    return ModelUnderTest(
+        module=module,
+        label=f"reference ({cfg.positional}, {cfg.attention}, {cfg.n_layers} layers; planted bugs: {bugs})",
+        source="reference",
+        vocab_size=cfg.vocab_size,
+        max_positions=cfg.max_seq_len,
+        dims=dict(d=cfg.d_model, h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.head_dim, V=cfg.vocab_size,
+                  d_ff=cfg.d_ff, L=cfg.n_layers),
+        rope=rope,
+        rotary=rotary,
+        extra={"bugs": list(cfg.bugs)},
+    )

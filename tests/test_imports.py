@@ -1,0 +1,89 @@
+"""The import graph stays acyclic: no import cycles, even inside functions.
+
+Two views. Every module imports alone in a fresh interpreter, which catches a cycle that breaks some import order;
+and the graph of fwdcheck's imports as written, those inside functions too, has no cycle at all, which catches the
+ones that only an import inside a function keeps from breaking.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import pkgutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+# pyproject.toml maps fwdcheck.checks from the top-level checks/ folder, so walking fwdcheck/ alone misses it.
+PACKAGES = ("fwdcheck", "fwdcheck.checks")
+# `python -m fwdcheck`: importing it runs the command line.
+NOT_IMPORTED_ALONE = {"fwdcheck.__main__"}
+
+
+def modules() -> list[str]:
+    names = set(PACKAGES)
+    for package in PACKAGES:
+        names.update(m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."))
+    return sorted(names)
+
+
+def test_every_module_imports_alone():
+    def imports_alone(name: str) -> tuple[str, subprocess.CompletedProcess]:
+        return name, subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True,
+                                    timeout=120)
+
+    # Two at a time: each interpreter spends most of its second importing torch.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(imports_alone, [m for m in modules() if m not in NOT_IMPORTED_ALONE]))
+    failed = {name: proc.stderr.strip().splitlines()[-3:] for name, proc in results if proc.returncode}
+    assert not failed, failed
+    assert {"fwdcheck.sources.hf", "fwdcheck.report.terminal", "fwdcheck.checks.rope"} <= {name for name, _ in results}
+
+
+def imported(name: str, known: set[str]) -> set[str]:
+    """The fwdcheck modules `name` imports anywhere in its file, inside functions too (not under TYPE_CHECKING:
+    those never run). An import of a.b.c imports the packages a.b and a first, unless they are name's own."""
+    tree = ast.parse(open(importlib.util.find_spec(name).origin, encoding="utf-8").read())
+    type_checking = [branch for branch in ast.walk(tree)
+                     if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")]
+    skipped = {id(node) for branch in type_checking for stmt in branch.body for node in ast.walk(stmt)}
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets.add(node.module)
+            targets.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from package import module`
+    found = set()
+    for target in targets & known:
+        parts = target.split(".")
+        # From 2: the package root (the version, and a lazy entry point) is initialised before any module in it.
+        found.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    return {m for m in found & known if m != name and not name.startswith(f"{m}.")}
+
+
+def test_no_import_cycles_even_inside_functions():
+    known = set(modules())
+    graph = {name: imported(name, known) for name in known}
+    assert "fwdcheck.sources" in graph["fwdcheck.worker"]  # the walk sees imports inside functions
+
+    state: dict[str, str] = {}  # "open" while its imports are walked, "done" after
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                return [*path[path.index(target):], target]
+            if target not in state and (found := cycle_from(target, [*path, target])):
+                return found
+        state[name] = "done"
+        return None
+
+    for name in sorted(known):
+        if name not in state and (found := cycle_from(name, [name])):
+            pytest.fail("import cycle: " + " -> ".join(found))
