@@ -566,36 +566,12 @@ def output_target(path: Path, label: str) -> Target:
 
 def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[str, Path]]:
     """The files a run reads, named as an error would name them: no output may be written over one."""
-    from fwdcheck.config import CheckpointModel, HFModel
-
     inputs: list[tuple[str, Path]] = []
     if config_path is not None:
         inputs.append(("the config file", Path(config_path)))
     if o.expect_ledger is not None:
         inputs.append(("the --expect-ledger file", Path(o.expect_ledger)))
-    model = config.model
-    if isinstance(model, CheckpointModel):
-        inputs.append(("the checkpoint", model.path))
-        inputs += [("a checkpoint shard", shard) for shard in _shards(model.path)]
-    elif isinstance(model, HFModel) and model.path is not None:
-        from fwdcheck.sources.hf import WEIGHT_FILES
-
-        for name in ("config.json", *WEIGHT_FILES):
-            inputs.append((f"the model's {name}", model.path / name))
-            inputs += [("a weights shard of the model", shard) for shard in _shards(model.path / name)]
-    return inputs
-
-
-def _shards(index: Path) -> list[Path]:
-    """The files a sharded checkpoint's index (*.index.json) names; nothing for any other file, or a broken one
-    (the loader reports that)."""
-    if not index.name.endswith(".index.json") or not index.is_file():
-        return []
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        return [index.parent / name for name in set(weight_map.values()) if isinstance(name, str)]
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return []
+    return inputs + config.model.files_read()
 
 
 def _same_file(a: Path, b: Path) -> bool:

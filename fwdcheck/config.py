@@ -8,6 +8,7 @@ equal to 2 (got 1)`.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import stat
@@ -52,7 +53,34 @@ class Dims(Strict):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class ReferenceModel(Strict):
+class ModelSpec(Strict):
+    """What every `model:` section can say about the files it names: a source's config class overrides these."""
+
+    def resolve_paths(self, base: Path) -> None:
+        """Make the paths this section names absolute, relative to `base` (the config file's folder)."""
+
+    def files_read(self) -> list[tuple[str, Path]]:
+        """The files loading this model reads, named as an error names them (no report may overwrite one)."""
+        return []
+
+
+def _resolve(path: Path, base: Path) -> Path:
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def shards(index: Path) -> list[Path]:
+    """The files a sharded checkpoint's index (*.index.json) names; nothing for any other file, or a broken one
+    (the loader reports that)."""
+    if not index.name.endswith(".index.json") or not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        return [index.parent / name for name in set(weight_map.values()) if isinstance(name, str)]
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return []
+
+
+class ReferenceModel(ModelSpec):
     source: Literal["reference"]
     vocab_size: PositiveInt = 16
     d_model: PositiveInt = 8
@@ -85,7 +113,7 @@ class ReferenceModel(Strict):
         return self
 
 
-class FactoryModel(Strict):
+class FactoryModel(ModelSpec):
     """A model built by the user's own callable: the fields `python` and `checkpoint` sources share."""
 
     factory: str = Field(description="'package.module:callable' returning an nn.Module")
@@ -157,6 +185,9 @@ class PythonModel(FactoryModel):
     loss: LossSpec | None = Field(None, description="how forward computes its loss from labels (label-shift check)")
     packing: PackingSpec | None = Field(None, description="how forward isolates packed documents (packing check)")
 
+    def resolve_paths(self, base: Path) -> None:
+        self.path = [_resolve(p, base) for p in self.path]
+
 
 class CheckpointModel(FactoryModel):
     source: Literal["checkpoint"]
@@ -165,8 +196,20 @@ class CheckpointModel(FactoryModel):
     trust_checkpoint: bool = Field(False, description="allow a pickle that runs code when loaded (weights_only=False)")
     strict: bool = Field(False, description="missing or unexpected keys are a load error instead of a warning")
 
+    def resolve_paths(self, base: Path) -> None:
+        self.path = _resolve(self.path, base)
+        self.python_path = [_resolve(p, base) for p in self.python_path]
 
-class HFModel(Strict):
+    def files_read(self) -> list[tuple[str, Path]]:
+        return [("the checkpoint", self.path), *(("a checkpoint shard", shard) for shard in shards(self.path))]
+
+
+# The weights a Hugging Face model directory may hold, as from_pretrained looks for them.
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                   "pytorch_model.bin.index.json")
+
+
+class HFModel(ModelSpec):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     source: Literal["hf"]
@@ -185,6 +228,19 @@ class HFModel(Strict):
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("an inline 'config' needs a 'model_type' (e.g. llama, gpt2)")
         return self
+
+    def resolve_paths(self, base: Path) -> None:
+        if self.path is not None:
+            self.path = _resolve(self.path, base)
+
+    def files_read(self) -> list[tuple[str, Path]]:
+        if self.path is None:
+            return []
+        files = []
+        for name in ("config.json", *HF_WEIGHT_FILES):
+            files.append((f"the model's {name}", self.path / name))
+            files += [("a weights shard of the model", shard) for shard in shards(self.path / name)]
+        return files
 
 
 ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
@@ -401,20 +457,8 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
     except RecursionError:  # pragma: no cover - the depth check above keeps pydantic well inside its limits
         raise ConfigError(f"{name}: nested too deeply to validate") from None
     config.source_path = origin
-    base = origin.parent if origin else Path.cwd()
-    model = config.model
-    if isinstance(model, PythonModel):
-        model.path = [_resolve(p, base) for p in model.path]
-    elif isinstance(model, CheckpointModel):
-        model.path = _resolve(model.path, base)
-        model.python_path = [_resolve(p, base) for p in model.python_path]
-    elif isinstance(model, HFModel) and model.path is not None:
-        model.path = _resolve(model.path, base)
+    config.model.resolve_paths(origin.parent if origin else Path.cwd())
     return config
-
-
-def _resolve(path: Path, base: Path) -> Path:
-    return path if path.is_absolute() else (base / path).resolve()
 
 
 # How many problems a config error lists; a file wrong in more places is likely not a fwdcheck config at all.

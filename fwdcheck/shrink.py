@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from fwdcheck.config import (
+    HF_WEIGHT_FILES,
     CheckpointModel,
     Dims,
     FactoryModel,
@@ -366,9 +367,7 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
     block["config"] = config
     verify_hf(config, spec.model_class)
     if spec.path is not None:
-        from fwdcheck.sources.hf import WEIGHT_FILES  # on use: it imports torch
-
-        if any((spec.path / f).exists() for f in WEIGHT_FILES):
+        if any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
             edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
                                "initialised")
     return block, edits

@@ -18,15 +18,14 @@ import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
-from fwdcheck.config import MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error, nesting_depth, regular_file
+from fwdcheck.config import (HF_WEIGHT_FILES, MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error,
+                             nesting_depth, regular_file)
 from fwdcheck.config_keys import CONFIG_KEYS
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
 
 # Architectures whose rotary embedding pairs dim 2i with 2i+1 (GPT-J's rotate_every_two); the rest use rotate_half.
 INTERLEAVED = {"gptj", "codegen"}
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
-                "pytorch_model.bin.index.json")
 # The largest model built with random weights. Random weights check the model's code, and the code is the same at
 # any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
 # model_type builds, is 6.7B parameters, 27 GB in float32). `fwdcheck shrink` keeps the architecture at small widths.
@@ -70,8 +69,8 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
     with offline(), library_messages(notes):
         hf_config = _hf_config(spec, transformers)
         cls = _model_class(spec, transformers)
-        has_weights = spec.path is not None and any((spec.path / f).exists() for f in WEIGHT_FILES)
-        for name in WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
+        has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
+        for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
             regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
         try:
             if config.meta:
