@@ -9,8 +9,8 @@ factory.py holds what the factory-based sources share. Loaders never judge the m
 clearly (ModelLoadError, exit 2) when they cannot.
 
 Adding a source takes one config class in fwdcheck/config.py (a ModelSpec with a `source: Literal["name"]` field,
-added to the ModelSource union; `resolve_paths` and `files_read` if it names files), one module here whose loader turns that class and the Config into a ModelUnderTest, and
-its row in LOADERS. tests/test_sources.py holds LOADERS and the union to the same sources. (`fwdcheck init --source`
+added to the ModelSource union; `resolve_paths` and `files_read` if it names files), one module here whose loader
+turns that class and the Config into a ModelUnderTest, and its row in LOADERS. tests/test_sources.py holds LOADERS and the union to the same sources. (`fwdcheck init --source`
 offers the new source once fwdcheck/templates.py has a starter config for it.)
 """
 
