@@ -52,7 +52,7 @@ SMALL = {
 def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None) -> None:
     paths = {"seq_len": cell_length} if cell_length else {}
     config = config_from_dict({"model": {"source": "hf", "config": hf_config},
-                               "inputs": {"batch_size": B, "seq_len": T}, "paths": paths})
+                               "inputs": {"batch_size": B, "seq_len": T}, "code_paths": paths})
     model = load_model(config)
     settings = Settings.from_config(config)
     parameters = sum(p.numel() for p in model.module.parameters())

@@ -102,6 +102,12 @@ def cost(args) -> None:
     total_wall, total_cpu = sum(r[2][0] for r in rows), sum(r[2][1] for r in rows)
     print(f"{'whole default suite':<58} {'':>6} {total_wall / wall:>13.2f} {total_cpu / cpu:>12.2f} "
           f"{session.forward_tokens / session.baseline_tokens:>15.2f}")
+    # What `fwdcheck run` spends besides the checks: the session's setup, putting the model back, and the parameter
+    # fingerprints before and after the checks (FWD006), as run_model does them.
+    report, *spent = timed(lambda: run_model(model, settings, select(None)))
+    assert all(r.status.value == "pass" for r in report.results), [r.summary for r in report.results]
+    print(f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {spent[0] / wall:>13.2f} "
+          f"{spent[1] / cpu:>12.2f}")
 
     cuts = torch.linspace(1, T - 1, args.naive_sample).round().long().tolist()
 

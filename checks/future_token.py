@@ -28,6 +28,14 @@ session's inputs (session.reference()) and no noise floor, and are first judged 
 Any change beyond that, NaN included, and the check computes the untouched baseline and the noise floor. When the
 baseline is bitwise the observed logits (the observer changed nothing) the measured changes stand; otherwise every
 comparison runs again against the baseline. Either way the verdict rests on the untouched model, as before.
+
+The rows that vouch alone. When the cut rows and the control row need more than one forward, the first forward
+holds sample 0 with only its last token replaced (cut T-1) and the next sample with every token but the first
+replaced (cut 1). The first row's positions before its last compare every position with the last token, and, since
+its companion differs from the baseline's in every other token, also show that the companion is not read: what the
+control row shows, the last position aside. When nothing in that forward moves beyond the tolerance, the rest (cut
+T/2, the control row) does not run; when something does, it runs, and the findings say which row moved. Cut T/2 is
+then left to the prefix ladder and the single row.
 """
 
 from __future__ import annotations
@@ -49,11 +57,12 @@ JUDGED = {"max_change_before_cut": "{cuts} cut{s}", "batch_max_change": "batch",
 
 
 def default_cuts(T: int) -> list[int]:
-    """The first changed position of each cut row: k = 1 (position 0 against every later token), T/2 (the first half
-    against the second) and T-1 (every position against the last token). The prefix ladder adds k = 1, 2 and 16 (up to
-    T/4) at little cost, and the single row one more cut at batch size 1: a leak at some other k shows there, or at
-    these three (a mask shifted by one, a window or chunk read both ways: at k = 1 and T-1 alike)."""
-    return sorted({k for k in (1, T // 2, T - 1) if 1 <= k < T})
+    """The first changed position of each cut row, in the order the rows run: k = T-1 (every position against the
+    last token), 1 (position 0 against every later token) and T/2 (the first half against the second). The prefix
+    ladder adds k = 1, 2 and 16 (up to T/4) at little cost, and the single row one more cut at batch size 1: a leak at
+    some other k shows there, or at these three (a mask shifted by one, a window or chunk read both ways: at k = 1 and
+    T-1 alike). The first forward holds T-1 and 1 (Plan.screen)."""
+    return list(dict.fromkeys(k for k in (T - 1, 1, T // 2) if 1 <= k < T))
 
 
 def span(positions: list[int]) -> str:
@@ -203,7 +212,10 @@ only when the model refused every comparison."""
         alone = False  # the causal comparisons ran one row at a time
         cut_changes, prefix = measured.cuts, measured.prefix
         if cut_changes is not None:
-            control_change = cut_changes[plan.control].tolist()  # T values
+            # The control row's every position, or, when the first forward vouched alone, the first row's before its
+            # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
+            control = plan.control if measured.ran(plan.control) else 0
+            control_change = cut_changes[control, :plan.cut_of.get(control, T)].tolist()
             batch_moved = [p for p, c in enumerate(control_change) if c > threshold]
             metrics["batch_max_change"] = max(control_change)
             if batch_moved:
@@ -262,7 +274,13 @@ only when the model refused every comparison."""
             measured.padding = refusals.attempt(
                 lambda: position_change(reference, session.logits(session.inputs, model=session.unpadded)),
                 "left-padding comparison skipped", f"B={B}, T={T} without padding")
-        measured.cuts = self._run_rows(session, plan, reference, refusals)  # (rows, T), or None
+        screen = plan.screen(session.max_rows)
+        measured.cuts = self._run_rows(session, plan, range(screen), reference, refusals)  # (screen, T), or None
+        if measured.cuts is not None and screen < len(plan.rows) \
+                and session.noise_matters(plan.largest_before_cut(measured.cuts), logit_scale(reference)):
+            rest = self._run_rows(session, plan, range(screen, len(plan.rows)), reference, refusals)
+            if rest is not None:
+                measured.cuts = torch.cat([measured.cuts, rest])
         if plan.causal:
             measured.prefix = self._run_prefix(session, reference[:1], refusals)
             if plan.single_row_wanted:
@@ -294,16 +312,18 @@ only when the model refused every comparison."""
         return CheckResult.from_findings(self.name, findings, "; ".join(refusals.notes), data={"notes": refusals.notes})
 
     @staticmethod
-    def _run_rows(session, plan: Plan, reference: torch.Tensor, refusals: Refusals) -> torch.Tensor | None:
-        """The cut rows and the control row, each reduced to its per-position change from its sample's reference
-        (rows, T), in forwards no larger than the baseline's (session.changes). A model that refuses one of those
-        row counts (a cache sized for exactly the batch) gets them in forwards of exactly the baseline's count,
-        which it has run, the last one filled up with baseline rows."""
-        ids = torch.stack(plan.rows)
+    def _run_rows(session, plan: Plan, indices: range, reference: torch.Tensor,
+                  refusals: Refusals) -> torch.Tensor | None:
+        """The plan's rows of these indices (cut rows, the control row), each reduced to its per-position change
+        from its sample's reference (rows, T), in forwards no larger than the baseline's (session.changes). A
+        model that refuses one of those row counts (a cache sized for exactly the batch) gets them in forwards of
+        exactly the baseline's count, which it has run, the last one filled up with baseline rows."""
+        rows, sources = [plan.rows[i] for i in indices], [plan.sources[i] for i in indices]
+        ids = torch.stack(rows)
         N, T = ids.shape
         B = session.inputs.shape[0]
         sizes = sorted(set(session.row_counts(N)))
-        changes = refusals.attempt(lambda: session.changes(ids, reference, plan.sources),
+        changes = refusals.attempt(lambda: session.changes(ids, reference, sources),
                                    f"{N} rows in forwards of {' and '.join(map(str, sizes))} refused",
                                    f"B={'/'.join(map(str, sizes))}, T={T}")
         if changes is not None or sizes == [B]:
@@ -314,8 +334,8 @@ only when the model refused every comparison."""
             for start in range(0, N, B):
                 chunk = list(range(start, min(start + B, N)))
                 filler = [session.inputs[i] for i in range(B - len(chunk))]  # dropped from the result
-                logits = session.logits(torch.stack([plan.rows[i] for i in chunk] + filler))
-                out += [position_change(logits[j], reference[plan.sources[i]]) for j, i in enumerate(chunk)]
+                logits = session.logits(torch.stack([rows[i] for i in chunk] + filler))
+                out += [position_change(logits[j], reference[sources[i]]) for j, i in enumerate(chunk)]
             return torch.stack(out)
 
         changes = refusals.attempt(in_batches, f"cut rows skipped in forwards of {B} rows too", f"B={B}, T={T}")
@@ -350,8 +370,10 @@ only when the model refused every comparison."""
         worst = 0.0
         leaked_pairs: list[tuple[int, int]] = []
         nan_pairs: list[tuple[int, int]] = []
-        cuts, exhaustive = plan.cuts, plan.exhaustive
-        for row, k in zip(plan.cut_rows, cuts):
+        exhaustive = plan.exhaustive
+        ran = [row for row in plan.cut_rows if row < len(changes)]
+        cuts = [plan.cut_of[row] for row in ran]
+        for row, k in zip(ran, cuts):
             sample = plan.sources[row]
             change = changes[row, :k].tolist()  # k values: the positions before the cut
             columns.append({"k": k, "sample": sample, "change": change})
@@ -482,8 +504,10 @@ class Plan:
     another reference runs exactly the same tokens.
 
     Per cut position k, one row keeps a sample's tokens < k and replaces the rest (with --exhaustive, the token at k
-    alone). The control row, sample 0 unchanged, sits second: in forwards of the baseline's row count it shares
-    its forward with the row cut at k = 1, which differs from every row of the baseline in all tokens but the first."""
+    alone). The control row is sample 0 unchanged, beside companions that differ from the baseline's in most
+    tokens. With --exhaustive it sits second, sharing its forward with the row that changes token 1 of sample 0
+    (beside sample 1 in the baseline); otherwise it runs last, beside the row cut at T/2 (sample 0 again with a
+    B of 2), or beside a row of the session's inputs other than its own companions."""
 
     def __init__(self, model, session):
         B, T = session.inputs.shape
@@ -500,11 +524,14 @@ class Plan:
                 row[k:] = session.random_ids((T - k,), differ_from=row[k:])
             rows.append(row)
             sources.append(sample)
-        self.control = min(1, len(rows))
+        self.control = min(1, len(rows)) if self.exhaustive else len(rows)
         rows.insert(self.control, session.inputs[0].clone())  # unchanged, beside other companions than in the baseline
         sources.insert(self.control, 0)
         self.rows, self.sources = rows, sources
-        self.cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order of self.cuts
+        cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order the cuts were drawn
+        self.cut_of = dict(zip(cut_rows, self.cuts))  # row -> its cut k
+        self.cut_rows = sorted(cut_rows, key=self.cut_of.get)  # in the order of k
+        self.cuts = sorted(self.cuts)
         self.session = session
         self._single: dict[int, torch.Tensor] = {}
         self.single_row_skipped = None  # why the single-row pass does not run, or None
@@ -516,6 +543,19 @@ class Plan:
     @property
     def single_row_wanted(self) -> bool:
         return self.single_row_skipped is None
+
+    def screen(self, per_forward: int) -> int:
+        """How many rows, from the first, run before the rest is decided on: the first forward's, when the rows
+        need more than one and those rows vouch alone (see the module's docstring); else every row."""
+        if self.exhaustive or len(self.rows) <= per_forward or per_forward < 2:
+            return len(self.rows)
+        return per_forward
+
+    def largest_before_cut(self, changes: torch.Tensor) -> float:
+        """The largest change of the rows in `changes` (the first rows of the plan) at the positions they compare:
+        each cut row's before its cut, the control row's everywhere. inf for NaN."""
+        compared = [changes[i, :self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
+        return float(torch.cat(compared).max())
 
     def single_row(self, length: int) -> torch.Tensor:
         """Sample 0's first `length` tokens with the later half replaced; drawn once per length."""
@@ -546,10 +586,13 @@ class SingleRow:
 class Measured:
     """What the comparisons measured against one reference, as per-position changes."""
 
-    cuts: torch.Tensor | None = None  # (rows, T): every cut row and the control row; None when refused
+    cuts: torch.Tensor | None = None  # (rows, T): the plan's first rows that ran (all of them, or its screen)
     prefix: Prefix = field(default_factory=Prefix)
     single: SingleRow | None = None
     padding: torch.Tensor | None = None  # (B, T)
+
+    def ran(self, row: int) -> bool:
+        return self.cuts is not None and row < len(self.cuts)
 
     def anything(self) -> bool:
         return self.cuts is not None or bool(self.prefix.ran) or self.single is not None or self.padding is not None
@@ -559,8 +602,7 @@ class Measured:
         noise floor and the untouched baseline are needed for when it is beyond the tolerance. inf for NaN."""
         seen = [torch.zeros(1)]
         if self.cuts is not None:
-            seen.append(self.cuts[plan.control])
-            seen += [self.cuts[row, :k] for row, k in zip(plan.cut_rows, plan.cuts)]
+            seen.append(torch.tensor([plan.largest_before_cut(self.cuts)]))
         seen += self.prefix.changes
         if self.single is not None:
             seen.append(self.single.change)

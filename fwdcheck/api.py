@@ -42,6 +42,7 @@ def check_model(
     exhaustive: bool = False,
     code_paths: dict[str, Any] | None = None,
     fail_on: str = "fail",
+    paths: dict[str, Any] | None = None,
 ) -> Report:
     """Run fwdcheck's checks (the default ones when `checks` is None) on an nn.Module whose forward takes
     input_ids [B, T] and returns logits [B, T, V] (a tensor, .logits, or a tuple led by them).
@@ -51,7 +52,8 @@ def check_model(
     (model, input_ids, **kw) -> logits for unusual call conventions. `dims` declares sizes fwdcheck cannot read off
     a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models
     get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
-    turns it off). The arguments are validated as a config file's keys are: a wrong one is a UsageError naming it.
+    turns it off; `paths` is its former name, still taken). The arguments are validated as a config file's keys
+    are: a wrong one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
@@ -61,7 +63,7 @@ def check_model(
     try:
         inputs = Inputs(batch_size=batch_size, seq_len=seq_len, min_seq_len=min_seq_len, seed=seed)
         config = RunConfig(inputs=inputs, device=device, dtype=dtype, exhaustive=exhaustive,
-                           code_paths=CodePaths(**(code_paths or {})))
+                           code_paths=CodePaths(**(code_paths or paths or {})))
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
     run = Run.build(config, Overrides(checks=checks, fail_on=fail_on))

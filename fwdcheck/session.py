@@ -408,12 +408,13 @@ class Session:
         The rows run in forwards of at most max_rows, and each forward's logits are reduced as they come back: the
         [N, T, V] logits of all rows, several times the baseline's when the vocabulary is large, are never held.
         A row left over alone runs beside a row of the session's inputs, whose logits are dropped: one row alone
-        is a code path of its own (batch size 1), not for rows meant to run beside others."""
+        is a code path of its own (batch size 1), not for rows meant to run beside others, as every row is but the
+        one of a session of one row."""
         N = ids.shape[0]
         out = []
         for start in range(0, N, self.max_rows):
             rows = ids[start:start + self.max_rows]
-            if len(rows) == 1 and N > 1:
+            if len(rows) == 1 and (N > 1 or self.inputs.shape[0] > 1):
                 rows = torch.cat([rows, self.inputs[:1]])
             logits = self._forward(rows, None, self.model)  # (n, T, V)
             out += [position_change(logits[i], reference[against[start + i]])
@@ -424,7 +425,7 @@ class Session:
     def row_counts(self, n: int) -> list[int]:
         """The row counts of the forwards changes() runs for n rows."""
         counts = [min(self.max_rows, n - start) for start in range(0, n, self.max_rows)]
-        return [max(c, 2) if n > 1 else c for c in counts]
+        return [max(c, 2) if n > 1 or self.inputs.shape[0] > 1 else c for c in counts]
 
     def _forward(self, rows: torch.Tensor, positions: torch.Tensor | None, model: ModelUnderTest) -> torch.Tensor:
         with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else nullcontext()):

@@ -298,15 +298,28 @@ def session_for(module: nn.Module) -> tuple:
 
 
 def test_a_clean_run_compares_with_the_observed_logits_and_measures_no_noise_floor():
-    """The observation pass (16 tokens), 3 cut rows and the control row in two forwards of 2 rows (32), the prefix
-    ladder k = 1, 2 (3) and the single row of 2 tokens (2): no baseline forward, no repeat."""
+    """The observation pass (16 tokens), the first forward of cut rows (cuts 7 and 1, 2 rows: 16), which vouches
+    alone, the prefix ladder k = 1, 2 (3) and the single row of 2 tokens (2): no baseline forward, no repeat, and
+    neither cut 4 nor the control row."""
     model, session = session_for(gpt())
     with session.active():
         result = FutureToken().run(model, session)
         assert not session.reference_untouched
     assert result.status == Status.PASS and not problems(result)
-    assert session.forward_tokens == 16 + 32 + 3 + 2
+    assert session.forward_tokens == 16 + 16 + 3 + 2
+    assert result.metrics["cuts"] == [1, 7] and "batch_max_change" in result.metrics
     assert "noise_floor" not in result.metrics and result.data["noise_floor"].startswith("not measured")
+
+
+@pytest.mark.parametrize("bug", [{"leak": "no-mask"}, {"mix_batch": True}])
+def test_anything_moving_in_the_first_forward_runs_every_row(bug):
+    """A leak or samples reading each other move the first forward's rows: cut 4 and the control row run too, and
+    the findings name which comparison moved."""
+    model, session = session_for(gpt(**bug))
+    with session.active():
+        result = FutureToken().run(model, session)
+    assert result.metrics["cuts"] == [1, 4, 7]
+    assert ("FWD102" if bug.get("mix_batch") else "FWD101") in problems(result)
 
 
 def test_a_leak_is_judged_against_the_untouched_baseline_with_the_noise_floor():
