@@ -112,7 +112,8 @@ offers (Hugging Face's attn_implementation eager vs sdpa; the reference model's 
 with a Hugging Face-style switch, config._attn_implementation and set_attn_implementation) and the kernels behind
 scaled_dot_product_attention (math, flash, efficient, cuDNN).
   implementations: the session's inputs under each implementation, against the logits of the one the model runs by
-    default; and, when forward takes attention_mask and position_ids, the first row's first 8 tokens left-padded by 3
+    default (the observation pass's, which cost no forward, or the untouched baseline's once an implementation
+    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's first 8 tokens left-padded by 3
     pad tokens (positions counting real tokens from 0, as generate() does) under each implementation: only the real
     tokens' logits are compared, padding is never judged.
   kernels: every SDPA call of one forward (the left-padded one when there is one, so masks are exercised) replayed
@@ -194,7 +195,9 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
                          metrics) -> list[str]:
         """Logits of every implementation against the default one's; the implementations that ran."""
         default = implementations[0]
-        base = session.baseline()  # (B, T, V), under the default implementation: shared with every check
+        # The default implementation's logits: the observation pass's while every implementation agrees with them
+        # within the bar (they cost no forward), the untouched baseline's once one does not (session.reference()).
+        base = session.reference()  # (B, T, V)
         scale = logit_scale(base)
         # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
         # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.code_paths), and a
@@ -225,10 +228,14 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
         if skipped:
             data["not_run"] = skipped
         ran = list(plain)
+        rtol, atol = TOLERANCES[session.dtype].backends
         changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
+        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not session.reference_untouched:
+            base = plain[default] = session.baseline()  # judged against the untouched model
+            scale = logit_scale(base)
+            changes = {i: position_change(plain[i], base) for i in ran if i != default}
         pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
         largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
-        rtol, atol = TOLERANCES[session.dtype].backends
         needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
         noise = session.repeat_change() if needs_noise else 0.0
         bar = tolerance(session, scale, noise)

@@ -24,6 +24,10 @@ from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale
 
 SHIFTS = (0, 1, 2)  # how far ahead of its position each position's logits are scored; 1 is right
+# Tokens per row of the calls, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does
+# not depend on the length, and the fewer the positions, the more a row's boundary (labels crossing rows) weighs in
+# the mean; each call then costs a fraction of a forward of the session's inputs.
+LENGTH = 32
 RIGHT = "shift 1"
 # What each wrong candidate means, and the finding it makes when the loss matches it.
 WRONG = {
@@ -185,7 +189,8 @@ class LabelShift(Check):
         "FWD706": "the loss or the logits returned with it are NaN or Inf",
     }
     explain = """\
-Calls forward(input_ids, <labels>=labels) on rows of random tokens and reads back the loss and the logits. Some
+Calls forward(input_ids, <labels>=labels) on rows of random tokens (the session's row count, 32 tokens or seq_len if
+shorter) and reads back the loss and the logits. Some
 labels are set to ignore_index (the same columns in every row, so that a mean over tokens and a mean of row means
 agree). From the returned logits, in float64, it computes the mean cross-entropy for each candidate pairing:
   shift 0, 1, 2: position t scored against token t + k (Hugging Face: logits[:, :-1] vs labels[:, 1:] is shift 1);
@@ -221,7 +226,7 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
 
     def _run(self, model, session) -> CheckResult:
         way = convention(model)
-        T = session.inputs.shape[1]
+        T = min(session.inputs.shape[1], max(LENGTH, session.min_seq_len))
         if T < 4:
             raise SkipCheck(f"seq_len {T} is too short: shifts 0-2 need at least 4 tokens to be told apart")
         if model.vocab_size < 2:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One torch thread per test process, before anything imports torch: `pytest -n auto` runs a process per core, and
+# several threads in each (the model processes the CLI tests start inherit this too) would only contend for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fwdcheck.config import config_from_dict
 from fwdcheck.overrides import Overrides
