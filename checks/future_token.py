@@ -256,7 +256,8 @@ only when the model refused every comparison."""
         if leaks:
             summary = "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks}))
         else:
-            ran = [JUDGED[name].format(cuts=len(plan.cuts), s="s" if len(plan.cuts) != 1 else "") for name in judged]
+            cuts = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
+            ran = [JUDGED[name].format(cuts=cuts, s="s" if cuts != 1 else "") for name in judged]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             if not model.causal:
                 summary += "; part (a) skipped: model.causal is false"

@@ -354,6 +354,8 @@ def load_config(path: str | Path) -> Config:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    except ValueError as exc:  # PyYAML's scanner lets some of its own errors out unwrapped (an escape past U+10FFFF)
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except RecursionError:  # the structure check bounds the depth; this is the backstop should a loader recurse more
         raise ConfigError(f"{path}: nested too deeply to read (a config is at most {MAX_DEPTH} levels deep)") from None
     if document is None:

@@ -284,7 +284,7 @@ def mutated_samples(draw) -> tuple[str, list[str], str]:
 def imports_something_unvetted(text_: str) -> bool:
     try:
         document = yaml.safe_load(text_)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # not YAML: fwdcheck refuses it before anything is imported
         return False
     strings = []
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from site import getsitepackages
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,12 @@ def installed(tmp_path_factory) -> Environment:
     try:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                        check=True, capture_output=True, timeout=TIMEOUT)
+        # --system-site-packages reaches the base interpreter's packages; when these tests run from a virtual
+        # environment, fwdcheck and torch are in its site-packages instead, which the new one adds (with their .pth
+        # files, an editable install's among them).
+        site_dir = next(venv.glob("lib/python*/site-packages"), None) or venv / "Lib" / "site-packages"
+        (site_dir / "fwdcheck_test_parent.pth").write_text(
+            "".join(f"import site; site.addsitedir({path!r})\n" for path in getsitepackages()))
         subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                         str(source)], check=True, capture_output=True, text=True, timeout=TIMEOUT, env=env)
         return Environment(str(python), env, "venv", work)
