@@ -14,9 +14,9 @@ import os
 import shutil
 import subprocess
 import sys
-from site import getsitepackages
 from dataclasses import dataclass
 from pathlib import Path
+from site import getsitepackages
 
 import pytest
 import yaml
