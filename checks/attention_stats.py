@@ -35,6 +35,9 @@ SATURATED_SHARE = 0.5  # at initialisation, more rows than this reading one key 
 # Names under which attention modules keep their query projection (Hugging Face, fairseq, x-transformers, Llama).
 QUERY_PROJECTIONS = {"q_proj", "query", "q_lin", "wq", "to_q", "q"}
 
+# Tokens of the one row observed: enough key positions for the statistics, a fraction of a forward of long inputs.
+LENGTH = 64
+
 
 class AttentionStats(Check):
     name = "attention-stats"
@@ -57,7 +60,7 @@ The scale is a measurement, independent of the weights: SDPA's `scale` argument,
 among 1/sqrt(d_h), 1/d_h, 1 and the declared scale for which softmax(c . q . k) over the unmasked keys reproduces the
 model's own weights (within the dtype's rounding). Declared scales: Gemma-2's query_pre_attn_scalar^-1/2, GPT-2's
 scale_attn_weights=False (1) and scale_attn_by_inverse_layer_idx (1/(sqrt(d_h) (layer + 1))), Granite's
-attention_multiplier. One observed forward with q and k kept.
+attention_multiplier. One observed forward of the first row (64 tokens, or seq_len if shorter) with q and k kept.
   FWD951 no scale: the scores of unit-variance q and k have std sqrt(d_h) instead of 1; the softmax saturates and
     gradients vanish. Divide q . k by sqrt(d_h) (or pass nothing as SDPA's scale).
   FWD952 1/d_h: the scale applied twice (q pre-scaled and SDPA's default, or `/ head_dim` for `/ sqrt(head_dim)`);
@@ -79,9 +82,12 @@ is learned, not a bug. Skips when no call's scale could be measured."""
         handles = [m.register_forward_hook(partial(keep_size, projections, name))
                    for name, m in model.module.named_modules()
                    if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS]
+        # The first row, at most LENGTH tokens: a scale shows at any length, and keeping q, k and every weight of
+        # the session's whole batch would cost more than the forward itself at long sequences.
+        ids = session.inputs[:1, :max(LENGTH, session.min_seq_len)]
         try:
             with recorder:
-                seen = session.observe(session.inputs, keep_tensors=True)
+                seen = session.observe(ids, keep_tensors=True)
         finally:
             for handle in handles:
                 handle.remove()
