@@ -139,6 +139,8 @@ def run(
                                              "the full leak map.")] = False,
     meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
                                        "big for this machine, no weights allocated.")] = False,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
+                                                 "across N processes (the config's distributed.nproc).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones "
                                           "too.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line: the verdict and what failed.")] = False,
@@ -150,7 +152,7 @@ def run(
     options = RunOptions(configs=configs or [], checks=check, model=model, device=device, dtype=dtype, seed=seed,
                          format=output_format, output=output, json=json_path, junit=junit_path,
                          markdown=markdown_path, html=html_path, svg=svg_path, save_ledger=save_ledger,
-                         expect_ledger=expect_ledger, fail_on=fail_on, exhaustive=exhaustive, meta=meta,
+                         expect_ledger=expect_ledger, fail_on=fail_on, exhaustive=exhaustive, meta=meta, nproc=nproc,
                          verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
                          in_process=in_process, debug=debug)
     raise typer.Exit(_guarded(lambda: _run(options), debug))
@@ -176,6 +178,7 @@ class RunOptions:
     fail_on: FailOn
     exhaustive: bool
     meta: bool
+    nproc: int | None
     verbosity: Verbosity
     in_process: bool
     debug: bool
@@ -248,7 +251,7 @@ def default_config() -> Path:
 def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_from_dict, load_config
-    from fwdcheck.registry import DIRECT, select
+    from fwdcheck.registry import DIRECT, select, selected
     from fwdcheck.overrides import Overrides
     from fwdcheck.worker import Job
 
@@ -264,13 +267,17 @@ def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Plan
         if outside:
             raise UsageError(f"{path}: --check {outside[0]} is not among the config's checks "
                              f"({', '.join(config.checks)})")
+    nproc = o.nproc or config.distributed.nproc
     with about_config(path if config.checks and not o.checks else None, "checks: "):
-        entries = select(selection)
+        entries = selected(selection, nproc)
+    if nproc > 1 and config.model.source != "hf" and not config.distributed.parallelize:
+        raise UsageError(f"{path or o.model}: distributed.parallelize is needed to run a {config.model.source} "
+                         "model on several processes: name a function (model, device_mesh) -> model that shards it")
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
     overrides = Overrides(checks=[e.name for e in entries], device=o.device.value if o.device else None,
                           dtype=o.dtype.value if o.dtype else None, seed=o.seed, exhaustive=o.exhaustive,
-                          meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value)
+                          meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value, nproc=o.nproc)
     job = Job(config=str(path) if path is not None else None, factory=o.model, overrides=overrides,
               sys_path=[p for p in sys.path if p])
     return Planned(path, config, job)

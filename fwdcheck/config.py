@@ -285,6 +285,20 @@ class Tolerance(Strict):
     noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
 
 
+class Distributed(Strict):
+    """How the model runs sharded across processes, as it will train: every rank builds the same model from the same
+    seed, the parallelize function shards it over a device mesh of all ranks, and the checks run on the sharded
+    model (the sharding check compares it with the unsharded one)."""
+
+    nproc: PositiveInt = Field(1, le=256, description="processes (ranks) on this machine; 1: not distributed")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on the CPU")
+    parallelize: str | None = Field(None, description="'module:function' taking (model, device_mesh) and returning "
+                                    "the sharded model (DTensor parallelize_module, fully_shard, your own); "
+                                    "default for Hugging Face models: their own tensor-parallel plan")
+    context_parallel: bool = Field(False, description="also split the sequence across the ranks (torch's "
+                                   "context_parallel around each forward); CUDA only")
+
+
 class Ignore(Strict):
     code: str = Field(pattern=r"^[A-Z][A-Z0-9]*\d{3}$", description="a finding code, e.g. FWD203")
     reason: str = Field(min_length=1, description="why: required, and shown beside the ignored finding")
@@ -306,6 +320,7 @@ class RunConfig(Strict):
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
     ignore: list[Ignore] = Field(default_factory=list, description="finding codes that do not count, with reasons")
     timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
+    distributed: Distributed = Field(default_factory=Distributed, description="run sharded across processes")
 
 
     @field_validator("device")

@@ -26,11 +26,15 @@ class Overrides:
     meta: bool = False  # likewise
     expect_ledger: dict | None = None  # a saved shape ledger (ledger_from_dict) the shape-ledger check compares with
     fail_on: str = "fail"  # fail | warn: the lowest status that fails the run
+    nproc: int | None = None  # ranks of a distributed run, instead of the config's distributed.nproc
 
     def applied(self, config: RunConfig) -> RunConfig:
         """The config with these overrides in it (a copy; the config itself is left alone)."""
         inputs = config.inputs if self.seed is None else config.inputs.model_copy(update={"seed": self.seed})
+        distributed = config.distributed if self.nproc is None else \
+            config.distributed.model_copy(update={"nproc": self.nproc})
         return config.model_copy(update={
-            "inputs": inputs, "device": self.device or config.device, "dtype": self.dtype or config.dtype,
+            "inputs": inputs, "distributed": distributed, "device": self.device or config.device,
+            "dtype": self.dtype or config.dtype,
             "checks": self.checks if self.checks is not None else config.checks,
             "exhaustive": self.exhaustive or config.exhaustive, "meta": self.meta or config.meta})

@@ -178,6 +178,18 @@ def in_default_selection(entry: CheckEntry) -> bool:
 DEFAULT, ALL = "default", "all"
 
 
+SHARDING = "sharding"  # the check a distributed run starts with
+
+
+def selected(names: list[str] | None, nproc: int = 1) -> list[CheckEntry]:
+    """select(names), and in a distributed run (nproc > 1) the sharding check first, named or not: a sharded model
+    is first of all compared with the unsharded one."""
+    entries = select(names)
+    if nproc > 1:
+        entries = [*select([SHARDING]), *(e for e in entries if e.name != SHARDING)]
+    return entries
+
+
 def select(names: list[str] | None) -> list[CheckEntry]:
     """The entries for the given names (the default selection when None); an unknown name is a usage error listing
     the known ones. `default` stands for the checks that run when none are named, `all` for every registered one."""

@@ -16,11 +16,11 @@ from typing import Callable
 from fwdcheck.code_paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
                                  runs_per_code_path)
 from fwdcheck.config import RunConfig
-from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck
+from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import code_location
 from fwdcheck.overrides import Overrides
-from fwdcheck.registry import CheckEntry, select
+from fwdcheck.registry import CheckEntry, selected
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.session import ParameterWatch, Session, Settings
@@ -42,7 +42,8 @@ class Run:
     def build(cls, config: RunConfig, overrides: Overrides | None = None) -> Run:
         overrides = overrides or Overrides()
         config = overrides.applied(config)
-        return cls(config, Settings.from_config(config, overrides), select(config.checks), overrides.fail_on)
+        entries = selected(config.checks, config.distributed.nproc)
+        return cls(config, Settings.from_config(config, overrides), entries, overrides.fail_on)
 
     def load(self) -> ModelUnderTest:
         """The model the config names (a Config's `model:` section)."""
@@ -50,6 +51,9 @@ class Run:
 
     def check(self, model: ModelUnderTest, *, config_path=None, progress: Callable[[str], None] | None = None,
               on_result: Callable[[CheckResult], None] | None = None) -> Report:
+        if self.config.distributed.nproc > 1:
+            raise UsageError(f"a distributed run (distributed.nproc {self.config.distributed.nproc}) starts processes "
+                             "of its own: run it with `fwdcheck run`")
         return run_model(model, self.settings, self.entries, config_path=config_path, fail_on=self.fail_on,
                          progress=progress, on_result=on_result)
 

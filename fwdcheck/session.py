@@ -166,7 +166,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)  # reshape copies only a tensor that is not contiguous
+    """The tensor's bytes. A sharded tensor's (a DTensor, in a distributed run) are those of the whole tensor,
+    gathered from every rank (which reads them at the same point): FSDP2 swaps a module's sharded parameters for the
+    gathered ones around a forward, and the same values must read the same."""
+    whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return whole.detach().reshape(-1).view(torch.uint8)  # reshape copies only a tensor that is not contiguous
 
 
 # 64-bit words per block of a fingerprint's position-weighted sum: 2 KiB, as fast to sum as the whole tensor at once.

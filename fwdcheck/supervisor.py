@@ -27,92 +27,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable
 
-from fwdcheck.errors import ExitCode, FwdcheckError
+from fwdcheck.errors import ExitCode
+from fwdcheck.heard import GRACE_S, Heard
 from fwdcheck.report import Report
-from fwdcheck.result import CheckResult, Finding, Status
 from fwdcheck.worker import Job
 
-GRACE_S = 10.0  # at most, past timeout_s, before a silent worker is killed; for a signalled worker to report
 EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
-
-
-class WorkerError(FwdcheckError):
-    """The worker could not make the run (a usage error, fwdcheck's own bug): its line and exit code, and the
-    traceback and warnings that --debug shows."""
-
-    def __init__(self, message: str, exit_code: int, detail: str = "", notes: list[str] | None = None):
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.detail = detail
-        self.warning_notes = notes or []
-
-
-class Run:
-    """What the supervisor has heard from the worker so far."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.checks: list[str] = list(job.overrides.checks or [])
-        self.per_code_path: list[str] = []
-        self.model: dict = {"label": job.label}
-        self.results: dict[str, CheckResult] = {}
-        self.current: str | None = None  # the check (or "code paths") running now; None while the model loads
-        self.report: Report | None = None
-        self.error: WorkerError | None = None
-
-    def hear(self, event: dict, progress: Callable[[str], None] | None) -> None:
-        kind = event.get("event")
-        if kind == "plan":
-            self.checks, self.per_code_path = event["checks"], event["per_code_path"]
-        elif kind == "model":
-            self.model = event["model"]
-        elif kind == "progress":
-            description = event["description"]  # a check's name, or "code path 3/24: <cell>"
-            self.current = description if description in self.checks else "code paths"
-            if progress and description in self.checks:
-                progress(f"check {self.checks.index(description) + 1}/{len(self.checks)}: {description}")
-            elif progress:
-                progress(description)
-        elif kind == "result":
-            result = CheckResult.from_dict(event["result"], event.get("internal_error", False))
-            self.results[result.name] = result
-        elif kind == "report":
-            self.report = Report.from_dict(event["report"], internal_errors=event["internal_errors"],
-                                           fail_on=self.job.overrides.fail_on, interrupted=event["interrupted"])
-        elif kind == "error":
-            self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
-
-    def step_limit(self, timeout_s: float) -> float:
-        """How long the worker may stay silent: each check, and each code-path cell's checks, run under timeout_s
-        in the worker; loading the model gets timeout_s too."""
-        checks_in_step = max(1, len(self.per_code_path)) if self.current == "code paths" else 1
-        return timeout_s * checks_in_step + grace(timeout_s)
-
-    def partial_report(self, how: str, code: str, status: Status = Status.ERROR) -> Report:
-        """The report of a run the worker did not finish: every finished check as it was streamed; the check that
-        was running, and those that never started, an error `code` saying how the worker ended."""
-        results = []
-        for name in self.checks:
-            if name in self.results:
-                result = self.results[name]
-                if self.current == "code paths" and name in self.per_code_path and result.status not in (
-                        Status.SKIP, Status.ERROR):
-                    message = f"the code-path matrix did not finish: {how}; the default path's result is kept"
-                    result.findings.append(Finding(code, status, message))
-                    result.status, result.summary = status, f"{result.summary}; {message}"
-                results.append(result)
-            elif name == self.current:
-                message = f"while this check ran, {how}"
-                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
-            else:
-                message = f"not run: {how} " + ("before the model loaded" if self.current is None
-                                                else "before this check began")
-                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
-        job = self.job
-        environment = {"device": job.overrides.device or "config", "dtype": job.overrides.dtype or "config",
-                       "seed": job.overrides.seed}
-        return Report(results=results, model=self.model, environment=environment, notes=[f"{how}"],
-                      config_path=job.config, fail_on=job.overrides.fail_on)
 
 
 def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str], None] | None = None) -> Report:
@@ -129,7 +49,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     finally:
         os.close(events_write)
         os.close(output_write)
-    run = Run(job)
+    run = Heard(job)
     try:
         worker.stdin.write(json.dumps(asdict(job)).encode())
         worker.stdin.close()
@@ -157,7 +77,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     return run.partial_report(f"the model process {died(worker.returncode)}", "FWD005")
 
 
-def supervise(worker: subprocess.Popen, run: Run, events_fd: int, output_fd: int, timeout_s: float | None,
+def supervise(worker: subprocess.Popen, run: Heard, events_fd: int, output_fd: int, timeout_s: float | None,
               progress, received: list[int]) -> str:
     """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout' or 'signal'."""
     buffer = b""
@@ -230,10 +150,15 @@ def relay(chunk: bytes) -> None:
 
 
 def _signal(worker: subprocess.Popen, signum: int) -> None:
+    """The signal to the worker's whole process group (it leads one of its own): the ranks of a distributed run are
+    in it too, and end with it."""
     try:
-        worker.send_signal(signum)
-    except (ProcessLookupError, OSError):  # it has ended already
-        pass
+        os.killpg(worker.pid, signum)
+    except (ProcessLookupError, PermissionError, OSError):  # it has ended already (or leads no group of its own)
+        try:
+            worker.send_signal(signum)
+        except (ProcessLookupError, OSError):
+            pass
 
 
 @contextmanager
@@ -251,11 +176,6 @@ def caught_signals():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def grace(timeout_s: float | None) -> float:
-    """The time a worker gets past a limit before it is killed: short limits get short grace (a test's 2 s)."""
-    return min(GRACE_S, max(1.0, timeout_s or GRACE_S))
 
 
 def exit_for(signum: int) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
 import traceback
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text, first_line
+from fwdcheck.lifetime import die_with_parent
 from fwdcheck.overrides import Overrides
 
 
@@ -64,6 +64,11 @@ def execute(job: Job, *, progress: Callable[[str], None] | None = None,
     else:
         config = config_from_dict({"model": {"source": "python", "factory": job.factory}})
     run = Run.build(config, job.overrides)
+    if run.config.distributed.nproc > 1:  # the ranks load the model, each its own copy
+        from fwdcheck.distributed import launch
+
+        with about_config(config_path):
+            return launch(run, job, progress=progress, on_model=on_model, on_result=on_result)
     with warnings.catch_warnings(record=True) as caught:
         try:
             with about_config(config_path):
@@ -118,29 +123,6 @@ class Events:
                 self.stream.flush()
             except (OSError, ValueError):
                 os._exit(ExitCode.INTERNAL)
-
-
-def die_with_parent(parent: int) -> None:
-    """The worker must not outlive its supervisor (killed with SIGKILL, it cannot end us itself): on Linux the kernel
-    sends SIGKILL when the parent dies; elsewhere a watcher thread notices the parent is gone."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
-            if os.getppid() != parent:  # it died before the request took effect
-                os._exit(ExitCode.INTERRUPTED)
-            return
-    except (OSError, AttributeError):
-        pass
-
-    def watch():
-        while os.getppid() == parent:
-            threading.Event().wait(0.5)
-        os._exit(ExitCode.INTERRUPTED)
-
-    threading.Thread(target=watch, daemon=True, name="fwdcheck-parent-watch").start()
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,464 @@
+"""Distributed runs: the model sharded across processes, as it will train (`distributed: {nproc: N}`, `--nproc N`).
+
+The process that runs the checks (the worker under `fwdcheck run`) becomes the launcher: torch's elastic launcher,
+the machinery behind torchrun (torch.distributed.run), starts N rank processes on this machine, watches them, and
+ends them all when one fails. Each rank:
+
+  1. joins the process group (gloo on the CPU, nccl on CUDA with one GPU per rank), timeout_s being the collectives'
+     timeout: a rank left waiting for a peer raises instead of hanging;
+  2. builds the same model from the same seed, as training scripts do before they shard it, puts it on its device
+     and dtype, and shards it: the config's `parallelize` function, (model, device_mesh) -> model, or a Hugging Face
+     model's own tensor-parallel plan;
+  3. runs the checks on the sharded model, the sharding check first. The logits every forward returns are rank 0's,
+     broadcast to all ranks, so that every rank takes the same way through the checks and calls the model as often
+     as the others: the collectives inside a sharded forward need all of them;
+  4. rank 0 sends its events (the model, progress, each result) to the launcher over a local socket, which passes
+     them on as a single worker would; every rank returns its report.
+
+The launcher merges the reports: rank 0's results, each finding that did not pass naming the ranks it was seen on,
+and findings seen only on other ranks added under their rank. A rank that raises ends the launch (after a model
+error no rank can be sure the others are at the same collective): the report keeps the checks that finished and names
+the rank, and what it raised, on the check that was running. A rank that hangs is ended by the collectives' timeout,
+or with the whole process group by the supervisor's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from fwdcheck.config import Config, Distributed, config_from_dict, load_config
+from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, first_line
+from fwdcheck.heard import Heard
+from fwdcheck.lifetime import die_with_parent
+from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
+from fwdcheck.overrides import Overrides
+from fwdcheck.report import Report
+from fwdcheck.result import CheckResult, Finding, Status, worst
+from fwdcheck.runner import Run, environment_summary, model_summary, run_model
+from fwdcheck.session import DTYPES
+from fwdcheck.sources.factory import on_sys_path, resolve_callable, search_dirs
+
+SHARDING = "sharding"  # the check every distributed run starts with
+UNSHARDED_RAISES = "FWD983"  # the sharding check's code for a sharded model that raises where the unsharded one runs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The launcher's side
+
+
+def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
+           on_model: Callable[[dict], None] | None = None,
+           on_result: Callable[[CheckResult], None] | None = None) -> Report:
+    """The report of `job` (its config built into `run`) run on run.config.distributed.nproc ranks."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = run.config.distributed.nproc
+    if run.config.distributed.parallelize:
+        parallelize_function(run.config)  # a name that does not import is the config's error, before any rank starts
+    heard = Heard(job)
+    heard.checks = [e.name for e in run.entries]
+    heard.environment = {**environment_summary(run.settings, run.settings.device),
+                         "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize}}
+    authkey = secrets.token_bytes(16)
+    listener = Listener(family="AF_UNIX", authkey=authkey)
+    relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
+                             name="fwdcheck-rank-0-events")
+    relay.start()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    rank_job = {"config": job.config, "factory": job.factory, "overrides": dataclasses.asdict(job.overrides),
+                "sys_path": [p for p in sys.path if p]}
+    try:
+        with _launcher_logs_quiet():
+            returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
+    except ChildFailedError as exc:
+        relay.join(timeout=5)
+        if heard.error is not None:  # rank 0 could not make the run (a usage error, shared by every rank)
+            raise heard.error from None
+        rank, failure = exc.get_first_failure()
+        return heard.partial_report(f"rank {rank} of {nproc} {_failure(failure)}", _failure_code(failure))
+    finally:
+        listener.close()
+    relay.join(timeout=5)
+    return merge({rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
+                  for rank, (report, flags) in returned.items()})
+
+
+def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> None:
+    """Rank 0's events, heard (for the report of a launch that fails) and passed on as the worker's own."""
+    try:
+        connection = listener.accept()
+    except OSError:  # closed before rank 0 connected: the launch failed first
+        return
+    with connection:
+        while True:
+            try:
+                event = connection.recv()
+            except (EOFError, OSError):
+                return
+            heard.hear(event, None)
+            kind = event["event"]
+            if kind == "progress" and progress:
+                progress(event["description"])
+            elif kind == "model" and on_model:
+                on_model(event["model"])
+            elif kind == "result" and on_result:
+                on_result(heard.results[event["result"]["name"]])
+
+
+def _free_port() -> int:
+    """A port on the loopback interface no one listens on now: where the ranks meet (rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class _launcher_logs_quiet:
+    """The elastic launcher logs every failed rank's traceback at ERROR, and torch's process starter each rank it
+    ends at WARNING; the report says it in one line."""
+
+    LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+    def __enter__(self):
+        self.levels = {name: logging.getLogger(name).level for name in self.LOGGERS}
+        for name in self.LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        for name, level in self.levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _failure(failure) -> str:
+    """How a rank ended, in words: what it raised (its first line), or the signal that killed it."""
+    message = failure.message
+    if isinstance(message, dict):  # the error file that @record writes: {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    text = first_line(str(message or "")).removeprefix(f"{RankEnded.__name__}: ")
+    return f"ended: {text or f'exit code {failure.exitcode}'}"
+
+
+def _failure_code(failure) -> str:
+    """FWD002 for a rank whose model raised; FWD005 for one that died otherwise (a signal, an exit)."""
+    message = failure.message if isinstance(failure.message, dict) else {}
+    return "FWD002" if RankEnded.__name__ in str(message.get("message", "")) else "FWD005"
+
+
+def merge(reports: dict[int, Report]) -> Report:
+    """Rank 0's report, each finding that did not pass and that not every rank saw naming the ranks that did, and
+    findings only other ranks saw added under their rank; a check's status is the worst any rank gave it."""
+    base = reports[0]
+    ranks = sorted(reports)
+    for i, result in enumerate(base.results):
+        others = {rank: reports[rank].results[i] for rank in ranks[1:]}
+        seen = {rank: {_key(f) for f in r.findings if f.status != Status.PASS} for rank, r in others.items()}
+        for finding in result.findings:
+            if finding.status == Status.PASS:
+                continue
+            missing = [rank for rank in others if _key(finding) not in seen[rank]]
+            if missing:
+                also = [0] + [rank for rank in others if rank not in missing]
+                finding.where = "; ".join(filter(None, [finding.where, f"ranks {', '.join(map(str, also))}"]))
+        known = {_key(f) for f in result.findings}
+        for rank, other in others.items():
+            for finding in other.findings:
+                if finding.status != Status.PASS and _key(finding) not in known:
+                    known.add(_key(finding))
+                    result.findings.append(dataclasses.replace(
+                        finding, where="; ".join(filter(None, [finding.where, f"rank {rank}"]))))
+        result.status = worst([result.status, *(r.status for r in others.values())])
+    base.notes.append(f"distributed: {len(ranks)} ranks; a finding that not every rank saw names the ranks that did")
+    return base
+
+
+def _key(finding: Finding) -> tuple[str, str]:
+    return finding.code, finding.message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A rank's side
+
+
+@dataclass
+class RankContext:
+    """What the sharding check needs to know of the rank it runs on."""
+
+    rank: int
+    world: int
+    device: torch.device
+    parallelized_by: str  # how the model was sharded, in words
+    unsharded: Callable[[], nn.Module]  # the same model built again, not sharded: rank 0's reference
+    logits: RankZeroLogits
+    mesh: Any  # the 1-D device mesh of every rank (torch.distributed.device_mesh.DeviceMesh)
+    context_parallel: bool  # the config asks for the sequence to be split across ranks too
+
+
+_CONTEXT: RankContext | None = None
+
+
+def rank_context() -> RankContext | None:
+    """The rank this process is, within a distributed run; None outside one."""
+    return _CONTEXT
+
+
+class _ShardedModelRaises(BaseException):
+    """The sharding check found that the sharded model raises where the unsharded one runs: the run stops there."""
+
+
+class RankEnded(Exception):
+    """What a rank that stopped raises out of rank_main, where the launcher's error file records it."""
+
+
+class RankStopped(BaseException):
+    """A rank ends the launch: the model raised on it and not on every rank, so that the others may be waiting in a
+    collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure."""
+
+
+@record
+def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
+    """One rank of a distributed run: its report as a dict, and which results are fwdcheck's own errors."""
+    global _CONTEXT
+    die_with_parent(os.getppid())  # the launcher, which may be killed with SIGKILL
+    for entry in reversed(job["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    events = Client(address, authkey=authkey) if rank == 0 else None
+
+    def send(event: str, **fields) -> None:
+        if events is not None:
+            events.send({"event": event, **fields})
+
+    try:
+        run = _build(job)
+        device = rank_device(run.settings.device, int(os.environ.get("LOCAL_RANK", rank)))
+        spec = run.config.distributed
+        backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        model = sharded(run, device, rank, world)
+    except FwdcheckError as exc:  # the same on every rank: rank 0 says it, the launch ends
+        send("error", exit_code=exc.exit_code, message=str(exc), detail="", notes=[])
+        raise
+    send("model", model=model_summary(model))
+    settings = run.settings.model_copy(update={"device": str(device)})
+    entries = sorted(run.entries, key=lambda e: e.name != SHARDING)  # the sharding check first
+    finished: list[CheckResult] = []
+
+    def on_result(result: CheckResult) -> None:
+        send("result", result=result.to_dict(), internal_error=result.internal_error)
+        finished.append(result)
+        # The model raised on every rank outside the forward the ranks share, or a check ran past timeout_s (a rank
+        # waiting for another that hangs): the ranks can no longer be sure to meet at the same collectives.
+        stopped = next((f for f in result.findings if f.code in ("FWD002", "FWD004")), None)
+        if stopped is not None:
+            raise RankStopped(f"{result.name}: {stopped.message}")
+        if any(f.code == UNSHARDED_RAISES and f.status == Status.FAIL for f in result.findings):
+            raise _ShardedModelRaises()
+
+    try:
+        report = run_model(model, settings, entries, progress=lambda description: send("progress",
+                           description=description), on_result=on_result)
+    except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
+        rest = [CheckResult(e.name, Status.SKIP, f"not run: the sharded model raises where the unsharded one runs "
+                            f"(sharding {UNSHARDED_RAISES})") for e in entries[len(finished):]]
+        for result in rest:
+            send("result", result=result.to_dict(), internal_error=False)
+        report = Report(results=finished + rest, model=model_summary(model),
+                        environment=environment_summary(settings, str(device)), fail_on=run.fail_on)
+    except RankStopped as exc:  # an Exception the launcher's record of this rank's failure keeps
+        raise RankEnded(str(exc)) from exc
+    report.environment["distributed"] = {"nproc": world, "backend": backend,
+                                         "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None}
+    # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with
+    # a collective pending would abort the process before its error is written down for the launcher).
+    dist.destroy_process_group()
+    return report.to_dict(), [r.internal_error for r in report.results]
+
+
+def _build(job: dict) -> Run:
+    """The run a rank makes: the config read as the worker read it, with the command line's overrides."""
+    path = Path(job["config"]) if job["config"] is not None else None
+    config = load_config(path) if path is not None else config_from_dict(
+        {"model": {"source": "python", "factory": job["factory"]}})
+    return Run.build(config, Overrides(**job["overrides"]))
+
+
+def rank_device(requested: str, local_rank: int) -> torch.device:
+    """CUDA gives each rank a GPU of its own (cuda:LOCAL_RANK); on the CPU all ranks share it."""
+    if requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device")
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"{local_rank + 1} ranks need as many GPUs; this machine has "
+                             f"{torch.cuda.device_count()}")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnderTest:
+    """The model built on this rank and sharded as the config says, with a forward that returns rank 0's logits;
+    the rank's context set for the sharding check."""
+    global _CONTEXT
+    spec: Distributed = run.config.distributed
+    dtype = DTYPES[run.settings.dtype]
+
+    def build() -> nn.Module:  # the same seed on every rank, and again for the unsharded reference
+        return run.load().module.to(device=device, dtype=dtype).eval()
+
+    model = run.load()
+    model.module.to(device=device, dtype=dtype)
+    mesh = _mesh(device, world)
+    module, how = shard(model, run.config, mesh, world)
+    logits = RankZeroLogits(model.forward_adapter, rank, world)
+    takes = model.forward_kwargs if model.forward_kwargs is not None else (
+        set() if model.forward_adapter is not None else _parameters(module))
+    _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel)
+    # Tensor parallelism gives each rank its share of the heads: the head counts a model's config declares are the
+    # whole model's, and the ledger reads each rank's off its attention calls instead.
+    dims = {name: size for name, size in model.dims.items() if name not in ("h", "h_kv")}
+    notes = [*model.extra.get("notes", []), "distributed: head counts (h, h_kv) are each rank's, read off its "
+             "attention calls"]
+    return dataclasses.replace(model, module=module, forward_adapter=logits, forward_kwargs=takes, dims=dims,
+                               extra={**model.extra, "notes": notes}, label=f"{model.label} [{how}, {world} ranks]")
+
+
+def _mesh(device: torch.device, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("ranks",))
+
+
+def parallelize_function(config: Config) -> Callable:
+    """The config's parallelize function, imported as the model's factory is: the model's code paths on sys.path,
+    then the config's folder."""
+    code = getattr(config.model, "path", None) or getattr(config.model, "python_path", None) or []
+    with on_sys_path(search_dirs(list(code), config)):
+        return resolve_callable(config.distributed.parallelize, what="parallelize function")
+
+
+def shard(model: ModelUnderTest, config: Config, mesh, world: int) -> tuple[nn.Module, str]:
+    """The module sharded over `mesh`, and how, in words: the config's parallelize function, or a Hugging Face
+    model's own tensor-parallel plan. A parallelize function may shard in place and return nothing."""
+    spec = config.distributed
+    if spec.parallelize:
+        function = parallelize_function(config)
+        try:
+            returned = function(model.module, mesh)
+        except BaseException as exc:
+            if not model_failure(exc):
+                raise
+            raise ModelLoadError(f"parallelize function '{spec.parallelize}' raised {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from exc
+        module = model.module if returned is None else returned
+        if not isinstance(module, nn.Module):
+            raise ModelLoadError(f"parallelize function '{spec.parallelize}' returned {type(returned).__name__}, "
+                                 "not the model (an nn.Module) or None")
+        return module, spec.parallelize
+    if model.source == "hf":
+        return hf_tensor_parallel(model.module, world)
+    raise UsageError(f"distributed.parallelize is needed for a {model.source} model: name a function (model, "
+                     "device_mesh) -> model that shards it")
+
+
+def hf_tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
+    """A Hugging Face model sharded by its own tensor-parallel plan (its config's base_model_tp_plan and the class's
+    _tp_plan), the way from_pretrained(distributed_config=DistributedConfig(tp_size=N)) shards a loaded model."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        raise UsageError("this transformers has no tensor-parallel plans (transformers.distributed); name a "
+                         "distributed.parallelize function") from None
+    plan = getattr(module, "tp_plan", None) or {}
+    if not plan:
+        raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
+                         "function")
+    cls = type(module)
+    config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+    return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
+
+
+def _parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+# How long a rank whose model raised waits for the others to say whether theirs raised too: every rank raising at the
+# same step (a shape that does not fit the shards) answers at once; a rank raising alone hears nothing and ends.
+AGREEMENT_S = 5.0
+
+
+class RankZeroLogits:
+    """The forward of a sharded model as the checks see it: the model's own forward (or the config's adapter) on this
+    rank, then rank 0's logits on every rank. Each rank's own logits of the last forward are kept (`own`): the
+    sharding check compares them across ranks.
+
+    A forward that raises is the model's error, as on one process, when it raised on every rank: the ranks are still
+    in step, and the checks go on. Raised on some ranks only, the others may be waiting in a collective of the forward
+    that will never complete: the rank ends the launch (RankStopped). The ranks tell each other over a process group
+    of their own, which a collective left pending on the default group does not block."""
+
+    def __init__(self, adapter: Callable | None, rank: int, world: int):
+        self.adapter, self.rank, self.world = adapter, rank, world
+        self.own: torch.Tensor | None = None
+        self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_S))
+
+    def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        try:
+            output = self.adapter(module, input_ids, **kwargs) if self.adapter is not None else \
+                module(input_ids, **kwargs)
+        except BaseException as exc:
+            if not model_failure(exc):
+                raise
+            if not self._raised_everywhere():
+                raise RankStopped(f"the model raised {first_line(describe(exc))} on this rank alone") from exc
+            raise
+        logits = full(extract_logits(output)).detach()
+        shapes: list = [None] * self.world
+        dist.all_gather_object(shapes, tuple(logits.shape))
+        if len(set(shapes)) > 1:  # every rank knows it: every rank raises here, and they stay in step
+            raise ModelRaised("the ranks return logits of different shapes: " +
+                              ", ".join(f"rank {r} {list(s)}" for r, s in enumerate(shapes)))
+        self.own = logits
+        shared = logits.float().clone()  # a copy: the broadcast writes into it, and `own` stays this rank's
+        dist.broadcast(shared, src=0)
+        return shared
+
+
+    def _raised_everywhere(self) -> bool:
+        """Whether every rank's forward raised at this step (each that did asks the others)."""
+        raised: list = [None] * self.world
+        try:
+            dist.all_gather_object(raised, True, group=self.agreement)
+        except RuntimeError:  # some rank did not answer in time: it is still in the forward
+            return False
+        return all(raised)
+
+
+def full(tensor):
+    """A DTensor gathered into the whole tensor (a collective: every rank calls it); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+

@@ -1,0 +1,106 @@
+"""What a run's events say: the record the supervisor keeps of its worker, and a distributed run's launcher of its
+rank 0, from which the report of a run that did not finish is made."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from fwdcheck.errors import FwdcheckError
+from fwdcheck.report import Report
+from fwdcheck.result import CheckResult, Finding, Status
+
+if TYPE_CHECKING:
+    from fwdcheck.worker import Job
+
+GRACE_S = 10.0  # at most, past timeout_s, before a silent worker is killed; for a signalled worker to report
+# At least this long for the worker's start and the model's load (importing torch and the model's code, building it):
+# timeout_s limits each check, and a short one (a test's 1 s) must not kill a worker that a busy machine starts slowly.
+LOAD_FLOOR_S = 60.0
+
+
+class WorkerError(FwdcheckError):
+    """The worker could not make the run (a usage error, fwdcheck's own bug): its line and exit code, and the
+    traceback and warnings that --debug shows."""
+
+    def __init__(self, message: str, exit_code: int, detail: str = "", notes: list[str] | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.detail = detail
+        self.warning_notes = notes or []
+
+
+class Heard:
+    """What has been heard from a worker so far (the supervisor hears its worker; a distributed run's launcher
+    hears rank 0): enough to make the report of a run that did not finish."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.checks: list[str] = list(job.overrides.checks or [])
+        self.per_code_path: list[str] = []
+        self.model: dict = {"label": job.label}
+        self.results: dict[str, CheckResult] = {}
+        self.current: str | None = None  # the check (or "code paths") running now; None while the model loads
+        self.report: Report | None = None
+        self.error: WorkerError | None = None
+        self.environment: dict | None = None  # the report's, where the listener knows it before the worker ends
+
+    def hear(self, event: dict, progress: Callable[[str], None] | None) -> None:
+        kind = event.get("event")
+        if kind == "plan":
+            self.checks, self.per_code_path = event["checks"], event["per_code_path"]
+        elif kind == "model":
+            self.model = event["model"]
+        elif kind == "progress":
+            description = event["description"]  # a check's name, or "code path 3/24: <cell>"
+            self.current = description if description in self.checks else "code paths"
+            if progress and description in self.checks:
+                progress(f"check {self.checks.index(description) + 1}/{len(self.checks)}: {description}")
+            elif progress:
+                progress(description)
+        elif kind == "result":
+            result = CheckResult.from_dict(event["result"], event.get("internal_error", False))
+            self.results[result.name] = result
+        elif kind == "report":
+            self.report = Report.from_dict(event["report"], internal_errors=event["internal_errors"],
+                                           fail_on=self.job.overrides.fail_on, interrupted=event["interrupted"])
+        elif kind == "error":
+            self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
+
+    def step_limit(self, timeout_s: float) -> float:
+        """How long the worker may stay silent: each check, and each code-path cell's checks, run under timeout_s
+        in the worker; starting the worker and loading the model get timeout_s too, and at least LOAD_FLOOR_S."""
+        if self.current is None:
+            return max(timeout_s, LOAD_FLOOR_S) + grace(timeout_s)
+        checks_in_step = max(1, len(self.per_code_path)) if self.current == "code paths" else 1
+        return timeout_s * checks_in_step + grace(timeout_s)
+
+    def partial_report(self, how: str, code: str, status: Status = Status.ERROR) -> Report:
+        """The report of a run the worker did not finish: every finished check as it was streamed; the check that
+        was running, and those that never started, an error `code` saying how the worker ended."""
+        results = []
+        for name in self.checks:
+            if name in self.results:
+                result = self.results[name]
+                if self.current == "code paths" and name in self.per_code_path and result.status not in (
+                        Status.SKIP, Status.ERROR):
+                    message = f"the code-path matrix did not finish: {how}; the default path's result is kept"
+                    result.findings.append(Finding(code, status, message))
+                    result.status, result.summary = status, f"{result.summary}; {message}"
+                results.append(result)
+            elif name == self.current:
+                message = f"while this check ran, {how}"
+                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
+            else:
+                message = f"not run: {how} " + ("before the model loaded" if self.current is None
+                                                else "before this check began")
+                results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
+        job = self.job
+        environment = self.environment or {"device": job.overrides.device or "config",
+                                           "dtype": job.overrides.dtype or "config", "seed": job.overrides.seed}
+        return Report(results=results, model=self.model, environment=environment, notes=[f"{how}"],
+                      config_path=job.config, fail_on=job.overrides.fail_on)
+
+
+def grace(timeout_s: float | None) -> float:
+    """The time a worker gets past a limit before it is killed: short limits get short grace (a test's 2 s)."""
+    return min(GRACE_S, max(1.0, timeout_s or GRACE_S))

@@ -1,0 +1,125 @@
+"""A small GPT and the ways to shard it across processes, correct and wrong, for tests/test_distributed.py.
+
+The GPT splits its projections into heads by their local width (`view(B, T, -1, d_h)`), as Hugging Face and
+Meta's Llama do, so that a tensor-parallel plan sharding q, k and v column-wise gives each rank its own heads. The
+planted bugs are the ways real sharding goes wrong: a projection sharded on the wrong axis, a reduction left out, a
+head count that was not divided, a mask built for the whole model and dropped for a shard, a rank that raises or
+hangs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+V, D, HEADS, LAYERS, FF = 64, 32, 4, 2, 64
+
+
+class Attention(nn.Module):
+    def __init__(self, bug: str | None):
+        super().__init__()
+        self.bug, self.n_heads, self.head_dim = bug, HEADS, D // HEADS
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, heads on this rank x d_h)
+        # the planted bug: the head size read off the local width with the full head count, as code written for
+        # one process does; sharded, every "head" is then half a head
+        head_dim = q.shape[-1] // self.n_heads if self.bug == "heads-not-divided" else self.head_dim
+        q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # (B, h_local, T, d_h)
+        sharded = q.shape[1] < self.n_heads
+        causal = not (self.bug == "mask-dropped-when-sharded" and sharded)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, h_local, T, d_h)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, bug: str | None):
+        super().__init__()
+        self.norm_1, self.norm_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention(bug)
+        self.up, self.down = nn.Linear(D, FF, bias=False), nn.Linear(FF, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x))
+        return x + self.down(F.gelu(self.up(self.norm_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.bug = bug
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Block(bug) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.bug == "raises-on-rank-1" and dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("out of memory on this rank's device")
+        if self.bug == "hangs-on-rank-1" and dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(3600)  # a rank stuck in a collective, a deadlock, a dead device
+        x = self.embed(input_ids)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+
+def gpt(bug: str | None = None) -> GPT:
+    return GPT(bug)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# parallelize functions: (model, device_mesh) -> model
+
+
+def tensor_parallel(model: GPT, mesh) -> GPT:
+    """Megatron's plan: q, k, v and up column-wise (each rank its heads and its slice of the hidden layer), o and down
+    row-wise (each rank's partial product, summed across the ranks)."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                                         "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+                                         "up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def row_layer_declared_column_wise(model: GPT, mesh) -> GPT:
+    """o_proj, which reads the heads each rank holds, declared column-wise: it expects the whole hidden state."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                                         "attn.v_proj": ColwiseParallel(), "attn.o_proj": ColwiseParallel()})
+    return model
+
+
+def reduction_missing(model: GPT, mesh) -> GPT:
+    """The heads sharded column-wise, and o_proj cut to this rank's columns by hand, its partial product never
+    summed across the ranks (the all-reduce of a row-parallel layer left out)."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                                         "attn.v_proj": ColwiseParallel()})
+        weight = layer.attn.o_proj.weight  # (D, D): this rank reads the columns of its heads
+        columns = weight.shape[1] // world
+        layer.attn.o_proj.weight = nn.Parameter(weight[:, rank * columns:(rank + 1) * columns].detach().clone())
+    return model
+
+
+def fully_sharded(model: GPT, mesh) -> GPT:
+    """FSDP2: every block and the root sharded by parameter; the forward gathers them: nothing it computes changes."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def raises(model: GPT, mesh) -> GPT:
+    raise ValueError("no plan for this model")

@@ -1,0 +1,217 @@
+"""Distributed runs: 2 CPU processes with gloo, through `fwdcheck run` as a CI job runs it (supervisor, worker,
+ranks). Each launch costs a few seconds (two interpreters importing torch, a rendezvous), so there are few of them;
+the models are tests/distributed_models.py and a tiny Llama sharded by transformers' own tensor-parallel plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 240
+
+
+def gpt_config(parallelize: str, bug: str | None = None, **top) -> dict:
+    return {"model": {"source": "python", "factory": "tests.distributed_models:gpt", "kwargs": {"bug": bug},
+                      "path": [str(REPO)]},
+            "inputs": {"batch_size": 2, "seq_len": 8},
+            "distributed": {"nproc": 2, "parallelize": f"tests.distributed_models:{parallelize}"}, **top}
+
+
+def launch(tmp_path: Path, config: dict, *args: str, marker: str | None = None) -> tuple[int, dict, str]:
+    """`fwdcheck run` of the config, as a CI job starts it: exit code, JSON report, stderr."""
+    path = tmp_path / "distributed.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {**os.environ, "FWDCHECK_TEST_MARK": marker or uuid.uuid4().hex}
+    proc = subprocess.run([sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=REPO)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+def checks(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def codes(check: dict) -> set[str]:
+    return {f["code"] for f in check["findings"] if f["status"] != "pass"}
+
+
+def processes_marked(marker: str) -> list[int]:
+    """The processes still alive that inherited the run's marker: the CLI's worker and the ranks it launched."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"FWDCHECK_TEST_MARK={marker}".encode() in (entry / "environ").read_bytes():
+                    alive.append(int(entry.name))
+            except OSError:
+                pass
+    return alive
+
+
+def test_tensor_parallel_model_passes_every_check_on_two_ranks(tmp_path):
+    code, report, stderr = launch(tmp_path, gpt_config("tensor_parallel"))
+    assert code == 0, stderr
+    got = checks(report)
+    assert list(got)[0] == "sharding"  # added first, though the config names no checks
+    assert {name: c["status"] for name, c in got.items()} == {
+        "sharding": "pass", "shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
+    sharding = got["sharding"]
+    assert sharding["metrics"]["max_change"] <= sharding["metrics"]["bar"]
+    assert sharding["data"]["rank_changes"] == [0.0, 0.0]
+    placements = sharding["data"]["placements"]["counts"]
+    assert placements["S(0)"] == 8 and placements["S(1)"] == 4  # q, k, v, up by rows; o, down by columns (2 layers)
+    assert report["environment"]["distributed"] == {"nproc": 2, "backend": "gloo",
+                                                     "parallelize": "tests.distributed_models:tensor_parallel"}
+
+
+def test_hugging_face_llama_with_its_own_tensor_parallel_plan_passes(tmp_path):
+    """The README's example, examples/distributed/llama-tp.yaml, here from --nproc."""
+    config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
+    del config["distributed"]
+    code, report, stderr = launch(tmp_path, config, "--nproc", "2")
+    assert code == 0, stderr
+    got = checks(report)
+    assert {c["status"] for c in got.values()} == {"pass"}, {n: c["summary"] for n, c in got.items()}
+    assert "tensor-parallel plan" in got["sharding"]["data"]["parallelized_by"]
+
+
+def llama_context_parallel() -> dict:
+    config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
+    config["distributed"]["context_parallel"] = True
+    return config
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's reason; on CUDA the split runs")
+def test_context_parallelism_on_the_cpu_says_why_it_did_not_run(tmp_path):
+    """torch has no sharding strategy for the CPU's SDPA kernel: the split is not compared, the rest is judged."""
+    code, report, stderr = launch(tmp_path, llama_context_parallel(), "--check", "sharding")
+    assert code == 0, stderr
+    sharding = checks(report)["sharding"]
+    assert "context_parallel_max_change" not in sharding["metrics"]
+    assert "does not have a sharding strategy" in sharding["data"]["context_parallel"]
+    assert "context parallelism: not run" in sharding["summary"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs 2 CUDA devices")
+def test_context_parallelism_on_cuda_gives_the_whole_sequence_logits(tmp_path):
+    config = {**llama_context_parallel(), "device": "cuda", "inputs": {"batch_size": 2, "seq_len": 32}}
+    code, report, stderr = launch(tmp_path, config, "--check", "sharding")
+    assert code == 0, stderr
+    sharding = checks(report)["sharding"]
+    assert sharding["metrics"]["context_parallel_max_change"] <= sharding["metrics"]["bar"]
+    assert report["environment"]["distributed"]["backend"] == "nccl"
+
+
+@pytest.mark.parametrize(("parallelize", "bug", "expected"), [
+    ("tensor_parallel", "heads-not-divided", {"FWD981"}),  # the full head count assumed on each rank's share
+    ("reduction_missing", None, {"FWD981", "FWD982"}),  # each rank keeps its partial sum
+])
+def test_sharding_that_changes_the_output_fails_at_the_first_layer(tmp_path, parallelize, bug, expected):
+    code, report, _ = launch(tmp_path, gpt_config(parallelize, bug))
+    assert code == 1
+    sharding = checks(report)["sharding"]
+    assert codes(sharding) == expected
+    assert "first parts at layers.0" in next(f for f in sharding["findings"] if f["code"] == "FWD981")["message"]
+    assert checks(report)["future-token"]["status"] == "pass"  # the sharded model is wrong, and still causal
+
+
+def test_row_wise_layer_declared_column_wise_fails_and_the_rest_does_not_run(tmp_path):
+    code, report, _ = launch(tmp_path, gpt_config("row_layer_declared_column_wise"))
+    assert code == 1
+    got = checks(report)
+    assert codes(got["sharding"]) == {"FWD983"}
+    finding = got["sharding"]["findings"][0]
+    assert "must have same reduction dim" in finding["message"]
+    assert finding["source"].endswith("distributed_models.py:40")
+    assert {got[n]["status"] for n in ("shape-ledger", "future-token", "mask-audit", "rope")} == {"skip"}
+
+
+def test_a_leak_sharding_introduces_fails_future_token_on_the_sharded_model(tmp_path):
+    code, report, _ = launch(tmp_path, gpt_config("tensor_parallel", "mask-dropped-when-sharded"))
+    assert code == 1
+    got = checks(report)
+    assert "FWD101" in codes(got["future-token"]) and "FWD201" in codes(got["mask-audit"])
+
+
+def test_fully_sharded_model_passes(tmp_path):
+    """FSDP2 gathers every parameter for the forward: nothing the model computes changes, and the swapped-in
+    gathered parameters are no write (FWD006)."""
+    code, report, stderr = launch(tmp_path, gpt_config("fully_sharded"))
+    assert code == 0, stderr
+    assert checks(report)["sharding"]["data"]["placements"]["counts"]["S(0)"] == 20
+
+
+def test_a_rank_that_raises_ends_the_launch_naming_it(tmp_path):
+    marker = uuid.uuid4().hex
+    code, report, _ = launch(tmp_path, gpt_config("tensor_parallel", "raises-on-rank-1"), marker=marker)
+    assert code == 1
+    sharding = checks(report)["sharding"]
+    assert sharding["findings"][0]["code"] == "FWD002"
+    assert "rank 1 of 2 ended: the model raised RuntimeError: out of memory" in sharding["summary"]
+    assert "on this rank alone" in sharding["summary"]
+    assert {c["status"] for c in report["checks"][1:]} == {"error"}  # not run, and said so
+    assert processes_marked(marker) == []
+
+
+def test_a_rank_that_hangs_ends_with_the_time_limit_and_no_process_left(tmp_path):
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    code, report, _ = launch(tmp_path, gpt_config("tensor_parallel", "hangs-on-rank-1", timeout_s=3), marker=marker)
+    assert code == 1 and time.monotonic() - started < 120
+    assert "FWD004" in codes(checks(report)["sharding"])
+    assert processes_marked(marker) == []
+
+
+def test_ctrl_c_ends_every_rank(tmp_path):
+    marker = uuid.uuid4().hex
+    path = tmp_path / "hang.yaml"
+    path.write_text(yaml.safe_dump(gpt_config("tensor_parallel", "hangs-on-rank-1", timeout_s=600)))
+    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "FWDCHECK_TEST_MARK": marker})
+    deadline = time.monotonic() + 60
+    while len(processes_marked(marker)) < 4 and time.monotonic() < deadline:  # the CLI, the worker, two ranks
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert json.loads(out)["exit_code"] == 130
+    time.sleep(1)
+    assert processes_marked(marker) == []
+
+
+def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
+    config = gpt_config("tensor_parallel")
+    del config["distributed"]["parallelize"]
+    code, _, stderr = launch(tmp_path, config)
+    assert code == 2 and "distributed.parallelize is needed" in stderr and "Traceback" not in stderr
+
+
+def test_sharding_skips_outside_a_distributed_run():
+    from tests.conftest import run_checks
+
+    result = run_checks({"source": "reference"}, ["sharding"]).result("sharding")
+    assert result.status.value == "skip" and "not a distributed run" in result.summary
+
+
+def test_the_python_api_refuses_a_distributed_run():
+    from fwdcheck.config import config_from_dict
+    from fwdcheck.errors import UsageError
+    from fwdcheck.runner import Run
+
+    run = Run.build(config_from_dict({"model": {"source": "reference"}, "distributed": {"nproc": 2}}))
+    assert [e.name for e in run.entries][0] == "sharding"
+    with pytest.raises(UsageError, match="starts processes of its own"):
+        run.check(run.load())
