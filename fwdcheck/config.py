@@ -96,6 +96,9 @@ class ReferenceModel(ModelSpec):
     mask: Literal["bool", "float", "is_causal"] = "bool"
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = False
+    init_std: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="weights of linear layers and "
+                                   "embeddings drawn from normal(0, init_std) (GPT-2 uses 0.02); default PyTorch's "
+                                   "own initialisation")
     bugs: list[Bug] = Field(default_factory=list)
 
     @model_validator(mode="after")
