@@ -919,6 +919,58 @@ def _shown(value) -> str:
     return str(value)
 
 
+class DiffFormat(str, Enum):
+    rich = "rich"
+    json = "json"
+
+
+@app.command("diff", epilog="Exit codes: 0 equal within tolerance · 1 they part (or a model raised) · 2 usage error "
+             "(a config, names that do not match one to one, shapes that differ) · 3 internal error of fwdcheck.")
+def diff_command(
+    config_a: Annotated[Path, typer.Argument(metavar="A", help="The first implementation's config: its weights, "
+                                             "inputs, dtype and device are used for both.", show_default=False)],
+    config_b: Annotated[Path, typer.Argument(metavar="B", help="The second implementation's config; its `diff: "
+                                             "{rename: [...]}` maps A's names to its own.", show_default=False)],
+    rename: Annotated[Optional[list[str]], typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
+                                                        "regex rule mapping A's parameter and module names to B's, "
+                                                        "after B's config's own (repeatable).")] = None,
+    output_format: Annotated[DiffFormat, typer.Option("--format", help="The table (and, on a terminal, a plot of "
+                                                      "the difference by depth), or JSON.")] = DiffFormat.rich,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Compare two implementations of one model, module by module: B gets A's weights, both run A's inputs, and the
+    first pair of corresponding modules whose outputs part is named.
+
+    Modules pair by name (after renaming), else by order among outputs of the same shape. A 2-D weight whose shape is
+    its counterpart's transposed is transposed (GPT-2's Conv1D against nn.Linear). What the models print goes to
+    stderr."""
+
+    def action():
+        from fwdcheck.config import load_config
+        from fwdcheck.rename import parse_rule
+
+        configs = [load_config(config_a), load_config(config_b)]  # both validated before any model loads
+        rules = []
+        for text in [*configs[1].diff.rename, *(rename or [])]:
+            try:
+                rules.append(parse_rule(text))
+            except ValueError as exc:  # a config's rules were checked as it loaded: these are --rename's
+                raise UsageError(f"--rename '{text}': {exc}") from None
+        from fwdcheck.diff import diff_configs
+        from fwdcheck.report.terminal import render_diff
+
+        with redirect_stdout(sys.stderr):  # model code's prints stay off the report
+            result = diff_configs(*configs, rules)
+        if output_format == DiffFormat.json:
+            write_stdout(lambda stream: stream.write(json.dumps(result.to_dict(), indent=2) + "\n"))
+        else:
+            write_stdout(lambda stream: render_diff(result.to_dict(), StdoutConsole(
+                file=stream, width=report_width(stream)), plot=_isatty(stream)))
+        return result.exit_code
+
+    raise typer.Exit(_guarded(action, debug))
+
+
 @app.command()
 def schema(
     json_report: Annotated[bool, typer.Option("--json-report", help="The schema of `--format json` reports (the "

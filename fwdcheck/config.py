@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
+                      field_validator, model_validator)
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError
+from fwdcheck.rename import parse_rule
 
 Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
 
@@ -319,6 +320,19 @@ class RunConfig(Strict):
         return value
 
 
+def _rename_rule(rule: str) -> str:
+    parse_rule(rule)  # a ValueError names the rule and what is wrong with it
+    return rule
+
+
+class DiffSpec(Strict):
+    """How `fwdcheck diff A B` pairs the first model's names with this config's model (read from B's config)."""
+
+    rename: list[Annotated[str, AfterValidator(_rename_rule)]] = Field(
+        default_factory=list, description="regex rules 'PATTERN -> REPLACEMENT', applied in order to the first model's "
+        "parameter and module names to give this model's (e.g. 'transformer\\.h\\.(\\d+) -> layers.\\1')")
+
+
 class _ModelSection(Strict):
     model: ModelSource
 
@@ -327,6 +341,8 @@ class _ModelSection(Strict):
 class Config(RunConfig, _ModelSection):
     """A whole config file: the model to check and how to check it."""
 
+    diff: DiffSpec = Field(default_factory=DiffSpec, description="for `fwdcheck diff A THIS`: how A's names map to "
+                           "this model's")
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 
     @model_validator(mode="before")
