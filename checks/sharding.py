@@ -39,7 +39,7 @@ PLACEMENTS_SHOWN = 64  # parameters listed by name in the result's data; every o
 class Sharding(Check):
     name = "sharding"
     default = False  # a distributed run adds it, first; elsewhere there is nothing to shard
-    order = 90  # after the other built-ins; a distributed run puts it first (registry.selected)
+    order = 95  # after the other built-ins; a distributed run puts it first (registry.selected)
     description = "the model sharded across processes gives the unsharded model's logits, on every rank"
     codes = {
         "FWD981": "the sharded model's logits differ from the unsharded model's",

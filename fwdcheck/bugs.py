@@ -22,6 +22,12 @@ BUGS: dict[str, str] = {
     "freqs[start_pos:start_pos + T]",
     "eager-scale-1-over-d": "the eager attention path scales the scores by 1/d (attn_weights = q @ "
     "k.transpose(-2, -1) / self.head_dim) instead of 1/sqrt(d); the SDPA path is right",
+    "sdpa-scale-dropped": "scaled_dot_product_attention handed scale=1.0 (copied from a model that folds "
+    "1/sqrt(d) into its query projection's init, as T5 does): the scores are sqrt(d) times too large; the eager "
+    "path is right",
+    "heads-swapped": "the heads' outputs put side by side in another order than the output projection's columns "
+    "expect (the first two heads swapped, as a port that reorders a per-head ModuleList does): every shape and "
+    "every mask stay right",
     "rope-angles-in-model-dtype": "rotary angles computed in the activations' dtype (freqs = position_ids.to(x.dtype)"
     "[..., None] * inv_freq.to(x.dtype)): in bfloat16 or float16 the angles of long positions are off by radians",
     "label-no-shift": "the loss compares each position's logits with its own label (F.cross_entropy(logits.view(-1, "

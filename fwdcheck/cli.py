@@ -134,6 +134,12 @@ def run(
                                                         "ledger (JSON) here, to pin the architecture in review.")] = None,
     expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
                                                           "when the ledger differs from this saved one.")] = None,
+    save_golden: Annotated[Optional[Path], typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
+                                                        "contract (JSON: every module's output and parameter "
+                                                        "fingerprinted) here; runs the golden check.")] = None,
+    expect_golden: Annotated[Optional[Path], typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
+                                                          "naming the first module whose output moved from this "
+                                                          "golden file; runs the golden check.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
                                              "the full leak map.")] = False,
@@ -152,7 +158,8 @@ def run(
     options = RunOptions(configs=configs or [], checks=check, model=model, device=device, dtype=dtype, seed=seed,
                          format=output_format, output=output, json=json_path, junit=junit_path,
                          markdown=markdown_path, html=html_path, svg=svg_path, save_ledger=save_ledger,
-                         expect_ledger=expect_ledger, fail_on=fail_on, exhaustive=exhaustive, meta=meta, nproc=nproc,
+                         expect_ledger=expect_ledger, save_golden=save_golden, expect_golden=expect_golden,
+                         fail_on=fail_on, exhaustive=exhaustive, meta=meta, nproc=nproc,
                          verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
                          in_process=in_process, debug=debug)
     raise typer.Exit(_guarded(lambda: _run(options), debug))
@@ -175,6 +182,8 @@ class RunOptions:
     svg: Path | None
     save_ledger: Path | None
     expect_ledger: Path | None
+    save_golden: Path | None
+    expect_golden: Path | None
     fail_on: FailOn
     exhaustive: bool
     meta: bool
@@ -194,6 +203,7 @@ class Planned:
 
 
 def _run(o: RunOptions) -> int:
+    from fwdcheck.golden import read_golden
     from fwdcheck.ledger import read_ledger
 
     if o.configs and o.model is not None:
@@ -201,10 +211,13 @@ def _run(o: RunOptions) -> int:
     paths: list[Path | None] = list(o.configs) or ([None] if o.model is not None else [default_config()])
     if len(paths) > 1 and (o.save_ledger or o.expect_ledger):
         raise UsageError("--save-ledger and --expect-ledger take one config; give one")
+    if len(paths) > 1 and (o.save_golden or o.expect_golden):
+        raise UsageError("--save-golden and --expect-golden take one config; give one")
     if o.seed is not None and not SEED_RANGE[0] <= o.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed {o.seed}: out of range; a seed is between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
-    expected_ledger = read_ledger(o.expect_ledger) if o.expect_ledger else None
-    plans = [plan(o, path, expected_ledger) for path in paths]  # every config validated before any model loads
+    expected = Expected(ledger=read_ledger(o.expect_ledger) if o.expect_ledger else None,
+                        golden=read_golden(o.expect_golden) if o.expect_golden else None)
+    plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
     check_outputs(o, [i for p in plans for i in run_inputs(o, p.path, p.config)])  # an unwritable report: now
     outcome = Outcome(several=len(plans) > 1)
     with progress_display(enabled=o.format == Format.rich and o.output is None and _isatty(sys.stdout)) as progress:
@@ -248,9 +261,19 @@ def default_config() -> Path:
     return DEFAULT_CONFIG
 
 
-def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Planned:
+@dataclass
+class Expected:
+    """The saved contracts a run compares with, read and validated before any config is planned."""
+
+    ledger: dict | None = None  # --expect-ledger
+    golden: dict | None = None  # --expect-golden
+
+
+def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.golden import CHECK as GOLDEN
+    from fwdcheck.golden import refuse_other_run
     from fwdcheck.registry import DIRECT, select, selected
     from fwdcheck.overrides import Overrides
     from fwdcheck.worker import Job
@@ -275,9 +298,20 @@ def plan(o: RunOptions, path: Path | None, expected_ledger: dict | None) -> Plan
                          "model on several processes: name a function (model, device_mesh) -> model that shards it")
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
+    golden = o.save_golden is not None or o.expect_golden is not None
+    if golden and GOLDEN not in [e.name for e in entries]:  # the flags are the selection: no config need name it
+        entries += select([GOLDEN])
     overrides = Overrides(checks=[e.name for e in entries], device=o.device.value if o.device else None,
                           dtype=o.dtype.value if o.dtype else None, seed=o.seed, exhaustive=o.exhaustive,
-                          meta=o.meta, expect_ledger=expected_ledger, fail_on=o.fail_on.value, nproc=o.nproc)
+                          meta=o.meta, expect_ledger=expected.ledger, expect_golden=expected.golden,
+                          fail_on=o.fail_on.value, nproc=o.nproc)
+    if golden and nproc > 1:  # each rank's modules hold their shards: their outputs are no golden record
+        raise UsageError("--save-golden and --expect-golden run on one process: a golden file records the unsharded "
+                         "model, and the sharding check compares the sharded one with it")
+    if golden and overrides.applied(config).meta:
+        raise UsageError("--save-golden and --expect-golden need values; on the meta device only shapes exist")
+    if expected.golden is not None:
+        refuse_other_run(expected.golden, overrides.applied(config), f"--expect-golden {o.expect_golden}")
     job = Job(config=str(path) if path is not None else None, factory=o.model, overrides=overrides,
               sys_path=[p for p in sys.path if p])
     return Planned(path, config, job)
@@ -365,6 +399,8 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
             attempt(write_whole, o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
     if o.save_ledger is not None:
         attempt(save_ledger, outcome.reports[0], o.save_ledger)
+    if o.save_golden is not None:
+        attempt(save_golden, outcome.reports[0], o.save_golden)
     if o.format == Format.github:
         for report in outcome.reports:
             append_job_summary(report)
@@ -379,6 +415,12 @@ def save_ledger(report, path: Path) -> None:
     from fwdcheck.ledger import ledger_text
 
     write_whole(path, ledger_text(report, path), what="--save-ledger")
+
+
+def save_golden(report, path: Path) -> None:
+    from fwdcheck.golden import golden_text
+
+    write_whole(path, golden_text(report, path), what="--save-golden")
 
 
 class StdoutConsole(Console):
@@ -520,7 +562,7 @@ def why_not(exc: OSError | ValueError) -> str:
 
 # The outputs a run writes, as (option, RunOptions field): checked before the model loads, written after the run.
 OUTPUTS = (("--output", "output"), ("--json", "json"), ("--junit", "junit"), ("--markdown", "markdown"),
-           ("--html", "html"), ("--svg", "svg"), ("--save-ledger", "save_ledger"))
+           ("--html", "html"), ("--svg", "svg"), ("--save-ledger", "save_ledger"), ("--save-golden", "save_golden"))
 
 
 @dataclass
@@ -578,6 +620,8 @@ def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[st
         inputs.append(("the config file", Path(config_path)))
     if o.expect_ledger is not None:
         inputs.append(("the --expect-ledger file", Path(o.expect_ledger)))
+    if o.expect_golden is not None:
+        inputs.append(("the --expect-golden file", Path(o.expect_golden)))
     return inputs + config.model.files_read()
 
 
@@ -883,6 +927,58 @@ def _shown(value) -> str:
                                                  "".join(f", {v}" for v in value[3:]))
         return f"[{shown}]"
     return str(value)
+
+
+class DiffFormat(str, Enum):
+    rich = "rich"
+    json = "json"
+
+
+@app.command("diff", epilog="Exit codes: 0 equal within tolerance · 1 they part (or a model raised) · 2 usage error "
+             "(a config, names that do not match one to one, shapes that differ) · 3 internal error of fwdcheck.")
+def diff_command(
+    config_a: Annotated[Path, typer.Argument(metavar="A", help="The first implementation's config: its weights, "
+                                             "inputs, dtype and device are used for both.", show_default=False)],
+    config_b: Annotated[Path, typer.Argument(metavar="B", help="The second implementation's config; its `diff: "
+                                             "{rename: [...]}` maps A's names to its own.", show_default=False)],
+    rename: Annotated[Optional[list[str]], typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
+                                                        "regex rule mapping A's parameter and module names to B's, "
+                                                        "after B's config's own (repeatable).")] = None,
+    output_format: Annotated[DiffFormat, typer.Option("--format", help="The table (and, on a terminal, a plot of "
+                                                      "the difference by depth), or JSON.")] = DiffFormat.rich,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Compare two implementations of one model, module by module: B gets A's weights, both run A's inputs, and the
+    first pair of corresponding modules whose outputs part is named.
+
+    Modules pair by name (after renaming), else by order among outputs of the same shape. A 2-D weight whose shape is
+    its counterpart's transposed is transposed (GPT-2's Conv1D against nn.Linear). What the models print goes to
+    stderr."""
+
+    def action():
+        from fwdcheck.config import load_config
+        from fwdcheck.rename import parse_rule
+
+        configs = [load_config(config_a), load_config(config_b)]  # both validated before any model loads
+        rules = []
+        for text in [*configs[1].diff.rename, *(rename or [])]:
+            try:
+                rules.append(parse_rule(text))
+            except ValueError as exc:  # a config's rules were checked as it loaded: these are --rename's
+                raise UsageError(f"--rename '{text}': {exc}") from None
+        from fwdcheck.diff import diff_configs
+        from fwdcheck.report.terminal import render_diff
+
+        with redirect_stdout(sys.stderr):  # model code's prints stay off the report
+            result = diff_configs(*configs, rules)
+        if output_format == DiffFormat.json:
+            write_stdout(lambda stream: stream.write(json.dumps(result.to_dict(), indent=2) + "\n"))
+        else:
+            write_stdout(lambda stream: render_diff(result.to_dict(), StdoutConsole(
+                file=stream, width=report_width(stream)), plot=_isatty(stream)))
+        return result.exit_code
+
+    raise typer.Exit(_guarded(action, debug))
 
 
 @app.command()

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
+                      field_validator, model_validator)
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError
+from fwdcheck.rename import parse_rule
 
 Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
 
@@ -96,6 +97,9 @@ class ReferenceModel(ModelSpec):
     mask: Literal["bool", "float", "is_causal"] = "bool"
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = False
+    init_std: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="weights of linear layers and "
+                                   "embeddings drawn from normal(0, init_std) (GPT-2 uses 0.02); default PyTorch's "
+                                   "own initialisation")
     bugs: list[Bug] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -331,6 +335,19 @@ class RunConfig(Strict):
         return value
 
 
+def _rename_rule(rule: str) -> str:
+    parse_rule(rule)  # a ValueError names the rule and what is wrong with it
+    return rule
+
+
+class DiffSpec(Strict):
+    """How `fwdcheck diff A B` pairs the first model's names with this config's model (read from B's config)."""
+
+    rename: list[Annotated[str, AfterValidator(_rename_rule)]] = Field(
+        default_factory=list, description="regex rules 'PATTERN -> REPLACEMENT', applied in order to the first model's "
+        "parameter and module names to give this model's (e.g. 'transformer\\.h\\.(\\d+) -> layers.\\1')")
+
+
 class _ModelSection(Strict):
     model: ModelSource
 
@@ -339,6 +356,8 @@ class _ModelSection(Strict):
 class Config(RunConfig, _ModelSection):
     """A whole config file: the model to check and how to check it."""
 
+    diff: DiffSpec = Field(default_factory=DiffSpec, description="for `fwdcheck diff A THIS`: how A's names map to "
+                           "this model's")
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 
     @model_validator(mode="before")

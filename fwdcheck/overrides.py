@@ -25,6 +25,7 @@ class Overrides:
     exhaustive: bool = False  # True turns it on; a config's `exhaustive: true` is not turned off
     meta: bool = False  # likewise
     expect_ledger: dict | None = None  # a saved shape ledger (ledger_from_dict) the shape-ledger check compares with
+    expect_golden: dict | None = None  # a golden file (golden_from_dict) the golden check compares with
     fail_on: str = "fail"  # fail | warn: the lowest status that fails the run
     nproc: int | None = None  # ranks of a distributed run, instead of the config's distributed.nproc
 

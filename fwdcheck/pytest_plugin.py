@@ -10,7 +10,9 @@
 
 A config is a *.yaml / *.yml file that parses as a mapping with a `model:` key; other YAML files under the path are
 left alone (a file named directly is always read as a config). Each check the config selects is one item: it passes,
-fails with the check's findings, or skips with the check's reason. A config that does not validate is one collection
+fails with the check's findings, or skips with the check's reason. A golden file beside the config (gpt.golden.json
+for gpt.yaml, written by `fwdcheck run gpt.yaml --save-golden gpt.golden.json`) adds the item `golden`, which compares
+the model with it as --expect-golden does. A config that does not validate is one collection
 error line; a model that cannot be built fails each of its items with one line. Each config's model is built and run
 once, for all of its items that are selected (like `fwdcheck run CONFIG --check ...` for a `-k` subset); with
 pytest-xdist, `--dist loadfile` keeps a config's items on one worker, so that its model is built once there too.
@@ -164,17 +166,41 @@ class ConfigFile(pytest.File):
     def collect(self):
         from fwdcheck.config import load_config
         from fwdcheck.errors import FwdcheckError
+        from fwdcheck.golden import CHECK as GOLDEN
         from fwdcheck.registry import select
 
         self.shown = _shown(Path(os.path.abspath(self.path)), self.config.invocation_params.dir)
         try:
             self.fwd_config = load_config(self.path)
             self.entries = select(self.fwd_config.checks)
+            self.expected_golden = self._golden_beside()
         except FwdcheckError as exc:
             raise self.CollectError(self.message(exc)) from None
+        if self.expected_golden is not None and GOLDEN not in [e.name for e in self.entries]:
+            self.entries += select([GOLDEN])
         self._outcome: Any = None
         for entry in self.entries:
             yield CheckItem.from_parent(self, name=entry.name, entry=entry)
+
+    def overrides(self, **fields):
+        """The command line's options for this config's run, as `fwdcheck run` would take them."""
+        from fwdcheck.overrides import Overrides
+
+        options = self.config.option
+        return Overrides(device=options.fwdcheck_device, dtype=options.fwdcheck_dtype,
+                         fail_on=options.fwdcheck_fail_on, **fields)
+
+    def _golden_beside(self) -> dict | None:
+        """The golden file beside the config, read and checked against the run it is for; None when there is none."""
+        from fwdcheck.golden import beside, read_golden, refuse_other_run
+
+        path = beside(Path(self.path))
+        if not path.exists():
+            return None
+        self.golden_shown = _shown(Path(os.path.abspath(path)), self.config.invocation_params.dir)
+        document = read_golden(path, label=self.golden_shown)
+        refuse_other_run(document, self.overrides().applied(self.fwd_config), self.golden_shown)
+        return document
 
     def line_of(self, check: str) -> int:
         """0-based line naming the check in the config's `checks:`, or of `checks:` / the top (0) when not named."""
@@ -209,14 +235,12 @@ class ConfigFile(pytest.File):
         return self._outcome
 
     def _run(self):
-        from fwdcheck.overrides import Overrides
         from fwdcheck.runner import Run
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
-        options = self.config.option
-        run = Run.build(self.fwd_config, Overrides(checks=[e.name for e in entries], device=options.fwdcheck_device,
-                                                   dtype=options.fwdcheck_dtype, fail_on=options.fwdcheck_fail_on))
+        run = Run.build(self.fwd_config, self.overrides(checks=[e.name for e in entries],
+                                                        expect_golden=self.expected_golden))
         report = run.check(run.load(), config_path=self.shown)
         return report, dict(zip((e.name for e in entries), report.results))
 
@@ -257,6 +281,13 @@ class CheckItem(pytest.Item):
         super().__init__(**kwargs)
         self.entry = entry
         self.add_marker(MARKER)
+
+    @property
+    def expected_golden(self) -> bool:
+        """Whether this item compares with the golden file beside its config."""
+        from fwdcheck.golden import CHECK
+
+        return self.name == CHECK and self.file.expected_golden is not None
 
     @property
     def file(self) -> ConfigFile:
@@ -308,7 +339,8 @@ class CheckItem(pytest.Item):
             f"config:  {self.file.shown}",
             f"model:   {report.model.get('label', '?')} · {env.get('device')} {env.get('dtype')} · "
             f"B={env.get('batch_size')} T={env.get('seq_len')} seed={env.get('seed')}",
-            f"rerun:   fwdcheck run {self.file.shown} --check {self.name}",
+            f"rerun:   fwdcheck run {self.file.shown} " + (f"--expect-golden {self.file.golden_shown}"
+                                                          if self.expected_golden else f"--check {self.name}"),
         ]
         if self.entry.distribution != "direct":
             lines.append(f"explain: fwdcheck explain {self.name}")

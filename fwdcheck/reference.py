@@ -47,6 +47,7 @@ class ReferenceConfig:
     mask: Literal["bool", "float", "is_causal"] = "bool"  # how the causal mask is encoded (all three are correct)
     dropout: float = 0.0
     bias: bool = False
+    init_std: float | None = None  # None: PyTorch's default initialisation; a number: GPT-2's normal(0, init_std)
     bugs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -205,11 +206,14 @@ class CausalSelfAttention(nn.Module):
             mask, is_causal = restrict_to_documents(mask, is_causal, same_document)  # (B, 1, T, T)
         dropout_p = self.dropout if (self.training or "sdpa-dropout-in-eval" in self.bugs) else 0.0
         if self.cfg.attention == "sdpa":
+            scale = 1.0 if "sdpa-scale-dropped" in self.bugs else None  # None: SDPA's own 1/sqrt(hs)
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=nkv != nh
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=nkv != nh, scale=scale
             )  # (B, nh, T, hs)
         else:
             y = self.eager_attention(q, k, v, mask, is_causal, dropout_p)
+        if "heads-swapped" in self.bugs and nh > 1:
+            y = y[:, [1, 0, *range(2, nh)]]  # (B, nh, T, hs): head 0's output where o_proj reads head 1's
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.o_proj(y)
 
@@ -319,6 +323,17 @@ class ReferenceTransformer(nn.Module):
         # PyTorch's default initialisation: attention scores of order one, so a wrong rotation or a leaked key
         # moves the logits by far more than rounding noise even in an untrained model.
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.init_std is not None:
+            self.init_normal(cfg.init_std)
+
+    def init_normal(self, std: float) -> None:
+        """GPT-2's initialisation: every weight of a linear layer or an embedding drawn from normal(0, std), biases
+        zero; layer norms keep their ones and zeros."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     _supports_sdpa = True  # as Hugging Face models declare it: both attention paths can be switched to
 

@@ -43,6 +43,7 @@ class Settings(RunConfig):
     (fwdcheck.runner.Run); a cell of the code-path matrix derives its own from it (code_paths.cell_settings)."""
 
     expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
+    expect_golden: dict | None = None  # a golden file the golden check compares with
     max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
 
     @classmethod
@@ -50,7 +51,7 @@ class Settings(RunConfig):
         overrides = overrides or Overrides()
         run = overrides.applied(config)
         return cls(**{name: getattr(run, name) for name in RunConfig.model_fields},
-                   expect_ledger=overrides.expect_ledger)
+                   expect_ledger=overrides.expect_ledger, expect_golden=overrides.expect_golden)
 
     @property
     def ignored(self) -> dict[str, str]:

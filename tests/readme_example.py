@@ -1,25 +1,32 @@
-"""The example report in the README, rendered from a real run of the config it names.
+"""The example reports in the README, rendered from real runs of the configs they name.
 
-    python -m tests.readme_example            # print it
-    python -m tests.readme_example --write    # rewrite the README's example between its markers
+    python -m tests.readme_example            # print them
+    python -m tests.readme_example --write    # rewrite the README's examples between their markers
 
-tests/test_report.py asserts that the README holds exactly this text, so the numbers it quotes are the ones a run
-gives. The run is deterministic (the config's seed, float32 on the CPU) and the text leaves every duration out.
+tests/test_report.py asserts that the README holds exactly the first (`example`), so the numbers it quotes are the
+ones a run gives. The runs are deterministic (the configs' seeds, float32 on the CPU) and the text leaves every
+duration out. The numeric contract's and `fwdcheck diff`'s examples (`golden`, `diff`) are asserted with their
+numbers masked (tests/test_diff.py): they quote differences down to the last bits of float32, which another CPU's
+kernels round differently, while every name, verdict and exit code must stay what a run gives.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import re
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
 
 from fwdcheck.config import load_config
+from fwdcheck.golden import golden_text, read_golden
+from fwdcheck.overrides import Overrides
 from fwdcheck.registry import select
-from fwdcheck.report.terminal import render
-from fwdcheck.runner import run_model
+from fwdcheck.report.terminal import render, render_diff
+from fwdcheck.runner import Run, run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
 
@@ -45,23 +52,100 @@ def example() -> str:
     return "\n".join(["```", f"$ fwdcheck run {CONFIG}", *shown, *elided, lines[-1], "```"])
 
 
-def readme_example() -> str:
+GOLDEN_MAIN, GOLDEN_BRANCH = "examples/golden/main.yaml", "examples/golden/branch.yaml"
+DIFF_A, DIFF_B, DIFF_PARTS = "examples/diff/gpt2.yaml", "examples/diff/port.yaml", "examples/diff/port-no-scale.yaml"
+TABLE_ROWS = 7  # rows of the parting diff's table shown before "..."
+
+
+def _console() -> Console:
+    return Console(file=io.StringIO(), width=WIDTH, color_system=None)
+
+
+def _lines(console: Console) -> list[str]:
+    # paths of this checkout as the reader's clone has them
+    return [line.rstrip().replace(f"{ROOT}/", "") for line in console.file.getvalue().splitlines()]
+
+
+def golden_example() -> str:
+    """--save-golden on main.yaml (its one line with -q), then --expect-golden on branch.yaml: the table, the
+    golden panel up to its first moved outputs, '...' and the verdict line."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "golden.json"
+        config = load_config(ROOT / GOLDEN_MAIN)
+        run = Run.build(config, Overrides(checks=[*config.checks, "golden"]))
+        saved = run.check(run.load(), config_path=GOLDEN_MAIN)
+        path.write_text(golden_text(saved, path))
+        size = path.stat().st_size
+        expected = read_golden(path)
+    console = _console()
+    render(saved, console, durations=False, verbosity="quiet")
+    saving = _lines(console)
+    config = load_config(ROOT / GOLDEN_BRANCH)
+    run = Run.build(config, Overrides(checks=[*config.checks, "golden"], expect_golden=expected))
+    console = _console()
+    render(run.check(run.load(), config_path=GOLDEN_BRANCH), console, durations=False)
+    lines = _lines(console)
+    moved = next(i for i, line in enumerate(lines) if re.search(r"module outputs that moved \(\d+\)", line))
+    return "\n".join(["```", f"$ fwdcheck run {GOLDEN_MAIN} --save-golden golden.json -q", *saving,
+                      f"$ wc -c golden.json  # one module a line: {len(expected['outputs'])} outputs, "
+                      f"{len(expected['parameters'])} parameters and buffers",
+                      f"{size} golden.json",
+                      f"$ fwdcheck run {GOLDEN_BRANCH} --expect-golden golden.json", *lines[:moved + 6], "...",
+                      lines[-1], "```"])
+
+
+def _diff(a: str, b: str) -> dict:
+    from typer.testing import CliRunner
+
+    from fwdcheck.cli import app
+
+    result = CliRunner().invoke(app, ["diff", str(ROOT / a), str(ROOT / b), "--format", "json"],
+                                catch_exceptions=False)
+    return json.loads(result.stdout)
+
+
+def diff_example() -> str:
+    """GPT-2 against its port (equal, as piped: no plot), then against the port with the scale dropped (as on a
+    terminal: the plot; the table cut after its first rows)."""
+    console = _console()
+    render_diff(_diff(DIFF_A, DIFF_B), console)
+    equal = _lines(console)
+    console = _console()
+    render_diff(_diff(DIFF_A, DIFF_PARTS), console, plot=True)
+    parts = _lines(console)
+    plot = next(i for i, line in enumerate(parts) if line.startswith("tol x1") or re.match(r"\s+1e[+-]\d+ ", line))
+    return "\n".join(["```", f"$ fwdcheck diff {DIFF_A} {DIFF_B}", *equal,
+                      f"$ fwdcheck diff {DIFF_A} {DIFF_PARTS}   # on a terminal: the plot", *parts[:2 + TABLE_ROWS],
+                      "...", *parts[plot:], "```"])
+
+
+EXAMPLES = {"example": example, "golden": golden_example, "diff": diff_example}  # marker name -> its text
+
+
+def markers(name: str) -> tuple[str, str]:
+    return (START, END) if name == "example" else (f"<!-- {name}-example:start -->", f"<!-- {name}-example:end -->")
+
+
+def readme_example(name: str = "example") -> str:
+    start, end = markers(name)
     text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    match = re.search(re.escape(start) + r"\n(.*?)\n" + re.escape(end), text, re.S)
     return match.group(1) if match else ""
 
 
 def write() -> None:
     text = README.read_text(encoding="utf-8")
-    block = f"{START}\n{example()}\n{END}"
-    README.write_text(re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: block, text, flags=re.S),
-                      encoding="utf-8")
+    for name, make in EXAMPLES.items():
+        start, end = markers(name)
+        block = f"{start}\n{make()}\n{end}"
+        text = re.sub(re.escape(start) + r"\n.*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    README.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's example")
+    parser.add_argument("--write", action="store_true", help="rewrite the README's examples")
     if parser.parse_args().write:
         write()
     else:
-        print(example())
+        print("\n\n".join(make() for make in EXAMPLES.values()))

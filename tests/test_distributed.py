@@ -199,6 +199,12 @@ def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
     assert code == 2 and "distributed.parallelize is needed" in stderr and "Traceback" not in stderr
 
 
+def test_a_golden_file_is_made_on_one_process(tmp_path):
+    code, _, stderr = launch(tmp_path, gpt_config("tensor_parallel"), "--save-golden", str(tmp_path / "golden.json"))
+    assert code == 2 and "run on one process" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "golden.json").exists()
+
+
 def test_sharding_skips_outside_a_distributed_run():
     from tests.conftest import run_checks
 

@@ -4,7 +4,9 @@ on the toy config and exits 0.
 The commands are read out of the files (GitHub `run:` steps, GitLab `script:` lists, pre-commit hook entries with their
 args) and run as a subprocess from the repository root, as CI would. An option the installed `fwdcheck run --help` does
 not list yet (the report options are being added) skips that command, naming the option; files the commands write go
-to a temporary directory, not into the checkout.
+to a temporary directory, not into the checkout. A command that reads a golden file (`--expect-golden`, the pull
+request's step of a numeric-contract job) reads it from that directory, written first by the same config with
+`--save-golden` as the base branch's step writes it: the same code on both sides, so it must pass.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 HOOKS = REPO / ".pre-commit-hooks.yaml"
 TOY = "sample_configs/toy.yaml"
-WRITES = {"--output", "-o", "--junit", "--json", "--markdown", "--html", "--svg", "--save-ledger"}  # take a PATH
+WRITES = {"--output", "-o", "--junit", "--json", "--markdown", "--html", "--svg", "--save-ledger",
+          "--save-golden"}  # take a PATH
+READS = {"--expect-golden"}  # a PATH an earlier step of the same job wrote
 TIMEOUT = 180
 
 
@@ -155,12 +159,13 @@ def redirect_outputs(tokens: list[str], directory: Path) -> tuple[list[str], lis
     while i < len(tokens):
         token = tokens[i]
         name, eq, value = token.partition("=")
-        if name in WRITES:
+        if name in WRITES or name in READS:
             if not eq:
                 i += 1
                 value = tokens[i]
             target = directory / Path(value).name
-            written.append(target)
+            if name in WRITES:
+                written.append(target)
             out += [name, str(target)]
         else:
             out.append(token)
@@ -174,6 +179,11 @@ def run_fwdcheck(tokens: list[str], tmp_path: Path) -> tuple[subprocess.Complete
     if missing:
         pytest.skip(f"`fwdcheck run --help` does not offer {missing} yet")
     command, written = redirect_outputs(tokens, tmp_path)
+    if "--expect-golden" in command:
+        golden = command[command.index("--expect-golden") + 1]
+        saving = subprocess.run([*fwdcheck_executable(), "run", tokens[2], "--save-golden", golden, "-q"],
+                                capture_output=True, text=True, timeout=TIMEOUT, env=environment(), cwd=REPO)
+        assert saving.returncode == 0, saving.stdout + saving.stderr
     proc = subprocess.run([*fwdcheck_executable(), *command[1:]], capture_output=True, text=True, timeout=TIMEOUT,
                           env=environment(), cwd=REPO)
     return proc, written
@@ -183,7 +193,11 @@ def assert_written(files: list[Path]) -> None:
     for path in files:
         assert path.exists() and path.stat().st_size > 0, f"{path.name} was not written"
         if path.suffix == ".json":
-            assert json.loads(path.read_text())["exit_code"] == 0
+            document = json.loads(path.read_text())
+            if "fwdcheck_golden" in document:  # a golden file (--save-golden), not a report
+                assert document["outputs"] and document["parameters"], path.name
+            else:
+                assert document["exit_code"] == 0
         elif path.suffix == ".xml":
             ET.parse(path)  # well-formed
 
@@ -209,6 +223,15 @@ def test_github_workflow_shape():
     upload = next(step for step in steps if str(step.get("uses", "")).startswith("actions/upload-artifact"))
     assert "fwdcheck.json" in upload["with"]["path"] and "!cancelled()" in upload["if"]  # uploaded when a check fails
     assert True in document or "on" in document  # YAML 1.1 reads the key `on` as True
+    contract = document["jobs"]["numeric-contract"]
+    assert contract["if"] == "github.event_name == 'pull_request'"
+    steps = contract["steps"]
+    checkouts = [i for i, step in enumerate(steps) if str(step.get("uses", "")).startswith("actions/checkout")]
+    saving = next(i for i, step in enumerate(steps) if "--save-golden" in step.get("run", ""))
+    expecting = next(i for i, step in enumerate(steps) if "--expect-golden" in step.get("run", ""))
+    # the base first (its own checkout), the golden file outside the checkout, then the pull request's head
+    assert steps[checkouts[0]]["with"]["ref"] == "${{ github.event.pull_request.base.sha }}"
+    assert checkouts[0] < saving < checkouts[1] < expecting and "$RUNNER_TEMP" in steps[saving]["run"]
 
 
 def test_gitlab_job_shape():
@@ -216,6 +239,12 @@ def test_gitlab_job_shape():
     assert job["artifacts"]["reports"]["junit"] == "fwdcheck.xml"
     assert job["artifacts"]["when"] == "always"
     assert any("download.pytorch.org/whl/cpu" in line for line in job["before_script"])
+    contract = yaml.safe_load((EXAMPLES / "gitlab-ci.yml").read_text())["fwdcheck-contract"]
+    script = contract["script"]
+    saving = next(i for i, line in enumerate(script) if "--save-golden" in line)
+    expecting = next(i for i, line in enumerate(script) if "--expect-golden" in line)
+    assert script.index("cd /tmp/target") < saving < script.index('cd "$CI_PROJECT_DIR"') < expecting
+    assert contract["rules"] == [{"if": '$CI_PIPELINE_SOURCE == "merge_request_event"'}]
 
 
 def test_options_missing_from_help_are_named():

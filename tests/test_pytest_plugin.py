@@ -267,3 +267,34 @@ def test_startup_imports_no_torch(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["fwdcheck plugin loaded: True", "torch imported: False"])
+
+
+def test_a_golden_file_beside_a_config_is_checked(tester):
+    """configs/toy.golden.json beside configs/toy.yaml adds the item `golden`, compared as --expect-golden: it passes
+    on the model it was made from, fails naming the first module that moved on a changed one, and a golden file of
+    another config is one collection error line."""
+    from typer.testing import CliRunner
+
+    from fwdcheck.cli import app
+
+    root = tester.path / "configs"
+    root.mkdir()
+    toy = (tester.path / "sample_configs" / "toy.yaml").read_text()
+    (root / "toy.yaml").write_text(toy)
+    made = CliRunner().invoke(app, ["run", str(root / "toy.yaml"), "--save-golden", str(root / "toy.golden.json")])
+    assert made.exit_code == 0, made.output
+    result = run(tester, "--fwdcheck", "configs", "-v")
+    assert outcomes(result) == {f"configs/toy.yaml::{n}": "PASSED" for n in [*CHECKS, "golden"]}
+
+    (root / "toy.yaml").write_text(toy.replace("attention: sdpa", "attention: sdpa\n  bugs: [heads-swapped]"))
+    result = run(tester, "--fwdcheck", "configs", "-v")
+    assert outcomes(result) == {**{f"configs/toy.yaml::{n}": "PASSED" for n in CHECKS},
+                                "configs/toy.yaml::golden": "FAILED"}
+    text = section(result, "golden in configs/toy.yaml")
+    assert "\n  FWD961 fail: layers.0.attn.o_proj: output moved by " in text
+    assert "rerun:   fwdcheck run configs/toy.yaml --expect-golden configs/toy.golden.json" in text
+
+    (root / "toy.yaml").write_text(toy.replace("seed: 0", "seed: 5"))
+    result = run(tester, "--fwdcheck", "configs")
+    assert result.ret == 2
+    result.stdout.fnmatch_lines(["configs/toy.golden.json: made with another config: seed 0 (this run: 5)*"])

@@ -9,6 +9,7 @@ import io
 import re
 import xml.etree.ElementTree as ET
 
+import pytest
 from rich.console import Console
 
 import fwdcheck
@@ -334,9 +335,25 @@ def test_ignored_findings_are_marked_in_every_report():
                      github, re.MULTILINE), github
 
 
-# -- the README's example is a real run --------------------------------------------------------------------------------
+# -- the README's examples are real runs -------------------------------------------------------------------------------
 
 
 def test_readme_example_is_what_a_run_prints():
     assert readme_example.readme_example() == readme_example.example(), \
+        "run `python -m tests.readme_example --write` and commit the README"
+
+
+NUMBER = re.compile(r"(?<![\w.#])(?<!exit )-?\d+(\.\d+)?(e[+-]?\d+)?(?![\w.])")
+
+
+def masked(text: str) -> str:
+    """The text with every number a run measures as N: names, verdicts and exit codes left as they are."""
+    return NUMBER.sub("N", text)
+
+
+@pytest.mark.parametrize("name", ["diff", "golden"])
+def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
+    """The numeric contract's and fwdcheck diff's examples, their numbers masked (tests/readme_example.py says
+    why)."""
+    assert masked(readme_example.readme_example(name)) == masked(readme_example.EXAMPLES[name]()), \
         "run `python -m tests.readme_example --write` and commit the README"

@@ -8,6 +8,7 @@ laid out for the console's width: a word is never cut, and at a narrow width the
 from __future__ import annotations
 
 import functools
+import math
 import pkgutil
 import re
 from dataclasses import dataclass
@@ -547,6 +548,119 @@ def _rope_notes(data: dict) -> list[str]:
     if data.get("component_scale"):
         notes.append(f"rotary function scales by {data['component_scale']:.4g} (an attention factor, divided out)")
     return notes
+
+
+def golden(r: CheckResult) -> RenderableType:
+    """The outputs that moved from the golden file, in the order they came (the first is where to look), and the
+    parameters that moved; a line saying what was recorded when nothing was compared."""
+    comparison = r.data.get("comparison")
+    if comparison is None:
+        document = r.data.get("golden", {})
+        return Text(f"{len(document.get('outputs', []))} module outputs and {len(document.get('parameters', []))} "
+                    "parameters and buffers fingerprinted; --save-golden FILE writes them", style="dim")
+    parts: list[RenderableType] = []
+    for key, total, title in (("moved", "moved_outputs", "module outputs"),
+                              ("parameters_moved", "moved_parameters", "parameters")):
+        rows = [[Text(m["name"]), Text(f"{m['by']:.3g}", "bold red"), Text(f"{m['tolerance']:.2g}"), Text(m["what"])]
+                for m in comparison.get(key, [])]
+        if rows:
+            columns = [FitColumn("name", whole=True), FitColumn("moved by", justify="right", whole=True),
+                       FitColumn("tolerance", justify="right", whole=True), FitColumn("largest change", give_way=1)]
+            more = comparison[total] - len(rows)
+            parts.append(FitTable(columns, rows, title=f"{title} that moved ({comparison[total]}), in order"
+                                  + (f"; {more} more not shown" if more > 0 else ""),
+                                  box=box.SIMPLE, pad_edge=False, show_edge=False))
+    tolerance = comparison.get("tolerance", {})
+    parts.append(Text(f"tolerance: atol {tolerance.get('atol', 0):g} + rtol {tolerance.get('rtol', 0):g} x each "
+                      "tensor's abs-max in the golden file", style="dim"))
+    return Group(*parts)
+
+
+def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
+    """`fwdcheck diff`'s report (fwdcheck.diff.Diff.to_dict()): the largest difference of every pair of modules in
+    A's order of execution, the first that parts marked; with `plot`, the difference by depth; then what was not
+    paired, the notes and the verdict."""
+    pairs = diff["pairs"]
+    first = diff["first_parting"]
+    console.print(Text.assemble(("fwdcheck diff ", "bold"), f"· A {diff['a']} · B {diff['b']} · {diff['dtype']}"))
+    rows = []
+    for number, p in enumerate(pairs, 1):
+        style = "bold red" if p["parts"] else "green"
+        shape = str(p["shape"]) if p["shape"] == p["shape_b"] else f"{p['shape']} vs {p['shape_b']}"
+        mark = "◀ first" if first is not None and p["a"] == first["a"] else ""
+        rows.append([Text(f"{number}" + ("" if p["by_name"] else "*")), Text(p["a"]),
+                     Text("" if p["b"] == p["a"] else p["b"]), Text(shape), Text(_number(p["max_diff"]), style),
+                     Text(f"{p['tolerance']:.2g}"), Text(mark, "bold red")])
+    columns = [FitColumn("#", justify="right", whole=True), FitColumn("module (A)", whole=True),
+               FitColumn("in B", whole=True, give_way=2), FitColumn("shape", whole=True, give_way=1),
+               FitColumn("max diff", justify="right", whole=True),  # max |a - b|
+               FitColumn("tol", justify="right", whole=True), FitColumn("", whole=True)]  # the line under: what tol is
+    console.print(FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False))
+    if not all(p["by_name"] for p in pairs):
+        console.print(Text("* paired by order: no name in common, the same shape, between the same two pairs paired "
+                           "by name", style="dim"))
+    if plot and pairs:
+        console.print(difference_plot(pairs, max(console.width - 8, 10)))
+    for side in ("a", "b"):
+        unpaired = diff[f"unpaired_{side}"]
+        if unpaired:
+            shown = ", ".join(unpaired[:6]) + (f" and {len(unpaired) - 6} more" if len(unpaired) > 6 else "")
+            console.print(Text(f"not paired in {side.upper()}: {shown}", style="dim"))
+    for note in diff["notes"]:
+        console.print(Text(f"note: {note}", style="dim"))
+    earliest = diff["first_difference"]
+    if earliest is not None and (first is None or earliest["a"] != first["a"]):
+        ratio = "" if earliest["max_diff"] is None else \
+            f", {earliest['max_diff'] / earliest['tolerance']:.2g} of its tolerance"
+        console.print(Text(f"the first pair that differs at all: A {earliest['a']} (max |a - b| "
+                           f"{_number(earliest['max_diff'])}{ratio})", style="yellow" if first else "dim"))
+    tolerance = diff["tolerance"]
+    console.print(Text(f"max diff: the largest |a - b| over an output's elements; tol: atol {tolerance['atol']:g} + "
+                       f"rtol {tolerance['rtol']:g} x A's largest |value| of it", style="dim"))
+    if first is None:
+        console.print(Text.assemble(("equal", "bold green"), f" within tolerance over {len(pairs)} pairs of modules "
+                                    f"(exit {diff['exit_code']})"))
+    else:
+        by = _number(first["max_diff"])
+        b = "" if first["b"] == first["a"] else f" / B {first['b']}"
+        console.print(Text.assemble(("they part", "bold red"), f" at A {first['a']}{b}: max |a - b| {by} "
+                                    f"(tolerance {first['tolerance']:.2g}) (exit {diff['exit_code']})"))
+
+
+def _number(value: float | None) -> str:
+    return "inf" if value is None else f"{value:.2g}"
+
+
+PLOT_ROWS = 6  # decades of difference / tolerance a plot shows at most
+
+
+def difference_plot(pairs: list[dict], width: int) -> Text:
+    """Each pair's max |a - b| over its tolerance, by depth (A's order of execution, left to right), as bars on a
+    log scale, one row a decade: a bar reaching the `tol x1` row parts. Wider than `width` pairs share columns (the
+    largest shown). Under the bars, a caret at the first pair that parts."""
+    ratios = [math.inf if p["max_diff"] is None else p["max_diff"] / p["tolerance"] if p["tolerance"] else
+              (0.0 if p["max_diff"] == 0 else math.inf) for p in pairs]
+    step = math.ceil(len(ratios) / width)
+    columns = [max(ratios[i:i + step]) for i in range(0, len(ratios), step)]
+    finite = [r for r in columns if 0 < r < math.inf]
+    # rows from the decade of the largest finite ratio (one more for an infinite one) down to that of the smallest
+    top = max(0, math.floor(math.log10(max(finite)))) if finite else 0
+    top = top + 1 if any(r == math.inf for r in columns) else top
+    bottom = min(-1, math.floor(math.log10(min(finite)))) if finite else -1
+    bottom = max(bottom, top - PLOT_ROWS + 1)
+    text = Text()
+    for decade in range(top, bottom - 1, -1):
+        label = "tol x1 " if decade == 0 else f"1e{decade:+d} ".rjust(7)
+        text.append(label, style="dim")
+        for r in columns:
+            text.append("█" if r >= 10.0 ** decade else "·" if decade == 0 else " ", "red" if decade >= 0 else "green")
+        text.append("\n")
+    first = next((i for i, p in enumerate(pairs) if p["parts"]), None)
+    if first is not None:
+        text.append(" " * (7 + first // step) + f"^ #{first + 1} {pairs[first]['a']}, the first to part\n", "bold red")
+    spread = "one pair a column" if step == 1 else f"{step} pairs a column, the largest shown"
+    text.append(" " * 7 + f"max |a - b| / tolerance of each pair, in A's order ({spread})", style="dim")
+    return text
 
 
 def _notes(notes) -> list[Text]:

@@ -1,0 +1,180 @@
+"""The golden file: the numeric contract `--save-golden` writes and `--expect-golden` reads, written and read here.
+
+The golden check (checks/golden.py) fingerprints every module's output and every parameter (fwdcheck/activations.py)
+and compares them with an expected golden file; this module turns a report's fingerprints into the file's text, and a
+file back into the document, refusing (one UsageError line, exit 2) any that is not a golden file written by
+--save-golden, or one made at other inputs or in another dtype than the run about to use it. It imports neither torch
+nor the check: the command line validates the file before any model loads.
+
+The file is made for review in a diff: the header, then one module output a line in the order the outputs came, then
+one parameter (or buffer) a line in the model's own order; every number to 6 significant digits, so that a rerun on
+the same machine writes the same bytes.
+
+    {
+      "fwdcheck_golden": 1,
+      "model": "reference (rope, sdpa, 2 layers; planted bugs: none)",
+      "run": {"seed": 0, "batch_size": 2, "seq_len": 8, "dtype": "float32", "device": "cpu", "torch": "2.13.0+cpu"},
+      "tolerance": {"rtol": 0.0001, "atol": 1e-06},
+      "outputs": [
+        {"name": "wte", "shape": [2, 8, 16], "dtype": "float32", "mean": 0.0123, "std": 0.98, "absmax": 2.9, ...},
+        ...
+      ],
+      "parameters": [
+        {"name": "wte.weight", "shape": [32, 16], "dtype": "float32", ...},
+        ...
+      ]
+    }
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fwdcheck.config import MAX_DEPTH, RunConfig, describe_validation_error, nesting_depth, regular_file
+from fwdcheck.errors import UsageError
+
+CHECK = "golden"  # the check whose result data holds the fingerprints
+VERSION = 1
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Size = Annotated[int, Field(ge=0)]
+
+
+class Fingerprint(BaseModel):
+    """One module output or one parameter. strict: a string where a number belongs, a null where a list belongs, are
+    refused rather than coerced (an integer is a number)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1)
+    shape: list[Size]
+    dtype: str
+    mean: Finite
+    std: Finite = Field(ge=0)
+    absmax: Finite = Field(ge=0)
+    values: list[Finite | None]  # None: the element there is NaN or Inf
+    digest: list[Finite]
+    nonfinite: Size = 0
+
+
+class RunRecord(BaseModel):
+    """What the fingerprints were taken at: the inputs (drawn from the seed) and the dtype must be this run's; the
+    device and the torch release are said, not required."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    seed: int
+    batch_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    dtype: str
+    device: str = ""
+    torch: str = ""
+
+
+class Tolerance(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    rtol: Finite = Field(ge=0)
+    atol: Finite = Field(ge=0)
+
+
+class Golden(BaseModel):
+    """The document --save-golden writes and --expect-golden reads. Keys it does not know are ignored (a newer
+    fwdcheck may add some); the version must be one this fwdcheck reads."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    fwdcheck_golden: Literal[1]
+    model: str | None = None
+    run: RunRecord
+    tolerance: Tolerance
+    outputs: list[Fingerprint]
+    parameters: list[Fingerprint]
+
+    @model_validator(mode="after")
+    def _names_once(self) -> Golden:
+        for key in ("outputs", "parameters"):
+            first: dict[str, int] = {}
+            for i, entry in enumerate(getattr(self, key)):
+                if entry.name in first:
+                    raise ValueError(f"{key}[{i}]: '{entry.name}' is listed twice (first as "
+                                     f"{key}[{first[entry.name]}])")
+                first[entry.name] = i
+        return self
+
+
+def beside(config: Path) -> Path:
+    """Where the pytest plugin looks for a config's golden file: gpt.golden.json beside gpt.yaml."""
+    return config.with_suffix(".golden.json")
+
+
+def golden_text(report, path: Path) -> str:
+    """The --save-golden file for a report: the golden check's fingerprints; a UsageError when it did not run."""
+    result = next((r for r in report.results if r.name == CHECK), None) if report else None
+    if result is None or "golden" not in result.data:
+        why = result.summary if result is not None else "not selected"
+        raise UsageError(f"--save-golden {path}: the golden check did not run ({why})")
+    document = result.data["golden"]
+    head = {k: document[k] for k in ("fwdcheck_golden", "model", "run", "tolerance")}
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    for key, last in (("outputs", False), ("parameters", True)):
+        entries = [f"    {json.dumps(e)}" for e in document[key]]
+        lines += [f'  "{key}": [', ",\n".join(entries), "  ]" + ("" if last else ",")] if entries else \
+            [f'  "{key}": []' + ("" if last else ",")]
+    return "\n".join(lines) + "\n}\n"
+
+
+def read_golden(path: Path, label: str | None = None) -> dict:
+    """The --expect-golden file, read and validated: the document as a plain dict."""
+    label = label or f"--expect-golden {path}"
+    regular_file(Path(path), label, UsageError, what="golden file")
+    try:
+        # NaN and Infinity are no JSON; Python's reader accepts them unless told not to.
+        document = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except FileNotFoundError:
+        raise UsageError(f"{label}: no such file (write one with --save-golden)") from None
+    except IsADirectoryError:
+        raise UsageError(f"{label}: is a directory, not a golden file") from None
+    except RecursionError:
+        raise UsageError(f"{label}: nested too deeply; not a golden file written by --save-golden") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{label}: not a readable JSON golden file ({exc})") from None
+    return golden_from_dict(document, label)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def golden_from_dict(document: Any, name: str) -> dict:
+    """A parsed --expect-golden file, validated: the document as a plain dict, or one UsageError line naming the
+    key."""
+    if not isinstance(document, dict) or "fwdcheck_golden" not in document:
+        raise UsageError(f"{name}: not a golden file written by --save-golden (a JSON object with 'fwdcheck_golden')")
+    if nesting_depth(document) > MAX_DEPTH:
+        raise UsageError(f"{name}: nested more than {MAX_DEPTH} levels deep; not a golden file written by "
+                         "--save-golden")
+    if document["fwdcheck_golden"] != VERSION:
+        raise UsageError(f"{name}: golden file format {document['fwdcheck_golden']!r}; this fwdcheck reads format "
+                         f"{VERSION} (save it again with this fwdcheck)")
+    try:
+        golden = Golden.model_validate(document)
+    except ValidationError as exc:
+        raise UsageError(f"{name}: not a golden file written by --save-golden: "
+                         f"{describe_validation_error(exc)}") from None
+    return golden.model_dump()
+
+
+def refuse_other_run(document: dict, config: RunConfig, name: str) -> None:
+    """A golden file is compared at the inputs and in the dtype it was made with: one made at another seed, batch
+    size or length, or in another dtype, is a usage error naming what differs (the overrides applied to `config`)."""
+    made = document["run"]
+    now = {"seed": config.inputs.seed, "batch_size": config.inputs.batch_size, "seq_len": config.inputs.seq_len,
+           "dtype": config.dtype}
+    differ = [f"{key} {made[key]} (this run: {value})" for key, value in now.items() if made[key] != value]
+    if differ:
+        raise UsageError(f"{name}: made with another config: {', '.join(differ)}; a golden file is compared at the "
+                         "inputs and dtype it was made with (run with those, or save it again)")
