@@ -76,31 +76,26 @@ def test_tensor_parallel_model_passes_every_check_on_two_ranks(tmp_path):
 
 
 def test_hugging_face_llama_with_its_own_tensor_parallel_plan_passes(tmp_path):
-    """The README's example, examples/distributed/llama-tp.yaml, here from --nproc."""
+    """The README's example, examples/distributed/llama-tp.yaml, here from --nproc, with context parallelism asked
+    for: on the CPU torch has no sharding strategy for the CPU's SDPA kernel, so the split is not compared and the
+    sharding check says why, judging the rest."""
     config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
-    del config["distributed"]
+    config["distributed"] = {"context_parallel": True}
     code, report, stderr = launch(tmp_path, config, "--nproc", "2")
     assert code == 0, stderr
     got = checks(report)
     assert {c["status"] for c in got.values()} == {"pass"}, {n: c["summary"] for n, c in got.items()}
-    assert "tensor-parallel plan" in got["sharding"]["data"]["parallelized_by"]
+    sharding = got["sharding"]
+    assert "tensor-parallel plan" in sharding["data"]["parallelized_by"]
+    assert "context_parallel_max_change" not in sharding["metrics"]
+    assert "does not have a sharding strategy" in sharding["data"]["context_parallel"]
+    assert "context parallelism: not run" in sharding["summary"]
 
 
 def llama_context_parallel() -> dict:
     config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
     config["distributed"]["context_parallel"] = True
     return config
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's reason; on CUDA the split runs")
-def test_context_parallelism_on_the_cpu_says_why_it_did_not_run(tmp_path):
-    """torch has no sharding strategy for the CPU's SDPA kernel: the split is not compared, the rest is judged."""
-    code, report, stderr = launch(tmp_path, llama_context_parallel(), "--check", "sharding")
-    assert code == 0, stderr
-    sharding = checks(report)["sharding"]
-    assert "context_parallel_max_change" not in sharding["metrics"]
-    assert "does not have a sharding strategy" in sharding["data"]["context_parallel"]
-    assert "context parallelism: not run" in sharding["summary"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs 2 CUDA devices")
