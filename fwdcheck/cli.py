@@ -26,8 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck import __version__
-from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text
-from fwdcheck.worker import about_config
+from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
 
 EXIT_CODES = """\b
 Exit codes:

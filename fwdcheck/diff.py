@@ -30,13 +30,12 @@ import torch.nn as nn
 
 from fwdcheck.activations import LOGITS, recorded_forward
 from fwdcheck.config import Config
-from fwdcheck.errors import UsageError
+from fwdcheck.errors import UsageError, about_config
 from fwdcheck.overrides import Overrides
 from fwdcheck.rename import Rule, renamed
 from fwdcheck.runner import Run
 from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
-from fwdcheck.worker import about_config
 
 SHOWN = 4  # names an error or a note lists before "and N more"
 

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from fwdcheck.config import Config, Distributed, config_from_dict, load_config
-from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, first_line
+from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
 from fwdcheck.heard import Heard
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
@@ -77,6 +77,11 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     heard.checks = [e.name for e in run.entries]
     heard.environment = {**environment_summary(run.settings, run.settings.device),
                          "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize}}
+    # Ranks that end by an exception leave semaphores behind, and the resource tracker (a process of its own, started
+    # with this interpreter's -W options) would warn of them on stderr after the report's one line.
+    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet_tracker not in sys.warnoptions:
+        sys.warnoptions.append(quiet_tracker)
     authkey = secrets.token_bytes(16)
     listener = Listener(family="AF_UNIX", authkey=authkey)
     relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
@@ -251,13 +256,14 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             events.send({"event": event, **fields})
 
     try:
-        run = _build(job)
-        device = rank_device(run.settings.device, int(os.environ.get("LOCAL_RANK", rank)))
-        spec = run.config.distributed
-        backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
-        model = sharded(run, device, rank, world)
+        with about_config(Path(job["config"]) if job["config"] is not None else None):  # the error names the file
+            run = _build(job)
+            device = rank_device(run.settings.device, int(os.environ.get("LOCAL_RANK", rank)))
+            spec = run.config.distributed
+            backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+            dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
+            model = sharded(run, device, rank, world)
     except FwdcheckError as exc:  # the same on every rank: rank 0 says it, the launch ends
         send("error", exit_code=exc.exit_code, message=str(exc), detail="", notes=[])
         raise
@@ -395,8 +401,13 @@ def hf_tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
         raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
                          "function")
     cls = type(module)
-    config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
-    return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
+    try:
+        config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+        return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
+    except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
+        raise ModelLoadError(f"transformers could not apply {cls.__name__}'s tensor-parallel plan over {world} ranks: "
+                             f"{type(exc).__name__}: {first_line(exc)}; name a distributed.parallelize function "
+                             "instead") from exc
 
 
 def _parameters(module: nn.Module) -> set[str]:

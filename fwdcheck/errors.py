@@ -6,7 +6,9 @@ it is being checked makes that check `error` (exit 1); anything else escaping fr
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from enum import IntEnum
+from pathlib import Path
 
 
 class ExitCode(IntEnum):
@@ -103,3 +105,15 @@ def exception_text(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return f"<{type(exc).__name__}: its message cannot be shown>"
+
+
+@contextmanager
+def about_config(path: Path | None, key: str = ""):
+    """A usage error about what the config file names (its checks, its model, its inputs) carries the file's name
+    first, as the config's own validation errors do: `error: model.yaml: factory 'pkg:build' raised ...`."""
+    try:
+        yield
+    except UsageError as exc:
+        if path is not None and not str(exc).startswith(f"{path}:"):
+            exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
+        raise

@@ -22,12 +22,11 @@ import sys
 import threading
 import traceback
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text, first_line
+from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.overrides import Overrides
 
@@ -93,18 +92,6 @@ def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
         if note not in notes:
             notes.append(note)
     return notes
-
-
-@contextmanager
-def about_config(path: Path | None, key: str = ""):
-    """A usage error about what the config file names (its checks, its model, its inputs) carries the file's name
-    first, as the config's own validation errors do: `error: model.yaml: factory 'pkg:build' raised ...`."""
-    try:
-        yield
-    except UsageError as exc:
-        if path is not None and not str(exc).startswith(f"{path}:"):
-            exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
-        raise
 
 
 class Events:
