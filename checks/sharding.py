@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from fwdcheck.distributed import UNSHARDED_RAISES, full, rank_context
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model import extract_logits, model_failure
+from fwdcheck.model import extract_logits, layer_stack_of, model_failure
 from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
@@ -91,10 +91,16 @@ output."""
         disagreement = self._disagreement(context, session) if raised is None else None
         split = self._context_parallel(context, session, model) if context.context_parallel and raised is None \
             else None
-        verdict = self._judge(context, session, model, blocks, sharded, raised, disagreement, split) \
-            if context.rank == 0 else None
+        verdict = None
+        if context.rank == 0:
+            try:
+                verdict = self._judge(context, session, model, blocks, sharded, raised, disagreement, split)
+            except Exception as exc:  # fwdcheck's own failure: the other ranks still wait for the verdict
+                verdict = {"failed": f"{type(exc).__name__}: {exc}"}
         shared = [verdict]
         dist.broadcast_object_list(shared, src=0)  # rank 0's verdict is every rank's
+        if "failed" in shared[0]:
+            raise RuntimeError(f"the sharding check failed on rank 0: {shared[0]['failed']}")
         result = CheckResult.from_dict(shared[0])
         if raised is not None and not any(f.code == UNSHARDED_RAISES for f in result.findings):
             raise raised  # the unsharded model raises too: the model's own error, not the sharding's
@@ -146,7 +152,8 @@ output."""
                       "placements": placements(model.module)}
         unsharded = context.unsharded()
         try:
-            reference = _hooked(_blocks(unsharded, model.layer_stack),
+            # the unsharded model's own stack: a parallelize function may return the model inside a wrapper
+            reference = _hooked(_blocks(unsharded, layer_stack_of(unsharded)),
                                 lambda: session.logits(session.inputs, model=_unsharded_view(model, unsharded)))
         except ModelRaised as exc:
             if raised is not None:  # both raise: the model's own error, which run() raises on every rank

@@ -304,9 +304,11 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
                           dtype=o.dtype.value if o.dtype else None, seed=o.seed, exhaustive=o.exhaustive,
                           meta=o.meta, expect_ledger=expected.ledger, expect_golden=expected.golden,
                           fail_on=o.fail_on.value, nproc=o.nproc)
-    if golden and nproc > 1:  # each rank's modules hold their shards: their outputs are no golden record
-        raise UsageError("--save-golden and --expect-golden run on one process: a golden file records the unsharded "
-                         "model, and the sharding check compares the sharded one with it")
+    if nproc > 1 and (golden or GOLDEN in [e.name for e in entries]):  # each rank's modules hold their shards
+        raise UsageError("the golden check and --save-golden / --expect-golden run on one process: a golden file "
+                         "records the unsharded model, and the sharding check compares the sharded one with it")
+    if nproc > 1 and overrides.applied(config).meta:
+        raise UsageError("--meta and a distributed run do not go together: sharding needs the weights' values")
     if golden and overrides.applied(config).meta:
         raise UsageError("--save-golden and --expect-golden need values; on the meta device only shapes exist")
     if expected.golden is not None:

@@ -78,8 +78,23 @@ class Diff:
 
     @property
     def first(self) -> Pair | None:
-        """The first pair, in A's order of execution, that parts."""
-        return next((p for p in self.pairs if p.parts), None)
+        """The first pair, in A's order of execution, that parts. A pair made by order alone counts only when the
+        next pair made by name parts too: two outputs of one shape between the same neighbours need not be the same
+        computation (an activation module in A where B has a dropout module and a functional GELU), and when what
+        follows agrees, the models did not part there."""
+        for k, p in enumerate(self.pairs):
+            if p.parts and (p.by_name or self._confirmed(k)):
+                return p
+        return None
+
+    @property
+    def mispaired(self) -> list[Pair]:
+        """Pairs made by order that part while the next pair made by name agrees: not the same computation."""
+        return [p for k, p in enumerate(self.pairs) if p.parts and not p.by_name and not self._confirmed(k)]
+
+    def _confirmed(self, k: int) -> bool:
+        following = next((q for q in self.pairs[k + 1:] if q.by_name), None)
+        return following is None or following.parts
 
     @property
     def first_difference(self) -> Pair | None:
@@ -126,8 +141,12 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         outputs_b = recorded_forward(model_b, session_a.inputs.to(session_b.device))
         rtol, atol = TOLERANCES[session_a.dtype].golden
         pairs, unpaired_a, unpaired_b = pair(outputs_a, outputs_b, rules, rtol, atol)
-    return Diff(model_a.label, model_b.label, config_a.dtype, rtol, atol, pairs, unpaired_a, unpaired_b,
+    diff = Diff(model_a.label, model_b.label, config_a.dtype, rtol, atol, pairs, unpaired_a, unpaired_b,
                 notes + session_a.notes + session_b.notes)
+    for p in diff.mispaired:
+        diff.notes.append(f"{p.a} and {p.b}, paired by order, differ by {p.max_diff:.2g}, but the next outputs paired "
+                          "by name agree: not the same computation, and not counted (rename one to pair them)")
+    return diff
 
 
 # -- weights ----------------------------------------------------------------------------------------------------------

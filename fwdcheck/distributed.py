@@ -57,6 +57,7 @@ from fwdcheck.session import DTYPES
 from fwdcheck.sources.factory import on_sys_path, resolve_callable, search_dirs
 
 SHARDING = "sharding"  # the check every distributed run starts with
+FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
 UNSHARDED_RAISES = "FWD983"  # the sharding check's code for a sharded model that raises where the unsharded one runs
 
 
@@ -165,9 +166,12 @@ def _failure(failure) -> str:
 
 
 def _failure_code(failure) -> str:
-    """FWD002 for a rank whose model raised; FWD005 for one that died otherwise (a signal, an exit)."""
-    message = failure.message if isinstance(failure.message, dict) else {}
-    return "FWD002" if RankEnded.__name__ in str(message.get("message", "")) else "FWD005"
+    """FWD003 for a rank where fwdcheck failed, FWD002 for one whose model raised; FWD005 for one that died
+    otherwise (a signal, an exit)."""
+    message = str((failure.message if isinstance(failure.message, dict) else {}).get("message", ""))
+    if RankEnded.__name__ not in message:
+        return "FWD005"
+    return "FWD003" if FWDCHECK_FAILED in message else "FWD002"
 
 
 def merge(reports: dict[int, Report]) -> Report:
@@ -261,11 +265,16 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             device = rank_device(run.settings.device, int(os.environ.get("LOCAL_RANK", rank)))
             spec = run.config.distributed
             backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-            dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
-                                    **({"device_id": device} if device.type == "cuda" else {}))
+            try:
+                dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
+                                        **({"device_id": device} if device.type == "cuda" else {}))
+            except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
+                raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
             model = sharded(run, device, rank, world)
     except FwdcheckError as exc:  # the same on every rank: rank 0 says it, the launch ends
         send("error", exit_code=exc.exit_code, message=str(exc), detail="", notes=[])
+        if dist.is_initialized():  # no collective is pending: leaving with the group up aborts the process
+            dist.destroy_process_group()
         raise
     send("model", model=model_summary(model))
     settings = run.settings.model_copy(update={"device": str(device)})
@@ -275,11 +284,17 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     def on_result(result: CheckResult) -> None:
         send("result", result=result.to_dict(), internal_error=result.internal_error)
         finished.append(result)
-        # The model raised on every rank outside the forward the ranks share, or a check ran past timeout_s (a rank
-        # waiting for another that hangs): the ranks can no longer be sure to meet at the same collectives.
-        stopped = next((f for f in result.findings if f.code in ("FWD002", "FWD004")), None)
+        # The model raised outside the forward the ranks share (a forward that raised on every rank at once keeps
+        # them in step: its error is the model's, as on one process), a check ran past timeout_s (a rank waiting for
+        # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
+        # collectives.
+        agreed = model.forward_adapter.take_agreed_raises()
+        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)),
+                       None)
         if stopped is not None:
             raise RankStopped(f"{result.name}: {stopped.message}")
+        if result.internal_error:
+            raise RankStopped(f"{result.name}: {FWDCHECK_FAILED} ({result.summary})")
         if any(f.code == UNSHARDED_RAISES and f.status == Status.FAIL for f in result.findings):
             raise _ShardedModelRaises()
 
@@ -435,6 +450,7 @@ class RankZeroLogits:
     def __init__(self, adapter: Callable | None, rank: int, world: int):
         self.adapter, self.rank, self.world = adapter, rank, world
         self.own: torch.Tensor | None = None
+        self.agreed_raises = 0  # forwards that raised on every rank at once, since take_agreed_raises()
         self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_S))
 
     def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -446,6 +462,7 @@ class RankZeroLogits:
                 raise
             if not self._raised_everywhere():
                 raise RankStopped(f"the model raised {first_line(describe(exc))} on this rank alone") from exc
+            self.agreed_raises += 1
             raise
         logits = full(extract_logits(output)).detach()
         shapes: list = [None] * self.world
@@ -458,6 +475,11 @@ class RankZeroLogits:
         dist.broadcast(shared, src=0)
         return shared
 
+
+    def take_agreed_raises(self) -> int:
+        """How many forwards raised on every rank at once since the last call."""
+        taken, self.agreed_raises = self.agreed_raises, 0
+        return taken
 
     def _raised_everywhere(self) -> bool:
         """Whether every rank's forward raised at this step (each that did asks the others)."""

@@ -23,6 +23,12 @@ from fwdcheck.errors import ModelRaised
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
 
 
+def layer_stack_of(module: nn.Module) -> str | None:
+    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None."""
+    lists = [(n, len(m)) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=lambda item: item[1])[0] if lists else None
+
+
 @dataclass
 class ModelUnderTest:
     module: nn.Module
@@ -52,8 +58,7 @@ class ModelUnderTest:
     @property
     def layer_stack(self) -> str | None:
         """Dotted name of the nn.ModuleList holding the most blocks: the transformer's layers, if it has one."""
-        lists = [(n, len(m)) for n, m in self.module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-        return max(lists, key=lambda item: item[1])[0] if lists else None
+        return layer_stack_of(self.module)
 
     def block_of(self, module_name: str) -> str | None:
         """The block (e.g. 'layers.3') a submodule belongs to, or None."""

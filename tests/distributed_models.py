@@ -17,6 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from fwdcheck.result import Check, CheckResult, Status
+
 V, D, HEADS, LAYERS, FF = 64, 32, 4, 2, 64
 
 
@@ -123,3 +125,31 @@ def fully_sharded(model: GPT, mesh) -> GPT:
 
 def raises(model: GPT, mesh) -> GPT:
     raise ValueError("no plan for this model")
+
+
+class Wrapped(nn.Module):
+    """A sharded model handed back inside a wrapper, as DDP and FSDP1 hand it back: its blocks are `module.layers`."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, input_ids):
+        return self.module(input_ids)
+
+
+def tensor_parallel_wrapped(model: GPT, mesh) -> Wrapped:
+    return Wrapped(tensor_parallel(model, mesh))
+
+
+class FailsOnRankOne(Check):
+    """A check with a bug of its own on rank 1 only, after rank 0 has entered a forward every rank must join."""
+
+    name = "fails-on-rank-1"
+    description = "raises an error of fwdcheck's kind on rank 1"
+
+    def run(self, model, session) -> CheckResult:
+        if dist.get_rank() == 1:
+            raise KeyError("a bug in a check")
+        session.logits(session.inputs[:, :4])
+        return CheckResult(self.name, Status.PASS, "rank 0 ran")

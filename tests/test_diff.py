@@ -240,3 +240,17 @@ def test_a_model_that_raises_is_exit_1_and_one_line(tmp_path):
     assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.output
     (line,) = plain(result.stderr).splitlines()
     assert line.startswith("error: ") and "shape mismatch in the rewrite" in line, line
+
+
+def test_outputs_paired_by_order_that_differ_while_what_follows_agrees_are_not_a_parting(tmp_path):
+    """act (GELU) and drop (an identity in eval) share a shape and a place: paired by order, they differ, and the
+    projection after them agrees, so the models compute the same thing and the pair is named as mispaired."""
+    model = {"source": "python", "path": [str(REPO)]}
+    a = write(tmp_path, "a.yaml", {**model, "factory": "tests.diff_models:GeluModule"})
+    b = write(tmp_path, "b.yaml", {**model, "factory": "tests.diff_models:DropoutThenFunctionalGelu"})
+    code, report, _ = diff(a, b)
+    assert code == 0 and report["first_parting"] is None
+    pairs = {p["a"]: p for p in report["pairs"]}
+    assert pairs["act"]["b"] == "drop" and pairs["act"]["parts"] and not pairs["act"]["by_name"]
+    assert not pairs["proj"]["parts"] and pairs["(logits)"]["max_diff"] == 0
+    assert any("act and drop, paired by order" in note and "not counted" in note for note in report["notes"])

@@ -194,10 +194,35 @@ def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
     assert code == 2 and "distributed.parallelize is needed" in stderr and "Traceback" not in stderr
 
 
-def test_a_golden_file_is_made_on_one_process(tmp_path):
+def test_a_model_handed_back_in_a_wrapper_passes(tmp_path):
+    """parallelize may return the sharded model inside a module of its own (as DDP does): the blocks compared are
+    the wrapper's `module.layers` against the unsharded model's `layers`."""
+    code, report, stderr = launch(tmp_path, gpt_config("tensor_parallel_wrapped"))
+    assert code == 0, stderr
+    assert len(checks(report)["sharding"]["data"]["layers"]) == 2
+
+
+def test_a_check_failing_on_one_rank_ends_the_launch_instead_of_hanging(tmp_path):
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    config = gpt_config("tensor_parallel", checks=["shape-ledger", "tests.distributed_models:FailsOnRankOne"])
+    code, report, _ = launch(tmp_path, config, marker=marker)
+    assert time.monotonic() - started < 120  # not timeout_s (600 s) waiting at a collective
+    assert code != 0
+    failed = checks(report)["tests.distributed_models:FailsOnRankOne"]
+    assert failed["status"] == "error" and "rank 1 of 2 ended" in failed["summary"]
+    assert failed["findings"][0]["code"] == "FWD003"
+    assert processes_marked(marker) == []
+
+
+def test_golden_and_meta_runs_are_made_on_one_process(tmp_path):
     code, _, stderr = launch(tmp_path, gpt_config("tensor_parallel"), "--save-golden", str(tmp_path / "golden.json"))
     assert code == 2 and "run on one process" in stderr and "Traceback" not in stderr
+    code, _, stderr = launch(tmp_path, {**gpt_config("tensor_parallel"), "checks": ["default", "golden"]})
+    assert code == 2 and "run on one process" in stderr
     assert not (tmp_path / "golden.json").exists()
+    code, _, stderr = launch(tmp_path, gpt_config("tensor_parallel"), "--meta")
+    assert code == 2 and "--meta and a distributed run" in stderr
 
 
 def test_sharding_skips_outside_a_distributed_run():
