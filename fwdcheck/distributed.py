@@ -74,6 +74,8 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     nproc = run.config.distributed.nproc
     if run.config.distributed.parallelize:
         parallelize_function(run.config)  # a name that does not import is the config's error, before any rank starts
+    for local_rank in range(nproc):  # a device the ranks cannot have: the config's error, before any rank starts
+        rank_device(run.settings.device, local_rank)
     heard = Heard(job)
     heard.checks = [e.name for e in run.entries]
     heard.environment = {**environment_summary(run.settings, run.settings.device),
@@ -332,8 +334,8 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise UsageError(f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device")
         if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"{local_rank + 1} ranks need as many GPUs; this machine has "
-                             f"{torch.cuda.device_count()}")
+            raise UsageError(f"distributed.nproc: {local_rank + 1} or more ranks need as many GPUs (one each); this "
+                             f"machine has {torch.cuda.device_count()}")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
