@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field
                       field_validator, model_validator)
 
 from fwdcheck.bugs import BUGS
-from fwdcheck.errors import ConfigError
+from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.rename import parse_rule
 
 Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
@@ -417,6 +417,22 @@ def regular_file(path: Path, label: str, error: type[Exception], what: str) -> N
     kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
             "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
     raise error(f"{label}: is {kind}, not a regular file; fwdcheck reads a {what} only from a regular file")
+
+
+def read_json_file(path: Path, label: str, what: str, written_by: str, parse_constant=None) -> Any:
+    """A JSON file fwdcheck wrote (a ledger, a golden file), parsed; every way it cannot be read is one UsageError
+    line starting with `label` and naming the flag that writes one (`written_by`)."""
+    regular_file(Path(path), label, UsageError, what=what)
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=parse_constant)
+    except FileNotFoundError:
+        raise UsageError(f"{label}: no such file (write one with {written_by})") from None
+    except IsADirectoryError:
+        raise UsageError(f"{label}: is a directory, not a {what}") from None
+    except RecursionError:
+        raise UsageError(f"{label}: nested too deeply; not a {what} written by {written_by}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{label}: not a readable JSON {what} ({exc})") from None
 
 
 def check_yaml_structure(text: str, name: str) -> None:

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fwdcheck.config import MAX_DEPTH, RunConfig, describe_validation_error, nesting_depth, regular_file
+from fwdcheck.config import MAX_DEPTH, RunConfig, describe_validation_error, nesting_depth, read_json_file
 from fwdcheck.errors import UsageError
 
 CHECK = "golden"  # the check whose result data holds the fingerprints
@@ -130,18 +130,8 @@ def golden_text(report, path: Path) -> str:
 def read_golden(path: Path, label: str | None = None) -> dict:
     """The --expect-golden file, read and validated: the document as a plain dict."""
     label = label or f"--expect-golden {path}"
-    regular_file(Path(path), label, UsageError, what="golden file")
-    try:
-        # NaN and Infinity are no JSON; Python's reader accepts them unless told not to.
-        document = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except FileNotFoundError:
-        raise UsageError(f"{label}: no such file (write one with --save-golden)") from None
-    except IsADirectoryError:
-        raise UsageError(f"{label}: is a directory, not a golden file") from None
-    except RecursionError:
-        raise UsageError(f"{label}: nested too deeply; not a golden file written by --save-golden") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{label}: not a readable JSON golden file ({exc})") from None
+    # NaN and Infinity are no JSON; Python's reader accepts them unless told not to.
+    document = read_json_file(path, label, "golden file", "--save-golden", parse_constant=_no_constant)
     return golden_from_dict(document, label)
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from fwdcheck.config import MAX_DEPTH, describe_validation_error, nesting_depth, regular_file
+from fwdcheck.config import MAX_DEPTH, describe_validation_error, nesting_depth, read_json_file
 from fwdcheck.errors import UsageError
 
 
@@ -67,18 +67,9 @@ def ledger_text(report, path: Path) -> str:
 def read_ledger(path: Path) -> dict:
     """The --expect-ledger file, read and validated: the ledger as a plain dict."""
     label = f"--expect-ledger {path}"
-    regular_file(Path(path), label, UsageError, what="ledger")
-    try:
-        # NaN and Infinity are no JSON; Python's reader accepts them unless told not to. The ledger check refuses
-        # them by type (a size is an integer), which names the key.
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{label}: no such file (write one with --save-ledger)") from None
-    except RecursionError:
-        raise UsageError(f"{label}: nested too deeply; not a ledger written by --save-ledger") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{label}: not a readable JSON ledger ({exc})") from None
-    return ledger_from_dict(document, label)
+    # NaN and Infinity are no JSON; Python's reader accepts them unless told not to. The ledger check refuses them by
+    # type (a size is an integer), which names the key.
+    return ledger_from_dict(read_json_file(path, label, "ledger", "--save-ledger"), label)
 
 
 def ledger_from_dict(document: Any, name: str) -> dict:
