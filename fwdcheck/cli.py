@@ -270,15 +270,14 @@ class Expected:
 
 def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
-    from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.config import config_for
     from fwdcheck.golden import CHECK as GOLDEN
     from fwdcheck.golden import refuse_other_run
     from fwdcheck.registry import DIRECT, select, selected
     from fwdcheck.overrides import Overrides
     from fwdcheck.worker import Job
 
-    config = load_config(path) if path is not None else config_from_dict(
-        {"model": {"source": "python", "factory": o.model}})
+    config = config_for(path, o.model)
     selection = o.checks if o.checks else config.checks
     # an unknown name is reported as unknown (with the known ones), not as outside the config
     named = select(o.checks) if o.checks else []

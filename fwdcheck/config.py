@@ -368,6 +368,13 @@ class Config(RunConfig, _ModelSection):
         return data
 
 
+def config_for(path: str | Path | None, factory: str | None) -> Config:
+    """The run's config: the file at `path`, or for `fwdcheck run --model pkg.module:factory` that factory's alone."""
+    if path is not None:
+        return load_config(path)
+    return config_from_dict({"model": {"source": "python", "factory": factory}})
+
+
 def load_config(path: str | Path) -> Config:
     """Read, parse and validate a config file; paths inside it become absolute, relative to the file."""
     path = Path(path)

@@ -25,6 +25,7 @@ or with the whole process group by the supervisor's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from fwdcheck.config import Config, Distributed, config_from_dict, load_config
+from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
 from fwdcheck.heard import Heard
 from fwdcheck.lifetime import die_with_parent
@@ -322,10 +323,7 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
 
 def _build(job: dict) -> Run:
     """The run a rank makes: the config read as the worker read it, with the command line's overrides."""
-    path = Path(job["config"]) if job["config"] is not None else None
-    config = load_config(path) if path is not None else config_from_dict(
-        {"model": {"source": "python", "factory": job["factory"]}})
-    return Run.build(config, Overrides(**job["overrides"]))
+    return Run.build(config_for(job["config"], job["factory"]), Overrides(**job["overrides"]))
 
 
 def rank_device(requested: str, local_rank: int) -> torch.device:
@@ -347,7 +345,8 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     spec: Distributed = run.config.distributed
     dtype = DTYPES[run.settings.dtype]
 
-    def build() -> nn.Module:  # the same seed on every rank, and again for the unsharded reference
+    @functools.cache  # the sharding check's comparison and its context-parallel split share one copy
+    def build() -> nn.Module:  # the unsharded reference, from the same seed
         return run.load().module.to(device=device, dtype=dtype).eval()
 
     model = run.load()

@@ -54,15 +54,11 @@ def execute(job: Job, *, progress: Callable[[str], None] | None = None,
             on_model: Callable[[dict], None] | None = None, on_result=None):
     """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
     on an error they travel on the exception as `warning_notes`, for --debug."""
-    from fwdcheck.config import config_from_dict, load_config
+    from fwdcheck.config import config_for
     from fwdcheck.runner import Run, model_summary
 
     config_path = Path(job.config) if job.config is not None else None
-    if config_path is not None:
-        config = load_config(config_path)
-    else:
-        config = config_from_dict({"model": {"source": "python", "factory": job.factory}})
-    run = Run.build(config, job.overrides)
+    run = Run.build(config_for(config_path, job.factory), job.overrides)
     if run.config.distributed.nproc > 1:  # the ranks load the model, each its own copy
         from fwdcheck.distributed import launch
 
