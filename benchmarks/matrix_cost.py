@@ -14,8 +14,9 @@ Every number is a ratio to one plain forward of the run's inputs (eval, no_grad,
           the two), so that a machine whose load changes during the run still gives ratios that hold.
           Short forwards cost more time than their tokens say: every forward reads all the weights.
 Shared passes (a session's observation, its baseline) land on the first check that asks for them. A cell whose
-observation pass saw exactly what an earlier cell's did shares that cell's verdict (fwdcheck.code_paths): it costs its
-observation pass alone, and the table says which cell it shares.
+observation pass saw exactly what an earlier cell's did shares that cell's verdicts, and future-token on a cell whose
+logits are those of a cell it passed on shares that pass (fwdcheck.code_paths): such a cell costs its observation pass
+alone, and the table says whose verdict each check took.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.code_paths import path_cells, runs_per_code_path
+from fwdcheck.code_paths import Verdicts, path_cells, runs_per_code_path
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path
@@ -92,9 +93,9 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         # As runner.run_code_paths: the per-path checks that ran on the default path, once per cell.
         per_path = [e for e, r in zip(entries, results)
                     if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())]
-        taken = {}  # as run_code_paths: a cell on a code path an earlier cell ran takes that cell's verdict
+        verdicts = Verdicts()  # as run_code_paths: what the cells run so far vouch for, which later cells share
         for cell in cells if per_path else []:
-            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, taken)))
+            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, verdicts)))
 
     def ratio(by_time: float, tokens: int) -> str:
         return f"{by_time:>9.2f} {tokens / tokens_per_forward:>9.2f}"
@@ -124,12 +125,14 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
             label = f"{run.cell.label} (T={run.seq_len})"
             statuses = "/".join(sorted({r.status.value for r in run.results}))
             split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}" for e, t in zip(per_path, run.forward_tokens))
-            shared = f"   shares: {run.note.partition(' (')[0].removeprefix('the same code path as ')}" \
-                if run.note and run.note.startswith("the same code path") else ""
-            print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}{shared}")
-        ran = sum(1 for run, _ in cell_rows if not (run.note or "").startswith("the same code path"))
+            hows = shared_from(run)
+            shared = hows[0] if all(h and h == hows[0] for h in hows) else \
+                "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows) if how)
+            print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}"
+                  + (f"   shares: {shared}" if shared else ""))
+        ran = sum(1 for run, _ in cell_rows for how in shared_from(run) if not how)
         print(f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}   "
-              f"({ran} cells ran their comparisons, {len(cell_rows) - ran} shared an earlier cell's verdict)")
+              f"({ran} of {len(cell_rows) * len(per_path)} check x cell verdicts measured, the others shared)")
     print(f"{'whole default run (default path + matrix)':<62} {'':>6} "
           f"{ratio(default_time + matrix_time, default_tokens + matrix_tokens)}")
     if cell_rows:
@@ -137,6 +140,14 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         naive = sum(c.batch_size for c in cells) * T * (T - 1) / tokens_per_forward
         print(f"{'naive matrix: every cell at T, one forward per cut (counted, not run)':<62} "
               f"{'':>6} {'':>9} {naive:>9.0f}")
+
+
+def shared_from(run) -> list[str]:
+    """Per check of a cell: "" when it ran its own comparisons, else whose verdict it took and why."""
+    if run.note and run.note.startswith("the same code path as "):
+        source = run.note.removeprefix("the same code path as ").partition(" (")[0]
+        return [f"code path of {source}"] * len(run.results)
+    return [f"logits of {r.data['same_logits_as']}" if "same_logits_as" in r.data else "" for r in run.results]
 
 
 def main() -> None:

@@ -80,6 +80,7 @@ def span(positions: list[int]) -> str:
 class FutureToken(Check):
     name = "future-token"
     per_code_path = True  # its bugs hide on paths a default run never takes: run on every cell of the matrix
+    verdict_from_logits = True  # it judges how the logits move with the tokens: a cell with a pass's logits shares it
     description = "changing later tokens must not move earlier logits; samples of a batch must not read each other"
     codes = {
         "FWD101": "logits at earlier positions moved when later tokens changed: the model reads the future",

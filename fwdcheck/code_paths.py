@@ -20,9 +20,21 @@ same attention calls with the same masks, the same dropout calls, and bitwise th
 the two paths computed the same thing on those tokens, and the cell takes the earlier cell's verdict instead of
 running its comparisons again (on Hugging Face models, `mask ones` usually builds the mask `mask absent` builds, and
 `output_attentions` changes nothing on the eager path). A path bug changes what its cell's pass sees (a mask dropped
-or ignored, an eager fallback instead of SDPA, another kernel for one row), so it is never shared away. What this
-cannot see is a branch taken only for tokens other than the cell's own inputs, inside the same calls: the cell then
-gets the earlier cell's verdict, which is why the row says which cell it shares.
+or ignored, an eager fallback instead of SDPA, another kernel for one row), so it is never shared away.
+
+Cells that compute the same logits share the verdict of a check that judges logits alone. future-token judges a
+cell by what its logits do when tokens change, and says so (`verdict_from_logits = True`): a cell whose observed
+logits are, within the tolerance future-token itself judges by, those of a cell where it passed on the same tokens
+(SDPA against eager, left padding against none on the real tokens, batch size 1 against the first row of a larger
+batch: the cells run the larger batch first and draw the same tokens) takes that pass. A path that reads a future
+token, a pad or another sample computes other logits from the same tokens than a path that does not, by about what
+future-token would have measured, so such a path runs its comparisons in full and is judged on its own; a failure
+is never shared this way. The other checks of the cell (mask-audit reads the cell's own observation) still run.
+
+What neither rule can see is a branch taken only for tokens other than the cell's own inputs, inside the same
+calls, or a path that changes under the observer itself (torch's own fast paths of nn.TransformerEncoderLayer and
+nn.MultiheadAttention step aside under a torch function mode): the cell then gets the earlier cell's verdict, which
+is why its row says which cell it shares.
 """
 
 from __future__ import annotations
@@ -30,14 +42,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fwdcheck.config import CodePaths
 from fwdcheck.model import ModelUnderTest, extract_logits
 from fwdcheck.observe import Observation
-from fwdcheck.session import Settings
+from fwdcheck.session import Session, Settings, logit_scale, position_change
 
 LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
 # Tokens per row in a cell, unless code_paths.seq_len says otherwise. At eight positions future-token cuts at 1, 4 and 7
@@ -83,7 +96,9 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
             masks.append("ones")
             if model.accepts("position_ids"):  # left padding is only fair when positions can skip the pads
                 masks.append("left-pad")
-    batches = code_paths.batch_size or sorted({1, max(batch_size, 2)})
+    # Larger batches first: a batch-size-1 cell draws the first row of the larger cell's tokens, whose logits are
+    # then there to compare with (see the module docstring).
+    batches = sorted(set(code_paths.batch_size or {1, max(batch_size, 2)}), reverse=True)
     return [CodePath(*cell) for cell in itertools.product(implementations, attentions, masks, batches)]
 
 
@@ -91,6 +106,12 @@ def runs_per_code_path(check) -> bool:
     """Whether a check asks to run once per cell of the matrix: `per_code_path = True` on its class. Read with a
     default, so that a plugin written before the attribute existed (or not deriving from Check) runs once."""
     return bool(getattr(check, "per_code_path", False))
+
+
+def verdict_from_logits(check) -> bool:
+    """Whether a check's verdict on a cell follows from the cell's logits alone (`verdict_from_logits = True` on its
+    class), so that a cell computing the same logits as one it passed on may take that pass."""
+    return bool(getattr(check, "verdict_from_logits", False))
 
 
 def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1) -> int:
@@ -185,3 +206,48 @@ def path_signature(observation: Observation, logits: torch.Tensor | None, inputs
             if not feed(getattr(record, item.name)):
                 return None
     return digest.hexdigest() if feed(inputs) and feed(logits) else None
+
+
+@dataclass
+class LogitsAnchor:
+    """A check that passed on a cell by running in full, with the cell's tokens and the logits it passed on."""
+
+    label: str  # the cell's
+    check: str
+    result: Any  # its CheckResult there
+    inputs: torch.Tensor  # (B, L) token ids
+    logits: torch.Tensor  # (B, L, V): the observation pass's, of the real tokens
+
+
+@dataclass
+class SameLogits:
+    """A cell's logits found to be an anchor's: by how much they differ, and the bar they were held to."""
+
+    anchor: LogitsAnchor
+    difference: float
+    tolerance: float
+
+
+@dataclass
+class Verdicts:
+    """What the cells run so far vouch for (the module docstring says why each holds): by path_signature, the cell
+    that ran that code path in full; and the passes of checks whose verdict follows from logits, with the logits."""
+
+    by_signature: dict[str, Any] = field(default_factory=dict)  # path_signature -> the CellRun
+    anchors: list[LogitsAnchor] = field(default_factory=list)
+
+    def same_logits(self, check: str, session: Session, logits: torch.Tensor) -> SameLogits | None:
+        """The first anchor of this check whose first rows are this session's tokens and whose logits there are
+        this cell's, within the session's logits tolerance; None when there is none."""
+        inputs = session.inputs
+        B = inputs.shape[0]
+        for anchor in self.anchors:
+            if anchor.check != check or anchor.inputs.shape[0] < B or anchor.inputs.shape[1:] != inputs.shape[1:] \
+                    or anchor.logits.shape[1:] != logits.shape[1:] or not torch.equal(anchor.inputs[:B], inputs):
+                continue
+            theirs = anchor.logits[:B]  # (B, L, V)
+            difference = float(position_change(logits, theirs).max())  # inf for NaN: never within the bar
+            tolerance = session.tolerance(logit_scale(theirs))
+            if difference <= tolerance:
+                return SameLogits(anchor, difference, tolerance)
+        return None

@@ -116,6 +116,9 @@ class Check:
     codes: ClassVar[dict[str, str]] = {}  # finding code -> what it means
     needs_values: ClassVar[bool] = True  # False: runs on the meta device, from shapes alone
     per_code_path: ClassVar[bool] = False  # True: runs again on every cell of the code-path matrix (code_paths.py)
+    # True: its verdict on a cell follows from the cell's logits alone, so a cell with the logits of a cell it passed on
+    # (the same tokens) takes that pass (code_paths.py)
+    verdict_from_logits: ClassVar[bool] = False
     default: ClassVar[bool] = True  # runs when a config names no checks; False: only when named (or `all`)
     order: ClassVar[int] = 100  # where it runs and is reported: lower first (built-ins 10-90), ties by name
     # "module:function" of a function (CheckResult) -> rich renderable drawing the check's `data` in the terminal's

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from fwdcheck.code_paths import (CodePath, cell_settings, path_cells, path_signature, path_view, plain_view,
-                                 runs_per_code_path)
+from fwdcheck.code_paths import (CodePath, LogitsAnchor, SameLogits, Verdicts, cell_settings, path_cells,
+                                 path_signature, path_view, plain_view, runs_per_code_path, verdict_from_logits)
 from fwdcheck.config import RunConfig
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
@@ -172,11 +172,11 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
         return results
     per_path = [entries[i] for i in chosen]
     runs = []
-    taken: dict[str, CellRun] = {}  # path_signature -> the cell that ran that code path in full
+    verdicts = Verdicts()  # what the cells run so far vouch for, which a later cell may share
     for number, cell in enumerate(cells, 1):
         if progress:
             progress(f"code path {number}/{len(cells)}: {cell.label}")
-        runs.append(run_path(cell, per_path, model, settings, session, taken))
+        runs.append(run_path(cell, per_path, model, settings, session, verdicts))
     merged = list(results)
     for j, i in enumerate(chosen):
         merged[i] = merge_cells(results[i], [(run, run.results[j]) for run in runs])
@@ -184,16 +184,16 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
 
 
 def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings,
-             session: Session, taken: dict[str, CellRun] | None = None) -> CellRun:
+             session: Session, verdicts: Verdicts | None = None) -> CellRun:
     """One cell as a run does it, given the run's own session: at the cell's short length, and again at
     inputs.seq_len if the model raised there. A model may refuse short sequences (a length it needs at least,
     undeclared); the default run showed that it takes inputs.seq_len, so the path gets a verdict all the same.
-    `taken`: the cells run so far, by path_signature, whose verdict a cell on the same code path shares."""
+    `verdicts`: what the cells run so far vouch for, which this cell may share."""
     run = run_cell(cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows,
-                   taken=taken)
+                   verdicts=verdicts)
     if run.seq_len < settings.inputs.seq_len and _model_raised(run):
         again = run_cell(cell, entries, model, settings, shortest=settings.inputs.seq_len, max_rows=session.max_rows,
-                         taken=taken)
+                         verdicts=verdicts)
         again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens)]
         again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
                                              f"T={again.seq_len}", again.note]))
@@ -214,20 +214,22 @@ def per_code_path(entry: CheckEntry) -> bool:
 
 
 def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings, *,
-             shortest: int = 1, max_rows: int | None = None, taken: dict[str, CellRun] | None = None) -> CellRun:
+             shortest: int = 1, max_rows: int | None = None, verdicts: Verdicts | None = None) -> CellRun:
     """Every given check on one cell, in one session: the model's forward takes the cell's path, on inputs of the
     cell's batch size and length (code_paths.cell_settings). A left-padded cell also holds the same path without
     padding, whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's.
 
-    With `taken` (the cells run so far, by path_signature) the cell's observation pass runs first: a cell that saw
-    exactly what an earlier one saw takes that cell's verdict (code_paths.py says why that holds), and a cell that runs
-    in full is added to it."""
+    With `verdicts` (what the cells run so far vouch for) the cell's observation pass runs first: a cell that saw
+    exactly what an earlier one saw takes that cell's verdicts, a check whose verdict follows from logits takes its
+    pass on a cell with the same logits (code_paths.py says why both hold), and what this cell runs in full is added
+    to them."""
     from fwdcheck.sources.hf import using_attn_implementation
 
     results: list[CheckResult] = []
     tokens: list[int] = []
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
     signature = None
+    anchors = []
     try:
         view = path_view(model, cell)
         session = Session(view, own)
@@ -235,8 +237,8 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             session.unpadded = plain_view(model, cell)
         with using_attn_implementation(model.module, cell.attn_implementation), session.active():
             started = time.perf_counter()
-            signature = _signature(session) if taken is not None else None
-            same = taken.get(signature) if signature else None
+            signature = _signature(session) if verdicts is not None else None
+            same = verdicts.by_signature.get(signature) if signature else None
             if same is not None:
                 spent = time.perf_counter() - started
                 results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0)
@@ -245,22 +247,41 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
                 return CellRun(cell, own.inputs.seq_len, results, tokens,
                                note=f"the same code path as {same.cell.label} (the same calls, masks and logits): "
                                     "its verdict")
+            # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode).
+            logits = session.observed_logits if signature else None
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
             for entry in entries:
                 before = session.forward_tokens
-                results.append(run_one(entry, view, session))
+                shared = verdicts.same_logits(entry.name, session, logits) \
+                    if logits is not None and verdict_from_logits(entry.load()) else None
+                results.append(_same_logits_verdict(entry, shared) if shared else run_one(entry, view, session))
                 tokens.append(session.forward_tokens - before + observed)
                 observed = 0
+                if logits is not None and not shared and results[-1].status == Status.PASS \
+                        and verdict_from_logits(entry.load()):
+                    anchors.append(LogitsAnchor(cell.label, entry.name, results[-1], session.inputs, logits))
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results):]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
-        signature = None
+        signature, anchors = None, []
     run = CellRun(cell, own.inputs.seq_len, results, tokens)
     if signature:
-        taken.setdefault(signature, run)
+        verdicts.by_signature.setdefault(signature, run)
+        verdicts.anchors += anchors
     return run
+
+
+def _same_logits_verdict(entry: CheckEntry, same: SameLogits) -> CheckResult:
+    """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: its findings and numbers,
+    with the comparison that vouches for it."""
+    anchor, passed = same.anchor, same.anchor.result
+    summary = (f"the same logits as {anchor.label} (max difference {same.difference:.2g} vs tolerance "
+               f"{same.tolerance:.2g}): its verdict, {passed.summary}")
+    metrics = {**passed.metrics, "same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
+    return CheckResult(entry.name, passed.status, summary, list(passed.findings), metrics,
+                       {"same_logits_as": anchor.label}, key_number=passed.key_number)
 
 
 def _signature(session: Session) -> str | None:

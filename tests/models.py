@@ -613,6 +613,8 @@ class PathBugAttention(nn.Module):
                 mask = causal
         if self.bug == "batch1-no-mask" and B == 1:
             mask = None  # a "single sequence" shortcut that forgot the causal mask
+        if self.bug == "eager-rescaled" and output_attentions:
+            q = q * 1.5  # not a bug: an eager path computing other logits, causal all the same
         if output_attentions:  # the eager fallback used when the weights are asked for
             scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T, T)
             if mask is not None and self.bug != "eager-no-mask":

@@ -54,6 +54,51 @@ def test_path_bug_fails_exactly_on_its_paths(bug, check, code, fails_on):
     assert f"of {len(rows)} code paths" in finding.where
 
 
+def ran_in_full(rows: list[dict]) -> list[str]:
+    """The cells whose row is their own comparisons, not a verdict shared from another cell."""
+    return [r["path"] for r in rows if "note" not in r and not r["summary"].startswith("the same logits as")]
+
+
+def test_cells_computing_the_logits_of_a_pass_share_it():
+    """On a correct model future-token runs its comparisons on the first cell only: every other cell computes the
+    same logits from the same tokens (batch size 1 is the first row of 2, left padding leaves the real tokens' logits,
+    output_attentions changes nothing) and takes that pass, saying from where and by how much. mask-audit, which
+    reads each cell's own observation, judges every cell itself unless the cell took another's very code path."""
+    report = run_path_bug("none")
+    rows = report.result("future-token").data["paths"]
+    first = "default attention, mask absent, output_attentions=False, B=2"
+    assert ran_in_full(rows) == [first] and rows[0]["path"] == first
+    for row in rows[1:]:
+        assert row["status"] == "pass"
+        assert row["summary"].startswith(f"the same logits as {first} (max difference "), row
+    audit = report.result("mask-audit").data["paths"]  # its own, or a cell's on the very same code path
+    assert all(r["summary"] == audit[0]["summary"] or "the same code path as" in r.get("note", "") for r in audit)
+    assert not any(r["summary"].startswith("the same logits") for r in audit)
+
+
+def test_a_cell_with_other_logits_runs_its_own_comparisons():
+    """An eager path (output_attentions=True) that computes other logits, causally: its first cell cannot take the
+    other path's pass and runs its comparisons in full, passing on its own; the eager cells after it share that."""
+    report = run_path_bug("eager-rescaled")
+    rows = report.result("future-token").data["paths"]
+    assert {r["status"] for r in rows} == {"pass"} and report.exit_code == 0
+    first, eager = "default attention, mask absent, output_attentions=False, B=2", \
+        "default attention, mask absent, output_attentions=True, B=2"
+    assert ran_in_full(rows) == [first, eager]
+    for row in rows:
+        if row["path"] not in (first, eager):
+            source = eager if "output_attentions=True" in row["path"] else first
+            assert row["summary"].startswith(f"the same logits as {source} ") \
+                or row.get("note", "").startswith(f"the same code path as {source} "), row
+
+
+def test_a_failure_is_never_shared_by_logits():
+    """Cells whose logits are a failing cell's run their own comparisons: each failure rests on its own evidence."""
+    rows = run_path_bug("mask-drops-causal").result("future-token").data["paths"]
+    failing = [r["path"] for r in rows if r["status"] == "fail"]
+    assert failing and set(failing) <= set(ran_in_full(rows))
+
+
 def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
     assert "paths" not in default.result("future-token").data
