@@ -252,14 +252,14 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
             for entry in entries:
                 before = session.forward_tokens
-                shared = verdicts.same_logits(entry.name, session, logits) \
-                    if logits is not None and verdict_from_logits(entry.load()) else None
-                results.append(_same_logits_verdict(entry, shared) if shared else run_one(entry, view, session))
+                follows_logits = logits is not None and verdict_from_logits(entry.load())
+                shared = verdicts.same_logits(entry.name, session, logits) if follows_logits else None
+                result = _same_logits_verdict(entry, shared) if shared else run_one(entry, view, session)
+                results.append(result)
                 tokens.append(session.forward_tokens - before + observed)
                 observed = 0
-                if logits is not None and not shared and results[-1].status == Status.PASS \
-                        and verdict_from_logits(entry.load()):
-                    anchors.append(LogitsAnchor(cell.label, entry.name, results[-1], session.inputs, logits))
+                if follows_logits and not shared and result.status == Status.PASS:  # a pass later cells may take
+                    anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results):]:
