@@ -111,6 +111,7 @@ class Events:
 def main(argv: list[str]) -> None:
     """A worker started as its own interpreter: `python -m fwdcheck.worker EVENTS_FD PARENT_PID`, the job on stdin."""
     events_fd, parent = int(argv[0]), int(argv[1])
+    sys.argv = [__file__]  # model code that parses arguments as it imports sees none, as in a forked worker
     die_with_parent(parent)
     # Model code's prints go where the supervisor relays them (its stderr), never onto a report on stdout.
     os.dup2(2, 1)
@@ -132,6 +133,7 @@ def forked(job: Job, events_fd: int, output_fd: int, cwd: str, environment: dict
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environment)
+    sys.argv = [__file__]  # not the fork server's: model code that parses arguments as it imports sees none
     work(job, events_fd)
 
 

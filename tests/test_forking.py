@@ -25,7 +25,7 @@ def where_am_i() -> torch.nn.Module:
     torch.manual_seed(0)
     seen = {"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "mark": os.environ.get("FWDCHECK_MARK"),
             "here": Path("here.txt").read_text() if Path("here.txt").exists() else None,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "arguments": sys.argv[1:]}
     Path(os.environ["FWDCHECK_SEEN"]).write_text(json.dumps(seen))
     return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))  # per-token: causal
 
@@ -51,6 +51,7 @@ def test_a_forked_worker_has_the_runs_environment_and_directory(tmp_path, monkey
     assert second["parent"] == first["parent"] or first["parent"] == os.getpid()
     assert second["mark"] == "second run" and second["here"] == "the run's directory"
     assert second["group"] == second["pid"]  # it leads a process group of its own, as a new interpreter's worker does
+    assert first["arguments"] == second["arguments"] == []  # model code parsing arguments as it imports sees none
 
 
 def test_a_variable_read_as_torch_loads_gets_a_new_interpreter(tmp_path, monkeypatch):
@@ -61,4 +62,4 @@ def test_a_variable_read_as_torch_loads_gets_a_new_interpreter(tmp_path, monkeyp
     assert not forking.usable()
     seen = run(tmp_path, monkeypatch)
     assert seen["parent"] == os.getpid() and seen["threads"] == threads
-    assert seen["group"] == seen["pid"]
+    assert seen["group"] == seen["pid"] and seen["arguments"] == []
