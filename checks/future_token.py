@@ -111,7 +111,10 @@ Only when some change exceeds the tolerance (where the noise floor could matter)
 the session's inputs, and again for the noise floor, and judge against those; a pass rests on every untouched forward
 agreeing, within the tolerance, with logits computed without the tokens it changed. The cut rows run in forwards of
 the baseline's row count, each reduced to its per-position change as it comes back, so a run needs little more
-memory than the model's own forward.
+memory than the model's own forward. On the code-path matrix, a cell whose logits are, within the tolerance, those of
+a cell where this check passed on the same tokens (SDPA against eager, left padding against none, batch size 1
+against the larger batch's first row) takes that pass, its summary naming the cell; a path that computes other logits
+runs every comparison itself, and a failure is never taken over this way.
 How to fix: read the leak map (query position x perturbed position). A full upper triangle means no causal mask; a
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
 `fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set

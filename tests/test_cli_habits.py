@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -173,10 +174,23 @@ def test_columns_is_honoured_off_a_terminal():
 
 
 def test_ctrl_c_while_the_reports_are_written_is_deferred():
-    with signals_deferred():
-        os.kill(os.getpid(), signal.SIGINT)  # ignored: no KeyboardInterrupt here
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)  # outside it, Ctrl-C is Ctrl-C again
+    # Ctrl-C as a command line starts with it, whatever the test process was left with
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)  # ignored: no KeyboardInterrupt here
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # outside it, Ctrl-C is Ctrl-C again
+            # A process of several threads (a pytest-xdist worker's) may take the signal on another thread: Python then
+            # raises it in the main thread at its next check, which the wait gives it.
+            for _ in range(100):
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def test_terminal_findings_name_the_model_codes_file_and_line():
