@@ -28,7 +28,7 @@ import time
 import torch
 
 from fwdcheck.config import config_from_dict
-from fwdcheck.code_paths import Verdicts, path_cells, runs_per_code_path
+from fwdcheck.code_paths import path_cells, runs_per_code_path, verdicts_for
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path
@@ -93,7 +93,7 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         # As runner.run_code_paths: the per-path checks that ran on the default path, once per cell.
         per_path = [e for e, r in zip(entries, results)
                     if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())]
-        verdicts = Verdicts()  # as run_code_paths: what the cells run so far vouch for, which later cells share
+        verdicts = verdicts_for(model)  # as run_code_paths: what the cells run so far vouch for, for later cells
         for cell in cells if per_path else []:
             cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, verdicts)))
 

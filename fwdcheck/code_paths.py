@@ -27,14 +27,18 @@ cell by what its logits do when tokens change, and says so (`verdict_from_logits
 logits are, within the tolerance future-token itself judges by, those of a cell where it passed on the same tokens
 (SDPA against eager, left padding against none on the real tokens, batch size 1 against the first row of a larger
 batch: the cells run the larger batch first and draw the same tokens) takes that pass. A path that reads a future
-token, a pad or another sample computes other logits from the same tokens than a path that does not, by about what
-future-token would have measured, so such a path runs its comparisons in full and is judged on its own; a failure
-is never shared this way. The other checks of the cell (mask-audit reads the cell's own observation) still run.
+token, a pad or another sample computes other logits from the same tokens than a path that does not, by the weight
+it gives what it should not read, so such a path runs its comparisons in full and is judged on its own; a failure is
+never shared this way. Only the cell's own tokens are compared: the agreement is evidence on them, as future-token's
+comparisons are on theirs. The other checks of the cell (mask-audit reads the cell's own observation) still run.
 
-What neither rule can see is a branch taken only for tokens other than the cell's own inputs, inside the same
-calls, or a path that changes under the observer itself (torch's own fast paths of nn.TransformerEncoderLayer and
-nn.MultiheadAttention step aside under a torch function mode): the cell then gets the earlier cell's verdict, which
-is why its row says which cell it shares.
+Both rules read the cell's observation pass, which runs under the observer, a torch function mode; a cell that
+shares runs no untouched forward. So a model holding torch's own attention modules, whose fast paths step aside
+while a torch function mode is active (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder:
+`changes_under_observer`), shares nothing: every cell runs its comparisons on untouched forwards. What neither rule
+can see is a branch taken only for tokens other than the cell's own inputs, inside the same calls, or model code of
+its own that looks at torch function modes: the cell then gets the earlier cell's verdict, which is why its row says
+which cell it shares.
 """
 
 from __future__ import annotations
@@ -208,6 +212,20 @@ def path_signature(observation: Observation, logits: torch.Tensor | None, inputs
     return digest.hexdigest() if feed(inputs) and feed(logits) else None
 
 
+# torch's own modules whose fast paths step aside while a torch function mode (the observer) is active.
+MODE_SENSITIVE = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+
+
+def changes_under_observer(model: ModelUnderTest) -> bool:
+    """Whether the model holds a module whose code path changes under the observer: its cells then share nothing."""
+    return any(isinstance(module, MODE_SENSITIVE) for module in model.module.modules())
+
+
+def verdicts_for(model: ModelUnderTest) -> Verdicts | None:
+    """What the cells of this model's matrix may share, to be filled as they run; None when they may share nothing."""
+    return None if changes_under_observer(model) else Verdicts()
+
+
 @dataclass
 class LogitsAnchor:
     """A check that passed on a cell by running in full, with the cell's tokens and the logits it passed on."""
@@ -242,10 +260,11 @@ class Verdicts:
         inputs = session.inputs
         B = inputs.shape[0]
         for anchor in self.anchors:
-            if anchor.check != check or anchor.inputs.shape[0] < B or anchor.inputs.shape[1:] != inputs.shape[1:] \
-                    or anchor.logits.shape[1:] != logits.shape[1:] or not torch.equal(anchor.inputs[:B], inputs):
+            same_tokens = anchor.inputs.shape[0] >= B and anchor.inputs.shape[1:] == inputs.shape[1:] \
+                and torch.equal(anchor.inputs[:B], inputs)
+            if anchor.check != check or not same_tokens or anchor.logits.shape[1:] != logits.shape[1:]:
                 continue
-            theirs = anchor.logits[:B]  # (B, L, V)
+            theirs = anchor.logits[:B]  # (B, L, V): the anchor's first B rows, this cell's tokens
             difference = float(position_change(logits, theirs).max())  # inf for NaN: never within the bar
             tolerance = session.tolerance(logit_scale(theirs))
             if difference <= tolerance:

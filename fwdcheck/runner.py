@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fwdcheck.code_paths import (CodePath, LogitsAnchor, SameLogits, Verdicts, cell_settings, path_cells,
-                                 path_signature, path_view, plain_view, runs_per_code_path, verdict_from_logits)
+                                 path_signature, path_view, plain_view, runs_per_code_path, verdict_from_logits,
+                                 verdicts_for)
 from fwdcheck.config import RunConfig
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
@@ -172,7 +173,7 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
         return results
     per_path = [entries[i] for i in chosen]
     runs = []
-    verdicts = Verdicts()  # what the cells run so far vouch for, which a later cell may share
+    verdicts = verdicts_for(model)  # what the cells run so far vouch for, which a later cell may share
     for number, cell in enumerate(cells, 1):
         if progress:
             progress(f"code path {number}/{len(cells)}: {cell.label}")
@@ -274,14 +275,14 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
 
 
 def _same_logits_verdict(entry: CheckEntry, same: SameLogits) -> CheckResult:
-    """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: its findings and numbers,
-    with the comparison that vouches for it."""
+    """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: this cell's measurement is
+    the comparison that vouches for it; the pass it takes is named, its numbers not copied."""
     anchor, passed = same.anchor, same.anchor.result
     summary = (f"the same logits as {anchor.label} (max difference {same.difference:.2g} vs tolerance "
                f"{same.tolerance:.2g}): its verdict, {passed.summary}")
-    metrics = {**passed.metrics, "same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
-    return CheckResult(entry.name, passed.status, summary, list(passed.findings), metrics,
-                       {"same_logits_as": anchor.label}, key_number=passed.key_number)
+    metrics = {"same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
+    return CheckResult(entry.name, passed.status, summary, metrics=metrics, data={"same_logits_as": anchor.label},
+                       key_number=f"{same.difference:.2g} / {same.tolerance:.2g}")
 
 
 def _signature(session: Session) -> str | None:

@@ -41,11 +41,20 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     events_read, events_write = os.pipe()
     output_read, output_write = os.pipe()
     try:
-        worker = start_worker(job, events_write, output_write)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on once
+        )
     finally:
         os.close(events_write)
         os.close(output_write)
     run = Heard(job)
+    try:
+        worker.stdin.write(json.dumps(asdict(job)).encode())
+        worker.stdin.close()
+    except OSError:  # it died at once; what it printed says why
+        pass
     with caught_signals() as received:
         ending = supervise(worker, run, events_read, output_read, timeout_s, progress, received)
     os.close(events_read)
@@ -66,30 +75,6 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         return run.partial_report(f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
                                   "forward that ignores the time limit, or hangs in native code)", "FWD004")
     return run.partial_report(f"the model process {died(worker.returncode)}", "FWD005")
-
-
-def start_worker(job: Job, events_fd: int, output_fd: int):
-    """The worker process, running `job`: forked from the fork server when this process has one in the same
-    environment (its second and later runs: torch is imported once), else a new interpreter. Either way it writes
-    its events on events_fd and its output on output_fd, and leads a process group of its own."""
-    from fwdcheck import forking  # multiprocessing, not imported by `fwdcheck --help`
-
-    if forking.usable():
-        try:
-            return forking.start(job, events_fd, output_fd)
-        except (OSError, EOFError, RuntimeError):  # the fork server could not start or answer: a new interpreter
-            pass
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "fwdcheck.worker", str(events_fd), str(os.getpid())],
-        stdin=subprocess.PIPE, stdout=output_fd, stderr=output_fd, pass_fds=(events_fd,),
-        start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on once
-    )
-    try:
-        worker.stdin.write(json.dumps(asdict(job)).encode())
-        worker.stdin.close()
-    except OSError:  # it died at once; what it printed says why
-        pass
-    return worker
 
 
 def supervise(worker: subprocess.Popen, run: Heard, events_fd: int, output_fd: int, timeout_s: float | None,

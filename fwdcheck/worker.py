@@ -109,36 +109,13 @@ class Events:
 
 
 def main(argv: list[str]) -> None:
-    """A worker started as its own interpreter: `python -m fwdcheck.worker EVENTS_FD PARENT_PID`, the job on stdin."""
     events_fd, parent = int(argv[0]), int(argv[1])
-    sys.argv = [__file__]  # model code that parses arguments as it imports sees none, as in a forked worker
+    sys.argv = [__file__]  # model code that parses arguments as it imports sees none of the worker's
     die_with_parent(parent)
     # Model code's prints go where the supervisor relays them (its stderr), never onto a report on stdout.
     os.dup2(2, 1)
     job = Job(**json.loads(sys.stdin.read()))
     sys.stdin.close()
-    work(job, events_fd)
-
-
-def forked(job: Job, events_fd: int, output_fd: int, cwd: str, environment: dict[str, str]) -> None:
-    """A worker forked from the supervisor's fork server (fwdcheck/forking.py), which imported torch once for every
-    run of the process: what a new interpreter would have had is set up here. A session of its own (a Ctrl-C in the
-    terminal reaches the supervisor alone), its output and events on the descriptors handed over, the supervisor's
-    working directory and environment; it ends with the fork server, which ends with the supervisor."""
-    os.setsid()
-    die_with_parent(os.getppid())
-    os.dup2(output_fd, 1)
-    os.dup2(output_fd, 2)
-    os.close(output_fd)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environment)
-    sys.argv = [__file__]  # not the fork server's: model code that parses arguments as it imports sees none
-    work(job, events_fd)
-
-
-def work(job: Job, events_fd: int) -> None:
-    """Run the job and send its events; never returns (see the end)."""
     for entry in reversed(job.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)

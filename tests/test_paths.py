@@ -99,6 +99,18 @@ def test_a_failure_is_never_shared_by_logits():
     assert failing and set(failing) <= set(ran_in_full(rows))
 
 
+def test_a_model_whose_path_changes_under_the_observer_shares_nothing():
+    """torch's own nn.MultiheadAttention takes a fast path that steps aside under a torch function mode (the
+    observer): a cell's observed logits need not be what its untouched forwards compute, so no cell takes another's
+    verdict, and each runs its comparisons on untouched forwards."""
+    report = run_checks({"source": "python", "factory": "tests.models:torch_mha"}, CHECKS,
+                        code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
+    rows = report.result("future-token").data["paths"]
+    assert len(rows) == 2 and ran_in_full(rows) == [r["path"] for r in rows]
+    assert ran_in_full(report.result("mask-audit").data["paths"]) == [r["path"] for r in rows]
+    assert report.exit_code == 0
+
+
 def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
     assert "paths" not in default.result("future-token").data
