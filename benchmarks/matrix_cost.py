@@ -144,9 +144,8 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
 
 def shared_from(run) -> list[str]:
     """Per check of a cell: "" when it ran its own comparisons, else whose verdict it took and why."""
-    if run.note and run.note.startswith("the same code path as "):
-        source = run.note.removeprefix("the same code path as ").partition(" (")[0]
-        return [f"code path of {source}"] * len(run.results)
+    if run.shares:
+        return [f"code path of {run.shares}"] * len(run.results)
     return [f"logits of {r.data['same_logits_as']}" if "same_logits_as" in r.data else "" for r in run.results]
 
 

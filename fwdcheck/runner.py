@@ -159,6 +159,7 @@ class CellRun:
     results: list[CheckResult]
     forward_tokens: list[int]
     note: str | None = None  # how the cell came to run as it did, when not as planned
+    shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
 
 
 def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model: ModelUnderTest, settings: Settings,
@@ -247,7 +248,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
                 tokens = [session.forward_tokens] + [0] * (len(entries) - 1)  # the shared pass, on the first check
                 return CellRun(cell, own.inputs.seq_len, results, tokens,
                                note=f"the same code path as {same.cell.label} (the same calls, masks and logits): "
-                                    "its verdict")
+                                    "its verdict", shares=same.cell.label)
             # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode).
             logits = session.observed_logits if signature else None
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
@@ -303,7 +304,7 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     this check's result there."""
     rows = [{"path": run.cell.label, "status": r.status.value, "summary": r.summary,
              "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
-             "seq_len": run.seq_len, **({"note": run.note} if run.note else {})}
+             "seq_len": run.seq_len, **({"note": run.note} if run.note else {}), **_shared_from(run, r)}
             for run, r in cells]
     by_code: dict[str, tuple[Finding, list[str]]] = {}
     for run, r in cells:
@@ -331,6 +332,15 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
                        failing_code_paths=len(failing)), {**default.data, "paths": rows},
                        default.duration_s + sum(r.duration_s for _, r in cells),
                        default.internal_error or any(r.internal_error for _, r in cells), default.key_number)
+
+
+def _shared_from(run: CellRun, result: CheckResult) -> dict:
+    """A cell row's `shares`: the cell whose verdict it took and by which rule; nothing when it ran its own."""
+    if run.shares:
+        return {"shares": {"cell": run.shares, "by": "code path"}}
+    if "same_logits_as" in result.data:
+        return {"shares": {"cell": result.data["same_logits_as"], "by": "logits"}}
+    return {}
 
 
 class CheckTimeout(BaseException):

@@ -56,7 +56,7 @@ def test_path_bug_fails_exactly_on_its_paths(bug, check, code, fails_on):
 
 def ran_in_full(rows: list[dict]) -> list[str]:
     """The cells whose row is their own comparisons, not a verdict shared from another cell."""
-    return [r["path"] for r in rows if "note" not in r and not r["summary"].startswith("the same logits as")]
+    return [r["path"] for r in rows if "shares" not in r]
 
 
 def test_cells_computing_the_logits_of_a_pass_share_it():
@@ -71,9 +71,9 @@ def test_cells_computing_the_logits_of_a_pass_share_it():
     for row in rows[1:]:
         assert row["status"] == "pass"
         assert row["summary"].startswith(f"the same logits as {first} (max difference "), row
+        assert row["shares"] == {"cell": first, "by": "logits"} or row["shares"]["by"] == "code path"
     audit = report.result("mask-audit").data["paths"]  # its own, or a cell's on the very same code path
-    assert all(r["summary"] == audit[0]["summary"] or "the same code path as" in r.get("note", "") for r in audit)
-    assert not any(r["summary"].startswith("the same logits") for r in audit)
+    assert all(r.get("shares", {"by": "code path"})["by"] == "code path" for r in audit)
 
 
 def test_a_cell_with_other_logits_runs_its_own_comparisons():
@@ -86,10 +86,11 @@ def test_a_cell_with_other_logits_runs_its_own_comparisons():
         "default attention, mask absent, output_attentions=True, B=2"
     assert ran_in_full(rows) == [first, eager]
     for row in rows:
-        if row["path"] not in (first, eager):
+        if row["path"] not in (first, eager):  # an eager cell takes an eager cell's verdict, the others the first's
+            by_logits = row["shares"]["by"] == "logits"
             source = eager if "output_attentions=True" in row["path"] else first
-            assert row["summary"].startswith(f"the same logits as {source} ") \
-                or row.get("note", "").startswith(f"the same code path as {source} "), row
+            assert row["shares"]["cell"] == source if by_logits else \
+                ("output_attentions=True" in row["shares"]["cell"]) == ("output_attentions=True" in row["path"]), row
 
 
 def test_a_failure_is_never_shared_by_logits():
