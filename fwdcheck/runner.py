@@ -209,9 +209,15 @@ def _model_raised(run: CellRun) -> bool:
 
 
 def per_code_path(entry: CheckEntry) -> bool:
+    return _declares(entry, runs_per_code_path)
+
+
+def _declares(entry: CheckEntry, reads: Callable[[object], bool]) -> bool:
+    """What a check declares on its class, as `reads` reads it off the check. It loaded for the default run; if it
+    no longer does, it declares nothing (it runs once, and in full), as it did."""
     try:
-        return runs_per_code_path(entry.load())
-    except CheckLoadError:  # it loaded for the default run; if it no longer does, it runs once, as it did
+        return reads(entry.load())
+    except CheckLoadError:
         return False
 
 
@@ -254,7 +260,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
             for entry in entries:
                 before = session.forward_tokens
-                follows_logits = logits is not None and verdict_from_logits(entry.load())
+                follows_logits = logits is not None and _declares(entry, verdict_from_logits)
                 shared = verdicts.same_logits(entry.name, session, logits) if follows_logits else None
                 result = _same_logits_verdict(entry, shared) if shared else run_one(entry, view, session)
                 results.append(result)
