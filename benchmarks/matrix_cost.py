@@ -31,7 +31,7 @@ from fwdcheck.config import config_from_dict
 from fwdcheck.code_paths import path_cells, runs_per_code_path, verdicts_for
 from fwdcheck.registry import select
 from fwdcheck.result import Status
-from fwdcheck.runner import run_one, run_path
+from fwdcheck.runner import run_one, run_path, shared_from
 from fwdcheck.session import Session, Settings
 from fwdcheck.sources import load_model
 
@@ -125,12 +125,12 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
             label = f"{run.cell.label} (T={run.seq_len})"
             statuses = "/".join(sorted({r.status.value for r in run.results}))
             split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}" for e, t in zip(per_path, run.forward_tokens))
-            hows = shared_from(run)
+            hows = verdicts_taken(run)
             shared = hows[0] if all(h and h == hows[0] for h in hows) else \
                 "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows) if how)
             print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}"
                   + (f"   shares: {shared}" if shared else ""))
-        ran = sum(1 for run, _ in cell_rows for how in shared_from(run) if not how)
+        ran = sum(1 for run, _ in cell_rows for how in verdicts_taken(run) if not how)
         print(f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}   "
               f"({ran} of {len(cell_rows) * len(per_path)} check x cell verdicts measured, the others shared)")
     print(f"{'whole default run (default path + matrix)':<62} {'':>6} "
@@ -142,11 +142,9 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
               f"{'':>6} {'':>9} {naive:>9.0f}")
 
 
-def shared_from(run) -> list[str]:
-    """Per check of a cell: "" when it ran its own comparisons, else whose verdict it took and why."""
-    if run.shares:
-        return [f"code path of {run.shares}"] * len(run.results)
-    return [f"logits of {r.data['same_logits_as']}" if "same_logits_as" in r.data else "" for r in run.results]
+def verdicts_taken(run) -> list[str]:
+    """Per check of a cell: "" when it ran its own comparisons, else whose verdict it took and by which rule."""
+    return [f"{shared['by']} of {shared['cell']}" if (shared := shared_from(run, r)) else "" for r in run.results]
 
 
 def main() -> None:

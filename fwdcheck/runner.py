@@ -310,7 +310,8 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     this check's result there."""
     rows = [{"path": run.cell.label, "status": r.status.value, "summary": r.summary,
              "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
-             "seq_len": run.seq_len, **({"note": run.note} if run.note else {}), **_shared_from(run, r)}
+             "seq_len": run.seq_len, **({"note": run.note} if run.note else {}),
+             **({"shares": shared} if (shared := shared_from(run, r)) else {})}
             for run, r in cells]
     by_code: dict[str, tuple[Finding, list[str]]] = {}
     for run, r in cells:
@@ -340,13 +341,13 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
                        default.internal_error or any(r.internal_error for _, r in cells), default.key_number)
 
 
-def _shared_from(run: CellRun, result: CheckResult) -> dict:
-    """A cell row's `shares`: the cell whose verdict it took and by which rule; nothing when it ran its own."""
+def shared_from(run: CellRun, result: CheckResult) -> dict | None:
+    """A check's `shares` on a cell: the cell whose verdict it took and by which rule; None when it ran its own."""
     if run.shares:
-        return {"shares": {"cell": run.shares, "by": "code path"}}
+        return {"cell": run.shares, "by": "code path"}
     if "same_logits_as" in result.data:
-        return {"shares": {"cell": result.data["same_logits_as"], "by": "logits"}}
-    return {}
+        return {"cell": result.data["same_logits_as"], "by": "logits"}
+    return None
 
 
 class CheckTimeout(BaseException):
