@@ -11,6 +11,7 @@ module is imported as installed, or from the working directory.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -82,39 +83,51 @@ def info(entry: CheckEntry) -> CheckInfo:
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
-    import ast
     import importlib.util
 
     module_name, _, class_name = entry.value.partition(":")
     try:
         spec = importlib.util.find_spec(module_name)
-        source = open(spec.origin, encoding="utf-8").read() if spec and spec.origin else None
+        origin = spec.origin if spec else None
+        stat = os.stat(origin) if origin else None
     except (ImportError, ValueError, OSError):  # its package does not import: load() names the problem
         return None
-    if source is None:
+    if stat is None:
         return None
+    return _literal_classes(origin, stat.st_mtime_ns, stat.st_size).get(class_name)
+
+
+@functools.lru_cache(maxsize=256)
+def _literal_classes(path: str, mtime_ns: int, size: int) -> dict[str, CheckInfo]:
+    """The CheckInfo of each class in the file whose attributes are literals: the file parsed once per version of it
+    (selecting the checks asks for each one's order and default more than once)."""
+    import ast
+
     try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (SyntaxError, ValueError, OSError):
+        return {}
+    found = {}
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            values = {}
-            for statement in node.body:
-                targets = statement.targets if isinstance(statement, ast.Assign) else \
-                    [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
-                if len(targets) == 1 and isinstance(targets[0], ast.Name):
-                    try:
-                        values[targets[0].id] = ast.literal_eval(statement.value)
-                    except ValueError:  # computed: not a literal
-                        pass
-            literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
-                       and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
-                       and isinstance(values.get("detail_view", ""), (str, type(None))))
-            if literal:
-                return CheckInfo(values["description"], values.get("explain", ""), values.get("codes", {}),
-                                 values.get("default", True), values.get("order", LAST), values.get("detail_view"))
-    return None
+        if not isinstance(node, ast.ClassDef):
+            continue
+        values = {}
+        for statement in node.body:
+            targets = statement.targets if isinstance(statement, ast.Assign) else \
+                [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
+            if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                try:
+                    values[targets[0].id] = ast.literal_eval(statement.value)
+                except ValueError:  # computed: not a literal
+                    pass
+        literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
+                   and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
+                   and isinstance(values.get("detail_view", ""), (str, type(None))))
+        if literal:
+            found.setdefault(node.name, CheckInfo(values["description"], values.get("explain", ""),
+                                                  values.get("codes", {}), values.get("default", True),
+                                                  values.get("order", LAST), values.get("detail_view")))
+    return found
 
 
 def available() -> dict[str, CheckEntry]:

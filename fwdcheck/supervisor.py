@@ -9,6 +9,8 @@ let model code touch: the exit code, the report, the output files and the clock.
   partial report; a worker that does not answer in time is killed and the streamed results are the report (130/143).
 - A worker that dies (any exit code, any signal: a segfault, the out-of-memory killer) without its report is FWD005
   on the check that was running, the finished ones kept: exit 1.
+- The worker is a new interpreter; from the second job of a process on (several configs, a script or test suite
+  running the command in one interpreter), a fork of a server that has imported torch already (fwdcheck/forkserver.py).
 
 The Python API and the pytest plugin run in-process: there the caller owns the process anyway.
 """
@@ -28,6 +30,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from fwdcheck.errors import ExitCode
+from fwdcheck.forkserver import ForkedWorker, start_worker
 from fwdcheck.heard import GRACE_S, Heard
 from fwdcheck.report import Report
 from fwdcheck.worker import Job
@@ -41,7 +44,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     events_read, events_write = os.pipe()
     output_read, output_write = os.pipe()
     try:
-        worker = subprocess.Popen(
+        worker = start_worker(events_write, output_write) or subprocess.Popen(
             [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
             start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on once
@@ -77,8 +80,8 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     return run.partial_report(f"the model process {died(worker.returncode)}", "FWD005")
 
 
-def supervise(worker: subprocess.Popen, run: Heard, events_fd: int, output_fd: int, timeout_s: float | None,
-              progress, received: list[int]) -> str:
+def supervise(worker: subprocess.Popen | ForkedWorker, run: Heard, events_fd: int, output_fd: int,
+              timeout_s: float | None, progress, received: list[int]) -> str:
     """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout' or 'signal'."""
     buffer = b""
     open_fds = [events_fd, output_fd]
@@ -149,7 +152,7 @@ def relay(chunk: bytes) -> None:
         pass
 
 
-def _signal(worker: subprocess.Popen, signum: int) -> None:
+def _signal(worker: subprocess.Popen | ForkedWorker, signum: int) -> None:
     """The signal to the worker's whole process group (it leads one of its own): the ranks of a distributed run are
     in it too, and end with it."""
     try:
