@@ -24,10 +24,10 @@ from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
 from fwdcheck.sources.factory import on_sys_path, resolve_callable
+from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds
 from tests.corpus import VOCAB
 from tests.corpus.meta_llama import DIMS as META_DIMS
 from tests.corpus.modded import DIMS as MODDED_DIMS
-from tests.corpus.torchtune_models import DIMS as TORCHTUNE_DIMS
 from tests.corpus.xtransformers_models import DIMS as XT_DIMS, ROTARY_DIM as XT_ROTARY_DIM
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn as nn
 import x_transformers.attend
-from litgpt import model as litgpt_model
 
 from fwdcheck.api import check_model
 from fwdcheck.observe import observing
@@ -23,7 +22,6 @@ from fwdcheck.report.github import to_github
 from fwdcheck.report.markdown import to_markdown
 from tests import test_ledger_third_party as third_party
 from tests.conftest import run_checks
-from tests.corpus.litgpt_models import llama
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "fwdcheck" / "reference.py"
@@ -114,6 +112,11 @@ def test_third_party_finding_points_into_the_library_at_its_attention_call():
 
 def test_third_party_sdpa_call_is_recorded_in_the_library():
     """litgpt's Llama hands its mask to F.scaled_dot_product_attention in litgpt/model.py: each call says so."""
+    # Imported here: litgpt imports lightning, seconds that every test process would spend collecting.
+    from litgpt import model as litgpt_model
+
+    from tests.corpus.litgpt_models import llama
+
     model = llama().eval()
     with torch.no_grad(), observing(model, seq_len=8) as seen:
         model(torch.randint(0, 64, (2, 8)))

@@ -27,6 +27,8 @@ import torch.nn as nn
 # feed-forward 64, a vocabulary of 96 (litgpt, modded-nanogpt and one nanoGPT variant return 128 logits), room for 128
 # positions.
 VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FF, MAX_POSITIONS = 96, 32, 2, 4, 2, 8, 64, 128
+# The same sizes as a config's `dims:` names them, for code that carries no config object (torchtune's decoders).
+DIMS = {"d": WIDTH, "h": HEADS, "h_kv": KV_HEADS, "d_h": HEAD_DIM, "d_ff": FF, "V": VOCAB}
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """torchtune's component builders, `llama3(...)` and `qwen2(...)`, at tiny sizes.
 
-torchtune's TransformerDecoder carries no config object: the sizes are declared to fwdcheck with `dims:` (DIMS below).
+torchtune's TransformerDecoder carries no config object: the sizes are declared with `dims:` (tests.corpus.DIMS).
 Its Llama 3 RoPE pairs dims (2i, 2i+1), as Meta's reference code does; Qwen 2's pairs i with i + d_h/2 (rotate_half).
 Each attention layer holds its SDPA call as the instance attribute `_attention_call` and its rotary module as
 `pos_embeddings`: planted bugs replace those on the built layers.
@@ -18,7 +18,6 @@ from torchtune.modules import TransformerDecoder
 
 from tests.corpus import FF, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MAX_POSITIONS, VOCAB, WIDTH
 
-DIMS = {"d": WIDTH, "h": HEADS, "h_kv": KV_HEADS, "d_h": HEAD_DIM, "d_ff": FF, "V": VOCAB}
 LLAMA3_BASE = 500_000
 
 
