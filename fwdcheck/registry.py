@@ -94,11 +94,21 @@ def _literal_info(entry: CheckEntry) -> CheckInfo | None:
         return None
     if stat is None:
         return None
-    return _literal_classes(origin, stat.st_mtime_ns, stat.st_size).get(class_name)
+    version = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)  # ctime: a copy that kept the mtime
+    return _literal_classes(origin, version).get(class_name)
+
+
+def read_builtin_declarations() -> None:
+    """Read (and cache) what fwdcheck's own checks declare, as select() reads it, importing no plugin: what a fork
+    server does once for the workers it forks (fwdcheck/forkserver.py)."""
+    for ep in entry_points(group=GROUP):
+        entry = CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "")
+        if _is_builtin(entry):
+            _literal_info(entry)
 
 
 @functools.lru_cache(maxsize=256)
-def _literal_classes(path: str, mtime_ns: int, size: int) -> dict[str, CheckInfo]:
+def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
     """The CheckInfo of each class in the file whose attributes are literals: the file parsed once per version of it
     (selecting the checks asks for each one's order and default more than once)."""
     import ast

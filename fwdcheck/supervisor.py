@@ -43,22 +43,23 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     was interrupted). Raises WorkerError when the worker could not make the run at all."""
     events_read, events_write = os.pipe()
     output_read, output_write = os.pipe()
-    try:
-        worker = start_worker(events_write, output_write) or subprocess.Popen(
-            [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
-            start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on once
-        )
-    finally:
-        os.close(events_write)
-        os.close(output_write)
-    run = Heard(job)
-    try:
-        worker.stdin.write(json.dumps(asdict(job)).encode())
-        worker.stdin.close()
-    except OSError:  # it died at once; what it printed says why
-        pass
+    # From here on a SIGINT or SIGTERM is recorded, and reaches the worker once it runs: the report is still written.
     with caught_signals() as received:
+        try:
+            worker = start_worker(events_write, output_write, cancelled=lambda: bool(received)) or subprocess.Popen(
+                [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
+                start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on
+            )
+        finally:
+            os.close(events_write)
+            os.close(output_write)
+        run = Heard(job)
+        try:
+            worker.stdin.write(json.dumps(asdict(job)).encode())
+            worker.stdin.close()
+        except OSError:  # it died at once; what it printed says why
+            pass
         ending = supervise(worker, run, events_read, output_read, timeout_s, progress, received)
     os.close(events_read)
     os.close(output_read)
@@ -77,7 +78,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         limit = f"{timeout_s:g} s" if timeout_s else "its limit"
         return run.partial_report(f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
                                   "forward that ignores the time limit, or hangs in native code)", "FWD004")
-    return run.partial_report(f"the model process {died(worker.returncode)}", "FWD005")
+    return run.partial_report(f"the model process {ended(worker)}", "FWD005")
 
 
 def supervise(worker: subprocess.Popen | ForkedWorker, run: Heard, events_fd: int, output_fd: int,
@@ -156,6 +157,9 @@ def _signal(worker: subprocess.Popen | ForkedWorker, signum: int) -> None:
     """The signal to the worker's whole process group (it leads one of its own): the ranks of a distributed run are
     in it too, and end with it."""
     try:
+        if isinstance(worker, ForkedWorker):  # not its own child: signalled only while it has not ended
+            worker.signal_group(signum)
+            return
         os.killpg(worker.pid, signum)
     except (ProcessLookupError, PermissionError, OSError):  # it has ended already (or leads no group of its own)
         try:
@@ -183,6 +187,13 @@ def caught_signals():
 
 def exit_for(signum: int) -> int:
     return ExitCode.TERMINATED if signum == signal.SIGTERM else ExitCode.INTERRUPTED
+
+
+def ended(worker: subprocess.Popen | ForkedWorker) -> str:
+    """How a worker that sent no report ended, in words."""
+    if getattr(worker, "lost_with_server", False):
+        return "ended with the fork server it was forked from (the server was killed)"
+    return died(worker.returncode)
 
 
 def died(returncode: int) -> str:

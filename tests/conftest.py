@@ -16,18 +16,6 @@ from fwdcheck.report import Report
 from fwdcheck.runner import Run
 
 
-# Files whose tests start processes (ranks of a distributed launch, the real command, a fork server) or run long
-# generators, seconds each: they are collected first, so that `-n auto`'s workers take them while the many short
-# tests are still queued behind, and end together instead of one finishing a distributed launch alone.
-LONG_FIRST = ("test_distributed.py", "test_supervisor.py", "test_fuzz.py", "test_shrink.py", "test_examples.py",
-              "test_golden_contract.py", "test_imports.py", "test_forkserver.py", "test_hf.py", "test_cli_habits.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: each file's own order kept
-
-
 def run_checks(model: dict, checks: list[str] | None = None, **top) -> Report:
     """Run the named checks (the config's, else the default ones, when None) on the model a config dict describes,
     as the command line's worker runs a config file."""

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +27,14 @@ from fwdcheck.cli import app
 pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="fork server: Linux only")
 
 OBSERVING = '''
-import json, os, random, signal, sys, threading
+import json, os, random, resource, signal, sys, threading
 import torch, torch.nn as nn
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def observe():
@@ -38,7 +48,9 @@ def observe():
         "handlers": {s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE,
                                                                 signal.SIGCHLD)},
         "descriptors": len(os.listdir("/proc/self/fd")),
-        "main": os.path.basename(getattr(sys.modules["__main__"], "__file__", "")),
+        "main": (sys.modules["__main__"].__name__, os.path.basename(getattr(sys.modules["__main__"], "__file__", ""))),
+        "umask": current_umask(),
+        "open files limit": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
         "threads": threading.active_count(),
         "random": random.random(),
         "torch seed": torch.initial_seed(),
@@ -79,6 +91,36 @@ def test_a_forked_worker_sees_what_a_new_interpreter_sees(observing, tmp_path):
     assert forked == new
 
 
+def test_a_signal_while_the_server_starts_still_writes_the_report(observing, tmp_path):
+    """SIGTERM while the second config waits for the fork server's imports: the run ends as any run SIGTERM ends,
+    with the report of what finished (the first config) written."""
+    report = tmp_path / "report.json"
+    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", observing.name, observing.name, "--json",
+                             str(report), "-q"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")})
+    deadline = time.monotonic() + 120
+    while not any("fwdcheck.forkserver" in command for command in children_of(proc.pid)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    document = json.loads(report.read_text())
+    assert document["exit_code"] == 143 and document["reports"][0]["exit_code"] == 0
+
+
+def children_of(pid: int) -> list[str]:
+    """The command lines of the processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return found
+
+
 def in_process(*args: str) -> int:
     return CliRunner().invoke(app, ["run", *args, "-q"]).exit_code
 
@@ -93,9 +135,9 @@ def test_an_environment_that_changes_gets_a_server_started_in_it(observing, tmp_
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert in_process(observing.name) == 0
     after = forkserver.server()
-    assert after is not None and after is not before and after.forked == 1
-    seen = [json.loads(p.read_text()) for p in (tmp_path / "seen").iterdir()]
-    last = next(s for s in seen if s["parent"] == after.process.pid)
+    assert after is not None and after is not before
+    last = newest_observation(tmp_path)
+    assert last["parent"] == after.process.pid  # forked by the new server
     assert last["torch threads"] == 2 and last["environment"]["OMP_NUM_THREADS"] == "2"
 
 
@@ -119,6 +161,48 @@ def test_variables_read_only_later_do_not_restart_the_server(observing, tmp_path
     server = forkserver.server()
     monkeypatch.setenv("COLUMNS", "77")
     assert in_process(observing.name) == 0
-    assert forkserver.server() is server and server.forked >= 2
+    assert forkserver.server() is server
+    last = newest_observation(tmp_path)
+    assert last["parent"] == server.process.pid
+    assert last["environment"]["COLUMNS"] == "77"  # the fork has the value all the same
+
+
+def newest_observation(tmp_path: Path) -> dict:
     newest = max((tmp_path / "seen").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    assert json.loads(newest.read_text())["environment"]["COLUMNS"] == "77"  # the fork has the value all the same
+    return json.loads(newest.read_text())
+
+
+def test_a_server_outlives_the_thread_that_started_it(observing, tmp_path, monkeypatch):
+    """The server ends with the supervisor's process, not with the thread whose job started it."""
+    monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
+    monkeypatch.setenv("FWDCHECK_TEST_SERVER", str(tmp_path))  # an environment of its own: a server of its own
+    monkeypatch.chdir(tmp_path)
+    assert in_process(observing.name) == 0  # this process's first job, or a fork of another server
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(in_process(observing.name)))
+    thread.start()
+    thread.join()
+    started_by_the_thread = forkserver.server()
+    assert codes == [0] and started_by_the_thread.alive()
+    assert in_process(observing.name) == 0
+    assert forkserver.server() is started_by_the_thread
+    assert newest_observation(tmp_path)["parent"] == started_by_the_thread.process.pid
+
+
+def test_umask_and_limits_set_after_the_server_started_reach_the_fork(observing, tmp_path, monkeypatch):
+    monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
+    monkeypatch.chdir(tmp_path)
+    assert in_process(observing.name) == 0
+    assert in_process(observing.name) == 0
+    server = forkserver.server()
+    previous_umask = os.umask(0o077)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+    try:
+        assert in_process(observing.name) == 0
+    finally:
+        os.umask(previous_umask)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    last = newest_observation(tmp_path)
+    assert last["parent"] == server.process.pid and last["umask"] == 0o077
+    assert last["open files limit"] == [min(soft, 512), hard]
