@@ -141,24 +141,27 @@ def test_an_environment_that_changes_gets_a_server_started_in_it(observing, tmp_
     assert last["torch threads"] == 2 and last["environment"]["OMP_NUM_THREADS"] == "2"
 
 
-def test_a_server_that_died_is_replaced(observing, tmp_path, monkeypatch):
+@pytest.fixture
+def served(observing, tmp_path, monkeypatch):
+    """This process, in the test's directory, with a fork server that has forked a worker (two jobs run)."""
     monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
     monkeypatch.chdir(tmp_path)
     assert in_process(observing.name) == 0
     assert in_process(observing.name) == 0
-    dead = forkserver.server()
+    assert newest_observation(tmp_path)["parent"] == forkserver.server().process.pid
+    return forkserver.server()
+
+
+def test_a_server_that_died_is_replaced(served, observing):
+    dead = served
     dead.process.kill()
     dead.process.wait()
     assert in_process(observing.name) == 0
     assert forkserver.server() is not dead and forkserver.server().alive()
 
 
-def test_variables_read_only_later_do_not_restart_the_server(observing, tmp_path, monkeypatch):
-    monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
-    monkeypatch.chdir(tmp_path)
-    assert in_process(observing.name) == 0
-    assert in_process(observing.name) == 0
-    server = forkserver.server()
+def test_variables_read_only_later_do_not_restart_the_server(served, observing, tmp_path, monkeypatch):
+    server = served
     monkeypatch.setenv("COLUMNS", "77")
     assert in_process(observing.name) == 0
     assert forkserver.server() is server
@@ -189,12 +192,8 @@ def test_a_server_outlives_the_thread_that_started_it(observing, tmp_path, monke
     assert newest_observation(tmp_path)["parent"] == started_by_the_thread.process.pid
 
 
-def test_umask_and_limits_set_after_the_server_started_reach_the_fork(observing, tmp_path, monkeypatch):
-    monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
-    monkeypatch.chdir(tmp_path)
-    assert in_process(observing.name) == 0
-    assert in_process(observing.name) == 0
-    server = forkserver.server()
+def test_umask_and_limits_set_after_the_server_started_reach_the_fork(served, observing, tmp_path):
+    server = served
     previous_umask = os.umask(0o077)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
