@@ -255,6 +255,10 @@ def start_worker(events_w: int, output_w: int, cancelled: Callable[[], bool] = l
                 _failed_starts += 1
                 return None
         if not _current.ready(READY_S, cancelled):
+            if not cancelled():  # it died or hangs while it starts: no later job waits for it again
+                _current.stop()
+                _current = None
+                _failed_starts += 1
             return None
         stdin_r, stdin_w = os.pipe()
         worker = None

@@ -205,3 +205,17 @@ def test_umask_and_limits_set_after_the_server_started_reach_the_fork(served, ob
     last = newest_observation(tmp_path)
     assert last["parent"] == server.process.pid and last["umask"] == 0o077
     assert last["open files limit"] == [min(soft, 512), hard]
+
+
+def test_a_server_too_slow_to_start_is_given_up(observing, tmp_path, monkeypatch):
+    """A server that is not ready in time is stopped and counted: the job runs in a new interpreter, and no later
+    job waits for that server again."""
+    monkeypatch.setenv("OBSERVATIONS", str(tmp_path / "seen"))
+    monkeypatch.setenv("FWDCHECK_TEST_SERVER", "slow")  # an environment of its own: a server of its own
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(forkserver, "READY_S", 0.05)  # less than its imports take
+    monkeypatch.setattr(forkserver, "_failed_starts", 0)
+    assert in_process(observing.name) == 0
+    assert in_process(observing.name) == 0
+    assert forkserver._failed_starts >= 1 and forkserver.server() is None
+    assert newest_observation(tmp_path)["parent"] == os.getpid()  # a new interpreter, this process's child
