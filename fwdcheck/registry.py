@@ -101,8 +101,7 @@ def _literal_info(entry: CheckEntry) -> CheckInfo | None:
 def read_builtin_declarations() -> None:
     """Read (and cache) what fwdcheck's own checks declare, as select() reads it, importing no plugin: what a fork
     server does once for the workers it forks (fwdcheck/forkserver.py)."""
-    for ep in entry_points(group=GROUP):
-        entry = CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "")
+    for entry in _registered():
         if _is_builtin(entry):
             _literal_info(entry)
 
@@ -146,15 +145,19 @@ def available() -> dict[str, CheckEntry]:
     A plugin registering a name fwdcheck already uses does not replace the built-in; between two plugins with the
     same name, the first distribution on sys.path wins (as Python's own imports do)."""
     found: dict[str, CheckEntry] = {}
-    for ep in entry_points(group=GROUP):
-        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown"
-        entry = CheckEntry(ep.name, ep.value, dist)
-        known = found.get(ep.name)
+    for entry in _registered():
+        known = found.get(entry.name)
         if known is None or (_is_builtin(entry) and not _is_builtin(known)):
-            found[ep.name] = entry
+            found[entry.name] = entry
     if not found:
         raise UsageError("no checks are registered: is fwdcheck installed (`pip install -e .`)?")
     return dict(sorted(found.items(), key=lambda item: (_order(item[1]), item[0])))
+
+
+def _registered() -> list[CheckEntry]:
+    """An entry for each entry point of the group, in the order importlib.metadata lists them (nothing imported)."""
+    return [CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown")
+            for ep in entry_points(group=GROUP)]
 
 
 def _order(entry: CheckEntry) -> int:

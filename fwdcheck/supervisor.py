@@ -190,8 +190,8 @@ def exit_for(signum: int) -> int:
 
 
 def ended(worker: subprocess.Popen | ForkedWorker) -> str:
-    """How a worker that sent no report ended, in words."""
-    if getattr(worker, "lost_with_server", False):
+    """How a worker that sent no report ended, in words: a forked one may have ended with its server."""
+    if isinstance(worker, ForkedWorker) and worker.lost_with_server:
         return "ended with the fork server it was forked from (the server was killed)"
     return died(worker.returncode)
 
