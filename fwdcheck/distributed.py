@@ -1,8 +1,8 @@
 """Distributed runs: the model sharded across processes, as it will train (`distributed: {nproc: N}`, `--nproc N`).
 
 The process that runs the checks (the worker under `fwdcheck run`) becomes the launcher: torch's elastic launcher,
-the machinery behind torchrun (torch.distributed.run), starts N rank processes on this machine, watches them, and
-ends them all when one fails. Each rank:
+the machinery behind torchrun (torch.distributed.run), starts N rank processes on this machine (forked from a server
+that has imported torch, `_rank_server`), watches them, and ends them all when one fails. Each rank:
 
   1. joins the process group (gloo on the CPU, nccl on CUDA with one GPU per rank), timeout_s being the collectives'
      timeout: a rank left waiting for a peer raises instead of hanging;
@@ -24,15 +24,20 @@ or with the whole process group by the supervisor's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,13 +96,14 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
                              name="fwdcheck-rank-0-events")
     relay.start()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
     rank_job = {"config": job.config, "factory": job.factory, "overrides": dataclasses.asdict(job.overrides),
                 "sys_path": [p for p in sys.path if p]}
     try:
-        with _launcher_logs_quiet():
+        with _launcher_logs_quiet(), _rank_server() as start_method:
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
+                                  run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
+                                  rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
+                                  start_method=start_method)
             returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
     except ChildFailedError as exc:
         relay.join(timeout=5)
@@ -110,6 +116,37 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     relay.join(timeout=5)
     return merge({rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
                   for rank, (report, flags) in returned.items()})
+
+
+# The ranks are forked from one process that has imported these (multiprocessing's fork server) rather than each
+# started as a new interpreter: torch is imported once a launch, not once a rank, and a rank that has handed in its
+# report ends at once (os._exit) instead of tearing down an interpreter that holds torch (about a second). Nothing
+# of the model's is imported there; each rank imports it after it has its RANK, as a spawned rank would.
+RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "fwdcheck.distributed"]
+
+
+@contextlib.contextmanager
+def _rank_server():
+    """The start method of this launch's ranks: "forkserver", a server started for this launch alone (with the
+    launcher's environment, working directory and sys.path as they are now) and ended with it, so that no process
+    of the run outlives the run. multiprocessing has one fork server a process and no public way to end it: where its
+    handle is not the one CPython has had since 3.4, or a server of the process's own is running already (a caller's,
+    in a process that runs fwdcheck in-process), the ranks are spawned, a new interpreter each, as torchrun does."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules")) \
+            or server._forkserver_pid is not None:
+        yield "spawn"
+        return
+    preload = server._preload_modules
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    try:
+        yield "forkserver"
+    finally:
+        if server._forkserver_pid is not None:  # its ranks have ended (the launcher waits for each), or end with it
+            with contextlib.suppress(OSError):
+                os.kill(server._forkserver_pid, signal.SIGKILL)  # not a second of tearing torch down
+            server._stop()  # reaped, its socket removed
+        multiprocessing.set_forkserver_preload(preload)
 
 
 def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> None:
@@ -247,11 +284,28 @@ class RankStopped(BaseException):
     collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure."""
 
 
+# How long a rank that fails stays before it ends. torch's launcher names the first rank it finds ended (it looks
+# every monitor_interval), the lowest when it finds several; a rank's failure makes its peers' pending collectives
+# fail as soon as its process ends, and ranks forked from the fork server end at once. Staying this long, a failed
+# rank is found before the peers its end fails, and the report names the rank where the failure began.
+FAILED_RANK_STAYS_S = 0.5
+
+
 @record
 def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     """One rank of a distributed run: its report as a dict, and which results are fwdcheck's own errors."""
+    try:
+        return _rank(job, address, authkey)
+    except FwdcheckError:  # the run could not be made, on every rank alike: rank 0 has said why
+        raise
+    except BaseException:
+        time.sleep(FAILED_RANK_STAYS_S)
+        raise
+
+
+def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     global _CONTEXT
-    die_with_parent(os.getppid())  # the launcher, which may be killed with SIGKILL
+    die_with_parent(os.getppid())  # the fork server (or the launcher), which may be killed with SIGKILL
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

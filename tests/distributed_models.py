@@ -3,12 +3,14 @@
 The GPT splits its projections into heads by their local width (`view(B, T, -1, d_h)`), as Hugging Face and
 Meta's Llama do, so that a tensor-parallel plan sharding q, k and v column-wise gives each rank its own heads. The
 planted bugs are the ways real sharding goes wrong: a projection sharded on the wrong axis, a reduction left out, a
-head count that was not divided, a mask built for the whole model and dropped for a shard, a rank that raises or
-hangs.
+head count that was not divided, a mask built for the whole model and dropped for a shard, a rank that raises,
+crashes or hangs.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -66,7 +68,11 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.bug == "raises-on-rank-1" and dist.is_initialized() and dist.get_rank() == 1:
             raise RuntimeError("out of memory on this rank's device")
+        if self.bug == "crashes-on-rank-1" and dist.is_initialized() and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSEGV)  # native code that crashes: no exception, no word from the rank
         if self.bug == "hangs-on-rank-1" and dist.is_initialized() and dist.get_rank() == 1:
+            if os.environ.get("FWDCHECK_TEST_HANGING"):  # where a test waits to hear that the ranks are running
+                open(os.environ["FWDCHECK_TEST_HANGING"], "w").close()
             time.sleep(3600)  # a rank stuck in a collective, a deadlock, a dead device
         x = self.embed(input_ids)  # (B, T, D)
         for layer in self.layers:

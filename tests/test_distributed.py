@@ -149,14 +149,18 @@ def test_fully_sharded_model_passes(tmp_path):
     assert checks(report)["sharding"]["data"]["placements"]["counts"]["S(0)"] == 20
 
 
-def test_a_rank_that_raises_ends_the_launch_naming_it(tmp_path):
+@pytest.mark.parametrize("bug, code, how", [
+    ("raises-on-rank-1", "FWD002", "rank 1 of 2 ended: the model raised RuntimeError: out of memory"),
+    ("crashes-on-rank-1", "FWD005", "rank 1 of 2 was killed by SIGSEGV")])
+def test_a_rank_that_fails_ends_the_launch_naming_it(tmp_path, bug, code, how):
+    """Rank 0 fails too, in the collective rank 1 left, as soon as rank 1's process ends: the rank named is the
+    one where the failure began, not the lowest of those that ended."""
     marker = uuid.uuid4().hex
-    code, report, _ = launch(tmp_path, gpt_config("tensor_parallel", "raises-on-rank-1"), marker=marker)
-    assert code == 1
+    exit_code, report, _ = launch(tmp_path, gpt_config("tensor_parallel", bug), marker=marker)
+    assert exit_code == 1
     sharding = checks(report)["sharding"]
-    assert sharding["findings"][0]["code"] == "FWD002"
-    assert "rank 1 of 2 ended: the model raised RuntimeError: out of memory" in sharding["summary"]
-    assert "on this rank alone" in sharding["summary"]
+    assert sharding["findings"][0]["code"] == code
+    assert how in sharding["summary"]
     assert {c["status"] for c in report["checks"][1:]} == {"error"}  # not run, and said so
     assert processes_marked(marker) == []
 
@@ -170,22 +174,29 @@ def test_a_rank_that_hangs_ends_with_the_time_limit_and_no_process_left(tmp_path
     assert processes_marked(marker) == []
 
 
-def test_ctrl_c_ends_every_rank(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
+    """Ctrl-C ends the run with its report (130); SIGKILL leaves the command no say, and still no process of the
+    run (worker, ranks, the server they were forked from) outlives it."""
     marker = uuid.uuid4().hex
     path = tmp_path / "hang.yaml"
     path.write_text(yaml.safe_dump(gpt_config("tensor_parallel", "hangs-on-rank-1", timeout_s=600)))
+    hanging = tmp_path / "hanging"
     proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "FWDCHECK_TEST_MARK": marker})
+                            env={**os.environ, "FWDCHECK_TEST_MARK": marker, "FWDCHECK_TEST_HANGING": str(hanging)})
     deadline = time.monotonic() + 60
-    while len(processes_marked(marker)) < 4 and time.monotonic() < deadline:  # the CLI, the worker, two ranks
+    while not hanging.exists() and time.monotonic() < deadline:  # rank 1 in its forward, rank 0 waiting for it
         time.sleep(0.2)
-    time.sleep(2)
-    proc.send_signal(signal.SIGINT)
+    assert hanging.exists()
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert json.loads(out)["exit_code"] == 130
-    time.sleep(1)
+    if signum == signal.SIGINT:
+        assert proc.returncode == 130
+        assert json.loads(out)["exit_code"] == 130
+    deadline = time.monotonic() + 10
+    while processes_marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert processes_marked(marker) == []
 
 
