@@ -150,7 +150,8 @@ def test_fully_sharded_model_passes(tmp_path):
 
 
 @pytest.mark.parametrize("bug, code, how", [
-    ("raises-on-rank-1", "FWD002", "rank 1 of 2 ended: the model raised RuntimeError: out of memory"),
+    ("raises-on-rank-1", "FWD002",
+     "rank 1 of 2 ended: the model raised RuntimeError: out of memory on this rank's device on this rank alone"),
     ("crashes-on-rank-1", "FWD005", "rank 1 of 2 was killed by SIGSEGV")])
 def test_a_rank_that_fails_ends_the_launch_naming_it(tmp_path, bug, code, how):
     """Rank 0 fails too, in the collective rank 1 left, as soon as rank 1's process ends: the rank named is the
@@ -194,6 +195,8 @@ def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
     if signum == signal.SIGINT:
         assert proc.returncode == 130
         assert json.loads(out)["exit_code"] == 130
+    else:
+        assert proc.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while processes_marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
