@@ -296,9 +296,7 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     """One rank of a distributed run: its report as a dict, and which results are fwdcheck's own errors."""
     try:
         return _rank(job, address, authkey)
-    except FwdcheckError:  # the run could not be made, on every rank alike: rank 0 has said why
-        raise
-    except BaseException:
+    except BaseException:  # a usage error too: its peers may meet it inside a collective, and must meet it as theirs
         time.sleep(FAILED_RANK_STAYS_S)
         raise
 
