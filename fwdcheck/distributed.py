@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -52,7 +53,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 
 from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
-from fwdcheck.heard import Heard
+from fwdcheck.heard import Heard, WorkerError
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
 from fwdcheck.overrides import Overrides
@@ -107,8 +108,9 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
             returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
     except ChildFailedError as exc:
         relay.join(timeout=5)
-        if heard.error is not None:  # rank 0 could not make the run (a usage error, shared by every rank)
-            raise heard.error from None
+        cannot_run = _cannot_run(exc)
+        if cannot_run is not None:  # the run cannot be made (a usage error): not a finding of any rank
+            raise cannot_run from None
         rank, failure = exc.get_first_failure()
         return heard.partial_report(f"rank {rank} of {nproc} {_failure(failure)}", _failure_code(failure))
     finally:
@@ -192,6 +194,18 @@ class _launcher_logs_quiet:
     def __exit__(self, *exc):
         for name, level in self.levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def _cannot_run(exc: ChildFailedError) -> WorkerError | None:
+    """The usage error that a failed rank met first (RankCannotRun), if any did: by the time each raised it, since a
+    peer's end can give a slower rank a usage error of its own (the launcher's record keeps whole seconds only)."""
+    prefix = f"{RankCannotRun.__name__}: "
+    messages = [f.message.get("message", "") for f in exc.failures.values() if isinstance(f.message, dict)]
+    errors = [json.loads(m.removeprefix(prefix)) for m in messages if m.startswith(prefix)]
+    if not errors:
+        return None
+    first = min(errors, key=lambda error: error["at"])
+    return WorkerError(first["message"], first["exit_code"])
 
 
 def _failure(failure) -> str:
@@ -279,6 +293,11 @@ class RankEnded(Exception):
     """What a rank that stopped raises out of rank_main, where the launcher's error file records it."""
 
 
+class RankCannotRun(Exception):
+    """What a rank that could not make the run (a usage error, the same on every rank) raises out of rank_main: the
+    error's exit code and message as JSON, which the launcher's record of the rank keeps."""
+
+
 class RankStopped(BaseException):
     """A rank ends the launch: the model raised on it and not on every rank, so that the others may be waiting in a
     collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure."""
@@ -326,11 +345,13 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
                 raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
             model = sharded(run, device, rank, world)
-    except FwdcheckError as exc:  # the same on every rank: rank 0 says it, the launch ends
-        send("error", exit_code=exc.exit_code, message=str(exc), detail="", notes=[])
+    except FwdcheckError as exc:  # the same on every rank; the launch ends with the error of the rank found ended
         if dist.is_initialized():  # no collective is pending: leaving with the group up aborts the process
             dist.destroy_process_group()
-        raise
+        # Any rank may meet it first, and its end can fail a slower peer inside a collective before that peer meets
+        # the error itself (with another message, or none fwdcheck's): the launcher's record of this rank keeps it.
+        raise RankCannotRun(json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})) \
+            from exc
     send("model", model=model_summary(model))
     settings = run.settings.model_copy(update={"device": str(device)})
     entries = sorted(run.entries, key=lambda e: e.name != SHARDING)  # the sharding check first

@@ -159,3 +159,12 @@ class FailsOnRankOne(Check):
             raise KeyError("a bug in a check")
         session.logits(session.inputs[:, :4])
         return CheckResult(self.name, Status.PASS, "rank 0 ran")
+
+
+def unusable_on_rank_1(model: GPT, mesh) -> GPT:
+    """Hands back what is not a model on rank 1 at once; rank 0 meanwhile waits for rank 1 in a collective, which
+    fails when rank 1 ends, giving rank 0 an error of its own that is not where the run's failure began."""
+    if dist.get_rank() == 1:
+        return "not a model"
+    dist.barrier()
+    return model

@@ -210,6 +210,16 @@ def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
     assert code == 2 and "distributed.parallelize is needed" in stderr and "Traceback" not in stderr
 
 
+def test_a_usage_error_on_one_rank_is_the_runs_error_whatever_its_end_does_to_the_others(tmp_path):
+    """Rank 1 cannot make the run; its end fails rank 0 inside a collective with an error of rank 0's own. The run
+    ends with rank 1's usage error (exit 2, its one line), not rank 0's, nor a report of a failed rank (exit 1)."""
+    code, report, stderr = launch(tmp_path, gpt_config("unusable_on_rank_1"))
+    assert (code, report) == (2, {}), (code, stderr)
+    assert stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'distributed.yaml'}: parallelize function 'tests.distributed_models:unusable_on_rank_1' "
+        "returned str, not the model (an nn.Module) or None"], stderr
+
+
 def test_a_model_handed_back_in_a_wrapper_passes(tmp_path):
     """parallelize may return the sharded model inside a module of its own (as DDP does): the blocks compared are
     the wrapper's `module.layers` against the unsharded model's `layers`."""
