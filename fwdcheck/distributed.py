@@ -200,12 +200,17 @@ def _cannot_run(exc: ChildFailedError) -> WorkerError | None:
     """The usage error that a failed rank met first (RankCannotRun), if any did: by the time each raised it, since a
     peer's end can give a slower rank a usage error of its own (the launcher's record keeps whole seconds only)."""
     prefix = f"{RankCannotRun.__name__}: "
-    messages = [f.message.get("message", "") for f in exc.failures.values() if isinstance(f.message, dict)]
+    messages = [_recorded(failure) for failure in exc.failures.values()]
     errors = [json.loads(m.removeprefix(prefix)) for m in messages if m.startswith(prefix)]
     if not errors:
         return None
     first = min(errors, key=lambda error: error["at"])
     return WorkerError(first["message"], first["exit_code"])
+
+
+def _recorded(failure) -> str:
+    """What the rank raised, as the error file that @record writes keeps it ("Type: message"), or "" without one."""
+    return str(failure.message.get("message", "")) if isinstance(failure.message, dict) else ""
 
 
 def _failure(failure) -> str:
@@ -222,7 +227,7 @@ def _failure(failure) -> str:
 def _failure_code(failure) -> str:
     """FWD003 for a rank where fwdcheck failed, FWD002 for one whose model raised; FWD005 for one that died
     otherwise (a signal, an exit)."""
-    message = str((failure.message if isinstance(failure.message, dict) else {}).get("message", ""))
+    message = _recorded(failure)
     if RankEnded.__name__ not in message:
         return "FWD005"
     return "FWD003" if FWDCHECK_FAILED in message else "FWD002"
@@ -345,7 +350,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
                 raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
             model = sharded(run, device, rank, world)
-    except FwdcheckError as exc:  # the same on every rank; the launch ends with the error of the rank found ended
+    except FwdcheckError as exc:  # the same on every rank; the launch ends with the one a rank met first
         if dist.is_initialized():  # no collective is pending: leaving with the group up aborts the process
             dist.destroy_process_group()
         # Any rank may meet it first, and its end can fail a slower peer inside a collective before that peer meets
