@@ -2,7 +2,8 @@
 
 The process that runs the checks (the worker under `fwdcheck run`) becomes the launcher: torch's elastic launcher,
 the machinery behind torchrun (torch.distributed.run), starts N rank processes on this machine (forked from a server
-that has imported torch, `_rank_server`), watches them, and ends them all when one fails. Each rank:
+that has imported torch, on the CPU a fork of the launcher itself: `_rank_server`), watches them, and ends them all
+when one fails. Each rank:
 
   1. joins the process group (gloo on the CPU, nccl on CUDA with one GPU per rank), timeout_s being the collectives'
      timeout: a rank left waiting for a peer raises instead of hanging;
@@ -36,10 +37,12 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
@@ -52,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from fwdcheck.config import Config, Distributed, config_for
-from fwdcheck.errors import FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
+from fwdcheck.errors import ExitCode, FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
 from fwdcheck.heard import Heard, WorkerError
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
@@ -79,69 +82,82 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nproc = run.config.distributed.nproc
-    if run.config.distributed.parallelize:
-        parallelize_function(run.config)  # a name that does not import is the config's error, before any rank starts
-    for local_rank in range(nproc):  # a device the ranks cannot have: the config's error, before any rank starts
-        rank_device(run.settings.device, local_rank)
-    heard = Heard(job)
-    heard.checks = [e.name for e in run.entries]
-    heard.environment = {**environment_summary(run.settings, run.settings.device),
-                         "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize}}
     # Ranks that end by an exception leave semaphores behind, and the resource tracker (a process of its own, started
-    # with this interpreter's -W options) would warn of them on stderr after the report's one line.
+    # with this interpreter's -W options, before the ranks' server) would warn of them on stderr after the report's
+    # one line.
     quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
     if quiet_tracker not in sys.warnoptions:
         sys.warnoptions.append(quiet_tracker)
-    authkey = secrets.token_bytes(16)
-    listener = Listener(family="AF_UNIX", authkey=authkey)
-    relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
-                             name="fwdcheck-rank-0-events")
-    relay.start()
-    rank_job = {"config": job.config, "factory": job.factory, "overrides": dataclasses.asdict(job.overrides),
-                "sys_path": [p for p in sys.path if p]}
-    try:
-        with _launcher_logs_quiet(), _rank_server() as start_method:
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
-                                  run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
-                                  rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
-                                  start_method=start_method)
-            returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
-    except ChildFailedError as exc:
+    # The ranks' server first: a fork of this process (on the CPU) must have none of the model's modules imported and
+    # no thread running, as a new interpreter would not.
+    with _rank_server(run.settings.device) as start_method:
+        # A name that does not import, a device the ranks cannot have: the config's error, before any rank starts.
+        if run.config.distributed.parallelize:
+            parallelize_function(run.config)
+        for local_rank in range(nproc):
+            rank_device(run.settings.device, local_rank)
+        heard = Heard(job)
+        heard.checks = [e.name for e in run.entries]
+        heard.environment = {**environment_summary(run.settings, run.settings.device),
+                             "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize}}
+        authkey = secrets.token_bytes(16)
+        listener = Listener(family="AF_UNIX", authkey=authkey)
+        relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
+                                 name="fwdcheck-rank-0-events")
+        relay.start()
+        rank_job = {"config": job.config, "factory": job.factory, "overrides": dataclasses.asdict(job.overrides),
+                    "sys_path": [p for p in sys.path if p]}
+        try:
+            with _launcher_logs_quiet():
+                config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
+                                      run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
+                                      rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
+                                      start_method=start_method)
+                returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
+        except ChildFailedError as exc:
+            relay.join(timeout=5)
+            cannot_run = _cannot_run(exc)
+            if cannot_run is not None:  # the run cannot be made (a usage error): not a finding of any rank
+                raise cannot_run from None
+            rank, failure = exc.get_first_failure()
+            return heard.partial_report(f"rank {rank} of {nproc} {_failure(failure)}", _failure_code(failure))
+        finally:
+            listener.close()
         relay.join(timeout=5)
-        cannot_run = _cannot_run(exc)
-        if cannot_run is not None:  # the run cannot be made (a usage error): not a finding of any rank
-            raise cannot_run from None
-        rank, failure = exc.get_first_failure()
-        return heard.partial_report(f"rank {rank} of {nproc} {_failure(failure)}", _failure_code(failure))
-    finally:
-        listener.close()
-    relay.join(timeout=5)
-    return merge({rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
-                  for rank, (report, flags) in returned.items()})
+        return merge({rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
+                      for rank, (report, flags) in returned.items()})
 
 
 # The ranks are forked from one process that has imported these (multiprocessing's fork server) rather than each
-# started as a new interpreter: torch is imported once a launch, not once a rank, and a rank that has handed in its
-# report ends at once (os._exit) instead of tearing down an interpreter that holds torch (about a second). Nothing
-# of the model's is imported there; each rank imports it after it has its RANK, as a spawned rank would.
+# started as a new interpreter: torch is imported once a launch, not once a rank (on the CPU not even once: the
+# server is a fork of the launcher, which has), and a rank that has handed in its report ends at once (os._exit)
+# instead of tearing down an interpreter that holds torch (about a second). Nothing of the model's is imported there;
+# each rank imports it after it has its RANK, as a spawned rank would.
 RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "fwdcheck.distributed"]
 
 
 @contextlib.contextmanager
-def _rank_server():
-    """The start method of this launch's ranks: "forkserver", a server started for this launch alone (with the
-    launcher's environment, working directory and sys.path as they are now) and ended with it, so that no process
-    of the run outlives the run. multiprocessing has one fork server a process and no public way to end it: where its
-    handle is not the one CPython has had since 3.4, or a server of the process's own is running already (a caller's,
-    in a process that runs fwdcheck in-process), the ranks are spawned, a new interpreter each, as torchrun does."""
+def _rank_server(device: str):
+    """The start method of this launch's ranks: "forkserver", a server for this launch alone (with the launcher's
+    environment, working directory and sys.path) ended with it, so that no process of the run outlives the run.
+
+    On the CPU the server is a fork of this process, which has imported torch and fwdcheck already (`_fork_server`):
+    a new interpreter would spend seconds importing them again before the first rank starts. Where the ranks may use
+    CUDA it is a new interpreter, as multiprocessing starts it (a process that has touched CUDA cannot fork), that
+    imports RANK_PRELOAD. multiprocessing has one fork server a process and no public way to start or end it: where
+    its handle is not the one CPython has had since 3.4, or a server of the process's own is running already (a
+    caller's, in a process that runs fwdcheck in-process), the ranks are spawned, a new interpreter each, as torchrun
+    does."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     if not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules")) \
             or server._forkserver_pid is not None:
         yield "spawn"
         return
     preload = server._preload_modules
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # also for a server started anew if the fork died
     try:
+        if _may_fork_server(server, device):
+            _fork_server(server)
         yield "forkserver"
     finally:
         if server._forkserver_pid is not None:  # its ranks have ended (the launcher waits for each), or end with it
@@ -149,6 +165,80 @@ def _rank_server():
                 os.kill(server._forkserver_pid, signal.SIGKILL)  # not a second of tearing torch down
             server._stop()  # reaped, its socket removed
         multiprocessing.set_forkserver_preload(preload)
+
+
+def _may_fork_server(server, device: str) -> bool:
+    """Whether this process can fork the ranks' server: ranks on the CPU, from the main thread of a process that runs
+    no other Python thread (a lock one holds would be copied held; the native pools of BLAS and OpenMP prepare for a
+    fork themselves, as for a DataLoader's workers) and has not initialized CUDA, with multiprocessing's fork server
+    the one `_fork_server` starts, `main(listener_fd, alive_r, preload, main_path, sys_path)` as CPython has had it
+    since 3.4 (another, such as one that authenticates its clients, gets its new interpreter)."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built())
+    handle = all(hasattr(server, name) for name in ("_lock", "_forkserver_address", "_forkserver_alive_fd"))
+    main_parameters = list(inspect.signature(multiprocessing.forkserver.main).parameters)
+    return (on_cpu and handle and main_parameters == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+            and not torch.cuda.is_initialized() and threading.current_thread() is threading.main_thread()
+            and threading.active_count() == 1)
+
+
+def _fork_server(server) -> None:
+    """Start multiprocessing's fork server as a fork of this process, where ForkServer.ensure_running would start a
+    new interpreter: the same listening socket and "alive" pipe, set on the handle so that the ranks' Popen finds it
+    running. The fork becomes what that interpreter would be where a rank can tell: it dies with this process, has
+    the signal handlers a new interpreter has, and holds no pipe or socket of this process's (the worker's events to
+    its supervisor) but the server's own."""
+    from multiprocessing import connection, resource_tracker, util
+
+    resource_tracker.ensure_running()  # the ranks are handed its descriptor, as ensure_running does first
+    launcher = os.getpid()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every rank holds the write end: when all have ended, the server ends
+        sys.stdout.flush()  # nothing buffered here is written twice, once by a rank
+        sys.stderr.flush()
+        with warnings.catch_warnings():  # Python 3.12's, of the native pools' threads (see _may_fork_server)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                die_with_parent(launcher)  # by its pid: one that died already has left this fork to init
+                _as_new_interpreter(keep={listener.fileno(), alive_r})
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, RANK_PRELOAD)
+            except SystemExit:  # the alive pipe's end: every rank has ended
+                code = 0
+            finally:
+                os._exit(code)  # never back into the launcher's code
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _as_new_interpreter(keep: set[int]) -> None:
+    """In a fork: the signal handlers of a new interpreter (Python's handlers reset to the default, SIGINT's to
+    KeyboardInterrupt), and each pipe and socket inherited above stdin, stdout and stderr, bar `keep`, made /dev/null:
+    a peer waiting for its end of one to close must not wait for this process. Made /dev/null rather than closed, so
+    that an object of the parent's that owns the number cannot close a descriptor this process opens later."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(signum)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    for fd in sorted(int(name) for name in os.listdir(listing)):
+        if fd <= 2 or fd in keep or fd == devnull:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:  # the listing's own, closed
+            continue
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> None:
@@ -181,14 +271,17 @@ def _free_port() -> int:
 
 
 class _launcher_logs_quiet:
-    """The elastic launcher logs every failed rank's traceback at ERROR, and torch's process starter each rank it
-    ends at WARNING; the report says it in one line."""
+    """The elastic launcher logs every failed rank's traceback at ERROR, its agent a signal it ends the ranks for
+    and torch's process starter each rank it ends at WARNING; the report says it in one line. torch gives each module
+    of the launcher a logger with a level of its own (LOGLEVEL), so each is quieted, not only their parents."""
 
     LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
     def __enter__(self):
-        self.levels = {name: logging.getLogger(name).level for name in self.LOGGERS}
-        for name in self.LOGGERS:
+        names = [name for name in [*logging.root.manager.loggerDict, *self.LOGGERS]
+                 if name in self.LOGGERS or name.startswith(tuple(f"{parent}." for parent in self.LOGGERS))]
+        self.levels = {name: logging.getLogger(name).level for name in names}
+        for name in names:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
     def __exit__(self, *exc):
@@ -391,6 +484,8 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
                         environment=environment_summary(settings, str(device)), fail_on=run.fail_on)
     except RankStopped as exc:  # an Exception the launcher's record of this rank's failure keeps
         raise RankEnded(str(exc)) from exc
+    if report.interrupted:  # a signal to the run's process group: the launcher, ending the launch, reads no report,
+        os._exit(ExitCode.INTERRUPTED)  # and would leave a rank that returned one waiting for it to be read (30 s)
     report.environment["distributed"] = {"nproc": world, "backend": backend,
                                          "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None}
     # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with

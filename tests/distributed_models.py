@@ -161,6 +161,41 @@ class FailsOnRankOne(Check):
         return CheckResult(self.name, Status.PASS, "rank 0 ran")
 
 
+class RankServer(Check):
+    """What the process this rank was forked from (the ranks' server) is: its command line and its parent's (the
+    launcher's), and the launcher's descriptors above stdin, stdout and stderr whose pipe or socket it holds too."""
+
+    name = "rank-server"
+    description = "describes the process the ranks are forked from"
+
+    def run(self, model, session) -> CheckResult:
+        server = os.getppid()
+        launcher = int(_proc(server, "stat").rsplit(")", 1)[1].split()[1])
+        held = set(_channels(server).values())
+        shared = sorted(int(fd) for fd, channel in _channels(launcher).items() if channel in held and int(fd) > 2)
+        return CheckResult(self.name, Status.PASS, "described",
+                           data={"server": _proc(server, "cmdline").split("\0"),
+                                 "launcher": _proc(launcher, "cmdline").split("\0"), "shared": shared})
+
+
+def _proc(pid: int, name: str) -> str:
+    with open(f"/proc/{pid}/{name}") as file:
+        return file.read()
+
+
+def _channels(pid: int) -> dict[str, str]:
+    """The pipes and sockets `pid` holds by descriptor, as the kernel names them ("pipe:[inode]")."""
+    channels = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since it was listed
+            continue
+        if link.startswith(("pipe:", "socket:")):
+            channels[fd] = link
+    return channels
+
+
 def unusable_on_rank_1(model: GPT, mesh) -> GPT:
     """Hands back what is not a model on rank 1 at once; rank 0 meanwhile waits for rank 1 in a collective, which
     fails when rank 1 ends, giving rank 0 an error of its own that is not where the run's failure began."""

@@ -1,5 +1,5 @@
 """Distributed runs: 2 CPU processes with gloo, through `fwdcheck run` as a CI job runs it (supervisor, worker,
-ranks). Each launch costs a few seconds (two interpreters importing torch, a rendezvous), so there are few of them;
+ranks). Each launch costs a few seconds (the worker importing torch, a rendezvous), so there are few of them;
 the models are tests/distributed_models.py and a tiny Llama sharded by transformers' own tensor-parallel plan."""
 
 from __future__ import annotations
@@ -177,8 +177,9 @@ def test_a_rank_that_hangs_ends_with_the_time_limit_and_no_process_left(tmp_path
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
 def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
-    """Ctrl-C ends the run with its report (130); SIGKILL leaves the command no say, and still no process of the
-    run (worker, ranks, the server they were forked from) outlives it."""
+    """Ctrl-C ends the run with its report (130), the ranks at once (one that has its interrupted report does not
+    wait for the launcher to read it); SIGKILL leaves the command no say, and still no process of the run (worker,
+    ranks, the server they were forked from) outlives it."""
     marker = uuid.uuid4().hex
     path = tmp_path / "hang.yaml"
     path.write_text(yaml.safe_dump(gpt_config("tensor_parallel", "hangs-on-rank-1", timeout_s=600)))
@@ -191,16 +192,59 @@ def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
         time.sleep(0.2)
     assert hanging.exists()
     proc.send_signal(signum)
-    out, _ = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     if signum == signal.SIGINT:
         assert proc.returncode == 130
         assert json.loads(out)["exit_code"] == 130
+        assert "torch/distributed" not in err, err  # the launcher's agent logs the signal it ends the ranks for
     else:
         assert proc.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while processes_marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_marked(marker) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads the processes' descriptors in /proc")
+def test_on_the_cpu_the_ranks_are_forked_from_a_fork_of_the_launcher_that_holds_none_of_its_pipes(tmp_path):
+    """Not from a new interpreter that imports torch again (seconds before the first rank starts). Of the launcher's
+    pipes, the fork holds those of the fork server's own: the one whose end tells it every rank has ended, and one a
+    rank for its exit status. Not the launcher's event pipe to its supervisor, whose end the supervisor waits for."""
+    config = gpt_config("tensor_parallel", checks=["tests.distributed_models:RankServer"])
+    code, report, stderr = launch(tmp_path, config)
+    assert code == 0, stderr
+    server = checks(report)["rank-server"]["data"]
+    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
+    assert server["server"] == server["launcher"], server
+    events = int(server["launcher"][3])  # the worker's command line names its event descriptor
+    assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
+
+
+def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
+    """A handler the launcher installed is not the ranks': the fork has the default, SIGINT KeyboardInterrupt."""
+    from fwdcheck.distributed import _as_new_interpreter
+
+    def handler(signum, frame):
+        pass
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGUSR1, signal.SIGINT)}
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _as_new_interpreter(keep={write})
+                os.write(write, json.dumps([signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+                                            signal.getsignal(signal.SIGINT) is signal.default_int_handler]).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as reader:
+            assert json.loads(reader.read()) == [True, True]
+        os.waitpid(pid, 0)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
