@@ -132,8 +132,9 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
 # started as a new interpreter: torch is imported once a launch, not once a rank (on the CPU not even once: the
 # server is a fork of the launcher, which has), and a rank that has handed in its report ends at once (os._exit)
 # instead of tearing down an interpreter that holds torch (about a second). Nothing of the model's is imported there;
-# each rank imports it after it has its RANK, as a spawned rank would.
-RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "fwdcheck.distributed"]
+# each rank imports it after it has its RANK, as a spawned rank would. torch._dynamo is imported by DTensor's first
+# distribute_tensor, the start of any sharding: most of a second, once a launch instead of once a rank.
+RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "torch._dynamo", "fwdcheck.distributed"]
 
 
 @contextlib.contextmanager
