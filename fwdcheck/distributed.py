@@ -158,7 +158,8 @@ def _rank_server(device: str):
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # also for a server started anew if the fork died
     try:
         if _may_fork_server(server, device):
-            _fork_server(server)
+            with contextlib.suppress(OSError):  # no socket or fork to be had: multiprocessing starts its own
+                _fork_server(server)
         yield "forkserver"
     finally:
         if server._forkserver_pid is not None:  # its ranks have ended (the launcher waits for each), or end with it
@@ -201,9 +202,14 @@ def _fork_server(server) -> None:
         alive_r, alive_w = os.pipe()  # every rank holds the write end: when all have ended, the server ends
         sys.stdout.flush()  # nothing buffered here is written twice, once by a rank
         sys.stderr.flush()
-        with warnings.catch_warnings():  # Python 3.12's, of the native pools' threads (see _may_fork_server)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():  # Python 3.12's, of the native pools' threads (see _may_fork_server)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
         if pid == 0:
             code = 1
             try:

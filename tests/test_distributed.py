@@ -247,6 +247,29 @@ def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
             signal.signal(s, h)
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts the descriptors in /proc")
+def test_a_fork_that_cannot_be_made_leaves_the_server_to_multiprocessing(monkeypatch):
+    """No process to be had (EAGAIN): the ranks still get a fork server, the one multiprocessing starts as a new
+    interpreter, and nothing of the failed fork is left open."""
+    import errno
+    import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
+
+    from fwdcheck import distributed
+
+    def cannot_fork():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    resource_tracker.ensure_running()  # its descriptor stays open, as the launch leaves it
+    open_before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(distributed, "_may_fork_server", lambda server, device: True)
+    monkeypatch.setattr(os, "fork", cannot_fork)
+    with distributed._rank_server("cpu") as start_method:
+        assert start_method == "forkserver"
+        assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # started by the ranks' first Popen
+    assert set(os.listdir("/proc/self/fd")) == open_before
+
+
 def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
     config = gpt_config("tensor_parallel")
     del config["distributed"]["parallelize"]
