@@ -88,6 +88,10 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
     if quiet_tracker not in sys.warnoptions:
         sys.warnoptions.append(quiet_tracker)
+    # DTensor, what any sharding builds on (the parallelize function's module imports it, to validate it below): a
+    # second and a half, paid once here, before a fork of this process becomes the ranks' server, not again there.
+    import torch.distributed.tensor  # noqa: F401
+
     # The ranks' server first: a fork of this process (on the CPU) must have none of the model's modules imported and
     # no thread running, as a new interpreter would not.
     with _rank_server(run.settings.device) as start_method:
