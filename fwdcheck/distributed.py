@@ -135,8 +135,10 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
 # The ranks are forked from one process that has imported these (multiprocessing's fork server) rather than each
 # started as a new interpreter: torch is imported once a launch, not once a rank (on the CPU not even once: the
 # server is a fork of the launcher, which has), and a rank that has handed in its report ends at once (os._exit)
-# instead of tearing down an interpreter that holds torch (about a second). Nothing of the model's is imported there;
-# each rank imports it after it has its RANK, as a spawned rank would. torch._dynamo is imported by DTensor's first
+# instead of tearing down an interpreter that holds torch (about a second). Nothing of the model's is imported there
+# (its factory's and its parallelize function's modules): each rank imports it after it has its RANK, as a spawned
+# rank would. A forked server has the checks' modules too (a config's own checks, installed plugins): the launcher
+# imported them to select the checks. torch._dynamo is imported by DTensor's first
 # distribute_tensor, the start of any sharding: most of a second, once a launch instead of once a rank.
 RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "torch._dynamo", "fwdcheck.distributed"]
 
