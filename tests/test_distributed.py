@@ -220,6 +220,18 @@ def test_on_the_cpu_the_ranks_are_forked_from_a_fork_of_the_launcher_that_holds_
     assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
 
 
+def test_the_models_module_is_imported_by_each_rank_once_it_has_its_rank(tmp_path):
+    """The ranks' server is a fork of the launcher, which imports the parallelize function's module to validate it:
+    the fork is made first, so that a module that reads RANK as it is imported sees the rank's."""
+    module = "tests.distributed_rank_at_import"
+    config = {**gpt_config("tensor_parallel"), "checks": ["shape-ledger"]}
+    config["model"] = {**config["model"], "factory": f"{module}:gpt_reading_rank_at_import", "kwargs": {}}
+    config["distributed"] = {**config["distributed"], "parallelize": f"{module}:parallelize"}
+    code, report, stderr = launch(tmp_path, config)
+    assert code == 0, stderr
+    assert checks(report)["shape-ledger"]["status"] == "pass"
+
+
 def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
     """A handler the launcher installed is not the ranks': the fork has the default, SIGINT KeyboardInterrupt."""
     from fwdcheck.distributed import _as_new_interpreter
