@@ -206,30 +206,24 @@ def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads the processes' descriptors in /proc")
-def test_on_the_cpu_the_ranks_are_forked_from_a_fork_of_the_launcher_that_holds_none_of_its_pipes(tmp_path):
-    """Not from a new interpreter that imports torch again (seconds before the first rank starts). Of the launcher's
-    pipes, the fork holds those of the fork server's own: the one whose end tells it every rank has ended, and one a
-    rank for its exit status. Not the launcher's event pipe to its supervisor, whose end the supervisor waits for."""
-    config = gpt_config("tensor_parallel", checks=["tests.distributed_models:RankServer"])
-    code, report, stderr = launch(tmp_path, config)
-    assert code == 0, stderr
-    server = checks(report)["rank-server"]["data"]
-    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
-    assert server["server"] == server["launcher"], server
-    events = int(server["launcher"][3])  # the worker's command line names its event descriptor
-    assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
-
-
-def test_the_models_module_is_imported_by_each_rank_once_it_has_its_rank(tmp_path):
-    """The ranks' server is a fork of the launcher, which imports the parallelize function's module to validate it:
-    the fork is made first, so that a module that reads RANK as it is imported sees the rank's."""
+def test_on_the_cpu_the_ranks_server_is_a_fork_of_the_launcher_before_the_models_code_and_without_its_pipes(tmp_path):
+    """Not a new interpreter that imports torch again (seconds before the first rank starts). The fork is made before
+    the launcher imports the parallelize function's module (to validate it), so that a model's module that reads
+    RANK as it is imported sees the rank's. Of the launcher's pipes the fork holds the fork server's own: the one
+    whose end tells it every rank has ended, and one a rank for its exit status; not the launcher's event pipe to
+    its supervisor, whose end the supervisor waits for."""
     module = "tests.distributed_rank_at_import"
-    config = {**gpt_config("tensor_parallel"), "checks": ["shape-ledger"]}
+    config = gpt_config("tensor_parallel", checks=["shape-ledger", "tests.distributed_models:RankServer"])
     config["model"] = {**config["model"], "factory": f"{module}:gpt_reading_rank_at_import", "kwargs": {}}
     config["distributed"] = {**config["distributed"], "parallelize": f"{module}:parallelize"}
     code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     assert checks(report)["shape-ledger"]["status"] == "pass"
+    server = checks(report)["rank-server"]["data"]
+    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
+    assert server["server"] == server["launcher"], server
+    events = int(server["launcher"][3])  # the worker's command line names its event descriptor
+    assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
 
 
 def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
