@@ -35,6 +35,33 @@ def hf(model_type: str, model_class: str | None = None, **fields) -> dict:
 
 
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+# transformers' Falcon (up to 5.24) ignored the causal mask on the path that returns attention weights; 5.25 sends
+# both paths through one attention function. Tests measure the leak in plain torch (falcon_leaks) rather than assume
+# a release: fwdcheck must flag exactly the paths that leak, and none where none does.
+FALCON = hf("falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, parallel_attn=True, alibi=False)
+
+
+def falcon_leaks(length: int) -> dict[bool, bool]:
+    """Whether changing the last of `length` tokens moves an earlier logit of FALCON, without and with
+    output_attentions, measured directly: two forwards per path, no fwdcheck check involved."""
+    import torch
+
+    from fwdcheck.config import config_from_dict
+    from fwdcheck.sources import load_model
+
+    model = load_model(config_from_dict({"model": FALCON})).module.eval()
+    ids = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 64
+    leaks = {}
+    for weights in (False, True):
+        with torch.no_grad():
+            before = model(ids, output_attentions=weights).logits[:, :-1]
+            after = model(changed, output_attentions=weights).logits[:, :-1]
+        leaks[weights] = bool((before - after).abs().max() > 1e-4)
+    return leaks
 P, F, S = "pass", "fail", "skip"
 
 # name -> (model section, what the model is, expected status per check, rope pairing expected or None)
