@@ -37,7 +37,6 @@ import os
 import secrets
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -94,7 +93,7 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
 
     # The ranks' server first: a fork of this process (on the CPU) must have none of the model's modules imported and
     # no thread running, as a new interpreter would not.
-    with _rank_server(run.settings.device) as start_method:
+    with _rank_server(run.settings.device, _models_modules(run.config)) as start_method:
         # A name that does not import, a device the ranks cannot have: the config's error, before any rank starts.
         if run.config.distributed.parallelize:
             parallelize_function(run.config)
@@ -137,14 +136,22 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
 # server is a fork of the launcher, which has), and a rank that has handed in its report ends at once (os._exit)
 # instead of tearing down an interpreter that holds torch (about a second). Nothing of the model's is imported there
 # (its factory's and its parallelize function's modules): each rank imports it after it has its RANK, as a spawned
-# rank would. A forked server has the checks' modules too (a config's own checks, installed plugins): the launcher
-# imported them to select the checks. torch._dynamo is imported by DTensor's first
-# distribute_tensor, the start of any sharding: most of a second, once a launch instead of once a rank.
+# rank would; a launcher that has imported one does not fork. A forked server has the checks' modules too (a
+# config's own checks, installed plugins): the launcher imported them to read what they declare. torch._dynamo is
+# imported by DTensor's first distribute_tensor, the start of any sharding: most of a second, once a launch instead
+# of once a rank.
 RANK_PRELOAD = ["fwdcheck.rank_server", "torch", "torch.distributed.tensor", "torch._dynamo", "fwdcheck.distributed"]
 
 
+def _models_modules(config) -> set[str]:
+    """The modules the config names for the model's code (its factory, forward adapter, rotary function, parallelize
+    function): each rank imports them once it has its RANK."""
+    references = [getattr(config.model, name, None) for name in ("factory", "forward", "rotary_function")]
+    return {reference.partition(":")[0] for reference in [*references, config.distributed.parallelize] if reference}
+
+
 @contextlib.contextmanager
-def _rank_server(device: str):
+def _rank_server(device: str, models_modules: set[str]):
     """The start method of this launch's ranks: "forkserver", a server for this launch alone (with the launcher's
     environment, working directory and sys.path) ended with it, so that no process of the run outlives the run.
 
@@ -163,7 +170,7 @@ def _rank_server(device: str):
     preload = server._preload_modules
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # also for a server started anew if the fork died
     try:
-        if _may_fork_server(server, device):
+        if _may_fork_server(server, device, models_modules):
             with contextlib.suppress(OSError):  # no socket or fork to be had: multiprocessing starts its own
                 _fork_server(server)
         yield "forkserver"
@@ -175,18 +182,20 @@ def _rank_server(device: str):
         multiprocessing.set_forkserver_preload(preload)
 
 
-def _may_fork_server(server, device: str) -> bool:
+def _may_fork_server(server, device: str, models_modules: set[str]) -> bool:
     """Whether this process can fork the ranks' server: ranks on the CPU, from the main thread of a process that runs
     no other Python thread (a lock one holds would be copied held; the native pools of BLAS and OpenMP prepare for a
-    fork themselves, as for a DataLoader's workers) and has not initialized CUDA, with multiprocessing's fork server
-    the one `_fork_server` starts, `main(listener_fd, alive_r, preload, main_path, sys_path)` as CPython has had it
-    since 3.4 (another, such as one that authenticates its clients, gets its new interpreter)."""
+    fork themselves, as for a DataLoader's workers), has not initialized CUDA and has not imported a module of the
+    model's (a check of the config's may live beside the model: code that reads RANK as it is imported would have
+    run without it), with multiprocessing's fork server the one `_fork_server` starts,
+    `main(listener_fd, alive_r, preload, main_path, sys_path)` as CPython has had it since 3.4 (another, such as one
+    that authenticates its clients, gets its new interpreter)."""
     on_cpu = device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built())
-    handle = all(hasattr(server, name) for name in ("_lock", "_forkserver_address", "_forkserver_alive_fd"))
+    handle = all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd"))
     main_parameters = list(inspect.signature(multiprocessing.forkserver.main).parameters)
     return (on_cpu and handle and main_parameters == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
             and not torch.cuda.is_initialized() and threading.current_thread() is threading.main_thread()
-            and threading.active_count() == 1)
+            and threading.active_count() == 1 and not any(name in sys.modules for name in models_modules))
 
 
 def _fork_server(server) -> None:
@@ -215,8 +224,12 @@ def _fork_server(server) -> None:
         except OSError:
             os.close(alive_r)
             os.close(alive_w)
+            if not util.is_abstract_socket_namespace(address):
+                os.unlink(address)
             raise
-        if pid == 0:
+        if pid != 0:  # at once: a KeyboardInterrupt from here on finds the server on the handle, to be ended
+            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+        else:
             code = 1
             try:
                 die_with_parent(launcher)  # by its pid: one that died already has left this fork to init
@@ -227,14 +240,14 @@ def _fork_server(server) -> None:
             finally:
                 os._exit(code)  # never back into the launcher's code
         os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 def _as_new_interpreter(keep: set[int]) -> None:
     """In a fork: the signal handlers of a new interpreter (Python's handlers reset to the default, SIGINT's to
-    KeyboardInterrupt), and each pipe and socket inherited above stdin, stdout and stderr, bar `keep`, made /dev/null:
-    a peer waiting for its end of one to close must not wait for this process. Made /dev/null rather than closed, so
-    that an object of the parent's that owns the number cannot close a descriptor this process opens later."""
+    KeyboardInterrupt), and each descriptor inherited above stdin, stdout and stderr, bar `keep`, made /dev/null, as
+    a new interpreter inherits none: a peer waiting for its end of a pipe or socket to close must not wait for this
+    process, nor a lock held through an open file stay held by it. Made /dev/null rather than closed, so that an
+    object of the parent's that owns the number cannot close a descriptor this process opens later."""
     for signum in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
             handler = signal.getsignal(signum)
@@ -246,11 +259,10 @@ def _as_new_interpreter(keep: set[int]) -> None:
         if fd <= 2 or fd in keep or fd == devnull:
             continue
         try:
-            mode = os.fstat(fd).st_mode
+            os.fstat(fd)
         except OSError:  # the listing's own, closed
             continue
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            os.dup2(devnull, fd)
+        os.dup2(devnull, fd)
     os.close(devnull)
 
 
@@ -498,7 +510,9 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     except RankStopped as exc:  # an Exception the launcher's record of this rank's failure keeps
         raise RankEnded(str(exc)) from exc
     if report.interrupted:  # a signal to the run's process group: the launcher, ending the launch, reads no report,
-        os._exit(ExitCode.INTERRUPTED)  # and would leave a rank that returned one waiting for it to be read (30 s)
+        sys.stdout.flush()  # and would leave a rank that returned one waiting for it to be read (30 s)
+        sys.stderr.flush()
+        os._exit(ExitCode.INTERRUPTED)
     report.environment["distributed"] = {"nproc": world, "backend": backend,
                                          "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None}
     # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
-from tests.distributed_models import GPT, gpt, tensor_parallel
+from tests.distributed_models import GPT, RankServer, gpt, tensor_parallel
+
+__all__ = ["RankServer"]  # a check a config names from the model's module, which the launcher then imports
 
 RANK_AT_IMPORT = os.environ.get("RANK")
 

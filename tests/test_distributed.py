@@ -226,7 +226,25 @@ def test_on_the_cpu_the_ranks_server_is_a_fork_of_the_launcher_before_the_models
     assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
 
 
-def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
+def test_a_launcher_that_has_imported_the_models_module_does_not_fork_the_ranks_server(tmp_path):
+    """A check of the config's that lives in the model's module: the launcher imports it (to read what the check
+    declares), RANK unset. The ranks' server is then the new interpreter multiprocessing starts, which has not, so
+    the rank's import of the model's module still sees its RANK."""
+    module = "tests.distributed_rank_at_import"
+    config = gpt_config("tensor_parallel", checks=["shape-ledger", f"{module}:RankServer"])
+    config["model"] = {**config["model"], "factory": f"{module}:gpt_reading_rank_at_import", "kwargs": {}}
+    code, report, stderr = launch(tmp_path, config)
+    assert code == 0, stderr
+    server = checks(report)["rank-server"]["data"]
+    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
+    assert "from multiprocessing.forkserver import main" in " ".join(server["server"]), server
+
+
+def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(tmp_path):
+    """A handler the launcher installed is not the ranks': the fork has the default, SIGINT KeyboardInterrupt. A file
+    the launcher holds open (and locked) is not held by the fork: its descriptor is /dev/null there."""
+    import fcntl
+
     """A handler the launcher installed is not the ranks': the fork has the default, SIGINT KeyboardInterrupt."""
     from fwdcheck.distributed import _as_new_interpreter
 
@@ -234,6 +252,8 @@ def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
         pass
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGUSR1, signal.SIGINT)}
+    locked = open(tmp_path / "lock", "w")
+    fcntl.flock(locked, fcntl.LOCK_EX)
     try:
         read, write = os.pipe()
         pid = os.fork()
@@ -241,14 +261,16 @@ def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
             try:
                 _as_new_interpreter(keep={write})
                 os.write(write, json.dumps([signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
-                                            signal.getsignal(signal.SIGINT) is signal.default_int_handler]).encode())
+                                            signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                                            os.path.realpath(f"/dev/fd/{locked.fileno()}")]).encode())
             finally:
                 os._exit(0)
         os.close(write)
         with os.fdopen(read) as reader:
-            assert json.loads(reader.read()) == [True, True]
+            assert json.loads(reader.read()) == [True, True, os.devnull]
         os.waitpid(pid, 0)
     finally:
+        locked.close()
         for s, h in previous.items():
             signal.signal(s, h)
 
@@ -256,10 +278,10 @@ def test_the_fork_has_the_signal_handlers_of_a_new_interpreter():
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts the descriptors in /proc")
 def test_a_fork_that_cannot_be_made_leaves_the_server_to_multiprocessing(monkeypatch):
     """No process to be had (EAGAIN): the ranks still get a fork server, the one multiprocessing starts as a new
-    interpreter, and nothing of the failed fork is left open."""
+    interpreter on the first rank's start, and nothing of the failed fork is left open or on disk."""
     import errno
     import multiprocessing.forkserver
-    from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker, util
 
     from fwdcheck import distributed
 
@@ -267,13 +289,14 @@ def test_a_fork_that_cannot_be_made_leaves_the_server_to_multiprocessing(monkeyp
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
 
     resource_tracker.ensure_running()  # its descriptor stays open, as the launch leaves it
-    open_before = set(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(distributed, "_may_fork_server", lambda server, device: True)
+    open_before, files_before = set(os.listdir("/proc/self/fd")), set(os.listdir(util.get_temp_dir()))
+    monkeypatch.setattr(distributed, "_may_fork_server", lambda server, device, models_modules: True)
     monkeypatch.setattr(os, "fork", cannot_fork)
-    with distributed._rank_server("cpu") as start_method:
+    with distributed._rank_server("cpu", set()) as start_method:
         assert start_method == "forkserver"
         assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # started by the ranks' first Popen
     assert set(os.listdir("/proc/self/fd")) == open_before
+    assert set(os.listdir(util.get_temp_dir())) == files_before  # the listening socket's file
 
 
 def test_a_non_hugging_face_model_needs_a_parallelize_function(tmp_path):
