@@ -29,9 +29,10 @@ def modules() -> list[str]:
     return sorted(names)
 
 
-# Imports each named module in a child forked from an interpreter that has imported torch and every other module
+# Imports each named module in a child forked from an interpreter that has imported torch and every other package
 # outside fwdcheck that fwdcheck's modules import (a first child imports them all and names those): each module meets
-# no other fwdcheck module loaded before it, and the imports it shares with the others are paid once.
+# no other fwdcheck module loaded before it, and the imports it shares with the others are paid once. Top-level
+# packages only: a module that uses rich.table or torch.distributed.tensor without importing it must still fail.
 IMPORT_EACH_ALONE = """
 import importlib, os, sys, traceback
 import torch
@@ -44,7 +45,7 @@ if os.fork() == 0:
         except BaseException:
             pass
     with os.fdopen(write, "w") as writer:
-        writer.write(" ".join(m for m in sys.modules if not m.startswith("fwdcheck")))
+        writer.write(" ".join({m.partition(".")[0] for m in sys.modules if not m.startswith("fwdcheck")}))
     os._exit(0)
 os.close(write)
 with os.fdopen(read) as reader:
