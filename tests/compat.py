@@ -62,6 +62,8 @@ def falcon_leaks(length: int) -> dict[bool, bool]:
             after = model(changed, output_attentions=weights).logits[:, :-1]
         leaks[weights] = bool((before - after).abs().max() > 1e-4)
     return leaks
+
+
 P, F, S = "pass", "fail", "skip"
 
 # name -> (model section, what the model is, expected status per check, rope pairing expected or None)

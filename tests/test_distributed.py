@@ -245,7 +245,6 @@ def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(t
     the launcher holds open (and locked) is not held by the fork: its descriptor is /dev/null there."""
     import fcntl
 
-    """A handler the launcher installed is not the ranks': the fork has the default, SIGINT KeyboardInterrupt."""
     from fwdcheck.distributed import _as_new_interpreter
 
     def handler(signum, frame):
