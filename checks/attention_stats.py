@@ -93,7 +93,7 @@ is learned, not a bug. Skips when no call's scale could be measured."""
                 handle.remove()
         sdpa = iter(recorder.calls)
         declared = declared_scales(model)
-        at_init = initialised_randomly(model)
+        at_init = model.weights_at_init  # the reference model, or random weights a source built: no checkpoint
         rows, findings, unmeasured = [], [], []
         for call in seen.attention:
             if call.api == "sdpa":
@@ -315,15 +315,6 @@ def declared_scales(model) -> dict:
     if isinstance(multiplier, (int, float)) and multiplier > 0:
         found["attention_multiplier"] = lambda d_h, layer, m=multiplier: float(m)
     return found
-
-
-def initialised_randomly(model) -> bool:
-    """Whether the weights are known to be at their initialisation: the reference model, or a Hugging Face model
-    built without a weights file. Python factories and checkpoints may hold trained weights."""
-    if model.source == "reference":
-        return True
-    notes = model.extra.get("notes", []) if isinstance(model.extra, dict) else []
-    return model.source == "hf" and any("random initialisation" in note for note in notes)
 
 
 def layer_index(model, module: str) -> int | None:

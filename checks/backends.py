@@ -3,7 +3,7 @@
 Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
     model's forward under `attn_implementation` eager and sdpa (flex_attention with `exhaustive: true`), switched
-    as the code-path matrix switches it (fwdcheck.sources.hf.using_attn_implementation), on the session's inputs
+    as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention), on the session's inputs
     and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
@@ -31,7 +31,6 @@ from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
 from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
-from fwdcheck.sources.hf import attn_implementations, using_attn_implementation
 from fwdcheck.tolerances import TOLERANCES
 
 # The SDPA kernels compared with the math kernel, by the names reports use.
@@ -77,17 +76,12 @@ def _model_line() -> str | None:
 
 def switchable(model) -> tuple[list[str], str | None]:
     """The attention implementations the model can be switched between, the one it runs now first; or no list and
-    why not. The switch is Hugging Face's: config._attn_implementation read, set_attn_implementation(name) called."""
-    module = model.module
-    config = getattr(module, "config", None)
-    if not callable(getattr(module, "set_attn_implementation", None)) or \
-            not isinstance(getattr(config, "_attn_implementation", None), str):
+    why not. The switch is the model's capability (ModelUnderTest.attention): transformers' config._attn_implementation
+    read, set_attn_implementation(name) called, on any model that offers them."""
+    if model.attention is None:
         return [], ("the model has no attention switch (a Hugging Face-style config._attn_implementation and "
                     "set_attn_implementation)")
-    current = config._attn_implementation
-    offered = model.attn_implementations or attn_implementations(module)
-    ordered = [current] + [i for i in offered if i != current]
-    return ordered, None
+    return model.attention.ordered(), None
 
 
 def tolerance(session, scale: float, noise: float = 0.0) -> float:
@@ -212,7 +206,7 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
         for implementation in implementations:
             record = implementation == "sdpa" and not recorder.calls
             try:
-                with using_attn_implementation(model.module, implementation if implementation != default else None):
+                with model.using_attention(implementation if implementation != default else None):
                     if implementation != default:
                         with recorder if record and not padded else nullcontext():
                             plain[implementation] = session.logits(session.inputs)

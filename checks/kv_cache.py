@@ -29,7 +29,6 @@ import torch.nn as nn
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, extract_logits, model_failure, model_frame
 from fwdcheck.observe import ZeroAttentionDropout, first_tensor
-from fwdcheck.reference import ReferenceTransformer
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change
 
@@ -129,13 +128,15 @@ class Decoder:
 class PastKeyValues(Decoder):
     """Hugging Face style: forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache.
 
-    For a transformers model it runs as generate does: a DynamicCache made up front, the new tokens' position_ids,
-    and, where forward still takes them (releases before 5), cache_position and an all-ones attention_mask. Other
-    models get no cache on the first call and derive their positions from the cache themselves."""
+    With `new_cache` (a transformers model's) it runs as generate does: the cache made up front, the new tokens'
+    position_ids, and, where forward still takes them (releases before 5), cache_position and an all-ones
+    attention_mask. Other models get no cache on the first call and derive their positions from the cache
+    themselves."""
 
-    def __init__(self, module: nn.Module, transformers: bool):
+    def __init__(self, module: nn.Module, new_cache: Callable[[nn.Module], Any] | None):
         super().__init__(module)
-        self.transformers = transformers
+        self.new_cache = new_cache
+        transformers = new_cache is not None  # driven as generate drives it: the caller makes the cache up front
         try:
             params = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
@@ -151,13 +152,8 @@ class PastKeyValues(Decoder):
     def step(self, state, ids, start):
         B, n = ids.shape
         kwargs: dict[str, Any] = {"use_cache": True}
-        if state is None and self.transformers:
-            from transformers import DynamicCache  # on use: transformers is optional
-
-            try:  # the layer types (sliding window, ...) come from the config, as generate builds it
-                state = DynamicCache(config=self.module.config)
-            except TypeError:  # releases whose DynamicCache takes no config
-                state = DynamicCache()
+        if state is None and self.new_cache is not None:
+            state = self.new_cache(self.module)
         if state is not None:
             kwargs[self.cache_arg] = state
         positions = torch.arange(start, start + n, device=ids.device)
@@ -169,7 +165,7 @@ class PastKeyValues(Decoder):
         what = f"forward({self.label}) at positions {start}-{start + n - 1}"
         output = call_model(what, self.module, ids, **kwargs)
         cache = returned_cache(output)
-        if cache is None and not self.transformers:
+        if cache is None and self.new_cache is None:
             raise ModelRaised(f"{what} returned no cache (no .past_key_values, .cache, nor a (logits, cache) "
                               "tuple); the config's `cache: {style: hf}` says it would")
         return logits_of(output, ids, what), cache if cache is not None else state
@@ -211,16 +207,13 @@ class InputPos(Decoder):
 
 
 def decoder_for(model) -> Decoder:
-    """The way to run this model through its cache, or SkipCheck saying there is none fwdcheck knows."""
-    if model.source == "hf":
-        return PastKeyValues(model.module, transformers=True)
-    declared = model.extra.get("cache")
-    if declared is not None:
-        if declared["style"] == "gpt-fast":
-            return InputPos(model.module, declared["setup"])
-        return PastKeyValues(model.module, transformers=False)
-    if isinstance(model.module, ReferenceTransformer):
-        return PastKeyValues(model.module, transformers=False)
+    """The way to run this model through its cache (its cache capability), or SkipCheck saying there is none
+    fwdcheck knows."""
+    cache = model.cache
+    if cache is not None:
+        if cache.style == "input_pos":
+            return InputPos(model.module, cache.setup)
+        return PastKeyValues(model.module, new_cache=cache.new_cache)
     raise SkipCheck(f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
                     "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
                     "setup_caches}` (input_pos)")

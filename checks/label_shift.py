@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fwdcheck.capabilities import Loss
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model import extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -39,50 +40,16 @@ WRONG = {
 }
 
 
-@dataclass
-class Convention:
-    """How forward takes labels and returns its loss (fwdcheck.config.LossSpec, plus where it came from)."""
-
-    argument: str
-    shifted_by: str  # "model": labels line up with input_ids; "caller": labels[t] is the token after position t
-    output: int | str  # a tuple index, or an attribute / key name
-    ignore_index: int
-    origin: str
-
-    @property
-    def caller_shifts(self) -> int:
-        """1 when labels arrive already shifted by one (nanoGPT's targets), else 0."""
-        return 1 if self.shifted_by == "caller" else 0
-
-
-def convention(model) -> Convention:
-    """The model's loss convention, or SkipCheck when it declares none that fwdcheck can trust."""
+def convention(model) -> Loss:
+    """The model's loss interface, or SkipCheck when it offers none that fwdcheck can trust."""
     if not model.causal:
         raise SkipCheck("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
-    if model.source == "hf":
-        if not is_causal_lm(model.module):
-            raise SkipCheck(f"{type(model.module).__name__} is not one of transformers' causal language models: its "
-                            "loss (if any) is not next-token cross-entropy")
-        return Convention("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
-    if model.source == "reference":
-        return Convention("labels", "model", 1, -100, "the reference model's (labels = input ids, (logits, loss))")
-    declared = model.extra.get("loss")
-    if declared:
-        return Convention(**declared, origin="declared in the config (model.loss)")
-    raise SkipCheck("the model declares no loss: add `loss:` to the model section (e.g. nanoGPT: {argument: targets, "
-                    "shifted_by: caller, output: 1, ignore_index: -1}; Hugging Face style: {argument: labels, "
-                    "output: loss}) so that forward can be asked for it")
-
-
-def is_causal_lm(module) -> bool:
-    """Whether a transformers model is one of the classes AutoModelForCausalLM builds (their loss shifts labels)."""
-    # on use: transformers is optional, and only a Hugging Face model is asked
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return type(module).__name__ in names
+    if model.loss is None:
+        raise SkipCheck(model.why_not("loss", "the model declares no loss: add `loss:` to the model section (e.g. "
+                                      "nanoGPT: {argument: targets, shifted_by: caller, output: 1, ignore_index: -1}; "
+                                      "Hugging Face style: {argument: labels, output: loss}) so that forward can be "
+                                      "asked for it"))
+    return model.loss
 
 
 def read_loss(output, where: int | str):
@@ -316,7 +283,7 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             return m["matched"]
         return f"{m['loss_vs_shift_1']:.2g} / {m['threshold']:.2g}"
 
-    def _forward(self, session, way: Convention, input_ids, labels) -> tuple[float, torch.Tensor]:
+    def _forward(self, session, way: Loss, input_ids, labels) -> tuple[float, torch.Tensor]:
         """(loss, logits [N, T, V]) of one call with labels; NonFinite when either holds NaN or Inf."""
         output = session.output(input_ids, **{way.argument: labels})
         loss = read_loss(output, way.output)

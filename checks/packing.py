@@ -22,16 +22,11 @@ those of its tokens run alone (positions restart; the first document is the unpa
 
 from __future__ import annotations
 
-import ast
-import inspect
-import sys
-import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from fwdcheck.checks.label_shift import is_causal_lm
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model import extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -65,91 +60,34 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def mask_builder_reads_positions(module) -> bool:
-    """Whether a transformers model hands position_ids to the masking_utils mask builder, which then finds packed
-    documents from positions that restart and keeps each one to itself: its base model's forward calls a *mask*
-    function with position_ids=..., or with **kwargs from a dict holding "position_ids", and its modeling module
-    uses masking_utils' create_causal_mask."""
-    base = getattr(module, "base_model", module)
-    masking = sys.modules.get("transformers.masking_utils")
-    modeling = sys.modules.get(type(base).__module__)
-    if masking is None or getattr(modeling, "create_causal_mask", None) is not masking.create_causal_mask:
-        return False
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    holding_positions = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                         and isinstance(node.value, ast.Dict)
-                         and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
-                         for target in node.targets if isinstance(target, ast.Name)}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-        if "mask" not in called.lower():
-            continue
-        for keyword in node.keywords:
-            if keyword.arg == "position_ids":
-                return True
-            if keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id in holding_positions:
-                return True
-    return False
-
-
-def windowed(config) -> str | None:
-    """Why one 4-D mask for every layer cannot stand for this model's own masks (sliding-window or chunked
-    attention), or None."""
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        return f"sliding_window {window}"
-    if getattr(config, "attention_chunk_size", None):
-        return f"attention_chunk_size {config.attention_chunk_size}"
-    kinds = set(getattr(config, "layer_types", None) or [])
-    if kinds - {"full_attention"}:
-        return f"layer_types {sorted(kinds)}"
-    return None
-
-
 def isolation(model, session) -> Way:
-    """The way this model offers to isolate packed documents, or SkipCheck naming why there is none to test."""
+    """The way this model offers to isolate packed documents (its packing capability), or SkipCheck naming why
+    there is none to test."""
     if not model.causal:
         raise SkipCheck("the model is declared bidirectional (causal: false): packing is checked on causal models")
-    if model.source == "reference":
-        return Way("document_ids (the reference model's packed path)", lambda docs: {"document_ids": docs})
-    declared = model.extra.get("packing")
-    if declared:
-        def kwargs(docs: torch.Tensor) -> dict[str, Any]:
-            given = {declared["argument"]: docs if declared["form"] == "document_ids" else document_mask(docs)}
-            if declared["position_ids"]:
-                given["position_ids"] = positions_within(docs)
-            return given
+    offered = model.packing
+    if offered is None:
+        raise SkipCheck(model.why_not("packing", "the model offers no way to isolate packed documents that fwdcheck "
+                                      "knows: declare one under `packing:` in the model section (document ids or a "
+                                      "mask keyword). position_ids restarting alone do not isolate documents in a "
+                                      "causal model, so they are not checked"))
+    lowest = torch.finfo(session.dtype).min
 
-        return Way(f"{declared['argument']}= ({declared['form']}, declared in the config)", kwargs)
-    if model.source == "hf":
-        if not is_causal_lm(model.module):
-            raise SkipCheck(f"{type(model.module).__name__} is not one of transformers' causal language models: "
-                            "documents packed for causal training do not apply")
-        if mask_builder_reads_positions(model.module):
-            return Way("position_ids restarting per document, no attention_mask, use_cache=False (transformers "
-                       "finds the documents from the positions)",
-                       lambda docs: {"position_ids": positions_within(docs), "use_cache": False})
-        reason = windowed(model.module.config)
-        if reason:
-            raise SkipCheck(f"{type(model.module).__name__} does not find packed documents from position_ids, and "
-                            f"one 4-D attention_mask cannot carry its own attention pattern ({reason})")
-        lowest = torch.finfo(session.dtype).min
+    def kwargs(docs: torch.Tensor) -> dict[str, Any]:
+        given: dict[str, Any] = dict(offered.fixed)
+        if offered.form == "document_ids":
+            given[offered.argument] = docs
+        elif offered.form == "mask":
+            given[offered.argument] = document_mask(docs)  # (N, 1, T, T) True = may attend
+        elif offered.form == "additive-mask":
+            keep = document_mask(docs)
+            given[offered.argument] = torch.zeros(keep.shape, dtype=session.dtype,
+                                                  device=docs.device).masked_fill(~keep, lowest)  # (N, 1, T, T)
+        if offered.position_ids:
+            given["position_ids"] = positions_within(docs)
+        return given
 
-        def additive(docs: torch.Tensor) -> dict[str, Any]:
-            mask = torch.zeros(document_mask(docs).shape, dtype=session.dtype, device=docs.device)
-            return {"attention_mask": mask.masked_fill(~document_mask(docs), lowest),  # (N, 1, T, T)
-                    "position_ids": positions_within(docs)}
-
-        return Way("a 4-D block-diagonal causal attention_mask (additive) with position_ids restarting per document",
-                   additive)
-    raise SkipCheck("the model offers no way to isolate packed documents that fwdcheck knows: declare one under "
-                    "`packing:` in the model section (document ids or a mask keyword). position_ids restarting "
-                    "alone do not isolate documents in a causal model, so they are not checked")
+    return Way(offered.description, kwargs)
 
 
 class Packing(Check):

@@ -78,9 +78,8 @@ identity's relative error do not depend on their scale. When the rotary function
 is the reference (a float32 run then skips)."""
 
     def run(self, model, session) -> CheckResult:
-        rotary = model.rotary
-        if model.source == "reference" and rotary is not None:
-            rotary = model.module.rotary  # the model's own rotation, with whatever its layers do (planted bugs)
+        # The rotation as the layers apply it, in their precision, where the model exposes it; else its function.
+        rotary = model.rotary_in_layers or model.rotary
         if rotary is None:
             why = "the model declares rotary settings but fwdcheck found no rotary function to call alone" \
                 if model.rope is not None else "no rotary embedding"

@@ -12,15 +12,12 @@ import torch.nn as nn
 
 from pydantic import ValidationError
 
-from fwdcheck.config import (CodePaths, Dims, FactoryModel, HFModel, Inputs, RopeSpec, RunConfig,
-                             describe_validation_error)
+from fwdcheck.config import CodePaths, Inputs, RunConfig, describe_validation_error
 from fwdcheck.errors import UsageError
-from fwdcheck.model import ModelUnderTest
 from fwdcheck.overrides import Overrides
 from fwdcheck.report import Report
 from fwdcheck.runner import Run
-from fwdcheck.sources.factory import FactoryParts, model_from_module
-from fwdcheck.sources.hf import hf_model_under_test
+from fwdcheck.sources import from_module
 
 
 def check_model(
@@ -67,16 +64,5 @@ def check_model(
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
     run = Run.build(config, Overrides(checks=checks, fail_on=fail_on))
-    return run.check(_wrap(model, vocab_size, max_positions, causal, rope, dims, forward))
-
-
-def _wrap(model, vocab_size, max_positions, causal, rope, dims, forward) -> ModelUnderTest:
-    """A ModelUnderTest for a module handed over directly; Hugging Face modules keep their richer description."""
-    if hasattr(model, "config") and hasattr(model.config, "model_type") and forward is None:
-        spec = HFModel(source="hf", config={"model_type": model.config.model_type}, causal=causal,
-                       rope=RopeSpec(**rope) if rope else None)
-        return hf_model_under_test(model, spec, notes=[])
-    spec = FactoryModel(factory="api:check_model", vocab_size=vocab_size, max_positions=max_positions, causal=causal,
-                        rope=RopeSpec(**rope) if rope else None, dims=Dims(**dims) if dims else None)
-    parts = FactoryParts(factory=lambda: model, forward=forward, rotary=None)
-    return model_from_module(model, spec, parts, source="python", label=type(model).__name__)
+    return run.check(from_module(model, vocab_size=vocab_size, max_positions=max_positions, causal=causal,
+                                 rope=rope, dims=dims, forward=forward))

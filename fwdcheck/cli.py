@@ -291,7 +291,7 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     nproc = o.nproc or config.distributed.nproc
     with about_config(path if config.checks and not o.checks else None, "checks: "):
         entries = selected(selection, nproc)
-    if nproc > 1 and config.model.source != "hf" and not config.distributed.parallelize:
+    if nproc > 1 and not config.model.shards_itself and not config.distributed.parallelize:
         raise UsageError(f"{path or o.model}: distributed.parallelize is needed to run a {config.model.source} "
                          "model on several processes: name a function (model, device_mesh) -> model that shards it")
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
@@ -893,7 +893,7 @@ def shrink(
     from rich.table import Table
 
     def action():
-        from fwdcheck.shrink import default_output, shrink_file
+        from fwdcheck.sources.shrink import default_output, shrink_file
 
         target = output if output is not None else default_output(config)
         if target.exists() and target.resolve() == config.resolve():

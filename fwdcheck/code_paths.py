@@ -86,12 +86,14 @@ class CodePath:
 
 
 def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) -> list[CodePath]:
-    """Every cell of the matrix; empty when the matrix is off (the default for models not from Hugging Face)."""
-    enabled = code_paths.enabled if code_paths.enabled is not None else model.source == "hf"
+    """Every cell of the matrix; empty when the matrix is off (the default for models whose forward does not pick
+    its path by its arguments: model.matrix_by_default)."""
+    enabled = code_paths.enabled if code_paths.enabled is not None else model.matrix_by_default
     if not enabled:
         return []
-    implementations = code_paths.attn_implementation or model.attn_implementations or [None]
-    implementations = [i for i in implementations if not model.attn_implementations or i in model.attn_implementations]
+    offered = list(model.attention.implementations) if model.attention is not None else []
+    implementations = code_paths.attn_implementation or offered or [None]
+    implementations = [i for i in implementations if not offered or i in offered]
     attentions = code_paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
     masks = code_paths.attention_mask
     if masks is None:

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 import yaml
 from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
@@ -56,6 +56,10 @@ class Dims(Strict):
 
 class ModelSpec(Strict):
     """What every `model:` section can say about the files it names: a source's config class overrides these."""
+
+    # Whether the models this source builds shard themselves over ranks (a tensor-parallel plan of their own), so
+    # that a distributed run needs no `distributed.parallelize`: known from the config, before any model loads.
+    shards_itself: ClassVar[bool] = False
 
     def resolve_paths(self, base: Path) -> None:
         """Make the paths this section names absolute, relative to `base` (the config file's folder)."""
@@ -215,6 +219,7 @@ HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.
 
 class HFModel(ModelSpec):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    shards_itself: ClassVar[bool] = True  # transformers' tp_plan
 
     source: Literal["hf"]
     path: Path | None = Field(None, description="a directory with config.json (and weights, optionally)")

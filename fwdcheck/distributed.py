@@ -63,7 +63,7 @@ from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.runner import Run, environment_summary, model_summary, run_model
 from fwdcheck.session import DTYPES
-from fwdcheck.sources.factory import on_sys_path, resolve_callable, search_dirs
+from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 
 SHARDING = "sharding"  # the check every distributed run starts with
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
@@ -598,32 +598,10 @@ def shard(model: ModelUnderTest, config: Config, mesh, world: int) -> tuple[nn.M
             raise ModelLoadError(f"parallelize function '{spec.parallelize}' returned {type(returned).__name__}, "
                                  "not the model (an nn.Module) or None")
         return module, spec.parallelize
-    if model.source == "hf":
-        return hf_tensor_parallel(model.module, world)
-    raise UsageError(f"distributed.parallelize is needed for a {model.source} model: name a function (model, "
-                     "device_mesh) -> model that shards it")
-
-
-def hf_tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
-    """A Hugging Face model sharded by its own tensor-parallel plan (its config's base_model_tp_plan and the class's
-    _tp_plan), the way from_pretrained(distributed_config=DistributedConfig(tp_size=N)) shards a loaded model."""
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        raise UsageError("this transformers has no tensor-parallel plans (transformers.distributed); name a "
-                         "distributed.parallelize function") from None
-    plan = getattr(module, "tp_plan", None) or {}
-    if not plan:
-        raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
-                         "function")
-    cls = type(module)
-    try:
-        config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
-        return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
-    except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
-        raise ModelLoadError(f"transformers could not apply {cls.__name__}'s tensor-parallel plan over {world} ranks: "
-                             f"{type(exc).__name__}: {first_line(exc)}; name a distributed.parallelize function "
-                             "instead") from exc
+    if model.tensor_parallel is not None:  # a plan of the model's own (transformers' tp_plan)
+        return model.tensor_parallel(model.module, world)
+    raise UsageError(f"distributed.parallelize is needed for {model.label}: it has no tensor-parallel plan of its "
+                     "own; name a function (model, device_mesh) -> model that shards it")
 
 
 def _parameters(module: nn.Module) -> set[str]:

@@ -12,13 +12,15 @@ import inspect
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
 
+from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
 from fwdcheck.config import RopeSpec
-from fwdcheck.errors import ModelRaised
+from fwdcheck.errors import ModelRaised, UsageError
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
 
@@ -33,7 +35,7 @@ def layer_stack_of(module: nn.Module) -> str | None:
 class ModelUnderTest:
     module: nn.Module
     label: str  # how the report names the model
-    source: str  # reference | python | ...
+    source: str  # the config's `source:`, for the report only: checks ask the capabilities below, never this
     vocab_size: int
     max_positions: int | None = None
     causal: bool = True
@@ -43,9 +45,35 @@ class ModelUnderTest:
     forward_adapter: Callable[..., Any] | None = None
     rotary_discovered: bool = False  # the rotary function was found by convention, not named by the user
     forward_kwargs: set[str] | None = None  # keyword arguments forward takes; None: read its signature
-    attn_implementations: list[str] = field(default_factory=list)  # switchable implementations (Hugging Face)
     padding: int = 0  # left-padding tokens a path view adds before the inputs (its logits are of the real tokens)
     extra: dict[str, Any] = field(default_factory=dict)  # shown in the report's model section; extra["notes"]
+
+    # Capabilities (fwdcheck/capabilities.py): what the model can do beyond logits(ids), filled in by its source or
+    # detected on the module (fwdcheck/sources/detect.py). None: not offered; `unavailable` may say why.
+    origins: dict[str, str] = field(default_factory=dict)  # "rope", "dims": where each declaration came from
+    attention: AttentionSwitch | None = None  # switchable attention implementations
+    matrix_by_default: bool = False  # forward picks its code path by its arguments: the code-path matrix runs
+    cache: Cache | None = None  # decoding through a KV cache
+    loss: Loss | None = None  # a training loss from labels
+    packing: Packing | None = None  # documents packed into one row, isolated
+    rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
+    weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
+    library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
+    tensor_parallel: Callable[[nn.Module, int], tuple[nn.Module, str]] | None = None  # (module, ranks) -> sharded
+    unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
+
+    def using_attention(self, implementation: str | None) -> ContextManager[None]:
+        """The block runs this attention implementation (None: whichever runs now), the original put back after."""
+        if implementation is None:
+            return nullcontext()
+        if self.attention is None:
+            raise UsageError(f"attention implementation {implementation!r} asked for, but the model has no attention "
+                             "switch (transformers' set_attn_implementation)")
+        return self.attention.using(implementation)
+
+    def why_not(self, capability: str, default: str) -> str:
+        """Why the model does not offer a capability: its source's reason, else `default`."""
+        return self.unavailable.get(capability, default)
 
     def accepts(self, name: str) -> bool:
         """Whether forward takes this keyword argument."""

@@ -40,7 +40,7 @@ class CheckEntry:
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
         from fwdcheck.result import Check
-        from fwdcheck.sources.factory import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
+        from fwdcheck.callables import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
 
         # A direct reference may name a module beside the user's files, as `python -m` would find it.
         is_direct = self.distribution == DIRECT

@@ -231,8 +231,6 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     exactly what an earlier one saw takes that cell's verdicts, a check whose verdict follows from logits takes its
     pass on a cell with the same logits (code_paths.py says why both hold), and what this cell runs in full is added
     to them."""
-    from fwdcheck.sources.hf import using_attn_implementation
-
     results: list[CheckResult] = []
     tokens: list[int] = []
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
@@ -243,7 +241,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
         session = Session(view, own)
         if view.padding:
             session.unpadded = plain_view(model, cell)
-        with using_attn_implementation(model.module, cell.attn_implementation), session.active():
+        with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
             signature = _signature(session) if verdicts is not None else None
             same = verdicts.by_signature.get(signature) if signature else None

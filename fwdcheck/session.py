@@ -23,10 +23,10 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from fwdcheck.config import RunConfig
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
+from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
 from fwdcheck.overrides import Overrides
-from fwdcheck.sources.hf import library_messages
 from fwdcheck.tolerances import TOLERANCES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -335,7 +335,7 @@ class Session:
     @contextmanager
     def active(self) -> Iterator[Session]:
         """Eval mode, nn.Dropout at p=0, the model on the session's device and dtype; the model (ModelState) and the
-        process's settings (GlobalState) put back on exit, and what transformers logs meanwhile kept as notes."""
+        process's settings (GlobalState) put back on exit, and what the model's library logs meanwhile kept as notes."""
         module = self.model.module
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         state = ModelState.take(module)
@@ -344,7 +344,7 @@ class Session:
             stack.enter_context(torch.random.fork_rng(devices=devices))
             stack.callback(lambda: self.notes.extend(process.restore()))
             stack.callback(lambda: self._restore(state))
-            stack.enter_context(library_messages(self.notes))
+            stack.enter_context(kept_as_notes(self.model.library_loggers, self.notes))
             try:  # eval() runs model code too (an overridden train()): what it raises is the model's error
                 module.eval()
             except BaseException as exc:

@@ -23,7 +23,7 @@ from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
-from fwdcheck.sources.factory import on_sys_path, resolve_callable
+from fwdcheck.callables import on_sys_path, resolve_callable
 from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds
 from tests.corpus import VOCAB
 from tests.corpus.meta_llama import DIMS as META_DIMS

@@ -9,7 +9,7 @@ import textwrap
 
 from fwdcheck.config import MODEL_CLASSES
 from fwdcheck.sources import LOADERS
-from fwdcheck.sources.factory import resolve_callable
+from fwdcheck.callables import resolve_callable
 
 
 def test_every_source_has_a_loader_and_every_loader_a_source():

@@ -22,7 +22,7 @@ from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
-from fwdcheck.sources.factory import resolve_callable
+from fwdcheck.callables import resolve_callable
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")

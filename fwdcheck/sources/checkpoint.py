@@ -30,14 +30,8 @@ import torch.nn as nn
 from fwdcheck.config import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.sources.factory import (
-    FactoryParts,
-    call_factory,
-    import_factory_parts,
-    model_from_module,
-    on_sys_path,
-    search_dirs,
-)
+from fwdcheck.callables import on_sys_path, search_dirs
+from fwdcheck.sources.factory import FactoryParts, call_factory, import_factory_parts, model_from_module
 
 SAFETENSORS = (".safetensors",)
 TORCH = (".pt", ".pth", ".bin", ".ckpt")

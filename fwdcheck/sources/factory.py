@@ -1,16 +1,8 @@
 """What the factory-based sources share (`python`, `checkpoint`, and the modules fwdcheck.check_model is handed):
-importing the callables a config names, calling the factory, and reading the sizes off the module it built.
-
-resolve_callable and on_sys_path also import the checks a config names as 'module:Class' (fwdcheck.registry).
-"""
+importing the callables a config names, calling the factory, and reading the sizes off the module it built."""
 
 from __future__ import annotations
 
-import pkgutil
-import re
-import sys
-import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,8 +11,10 @@ import torch.nn as nn
 
 from fwdcheck.config import Config, FactoryModel
 from fwdcheck.config_keys import CONFIG_KEYS, extended
+from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest, Rotary, describe, model_failure
+from fwdcheck.sources.detect import detect_capabilities
 
 # Where the `config` of a factory's module keeps its sizes (nanoGPT's GPTConfig, gpt-fast's ModelArgs, litgpt's Config,
 # a Hugging Face config): the shared spellings, those of nanoGPT and gpt-fast (block_size, n_local_heads) and litgpt
@@ -64,11 +58,6 @@ def call_factory(spec: FactoryModel, parts: FactoryParts, search: list[Path]) ->
     return module
 
 
-def search_dirs(extra: list[Path], config: Config) -> list[Path]:
-    """sys.path additions: the configured directories, then the config file's folder (or the working directory)."""
-    return [*extra, config.source_path.parent.resolve() if config.source_path is not None else Path.cwd()]
-
-
 def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts, source: str,
                       label: str | None = None) -> ModelUnderTest:
     """Wrap a module built from a factory, reading what its own config (if any) declares."""
@@ -88,7 +77,13 @@ def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts
     dims.setdefault("V", vocab)
     from_config = _first_int(getattr(module, "config", None), MODULE_CONFIG_KEYS["max_positions"])
     max_positions = spec.max_positions or (int(from_config) if from_config is not None else None)
-    return ModelUnderTest(
+    origins = {}
+    if dims:
+        origins["dims"] = "declared in the config (model.dims)" if spec.dims is not None else \
+            f"read off {type(module).__name__}.config"
+    if spec.rope is not None:
+        origins["rope"] = "declared in the config (model.rope)"
+    return detect_capabilities(ModelUnderTest(
         module=module,
         label=label or spec.factory,
         source=source,
@@ -99,51 +94,8 @@ def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts
         rope=spec.rope,
         rotary=parts.rotary,
         forward_adapter=parts.forward,
-    )
-
-
-_DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")  # what pkgutil.resolve_name accepts before the colon
-
-
-def resolve_callable(reference: str, what: str) -> Callable:
-    """'package.module:attr' -> the object (pkgutil.resolve_name), with one clear ModelLoadError for each way that
-    can go wrong."""
-    module_name, _, attr = reference.partition(":")
-    try:
-        obj = pkgutil.resolve_name(reference)
-    except ModuleNotFoundError as exc:
-        raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
-    except ValueError as exc:
-        if module_name not in sys.modules and not _DOTTED.fullmatch(module_name):  # resolve_name's "invalid format"
-            raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': not a dotted module name "
-                                 "(package.module:attribute)") from exc
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
-    except AttributeError as exc:
-        if module_name not in sys.modules:  # raised while importing the module, not looking up the attribute
-            raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised "
-                                 f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}") from exc
-        raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'") from exc
-    except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
-        if not model_failure(exc):
-            raise
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
-    if not callable(obj):
-        raise ModelLoadError(f"{what} '{reference}' is a {type(obj).__name__}, not a callable")
-    return obj
-
-
-@contextmanager
-def on_sys_path(directories: list[Path]):
-    added = [str(d) for d in directories if str(d) not in sys.path]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for d in added:
-            if d in sys.path:
-                sys.path.remove(d)
+        origins=origins,
+    ))
 
 
 def _first_int(model_config: Any, names: tuple[str, ...]) -> int | None:

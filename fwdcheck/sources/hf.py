@@ -7,10 +7,12 @@ report says the model's own code ran.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
-import logging
 import os
 import sys
+import textwrap
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,14 +20,17 @@ import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
+from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
 from fwdcheck.config import (HF_WEIGHT_FILES, MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error,
                              nesting_depth, regular_file)
 from fwdcheck.config_keys import CONFIG_KEYS
-from fwdcheck.errors import ModelLoadError
+from fwdcheck.errors import ModelLoadError, UsageError, first_line
+from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest
 
 # Architectures whose rotary embedding pairs dim 2i with 2i+1 (GPT-J's rotate_every_two); the rest use rotate_half.
 INTERLEAVED = {"gptj", "codegen"}
+LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
 # The largest model built with random weights. Random weights check the model's code, and the code is the same at
 # any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
 # model_type builds, is 6.7B parameters, 27 GB in float32). `fwdcheck shrink` keeps the architecture at small widths.
@@ -66,7 +71,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
     notes = []
     if spec.trust_remote_code:
         notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
-    with offline(), library_messages(notes):
+    with offline(), kept_as_notes(LOGGERS, notes):
         hf_config = _hf_config(spec, transformers)
         cls = _model_class(spec, transformers)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
@@ -90,10 +95,11 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
                                  f"{spec.path or 'the inline config'}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, nn.Module):  # pragma: no cover - transformers always returns modules
         raise ModelLoadError(f"{cls.__name__} did not build an nn.Module")
-    return hf_model_under_test(module, spec, notes)
+    return hf_model_under_test(module, spec, notes, weights_at_init=not has_weights and not config.meta)
 
 
-def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> ModelUnderTest:
+def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str],
+                        weights_at_init: bool = False) -> ModelUnderTest:
     cfg = module.config
     # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
     # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
@@ -114,8 +120,12 @@ def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> M
         dims["L"] = layers
     max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     where = str(spec.path) if spec.path else "inline config"
-    rope = spec.rope or declared_rope(cfg, str(spec.path / "config.json") if spec.path else "the inline config")
-    return ModelUnderTest(
+    config_file = str(spec.path / "config.json") if spec.path else "the inline config"
+    rope = spec.rope or declared_rope(cfg, config_file)
+    origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
+    if rope is not None:
+        origins["rope"] = "the config's `rope:`" if spec.rope else f"read off {config_file}"
+    model = ModelUnderTest(
         module=module,
         label=f"{cfg.model_type} {type(module).__name__} ({where})",
         source="hf",
@@ -127,9 +137,12 @@ def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str]) -> M
         rotary=find_rotary(module),
         rotary_discovered=True,
         forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
-        attn_implementations=attn_implementations(module),
+        weights_at_init=weights_at_init,
+        origins=origins,
         extra={"notes": notes, "model_type": cfg.model_type},
     )
+    add_transformers_capabilities(model)
+    return model
 
 
 def kv_heads(cfg, heads: int) -> int:
@@ -264,60 +277,131 @@ def find_rotary(module: nn.Module):
     return rotary
 
 
-def attn_implementations(module: nn.Module) -> list[str]:
-    """The attention implementations this model can switch between without extra packages."""
-    found = ["eager"]
-    if getattr(module, "_supports_sdpa", False):
-        found.append("sdpa")
-    return found
+# ---------------------------------------------------------------------------------------------------------------------
+# What a transformers model can do, whoever built it (this source, a Python factory, a module handed to check_model)
 
 
-@contextmanager
-def using_attn_implementation(module: nn.Module, implementation: str | None):
-    """Switch the attention implementation for the duration, and put the original back."""
-    if implementation is None:
-        yield
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether the module is a transformers PreTrainedModel (asked without importing transformers: a model of it has
+    imported it already)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
+
+
+def add_transformers_capabilities(model: ModelUnderTest) -> None:
+    """Fill in the interfaces every transformers model offers: its attention switch, generate's cache protocol, the
+    causal-LM loss, its tensor-parallel plan, the way it isolates packed documents, and its library's log."""
+    module = model.module
+    model.attention = AttentionSwitch.on(module)
+    model.matrix_by_default = True  # attention implementation, output_attentions and attention_mask pick its path
+    model.library_loggers = LOGGERS
+    model.cache = Cache("past_key_values", origin="transformers' generate (a DynamicCache made up front)",
+                        new_cache=dynamic_cache)
+    model.tensor_parallel = tensor_parallel
+    if not is_causal_lm(module):
+        reason = f"{type(module).__name__} is not one of transformers' causal language models"
+        model.unavailable["loss"] = f"{reason}: its loss (if any) is not next-token cross-entropy"
+        model.unavailable["packing"] = f"{reason}: documents packed for causal training do not apply"
         return
-    config = module.config
-    original = config._attn_implementation
-    module.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        module.set_attn_implementation(original)
-
-
-@contextmanager
-def library_messages(notes: list[str]):
-    """What transformers logs during the block goes into `notes` (each distinct message once) instead of onto stderr
-    ahead of the report, e.g. "`sdpa` attention does not support `output_attentions=True`" when the code-path matrix
-    asks for attentions. Nested, the outermost one keeps the messages: a run's code-path cells have sessions of their
-    own inside the run's. (Python warnings, the library's or the model's, are the caller's to collect: the command
-    line makes them notes too.)"""
-    logger = logging.getLogger("transformers")  # the library's root logger: its own handler, no propagation
-    if "transformers" not in sys.modules or any(isinstance(h, _NoteHandler) for h in logger.handlers):
-        yield
+    model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    if mask_builder_reads_positions(module):
+        model.packing = Packing("positions", "position_ids restarting per document, no attention_mask, "
+                                "use_cache=False (transformers finds the documents from the positions)",
+                                position_ids=True, fixed=(("use_cache", False),))
         return
-    handlers, propagate = logger.handlers[:], logger.propagate
-    logger.handlers, logger.propagate = [_NoteHandler(notes)], False
+    reason = windowed(module.config)
+    if reason:
+        model.unavailable["packing"] = (f"{type(module).__name__} does not find packed documents from position_ids, "
+                                        f"and one 4-D attention_mask cannot carry its own attention pattern ({reason})")
+        return
+    model.packing = Packing("additive-mask", "a 4-D block-diagonal causal attention_mask (additive) with "
+                            "position_ids restarting per document", argument="attention_mask", position_ids=True)
+
+
+def is_causal_lm(module: nn.Module) -> bool:
+    """Whether a transformers model is one of the classes AutoModelForCausalLM builds (their loss shifts labels)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return type(module).__name__ in names
+
+
+def dynamic_cache(module: nn.Module) -> Any:
+    """An empty cache for the first call, as generate makes it: the layer types (sliding window, ...) from the
+    config."""
+    from transformers import DynamicCache
+
     try:
-        yield
-    finally:
-        logger.handlers, logger.propagate = handlers, propagate
+        return DynamicCache(config=module.config)
+    except TypeError:  # releases whose DynamicCache takes no config
+        return DynamicCache()
 
 
-class _NoteHandler(logging.Handler):
-    """Collects log records as notes: each distinct message once, on one line."""
+def mask_builder_reads_positions(module: nn.Module) -> bool:
+    """Whether a transformers model hands position_ids to the masking_utils mask builder, which then finds packed
+    documents from positions that restart and keeps each one to itself: its base model's forward calls a *mask*
+    function with position_ids=..., or with **kwargs from a dict holding "position_ids", and its modeling module
+    uses masking_utils' create_causal_mask."""
+    base = getattr(module, "base_model", module)
+    masking = sys.modules.get("transformers.masking_utils")
+    modeling = sys.modules.get(type(base).__module__)
+    if masking is None or getattr(modeling, "create_causal_mask", None) is not masking.create_causal_mask:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    holding_positions = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                         and isinstance(node.value, ast.Dict)
+                         and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
+                         for target in node.targets if isinstance(target, ast.Name)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if "mask" not in called.lower():
+            continue
+        for keyword in node.keywords:
+            if keyword.arg == "position_ids":
+                return True
+            if keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id in holding_positions:
+                return True
+    return False
 
-    def __init__(self, notes: list[str]):
-        super().__init__()
-        self.notes = notes
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            note = "transformers: " + " ".join(record.getMessage().split())
-        except Exception:  # arguments that do not fit the message: logging's own report of it
-            self.handleError(record)
-            return
-        if note not in self.notes:
-            self.notes.append(note)
+def windowed(config) -> str | None:
+    """Why one 4-D mask for every layer cannot stand for this model's own masks (sliding-window or chunked
+    attention), or None."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return f"sliding_window {window}"
+    if getattr(config, "attention_chunk_size", None):
+        return f"attention_chunk_size {config.attention_chunk_size}"
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        return f"layer_types {sorted(kinds)}"
+    return None
+
+
+def tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
+    """A transformers model sharded by its own tensor-parallel plan (its config's base_model_tp_plan and the class's
+    _tp_plan), the way from_pretrained(distributed_config=DistributedConfig(tp_size=N)) shards a loaded model."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        raise UsageError("this transformers has no tensor-parallel plans (transformers.distributed); name a "
+                         "distributed.parallelize function") from None
+    plan = getattr(module, "tp_plan", None) or {}
+    if not plan:
+        raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
+                         "function")
+    cls = type(module)
+    try:
+        config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+        return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
+    except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
+        raise ModelLoadError(f"transformers could not apply {cls.__name__}'s tensor-parallel plan over {world} ranks: "
+                             f"{type(exc).__name__}: {first_line(exc)}; name a distributed.parallelize function "
+                             "instead") from exc

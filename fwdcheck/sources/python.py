@@ -6,9 +6,11 @@ from contextlib import nullcontext
 
 import torch
 
+from fwdcheck.capabilities import Cache, Loss, Packing
 from fwdcheck.config import Config, PythonModel
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.sources.factory import call_factory, import_factory_parts, model_from_module, search_dirs
+from fwdcheck.callables import search_dirs
+from fwdcheck.sources.factory import call_factory, import_factory_parts, model_from_module
 
 
 def load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
@@ -18,10 +20,20 @@ def load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
         search = search_dirs(spec.path, config)
         parts = import_factory_parts(spec, search)
         loaded = model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
-        if spec.cache is not None:
-            loaded.extra["cache"] = spec.cache.model_dump()  # how the kv-cache check decodes through the model
-        if spec.loss is not None:
-            loaded.extra["loss"] = spec.loss.model_dump()  # how the label-shift check asks forward for its loss
-        if spec.packing is not None:
-            loaded.extra["packing"] = spec.packing.model_dump()  # how the packing check hands forward its documents
+        declare_interfaces(loaded, spec)
         return loaded
+
+
+def declare_interfaces(model: ModelUnderTest, spec: PythonModel) -> None:
+    """What the config declares for the checks that drive forward in ways of its own; it wins over what was
+    detected on the module."""
+    if spec.cache is not None:  # how the kv-cache check decodes through the model
+        style = "input_pos" if spec.cache.style == "gpt-fast" else "past_key_values"
+        model.cache = Cache(style, origin="declared in the config (model.cache)",
+                            setup=spec.cache.setup if style == "input_pos" else None)
+    if spec.loss is not None:  # how the label-shift check asks forward for its loss
+        model.loss = Loss(**spec.loss.model_dump(), origin="declared in the config (model.loss)")
+    if spec.packing is not None:  # how the packing check hands forward its documents
+        declared = spec.packing
+        model.packing = Packing(declared.form, f"{declared.argument}= ({declared.form}, declared in the config)",
+                                argument=declared.argument, position_ids=declared.position_ids)

@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
 from fwdcheck.config import Config, ReferenceModel, RopeSpec
 from fwdcheck.errors import ModelLoadError, first_line
 from fwdcheck.model import ModelUnderTest
@@ -34,7 +35,7 @@ def _build(spec: ReferenceModel) -> ModelUnderTest:
         rotary = partial(apply_rope, base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
 
     bugs = ", ".join(cfg.bugs) or "none"
-    return ModelUnderTest(
+    model = ModelUnderTest(
         module=module,
         label=f"reference ({cfg.positional}, {cfg.attention}, {cfg.n_layers} layers; planted bugs: {bugs})",
         source="reference",
@@ -44,5 +45,23 @@ def _build(spec: ReferenceModel) -> ModelUnderTest:
                   d_ff=cfg.d_ff, L=cfg.n_layers),
         rope=rope,
         rotary=rotary,
+        weights_at_init=True,
+        origins={"dims": "the config's model section", **({"rope": "the config's model section"} if rope else {})},
         extra={"bugs": list(cfg.bugs)},
     )
+    add_reference_capabilities(model)
+    return model
+
+
+def add_reference_capabilities(model: ModelUnderTest) -> None:
+    """What the reference transformer offers beside logits, however it was built (fwdcheck/reference.py's forward):
+    a cache through past_key_values, a loss from labels, packed documents by document_ids, its attention switch and
+    the rotation as its layers apply it."""
+    module = model.module
+    model.cache = Cache("past_key_values", origin="the reference model's (past_key_values, use_cache=True)")
+    model.loss = Loss("labels", "model", 1, -100, "the reference model's (labels = input ids, (logits, loss))")
+    model.packing = Packing("document_ids", "document_ids (the reference model's packed path)",
+                            argument="document_ids")
+    model.attention = AttentionSwitch.on(module)
+    if module.config.positional == "rope":
+        model.rotary_in_layers = module.rotary  # in the layers' precision, planted bugs included

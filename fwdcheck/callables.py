@@ -1,0 +1,66 @@
+"""The code a config names by reference ('package.module:callable': a factory, a forward adapter, a rotary function,
+a parallelize function, a check class), imported with the config's directories on sys.path, each way the import can
+fail one clear ModelLoadError line."""
+
+from __future__ import annotations
+
+import pkgutil
+import re
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from fwdcheck.config import Config
+from fwdcheck.errors import ModelLoadError
+from fwdcheck.model import model_failure
+
+
+def search_dirs(extra: list[Path], config: Config) -> list[Path]:
+    """sys.path additions: the configured directories, then the config file's folder (or the working directory)."""
+    return [*extra, config.source_path.parent.resolve() if config.source_path is not None else Path.cwd()]
+
+
+_DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")  # what pkgutil.resolve_name accepts before the colon
+
+
+def resolve_callable(reference: str, what: str) -> Callable:
+    """'package.module:attr' -> the object (pkgutil.resolve_name), with one clear ModelLoadError for each way that
+    can go wrong."""
+    module_name, _, attr = reference.partition(":")
+    try:
+        obj = pkgutil.resolve_name(reference)
+    except ModuleNotFoundError as exc:
+        raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
+    except ValueError as exc:
+        if module_name not in sys.modules and not _DOTTED.fullmatch(module_name):  # resolve_name's "invalid format"
+            raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': not a dotted module name "
+                                 "(package.module:attribute)") from exc
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
+    except AttributeError as exc:
+        if module_name not in sys.modules:  # raised while importing the module, not looking up the attribute
+            raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised "
+                                 f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}") from exc
+        raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'") from exc
+    except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
+        if not model_failure(exc):
+            raise
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
+    if not callable(obj):
+        raise ModelLoadError(f"{what} '{reference}' is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+@contextmanager
+def on_sys_path(directories: list[Path]):
+    added = [str(d) for d in directories if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)

@@ -1,0 +1,70 @@
+"""Rules the layout keeps, read off the source: checks ask a model's capabilities, never which source built it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ROOT / "fwdcheck" / "sources"
+# The core and the checks: every module but the sources' own.
+OUTSIDE_SOURCES = sorted(p for folder in (ROOT / "fwdcheck", ROOT / "checks") for p in folder.rglob("*.py")
+                         if SOURCES not in p.parents)
+SOURCE_NAMES = {"reference", "python", "checkpoint", "hf"}
+# The command line's dispatch into the sources' package: `fwdcheck shrink` is each source's rules for its config.
+DISPATCH = {("cli.py", "fwdcheck.sources.shrink")}
+
+
+def named_sources(tree: ast.AST, file: str = "") -> list[str]:
+    """Where a module names a source: an import of one source's module (the package's own entry points,
+    fwdcheck.sources.load_model and from_module, aside), a comparison of a `.source` with a source's name, or an
+    isinstance test against the reference transformer's class."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fwdcheck.sources.") \
+                and (file, node.module) not in DISPATCH:
+            found.append(f"line {node.lineno}: imports {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: imports {a.name}" for a in node.names
+                      if a.name.startswith("fwdcheck.sources.")]
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            reads_source = any(isinstance(s, ast.Attribute) and s.attr == "source" for s in sides)
+            names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in SOURCE_NAMES]
+            if reads_source and names:
+                found.append(f"line {node.lineno}: compares .source with {names[0]!r}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            if "ReferenceTransformer" in ast.unparse(node.args[1]):
+                found.append(f"line {node.lineno}: isinstance(..., ReferenceTransformer)")
+    return found
+
+
+@pytest.mark.parametrize("path", OUTSIDE_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_outside_the_sources_names_a_source(path):
+    assert named_sources(ast.parse(path.read_text(encoding="utf-8")), path.name) == []
+
+
+def test_checks_never_read_which_source_built_the_model():
+    """`model.source` is for the report; a check asks what the model can do."""
+    readers = [f"{p.name}:{node.lineno}" for p in sorted((ROOT / "checks").glob("*.py"))
+               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+               if isinstance(node, ast.Attribute) and node.attr == "source"
+               and isinstance(node.value, ast.Name) and node.value.id == "model"]
+    assert readers == []
+
+
+def test_the_rule_finds_each_way_of_naming_a_source():
+    planted = """
+from fwdcheck.sources.hf import find_rotary
+import fwdcheck.sources.python
+if model.source == "hf": pass
+if "reference" != model.source: pass
+if isinstance(model.module, ReferenceTransformer): pass
+from fwdcheck.sources import load_model
+if model.source == other: pass
+"""
+    assert [line.split(": ", 1)[1] for line in named_sources(ast.parse(planted))] == [
+        "imports fwdcheck.sources.hf", "imports fwdcheck.sources.python", "compares .source with 'hf'",
+        "compares .source with 'reference'", "isinstance(..., ReferenceTransformer)"]
