@@ -47,6 +47,8 @@ import torch
 
 from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.code_paths import path_cells
+from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
+from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
@@ -127,7 +129,7 @@ sequence forward accepts as `inputs.min_seq_len` to skip the shorter prefixes wi
 only when the model refused every comparison."""
 
     order = 20
-    detail_view = "fwdcheck.report.terminal:leak_map"
+    detail_view = "fwdcheck.checks.future_token_view:leak_map"
 
     def key_number(self, result: CheckResult) -> str:
         """The measurement the verdict rests on (metrics['decided_by'])."""
@@ -371,7 +373,7 @@ only when the model refused every comparison."""
     def _causal(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
         """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
         findings = []
-        columns = []
+        columns: list[LeakColumn] = []
         worst = 0.0
         leaked_pairs: list[tuple[int, int]] = []
         nan_pairs: list[tuple[int, int]] = []
@@ -405,7 +407,7 @@ only when the model refused every comparison."""
             findings.append(Finding("FWD104", Status.FAIL, f"NaN or Inf appeared at {len(nan_pairs)} earlier "
                                     "(query, perturbed) pairs when later tokens changed",
                                     where=f"position {p} when {what.format(k=k)}"))
-        leak_map = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
+        leak_map: LeakMap = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
         return Judged(findings, {"max_change_before_cut": worst, "cuts": cuts}, {"leak_map": leak_map})
 
     @staticmethod
@@ -491,8 +493,8 @@ only when the model refused every comparison."""
             findings.append(Finding("FWD104", Status.FAIL, f"with one row run alone (batch size 1), NaN or Inf "
                                     f"appeared at {len(nan)} earlier positions when later tokens changed",
                                     where=where))
-        return Judged(findings, {"single_row_max_change": largest},
-                      {"single_row": {"length": L, "cut": cut, "against": single.against, "change": change}})
+        shown: SingleRowShown = {"length": L, "cut": cut, "against": single.against, "change": change}
+        return Judged(findings, {"single_row_max_change": largest}, {"single_row": shown})
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 
 from fwdcheck.activations import LOGITS, fingerprint, recorded_forward
 from fwdcheck.golden import VERSION
+from fwdcheck.checks.golden_view import GoldenData
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
 
@@ -69,7 +70,7 @@ this reason. The first moved module is where to look: everything before it compu
 How to fix: if the change was meant (a new init, a fix), save the golden file again and let review see its diff.
 Otherwise read the named module's code: its inputs are unchanged (the modules before it did not move), so the
 difference is in it. Dropout left alive in eval is recorded with the seed's dice (mask-audit names it)."""
-    detail_view = "fwdcheck.report.terminal:golden"
+    detail_view = "fwdcheck.checks.golden_view:golden"
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -97,7 +98,7 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
         findings = judge(output_diff, parameter_diff, tolerance)
         for finding in findings:
             finding.module = model_code(model.module, finding.module)
-        data = {"golden": document, "comparison": {
+        data: GoldenData = {"golden": document, "comparison": {
             "tolerance": tolerance, "moved": [m.shown() for m in output_diff.moved[:KEPT]],
             "moved_outputs": len(output_diff.moved), "moved_parameters": len(parameter_diff.moved),
             "parameters_moved": [m.shown() for m in parameter_diff.moved[:KEPT]]}}

@@ -23,6 +23,7 @@ import torch
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
 from fwdcheck.code_paths import path_cells
+from fwdcheck.checks.mask_audit_view import CallRow, MaskAuditData
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
@@ -149,7 +150,7 @@ here; future-token still tests its behaviour. For a cached forward whose calls a
 the attention module's forward as input_pos or cache_position."""
 
     order = 30
-    detail_view = "fwdcheck.report.terminal:mask_table"
+    detail_view = "fwdcheck.checks.mask_audit_view:mask_table"
 
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['attention_calls']} calls" if "attention_calls" in result.metrics else ""
@@ -157,7 +158,7 @@ the attention module's forward as input_pos or cache_position."""
     def run(self, model, session) -> CheckResult:
         B = session.inputs.shape[0]
         findings, rows = self.audit(session.observation(), model)
-        data = {"conventions": CONVENTIONS, "calls": rows}
+        data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
         # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
@@ -194,7 +195,7 @@ the attention module's forward as input_pos or cache_position."""
     def audit(self, observation, model) -> tuple[list[Finding], list[dict]]:
         """Findings and one table row per attention call of one observation pass."""
         findings: list[Finding] = []
-        rows = []
+        rows: list[CallRow] = []
         pad = model.padding  # a left-padded path view: judge real queries against real keys
         input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
@@ -211,15 +212,16 @@ the attention module's forward as input_pos or cache_position."""
             positions = call.query_positions
             shape, future_pairs = (None, []) if reason else pattern(call.allowed, positions)
             L, S = call.allowed.shape
-            rows.append({"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
-                         "mask_shape": list(call.mask_shape) if call.mask_shape else None, "values": call.mask_values,
-                         "is_causal": call.is_causal, "dropout_p": call.dropout_p,
-                         "pattern": reason.reason if reason else shape.value, "judged": reason is None,
-                         "reads_future": shape is not None and shape.reads_future,
-                         "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
-                         "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
-                         "positions_from": call.positions_from or None, "source": call.source,
-                         "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None})
+            row: CallRow = {"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
+                            "mask_shape": list(call.mask_shape) if call.mask_shape else None,
+                            "values": call.mask_values, "is_causal": call.is_causal, "dropout_p": call.dropout_p,
+                            "pattern": reason.reason if reason else shape.value, "judged": reason is None,
+                            "reads_future": shape is not None and shape.reads_future,
+                            "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
+                            "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
+                            "positions_from": call.positions_from or None, "source": call.source,
+                            "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None}
+            rows.append(row)
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.causal)
         findings += [Finding("FWD207", Status.FAIL, f"F.dropout(p={d.p:g}, training=True) with the model in eval "

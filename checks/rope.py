@@ -308,7 +308,7 @@ positions). FWD304 -> pass the same positions (offset included) to q and k. FWD3
 or correct the declaration."""
 
     order = 40
-    detail_view = "fwdcheck.report.terminal:rope_numbers"
+    detail_view = "fwdcheck.checks.rope_view:rope_numbers"
 
     def key_number(self, result: CheckResult) -> str:
         """A failed position shift by how far it moved the logits; otherwise the base the probe found."""

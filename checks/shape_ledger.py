@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.observe import ModuleCall, Observation
+from fwdcheck.checks.shape_ledger_view import LedgerData
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
@@ -114,7 +115,7 @@ How to fix: the failing row names the tensor, the module and the axis; compare i
 If a size is named wrongly because the model's config says something else, declare it: `model.dims: {h: 12}`."""
 
     order = 10  # first: its observation pass is the one the other checks share
-    detail_view = "fwdcheck.report.terminal:ledger"
+    detail_view = "fwdcheck.checks.shape_ledger_view:ledger"
 
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['tensors']} tensors" if "tensors" in result.metrics else ""
@@ -149,7 +150,7 @@ If a size is named wrongly because the model's config says something else, decla
 
         attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
         directions = sorted({_direction(e) for e in entries if e.role == "weights"})
-        data = {"entries": rows, "dims": dims_seen, "probe": {"batch_size": B2, "seq_len": T2},
+        data: LedgerData = {"entries": rows, "dims": dims_seen, "probe": {"batch_size": B2, "seq_len": T2},
                 "softmax": directions or ["no attention weights observed"], "notes": notes}
         if expected_ledger is not None:
             data["ledger_diff"] = [f.message for f in diff or []]

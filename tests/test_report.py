@@ -18,7 +18,8 @@ from fwdcheck.report import Report
 from fwdcheck.report.github import to_github
 from fwdcheck.report.junit import to_junit
 from fwdcheck.report.markdown import to_markdown
-from fwdcheck.report.terminal import Verbosity, key_number, may_read_grid, render
+from fwdcheck.checks.mask_audit_view import may_read_grid
+from fwdcheck.report.terminal import Verbosity, key_number, render
 from fwdcheck.result import Status
 from tests import readme_example
 from tests.conftest import run_checks

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from fwdcheck.config import Config, FactoryModel
+from fwdcheck.config import FactoryModel
 from fwdcheck.config_keys import CONFIG_KEYS, extended
 from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.errors import ModelLoadError
