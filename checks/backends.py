@@ -2,7 +2,7 @@
 
 Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
-    model's forward under `attn_implementation` eager and sdpa (flex_attention with `exhaustive: true`), switched
+    model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex: true}}`), switched
     as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention), on the session's inputs
     and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
@@ -94,6 +94,8 @@ class Backends(Check):
     name = "backends"
     default = False
     order = 60  # after the default built-ins, before plugins
+    options = "fwdcheck.checks.backends_view:Options"
+    flags = {"--exhaustive": "flex"}
     description = "attention implementations (eager, sdpa) and SDPA's kernels give the same logits"
     codes = {
         "FWD801": "attention implementations give different logits on the same inputs",
@@ -124,8 +126,9 @@ softmax dtype; FWD802 alone points at the padding mask or the position ids of pa
 or a call outside the kernel's contract (a mask with fully masked rows, an unsupported head size): report it with
 the call's shapes, or pin the math kernel.
 Limits: models without a switch (torch.nn, most python models) compare SDPA kernels only. flex_attention compiles
-its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive: true`. Fully masked query rows
-(pad queries) are not compared: kernels legitimately differ there."""
+its kernel on first use (tens of seconds on CPU); it runs only with `options: {backends: {flex: true}}` (or
+--exhaustive). Fully masked query rows (pad queries) are not compared: kernels legitimately differ there.
+Options (`options: {backends: {...}}`): flex."""
 
     def run(self, model, session) -> CheckResult:
         findings: list[Finding] = []
@@ -136,11 +139,11 @@ its kernel on first use (tens of seconds on CPU); it runs only with `exhaustive:
         flex_note = None
         if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
             implementations = [i for i in implementations if i != FLEX]
-            if session.settings.exhaustive and no_switch is None:
+            if self.options_in(session).flex and no_switch is None:
                 implementations.append(FLEX)
             else:
                 flex_note = ("flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
-                             "`exhaustive: true` includes it")
+                             "`options: {backends: {flex: true}}` (or --exhaustive) includes it")
         if flex_note:
             data["flex_attention"] = flex_note
         padded = model.accepts("attention_mask") and model.accepts("position_ids") and \

@@ -130,6 +130,8 @@ only when the model refused every comparison."""
 
     order = 20
     detail_view = "fwdcheck.checks.future_token_view:leak_map"
+    options = "fwdcheck.checks.future_token_view:Options"
+    flags = {"--exhaustive": "exhaustive"}
 
     def key_number(self, result: CheckResult) -> str:
         """The measurement the verdict rests on (metrics['decided_by'])."""
@@ -167,7 +169,7 @@ only when the model refused every comparison."""
 
         # From here on every forward is a pass the model may refuse (a length, a row count): a refusal is a note,
         # the findings already made stand, and only a check that measured nothing at all ends as an error.
-        plan = Plan(model, session)
+        plan = Plan(model, session, exhaustive=self.options_in(session).exhaustive)
         refusals = Refusals()
         measured = self._measure(plan, session, reference, refusals)
         scale = logit_scale(reference)
@@ -516,10 +518,10 @@ class Plan:
     (beside sample 1 in the baseline); otherwise it runs last, beside the row cut at T/2 (sample 0 again with a
     B of 2), or beside a row of the session's inputs other than its own companions."""
 
-    def __init__(self, model, session):
+    def __init__(self, model, session, exhaustive: bool):
         B, T = session.inputs.shape
         self.causal = model.causal
-        self.exhaustive = session.settings.exhaustive
+        self.exhaustive = exhaustive
         self.cuts = list(range(1, T)) if self.exhaustive else default_cuts(T)
         rows, sources = [], []
         for i, k in enumerate(self.cuts):

@@ -1,4 +1,5 @@
-"""future-token's detail view and the records its `data` holds (torch-free: the report is drawn without the check).
+"""future-token's options, detail view and the records its `data` holds (torch-free: the command line and the report
+read them without the check).
 
 The leak map: rows are query positions, columns the perturbed position (exhaustive) or cut; '.' still, '#' moved,
 'N' NaN/Inf, ' ' not before k. Under it, what ran otherwise than planned.
@@ -8,13 +9,22 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from pydantic import Field
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from fwdcheck.config import CheckOptions
 from fwdcheck.report.layout import notes
 from fwdcheck.result import CheckResult
 
 MAP_WIDTH = 64  # leak maps wider than this many positions are binned
+
+
+class Options(CheckOptions):
+    """`options: {future-token: {...}}`"""
+
+    exhaustive: bool = Field(False, description="perturb every position, one token at a time, and draw the full "
+                             "leak map (T - 1 rows instead of 2 to 4)")
 
 
 class LeakColumn(TypedDict):

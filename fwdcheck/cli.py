@@ -6,6 +6,7 @@ Expected problems print one red line and exit with their documented code; a trac
 
 from __future__ import annotations
 
+import difflib
 import errno
 import io
 import json
@@ -23,6 +24,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 from rich.markup import escape
 
 from fwdcheck import __version__
@@ -102,7 +104,67 @@ DEFAULT_CONFIG = Path("fwdcheck.yaml")  # what `fwdcheck init` and the pre-commi
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
-@app.command(epilog=EXIT_CODES, help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
+class RunCommand(TyperCommand):
+    """`fwdcheck run`: its help lists, after its own options, the flags the registered checks contribute
+    (Check.flags, as pytest's addoption), read from the registry only when the help is shown."""
+
+    def format_epilog(self, ctx, formatter) -> None:
+        from fwdcheck.registry import command_line_flags
+
+        try:
+            flags = command_line_flags()
+        except FwdcheckError:  # no check registered: `run` says so itself
+            flags = []
+        if flags:
+            with formatter.section("Options the checks add"):
+                formatter.write_dl([(f.flag if f.annotation is bool else f"{f.flag} VALUE", f.help) for f in flags])
+        super().format_epilog(ctx, formatter)
+
+
+def _own_options() -> list[str]:
+    """`run`'s own option names, for a did-you-mean."""
+    command = typer.main.get_command(app)
+    run_command = getattr(command, "commands", {}).get("run", command)
+    return [name for param in run_command.params for name in getattr(param, "opts", []) if name.startswith("--")]
+
+
+def split_check_flags(items: list[str]) -> tuple[list[Path], dict[str, dict]]:
+    """The configs, and check name -> the options the checks' flags set. `run` takes options it does not know as
+    arguments (click's ignore_unknown_options) and hands them here: a flag a check declares sets its option (a value
+    flag takes the next argument, or `--flag=value`; pydantic types it when the options are validated), any other
+    is an unknown option, named with a did-you-mean."""
+    if not any(item.startswith("-") for item in items):
+        return [Path(item) for item in items], {}
+    from fwdcheck.registry import command_line_flags
+
+    declared = {flag.flag: flag for flag in command_line_flags()}
+    configs: list[Path] = []
+    options: dict[str, dict] = {}
+    rest = iter(items)
+    for item in rest:
+        if not item.startswith("-") or item == "-":
+            configs.append(Path(item))
+            continue
+        name, equals, value = item.partition("=")
+        flag = declared.get(name)
+        if flag is None:
+            close = difflib.get_close_matches(name, [*declared, *_own_options()], n=1)
+            raise UsageError(f"no such option: {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        if flag.annotation is bool:
+            if equals:
+                raise UsageError(f"{name} takes no value")
+            given: object = True
+        else:
+            given = value if equals else next(rest, None)
+            if given is None:
+                raise UsageError(f"{name} needs a value")
+        for check, option in flag.targets:
+            options.setdefault(check, {})[option] = given
+    return configs, options
+
+
+@app.command(cls=RunCommand, epilog=EXIT_CODES,
+             context_settings={"ignore_unknown_options": True}, help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
              "With no CONFIG, ./fwdcheck.yaml. Several configs make one report and one exit code, the worst. The "
              "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
              "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
@@ -140,8 +202,6 @@ def run(
                                                           "naming the first module whose output moved from this "
                                                           "golden file; runs the golden check.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
-    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="future-token: perturb every position and draw "
-                                             "the full leak map.")] = False,
     meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
                                        "big for this machine, no weights allocated.")] = False,
     nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
@@ -158,7 +218,7 @@ def run(
                          format=output_format, output=output, json=json_path, junit=junit_path,
                          markdown=markdown_path, html=html_path, svg=svg_path, save_ledger=save_ledger,
                          expect_ledger=expect_ledger, save_golden=save_golden, expect_golden=expect_golden,
-                         fail_on=fail_on, exhaustive=exhaustive, meta=meta, nproc=nproc,
+                         fail_on=fail_on, check_flags={}, meta=meta, nproc=nproc,
                          verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
                          in_process=in_process, debug=debug)
     raise typer.Exit(_guarded(lambda: _run(options), debug))
@@ -184,7 +244,7 @@ class RunOptions:
     save_golden: Path | None
     expect_golden: Path | None
     fail_on: FailOn
-    exhaustive: bool
+    check_flags: dict[str, dict]  # check name -> the options its flags set (RunCommand)
     meta: bool
     nproc: int | None
     verbosity: Verbosity
@@ -205,6 +265,7 @@ def _run(o: RunOptions) -> int:
     from fwdcheck.golden import read_golden
     from fwdcheck.ledger import read_ledger
 
+    o.configs, o.check_flags = split_check_flags([str(path) for path in o.configs])
     if o.configs and o.model is not None:
         raise UsageError("give either a config file or --model, not both")
     paths: list[Path | None] = list(o.configs) or ([None] if o.model is not None else [default_config()])
@@ -273,7 +334,7 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     from fwdcheck.config import config_for
     from fwdcheck.golden import CHECK as GOLDEN
     from fwdcheck.golden import refuse_other_run
-    from fwdcheck.registry import DIRECT, select, selected
+    from fwdcheck.registry import DIRECT, check_options, select, selected
     from fwdcheck.overrides import Overrides
     from fwdcheck.worker import Job
 
@@ -300,7 +361,7 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     if golden and GOLDEN not in [e.name for e in entries]:  # the flags are the selection: no config need name it
         entries += select([GOLDEN])
     overrides = Overrides(checks=[e.name for e in entries], device=o.device.value if o.device else None,
-                          dtype=o.dtype.value if o.dtype else None, seed=o.seed, exhaustive=o.exhaustive,
+                          dtype=o.dtype.value if o.dtype else None, seed=o.seed, options=o.check_flags,
                           meta=o.meta, expect_ledger=expected.ledger, expect_golden=expected.golden,
                           fail_on=o.fail_on.value, nproc=o.nproc)
     if nproc > 1 and (golden or GOLDEN in [e.name for e in entries]):  # each rank's modules hold their shards
@@ -312,6 +373,8 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
         raise UsageError("--save-golden and --expect-golden need values; on the meta device only shapes exist")
     if expected.golden is not None:
         refuse_other_run(expected.golden, overrides.applied(config), f"--expect-golden {o.expect_golden}")
+    with about_config(path, ""):  # each check's options, before any model loads
+        check_options(overrides.applied(config).options, o.check_flags, entries)
     job = Job(config=str(path) if path is not None else None, factory=o.model, overrides=overrides,
               sys_path=[p for p in sys.path if p])
     return Planned(path, config, job)
@@ -776,20 +839,20 @@ def list_checks() -> None:
     raise typer.Exit(_guarded(action, False))
 
 
-FINDING_CODE = re.compile(r"^FWD\d{3}$", re.IGNORECASE)
+FINDING_CODE = re.compile(r"^[A-Z][A-Z0-9]*\d{3}$", re.IGNORECASE)  # FWD202, a plugin's ACME101
 
 
 @app.command()
 def explain(what: Annotated[str, typer.Argument(metavar="CHECK|CODE", help="A check name from `fwdcheck list`, "
-                                                "or a finding code such as FWD202.")]) -> None:
+                                                "or a finding code such as FWD202 (a plugin's too).")]) -> None:
     """What a check verifies, why it matters, what each finding code means, how to fix it; or one code's meaning."""
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import info, select
+        from fwdcheck.registry import available, info, options_model, select
 
         console = Console()
-        if FINDING_CODE.match(what):
+        if FINDING_CODE.match(what) and what not in available():
             explain_code(what.upper(), console)
             return 0
         entry = select([what])[0]
@@ -802,25 +865,32 @@ def explain(what: Annotated[str, typer.Argument(metavar="CHECK|CODE", help="A ch
         for code, meaning in about.codes.items():
             table.add_row(escape(code), escape(meaning))
         console.print(table)
+        model = options_model(entry)
+        if model is not None and model.model_fields:
+            flags = {option: flag for flag, option in about.flags.items()}
+            console.print(f"\n[bold]options[/bold] (`options: {{{escape(entry.name)}: {{...}}}}` in a config)")
+            options = Table(box=None, pad_edge=False)
+            for column in ("option", "default", "flag", "meaning"):
+                options.add_column(column, no_wrap=column != "meaning")
+            for name, field_info in model.model_fields.items():
+                options.add_row(escape(name), escape(repr(field_info.default)), escape(flags.get(name, "")),
+                                escape(field_info.description or ""))
+            console.print(options)
         return 0
 
     def explain_code(code: str, console: Console) -> None:
         from fwdcheck.errors import OWN_CODES
-        from fwdcheck.registry import available, info
+        from fwdcheck.registry import code_owners, info
 
         if code in OWN_CODES:
             console.print(escape(f"{code} (fwdcheck itself): {OWN_CODES[code]}"))
             return
-        for entry in available().values():
-            try:
-                about = info(entry)
-            except FwdcheckError:  # a plugin that does not load has no codes to offer
-                continue
-            if code in about.codes:
-                console.print(f"[bold]{escape(code)}[/bold] ({escape(entry.name)}): {escape(about.codes[code])}\n")
-                console.print(paragraphs(about.explain), highlight=False, markup=False)
-                return
-        raise UsageError(f"unknown finding code {code}; `fwdcheck explain CHECK` lists a check's codes")
+        owner = code_owners().get(code)  # every registered check's, plugins' included
+        if owner is None:
+            raise UsageError(f"unknown finding code {code}; `fwdcheck explain CHECK` lists a check's codes")
+        entry, meaning = owner
+        console.print(f"[bold]{escape(code)}[/bold] ({escape(entry.name)}): {escape(meaning)}\n")
+        console.print(paragraphs(info(entry).explain), highlight=False, markup=False)
 
     raise typer.Exit(_guarded(action, False))
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 import yaml
-from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter,
+                      ValidationError,
                       field_validator, model_validator)
 
 from fwdcheck.bugs import BUGS
@@ -28,6 +29,12 @@ Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class CheckOptions(Strict):
+    """The base of a check's options model (Check.options): read from the config's `options:` section under the
+    check's name, with the command-line flags the check declares on top. Keep it in a module free of torch: the
+    command line validates it before any model loads."""
 
 
 class RopeSpec(Strict):
@@ -313,6 +320,10 @@ class Ignore(Strict):
     reason: str = Field(min_length=1, description="why: required, and shown beside the ignored finding")
 
 
+# What the former top-level `exhaustive:` key turns on: each check's thorough variant, as (check, option).
+FORMER_EXHAUSTIVE = (("future-token", "exhaustive"), ("backends", "flex"))
+
+
 class RunConfig(Strict):
     """How to check a model, whatever the model: every key of a config but `model:`. The Python API builds one from
     its keyword arguments, so a wrong value is refused there as it is in a YAML file."""
@@ -323,7 +334,8 @@ class RunConfig(Strict):
     checks: list[str] | None = Field(None, description="omitted: the checks `fwdcheck list` marks default; "
                                       "`default` and `all` may be listed beside check names")
     tolerance: Tolerance = Field(default_factory=Tolerance)
-    exhaustive: bool = Field(False, description="future-token perturbs every position and draws the full leak map")
+    options: dict[str, Any] = Field(default_factory=dict, description="each check's own options, under its name "
+                                    "(`fwdcheck explain CHECK` lists them), e.g. {future-token: {exhaustive: true}}")
     # `paths:` is the key's former name, still read
     code_paths: CodePaths = Field(default_factory=CodePaths, validation_alias=AliasChoices("code_paths", "paths"))
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
@@ -331,6 +343,28 @@ class RunConfig(Strict):
     timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
     distributed: Distributed = Field(default_factory=Distributed, description="run sharded across processes")
 
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_spellings(cls, data: Any) -> Any:
+        """Keys that became checks' own options, still read: `exhaustive: true` turns on each check's thorough
+        variant (FORMER_EXHAUSTIVE), unless the check's own section says otherwise."""
+        if not isinstance(data, dict) or "exhaustive" not in data:
+            return data
+        data = dict(data)
+        try:
+            exhaustive = TypeAdapter(bool).validate_python(data.pop("exhaustive"))
+        except ValidationError as exc:
+            raise ValueError(f"exhaustive: {exc.errors()[0]['msg']}") from None
+        options = data.get("options", {})
+        if exhaustive and isinstance(options, dict):
+            options = dict(options)
+            for check, option in FORMER_EXHAUSTIVE:
+                section = options.get(check) or {}
+                if isinstance(section, dict):
+                    options[check] = {option: True, **section}
+            data["options"] = options
+        return data
 
     @field_validator("device")
     @classmethod

@@ -7,7 +7,7 @@ sends it to the worker process inside its Job.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fwdcheck.config import RunConfig
@@ -22,8 +22,8 @@ class Overrides:
     device: str | None = None
     dtype: str | None = None
     seed: int | None = None
-    exhaustive: bool = False  # True turns it on; a config's `exhaustive: true` is not turned off
-    meta: bool = False  # likewise
+    options: dict[str, dict[str, Any]] | None = None  # check name -> its options set by the command line's flags
+    meta: bool = False  # True turns it on; a config's `meta: true` is not turned off
     expect_ledger: dict | None = None  # a saved shape ledger (ledger_from_dict) the shape-ledger check compares with
     expect_golden: dict | None = None  # a golden file (golden_from_dict) the golden check compares with
     fail_on: str = "fail"  # fail | warn: the lowest status that fails the run
@@ -38,4 +38,4 @@ class Overrides:
             "inputs": inputs, "distributed": distributed, "device": self.device or config.device,
             "dtype": self.dtype or config.dtype,
             "checks": self.checks if self.checks is not None else config.checks,
-            "exhaustive": self.exhaustive or config.exhaustive, "meta": self.meta or config.meta})
+            "meta": self.meta or config.meta})

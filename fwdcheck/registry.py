@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from fwdcheck.errors import CheckLoadError, UsageError
@@ -54,6 +54,9 @@ class CheckEntry:
             raise CheckLoadError(f"check {self.label} failed to load: {reason}") from exc
         if not isinstance(check, Check) and not callable(getattr(check, "run", None)):
             raise CheckLoadError(f"check {self.label} ({self.value}) has no run(model, session) method")
+        collision = code_collision(self, dict(getattr(check, "codes", {})))
+        if collision:
+            raise CheckLoadError(f"check {self.label} {collision}")
         return check
 
 
@@ -67,6 +70,8 @@ class CheckInfo:
     default: bool = True  # in the default selection (a config without `checks:`)
     order: int = LAST
     detail_view: str | None = None  # "module:function" drawing its data in the terminal
+    options: str | None = None  # "module:Class" of its options model (pydantic, torch-free)
+    flags: dict[str, str] = field(default_factory=dict)  # command-line flag -> the option it sets
 
 
 def info(entry: CheckEntry) -> CheckInfo:
@@ -79,7 +84,8 @@ def info(entry: CheckEntry) -> CheckInfo:
     check = entry.load()
     return CheckInfo(check.description, getattr(check, "explain", ""), dict(getattr(check, "codes", {})),
                      bool(getattr(check, "default", True)), int(getattr(check, "order", LAST)),
-                     getattr(check, "detail_view", None))
+                     getattr(check, "detail_view", None), getattr(check, "options", None),
+                     dict(getattr(check, "flags", {})))
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
@@ -131,11 +137,14 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
                     pass
         literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
                    and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
-                   and isinstance(values.get("detail_view", ""), (str, type(None))))
+                   and isinstance(values.get("detail_view", ""), (str, type(None)))
+                   and isinstance(values.get("options", ""), (str, type(None)))
+                   and isinstance(values.get("flags", {}), dict))
         if literal:
             found.setdefault(node.name, CheckInfo(values["description"], values.get("explain", ""),
                                                   values.get("codes", {}), values.get("default", True),
-                                                  values.get("order", LAST), values.get("detail_view")))
+                                                  values.get("order", LAST), values.get("detail_view"),
+                                                  values.get("options"), values.get("flags", {})))
     return found
 
 
@@ -238,3 +247,147 @@ def select(names: list[str] | None) -> list[CheckEntry]:
             raise UsageError(f"unknown check '{name}'; {hint}known: {', '.join(registered)} (or {DEFAULT}, {ALL})")
         chosen += [entry for entry in entries if entry not in chosen]
     return chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What checks declare for the core: their options (a section of the config each), their flags, their finding codes
+
+
+def options_model(entry: CheckEntry) -> type | None:
+    """The check's options model (Check.options, a pydantic model in a torch-free module), or None."""
+    import pkgutil
+
+    reference = info(entry).options
+    if reference is None:
+        return None
+    try:
+        model = pkgutil.resolve_name(reference)
+    except Exception as exc:  # a plugin whose options do not import breaks only itself
+        raise CheckLoadError(f"check {entry.label}: its options model '{reference}' does not import: {exc}") from exc
+    return model
+
+
+def check_options(configured: dict[str, dict], flagged: dict[str, dict],
+                  entries: list[CheckEntry]) -> dict[str, object]:
+    """Each check's options, validated: the config's `options:` section under the check's name, the command line's
+    flags on top. Every selected check that has an options model gets one (its defaults when nothing is said); a
+    section for a check that is not registered is a usage error with a did-you-mean, as is a wrong option."""
+    from pydantic import ValidationError
+
+    registered = available()
+    by_name = {entry.name: entry for entry in entries}
+    for name in [*configured, *flagged]:
+        if name not in by_name:
+            if name not in registered and ":" not in name:
+                close = difflib.get_close_matches(name, list(registered), n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise UsageError(f"options.{name}: no such check; {hint}known: {', '.join(registered)}")
+            by_name[name] = registered[name] if name in registered else direct(name)
+    validated = {}
+    for name, entry in by_name.items():
+        given = {**(configured.get(name) or {}), **(flagged.get(name) or {})}
+        try:
+            model = options_model(entry)
+        except CheckLoadError:
+            if given:  # options for a check that cannot load: nothing can take them
+                raise
+            continue  # its own error is reported when it runs, beside the checks that do
+        if model is None:
+            if given:
+                raise UsageError(f"options.{name}: the check {entry.label} takes no options")
+            continue
+        if not isinstance(configured.get(name, {}), dict):
+            raise UsageError(f"options.{name}: a mapping of the check's options, not "
+                             f"{type(configured[name]).__name__}")
+        try:
+            validated[name] = model.model_validate(given)
+        except ValidationError as exc:
+            raise UsageError(_options_problems(name, model, exc)) from None
+    return validated
+
+
+def _options_problems(check: str, model: type, exc) -> str:
+    """Every problem of a check's options on one line, each named by its place in the config."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(["options", check, *map(str, error["loc"])])
+        if error["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(error["loc"][-1]), list(model.model_fields), n=1)
+            valid = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(model.model_fields) or 'none'}"
+            problems.append(f"{where}: unknown key; {valid}")
+        else:
+            got = error.get("input")
+            shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
+            problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}{shown}")
+    return "; ".join(problems)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag a check contributes (Check.flags): the options it sets, and how it is typed and helped
+    from the first declaring check's options model. Several checks may declare one flag (`--exhaustive`: each
+    check's thorough variant); it then sets each one's option."""
+
+    flag: str
+    targets: tuple[tuple[str, str], ...]  # (check name, option field)
+    annotation: object  # the option's type
+    help: str
+
+
+def command_line_flags() -> list[Flag]:
+    """The flags every registered check contributes, in check order; a check whose declarations do not load
+    contributes none (its own error shows when it runs)."""
+    found: dict[str, Flag] = {}
+    for entry in available().values():
+        try:
+            flags = info(entry).flags
+            model = options_model(entry) if flags else None
+        except CheckLoadError:
+            continue
+        for flag, option in flags.items():
+            field_info = getattr(model, "model_fields", {}).get(option)
+            if field_info is None:
+                continue  # a flag naming no option of the check sets nothing: not offered
+            said = f"{entry.name}: {field_info.description or option}"
+            if flag in found:
+                known = found[flag]
+                found[flag] = Flag(flag, (*known.targets, (entry.name, option)), known.annotation,
+                                   f"{known.help}; {said}")
+            else:
+                found[flag] = Flag(flag, ((entry.name, option),), field_info.annotation, said)
+    return list(found.values())
+
+
+OWN_PREFIX = "FWD"  # fwdcheck's own finding codes and its built-in checks'
+
+
+def code_owners() -> dict[str, tuple[CheckEntry, str]]:
+    """Every finding code a registered check declares -> (the check, its meaning). A plugin's code is refused (its
+    check fails to load, naming the collision) when it takes fwdcheck's prefix or a code another check declares."""
+    owners: dict[str, tuple[CheckEntry, str]] = {}
+    for entry in available().values():
+        try:
+            codes = info(entry).codes
+        except CheckLoadError:
+            continue
+        for code, meaning in codes.items():
+            owners.setdefault(code, (entry, meaning))
+    return owners
+
+
+def code_collision(entry: CheckEntry, codes: dict[str, str]) -> str | None:
+    """Why a check's codes cannot be told apart from another's, or None: a plugin may not use fwdcheck's FWD prefix,
+    nor a code that a registered check declares. A check is never in collision with itself, named either way
+    (registered, or as module:Class)."""
+    if not entry.value.startswith("fwdcheck."):
+        own = sorted(code for code in codes if code.upper().startswith(OWN_PREFIX))
+        if own:
+            return f"declares {own[0]}: the {OWN_PREFIX} prefix is fwdcheck's own; give the plugin's codes a prefix " \
+                   "of their own"
+    owners = code_owners() if codes else {}
+    for code in codes:
+        owner = owners.get(code)
+        if owner is not None and owner[0].value != entry.value:
+            return f"declares {code}, which {owner[0].label} already declares; give the plugin's codes a prefix " \
+                   "of their own"
+    return None

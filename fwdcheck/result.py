@@ -124,9 +124,26 @@ class Check:
     # "module:function" of a function (CheckResult) -> rich renderable drawing the check's `data` in the terminal's
     # detail panel. It must import without torch: the report is drawn in a process that never loads it.
     detail_view: ClassVar[str | None] = None
+    # "module:Class" of its options model (a fwdcheck.config.CheckOptions in a module free of torch), read from the
+    # config's `options:` section under the check's name; None: no options.
+    options: ClassVar[str | None] = None
+    # Command-line flags it contributes to `fwdcheck run`: flag -> the option it sets (typed and helped from the
+    # options model; a bool option is a switch). Several checks may declare one flag: it then sets each one's.
+    flags: ClassVar[dict[str, str]] = {}
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def options_in(self, session: Session) -> Any:
+        """This check's options for the run: its `options:` section of the config with the flags on top, validated
+        (the options model's defaults when nothing is said, or when the run's settings were made without this check
+        in their selection); None for a check that declares no options model."""
+        chosen = session.settings.check_options.get(self.name)
+        if chosen is None and self.options is not None:
+            import pkgutil
+
+            chosen = pkgutil.resolve_name(self.options)()
+        return chosen
 
     def key_number(self, result: CheckResult) -> str:
         """The number the verdict rests on, in a few characters, for the summary table (e.g. "0.18 / 1.2e-05",

@@ -27,6 +27,7 @@ from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
 from fwdcheck.overrides import Overrides
+from fwdcheck.registry import check_options, selected
 from fwdcheck.tolerances import TOLERANCES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,13 +46,16 @@ class Settings(RunConfig):
     expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
     expect_golden: dict | None = None  # a golden file the golden check compares with
     max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
+    check_options: dict[str, Any] = {}  # check name -> its options, validated (Check.options_in)
 
     @classmethod
     def from_config(cls, config: RunConfig, overrides: Overrides | None = None) -> Settings:
         overrides = overrides or Overrides()
         run = overrides.applied(config)
+        entries = selected(run.checks, run.distributed.nproc)
         return cls(**{name: getattr(run, name) for name in RunConfig.model_fields},
-                   expect_ledger=overrides.expect_ledger, expect_golden=overrides.expect_golden)
+                   expect_ledger=overrides.expect_ledger, expect_golden=overrides.expect_golden,
+                   check_options=check_options(run.options, overrides.options or {}, entries))
 
     @property
     def ignored(self) -> dict[str, str]:
