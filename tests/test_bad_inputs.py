@@ -226,7 +226,15 @@ def assert_one_line_error(result, config: Path, expect: str, exit_code: int = 2)
     return line
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# The slow tier: a case whose config holds up until its ranks start launches them; the others take seconds to get
+# to their error (a Hugging Face model configured or sized, a huge allocation refused).
+LAUNCHES_RANKS = {"distributed-hf-plan-transformers-cannot-apply"}
+SLOW = LAUNCHES_RANKS | {"hf-directory-too-large-for-random-weights", "hf-inline-model-type-only", "hf-rope-theta-one",
+                         "batch-size-overflow"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in SLOW else [])
+                                  for c in CASES])
 def test_bad_input_gets_one_clear_line(case: Case, tmp_path, forget_corpus_modules):
     if case.skip_if_cuda and torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the case holds only without it")

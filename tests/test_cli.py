@@ -631,6 +631,7 @@ def test_output_to_a_full_disk_is_one_line(option, tmp_path):
         assert "shape-ledger" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/fd/1"])
 def test_output_to_dev_stdout_reaches_stdout(stream, tmp_path):
     """/dev/stdout is a link to /proc/self/fd/1: replacing it (or the file behind it) left the reader with nothing."""
@@ -750,7 +751,7 @@ def _closed_stdout():
     os.close(1)
 
 
-@pytest.mark.parametrize("stdout", ["closed", "full"])
+@pytest.mark.parametrize("stdout", ["closed", pytest.param("full", marks=pytest.mark.slow)])  # full: a run, seconds
 def test_stdout_that_cannot_take_the_report_is_one_line(stdout):
     """Python sets sys.stdout to None when descriptor 1 is closed; /dev/full fails the flush. Each is one line on
     stderr and exit 2, not exit 3 or Python's shutdown traceback."""
@@ -768,6 +769,7 @@ def test_stdout_that_cannot_take_the_report_is_one_line(stdout):
     assert ("stdout is closed" if stdout == "closed" else "cannot write the report to stdout") in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["json", "rich"])
 def test_reader_gone_before_the_report_is_a_clean_exit(fmt):
     """A reader that quit (`| head`, a closed pipe) wanted no more: the exit code is the run's, stderr is empty."""

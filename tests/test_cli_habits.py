@@ -153,6 +153,7 @@ def test_list_and_explain_do_not_import_torch():
     assert proc.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_early_is_a_clean_exit():
     """`fwdcheck run toy.yaml | head -1`: the exit code is the report's, nothing on stderr."""
     for fmt in ("rich", "json"):
@@ -165,6 +166,7 @@ def test_a_reader_that_stops_early_is_a_clean_exit():
         assert stderr == ""
 
 
+@pytest.mark.slow
 def test_columns_is_honoured_off_a_terminal():
     proc = fwdcheck("run", BROKEN, env={"COLUMNS": "80"})
     assert proc.returncode == 1

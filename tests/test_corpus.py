@@ -30,6 +30,9 @@ from tests.corpus.meta_llama import DIMS as META_DIMS
 from tests.corpus.modded import DIMS as MODDED_DIMS
 from tests.corpus.xtransformers_models import DIMS as XT_DIMS, ROTARY_DIM as XT_ROTARY_DIM
 
+# The third-party corpus (hundreds of cases on four libraries' models): the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
 B, T = 2, 8

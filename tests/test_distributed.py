@@ -17,6 +17,9 @@ import pytest
 import torch
 import yaml
 
+# Every test launches ranks (a few seconds each): the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240
 

@@ -254,6 +254,7 @@ def test_options_missing_from_help_are_named():
     assert missing_option(["fwdcheck", "run", TOY, "--fail-on", "sometimes"]) == "--fail-on sometimes"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(UNIQUE),
                          ids=[f"{'+'.join(n)}:{c.split(' ', 2)[-1]}" for c, n in UNIQUE.items()])
 def test_example_command_passes_on_the_toy_config(command, tmp_path):
@@ -284,6 +285,7 @@ def test_hook_manifest():
     assert ours["fwdcheck-system"]["language"] == "system"
 
 
+@pytest.mark.slow
 def test_hook_entry_runs_on_the_toy_config(tmp_path):
     """What pre-commit executes: the entry, then the args, here the toy config in place of the default one."""
     hook = hooks()["fwdcheck-system"]

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 from fwdcheck import forkserver
 from fwdcheck.cli import app
 
-pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="fork server: Linux only")
+# Each test starts a fork server or a new interpreter, some wait for one to time out: the slow tier.
+pytestmark = [pytest.mark.skipif(not forkserver.supported(), reason="fork server: Linux only"), pytest.mark.slow]
 
 OBSERVING = '''
 import json, os, random, resource, signal, sys, threading

@@ -56,6 +56,9 @@ from fwdcheck import config as schema
 from fwdcheck.bugs import BUGS
 from fwdcheck.cli import app
 
+# Hypothesis examples by the hundred, and grids over every number field: the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = [*sorted((REPO / "sample_configs").glob("*.yaml")),
            *sorted((REPO / "sample_configs" / "broken").glob("*.yaml")),

@@ -165,6 +165,7 @@ def test_nan_where_the_golden_file_is_finite_is_named():
 # -- through the file, from the command line ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_then_expect_through_the_file(tmp_path):
     config = write_config(tmp_path, CLEAN)
     golden, again = tmp_path / "golden.json", tmp_path / "again.json"
@@ -207,6 +208,7 @@ def _fwdcheck(args: list[str], **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "200", **env}, cwd=REPO)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elsewhere", ["two-threads", "baseline-cpu-kernels"])
 def test_another_process_thread_count_and_cpu_kernels_pass(tmp_path, elsewhere):
     """Saved in one process with one thread; expected in another with two threads, or with the CPU's baseline

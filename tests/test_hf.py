@@ -21,6 +21,9 @@ from tests import compat  # noqa: E402
 from tests.conftest import run_checks, statuses  # noqa: E402
 
 
+# The architecture sweep (every model of the README's table, each on every code path) is the slow tier; so is the
+# table's test, which builds the same reports.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(compat.CASES))
 def test_architecture_verdicts(name):
     spec, _, expected, pairing = compat.CASES[name]
@@ -34,6 +37,7 @@ def test_architecture_verdicts(name):
         assert "no rotary embedding" in rope.summary
 
 
+@pytest.mark.slow
 def test_readme_table_is_what_the_tests_verified():
     assert compat.readme_table() == compat.table(), "run `python -m tests.compat --write` and commit the README"
 
@@ -132,6 +136,7 @@ LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 1
               "max_position_embeddings": 131072, "rope_theta": 500000.0}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads the peak memory through Linux's /proc")
 def test_meta_ledger_of_an_8b_config_stays_under_a_gigabyte(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
@@ -198,6 +203,7 @@ def test_longrope_attention_factor_is_divided_out():
     assert result.data["component_scale"] == pytest.approx(1.2247, rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted((compat.README.parent / "sample_configs" / "hf").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_hf_sample_configs_pass(config):

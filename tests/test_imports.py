@@ -74,6 +74,7 @@ print(" ".join(failed))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     names = [m for m in modules() if m not in NOT_IMPORTED_ALONE]
     proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_ALONE, *names], capture_output=True, text=True,

@@ -270,6 +270,7 @@ def test_model_left_exactly_as_found(mode: Mode, tmp_path):
 # Ctrl-C for real
 
 
+@pytest.mark.slow
 def test_sigint_ends_with_130_and_the_report_so_far(tmp_path):
     """SIGINT to `fwdcheck run --format json` hung in future-token's forward: exit 130, and a whole JSON report on
     stdout holding the check that finished and the ones interrupted."""

@@ -118,6 +118,7 @@ def toy(**top) -> dict:
 # -- the example plugin, installed -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_installed_plugin_is_listed(installed):
     proc = installed.fwdcheck("list")
     assert proc.returncode == 0, proc.stderr
@@ -131,6 +132,7 @@ def test_installed_plugin_is_listed(installed):
     assert named.index("logit-bound") == len(builtins)  # a plugin after every built-in
 
 
+@pytest.mark.slow
 def test_installed_plugin_runs_and_passes_on_the_toy_model(installed):
     path = config(installed.work / "toy-all.yaml", **toy())
     proc = installed.fwdcheck("run", path, "--format", "json")
@@ -142,6 +144,7 @@ def test_installed_plugin_runs_and_passes_on_the_toy_model(installed):
     assert check["metrics"]["max_abs_logit"] < check["metrics"]["bound"] == 30
 
 
+@pytest.mark.slow
 def test_installed_plugin_fails_a_model_with_huge_logits(installed):
     (installed.work / "huge_logits.py").write_text(HUGE_LOGITS)
     path = config(installed.work / "huge.yaml", model={"source": "python", "factory": "huge_logits:build"},

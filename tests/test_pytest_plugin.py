@@ -269,6 +269,7 @@ def test_startup_imports_no_torch(pytester):
     result.stdout.fnmatch_lines(["fwdcheck plugin loaded: True", "torch imported: False"])
 
 
+@pytest.mark.slow
 def test_a_golden_file_beside_a_config_is_checked(tester):
     """configs/toy.golden.json beside configs/toy.yaml adds the item `golden`, compared as --expect-golden: it passes
     on the model it was made from, fails naming the first module that moved on a changed one, and a golden file of

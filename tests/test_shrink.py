@@ -107,6 +107,7 @@ def hf_config(model_block: dict):
 # End to end: real architectures.
 
 
+@pytest.mark.slow
 def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp_path):
     config = hf_project(tmp_path, "llama3-8b", LLAMA3_8B, meta=True, inputs={"batch_size": 2, "seq_len": 8})
     out, document, printed = shrink(config)
@@ -137,6 +138,7 @@ def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp
     assert report["model"]["dims"] == {"V": 512, "d": 128, "h": 8, "h_kv": 2, "d_h": 16, "d_ff": 448, "L": 2}
 
 
+@pytest.mark.slow
 def test_mistral_keeps_a_sliding_window_the_test_sequence_reaches_past(tmp_path):
     config = hf_project(tmp_path, "mistral-7b", MISTRAL_7B, paths=FEW_PATHS)
     out, document, printed = shrink(config)
@@ -154,6 +156,7 @@ def test_mistral_keeps_a_sliding_window_the_test_sequence_reaches_past(tmp_path)
     assert "causal, restricted (window" in check(report, "mask-audit")["summary"]  # the audit saw the band
 
 
+@pytest.mark.slow
 def test_gptj_keeps_interleaved_rotary_with_rotary_dim_scaled(tmp_path):
     config = hf_project(tmp_path, "gpt-j-6b", GPTJ_6B, checks=["shape-ledger", "rope"])
     out, document, _ = shrink(config)
@@ -170,6 +173,7 @@ def test_gptj_keeps_interleaved_rotary_with_rotary_dim_scaled(tmp_path):
     assert "pairing interleaved, rotary dim 4" in rope["summary"]
 
 
+@pytest.mark.slow
 def test_gpt2_caps_learned_positions(tmp_path):
     config = hf_project(tmp_path, "gpt2", GPT2, paths=FEW_PATHS)
     out, document, _ = shrink(config)
@@ -184,6 +188,7 @@ def test_gpt2_caps_learned_positions(tmp_path):
     assert statuses(report) == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
 
 
+@pytest.mark.slow
 def test_inline_config_with_one_kv_head_keeps_multi_query_and_the_other_keys(tmp_path):
     config = tmp_path / "inline.yaml"
     config.write_text(yaml.safe_dump({

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from fwdcheck.config import MODEL_CLASSES
 from fwdcheck.sources import LOADERS
 from fwdcheck.callables import resolve_callable
@@ -24,6 +26,7 @@ def test_each_loader_is_its_own_module_taking_its_config_class():
         assert inspect.get_annotations(loader)["spec"] == MODEL_CLASSES[source].__name__, reference
 
 
+@pytest.mark.slow
 def test_a_reference_run_imports_no_other_source():
     script = textwrap.dedent("""\
         import sys

@@ -213,6 +213,7 @@ def run_one(config, name: str, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_os_exit_0_in_forward_fails_the_gate(config):
     assert_model_left_its_mark(run_one(config, "exit_0"), "exit_0")
 
@@ -221,23 +222,28 @@ def test_segfault_in_forward_is_fwd005_naming_the_signal(config):
     assert_model_left_its_mark(run_one(config, "segfault"), "segfault")
 
 
+@pytest.mark.slow
 def test_oom_kill_is_fwd005_naming_sigkill(config):
     assert_model_left_its_mark(run_one(config, "oom_killed"), "oom_killed")
 
 
+@pytest.mark.slow
 def test_forward_that_swallows_the_timeout_is_killed_by_the_supervisor(config):
     assert_model_left_its_mark(run_one(config, "hang_forever"), "hang_forever")
 
 
+@pytest.mark.slow
 def test_exit_hook_of_the_model_does_not_decide_the_exit_code(config):
     assert_model_left_its_mark(run_one(config, "leaky_with_exit_hook", "--check", "future-token"),
                                "leaky_with_exit_hook")
 
 
+@pytest.mark.slow
 def test_worker_that_exits_while_loading_reports_every_check(config):
     assert_model_left_its_mark(run_one(config, "exits_while_loading"), "exits_while_loading")
 
 
+@pytest.mark.slow
 def test_each_misbehaviour_in_a_forked_worker_leaves_the_same_report(config):
     """One command, several configs: the first model runs in a new interpreter, every later one in a worker forked
     from the fork server. Each misbehaving model leaves what it leaves in a new interpreter, and the command's
@@ -258,6 +264,7 @@ def test_each_misbehaviour_in_a_forked_worker_leaves_the_same_report(config):
     assert "number of parameters" in proc.stderr and "step" in proc.stderr  # the forked worker's prints, relayed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["json", "junit"])
 def test_model_prints_go_to_stderr_and_reports_on_stdout_stay_valid(config, fmt):
     proc = fwdcheck(config("chatty"), "--format", fmt)
@@ -270,6 +277,7 @@ def test_model_prints_go_to_stderr_and_reports_on_stdout_stay_valid(config, fmt)
     assert "number of parameters" not in proc.stdout and "step" not in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_writes_the_partial_report(config, worker, tmp_path, signum, exit_code):
     """A CI runner cancelling the job (SIGTERM) or a Ctrl-C: the worker is ended, the report files are written with
@@ -292,6 +300,7 @@ def test_signal_writes_the_partial_report(config, worker, tmp_path, signum, exit
     assert_ended(hanging_pid)
 
 
+@pytest.mark.slow
 def test_a_supervisor_killed_with_sigkill_leaves_no_process_behind(config, worker, tmp_path):
     """SIGKILL gives the supervisor no chance to end its worker: the kernel does (the worker, and a fork server with
     its worker, die with their parent)."""
@@ -329,6 +338,7 @@ def assert_ended(pid: int, within_s: float = 30) -> None:
     raise AssertionError(f"process {pid} is still running")
 
 
+@pytest.mark.slow
 def test_in_process_runs_without_a_worker(config):
     proc = fwdcheck(config("chatty"), "--format", "json", "--in-process")
     assert proc.returncode == 0, proc.stderr
