@@ -225,7 +225,7 @@ def reproducing_scale(raw, weights, allowed, d_h: int, tolerance: float) -> tupl
 
     candidates = [d_h ** -0.5, 1.0 / d_h, 1.0]
     errors = [error(c) for c in candidates]
-    fits = [c for c, e in zip(candidates, errors) if e <= tolerance]
+    fits = [c for c, e in zip(candidates, errors, strict=True) if e <= tolerance]
     if len(fits) == len(candidates):
         return None, ("q . k is too small at this precision to tell 1/sqrt(d_h), 1/d_h and 1 apart (largest |q . k| "
                       f"{float(raw[allowed].abs().max()):.3g})")

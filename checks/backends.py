@@ -3,7 +3,8 @@
 Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
     model's forward under `attn_implementation` eager and sdpa (flex_attention with `exhaustive: true`), switched
-    as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention), on the session's inputs
+    as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention), on the session's
+    inputs
     and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.errors import SkipCheck
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
-from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
@@ -107,7 +108,8 @@ with a Hugging Face-style switch, config._attn_implementation and set_attn_imple
 scaled_dot_product_attention (math, flash, efficient, cuDNN).
   implementations: the session's inputs under each implementation, against the logits of the one the model runs by
     default (the observation pass's, which cost no forward, or the untouched baseline's once an implementation
-    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's first 8 tokens left-padded by 3
+    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's
+    first 8 tokens left-padded by 3
     pad tokens (positions counting real tokens from 0, as generate() does) under each implementation: only the real
     tokens' logits are compared, padding is never judged.
   kernels: every SDPA call of one forward (the left-padded one when there is one, so masks are exercised) replayed

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.code_paths import path_cells
+from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
@@ -378,7 +378,7 @@ only when the model refused every comparison."""
         exhaustive = plan.exhaustive
         ran = [row for row in plan.cut_rows if row < len(changes)]
         cuts = [plan.cut_of[row] for row in ran]
-        for row, k in zip(ran, cuts):
+        for row, k in zip(ran, cuts, strict=True):
             sample = plan.sources[row]
             change = changes[row, :k].tolist()  # k values: the positions before the cut
             columns.append({"k": k, "sample": sample, "change": change})
@@ -438,7 +438,7 @@ only when the model refused every comparison."""
     def _prefix(prefix: Prefix, threshold: float) -> Judged:
         """The first k tokens run alone must give the full run's logits there."""
         worst, moved = 0.0, []
-        for k, change in zip(prefix.ran, prefix.changes):
+        for k, change in zip(prefix.ran, prefix.changes, strict=True):
             values = change.tolist()  # k values, inf for NaN
             worst = max([worst, *values])
             if max(values) > threshold:
@@ -534,7 +534,7 @@ class Plan:
         sources.insert(self.control, 0)
         self.rows, self.sources = rows, sources
         cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order the cuts were drawn
-        self.cut_of = dict(zip(cut_rows, self.cuts))  # row -> its cut k
+        self.cut_of = dict(zip(cut_rows, self.cuts, strict=True))  # row -> its cut k
         self.cut_rows = sorted(cut_rows, key=self.cut_of.get)  # in the order of k
         self.cuts = sorted(self.cuts)
         self.session = session

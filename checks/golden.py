@@ -200,7 +200,7 @@ def largest_change(then: dict, now: dict, tolerance: dict) -> tuple[float, float
     pairs = [("non-finite elements", then.get("nonfinite", 0), now.get("nonfinite", 0))]
     pairs += [(key, then[key], now[key]) for key in ("mean", "std", "absmax")]
     pairs += [(f"{key}[{i}]", a, b) for key in ("values", "digest")
-              for i, (a, b) in enumerate(zip(then[key], now[key]))]
+              for i, (a, b) in enumerate(zip(then[key], now[key], strict=False))]
     largest, what = 0.0, "no change"
     for label, a, b in pairs:
         change = float("inf") if (a is None) != (b is None) else 0.0 if a is None else abs(b - a)

@@ -20,13 +20,14 @@ from enum import Enum
 
 import torch
 
+from fwdcheck.code_paths import path_cells
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
-from fwdcheck.code_paths import path_cells
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
-    {"api": "F.scaled_dot_product_attention", "bool": "True = may attend", "float": "added to scores (0 keep, -inf drop)",
+    {"api": "F.scaled_dot_product_attention", "bool": "True = may attend",
+     "float": "added to scores (0 keep, -inf drop)",
      "flag": "is_causal=True: lower-triangular, no attn_mask"},
     {"api": "nn.MultiheadAttention", "bool": "True = masked out", "float": "added to scores (0 keep, -inf drop)",
      "flag": "is_causal: a hint that attn_mask is causal"},

@@ -238,13 +238,13 @@ class Hold:
                 if self.replay is not None and name in self.replay:
                     given = self.replay[name]
                     self.moved[name] = max([0.0] + [float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
-                                                    for a, b in zip(own, given)])
+                                                    for a, b in zip(own, given, strict=False)])
                 self.rows[name] = given
             rows = (*self.rows[name], *own[len(self.rows[name]):])
-            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct)]
+            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct, strict=False)]
 
             def held(t):
-                return next((m for d, m in zip(distinct, made) if t is d), t)
+                return next((m for d, m in zip(distinct, made, strict=True) if t is d), t)
 
             return tuple(held(a) for a in args), {key: held(v) for key, v in kwargs.items()}
 
@@ -264,7 +264,8 @@ class Rope(Check):
         "FWD301": "one of q and k is rotated by position, the other is not",
         "FWD302": "q and k are rotated with different pairings or frequencies",
         "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
-        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k differently",
+        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k "
+                  "differently",
         "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
         "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
         "FWD307": "the model declares a rotary embedding but q and k do not change with position",
@@ -476,7 +477,7 @@ or correct the declaration."""
             hold.start()  # its own rows: replayed ones would make both tokens write the same keys
             again = attention_qk(session.observe(other.expand(1, P).contiguous(), positions, keep_tensors=True))
             if [w for w, *_ in again] == [w for w, *_ in raw]:
-                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again)]
+                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again, strict=True)]
         inputs = {m.name: m.input_value for m in seen.modules if m.input_value is not None}
         calls = []
         for where, q, k, query_positions, slots in merge_steps(raw, written, P):
@@ -546,7 +547,7 @@ or correct the declaration."""
             data["probe_shift"] = "skipped: the shifted probe ran other attention calls"
             return []
         compared, worst = 0, 0.0
-        for before, after in zip(calls, shifted):
+        for before, after in zip(calls, shifted, strict=True):
             if not (before.judged and after.judged):
                 continue
             # Held calls were given the same rows; a call judged by its block's input may have been given another
@@ -554,7 +555,7 @@ or correct the declaration."""
             # rotation can come from different content.
             if len(before.rows) != len(after.rows) or any(
                     float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
-                    for a, b in zip(before.rows, after.rows)):
+                    for a, b in zip(before.rows, after.rows, strict=True)):
                 continue
             compared += 1
             q, k, q2, k2 = before.q, before.k, after.q, after.k
@@ -816,7 +817,7 @@ def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], t
 
 def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) -> str:
     """FWD302's message for q and k of one pairing that do not turn alike: in opposite directions, or how fast."""
-    pairs = [(a, b) for a, b in zip(q.thetas, k.thetas) if well_measured(a, positions, tol)
+    pairs = [(a, b) for a, b in zip(q.thetas, k.thetas, strict=False) if well_measured(a, positions, tol)
              and well_measured(b, positions, tol)]
     if pairs and all(a * b < 0 and abs(abs(a) - abs(b)) <= 10 * tol * abs(a) for a, b in pairs):
         return ("q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "

@@ -362,7 +362,7 @@ class Namer:
             return [Axis(s, unseen=True) for s in e.shape]
         (B, T), (B2, T2) = (self.B, self.T), self.second
         axes = []
-        for size, other in zip(e.shape, e.probe_shape):
+        for size, other in zip(e.shape, e.probe_shape, strict=True):
             if (size, other) == (B, B2) and B != B2:
                 axes.append(Axis(size, follows="B"))
             elif (size, other) == (T, T2):
@@ -434,7 +434,7 @@ class Namer:
         heads_shown = bool(HEAD_SYMBOLS & set(layout))
         read: dict[str, int] = {}
         names = []
-        for symbol, axis in zip(layout, axes):
+        for symbol, axis in zip(layout, axes, strict=True):
             name = self._slot(symbol, axis, scope, read, chunk, heads_shown)
             if name is None:
                 return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -248,7 +248,7 @@ def _hooked(blocks: list[nn.Module], run: Callable[[], torch.Tensor]):
 def _layer_changes(sharded: list, reference: list, session) -> list[dict]:
     """Per block, the largest change of its output from the unsharded block's, against the bar at its scale."""
     rows = []
-    for i, (got, expected) in enumerate(zip(sharded, reference)):
+    for i, (got, expected) in enumerate(zip(sharded, reference, strict=False)):
         if got is None or expected is None or got.shape != expected.shape:
             rows.append({"block": i, "change": float("inf") if got is not None else 0.0, "bar": 0.0,
                          "note": "no output" if got is None or expected is None else

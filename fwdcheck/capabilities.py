@@ -11,9 +11,10 @@ Torch-free: these are descriptions, and the callables they hold are the sources'
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)

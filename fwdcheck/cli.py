@@ -19,7 +19,7 @@ from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -86,7 +86,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
+    version: Annotated[bool | None, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
 ) -> None:
     """Forward-pass sanity checks for transformer code."""
@@ -107,36 +107,37 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
              "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
              "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
 def run(
-    configs: Annotated[Optional[list[Path]], typer.Argument(metavar="CONFIG", show_default=False,
+    configs: Annotated[list[Path] | None, typer.Argument(metavar="CONFIG", show_default=False,
                                                             help="YAML configs (`fwdcheck init` writes one).")] = None,
-    check: Annotated[Optional[list[str]], typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
+    check: Annotated[list[str] | None, typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
                                                        "(repeatable); narrows the config's selection.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
+    model: Annotated[str | None, typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
                                                  "an nn.Module, instead of a config.")] = None,
-    device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
-    dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Report format on stdout (or --output).")] = Format.rich,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
+    device: Annotated[Device | None, typer.Option(help="Override the config's device.")] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Override the config's dtype.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Override the config's input seed.")] = None,
+    output_format: Annotated[Format, typer.Option("--format",
+                                                  help="Report format on stdout (or --output).")] = Format.rich,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
                                                    "file (whole or not at all) instead of stdout.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Also write the JSON report "
+    json_path: Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Also write the JSON report "
                                                       "here.")] = None,
-    junit_path: Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
+    junit_path: Annotated[Path | None, typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
                                                        "here.")] = None,
-    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
+    markdown_path: Annotated[Path | None, typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
                                                           "report here.")] = None,
-    html_path: Annotated[Optional[Path], typer.Option("--html", metavar="PATH", help="Also export the terminal "
+    html_path: Annotated[Path | None, typer.Option("--html", metavar="PATH", help="Also export the terminal "
                                                       "report (every panel) as HTML.")] = None,
-    svg_path: Annotated[Optional[Path], typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
+    svg_path: Annotated[Path | None, typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
                                                      "(every panel) as SVG.")] = None,
-    save_ledger: Annotated[Optional[Path], typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
-                                                        "ledger (JSON) here, to pin the architecture in review.")] = None,
-    expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
+    save_ledger: Annotated[Path | None, typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
+                                                     "ledger (JSON) here, to pin the architecture in review.")] = None,
+    expect_ledger: Annotated[Path | None, typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
                                                           "when the ledger differs from this saved one.")] = None,
-    save_golden: Annotated[Optional[Path], typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
+    save_golden: Annotated[Path | None, typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
                                                         "contract (JSON: every module's output and parameter "
                                                         "fingerprinted) here; runs the golden check.")] = None,
-    expect_golden: Annotated[Optional[Path], typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
+    expect_golden: Annotated[Path | None, typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
                                                           "naming the first module whose output moved from this "
                                                           "golden file; runs the golden check.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
@@ -144,7 +145,7 @@ def run(
                                              "the full leak map.")] = False,
     meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
                                        "big for this machine, no weights allocated.")] = False,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
+    nproc: Annotated[int | None, typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
                                                  "across N processes (the config's distributed.nproc).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones "
                                           "too.")] = False,
@@ -273,8 +274,8 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     from fwdcheck.config import config_for
     from fwdcheck.golden import CHECK as GOLDEN
     from fwdcheck.golden import refuse_other_run
-    from fwdcheck.registry import DIRECT, select, selected
     from fwdcheck.overrides import Overrides
+    from fwdcheck.registry import DIRECT, select, selected
     from fwdcheck.worker import Job
 
     config = config_for(path, o.model)
@@ -649,9 +650,9 @@ def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
             if _same_file(target.path, input_path):
                 raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
         for other, earlier in seen:
-            if earlier.path == target.path or _same_file(earlier.path, target.path):
-                if not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
-                    raise UsageError(f"{label} is also the file of {other}; give each report its own file")
+            if (earlier.path == target.path or _same_file(earlier.path, target.path)) and \
+                    not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
+                raise UsageError(f"{label} is also the file of {other}; give each report its own file")
         seen.append((option, target))
         if target.direct:
             if not os.path.exists(target.path):  # /dev/fd/N of a descriptor this process does not have open
@@ -876,7 +877,7 @@ def init(
 def shrink(
     config: Annotated[Path, typer.Argument(help="YAML config of any source, e.g. the real config of "
                                            "the model you are about to train.", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the shrunk config; "
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the shrunk config; "
                                                    "default: CONFIG's stem + .shrunk.yaml in the working directory.",
                                                    show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
@@ -941,7 +942,7 @@ def diff_command(
                                              "inputs, dtype and device are used for both.", show_default=False)],
     config_b: Annotated[Path, typer.Argument(metavar="B", help="The second implementation's config; its `diff: "
                                              "{rename: [...]}` maps A's names to its own.", show_default=False)],
-    rename: Annotated[Optional[list[str]], typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
+    rename: Annotated[list[str] | None, typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
                                                         "regex rule mapping A's parameter and module names to B's, "
                                                         "after B's config's own (repeatable).")] = None,
     output_format: Annotated[DiffFormat, typer.Option("--format", help="The table (and, on a terminal, a plot of "

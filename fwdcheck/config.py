@@ -13,11 +13,20 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
@@ -252,7 +261,7 @@ class HFModel(ModelSpec):
         return files
 
 
-ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
+ModelSource = Annotated[ReferenceModel | PythonModel | CheckpointModel | HFModel, Field(discriminator="source")]
 # source name -> its config class, read off the union (each class's `source` Literal): the one list of the sources.
 MODEL_CLASSES: dict[str, type[BaseModel]] = {
     get_args(cls.model_fields["source"].annotation)[0]: cls for cls in get_args(get_args(ModelSource)[0])

@@ -42,17 +42,19 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import ExitCode, FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
 from fwdcheck.heard import Heard, WorkerError
@@ -63,7 +65,6 @@ from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.runner import Run, environment_summary, model_summary, run_model
 from fwdcheck.session import DTYPES
-from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 
 SHARDING = "sharding"  # the check every distributed run starts with
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so

@@ -43,7 +43,8 @@ import sys
 import threading
 import time
 import types
-from typing import Callable
+from collections.abc import Callable
+from contextlib import suppress
 
 # Variables that no import reads, set per test or per terminal: a difference in them still lets a worker be forked
 # (the fork gets the supervisor's values all the same).
@@ -403,10 +404,8 @@ def _as_main(module: types.ModuleType) -> types.ModuleType:
 
 
 def _write(fd: int, text: str) -> None:
-    try:
+    with suppress(OSError):  # OSError: the supervisor has gone, nobody reads the status
         os.write(fd, text.encode())
-    except OSError:  # the supervisor has gone: nobody reads the status
-        pass
 
 
 _STARTED_IN = os.getcwd()

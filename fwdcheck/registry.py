@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from contextlib import suppress
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -39,8 +40,8 @@ class CheckEntry:
 
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
-        from fwdcheck.result import Check
         from fwdcheck.callables import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
+        from fwdcheck.result import Check
 
         # A direct reference may name a module beside the user's files, as `python -m` would find it.
         is_direct = self.distribution == DIRECT
@@ -113,7 +114,8 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
     import ast
 
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
     except (SyntaxError, ValueError, OSError):
         return {}
     found = {}
@@ -125,10 +127,8 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             targets = statement.targets if isinstance(statement, ast.Assign) else \
                 [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
             if len(targets) == 1 and isinstance(targets[0], ast.Name):
-                try:
+                with suppress(ValueError):  # ValueError: computed, not a literal
                     values[targets[0].id] = ast.literal_eval(statement.value)
-                except ValueError:  # computed: not a literal
-                    pass
         literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
                    and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
                    and isinstance(values.get("detail_view", ""), (str, type(None))))

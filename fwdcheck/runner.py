@@ -9,13 +9,24 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
-from fwdcheck.code_paths import (CodePath, LogitsAnchor, SameLogits, Verdicts, cell_settings, path_cells,
-                                 path_signature, path_view, plain_view, runs_per_code_path, verdict_from_logits,
-                                 verdicts_for)
+from fwdcheck.code_paths import (
+    CodePath,
+    LogitsAnchor,
+    SameLogits,
+    Verdicts,
+    cell_settings,
+    path_cells,
+    path_signature,
+    path_view,
+    plain_view,
+    runs_per_code_path,
+    verdict_from_logits,
+    verdicts_for,
+)
 from fwdcheck.config import RunConfig
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
@@ -89,7 +100,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
                 default_path = results
                 results = run_code_paths(entries, results, model, settings, cells, session, progress)
                 written = watch.written()  # once for the whole matrix: a write only some code path makes
-                for result, before in zip(results, default_path):
+                for result, before in zip(results, default_path, strict=True):
                     if result is not before:  # the check ran over the matrix
                         report_parameter_writes(result, written, session, " on the code-path matrix")
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
@@ -168,7 +179,7 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
     """The checks that declare per_code_path, once per cell, each merged into one result that lists every cell. A
     check that skipped or could not run on the default path is left as it is. Cells outside, checks inside: a cell's
     session (its observation pass, its baseline) is shared by every per-path check."""
-    chosen = [i for i, (entry, result) in enumerate(zip(entries, results))
+    chosen = [i for i, (entry, result) in enumerate(zip(entries, results, strict=True))
               if result.status not in (Status.SKIP, Status.ERROR) and per_code_path(entry)]
     if not chosen:
         return results
@@ -196,7 +207,7 @@ def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     if run.seq_len < settings.inputs.seq_len and _model_raised(run):
         again = run_cell(cell, entries, model, settings, shortest=settings.inputs.seq_len, max_rows=session.max_rows,
                          verdicts=verdicts)
-        again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens)]
+        again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens, strict=True)]
         again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
                                              f"T={again.seq_len}", again.note]))
         return again

@@ -12,9 +12,10 @@ the first sample is run once for every check that compares at a short length (`p
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -216,7 +217,7 @@ class ParameterWatch:
         if not named:
             return {}
         prints = torch.stack([fingerprint(p).cpu() for _, p in named]).tolist()
-        return {name: tuple(values) for (name, _), values in zip(named, prints)}
+        return {name: tuple(values) for (name, _), values in zip(named, prints, strict=True)}
 
 
 def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
@@ -454,10 +455,10 @@ class Session:
         """Logits of the session's inputs from the untouched model, computed once and shared by every check."""
 
         def compute():
-            try:  # first learn whether dropout is live in eval: then every comparison runs with it forced off
+            # First learn whether dropout is live in eval: then every comparison runs with it forced off. ModelRaised:
+            # the observer cannot follow this model; the plain forward below says whether it runs at all.
+            with suppress(ModelRaised):
                 self.observation()
-            except ModelRaised:
-                pass  # the observer cannot follow this model; the plain forward below says whether it runs at all
             logits = self.logits(self.inputs)
             self._observed = None  # from now on the untouched logits are the reference
             return logits
@@ -475,10 +476,8 @@ class Session:
         logits computed without the tokens that forward changed. On any change beyond the tolerance it must ask for
         `baseline()` and judge against that (`reference_untouched` says which one it got)."""
         if "baseline" not in self._cache:
-            try:
+            with suppress(ModelRaised):
                 self.observation()
-            except ModelRaised:
-                pass
             if self._observed is not None:
                 return self._observed
         return self.baseline()

@@ -25,9 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
-from typing import Callable
 
 from fwdcheck.errors import ExitCode
 from fwdcheck.forkserver import ForkedWorker, start_worker
@@ -162,10 +162,8 @@ def _signal(worker: subprocess.Popen | ForkedWorker, signum: int) -> None:
             return
         os.killpg(worker.pid, signum)
     except (ProcessLookupError, PermissionError, OSError):  # it has ended already (or leads no group of its own)
-        try:
+        with suppress(ProcessLookupError, OSError):
             worker.send_signal(signum)
-        except (ProcessLookupError, OSError):
-            pass
 
 
 @contextmanager

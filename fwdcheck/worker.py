@@ -22,9 +22,10 @@ import sys
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
 from fwdcheck.lifetime import die_with_parent

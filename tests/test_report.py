@@ -202,7 +202,7 @@ def test_a_long_cache_is_drawn_as_a_window_around_the_query_position():
 # -- how much is shown: quiet when green, the detail of what did not pass, one line when asked -------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(*bugs: str, checks: tuple[str, ...] | None = None, **model) -> Report:
     """A run of the reference model with the bugs planted, shared by the tests below (reports are read, not changed)."""
     return run_checks({"source": "reference", "bugs": list(bugs), **model}, list(checks) if checks else None)

@@ -11,9 +11,9 @@ import functools
 import math
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -202,7 +202,7 @@ class FitTable:
         table = Table(*(Column(self.columns[i].header, justify=self.columns[i].justify, style=self.columns[i].style,
                                no_wrap=self.columns[i].whole and width >= self._least(i), overflow="fold",
                                width=width)
-                        for i, width in zip(kept, widths)),
+                        for i, width in zip(kept, widths, strict=True)),
                       title=self.title, title_justify="left", **self.options)
         for row in self.rows:
             table.add_row(*(row[i] for i in kept))
@@ -680,7 +680,7 @@ def code_paths(rows: list[dict]) -> RenderableType:
                     pad_edge=False, show_edge=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detail_view(check: str) -> Callable[[CheckResult], RenderableType] | None:
     """The function a check names (Check.detail_view) to draw its data in its panel; None when it names none, or
     is not installed here (a report read from a file), or its view does not import: the findings still show."""

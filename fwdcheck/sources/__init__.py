@@ -21,7 +21,8 @@ starter config for it; `fwdcheck shrink` once shrink.py has rules for it.)
 from __future__ import annotations
 
 import pkgutil
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fwdcheck.config import Config, Dims, FactoryModel, HFModel, RopeSpec
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fwdcheck.callables import on_sys_path, search_dirs
 from fwdcheck.config import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.callables import on_sys_path, search_dirs
 from fwdcheck.sources.factory import FactoryParts, call_factory, import_factory_parts, model_from_module
 
 SAFETENSORS = (".safetensors",)
@@ -392,7 +392,8 @@ def _holds_tensors(mapping: Mapping) -> bool:
 # Building and loading
 
 
-def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path], notes: list[str]) -> nn.Module | None:
+def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path],
+                   notes: list[str]) -> nn.Module | None:
     """The factory's module on the meta device, or None (with a note) when the factory cannot run there."""
     try:
         with torch.device("meta"):

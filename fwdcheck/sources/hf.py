@@ -21,8 +21,16 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
-from fwdcheck.config import (HF_WEIGHT_FILES, MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error,
-                             nesting_depth, regular_file)
+from fwdcheck.config import (
+    HF_WEIGHT_FILES,
+    MAX_DEPTH,
+    Config,
+    HFModel,
+    RopeSpec,
+    describe_validation_error,
+    nesting_depth,
+    regular_file,
+)
 from fwdcheck.config_keys import CONFIG_KEYS
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes

@@ -6,10 +6,10 @@ from contextlib import nullcontext
 
 import torch
 
+from fwdcheck.callables import search_dirs
 from fwdcheck.capabilities import Cache, Loss, Packing
 from fwdcheck.config import Config, PythonModel
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.callables import search_dirs
 from fwdcheck.sources.factory import call_factory, import_factory_parts, model_from_module
 
 

@@ -366,10 +366,9 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
         block["rope"] = rope
     block["config"] = config
     verify_hf(config, spec.model_class)
-    if spec.path is not None:
-        if any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
-            edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
-                               "initialised")
+    if spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
+        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
+                           "initialised")
     return block, edits
 
 
