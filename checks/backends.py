@@ -21,6 +21,7 @@ import sys
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ class RecordSdpa(TorchFunctionMode):
 def _model_line() -> str | None:
     """'path:line' of the first frame beyond torch and fwdcheck: the model code that called SDPA."""
     skip = (str(torch.__path__[0]), str(__import__("fwdcheck").__path__[0]), __file__)
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     return code_location(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None

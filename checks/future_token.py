@@ -243,9 +243,9 @@ only when the model refused every comparison."""
             cuts = self._causal(plan, cut_changes, threshold) if cut_changes is not None else Judged()
             prefixes = self._prefix(prefix, threshold)
             single = self._single_row(measured.single, plan, alone, threshold)
-            for judged in (cuts, prefixes, single):
-                metrics.update(judged.metrics)
-                data.update(judged.data)
+            for part in (cuts, prefixes, single):
+                metrics.update(part.metrics)
+                data.update(part.data)
             findings += _with_single_row(cuts.findings + prefixes.findings, single.findings,
                                          single.metrics.get("single_row_max_change"))
         elif not model.causal:
@@ -260,8 +260,8 @@ only when the model refused every comparison."""
         if leaks:
             summary = "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks}))
         else:
-            cuts = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
-            ran = [JUDGED[name].format(cuts=cuts, s="s" if cuts != 1 else "") for name in judged]
+            n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
+            ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             if not model.causal:
                 summary += "; part (a) skipped: model.causal is false"
@@ -313,6 +313,7 @@ only when the model refused every comparison."""
         """Every pass that compares was refused. Findings made before (dropout live in eval) stand, with the notes;
         without any, the check could not run: the model's first refusal makes it an error."""
         if not any(f.status in (Status.FAIL, Status.WARN) for f in findings):
+            assert refusals.first is not None  # every pass was refused: the first refusal is kept
             raise refusals.first
         return CheckResult.from_findings(self.name, findings, "; ".join(refusals.notes), data={"notes": refusals.notes})
 

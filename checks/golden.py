@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
     def run(self, model, session) -> CheckResult:
         document = record(model, session)
         outputs, parameters = document["outputs"], document["parameters"]
-        metrics = {"outputs": len(outputs), "parameters": len(parameters)}
+        metrics: dict[str, Any] = {"outputs": len(outputs), "parameters": len(parameters)}
         expected = session.settings.expect_golden
         if expected is None:
             return CheckResult(self.name, Status.PASS, f"fingerprinted {len(outputs)} module outputs and "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,7 +139,7 @@ class PastKeyValues(Decoder):
         self.new_cache = new_cache
         transformers = new_cache is not None  # driven as generate drives it: the caller makes the cache up front
         try:
-            params = inspect.signature(module.forward).parameters
+            params: Mapping[str, inspect.Parameter] = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
             params = {}
         # transformers 5 renamed past_key_values to cache
@@ -442,9 +442,10 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
         chunks = "+".join(map(str, plan.chunks))
         for name in ("prefill", "token-by-token", "chunked"):
-            if parted[name] is None or (name == "chunked" and parted["token-by-token"] is not None):
+            parting = parted[name]
+            if parting is None or (name == "chunked" and parted["token-by-token"] is not None):
                 continue
-            row, index = parted[name]
+            row, index = parting
             position = offsets[name] + index
             change = changes.parts[name]
             nonfinite = nonfinite_positions(logits[name])

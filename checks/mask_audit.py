@@ -17,6 +17,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, cast
 
 import torch
 
@@ -158,7 +159,7 @@ the attention module's forward as input_pos or cache_position."""
     def run(self, model, session) -> CheckResult:
         B = session.inputs.shape[0]
         findings, rows = self.audit(session.observation(), model)
-        data = {"conventions": CONVENTIONS, "calls": rows}
+        data: dict[str, Any] = {"conventions": CONVENTIONS, "calls": rows}
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
         # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
@@ -215,7 +216,7 @@ the attention module's forward as input_pos or cache_position."""
             rows.append({"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
                          "mask_shape": list(call.mask_shape) if call.mask_shape else None, "values": call.mask_values,
                          "is_causal": call.is_causal, "dropout_p": call.dropout_p,
-                         "pattern": reason.reason if reason else shape.value, "judged": reason is None,
+                         "pattern": reason.reason if reason else cast(MayRead, shape).value, "judged": reason is None,
                          "reads_future": shape is not None and shape.reads_future,
                          "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
                          "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
@@ -290,7 +291,7 @@ def _kind_of_call(row: dict) -> tuple:
 def _patterns(rows: list[dict]) -> str:
     """The judged patterns, then how many calls were not judged and why, in short."""
     judged = sorted({r["pattern"] for r in rows if r["judged"]})
-    counts = {}
+    counts: dict[str, int] = {}
     for r in rows:
         if not r["judged"]:
             why = NotJudged(r["not_judged"], r["pattern"]).in_summary
@@ -304,7 +305,7 @@ def _group(findings: list[Finding]) -> list[Finding]:
     listed once, with its count."""
     merged = []
     for first, members in grouped(findings, key=lambda f: (f.code, f.message, f.source)):
-        counts = Counter(f.where for f in members)  # in the order first seen
+        counts = Counter(f.where or "" for f in members)  # in the order first seen; every finding here says where
         where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in counts.items())
         merged.append(Finding(first.code, first.status, first.message, where, source=first.source,
                               module=first.module))

@@ -175,7 +175,7 @@ class Probe:
 
     @property
     def rotates(self) -> bool:
-        return self.q is not None and (self.q.rotates or self.k.rotates)
+        return self.q is not None and self.k is not None and (self.q.rotates or self.k.rotates)  # set together
 
     def why_unjudged(self) -> str:
         if not self.calls:
@@ -425,7 +425,7 @@ or correct the declaration."""
             if not probe.rotates:
                 probe.found = position_found(seen, hold, points, tables, token, tol)
             data["probe"] = {"calls": len(judged), "q": asdict(probe.q), "k": asdict(probe.k),
-                             "toeplitz_error": toeplitz, "head_dim": judged[0].q.shape[-1]}
+                             "toeplitz_error": toeplitz, "head_dim": judged[0].head_dim}
             specific = self._compare_qk(results, tol, P)
             findings += specific
             if toeplitz > tol and not specific and probe.rotates:
@@ -441,6 +441,7 @@ or correct the declaration."""
         on n - m alone."""
         results = []
         for c in calls:
+            assert c.q is not None and c.k is not None  # kept for every judged call
             q, k = analyze(c.q[0], tol, prefer, self.noise), analyze(c.k[0], tol, prefer, self.noise)
             if q.pairing and k.pairing and q.pairing != k.pairing:
                 # A pair of small magnitude can leave both pairings within the rounding on one side: the pairings
@@ -559,6 +560,7 @@ or correct the declaration."""
                 continue
             compared += 1
             q, k, q2, k2 = before.q, before.k, after.q, after.k
+            assert q is not None and k is not None and q2 is not None and k2 is not None  # kept for judged calls
             scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
             change = float((shifted_scores - scores).abs().max()) / (float(scores.abs().max()) + 1e-30)
             worst = max(worst, change)
@@ -652,10 +654,10 @@ or correct the declaration."""
         rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
         data["component"] = {"identity_error": identity, "norm_error": norms, "position0_error": origin,
                              **asdict(rotation)}
-        problems = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
-                    f"norms change by {norms:.3g}" if norms > tol else None,
-                    f"R(0) is not the identity ({origin:.3g})" if origin > tol else None]
-        problems = [p for p in problems if p]
+        checked = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
+                   f"norms change by {norms:.3g}" if norms > tol else None,
+                   f"R(0) is not the identity ({origin:.3g})" if origin > tol else None]
+        problems = [p for p in checked if p]
         if problems:
             findings.append(Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}",
                                     "rotary function"))
@@ -692,7 +694,7 @@ def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
 def buffer_versions(module: nn.Module) -> list[int | None]:
     """Each buffer's version counter, which every in-place write advances (None for an inference tensor: it keeps
     none, and cannot be written outside inference mode anyway)."""
-    versions = []
+    versions: list[int | None] = []
     for buffer in module.buffers():
         try:
             versions.append(buffer._version)
@@ -833,6 +835,7 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
     frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
     smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
     rotary_dim = max(q.rotary_dim, k.rotary_dim)
+    assert q.pairing is not None  # the caller took the rotations without a pairing apart (FWD306)
     i, j = pair_indices(q.pairing, rotary_dim)
     weights = []
     angles = []

@@ -44,7 +44,7 @@ class AttentionSwitch:
         """The module's switch when it has transformers' (config._attn_implementation read,
         set_attn_implementation(name) called), whatever class offers it; None otherwise. The implementations offered
         are those that need no extra package: eager, and sdpa where the class says it supports it (_supports_sdpa)."""
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if not callable(getattr(module, "set_attn_implementation", None)) or \
                 not isinstance(getattr(config, "_attn_implementation", None), str):
             return None

@@ -19,7 +19,7 @@ from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -27,6 +27,10 @@ from rich.markup import escape
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
+
+if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
+    from fwdcheck.config import Config
+    from fwdcheck.worker import Job
 
 EXIT_CODES = """\b
 Exit codes:
@@ -198,8 +202,8 @@ class Planned:
     """One config's run, validated before any model loads."""
 
     path: Path | None  # None: --model
-    config: object  # fwdcheck.config.Config
-    job: object  # fwdcheck.worker.Job
+    config: Config
+    job: Job
 
 
 def _run(o: RunOptions) -> int:

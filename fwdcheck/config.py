@@ -13,7 +13,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -32,7 +32,12 @@ from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.rename import parse_rule
 
-Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
+    Bug = str  # a Literal of the names in BUGS, which a type checker cannot read off the tuple
+else:
+    Bug = Literal[tuple(BUGS)]
 
 
 class Strict(BaseModel):
@@ -549,7 +554,7 @@ def describe_validation_error(exc: ValidationError) -> str:
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def _describe_problem(error: dict, listed: set[tuple]) -> str:
+def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
     loc = _yaml_loc(error["loc"])
     if error["type"] == "extra_forbidden":
         mapping = tuple(error["loc"][:-1])

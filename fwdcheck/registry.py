@@ -118,7 +118,7 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             tree = ast.parse(file.read())
     except (SyntaxError, ValueError, OSError):
         return {}
-    found = {}
+    found: dict[str, CheckInfo] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
             continue
@@ -127,6 +127,7 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             targets = statement.targets if isinstance(statement, ast.Assign) else \
                 [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
             if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                assert isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None  # targets
                 with suppress(ValueError):  # ValueError: computed, not a literal
                     values[targets[0].id] = ast.literal_eval(statement.value)
         literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)

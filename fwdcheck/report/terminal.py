@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from rich import box
-from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.console import Console, ConsoleOptions, Group, JustifyMethod, RenderableType, RenderResult
 from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Column, Table
@@ -40,7 +40,7 @@ class Verbosity(str, Enum):
     VERBOSE = "verbose"  # the summary table and every check's detail
 
 
-def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity = Verbosity.DEFAULT,
+def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity | str = Verbosity.DEFAULT,
            durations: bool = True) -> None:
     """The report on `console`, laid out for its width. `durations` False leaves every time out, for text that must
     not change from run to run (documentation, comparisons)."""
@@ -175,7 +175,7 @@ def findings_table(findings: list[Finding]) -> RenderableType:
 @dataclass
 class FitColumn:
     header: str
-    justify: str = "left"
+    justify: JustifyMethod = "left"
     style: str = ""
     whole: bool = False  # never wrapped (a shape, a number, a name); other columns wrap between words
     give_way: int | None = None  # at a width too narrow for every column, these are left out, lowest first
@@ -196,7 +196,7 @@ class FitTable:
             giving_way = [i for i in kept if self.columns[i].give_way is not None]
             if not giving_way:
                 break
-            kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way))
+            kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way or 0))  # None: not in giving_way
         widths = self._widths(kept, self._room(console, options, kept))
         # A whole column narrowed below its longest cell (the last resort) folds like the others rather than crop.
         table = Table(*(Column(self.columns[i].header, justify=self.columns[i].justify, style=self.columns[i].style,

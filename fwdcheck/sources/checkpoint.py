@@ -376,9 +376,9 @@ def unwrap_state_dict(obj: Any, path: Path, notes: list[str], depth: int = 0) ->
                 notes.append(f"unwrapped checkpoint['{key}']{ignored}")
                 return unwrap_state_dict(inner, path, notes, depth + 1)
     if tensors:
-        ignored = [str(k) for k in obj if k not in tensors]
+        ignored_keys = [str(k) for k in obj if k not in tensors]
         notes.append(f"loaded the {len(tensors)} top-level tensors; ignored non-tensor entries: "
-                     f"{', '.join(ignored[:8])}")
+                     f"{', '.join(ignored_keys[:8])}")
         return tensors
     keys = ", ".join(str(k) for k in list(obj)[:8]) or "none"
     raise ModelLoadError(f"checkpoint {path}: holds no tensors (a {type(obj).__name__} with keys: {keys})")
@@ -624,7 +624,7 @@ def _names(keys: list[str]) -> str:
     return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """An exception's message as one short line: colour codes out, the first line, the first sentence of a long one."""
     text = _ANSI.sub("", str(exc)).strip()
     line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)
