@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from fwdcheck.config import config_from_dict
 from fwdcheck.code_paths import path_cells, runs_per_code_path, verdicts_for
+from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path, shared_from
@@ -86,16 +86,17 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         before = 0
         results = []
         for entry in entries:
-            result, by_time = phase(lambda: run_one(entry, model, session))
+            result, by_time = phase(lambda: run_one(entry, model, session))  # noqa: B023 -- called here, at once
             results.append(result)
             default_rows.append((entry.name, result.status.value, by_time, session.forward_tokens - before))
             before = session.forward_tokens
         # As runner.run_code_paths: the per-path checks that ran on the default path, once per cell.
-        per_path = [e for e, r in zip(entries, results)
+        per_path = [e for e, r in zip(entries, results, strict=True)
                     if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())]
         verdicts = verdicts_for(model)  # as run_code_paths: what the cells run so far vouch for, for later cells
         for cell in cells if per_path else []:
-            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, verdicts)))
+            # noqa B023 below: the lambda is called here, at once, not after the loop has moved on
+            cell_rows.append(phase(lambda: run_path(cell, per_path, model, settings, session, verdicts)))  # noqa: B023
 
     def ratio(by_time: float, tokens: int) -> str:
         return f"{by_time:>9.2f} {tokens / tokens_per_forward:>9.2f}"
@@ -124,10 +125,11 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
         for run, by_time in cell_rows:
             label = f"{run.cell.label} (T={run.seq_len})"
             statuses = "/".join(sorted({r.status.value for r in run.results}))
-            split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}" for e, t in zip(per_path, run.forward_tokens))
+            split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}"
+                              for e, t in zip(per_path, run.forward_tokens, strict=True))
             hows = verdicts_taken(run)
             shared = hows[0] if all(h and h == hows[0] for h in hows) else \
-                "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows) if how)
+                "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows, strict=True) if how)
             print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}"
                   + (f"   shares: {shared}" if shared else ""))
         ran = sum(1 for run, _ in cell_rows for how in verdicts_taken(run) if not how)

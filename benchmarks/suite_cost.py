@@ -85,7 +85,7 @@ def cost(args) -> None:
         # every registered check, as `checks: [all]` runs them: the default ones first, the others after them, so
         # that each of those is charged only what it adds to a default run
         for entry in sorted(select(["all"]), key=lambda e: e.name not in default):
-            result, *spent = timed(lambda: run_one(entry, model, session))
+            result, *spent = timed(lambda: run_one(entry, model, session))  # noqa: B023 -- called here, at once
             tokens = session.forward_tokens - tokens_before
             tokens_before = session.forward_tokens
             rows.append((entry.name, result.status.value, spent, tokens / session.baseline_tokens))
@@ -137,7 +137,8 @@ def cost(args) -> None:
 
 
 def resident_kb() -> dict[str, int]:
-    status = open("/proc/self/status").read()
+    with open("/proc/self/status") as file:
+        status = file.read()
     return {key: int(value) for key, value in re.findall(r"(VmHWM|VmRSS):\s+(\d+) kB", status)}
 
 

@@ -19,6 +19,7 @@ built with random weights): a trained model's attention legitimately concentrate
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -225,7 +226,7 @@ def reproducing_scale(raw, weights, allowed, d_h: int, tolerance: float) -> tupl
 
     candidates = [d_h ** -0.5, 1.0 / d_h, 1.0]
     errors = [error(c) for c in candidates]
-    fits = [c for c, e in zip(candidates, errors) if e <= tolerance]
+    fits = [c for c, e in zip(candidates, errors, strict=True) if e <= tolerance]
     if len(fits) == len(candidates):
         return None, ("q . k is too small at this precision to tell 1/sqrt(d_h), 1/d_h and 1 apart (largest |q . k| "
                       f"{float(raw[allowed].abs().max()):.3g})")
@@ -303,7 +304,7 @@ def judge_scale(scale: float, d_h: int, expected: dict[str, float], module: str,
 def declared_scales(model) -> dict:
     """Scales the model's config asks for besides 1/sqrt(d_h), as functions of (d_h, layer index)."""
     config = getattr(model.module, "config", None)
-    found = {}
+    found: dict[str, Callable[..., float]] = {}
     scalar = getattr(config, "query_pre_attn_scalar", None)
     if isinstance(scalar, (int, float)) and scalar > 0:
         found["query_pre_attn_scalar^-1/2"] = lambda d_h, layer, s=scalar: s ** -0.5

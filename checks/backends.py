@@ -2,8 +2,9 @@
 
 Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
-    model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex: true}}`), switched
-    as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention), on the session's inputs
+    model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex:
+    true}}`), switched as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention),
+    on the session's inputs
     and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
@@ -20,15 +21,16 @@ import sys
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.errors import SkipCheck
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
-from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
@@ -68,7 +70,7 @@ class RecordSdpa(TorchFunctionMode):
 def _model_line() -> str | None:
     """'path:line' of the first frame beyond torch and fwdcheck: the model code that called SDPA."""
     skip = (str(torch.__path__[0]), str(__import__("fwdcheck").__path__[0]), __file__)
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     return code_location(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
@@ -109,7 +111,8 @@ with a Hugging Face-style switch, config._attn_implementation and set_attn_imple
 scaled_dot_product_attention (math, flash, efficient, cuDNN).
   implementations: the session's inputs under each implementation, against the logits of the one the model runs by
     default (the observation pass's, which cost no forward, or the untouched baseline's once an implementation
-    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's first 8 tokens left-padded by 3
+    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's
+    first 8 tokens left-padded by 3
     pad tokens (positions counting real tokens from 0, as generate() does) under each implementation: only the real
     tokens' logits are compared, padding is never judged.
   kernels: every SDPA call of one forward (the left-padded one when there is one, so masks are exercised) replayed

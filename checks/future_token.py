@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fwdcheck.errors import ModelRaised, first_line
-from fwdcheck.code_paths import path_cells
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
+from fwdcheck.code_paths import path_cells
+from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
 
@@ -247,9 +247,9 @@ only when the model refused every comparison."""
             cuts = self._causal(plan, cut_changes, threshold) if cut_changes is not None else Judged()
             prefixes = self._prefix(prefix, threshold)
             single = self._single_row(measured.single, plan, alone, threshold)
-            for judged in (cuts, prefixes, single):
-                metrics.update(judged.metrics)
-                data.update(judged.data)
+            for part in (cuts, prefixes, single):
+                metrics.update(part.metrics)
+                data.update(part.data)
             findings += _with_single_row(cuts.findings + prefixes.findings, single.findings,
                                          single.metrics.get("single_row_max_change"))
         elif not model.causal:
@@ -264,8 +264,8 @@ only when the model refused every comparison."""
         if leaks:
             summary = "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks}))
         else:
-            cuts = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
-            ran = [JUDGED[name].format(cuts=cuts, s="s" if cuts != 1 else "") for name in judged]
+            n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
+            ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             if not model.causal:
                 summary += "; part (a) skipped: model.causal is false"
@@ -317,6 +317,7 @@ only when the model refused every comparison."""
         """Every pass that compares was refused. Findings made before (dropout live in eval) stand, with the notes;
         without any, the check could not run: the model's first refusal makes it an error."""
         if not any(f.status in (Status.FAIL, Status.WARN) for f in findings):
+            assert refusals.first is not None  # every pass was refused: the first refusal is kept
             raise refusals.first
         return CheckResult.from_findings(self.name, findings, "; ".join(refusals.notes), data={"notes": refusals.notes})
 
@@ -382,7 +383,7 @@ only when the model refused every comparison."""
         exhaustive = plan.exhaustive
         ran = [row for row in plan.cut_rows if row < len(changes)]
         cuts = [plan.cut_of[row] for row in ran]
-        for row, k in zip(ran, cuts):
+        for row, k in zip(ran, cuts, strict=True):
             sample = plan.sources[row]
             change = changes[row, :k].tolist()  # k values: the positions before the cut
             columns.append({"k": k, "sample": sample, "change": change})
@@ -442,7 +443,7 @@ only when the model refused every comparison."""
     def _prefix(prefix: Prefix, threshold: float) -> Judged:
         """The first k tokens run alone must give the full run's logits there."""
         worst, moved = 0.0, []
-        for k, change in zip(prefix.ran, prefix.changes):
+        for k, change in zip(prefix.ran, prefix.changes, strict=True):
             values = change.tolist()  # k values, inf for NaN
             worst = max([worst, *values])
             if max(values) > threshold:
@@ -538,8 +539,8 @@ class Plan:
         sources.insert(self.control, 0)
         self.rows, self.sources = rows, sources
         cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order the cuts were drawn
-        self.cut_of = dict(zip(cut_rows, self.cuts))  # row -> its cut k
-        self.cut_rows = sorted(cut_rows, key=self.cut_of.get)  # in the order of k
+        self.cut_of = dict(zip(cut_rows, self.cuts, strict=True))  # row -> its cut k
+        self.cut_rows = sorted(cut_rows, key=lambda row: self.cut_of[row])  # in the order of k
         self.cuts = sorted(self.cuts)
         self.session = session
         self._single: dict[int, torch.Tensor] = {}

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fwdcheck.activations import LOGITS, fingerprint, recorded_forward
-from fwdcheck.golden import VERSION
 from fwdcheck.checks.golden_view import GoldenData
+from fwdcheck.golden import VERSION
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
 
@@ -81,7 +82,7 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
     def run(self, model, session) -> CheckResult:
         document = record(model, session)
         outputs, parameters = document["outputs"], document["parameters"]
-        metrics = {"outputs": len(outputs), "parameters": len(parameters)}
+        metrics: dict[str, Any] = {"outputs": len(outputs), "parameters": len(parameters)}
         expected = session.settings.expect_golden
         if expected is None:
             return CheckResult(self.name, Status.PASS, f"fingerprinted {len(outputs)} module outputs and "
@@ -201,7 +202,7 @@ def largest_change(then: dict, now: dict, tolerance: dict) -> tuple[float, float
     pairs = [("non-finite elements", then.get("nonfinite", 0), now.get("nonfinite", 0))]
     pairs += [(key, then[key], now[key]) for key in ("mean", "std", "absmax")]
     pairs += [(f"{key}[{i}]", a, b) for key in ("values", "digest")
-              for i, (a, b) in enumerate(zip(then[key], now[key]))]
+              for i, (a, b) in enumerate(zip(then[key], now[key], strict=False))]
     largest, what = 0.0, "no change"
     for label, a, b in pairs:
         change = float("inf") if (a is None) != (b is None) else 0.0 if a is None else abs(b - a)

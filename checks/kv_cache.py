@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,7 @@ class Plan:
         if variant == "token-by-token":
             return [(self.prefill + i, 1) for i in range(self.tokens)]
         starts = [self.prefill + sum(self.chunks[:i]) for i in range(len(self.chunks))]
-        return list(zip(starts, self.chunks))
+        return list(zip(starts, self.chunks, strict=True))
 
     def positions(self, variant: str) -> str:
         """'4-5': the positions a variant decodes."""
@@ -138,7 +139,7 @@ class PastKeyValues(Decoder):
         self.new_cache = new_cache
         transformers = new_cache is not None  # driven as generate drives it: the caller makes the cache up front
         try:
-            params = inspect.signature(module.forward).parameters
+            params: Mapping[str, inspect.Parameter] = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
             params = {}
         # transformers 5 renamed past_key_values to cache
@@ -441,9 +442,10 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
         chunks = "+".join(map(str, plan.chunks))
         for name in ("prefill", "token-by-token", "chunked"):
-            if parted[name] is None or (name == "chunked" and parted["token-by-token"] is not None):
+            parting = parted[name]
+            if parting is None or (name == "chunked" and parted["token-by-token"] is not None):
                 continue
-            row, index = parted[name]
+            row, index = parting
             position = offsets[name] + index
             change = changes.parts[name]
             nonfinite = nonfinite_positions(logits[name])
@@ -511,7 +513,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             return None
         starts = [0] + [start for start, _ in ([] if name == "prefill" else plan.steps(name)) if start <= position]
         call, start = len(starts) - 1, starts[-1]
-        for i, (whole, calls) in enumerate(zip(full, cached)):
+        for i, (whole, calls) in enumerate(zip(full, cached, strict=True)):
             if len(whole) != 1 or len(calls) <= call:
                 return None  # a block called more or less often than once per forward: no position to line up
             expected, got = whole[0][0, position], calls[call][0, position - start]  # (C,)

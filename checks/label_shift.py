@@ -129,7 +129,7 @@ class Look:
         "unexplained" when it is none of them."""
         distance = {name: abs(self.loss - value) for name, value in self.candidates.items()}
         apart = {name for name in WRONG if abs(self.candidates[name] - self.candidates[RIGHT]) > 2 * threshold}
-        matched = min(distance, key=distance.get)
+        matched = min(distance, key=distance.__getitem__)
         if distance[matched] > threshold:
             return "unexplained", apart
         if matched != RIGHT and matched not in apart and distance[RIGHT] <= threshold:
@@ -257,8 +257,10 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
                 if matched == "across rows":
                     findings.append(Finding("FWD703", Status.FAIL, "the last position of each row is scored against "
                                             "the next row's labels", where=where))
-        codes_seen: set[str] = set()
-        findings = [f for f in findings if not (f.code in codes_seen or codes_seen.add(f.code))]  # one per code
+        first_per_code: dict[str, Finding] = {}
+        for f in findings:
+            first_per_code.setdefault(f.code, f)
+        findings = list(first_per_code.values())  # one per code, the first
         metrics["matched"] = verdicts[-1]
         data["told_apart"] = sorted(told)
         if findings:

@@ -17,17 +17,19 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from typing import cast
 
 import torch
 
+from fwdcheck.checks.mask_audit_view import CallRow, MaskAuditData
+from fwdcheck.code_paths import path_cells
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.observe import AttentionCall
-from fwdcheck.code_paths import path_cells
-from fwdcheck.checks.mask_audit_view import CallRow, MaskAuditData
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
-    {"api": "F.scaled_dot_product_attention", "bool": "True = may attend", "float": "added to scores (0 keep, -inf drop)",
+    {"api": "F.scaled_dot_product_attention", "bool": "True = may attend",
+     "float": "added to scores (0 keep, -inf drop)",
      "flag": "is_causal=True: lower-triangular, no attn_mask"},
     {"api": "nn.MultiheadAttention", "bool": "True = masked out", "float": "added to scores (0 keep, -inf drop)",
      "flag": "is_causal: a hint that attn_mask is causal"},
@@ -215,7 +217,8 @@ the attention module's forward as input_pos or cache_position."""
             row: CallRow = {"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
                             "mask_shape": list(call.mask_shape) if call.mask_shape else None,
                             "values": call.mask_values, "is_causal": call.is_causal, "dropout_p": call.dropout_p,
-                            "pattern": reason.reason if reason else shape.value, "judged": reason is None,
+                            "pattern": reason.reason if reason else cast(MayRead, shape).value,
+                            "judged": reason is None,
                             "reads_future": shape is not None and shape.reads_future,
                             "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
                             "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
@@ -291,7 +294,7 @@ def _kind_of_call(row: dict) -> tuple:
 def _patterns(rows: list[dict]) -> str:
     """The judged patterns, then how many calls were not judged and why, in short."""
     judged = sorted({r["pattern"] for r in rows if r["judged"]})
-    counts = {}
+    counts: dict[str, int] = {}
     for r in rows:
         if not r["judged"]:
             why = NotJudged(r["not_judged"], r["pattern"]).in_summary
@@ -305,7 +308,7 @@ def _group(findings: list[Finding]) -> list[Finding]:
     listed once, with its count."""
     merged = []
     for first, members in grouped(findings, key=lambda f: (f.code, f.message, f.source)):
-        counts = Counter(f.where for f in members)  # in the order first seen
+        counts = Counter(f.where or "" for f in members)  # in the order first seen; every finding here says where
         where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in counts.items())
         merged.append(Finding(first.code, first.status, first.message, where, source=first.source,
                               module=first.module))

@@ -22,8 +22,9 @@ those of its tokens run alone (positions restart; the first document is the unpa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -232,7 +233,7 @@ position_ids alone leave a causal model reading the earlier documents, by design
         """Largest change of each named document's packed logits (row 0) from its tokens run alone, each beside the
         session's first row cut to its length (a row alone is a code path of its own)."""
         found = {}
-        for name, tokens in zip(spans, documents):
+        for name, tokens in zip(spans, documents, strict=True):
             if name in names:
                 start, end = spans[name]
                 alone = session.logits(torch.stack([tokens, session.inputs[0, :len(tokens)]]))[0]  # (len, V)

@@ -175,7 +175,7 @@ class Probe:
 
     @property
     def rotates(self) -> bool:
-        return self.q is not None and (self.q.rotates or self.k.rotates)
+        return self.q is not None and self.k is not None and (self.q.rotates or self.k.rotates)  # set together
 
     def why_unjudged(self) -> str:
         if not self.calls:
@@ -238,13 +238,13 @@ class Hold:
                 if self.replay is not None and name in self.replay:
                     given = self.replay[name]
                     self.moved[name] = max([0.0] + [float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
-                                                    for a, b in zip(own, given)])
+                                                    for a, b in zip(own, given, strict=False)])
                 self.rows[name] = given
             rows = (*self.rows[name], *own[len(self.rows[name]):])
-            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct)]
+            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct, strict=False)]
 
             def held(t):
-                return next((m for d, m in zip(distinct, made) if t is d), t)
+                return next((m for d, m in zip(distinct, made, strict=True) if t is d), t)
 
             return tuple(held(a) for a in args), {key: held(v) for key, v in kwargs.items()}
 
@@ -264,7 +264,8 @@ class Rope(Check):
         "FWD301": "one of q and k is rotated by position, the other is not",
         "FWD302": "q and k are rotated with different pairings or frequencies",
         "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
-        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k differently",
+        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k "
+                  "differently",
         "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
         "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
         "FWD307": "the model declares a rotary embedding but q and k do not change with position",
@@ -424,7 +425,7 @@ or correct the declaration."""
             if not probe.rotates:
                 probe.found = position_found(seen, hold, points, tables, token, tol)
             data["probe"] = {"calls": len(judged), "q": asdict(probe.q), "k": asdict(probe.k),
-                             "toeplitz_error": toeplitz, "head_dim": judged[0].q.shape[-1]}
+                             "toeplitz_error": toeplitz, "head_dim": judged[0].head_dim}
             specific = self._compare_qk(results, tol, P)
             findings += specific
             if toeplitz > tol and not specific and probe.rotates:
@@ -440,6 +441,7 @@ or correct the declaration."""
         on n - m alone."""
         results = []
         for c in calls:
+            assert c.q is not None and c.k is not None  # kept for every judged call
             q, k = analyze(c.q[0], tol, prefer, self.noise), analyze(c.k[0], tol, prefer, self.noise)
             if q.pairing and k.pairing and q.pairing != k.pairing:
                 # A pair of small magnitude can leave both pairings within the rounding on one side: the pairings
@@ -476,7 +478,7 @@ or correct the declaration."""
             hold.start()  # its own rows: replayed ones would make both tokens write the same keys
             again = attention_qk(session.observe(other.expand(1, P).contiguous(), positions, keep_tensors=True))
             if [w for w, *_ in again] == [w for w, *_ in raw]:
-                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again)]
+                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again, strict=True)]
         inputs = {m.name: m.input_value for m in seen.modules if m.input_value is not None}
         calls = []
         for where, q, k, query_positions, slots in merge_steps(raw, written, P):
@@ -546,7 +548,7 @@ or correct the declaration."""
             data["probe_shift"] = "skipped: the shifted probe ran other attention calls"
             return []
         compared, worst = 0, 0.0
-        for before, after in zip(calls, shifted):
+        for before, after in zip(calls, shifted, strict=True):
             if not (before.judged and after.judged):
                 continue
             # Held calls were given the same rows; a call judged by its block's input may have been given another
@@ -554,10 +556,11 @@ or correct the declaration."""
             # rotation can come from different content.
             if len(before.rows) != len(after.rows) or any(
                     float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
-                    for a, b in zip(before.rows, after.rows)):
+                    for a, b in zip(before.rows, after.rows, strict=True)):
                 continue
             compared += 1
             q, k, q2, k2 = before.q, before.k, after.q, after.k
+            assert q is not None and k is not None and q2 is not None and k2 is not None  # kept for judged calls
             scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
             change = float((shifted_scores - scores).abs().max()) / (float(scores.abs().max()) + 1e-30)
             worst = max(worst, change)
@@ -651,10 +654,10 @@ or correct the declaration."""
         rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
         data["component"] = {"identity_error": identity, "norm_error": norms, "position0_error": origin,
                              **asdict(rotation)}
-        problems = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
-                    f"norms change by {norms:.3g}" if norms > tol else None,
-                    f"R(0) is not the identity ({origin:.3g})" if origin > tol else None]
-        problems = [p for p in problems if p]
+        checked = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
+                   f"norms change by {norms:.3g}" if norms > tol else None,
+                   f"R(0) is not the identity ({origin:.3g})" if origin > tol else None]
+        problems = [p for p in checked if p]
         if problems:
             findings.append(Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}",
                                     "rotary function"))
@@ -691,7 +694,7 @@ def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
 def buffer_versions(module: nn.Module) -> list[int | None]:
     """Each buffer's version counter, which every in-place write advances (None for an inference tensor: it keeps
     none, and cannot be written outside inference mode anyway)."""
-    versions = []
+    versions: list[int | None] = []
     for buffer in module.buffers():
         try:
             versions.append(buffer._version)
@@ -816,7 +819,7 @@ def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], t
 
 def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) -> str:
     """FWD302's message for q and k of one pairing that do not turn alike: in opposite directions, or how fast."""
-    pairs = [(a, b) for a, b in zip(q.thetas, k.thetas) if well_measured(a, positions, tol)
+    pairs = [(a, b) for a, b in zip(q.thetas, k.thetas, strict=False) if well_measured(a, positions, tol)
              and well_measured(b, positions, tol)]
     if pairs and all(a * b < 0 and abs(abs(a) - abs(b)) <= 10 * tol * abs(a) for a, b in pairs):
         return ("q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "
@@ -832,6 +835,7 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
     frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
     smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
     rotary_dim = max(q.rotary_dim, k.rotary_dim)
+    assert q.pairing is not None  # the caller took the rotations without a pairing apart (FWD306)
     i, j = pair_indices(q.pairing, rotary_dim)
     weights = []
     angles = []

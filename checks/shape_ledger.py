@@ -18,10 +18,11 @@ from __future__ import annotations
 import re
 from collections import ChainMap
 from dataclasses import dataclass
+from typing import Any
 
+from fwdcheck.checks.shape_ledger_view import LedgerData
 from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.observe import ModuleCall, Observation
-from fwdcheck.checks.shape_ledger_view import LedgerData
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
@@ -234,34 +235,37 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         else:
             continue
         n = calls[label] = calls.get(label, -1) + 1
-        entries.append(Entry(label + (f" #{n}" if n else ""), role, call.output_shape, call.name, seq=call.seq,
+        # call.name lands in probe_shape (the 4th field), not in module: naming_pass overwrites it before any read,
+        # and module stays "", so these entries borrow no other call's probe shape. Passing module= would change that.
+        entries.append(Entry(label + (f" #{n}" if n else ""), role, call.output_shape, call.name, seq=call.seq,  # type: ignore[arg-type]
                              dtype=call.output_dtype))
 
     per_module: dict[str, int] = {}
     calls_at: list[str] = []  # each attention call's name, by its index
-    for call in obs.attention:
-        n = per_module[call.module] = per_module.get(call.module, -1) + 1
-        where = f"{call.module or 'model'}" + (f"#{n}" if n else "")
+    for attn in obs.attention:
+        n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
+        where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
-        at = dict(module=call.module, seq=call.seq, dtype=call.dtype, group=where, source=call.source)
-        if call.api == "sdpa":
-            entries += [Entry(f"{where} q", "q", call.query_shape, **at),
-                        Entry(f"{where} k", "k", call.key_shape, **at),
-                        Entry(f"{where} v", "v", call.value_shape, **at)]
-        elif call.api == "mha":
-            entries.append(Entry(f"{where} query (MHA input)", "mha_in", call.query_shape, **at))
-        entries.append(Entry(f"{where} attention weights", "weights", call.weights_shape, softmax_dim=call.softmax_dim,
-                             row_sum_error=call.row_sum_error, nonfinite_rows=call.nonfinite_rows,
-                             implied=call.api != "softmax", **at))
-    per_module = {}
+        at: dict[str, Any] = dict(module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source)
+        if attn.api == "sdpa":
+            assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
+            entries += [Entry(f"{where} q", "q", attn.query_shape, **at),
+                        Entry(f"{where} k", "k", attn.key_shape, **at),
+                        Entry(f"{where} v", "v", attn.value_shape, **at)]
+        elif attn.api == "mha":
+            entries.append(Entry(f"{where} query (MHA input)", "mha_in", attn.query_shape, **at))
+        entries.append(Entry(f"{where} attention weights", "weights", attn.weights_shape, softmax_dim=attn.softmax_dim,
+                             row_sum_error=attn.row_sum_error, nonfinite_rows=attn.nonfinite_rows,
+                             implied=attn.api != "softmax", **at))
+    per_kind: dict[tuple[str, str], int] = {}
     for mm in obs.matmuls:  # eager attention: q @ k^T makes the scores, weights @ v reads the values
-        n = per_module[(mm.module, mm.kind)] = per_module.get((mm.module, mm.kind), -1) + 1
+        n = per_kind[(mm.module, mm.kind)] = per_kind.get((mm.module, mm.kind), -1) + 1
         where = f"{mm.module or 'model'}" + (f"#{n}" if n else "")
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
-        call = getattr(mm, "call", None)
-        linked = call is not None and call < len(calls_at)
-        where = calls_at[call] if linked else where
-        at = dict(module=mm.module, seq=mm.seq, group=where, source=obs.attention[call].source if linked else None)
+        index = mm.call if mm.call is not None and mm.call < len(calls_at) else None
+        where = calls_at[index] if index is not None else where
+        at = dict(module=mm.module, seq=mm.seq, group=where,
+                  source=obs.attention[index].source if index is not None else None)
         if mm.kind == "scores":
             entries += [Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
                         Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at)]
@@ -354,7 +358,7 @@ class Namer:
                          if s in known and known[s] == derived}
         self.shared: dict[str, int] = {}  # read off tensors outside attention calls (d, from the blocks)
         self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
-        self.padded: tuple[int, int] | None = None  # (logits width, vocabulary) when the vocabulary is padded
+        self.padded: tuple[int, int | None] | None = None  # (logits width, vocabulary) when the vocabulary is padded
 
     # -- reading what each axis did -------------------------------------------------------------------------------
 
@@ -363,7 +367,7 @@ class Namer:
             return [Axis(s, unseen=True) for s in e.shape]
         (B, T), (B2, T2) = (self.B, self.T), self.second
         axes = []
-        for size, other in zip(e.shape, e.probe_shape):
+        for size, other in zip(e.shape, e.probe_shape, strict=True):
             if (size, other) == (B, B2) and B != B2:
                 axes.append(Axis(size, follows="B"))
             elif (size, other) == (T, T2):
@@ -435,7 +439,7 @@ class Namer:
         heads_shown = bool(HEAD_SYMBOLS & set(layout))
         read: dict[str, int] = {}
         names = []
-        for symbol, axis in zip(layout, axes):
+        for symbol, axis in zip(layout, axes, strict=True):
             name = self._slot(symbol, axis, scope, read, chunk, heads_shown)
             if name is None:
                 return None

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 PLACEMENTS_SHOWN = 64  # parameters listed by name in the result's data; every one is counted
 
@@ -97,7 +101,7 @@ output."""
                 verdict = self._judge(context, session, model, blocks, sharded, raised, disagreement, split)
             except Exception as exc:  # fwdcheck's own failure: the other ranks still wait for the verdict
                 verdict = {"failed": f"{type(exc).__name__}: {exc}"}
-        shared = [verdict]
+        shared: list[Any] = [verdict]  # filled in by the broadcast on every other rank
         dist.broadcast_object_list(shared, src=0)  # rank 0's verdict is every rank's
         if "failed" in shared[0]:
             raise RuntimeError(f"the sharding check failed on rank 0: {shared[0]['failed']}")
@@ -223,7 +227,7 @@ def _bar(session, scale: float) -> float:
 
 
 def _blocks(module: nn.Module, stack: str | None) -> list[nn.Module]:
-    return list(module.get_submodule(stack)) if stack else []
+    return list(cast(Iterable[nn.Module], module.get_submodule(stack))) if stack else []  # a ModuleList
 
 
 def _hooked(blocks: list[nn.Module], run: Callable[[], torch.Tensor]):
@@ -248,7 +252,7 @@ def _hooked(blocks: list[nn.Module], run: Callable[[], torch.Tensor]):
 def _layer_changes(sharded: list, reference: list, session) -> list[dict]:
     """Per block, the largest change of its output from the unsharded block's, against the bar at its scale."""
     rows = []
-    for i, (got, expected) in enumerate(zip(sharded, reference)):
+    for i, (got, expected) in enumerate(zip(sharded, reference, strict=False)):
         if got is None or expected is None or got.shape != expected.shape:
             rows.append({"block": i, "change": float("inf") if got is not None else 0.0, "bar": 0.0,
                          "note": "no output" if got is None or expected is None else
@@ -267,12 +271,13 @@ def _unsharded_view(model, module: nn.Module):
 
 def placements(module: nn.Module) -> dict:
     """How each parameter is laid out across the ranks: DTensor placements, or a plain (whole) tensor."""
-    rows, counts = [], Counter()
+    rows: list[dict] = []
+    counts: Counter[str] = Counter()
     for name, parameter in module.named_parameters():
         placement = getattr(parameter, "placements", None)
         if placement is not None:
             shown = ", ".join(str(p) for p in placement)
-            local = list(parameter.to_local().shape)
+            local = list(cast("DTensor", parameter).to_local().shape)  # placements: a DTensor
         else:
             shown, local = "not sharded", list(parameter.shape)
         counts[shown] += 1

@@ -18,8 +18,8 @@ miss a permutation (two heads swapped).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn

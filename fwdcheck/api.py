@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-
 from pydantic import ValidationError
 
 from fwdcheck.config import CodePaths, Inputs, RunConfig, describe_validation_error

@@ -8,9 +8,9 @@ import pkgutil
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from fwdcheck.config import Config
 from fwdcheck.errors import ModelLoadError

@@ -11,9 +11,10 @@ Torch-free: these are descriptions, and the callables they hold are the sources'
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class AttentionSwitch:
         """The module's switch when it has transformers' (config._attn_implementation read,
         set_attn_implementation(name) called), whatever class offers it; None otherwise. The implementations offered
         are those that need no extra package: eager, and sdpa where the class says it supports it (_supports_sdpa)."""
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if not callable(getattr(module, "set_attn_implementation", None)) or \
                 not isinstance(getattr(config, "_attn_implementation", None), str):
             return None

@@ -20,15 +20,19 @@ from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from typer.core import TyperCommand
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
+
+if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
+    from fwdcheck.config import Config
+    from fwdcheck.worker import Job
 
 EXIT_CODES = """\b
 Exit codes:
@@ -88,7 +92,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
+    version: Annotated[bool | None, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
 ) -> None:
     """Forward-pass sanity checks for transformer code."""
@@ -163,48 +167,49 @@ def split_check_flags(items: list[str]) -> tuple[list[Path], dict[str, dict]]:
     return configs, options
 
 
-@app.command(cls=RunCommand, epilog=EXIT_CODES,
-             context_settings={"ignore_unknown_options": True}, help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
+@app.command(cls=RunCommand, epilog=EXIT_CODES, context_settings={"ignore_unknown_options": True},
+             help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
              "With no CONFIG, ./fwdcheck.yaml. Several configs make one report and one exit code, the worst. The "
              "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
              "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
 def run(
-    configs: Annotated[Optional[list[Path]], typer.Argument(metavar="CONFIG", show_default=False,
+    configs: Annotated[list[Path] | None, typer.Argument(metavar="CONFIG", show_default=False,
                                                             help="YAML configs (`fwdcheck init` writes one).")] = None,
-    check: Annotated[Optional[list[str]], typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
+    check: Annotated[list[str] | None, typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
                                                        "(repeatable); narrows the config's selection.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
+    model: Annotated[str | None, typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
                                                  "an nn.Module, instead of a config.")] = None,
-    device: Annotated[Optional[Device], typer.Option(help="Override the config's device.")] = None,
-    dtype: Annotated[Optional[DType], typer.Option(help="Override the config's dtype.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Override the config's input seed.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Report format on stdout (or --output).")] = Format.rich,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
+    device: Annotated[Device | None, typer.Option(help="Override the config's device.")] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Override the config's dtype.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Override the config's input seed.")] = None,
+    output_format: Annotated[Format, typer.Option("--format",
+                                                  help="Report format on stdout (or --output).")] = Format.rich,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
                                                    "file (whole or not at all) instead of stdout.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Also write the JSON report "
+    json_path: Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Also write the JSON report "
                                                       "here.")] = None,
-    junit_path: Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
+    junit_path: Annotated[Path | None, typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
                                                        "here.")] = None,
-    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
+    markdown_path: Annotated[Path | None, typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
                                                           "report here.")] = None,
-    html_path: Annotated[Optional[Path], typer.Option("--html", metavar="PATH", help="Also export the terminal "
+    html_path: Annotated[Path | None, typer.Option("--html", metavar="PATH", help="Also export the terminal "
                                                       "report (every panel) as HTML.")] = None,
-    svg_path: Annotated[Optional[Path], typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
+    svg_path: Annotated[Path | None, typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
                                                      "(every panel) as SVG.")] = None,
-    save_ledger: Annotated[Optional[Path], typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
-                                                        "ledger (JSON) here, to pin the architecture in review.")] = None,
-    expect_ledger: Annotated[Optional[Path], typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
+    save_ledger: Annotated[Path | None, typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
+                                                     "ledger (JSON) here, to pin the architecture in review.")] = None,
+    expect_ledger: Annotated[Path | None, typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
                                                           "when the ledger differs from this saved one.")] = None,
-    save_golden: Annotated[Optional[Path], typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
+    save_golden: Annotated[Path | None, typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
                                                         "contract (JSON: every module's output and parameter "
                                                         "fingerprinted) here; runs the golden check.")] = None,
-    expect_golden: Annotated[Optional[Path], typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
+    expect_golden: Annotated[Path | None, typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
                                                           "naming the first module whose output moved from this "
                                                           "golden file; runs the golden check.")] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
                                        "big for this machine, no weights allocated.")] = False,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
+    nproc: Annotated[int | None, typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
                                                  "across N processes (the config's distributed.nproc).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones "
                                           "too.")] = False,
@@ -257,8 +262,8 @@ class Planned:
     """One config's run, validated before any model loads."""
 
     path: Path | None  # None: --model
-    config: object  # fwdcheck.config.Config
-    job: object  # fwdcheck.worker.Job
+    config: Config
+    job: Job
 
 
 def _run(o: RunOptions) -> int:
@@ -334,8 +339,8 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     from fwdcheck.config import config_for
     from fwdcheck.golden import CHECK as GOLDEN
     from fwdcheck.golden import refuse_other_run
-    from fwdcheck.registry import DIRECT, check_options, select, selected
     from fwdcheck.overrides import Overrides
+    from fwdcheck.registry import DIRECT, check_options, select, selected
     from fwdcheck.worker import Job
 
     config = config_for(path, o.model)
@@ -712,9 +717,9 @@ def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
             if _same_file(target.path, input_path):
                 raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
         for other, earlier in seen:
-            if earlier.path == target.path or _same_file(earlier.path, target.path):
-                if not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
-                    raise UsageError(f"{label} is also the file of {other}; give each report its own file")
+            if (earlier.path == target.path or _same_file(earlier.path, target.path)) and \
+                    not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
+                raise UsageError(f"{label} is also the file of {other}; give each report its own file")
         seen.append((option, target))
         if target.direct:
             if not os.path.exists(target.path):  # /dev/fd/N of a descriptor this process does not have open
@@ -946,7 +951,7 @@ def init(
 def shrink(
     config: Annotated[Path, typer.Argument(help="YAML config of any source, e.g. the real config of "
                                            "the model you are about to train.", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the shrunk config; "
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the shrunk config; "
                                                    "default: CONFIG's stem + .shrunk.yaml in the working directory.",
                                                    show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
@@ -1011,7 +1016,7 @@ def diff_command(
                                              "inputs, dtype and device are used for both.", show_default=False)],
     config_b: Annotated[Path, typer.Argument(metavar="B", help="The second implementation's config; its `diff: "
                                              "{rename: [...]}` maps A's names to its own.", show_default=False)],
-    rename: Annotated[Optional[list[str]], typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
+    rename: Annotated[list[str] | None, typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
                                                         "regex rule mapping A's parameter and module names to B's, "
                                                         "after B's config's own (repeatable).")] = None,
     output_format: Annotated[DiffFormat, typer.Option("--format", help="The table (and, on a terminal, a plot of "

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +93,10 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
     if not enabled:
         return []
     offered = list(model.attention.implementations) if model.attention is not None else []
-    implementations = code_paths.attn_implementation or offered or [None]
+    implementations: Sequence[str | None] = code_paths.attn_implementation or offered or [None]
     implementations = [i for i in implementations if not offered or i in offered]
-    attentions = code_paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
+    attentions: Sequence[bool | None] = \
+        code_paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
     masks = code_paths.attention_mask
     if masks is None:
         masks = ["absent"]
@@ -154,7 +156,7 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
 
     def forward(module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
         B, T = input_ids.shape
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if path.output_attentions is not None:
             kwargs["output_attentions"] = path.output_attentions
         if position_ids is not None:
@@ -205,7 +207,7 @@ def path_signature(observation: Observation, logits: torch.Tensor | None, inputs
         digest.update(repr(value).encode())
         return True
 
-    records = [*observation.modules, *observation.attention, *observation.matmuls, *observation.dropouts]
+    records: list[Any] = [*observation.modules, *observation.attention, *observation.matmuls, *observation.dropouts]
     for record in records:
         digest.update(type(record).__name__.encode())
         for item in dataclasses.fields(record):

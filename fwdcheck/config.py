@@ -13,18 +13,32 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter,
-                      ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.rename import parse_rule
 
-Bug = Literal[tuple(BUGS)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
+    Bug = str  # a Literal of the names in BUGS, which a type checker cannot read off the tuple
+else:
+    Bug = Literal[tuple(BUGS)]
 
 
 class Strict(BaseModel):
@@ -259,7 +273,7 @@ class HFModel(ModelSpec):
         return files
 
 
-ModelSource = Annotated[Union[ReferenceModel, PythonModel, CheckpointModel, HFModel], Field(discriminator="source")]
+ModelSource = Annotated[ReferenceModel | PythonModel | CheckpointModel | HFModel, Field(discriminator="source")]
 # source name -> its config class, read off the union (each class's `source` Literal): the one list of the sources.
 MODEL_CLASSES: dict[str, type[BaseModel]] = {
     get_args(cls.model_fields["source"].annotation)[0]: cls for cls in get_args(get_args(ModelSource)[0])
@@ -574,7 +588,7 @@ def describe_validation_error(exc: ValidationError) -> str:
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def _describe_problem(error: dict, listed: set[tuple]) -> str:
+def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
     loc = _yaml_loc(error["loc"])
     if error["type"] == "extra_forbidden":
         mapping = tuple(error["loc"][:-1])

@@ -267,7 +267,7 @@ def pair(outputs_a: list[tuple[str, torch.Tensor]], outputs_b: list[tuple[str, t
     by_order: dict[int, int] = {}
     for in_a, in_b in gaps.values():
         if len(in_a) == len(in_b):
-            by_order.update(zip(in_a, in_b))
+            by_order.update(zip(in_a, in_b, strict=True))
     pairs = []
     for i, (name, tensor) in enumerate(outputs_a):
         j = matched.get(i, by_order.get(i))

@@ -42,17 +42,19 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import ExitCode, FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
 from fwdcheck.heard import Heard, WorkerError
@@ -63,7 +65,6 @@ from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.runner import Run, environment_summary, model_summary, run_model
 from fwdcheck.session import DTYPES
-from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 
 SHARDING = "sharding"  # the check every distributed run starts with
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
@@ -96,7 +97,7 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
     with _rank_server(run.settings.device, _models_modules(run.config)) as start_method:
         # A name that does not import, a device the ranks cannot have: the config's error, before any rank starts.
         if run.config.distributed.parallelize:
-            parallelize_function(run.config)
+            parallelize_function(cast(Config, run.config))  # a distributed run is a whole config's
         for local_rank in range(nproc):
             rank_device(run.settings.device, local_rank)
         heard = Heard(job)
@@ -162,7 +163,7 @@ def _rank_server(device: str, models_modules: set[str]):
     its handle is not the one CPython has had since 3.4, or a server of the process's own is running already (a
     caller's, in a process that runs fwdcheck in-process), the ranks are spawned, a new interpreter each, as torchrun
     does."""
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    server: Any = getattr(multiprocessing.forkserver, "_forkserver", None)
     if not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules")) \
             or server._forkserver_pid is not None:
         yield "spawn"
@@ -209,7 +210,7 @@ def _fork_server(server) -> None:
     resource_tracker.ensure_running()  # the ranks are handed its descriptor, as ensure_running does first
     launcher = os.getpid()
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # not in typeshed
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
@@ -463,8 +464,8 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             spec = run.config.distributed
             backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             try:
-                dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s),
-                                        **({"device_id": device} if device.type == "cuda" else {}))
+                device_id: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+                dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s), **device_id)
             except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
                 raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
             model = sharded(run, device, rank, world)
@@ -487,7 +488,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         # them in step: its error is the model's, as on one process), a check ran past timeout_s (a rank waiting for
         # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
         # collectives.
-        agreed = model.forward_adapter.take_agreed_raises()
+        agreed = cast(RankZeroLogits, model.forward_adapter).take_agreed_raises()  # as sharded() made it
         stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)),
                        None)
         if stopped is not None:
@@ -552,7 +553,7 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     model = run.load()
     model.module.to(device=device, dtype=dtype)
     mesh = _mesh(device, world)
-    module, how = shard(model, run.config, mesh, world)
+    module, how = shard(model, cast(Config, run.config), mesh, world)
     logits = RankZeroLogits(model.forward_adapter, rank, world)
     takes = model.forward_kwargs if model.forward_kwargs is not None else (
         set() if model.forward_adapter is not None else _parameters(module))
@@ -575,6 +576,7 @@ def _mesh(device: torch.device, world: int):
 def parallelize_function(config: Config) -> Callable:
     """The config's parallelize function, imported as the model's factory is: the model's code paths on sys.path,
     then the config's folder."""
+    assert config.distributed.parallelize is not None  # asked only of a config that names one
     code = getattr(config.model, "path", None) or getattr(config.model, "python_path", None) or []
     with on_sys_path(search_dirs(list(code), config)):
         return resolve_callable(config.distributed.parallelize, what="parallelize function")

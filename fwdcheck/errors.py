@@ -46,7 +46,7 @@ OWN_CODES = {
 class FwdcheckError(Exception):
     """Base class; its message is the one line the user sees."""
 
-    exit_code = ExitCode.INTERNAL
+    exit_code: int = ExitCode.INTERNAL  # a member of ExitCode; a worker's error carries the number it exited with
 
 
 class UsageError(FwdcheckError):

@@ -43,7 +43,8 @@ import sys
 import threading
 import time
 import types
-from typing import Callable
+from collections.abc import Callable
+from contextlib import suppress
 
 # Variables that no import reads, set per test or per terminal: a difference in them still lets a worker be forked
 # (the fork gets the supervisor's values all the same).
@@ -94,6 +95,7 @@ class ForkedWorker:
         except TimeoutError:
             if timeout == 0:
                 return None
+            assert timeout is not None  # next() times out only when given a timeout
             raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout) from None
         kind, _, value = (line or "").partition(" ")
         if kind == "status":
@@ -310,8 +312,11 @@ def serve(sock: socket.socket, supervisor_fd: int) -> None:
     """Fork a worker per request; reap each worker and write its wait status to the request's status pipe. Ends when
     the supervisor's process ends or closes its end of `sock`."""
     children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, status pipe)
+    pid: int | None  # of a request's worker; None: the fork failed
+    pidfd: int | None  # None: the worker could not be watched
     while True:
-        ready = select.select([sock, supervisor_fd, *children], [], [])[0]
+        watched: list[socket.socket | int] = [sock, supervisor_fd, *children]
+        ready = select.select(watched, [], [])[0]
         if supervisor_fd in ready:
             return
         for pidfd in [fd for fd in ready if fd in children]:
@@ -350,6 +355,7 @@ def serve(sock: socket.socket, supervisor_fd: int) -> None:
         if pidfd is None:
             os.close(status_w)
             continue
+        assert pid is not None  # a pidfd is opened only for a worker forked
         children[pidfd] = (pid, status_w)
         _write(status_w, f"pid {pid}\n")
 
@@ -403,10 +409,8 @@ def _as_main(module: types.ModuleType) -> types.ModuleType:
 
 
 def _write(fd: int, text: str) -> None:
-    try:
+    with suppress(OSError):  # OSError: the supervisor has gone, nobody reads the status
         os.write(fd, text.encode())
-    except OSError:  # the supervisor has gone: nobody reads the status
-        pass
 
 
 _STARTED_IN = os.getcwd()

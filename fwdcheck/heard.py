@@ -3,7 +3,8 @@ rank 0, from which the report of a run that did not finish is made."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fwdcheck.errors import FwdcheckError
 from fwdcheck.report import Report

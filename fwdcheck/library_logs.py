@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
 
 
 @contextmanager

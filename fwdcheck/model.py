@@ -10,10 +10,11 @@ from __future__ import annotations
 import builtins
 import inspect
 import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -62,7 +63,7 @@ class ModelUnderTest:
     tensor_parallel: Callable[[nn.Module, int], tuple[nn.Module, str]] | None = None  # (module, ranks) -> sharded
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
 
-    def using_attention(self, implementation: str | None) -> ContextManager[None]:
+    def using_attention(self, implementation: str | None) -> AbstractContextManager[None]:
         """The block runs this attention implementation (None: whichever runs now), the original put back after."""
         if implementation is None:
             return nullcontext()

@@ -28,9 +28,11 @@ import itertools
 import os
 import sys
 import weakref
+from collections.abc import Collection
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -374,7 +376,7 @@ class _Observer(TorchFunctionMode):
     def _model_line(self) -> str | None:
         """'path:line' of the model code making the call being observed: the first frame beyond torch and this
         observer, None when that is fwdcheck running the forward. Each call site is formatted once per observation."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None and (frame.f_code.co_filename.startswith(_TORCH)
                                      or frame.f_code.co_filename == __file__):
             frame = frame.f_back
@@ -482,6 +484,7 @@ class _Observer(TorchFunctionMode):
         else:  # the q @ k^T product it came from is now known to be one: record it, under its own time
             product.recorded = True
             if self.keep_tensors:
+                assert product.a is not None and product.b is not None  # held until the product is recorded
                 product.call.a, product.call.b = product.a.detach().clone(), product.b.detach().clone()
             self.record.matmuls.append(product.call)
             matmul = len(self.record.matmuls) - 1
@@ -743,7 +746,7 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
 
 def _parameters(module: nn.Module) -> tuple[list[str], set[str]]:
     """(names of the positional parameters of the module's forward in order, without self; names of all of them)."""
-    forward = module.forward
+    forward: Any = module.forward  # a bound method, or any callable set on the instance
     method = inspect.ismethod(forward)
     try:
         positional, accepted = _signature(forward.__func__ if method else forward)
@@ -817,7 +820,7 @@ def _shared_positions(value: Any) -> torch.Tensor | None:
 
 @contextmanager
 def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
-                    keep_inputs_of: set[str] = frozenset(), from_input: _Identities | None = None):
+                    keep_inputs_of: Collection[str] = frozenset(), from_input: _Identities | None = None):
     """Forward hooks on every submodule: keep a stack of running modules (with the positions and key sources their
     forward was handed) and record in/out shapes; the root's input ids go into from_input, where the observer
     follows what is computed from them."""
@@ -863,7 +866,7 @@ def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
 
 @contextmanager
 def observing(model: nn.Module, seq_len: int, keep_tensors: bool = False, zero_dropout: bool = False,
-              keep_inputs_of: set[str] = frozenset()):
+              keep_inputs_of: Collection[str] = frozenset()):
     """Everything inside runs observed; the Observation fills as it runs and is complete on exit."""
     record = Observation(seq_len=seq_len)
     where: list[_Frame] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn as nn
@@ -170,6 +170,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx  # which of the cache's layers holds this layer's keys and values
+        assert cfg.n_kv_heads is not None  # filled in by ReferenceConfig.__post_init__
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
@@ -340,14 +341,14 @@ class ReferenceTransformer(nn.Module):
     def set_attn_implementation(self, implementation: str) -> None:
         """Switch every layer's attention path ("sdpa" or "eager"), as Hugging Face's method of this name does."""
         assert implementation in ("sdpa", "eager"), f"unknown attention implementation {implementation!r}"
-        self.config.attention = implementation  # the layers read it at every forward
+        self.config.attention = cast(Literal["sdpa", "eager"], implementation)  # the layers read it at every forward
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The rotation the attention layers apply to q and k, on its own: x (B, nh, T, hs) turned by positions (T,)
         or (B, T), in the layers' precision (planted bugs included)."""
         cfg = self.config
         return apply_rope(x, positions, base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim,
-                          angle_dtype=self.layers[0].attn.angle_dtype(x))
+                          angle_dtype=cast(Block, self.layers[0]).attn.angle_dtype(x))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 past_key_values: KVCache | None = None, use_cache: bool = False, labels: torch.Tensor | None = None,

@@ -13,10 +13,15 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from contextlib import suppress
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from fwdcheck.errors import CheckLoadError, UsageError
+
+if TYPE_CHECKING:  # pydantic is imported on use: listing the checks must stay cheap
+    from pydantic import BaseModel
 
 GROUP = "fwdcheck.checks"
 BUILTIN_DIST = "fwdcheck"
@@ -39,8 +44,8 @@ class CheckEntry:
 
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
-        from fwdcheck.result import Check
         from fwdcheck.callables import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
+        from fwdcheck.result import Check
 
         # A direct reference may name a module beside the user's files, as `python -m` would find it.
         is_direct = self.distribution == DIRECT
@@ -119,10 +124,11 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
     import ast
 
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
     except (SyntaxError, ValueError, OSError):
         return {}
-    found = {}
+    found: dict[str, CheckInfo] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
             continue
@@ -131,10 +137,9 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             targets = statement.targets if isinstance(statement, ast.Assign) else \
                 [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
             if len(targets) == 1 and isinstance(targets[0], ast.Name):
-                try:
+                assert isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None  # targets
+                with suppress(ValueError):  # ValueError: computed, not a literal
                     values[targets[0].id] = ast.literal_eval(statement.value)
-                except ValueError:  # computed: not a literal
-                    pass
         literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
                    and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
                    and isinstance(values.get("detail_view", ""), (str, type(None)))
@@ -253,7 +258,7 @@ def select(names: list[str] | None) -> list[CheckEntry]:
 # What checks declare for the core: their options (a section of the config each), their flags, their finding codes
 
 
-def options_model(entry: CheckEntry) -> type | None:
+def options_model(entry: CheckEntry) -> type[BaseModel] | None:
     """The check's options model (Check.options, a pydantic model in a torch-free module), or None."""
     import pkgutil
 
@@ -261,14 +266,14 @@ def options_model(entry: CheckEntry) -> type | None:
     if reference is None:
         return None
     try:
-        model = pkgutil.resolve_name(reference)
+        model: type[BaseModel] = pkgutil.resolve_name(reference)
     except Exception as exc:  # a plugin whose options do not import breaks only itself
         raise CheckLoadError(f"check {entry.label}: its options model '{reference}' does not import: {exc}") from exc
     return model
 
 
 def check_options(configured: dict[str, dict], flagged: dict[str, dict],
-                  entries: list[CheckEntry]) -> dict[str, object]:
+                  entries: list[CheckEntry]) -> dict[str, BaseModel]:
     """Each check's options, validated: the config's `options:` section under the check's name, the command line's
     flags on top. Every selected check that has an options model gets one (its defaults when nothing is said); a
     section for a check that is not registered is a usage error with a did-you-mean, as is a wrong option."""
@@ -306,7 +311,7 @@ def check_options(configured: dict[str, dict], flagged: dict[str, dict],
     return validated
 
 
-def _options_problems(check: str, model: type, exc) -> str:
+def _options_problems(check: str, model: type[BaseModel], exc) -> str:
     """Every problem of a check's options on one line, each named by its place in the config."""
     problems = []
     for error in exc.errors(include_url=False):

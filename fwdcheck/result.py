@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from fwdcheck.model import ModelUnderTest

@@ -9,14 +9,26 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
-from fwdcheck.code_paths import (CodePath, LogitsAnchor, SameLogits, Verdicts, cell_settings, path_cells,
-                                 path_signature, path_view, plain_view, runs_per_code_path, verdict_from_logits,
-                                 verdicts_for)
-from fwdcheck.config import RunConfig
+from fwdcheck.code_paths import (
+    CodePath,
+    LogitsAnchor,
+    SameLogits,
+    Verdicts,
+    cell_settings,
+    path_cells,
+    path_signature,
+    path_view,
+    plain_view,
+    runs_per_code_path,
+    verdict_from_logits,
+    verdicts_for,
+)
+from fwdcheck.config import Config, RunConfig
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import code_location
@@ -48,7 +60,7 @@ class Run:
 
     def load(self) -> ModelUnderTest:
         """The model the config names (a Config's `model:` section)."""
-        return load_model(self.config)
+        return load_model(cast(Config, self.config))  # only a run of a whole Config loads its model
 
     def check(self, model: ModelUnderTest, *, config_path=None, progress: Callable[[str], None] | None = None,
               on_result: Callable[[CheckResult], None] | None = None) -> Report:
@@ -89,7 +101,7 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
                 default_path = results
                 results = run_code_paths(entries, results, model, settings, cells, session, progress)
                 written = watch.written()  # once for the whole matrix: a write only some code path makes
-                for result, before in zip(results, default_path):
+                for result, before in zip(results, default_path, strict=True):
                     if result is not before:  # the check ran over the matrix
                         report_parameter_writes(result, written, session, " on the code-path matrix")
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
@@ -144,7 +156,8 @@ def locate(finding: Finding, model: ModelUnderTest) -> str | None:
     if module is None:
         return None
     try:
-        return code_location(inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module))[1])
+        source, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module))[1]
+        return code_location(source, line) if source is not None else None
     except (TypeError, OSError):
         return None
 
@@ -168,7 +181,7 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
     """The checks that declare per_code_path, once per cell, each merged into one result that lists every cell. A
     check that skipped or could not run on the default path is left as it is. Cells outside, checks inside: a cell's
     session (its observation pass, its baseline) is shared by every per-path check."""
-    chosen = [i for i, (entry, result) in enumerate(zip(entries, results))
+    chosen = [i for i, (entry, result) in enumerate(zip(entries, results, strict=True))
               if result.status not in (Status.SKIP, Status.ERROR) and per_code_path(entry)]
     if not chosen:
         return results
@@ -196,7 +209,7 @@ def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
     if run.seq_len < settings.inputs.seq_len and _model_raised(run):
         again = run_cell(cell, entries, model, settings, shortest=settings.inputs.seq_len, max_rows=session.max_rows,
                          verdicts=verdicts)
-        again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens)]
+        again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens, strict=True)]
         again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
                                              f"T={again.seq_len}", again.note]))
         return again
@@ -244,7 +257,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
         with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
             signature = _signature(session) if verdicts is not None else None
-            same = verdicts.by_signature.get(signature) if signature else None
+            same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
             if same is not None:
                 spent = time.perf_counter() - started
                 results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0)
@@ -259,12 +272,15 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             for entry in entries:
                 before = session.forward_tokens
                 follows_logits = logits is not None and _declares(entry, verdict_from_logits)
-                shared = verdicts.same_logits(entry.name, session, logits) if follows_logits else None
+                # (logits are kept only with a signature, and a signature only with verdicts)
+                shared = verdicts.same_logits(entry.name, session, logits) \
+                    if follows_logits and verdicts is not None and logits is not None else None
                 result = _same_logits_verdict(entry, shared) if shared else run_one(entry, view, session)
                 results.append(result)
                 tokens.append(session.forward_tokens - before + observed)
                 observed = 0
-                if follows_logits and not shared and result.status == Status.PASS:  # a pass later cells may take
+                if follows_logits and logits is not None and not shared and result.status == Status.PASS:
+                    # a pass later cells may take
                     anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         message = f"{type(exc).__name__}: {exc}"
@@ -273,7 +289,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             tokens.append(0)
         signature, anchors = None, []
     run = CellRun(cell, own.inputs.seq_len, results, tokens)
-    if signature:
+    if signature and verdicts is not None:
         verdicts.by_signature.setdefault(signature, run)
         verdicts.anchors += anchors
     return run
@@ -374,7 +390,7 @@ def time_limit(seconds: float | None):
     ends. Afterwards it is armed again with the time it had left, its handler back in place."""
     usable = (seconds and seconds < _LONGEST_LIMIT and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
-    if not usable:
+    if not usable or seconds is None:  # (usable implies a number)
         yield
         return
     deadline = time.monotonic() + seconds

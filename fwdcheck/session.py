@@ -12,9 +12,10 @@ the first sample is run once for every check that compares at a short length (`p
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -93,7 +94,7 @@ class ModelState:
     removed, so that a second run finds the model as the first one did."""
 
     training: dict[nn.Module, bool] = field(default_factory=dict)
-    dropout_p: dict[nn.Module, float] = field(default_factory=dict)
+    dropout_p: dict[_DropoutNd, float] = field(default_factory=dict)
     # (owner, kind, name, original data, the .grad tensor, its original data)
     tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list)
@@ -140,6 +141,7 @@ class ModelState:
                 param = module._parameters[name] = self.parameters[module, name]
                 param.data = original  # .to() swapped .data (of the grad too); the original storages are intact
                 if grad is not None:
+                    assert grad_data is not None  # taken with the grad
                     grad.data = grad_data
                 param.grad = grad
             else:
@@ -152,7 +154,7 @@ class ModelState:
                     if buffer.shape == contents.shape:
                         buffer.copy_(contents)  # into its own storage, where the model and its views find it
                     else:  # resized in place
-                        buffer.set_(contents)
+                        buffer.set_(contents)  # type: ignore[call-overload]  # documented; the stubs list storages only
         for module, p in self.dropout_p.items():
             module.p = p
         for module, training in self.training.items():
@@ -220,10 +222,10 @@ class ParameterWatch:
         if not named:
             return {}
         prints = torch.stack([fingerprint(p).cpu() for _, p in named]).tolist()
-        return {name: tuple(values) for (name, _), values in zip(named, prints)}
+        return {name: tuple(values) for (name, _), values in zip(named, prints, strict=True)}
 
 
-def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
     """(name, read, set) of the process-wide settings model code is known to flip: TF32 and matmul precision,
     cuDNN's, the thread count, deterministic algorithms, grad mode, the default dtype and device, the SDPA backends.
     In the order they are put back: the matmul precision and the fp32_precision settings (torch 2.9 and later) first,
@@ -233,8 +235,9 @@ def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
     def attribute(owner: Any, path: str, name: str):
         return f"{path}.{name}", lambda: getattr(owner, name), lambda value: setattr(owner, name, value)
 
-    found = [("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
-              torch.set_float32_matmul_precision)]
+    found: list[tuple[str, Callable[[], Any], Callable[[Any], object]]] = [
+        ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
+         torch.set_float32_matmul_precision)]
     for path, owner in [("torch.backends", backends), ("torch.backends.cuda.matmul", backends.cuda.matmul),
                         ("torch.backends.cudnn", backends.cudnn), ("torch.backends.mkldnn", backends.mkldnn)]:
         for sub in ("", "matmul", "conv", "rnn"):
@@ -266,7 +269,7 @@ class GlobalState:
     """The process-wide settings a forward may flip, and the global module hooks it may register
     (`nn.modules.module.register_module_forward_hook` and the like); taken before a run and put back after it."""
 
-    switches: dict[str, tuple[Any, Callable[[], Any], Callable[[Any], None]]] = field(default_factory=dict)
+    switches: dict[str, tuple[Any, Callable[[], Any], Callable[[Any], object]]] = field(default_factory=dict)
     hooks: list[tuple[str, dict, dict]] = field(default_factory=list)  # (name, the global dict, a copy of it)
 
     @classmethod
@@ -458,10 +461,10 @@ class Session:
         """Logits of the session's inputs from the untouched model, computed once and shared by every check."""
 
         def compute():
-            try:  # first learn whether dropout is live in eval: then every comparison runs with it forced off
+            # First learn whether dropout is live in eval: then every comparison runs with it forced off. ModelRaised:
+            # the observer cannot follow this model; the plain forward below says whether it runs at all.
+            with suppress(ModelRaised):
                 self.observation()
-            except ModelRaised:
-                pass  # the observer cannot follow this model; the plain forward below says whether it runs at all
             logits = self.logits(self.inputs)
             self._observed = None  # from now on the untouched logits are the reference
             return logits
@@ -479,10 +482,8 @@ class Session:
         logits computed without the tokens that forward changed. On any change beyond the tolerance it must ask for
         `baseline()` and judge against that (`reference_untouched` says which one it got)."""
         if "baseline" not in self._cache:
-            try:
+            with suppress(ModelRaised):
                 self.observation()
-            except ModelRaised:
-                pass
             if self._observed is not None:
                 return self._observed
         return self.baseline()
@@ -544,7 +545,7 @@ class Session:
         return self._once("observation", compute)
 
     def observe(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep_tensors: bool = False,
-                keep_inputs_of: set[str] = frozenset()) -> Observation:
+                keep_inputs_of: Collection[str] = frozenset()) -> Observation:
         """One forward under the attention observer. Its logits are dropped (the mode can change code paths): it
         tells what the model did, not what it computes untouched. Only the session's own observation pass keeps
         them, as a reference that stands while untouched forwards agree with it (see reference())."""
@@ -618,6 +619,7 @@ def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     for start in range(0, V, step):
         part = (new[..., start:start + step] - reference[..., start:start + step]).abs_().amax(-1)  # (N, T)
         change = part if change is None else torch.maximum(change, part)
+    assert change is not None  # a vocabulary of at least one
     return change.nan_to_num_(nan=float("inf"))
 
 

@@ -25,9 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
-from typing import Callable
 
 from fwdcheck.errors import ExitCode
 from fwdcheck.forkserver import ForkedWorker, start_worker
@@ -55,6 +55,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
             os.close(events_write)
             os.close(output_write)
         run = Heard(job)
+        assert worker.stdin is not None  # a pipe, either way it started
         try:
             worker.stdin.write(json.dumps(asdict(job)).encode())
             worker.stdin.close()
@@ -92,7 +93,7 @@ def supervise(worker: subprocess.Popen | ForkedWorker, run: Heard, events_fd: in
         if received and signalled_at is None:
             signalled_at = time.monotonic()
             _signal(worker, signal.SIGINT)
-        if received and (len(received) > 1 or time.monotonic() - signalled_at > GRACE_S):
+        if received and (len(received) > 1 or signalled_at is not None and time.monotonic() - signalled_at > GRACE_S):
             _signal(worker, signal.SIGKILL)
         if deadline is not None and time.monotonic() > deadline and not received:
             _signal(worker, signal.SIGKILL)
@@ -162,10 +163,8 @@ def _signal(worker: subprocess.Popen | ForkedWorker, signum: int) -> None:
             return
         os.killpg(worker.pid, signum)
     except (ProcessLookupError, PermissionError, OSError):  # it has ended already (or leads no group of its own)
-        try:
+        with suppress(ProcessLookupError, OSError):
             worker.send_signal(signum)
-        except (ProcessLookupError, OSError):
-            pass
 
 
 @contextmanager
@@ -193,6 +192,7 @@ def ended(worker: subprocess.Popen | ForkedWorker) -> str:
     """How a worker that sent no report ended, in words: a forked one may have ended with its server."""
     if isinstance(worker, ForkedWorker) and worker.lost_with_server:
         return "ended with the fork server it was forked from (the server was killed)"
+    assert worker.returncode is not None  # it has ended
     return died(worker.returncode)
 
 

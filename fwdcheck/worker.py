@@ -22,9 +22,10 @@ import sys
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
 from fwdcheck.lifetime import die_with_parent
@@ -73,7 +74,8 @@ def execute(job: Job, *, progress: Callable[[str], None] | None = None,
             with about_config(config_path):
                 report = run.check(loaded, config_path=config_path, progress=progress, on_result=on_result)
         except BaseException as exc:
-            exc.warning_notes = warning_notes(caught)
+            # on whatever exception escaped, read back with getattr(exc, "warning_notes", [])
+            exc.warning_notes = warning_notes(caught)  # type: ignore[attr-defined]
             raise
     report.notes += [n for n in warning_notes(caught) if n not in report.notes]
     return report

@@ -69,41 +69,41 @@ P, F, S = "pass", "fail", "skip"
 # name -> (model section, what the model is, expected status per check, rope pairing expected or None)
 CASES: dict[str, tuple[dict, str, dict[str, str], str | None]] = {
     "GPT-2": (hf("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0),
-              "learned positions", dict(zip(CHECKS, (P, P, P, S))), None),
+              "learned positions", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
     "Llama (GQA)": (hf("llama", num_key_value_heads=2, **LLAMA_LIKE), "rotary, grouped-query",
-                    dict(zip(CHECKS, (P, P, P, P))), "half"),
+                    dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
     "Mistral (sliding window 4)": (hf("mistral", num_key_value_heads=2, sliding_window=4, **LLAMA_LIKE),
-                                   "rotary, sliding window", dict(zip(CHECKS, (P, P, P, P))), "half"),
-    "Qwen2": (hf("qwen2", num_key_value_heads=2, **LLAMA_LIKE), "rotary, qkv bias", dict(zip(CHECKS, (P, P, P, P))),
-              "half"),
+                                   "rotary, sliding window", dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
+    "Qwen2": (hf("qwen2", num_key_value_heads=2, **LLAMA_LIKE), "rotary, qkv bias",
+              dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
     "GPT-NeoX (partial rotary 0.5)": (hf("gpt_neox", rotary_pct=0.5, **LLAMA_LIKE), "rotary on half of each head",
-                                      dict(zip(CHECKS, (P, P, P, P))), "half"),
+                                      dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
     "GPT-J (interleaved rotary)": (hf("gptj", n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
-                                   "rotate_every_two", dict(zip(CHECKS, (P, P, P, P))), "interleaved"),
+                                   "rotate_every_two", dict(zip(CHECKS, (P, P, P, P), strict=True)), "interleaved"),
     "Phi (partial rotary 0.5)": (hf("phi", partial_rotary_factor=0.5, **LLAMA_LIKE), "rotary, parallel block",
-                                 dict(zip(CHECKS, (P, P, P, P))), "half"),
+                                 dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
     "Gemma (MQA)": (hf("gemma", num_key_value_heads=1, head_dim=8, **LLAMA_LIKE), "rotary, multi-query",
-                    dict(zip(CHECKS, (P, P, P, P))), "half"),
+                    dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
     "OPT": (hf("opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
-            "learned positions", dict(zip(CHECKS, (P, P, P, S))), None),
+            "learned positions", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
     "BERT (BertForMaskedLM)": (hf("bert", "BertForMaskedLM", **LLAMA_LIKE), "bidirectional encoder",
-                               dict(zip(CHECKS, (P, F, F, S))), None),
+                               dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
     "nn.TransformerEncoder + generate_square_subsequent_mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "float"}},
-        "float 0/-inf mask", dict(zip(CHECKS, (P, P, P, S))), None),
+        "float 0/-inf mask", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
     "nn.TransformerEncoder + bool triu(1) mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "bool"}},
-        "True = masked, right for MHA", dict(zip(CHECKS, (P, P, P, S))), None),
+        "True = masked, right for MHA", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
     "nn.TransformerEncoder, no mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "none"}},
-        "bidirectional", dict(zip(CHECKS, (P, F, F, S))), None),
+        "bidirectional", dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
     "nn.TransformerEncoder + bool tril mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "tril_bool"}},
-        "SDPA's convention handed to MHA", dict(zip(CHECKS, (P, F, F, S))), None),
+        "SDPA's convention handed to MHA", dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report(name: str):
     return run_checks(CASES[name][0], inputs={"batch_size": 2, "seq_len": 8})
 

@@ -420,10 +420,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))  # (hs/2,)
         t = torch.arange(cfg.max_position_embeddings).float()  # (P,)
         freqs = torch.outer(t, inv_freq)  # (P, hs/2)
-        if self.pairing == "half":
-            emb = torch.cat((freqs, freqs), dim=-1)  # (P, hs): dim i and i + hs/2 share a frequency
-        else:
-            emb = freqs.repeat_interleave(2, dim=-1)  # (P, hs): dims 2i and 2i+1 share a frequency
+        # (P, hs): "half" pairs dim i with i + hs/2, else dims 2i and 2i+1; a pair shares a frequency
+        emb = torch.cat((freqs, freqs), dim=-1) if self.pairing == "half" else freqs.repeat_interleave(2, dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 

@@ -136,7 +136,8 @@ def test_saturated_attention_at_initialisation_warns():
     r = report.results[0]
     assert r.status.value == "warn" and {f.code for f in r.findings} == {"FWD954"}
     assert r.metrics["saturated_share"] > 0.5
-    trained = run_model(dataclasses.replace(model, weights_at_init=False), Settings.from_config(config), select([CHECK]))
+    trained = run_model(dataclasses.replace(model, weights_at_init=False), Settings.from_config(config),
+                        select([CHECK]))
     assert trained.results[0].status.value == "pass"
 
 

@@ -17,6 +17,7 @@ import shutil
 import struct
 import sys
 import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def _integer_weight(path: Path) -> None:
 def _duplicate_key(path: Path) -> None:
     # safetensors' own writer cannot name a key twice: the header is written by hand, both entries valid.
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
-    header = '{"wte.weight": %s, "wte.weight": %s}' % (json.dumps(entry), json.dumps(entry))
+    # %-format: the JSON template's own braces would need doubling in an f-string.
+    header = '{"wte.weight": %s, "wte.weight": %s}' % (json.dumps(entry), json.dumps(entry))  # noqa: UP031
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + torch.ones(2).numpy().tobytes())
 
 
@@ -135,10 +137,8 @@ def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
     def release():  # should a reader block on it after all, hand it an end of file: a failure, not a hung suite
-        try:
+        with suppress(OSError):  # OSError: no reader, nothing to release
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:  # no reader: nothing to release
-            pass
 
     timer = threading.Timer(10, release)
     timer.daemon = True

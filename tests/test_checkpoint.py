@@ -195,7 +195,8 @@ def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
     assert loaded.extra["unexpected_keys"] == ["layers.0.attn.query.weight"]
     assert loaded.extra["renamed_keys"] == {"layers.0.attn.query.weight": "layers.0.attn.q_proj.weight"}
     notes = " | ".join(loaded.extra["notes"])
-    assert "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'" in notes
+    assert ("key 'layers.0.attn.query.weight' in the checkpoint looks renamed from "
+            "'layers.0.attn.q_proj.weight'") in notes
     assert "missing from the checkpoint" in notes and "ignored" in notes
     # The missing key cannot be assigned: the model is rebuilt on the CPU, the rest still the file's bits.
     assert loaded.extra["built_on"] == "cpu"
@@ -213,7 +214,8 @@ def test_renamed_key_with_strict_exits_2_naming_it(tmp_path):
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
     one_line_error(cli(tmp_path, checkpoint_model(path, strict=True)), "strict",
                    "missing 'layers.0.attn.q_proj.weight'", "unexpected 'layers.0.attn.query.weight'",
-                   "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'")
+                   "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from "
+                   "'layers.0.attn.q_proj.weight'")
 
 
 def test_whole_family_renamed_pairs_each_key_with_its_own(tmp_path):

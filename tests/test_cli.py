@@ -17,10 +17,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import Result
 from typer.testing import CliRunner
 
 from fwdcheck import __version__
@@ -43,12 +45,12 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def invoke(*args) -> "Result":
+def invoke(*args) -> Result:
     # catch_exceptions=False: an exception escaping the CLI fails the test with its traceback instead of hiding it.
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
-def run_json(*args) -> tuple["Result", dict]:
+def run_json(*args) -> tuple[Result, dict]:
     result = invoke("run", *args, "--format", "json")
     assert "Traceback" not in result.output, result.output
     return result, json.loads(result.stdout)
@@ -790,10 +792,8 @@ def test_config_that_is_a_fifo_is_refused_without_waiting(tmp_path):
     os.mkfifo(fifo)
 
     def release():  # should the run open it after all, give it an end of file: a failing test, not a hung one
-        try:
+        with suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
 
     timer = threading.Timer(10, release)
     timer.daemon = True

@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
-from fwdcheck.callables import on_sys_path, resolve_callable
 from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds
 from tests.corpus import VOCAB
 from tests.corpus.meta_llama import DIMS as META_DIMS
 from tests.corpus.modded import DIMS as MODDED_DIMS
-from tests.corpus.xtransformers_models import DIMS as XT_DIMS, ROTARY_DIM as XT_ROTARY_DIM
+from tests.corpus.xtransformers_models import DIMS as XT_DIMS
+from tests.corpus.xtransformers_models import ROTARY_DIM as XT_ROTARY_DIM
 
 # The third-party corpus (hundreds of cases on four libraries' models): the slow tier.
 pytestmark = pytest.mark.slow
@@ -337,7 +338,7 @@ def config(case: Case):
     })
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report(case_id: str):
     cfg = config(BY_ID[case_id])
     with warnings.catch_warnings():

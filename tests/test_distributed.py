@@ -254,7 +254,7 @@ def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(t
         pass
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGUSR1, signal.SIGINT)}
-    locked = open(tmp_path / "lock", "w")
+    locked = open(tmp_path / "lock", "w")  # noqa: SIM115 -- held open and locked across the fork; closed below
     fcntl.flock(locked, fcntl.LOCK_EX)
     try:
         read, write = os.pipe()

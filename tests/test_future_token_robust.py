@@ -7,8 +7,8 @@ that measured nothing at all is an error. Batch size 1 is covered in every defau
 
 from __future__ import annotations
 
-import re
 import math
+import re
 
 import pytest
 import torch

@@ -122,9 +122,8 @@ def test_an_enclosing_timer_keeps_its_remaining_time_and_handler(enclosing_timer
     handler = signal.getsignal(signal.SIGALRM)
     signal.setitimer(signal.ITIMER_REAL, 30)
     start = time.monotonic()
-    with pytest.raises(CheckTimeout):
-        with time_limit(0.2):
-            time.sleep(5)
+    with pytest.raises(CheckTimeout), time_limit(0.2):
+        time.sleep(5)
     remaining, _ = signal.getitimer(signal.ITIMER_REAL)
     assert 29 < remaining <= 30 - (time.monotonic() - start) + 0.01, remaining
     assert signal.getsignal(signal.SIGALRM) is handler
@@ -133,9 +132,7 @@ def test_an_enclosing_timer_keeps_its_remaining_time_and_handler(enclosing_timer
 
 def test_an_enclosing_time_limit_ends_a_hung_inner_block_on_its_own_deadline():
     start = time.monotonic()
-    with pytest.raises(CheckTimeout) as raised:
-        with time_limit(0.3):
-            with time_limit(60):
-                time.sleep(5)
+    with pytest.raises(CheckTimeout) as raised, time_limit(0.3), time_limit(60):
+        time.sleep(5)
     assert raised.value.seconds == 0.3 and time.monotonic() - start < 2
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

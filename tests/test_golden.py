@@ -30,7 +30,8 @@ def test_seed_output_through_sdpa_and_the_reference_eager_path():
     v = VALUES[None, None]  # (1, 1, 3, 2)
     out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
     assert out.flatten().tolist() == pytest.approx([1.5, 1.5])
-    attention = ReferenceTransformer(ReferenceConfig(d_model=1, n_heads=1, n_layers=1, positional="none")).layers[0].attn
+    model = ReferenceTransformer(ReferenceConfig(d_model=1, n_heads=1, n_layers=1, positional="none"))
+    attention = model.layers[0].attn
     eager = attention.eager_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0)  # scale 1/sqrt(1)
     assert eager.flatten().tolist() == pytest.approx([1.5, 1.5])
 
@@ -68,12 +69,9 @@ def test_rope_2d_identity(m, n, seed):
     q, k = torch.randn(2, 1, 1, 1, 2, generator=g, dtype=torch.float64)
     for pairing in ("half", "interleaved"):
         def rotate(x, p):
-            return apply_rope(x, torch.tensor([p]), 10000.0, pairing, 2).double()
+            return apply_rope(x, torch.tensor([p]), 10000.0, pairing, 2).double()  # noqa: B023 -- this iteration's
         lhs = (rotate(q, m) * rotate(k, n)).sum()
-        if n >= m:
-            rhs = (q * rotate(k, n - m)).sum()
-        else:
-            rhs = (rotate(q, m - n) * k).sum()
+        rhs = (q * rotate(k, n - m)).sum() if n >= m else (rotate(q, m - n) * k).sum()
         assert float(lhs) == pytest.approx(float(rhs), abs=1e-4)
 
 

@@ -84,6 +84,7 @@ def test_without_a_golden_file_it_records():
 def test_a_module_called_twice_is_recorded_per_call():
     """A shared block run twice in one forward: its calls are `name` and `name#2`."""
     import torch
+
     from fwdcheck.activations import module_outputs
 
     block = torch.nn.Linear(4, 4)

@@ -76,7 +76,7 @@ def test_directory_without_weights_is_random_and_seeded(tmp_path):
     first = load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
     second = load_model(config_from_dict({"model": {"source": "hf", "path": str(tmp_path)}}))
     assert any("random initialisation" in n for n in first.extra["notes"])
-    assert all(torch.equal(a, b) for a, b in zip(first.module.parameters(), second.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(first.module.parameters(), second.module.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("model, message", [

@@ -87,7 +87,8 @@ def test_every_module_imports_alone():
 def imported(name: str, known: set[str]) -> set[str]:
     """The fwdcheck modules `name` imports anywhere in its file, inside functions too (not under TYPE_CHECKING:
     those never run). An import of a.b.c imports the packages a.b and a first, unless they are name's own."""
-    tree = ast.parse(open(importlib.util.find_spec(name).origin, encoding="utf-8").read())
+    with open(importlib.util.find_spec(name).origin, encoding="utf-8") as file:
+        tree = ast.parse(file.read())
     type_checking = [branch for branch in ast.walk(tree)
                      if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")]
     skipped = {id(node) for branch in type_checking for stmt in branch.body for node in ast.walk(stmt)}

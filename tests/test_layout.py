@@ -35,9 +35,9 @@ def named_sources(tree: ast.AST, file: str = "") -> list[str]:
             names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in SOURCE_NAMES]
             if reads_source and names:
                 found.append(f"line {node.lineno}: compares .source with {names[0]!r}")
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
-            if "ReferenceTransformer" in ast.unparse(node.args[1]):
-                found.append(f"line {node.lineno}: isinstance(..., ReferenceTransformer)")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2 \
+                and "ReferenceTransformer" in ast.unparse(node.args[1]):
+            found.append(f"line {node.lineno}: isinstance(..., ReferenceTransformer)")
     return found
 
 

@@ -99,7 +99,8 @@ class GptFast(nn.Module):
         first = self.prefill or T
         bounds = list(range(0, first, self.chunk or first)) + list(range(first, T))
         ends = bounds[1:] + [T]
-        return torch.cat([self.step(input_ids[:, s:e], torch.arange(s, e)) for s, e in zip(bounds, ends)], dim=1)
+        return torch.cat([self.step(input_ids[:, s:e], torch.arange(s, e))
+                          for s, e in zip(bounds, ends, strict=True)], dim=1)
 
 
 def test_cache_longer_than_the_prompt_is_judged_by_input_pos():
@@ -211,7 +212,7 @@ class EinsumChunked(nn.Module):
             layer.cache = None
         starts = [0, *range(self.prefill, T, self.chunk)] if self.prefill else list(range(0, T, self.chunk))
         logits = []
-        for s, e in zip(starts, starts[1:] + [T]):
+        for s, e in zip(starts, starts[1:] + [T], strict=True):
             x = self.emb(input_ids[:, s:e]) + self.pos.weight[s:e]  # (B, n, C)
             for layer in self.layers:
                 x = x + layer(x)
@@ -362,7 +363,8 @@ def test_cross_attention_is_reported_not_judged(memory):
 
 
 class EncoderDecoder(nn.Module):
-    """nn.Transformer: its encoder reads a fixed source (bidirectional, as an encoder should), its decoder the tokens."""
+    """nn.Transformer: its encoder reads a fixed source (bidirectional, as an encoder should), its decoder the
+    tokens."""
 
     def __init__(self, source: int = 8):
         super().__init__()
@@ -412,7 +414,7 @@ def test_sdpa_cross_attention_named_by_its_context_argument():
 
     def forward(input_ids):
         x = model.emb(input_ids) + model.pos.weight[:input_ids.shape[1]]
-        for layer, cross in zip(model.layers, model.cross):
+        for layer, cross in zip(model.layers, model.cross, strict=True):
             layer.cache = None
             x = x + layer(x)
             x = x + cross(x, context=context.expand(x.shape[0], -1, -1))

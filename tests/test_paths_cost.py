@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwdcheck.config import config_from_dict
 from fwdcheck.code_paths import CELL_LENGTH, CodePath, cell_length, path_cells, runs_per_code_path
+from fwdcheck.config import config_from_dict
 from fwdcheck.registry import direct, select
 from fwdcheck.result import Check, CheckResult, Status
 from fwdcheck.runner import run_cell
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
-from tests.test_paths import PATH_BUG_CELLS
 from tests.conftest import run_checks
 from tests.models import PathBugModel
+from tests.test_paths import PATH_BUG_CELLS
 
 PATH_BUG = {"source": "python", "factory": "tests.models:path_bug"}
 PROBE = "tests.test_paths_cost:CellProbe"

@@ -13,12 +13,12 @@ import pytest
 from rich.console import Console
 
 import fwdcheck
+from fwdcheck.checks.mask_audit_view import may_read_grid
 from fwdcheck.reference import build
 from fwdcheck.report import Report
 from fwdcheck.report.github import to_github
 from fwdcheck.report.junit import to_junit
 from fwdcheck.report.markdown import to_markdown
-from fwdcheck.checks.mask_audit_view import may_read_grid
 from fwdcheck.report.terminal import Verbosity, key_number, render
 from fwdcheck.result import Status
 from tests import readme_example
@@ -203,7 +203,7 @@ def test_a_long_cache_is_drawn_as_a_window_around_the_query_position():
 # -- how much is shown: quiet when green, the detail of what did not pass, one line when asked -------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(*bugs: str, checks: tuple[str, ...] | None = None, **model) -> Report:
     """A run of the reference model with the bugs planted, shared by the tests below (reports are read, not changed)."""
     return run_checks({"source": "reference", "bugs": list(bugs), **model}, list(checks) if checks else None)

@@ -254,10 +254,8 @@ class TinyLM(nn.Module):
             x = x + sinusoids(positions, self.config.d_model).to(x.dtype)
         if self.smear is not None:
             x = torch.cat([x[:, :1], x[:, 1:] + self.smear(x[:, :-1])], dim=1)  # token t also carries token t - 1
-        if self.config.cache:
-            mask = self.causal_mask[None, None, positions]  # (1, 1, T, S): query rows by input_pos, gpt-fast style
-        else:
-            mask = self.causal_mask[:T, :T]
+        # (1, 1, T, S) when cached: query rows by input_pos, gpt-fast style
+        mask = self.causal_mask[None, None, positions] if self.config.cache else self.causal_mask[:T, :T]
         for block in self.layers:
             x = block(x, positions, mask, given)
         return self.lm_head(self.norm(x))

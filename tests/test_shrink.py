@@ -16,7 +16,15 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.sources.shrink import KWARG_KEYS, clamp_token, keep_layers, resample, shrink_heads, shrink_hf_dict, shrink_sizes
+from fwdcheck.sources.shrink import (
+    KWARG_KEYS,
+    clamp_token,
+    keep_layers,
+    resample,
+    shrink_heads,
+    shrink_hf_dict,
+    shrink_sizes,
+)
 
 # Imported here, not first inside a CliRunner call: transformers' log handler would keep that call's closed stderr.
 transformers = pytest.importorskip("transformers")

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
+from fwdcheck.callables import resolve_callable
 from fwdcheck.config import MODEL_CLASSES
 from fwdcheck.sources import LOADERS
-from fwdcheck.callables import resolve_callable
 
 
 def test_every_source_has_a_loader_and_every_loader_a_source():

@@ -256,7 +256,7 @@ def test_each_misbehaviour_in_a_forked_worker_leaves_the_same_report(config):
     assert "Traceback" not in proc.stderr
     first, *reports = json.loads(proc.stdout)["reports"]
     assert first["exit_code"] == 0 and len(reports) == len(names)
-    for name, report in zip(names, reports):
+    for name, report in zip(names, reports, strict=True):
         if name == "chatty":
             assert report["exit_code"] == 0
         else:

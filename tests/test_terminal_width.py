@@ -29,7 +29,7 @@ SAMPLES = sorted((ROOT / "sample_configs").rglob("*.yaml"))
 WIDTHS = (80, 120)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report_of(config_path: Path) -> Report:
     config = load_config(config_path)
     if config.model.source == "hf":

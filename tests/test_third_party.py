@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fwdcheck.callables import resolve_callable
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.session import Settings
 from fwdcheck.sources import load_model
-from fwdcheck.callables import resolve_callable
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
@@ -118,7 +118,7 @@ def config(case: Case, **inputs):
     })
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report(case_id: str):
     cfg = config(BY_ID[case_id])
     with warnings.catch_warnings():
@@ -148,7 +148,7 @@ def test_verdict(case_id, check):
         f"  {f.code} {f.status.value}: {f.message} [{f.where}]" for f in r.findings)
 
 
-# -- the ground truth, measured with plain torch (no fwdcheck) ----------------------------------------------------------
+# -- the ground truth, measured with plain torch (no fwdcheck) ---------------------------------------------------------
 
 
 def _load(case: Case):
@@ -188,7 +188,7 @@ def test_ground_truth(case_id):
     assert leaks == (case.truth in ("leaks", "bidirectional"))
 
 
-# -- what the checks report beyond the status ---------------------------------------------------------------------------
+# -- what the checks report beyond the status --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case_id, pairing, base", [

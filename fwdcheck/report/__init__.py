@@ -80,7 +80,7 @@ class Report:
                   interrupted: bool = False) -> Report:
         """The inverse of to_dict, given what the JSON report leaves out (which errors were fwdcheck's own)."""
         flags = internal_errors or [False] * len(d["checks"])
-        return cls(results=[CheckResult.from_dict(c, flag) for c, flag in zip(d["checks"], flags)],
+        return cls(results=[CheckResult.from_dict(c, flag) for c, flag in zip(d["checks"], flags, strict=False)],
                    model=d.get("model", {}), environment=d.get("environment", {}), notes=d.get("notes", []),
                    config_path=d.get("config"), fail_on=fail_on, interrupted=interrupted)
 

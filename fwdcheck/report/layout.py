@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, JustifyMethod, RenderResult
 from rich.measure import Measurement
 from rich.table import Column, Table
 from rich.text import Text
@@ -18,7 +18,7 @@ from rich.text import Text
 @dataclass
 class FitColumn:
     header: str
-    justify: str = "left"
+    justify: JustifyMethod = "left"
     style: str = ""
     whole: bool = False  # never wrapped (a shape, a number, a name); other columns wrap between words
     give_way: int | None = None  # at a width too narrow for every column, these are left out, lowest first
@@ -39,13 +39,13 @@ class FitTable:
             giving_way = [i for i in kept if self.columns[i].give_way is not None]
             if not giving_way:
                 break
-            kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way))
+            kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way or 0))  # None: not in giving_way
         widths = self._widths(kept, self._room(console, options, kept))
         # A whole column narrowed below its longest cell (the last resort) folds like the others rather than crop.
         table = Table(*(Column(self.columns[i].header, justify=self.columns[i].justify, style=self.columns[i].style,
                                no_wrap=self.columns[i].whole and width >= self._least(i), overflow="fold",
                                width=width)
-                        for i, width in zip(kept, widths)),
+                        for i, width in zip(kept, widths, strict=True)),
                       title=self.title, title_justify="left", **self.options)
         for row in self.rows:
             table.add_row(*(row[i] for i in kept))

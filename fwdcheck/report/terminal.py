@@ -1,9 +1,10 @@
 """The rich terminal report: a summary table, then each check's detail panel: its findings, and its data drawn by the
-view the check names (Check.detail_view: the built-ins' live beside them, checks/<name>_view.py), and `fwdcheck diff`.
+view the check names (Check.detail_view: the built-ins' live beside them, checks/<name>_view.py); and `fwdcheck diff`.
 
-It only shows what the checks put in their results; it computes nothing but layout (report/layout.py). How much it shows is the
-reader's choice (Verbosity): a green run is a few lines, a red one shows the detail of what did not pass. Tables are
-laid out for the console's width: a word is never cut, and at a narrow width the least needed columns give way first.
+It only shows what the checks put in their results; it computes nothing but layout (report/layout.py). How much it
+shows is the reader's choice (Verbosity): a green run is a few lines, a red one shows the detail of what did not
+pass. Tables are laid out for the console's width: a word is never cut, and at a narrow width the least needed
+columns give way first.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import functools
 import math
 import pkgutil
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -36,7 +37,7 @@ class Verbosity(str, Enum):
     VERBOSE = "verbose"  # the summary table and every check's detail
 
 
-def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity = Verbosity.DEFAULT,
+def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity | str = Verbosity.DEFAULT,
            durations: bool = True) -> None:
     """The report on `console`, laid out for its width. `durations` False leaves every time out, for text that must
     not change from run to run (documentation, comparisons)."""
@@ -264,7 +265,7 @@ def code_paths(rows: list[dict]) -> RenderableType:
                     pad_edge=False, show_edge=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detail_view(check: str) -> Callable[[CheckResult], RenderableType] | None:
     """The function a check names (Check.detail_view) to draw its data in its panel; None when it names none, or
     is not installed here (a report read from a file), or its view does not import: the findings still show."""

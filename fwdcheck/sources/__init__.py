@@ -21,7 +21,8 @@ starter config for it; `fwdcheck shrink` once shrink.py has rules for it.)
 from __future__ import annotations
 
 import pkgutil
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fwdcheck.config import Config, Dims, FactoryModel, HFModel, RopeSpec
 
@@ -58,9 +59,10 @@ def from_module(module: nn.Module, *, vocab_size: int | None = None, max_positio
 
     declared_rope = RopeSpec(**rope) if rope else None
     if forward is None and is_transformers_model(module):
-        spec = HFModel(source="hf", config={"model_type": module.config.model_type}, causal=causal,
-                       rope=declared_rope)
-        return hf_model_under_test(module, spec, notes=[])
+        hf_config: Any = module.config  # a transformers PretrainedConfig
+        hf_spec = HFModel(source="hf", config={"model_type": hf_config.model_type}, causal=causal,
+                          rope=declared_rope)
+        return hf_model_under_test(module, hf_spec, notes=[])
     spec = FactoryModel(factory="api:check_model", vocab_size=vocab_size, max_positions=max_positions, causal=causal,
                         rope=declared_rope, dims=Dims(**dims) if dims else None)
     parts = FactoryParts(factory=lambda: module, forward=forward, rotary=None)

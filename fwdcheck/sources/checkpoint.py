@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fwdcheck.callables import on_sys_path, search_dirs
 from fwdcheck.config import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.callables import on_sys_path, search_dirs
 from fwdcheck.sources.factory import FactoryParts, call_factory, import_factory_parts, model_from_module
 
 SAFETENSORS = (".safetensors",)
@@ -376,9 +376,9 @@ def unwrap_state_dict(obj: Any, path: Path, notes: list[str], depth: int = 0) ->
                 notes.append(f"unwrapped checkpoint['{key}']{ignored}")
                 return unwrap_state_dict(inner, path, notes, depth + 1)
     if tensors:
-        ignored = [str(k) for k in obj if k not in tensors]
+        ignored_keys = [str(k) for k in obj if k not in tensors]
         notes.append(f"loaded the {len(tensors)} top-level tensors; ignored non-tensor entries: "
-                     f"{', '.join(ignored[:8])}")
+                     f"{', '.join(ignored_keys[:8])}")
         return tensors
     keys = ", ".join(str(k) for k in list(obj)[:8]) or "none"
     raise ModelLoadError(f"checkpoint {path}: holds no tensors (a {type(obj).__name__} with keys: {keys})")
@@ -392,7 +392,8 @@ def _holds_tensors(mapping: Mapping) -> bool:
 # Building and loading
 
 
-def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path], notes: list[str]) -> nn.Module | None:
+def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path],
+                   notes: list[str]) -> nn.Module | None:
     """The factory's module on the meta device, or None (with a note) when the factory cannot run there."""
     try:
         with torch.device("meta"):
@@ -623,7 +624,7 @@ def _names(keys: list[str]) -> str:
     return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """An exception's message as one short line: colour codes out, the first line, the first sentence of a long one."""
     text = _ANSI.sub("", str(exc)).strip()
     line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)

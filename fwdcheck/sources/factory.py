@@ -3,15 +3,16 @@ importing the callables a config names, calling the factory, and reading the siz
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 
+from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.config import FactoryModel
 from fwdcheck.config_keys import CONFIG_KEYS, extended
-from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model import ModelUnderTest, Rotary, describe, model_failure
 from fwdcheck.sources.detect import detect_capabilities

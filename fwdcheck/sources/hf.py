@@ -14,15 +14,24 @@ import os
 import sys
 import textwrap
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
 from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
-from fwdcheck.config import (HF_WEIGHT_FILES, MAX_DEPTH, Config, HFModel, RopeSpec, describe_validation_error,
-                             nesting_depth, regular_file)
+from fwdcheck.config import (
+    HF_WEIGHT_FILES,
+    MAX_DEPTH,
+    Config,
+    HFModel,
+    RopeSpec,
+    describe_validation_error,
+    nesting_depth,
+    regular_file,
+)
 from fwdcheck.config_keys import CONFIG_KEYS
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes
@@ -76,6 +85,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         cls = _model_class(spec, transformers)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
         for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
+            assert spec.path is not None  # has_weights
             regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
         try:
             if config.meta:
@@ -100,7 +110,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
 
 def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str],
                         weights_at_init: bool = False) -> ModelUnderTest:
-    cfg = module.config
+    cfg: Any = module.config  # a transformers PretrainedConfig
     # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
     # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
@@ -162,6 +172,7 @@ def _hf_config(spec: HFModel, transformers) -> Any:
         except Exception as exc:
             raise ModelLoadError(f"inline config: {type(exc).__name__}: {exc}") from exc
     path = spec.path
+    assert path is not None  # the schema asks for exactly one of config and path
     if not path.exists():
         raise ModelLoadError(f"{path}: no such directory")
     if not path.is_dir():
@@ -216,7 +227,7 @@ def refuse_oversized(cls, hf_config, spec: HFModel) -> None:
             key in spec.config or hf_config.attribute_map.get(key) in spec.config for key in SIZE_KEYS):
         raise ModelLoadError(f"model.config gives no sizes: transformers' default {hf_config.model_type} would build a "
                              f"{size}, {limit}; give {', '.join(SIZE_KEYS)}, or {shrink}")
-    where = "model.config" if spec.config is not None else f"{spec.path / 'config.json'}"
+    where = "model.config" if spec.config is not None else f"{cast(Path, spec.path) / 'config.json'}"
     raise ModelLoadError(f"{where} would build a {size} with random weights (no weights file beside it), {limit}; "
                          f"{shrink}, or check its shapes alone with `--meta`")
 
@@ -309,10 +320,10 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
                                 "use_cache=False (transformers finds the documents from the positions)",
                                 position_ids=True, fixed=(("use_cache", False),))
         return
-    reason = windowed(module.config)
-    if reason:
+    window = windowed(module.config)
+    if window:
         model.unavailable["packing"] = (f"{type(module).__name__} does not find packed documents from position_ids, "
-                                        f"and one 4-D attention_mask cannot carry its own attention pattern ({reason})")
+                                        f"and one 4-D attention_mask cannot carry its own attention pattern ({window})")
         return
     model.packing = Packing("additive-mask", "a 4-D block-diagonal causal attention_mask (additive) with "
                             "position_ids restarting per document", argument="attention_mask", position_ids=True)
@@ -333,8 +344,9 @@ def dynamic_cache(module: nn.Module) -> Any:
     config."""
     from transformers import DynamicCache
 
+    config: Any = module.config  # a transformers PretrainedConfig
     try:
-        return DynamicCache(config=module.config)
+        return DynamicCache(config=config)
     except TypeError:  # releases whose DynamicCache takes no config
         return DynamicCache()
 
@@ -397,7 +409,7 @@ def tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
     if not plan:
         raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
                          "function")
-    cls = type(module)
+    cls: Any = type(module)  # a transformers PreTrainedModel class
     try:
         config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
         return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Literal
 
 import torch
 
+from fwdcheck.callables import search_dirs
 from fwdcheck.capabilities import Cache, Loss, Packing
 from fwdcheck.config import Config, PythonModel
 from fwdcheck.model import ModelUnderTest
-from fwdcheck.callables import search_dirs
 from fwdcheck.sources.factory import call_factory, import_factory_parts, model_from_module
 
 
@@ -28,7 +29,8 @@ def declare_interfaces(model: ModelUnderTest, spec: PythonModel) -> None:
     """What the config declares for the checks that drive forward in ways of its own; it wins over what was
     detected on the module."""
     if spec.cache is not None:  # how the kv-cache check decodes through the model
-        style = "input_pos" if spec.cache.style == "gpt-fast" else "past_key_values"
+        style: Literal["input_pos", "past_key_values"] = \
+            "input_pos" if spec.cache.style == "gpt-fast" else "past_key_values"
         model.cache = Cache(style, origin="declared in the config (model.cache)",
                             setup=spec.cache.setup if style == "input_pos" else None)
     if spec.loss is not None:  # how the label-shift check asks forward for its loss

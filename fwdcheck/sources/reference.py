@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
+from typing import cast
 
 import torch
 
@@ -23,6 +24,7 @@ def load_reference(spec: ReferenceModel, config: Config) -> ModelUnderTest:
 def _build(spec: ReferenceModel) -> ModelUnderTest:
     fields = spec.model_dump(exclude={"source"})
     cfg = ReferenceConfig(**fields)
+    assert cfg.n_kv_heads is not None  # filled in by ReferenceConfig.__post_init__
     try:
         module = ReferenceTransformer(cfg)
     except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
@@ -57,7 +59,7 @@ def add_reference_capabilities(model: ModelUnderTest) -> None:
     """What the reference transformer offers beside logits, however it was built (fwdcheck/reference.py's forward):
     a cache through past_key_values, a loss from labels, packed documents by document_ids, its attention switch and
     the rotation as its layers apply it."""
-    module = model.module
+    module = cast(ReferenceTransformer, model.module)  # the callers' check
     model.cache = Cache("past_key_values", origin="the reference model's (past_key_values, use_cache=True)")
     model.loss = Loss("labels", "model", 1, -100, "the reference model's (labels = input ids, (logits, loss))")
     model.packing = Packing("document_ids", "document_ids (the reference model's packed path)",

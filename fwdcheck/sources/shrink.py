@@ -36,6 +36,7 @@ from fwdcheck.config import (
     FactoryModel,
     HFModel,
     Inputs,
+    PythonModel,
     ReferenceModel,
     config_from_dict,
     load_config,
@@ -237,8 +238,8 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     # Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
     # layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more.
     layer_key = e.first(HF_KEYS["L"])
-    old_layers = data[layer_key] if layer_key else None
     if layer_key:
+        old_layers = data[layer_key]
         types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
         kept = keep_layers(types, min(old_layers, LAYERS))
         for key in HF_KEYS["L"]:
@@ -273,7 +274,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
                 e.set(key, new_head)
         if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
             e.set("query_pre_attn_scalar", new_head)
-        if hidden_key:
+        if hidden_key and head_key:  # (a head size is read only with a head count)
             e.set(hidden_key, data[head_key] * new_head)
 
     # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8).
@@ -284,7 +285,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
 
     # RoPE: theta, scaling type and factors, partial factor: unchanged. An absolute rotary_dim (GPT-J, CodeGen)
     # scales with the head size; longrope's per-frequency factors are resampled to the new number of pairs.
-    if old_head and new_head != old_head:
+    if old_head and new_head is not None and new_head != old_head:  # (new_head is set with old_head)
         if isinstance(data.get("rotary_dim"), int):
             e.set("rotary_dim", even_rotary(data["rotary_dim"], old_head, new_head))
         for key in ("rope_parameters", "rope_scaling"):
@@ -316,7 +317,8 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
 
 
 def _partial_rotary(data: dict) -> float | None:
-    params = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    rope = data.get("rope_parameters")
+    params = rope if isinstance(rope, dict) else {}
     factor = params.get("partial_rotary_factor") or data.get("partial_rotary_factor") or data.get("rotary_pct")
     return factor if factor and factor < 1 else None
 
@@ -366,10 +368,9 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
         block["rope"] = rope
     block["config"] = config
     verify_hf(config, spec.model_class)
-    if spec.path is not None:
-        if any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
-            edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
-                               "initialised")
+    if spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
+        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
+                           "initialised")
     return block, edits
 
 
@@ -487,7 +488,7 @@ def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = 
     old_hidden = data.get(hidden_key) if hidden_key else None
     heads = data.get(head_key) if head_key else None
     old_head = data[head_dim_key] if head_dim_key else (old_hidden // heads if old_hidden and heads else None)
-    if heads:
+    if heads and head_key:  # (heads are read only with their key)
         new_heads, new_kv = shrink_heads(heads, data[kv_key] if kv_key else heads)
         e.set(head_key, new_heads)
         if kv_key:
@@ -500,9 +501,9 @@ def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = 
         for key in keys.get("rotary_dim", ()):
             if isinstance(data.get(key), int):
                 e.set(key, even_rotary(data[key], old_head, new_head))
-        if hidden_key and heads:
+        if hidden_key and heads and head_key:
             e.set(hidden_key, data[head_key] * new_head)
-    if old_hidden and data.get(hidden_key) != old_hidden:
+    if old_hidden and hidden_key and data.get(hidden_key) != old_hidden:  # (old_hidden is read only with its key)
         for key in keys.get("d_ff", ()):
             if isinstance(data.get(key), int):
                 e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
@@ -520,7 +521,8 @@ def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = 
     return e
 
 
-def _shrink_factory_block(raw_model: dict, spec: FactoryModel, config_path: Path, output: Path) -> tuple[dict, Edits]:
+def _shrink_factory_block(raw_model: dict, spec: PythonModel | CheckpointModel, config_path: Path,
+                          output: Path) -> tuple[dict, Edits]:
     """A python (or checkpoint) model block with its factory's size kwargs shrunk, as a `source: python` block."""
     known = [key for key in spec.kwargs if any(key in names for names in KWARG_KEYS.values())]
     if not known:

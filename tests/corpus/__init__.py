@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from contextlib import contextmanager
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
 
 import torch.nn as nn
 
@@ -42,7 +42,7 @@ def replaced(owner, name: str, value):
         setattr(owner, name, original)
 
 
-def during_forward(module: nn.Module, context: Callable[[], ContextManager]) -> nn.Module:
+def during_forward(module: nn.Module, context: Callable[[], AbstractContextManager]) -> nn.Module:
     """Run this one instance's forward inside a fresh `context()` (e.g. a library function swapped for a buggy copy).
 
     The swap exists only while this module's forward runs, so other instances and other tests never see it. The

@@ -132,7 +132,7 @@ class GPT(nn.Module):
         if self.smear_gate is not None:
             x = self.smear(x)
         x = norm(x)
-        for block, v in zip(self.blocks, ve):
+        for block, v in zip(self.blocks, ve, strict=True):
             x = block(x, v)
         return self.lm_head(norm(x))  # (B, T, 128): the vocabulary padded to a multiple of 128
 
@@ -179,9 +179,9 @@ def shifted_logits(model: GPT, input_ids: torch.Tensor, offset: int) -> torch.Te
     rotaries = [block.attn.rotary for block in model.blocks]
     tables = [(r.cos, r.sin) for r in rotaries]
     try:
-        for r, (cos, sin) in zip(rotaries, tables):
+        for r, (cos, sin) in zip(rotaries, tables, strict=True):
             r.cos, r.sin = cos[offset:], sin[offset:]
         return model(input_ids)
     finally:
-        for r, (cos, sin) in zip(rotaries, tables):
+        for r, (cos, sin) in zip(rotaries, tables, strict=True):
             r.cos, r.sin = cos, sin

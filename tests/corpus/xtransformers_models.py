@@ -15,8 +15,18 @@ import x_transformers.attend as xattend
 import x_transformers.x_transformers as xt
 from x_transformers import Decoder, Encoder, TransformerWrapper
 
-from tests.corpus import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MAX_POSITIONS, VOCAB, WIDTH, alternating, \
-    during_forward, replaced
+from tests.corpus import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    MAX_POSITIONS,
+    VOCAB,
+    WIDTH,
+    alternating,
+    during_forward,
+    replaced,
+)
 
 DIMS = {"d": WIDTH, "h": HEADS, "h_kv": KV_HEADS, "d_h": HEAD_DIM, "d_ff": 2 * WIDTH, "V": VOCAB}
 ROTARY_DIM = HEAD_DIM // 2  # x-transformers' default rotary_emb_dim: half of each head
