@@ -32,7 +32,8 @@ from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.runner import run_one, run_path, shared_from
-from fwdcheck.session import Session, Settings
+from fwdcheck.session import Session
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 MODELS = {

@@ -35,7 +35,8 @@ import torch
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model, run_one
-from fwdcheck.session import Session, Settings
+from fwdcheck.session import Session
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)

@@ -29,10 +29,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
+from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.errors import SkipCheck
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
 
 # The SDPA kernels compared with the math kernel, by the names reports use.

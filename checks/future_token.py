@@ -48,9 +48,10 @@ import torch
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
 from fwdcheck.code_paths import path_cells
+from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale, nonfinite_positions, position_change, prefix_lengths
+from fwdcheck.session import prefix_lengths
 
 # The comparisons judged against the threshold: the metric holding each one's largest change, and how a summary names
 # it. A comparison that ran but was not judged (the cuts of a model declared not causal) has no metric.

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, extract_logits, model_failure, model_frame
 from fwdcheck.observe import ZeroAttentionDropout, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale, nonfinite_positions, position_change
 
 # Calls bound the cost: each costs about a forward while the weights, not the tokens, dominate (short sequences, one
 # token per call). A prefill, two one-token steps (the second reads what the first cached) and two chunks of two (the

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from fwdcheck.capabilities import Loss
+from fwdcheck.compare import logit_scale
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model import extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale
 
 SHIFTS = (0, 1, 2)  # how far ahead of its position each position's logits are scored; 1 is right
 # Tokens per row of the calls, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model import extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale, nonfinite_positions, position_change
 
 Kwargs = Callable[[torch.Tensor], dict[str, Any]]  # document ids [N, T] -> forward's keyword arguments
 

@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import describe, model_failure, model_frame
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
-from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
 
 # Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the

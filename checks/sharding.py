@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.distributed import UNSHARDED_RAISES, full, rank_context
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import extract_logits, layer_stack_of, model_failure
 from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import logit_scale, position_change
 from fwdcheck.tolerances import TOLERANCES
 
 if TYPE_CHECKING:

@@ -52,10 +52,12 @@ from typing import Any
 
 import torch
 
+from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.config import CodePaths
 from fwdcheck.model import ModelUnderTest, extract_logits
 from fwdcheck.observe import Observation
-from fwdcheck.session import Session, Settings, logit_scale, position_change
+from fwdcheck.session import Session
+from fwdcheck.settings import Settings
 
 LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
 # Tokens per row in a cell, unless code_paths.seq_len says otherwise. At eight positions future-token cuts at 1, 4 and 7

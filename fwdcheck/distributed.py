@@ -64,7 +64,7 @@ from fwdcheck.overrides import Overrides
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.runner import Run, environment_summary, model_summary, run_model
-from fwdcheck.session import DTYPES
+from fwdcheck.settings import DTYPES
 
 SHARDING = "sharding"  # the check every distributed run starts with
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so

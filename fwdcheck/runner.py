@@ -31,12 +31,14 @@ from fwdcheck.code_paths import (
 from fwdcheck.config import Config, RunConfig
 from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
 from fwdcheck.model import ModelUnderTest
+from fwdcheck.model_state import ParameterWatch
 from fwdcheck.observe import code_location
 from fwdcheck.overrides import Overrides
 from fwdcheck.registry import CheckEntry, selected
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
-from fwdcheck.session import ParameterWatch, Session, Settings
+from fwdcheck.session import Session
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 

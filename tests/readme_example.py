@@ -27,7 +27,7 @@ from fwdcheck.overrides import Overrides
 from fwdcheck.registry import select
 from fwdcheck.report.terminal import render, render_diff
 from fwdcheck.runner import Run, run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -122,7 +122,7 @@ def test_saturated_attention_at_initialisation_warns():
     from fwdcheck.config import config_from_dict
     from fwdcheck.registry import select
     from fwdcheck.runner import run_model
-    from fwdcheck.session import Settings
+    from fwdcheck.settings import Settings
     from fwdcheck.sources import load_model
 
     config = config_from_dict({"model": {"source": "reference", "vocab_size": 32, "d_model": 64, "n_heads": 4},

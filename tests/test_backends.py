@@ -148,7 +148,7 @@ def test_switch_is_put_back(reference):
     from fwdcheck.config import config_from_dict
     from fwdcheck.registry import select
     from fwdcheck.runner import run_model
-    from fwdcheck.session import Settings
+    from fwdcheck.settings import Settings
     from fwdcheck.sources import load_model
 
     config = config_from_dict({"model": reference(attention="eager"), "inputs": {"batch_size": 2, "seq_len": 8}})

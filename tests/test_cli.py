@@ -492,7 +492,7 @@ def test_model_failing_oddly_is_left_as_found(kind, tmp_path, forget_odd_models)
     from fwdcheck.config import config_from_dict
     from fwdcheck.registry import select
     from fwdcheck.runner import run_model
-    from fwdcheck.session import Settings
+    from fwdcheck.settings import Settings
     from fwdcheck.sources import load_model
     from tests.test_model_state import assert_same, snapshot
 

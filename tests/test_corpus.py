@@ -22,7 +22,7 @@ from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds
 from tests.corpus import VOCAB

@@ -19,7 +19,8 @@ from checks.future_token import FutureToken, prefix_lengths
 from fwdcheck.api import check_model
 from fwdcheck.config import FactoryModel, Inputs
 from fwdcheck.result import Status
-from fwdcheck.session import Session, Settings
+from fwdcheck.session import Session
+from fwdcheck.settings import Settings
 from fwdcheck.sources.factory import FactoryParts, model_from_module
 from tests.conftest import run_checks
 

@@ -13,9 +13,10 @@ import torch.nn as nn
 
 from fwdcheck.config import Inputs
 from fwdcheck.model import ModelUnderTest
+from fwdcheck.model_state import GlobalState
 from fwdcheck.registry import select
 from fwdcheck.runner import CheckTimeout, run_model, time_limit
-from fwdcheck.session import GlobalState, Settings
+from fwdcheck.settings import Settings
 
 backends = torch.backends
 

@@ -16,7 +16,7 @@ from fwdcheck.errors import ConfigError
 from fwdcheck.reference import build
 from fwdcheck.registry import available, info
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from tests.conftest import run_checks
 

@@ -16,7 +16,7 @@ from fwdcheck.config import config_from_dict
 from fwdcheck.ledger import ledger_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 REFERENCE = {"source": "reference", "vocab_size": 40, "d_model": 24, "n_heads": 4, "n_layers": 2, "d_ff": 56}

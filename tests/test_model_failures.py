@@ -39,7 +39,7 @@ from fwdcheck.cli import app
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from tests.test_model_state import assert_same, snapshot
 

@@ -10,7 +10,7 @@ from fwdcheck.config import Inputs, config_from_dict
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 
@@ -200,7 +200,7 @@ def test_a_clean_model_has_its_weights_watched_without_a_finding():
     torch.tensor([float("nan"), float("inf"), 1.0, 2.0]),
 ], ids=["odd-size", "blocks", "bfloat16", "int64", "bool", "transposed", "nan"])
 def test_fingerprint_changes_with_any_write(tensor):
-    from fwdcheck.session import fingerprint
+    from fwdcheck.model_state import fingerprint
 
     before = fingerprint(tensor)
     assert torch.equal(fingerprint(tensor.clone()), before)  # a function of the contents alone, NaN included
@@ -212,7 +212,7 @@ def test_fingerprint_changes_with_any_write(tensor):
 
 
 def test_fingerprint_sees_values_moved_between_blocks():
-    from fwdcheck.session import FINGERPRINT_BLOCK, fingerprint
+    from fwdcheck.model_state import FINGERPRINT_BLOCK, fingerprint
 
     tensor = torch.randn(4 * FINGERPRINT_BLOCK * 2)  # float32: two per 64-bit word, four blocks
     moved = tensor.clone()

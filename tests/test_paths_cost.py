@@ -12,7 +12,7 @@ from fwdcheck.config import config_from_dict
 from fwdcheck.registry import direct, select
 from fwdcheck.result import Check, CheckResult, Status
 from fwdcheck.runner import run_cell
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from tests.conftest import run_checks
 from tests.models import PathBugModel

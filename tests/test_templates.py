@@ -17,7 +17,7 @@ from fwdcheck.config import load_config
 from fwdcheck.errors import UsageError
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from fwdcheck.templates import SOURCES, starter_config
 

@@ -20,7 +20,7 @@ from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.report.terminal import Verbosity, render
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from tests.corpus import torch_models
 

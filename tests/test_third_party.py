@@ -21,7 +21,7 @@ from fwdcheck.callables import resolve_callable
 from fwdcheck.config import config_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
-from fwdcheck.session import Settings
+from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 
 REPO = Path(__file__).resolve().parent.parent
