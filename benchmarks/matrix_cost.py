@@ -38,23 +38,45 @@ from fwdcheck.sources import load_model
 
 MODELS = {
     "GPT-2 small": {"model_type": "gpt2"},  # transformers' defaults: d=768, 12 layers, 12 heads, V=50257
-    "Llama-style GQA, 8 layers": {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048,
-                                  "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
-                                  "vocab_size": 32000, "max_position_embeddings": 2048},
+    "Llama-style GQA, 8 layers": {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+    },
 }
 SMALL = {
-    "GPT-2 (tiny)": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512,
-                     "bos_token_id": 0, "eos_token_id": 0},
-    "Llama-style GQA (tiny)": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                               "vocab_size": 512, "max_position_embeddings": 512},
+    "GPT-2 (tiny)": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 512,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
+    "Llama-style GQA (tiny)": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+    },
 }
 
 
 def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None) -> None:
     paths = {"seq_len": cell_length} if cell_length else {}
-    config = config_from_dict({"model": {"source": "hf", "config": hf_config},
-                               "inputs": {"batch_size": B, "seq_len": T}, "code_paths": paths})
+    config = config_from_dict(
+        {"model": {"source": "hf", "config": hf_config}, "inputs": {"batch_size": B, "seq_len": T}, "code_paths": paths}
+    )
     model = load_model(config)
     settings = Settings.from_config(config)
     parameters = sum(p.numel() for p in model.module.parameters())
@@ -92,8 +114,11 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
             default_rows.append((entry.name, result.status.value, by_time, session.forward_tokens - before))
             before = session.forward_tokens
         # As runner.run_code_paths: the per-path checks that ran on the default path, once per cell.
-        per_path = [e for e, r in zip(entries, results, strict=True)
-                    if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())]
+        per_path = [
+            e
+            for e, r in zip(entries, results, strict=True)
+            if r.status not in (Status.SKIP, Status.ERROR) and runs_per_code_path(e.load())
+        ]
         verdicts = verdicts_for(model)  # as run_code_paths: what the cells run so far vouch for, for later cells
         for cell in cells if per_path else []:
             # noqa B023 below: the lambda is called here, at once, not after the loop has moved on
@@ -102,9 +127,11 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
     def ratio(by_time: float, tokens: int) -> str:
         return f"{by_time:>9.2f} {tokens / tokens_per_forward:>9.2f}"
 
-    print(f"\n== {name}: {parameters / 1e6:.0f}M parameters, B={B}, T={T}; one plain forward "
-          f"{statistics.median(forward_times) * 1e3:.1f} ms (median; {min(forward_times) * 1e3:.0f} to "
-          f"{max(forward_times) * 1e3:.0f} ms over the run)")
+    print(
+        f"\n== {name}: {parameters / 1e6:.0f}M parameters, B={B}, T={T}; one plain forward "
+        f"{statistics.median(forward_times) * 1e3:.1f} ms (median; {min(forward_times) * 1e3:.0f} to "
+        f"{max(forward_times) * 1e3:.0f} ms over the run)"
+    )
     print(f"{'':<62} {'status':>6} {'x fwd time':>9} {'x tokens':>9}")
     print("default path (B x T)")
     for check, status, by_time, tokens in default_rows:
@@ -116,33 +143,49 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
     matrix_time = sum(by_time for _, by_time in cell_rows)
     matrix_tokens = sum(sum(run.forward_tokens) for run, _ in cell_rows)
     if cell_rows:
-        print(f"code-path matrix: {len(cell_rows)} cells; per-path checks: {', '.join(e.name for e in per_path)} "
-              "(time: the cell's, shared)")
+        print(
+            f"code-path matrix: {len(cell_rows)} cells; per-path checks: {', '.join(e.name for e in per_path)} "
+            "(time: the cell's, shared)"
+        )
         for j, entry in enumerate(per_path):
             statuses = {run.results[j].status.value for run, _ in cell_rows}
             tokens = sum(run.forward_tokens[j] for run, _ in cell_rows)
-            print(f"  {entry.name + ' (all cells)':<60} {'/'.join(sorted(statuses)):>6} {'':>9} "
-                  f"{tokens / tokens_per_forward:>9.2f}")
+            print(
+                f"  {entry.name + ' (all cells)':<60} {'/'.join(sorted(statuses)):>6} {'':>9} "
+                f"{tokens / tokens_per_forward:>9.2f}"
+            )
         for run, by_time in cell_rows:
             label = f"{run.cell.label} (T={run.seq_len})"
             statuses = "/".join(sorted({r.status.value for r in run.results}))
-            split = ", ".join(f"{e.name} {t / tokens_per_forward:.3f}"
-                              for e, t in zip(per_path, run.forward_tokens, strict=True))
+            split = ", ".join(
+                f"{e.name} {t / tokens_per_forward:.3f}" for e, t in zip(per_path, run.forward_tokens, strict=True)
+            )
             hows = verdicts_taken(run)
-            shared = hows[0] if all(h and h == hows[0] for h in hows) else \
-                "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows, strict=True) if how)
-            print(f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}"
-                  + (f"   shares: {shared}" if shared else ""))
+            shared = (
+                hows[0]
+                if all(h and h == hows[0] for h in hows)
+                else "; ".join(f"{e.name}: {how}" for e, how in zip(per_path, hows, strict=True) if how)
+            )
+            print(
+                f"  {label:<60} {statuses:>6} {ratio(by_time, sum(run.forward_tokens))}   tokens: {split}"
+                + (f"   shares: {shared}" if shared else "")
+            )
         ran = sum(1 for run, _ in cell_rows for how in verdicts_taken(run) if not how)
-        print(f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}   "
-              f"({ran} of {len(cell_rows) * len(per_path)} check x cell verdicts measured, the others shared)")
-    print(f"{'whole default run (default path + matrix)':<62} {'':>6} "
-          f"{ratio(default_time + matrix_time, default_tokens + matrix_tokens)}")
+        print(
+            f"  {'whole matrix':<60} {'':>6} {ratio(matrix_time, matrix_tokens)}   "
+            f"({ran} of {len(cell_rows) * len(per_path)} check x cell verdicts measured, the others shared)"
+        )
+    print(
+        f"{'whole default run (default path + matrix)':<62} {'':>6} "
+        f"{ratio(default_time + matrix_time, default_tokens + matrix_tokens)}"
+    )
     if cell_rows:
         # What the matrix would cost as a per-position loop: every cell at full length, one forward per cut.
         naive = sum(c.batch_size for c in cells) * T * (T - 1) / tokens_per_forward
-        print(f"{'naive matrix: every cell at T, one forward per cut (counted, not run)':<62} "
-              f"{'':>6} {'':>9} {naive:>9.0f}")
+        print(
+            f"{'naive matrix: every cell at T, one forward per cut (counted, not run)':<62} "
+            f"{'':>6} {'':>9} {naive:>9.0f}"
+        )
 
 
 def verdicts_taken(run) -> list[str]:

@@ -54,8 +54,9 @@ def build(args):
     """The model, its settings and the plain forward's input, the same in every process."""
     torch.manual_seed(0)
     fields = SMALL if args.small else GPT2_SMALL
-    config = config_from_dict({"model": {"source": "reference", **fields},
-                               "inputs": {"batch_size": args.batch_size, "seq_len": args.seq_len}})
+    config = config_from_dict(
+        {"model": {"source": "reference", **fields}, "inputs": {"batch_size": args.batch_size, "seq_len": args.seq_len}}
+    )
     model = load_model(config)
     ids = torch.randint(0, fields["vocab_size"], (args.batch_size, args.seq_len))
     return fields, model, Settings.from_config(config), ids
@@ -67,8 +68,7 @@ def build(args):
 def cost(args) -> None:
     fields, model, settings, ids = build(args)
     B, T = args.batch_size, args.seq_len
-    print(f"model: reference {fields}, B={B}, T={T}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"model: reference {fields}, B={B}, T={T}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     module = model.module.eval()
 
     def plain() -> None:
@@ -96,25 +96,33 @@ def cost(args) -> None:
     after = [timed(plain)[1:] for _ in range(3)]
     wall = statistics.median(w for w, _ in before + after)
     cpu = statistics.median(c for _, c in before + after)
-    print(f"one plain forward: {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (median of 6; wall before the suite "
-          f"{min(w for w, _ in before) * 1e3:.0f}-{max(w for w, _ in before) * 1e3:.0f} ms, after "
-          f"{min(w for w, _ in after) * 1e3:.0f}-{max(w for w, _ in after) * 1e3:.0f} ms)\n")
-    print(f"{'check (in suite order; shared work lands on the first that needs it)':<58} {'status':>6} "
-          f"{'x fwd (wall)':>13} {'x fwd (CPU)':>12} {'x fwd (tokens)':>15}")
+    print(
+        f"one plain forward: {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (median of 6; wall before the suite "
+        f"{min(w for w, _ in before) * 1e3:.0f}-{max(w for w, _ in before) * 1e3:.0f} ms, after "
+        f"{min(w for w, _ in after) * 1e3:.0f}-{max(w for w, _ in after) * 1e3:.0f} ms)\n"
+    )
+    print(
+        f"{'check (in suite order; shared work lands on the first that needs it)':<58} {'status':>6} "
+        f"{'x fwd (wall)':>13} {'x fwd (CPU)':>12} {'x fwd (tokens)':>15}"
+    )
     for name, status, (w, c), by_tokens in rows:
         if name not in default and name == next(r[0] for r in rows if r[0] not in default):
             print("not in the default selection (checks: [default, NAME]), each after the default suite:")
         print(f"{name:<58} {status:>6} {w / wall:>13.2f} {c / cpu:>12.2f} {by_tokens:>15.2f}")
     suite = [r for r in rows if r[0] in default]
     total_wall, total_cpu = sum(r[2][0] for r in suite), sum(r[2][1] for r in suite)
-    print(f"{'whole default suite':<58} {'':>6} {total_wall / wall:>13.2f} {total_cpu / cpu:>12.2f} "
-          f"{sum(r[3] for r in suite):>15.2f}")
+    print(
+        f"{'whole default suite':<58} {'':>6} {total_wall / wall:>13.2f} {total_cpu / cpu:>12.2f} "
+        f"{sum(r[3] for r in suite):>15.2f}"
+    )
     # What `fwdcheck run` spends besides the checks: the session's setup, putting the model back, and the parameter
     # fingerprints before and after the checks (FWD006), as run_model does them.
     report, *spent = timed(lambda: run_model(model, settings, select(None)))
     assert all(r.status.value == "pass" for r in report.results), [r.summary for r in report.results]
-    print(f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {spent[0] / wall:>13.2f} "
-          f"{spent[1] / cpu:>12.2f}")
+    print(
+        f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {spent[0] / wall:>13.2f} "
+        f"{spent[1] / cpu:>12.2f}"
+    )
 
     cuts = torch.linspace(1, T - 1, args.naive_sample).round().long().tolist()
 
@@ -128,10 +136,14 @@ def cost(args) -> None:
     naive_wall = statistics.median(w for w, _ in per_cut) * (T - 1) / wall
     naive_cpu = statistics.median(c for _, c in per_cut) * (T - 1) / cpu
     future = next(r for r in rows if r[0] == "future-token")
-    print(f"\nnaive per-position loop (every cut, full batch): {naive_wall:.1f} x fwd wall, {naive_cpu:.1f} x fwd CPU "
-          f"(timed {len(cuts)} cuts, scaled to {T - 1})")
-    print(f"future-token in the suite: {future[2][1] / cpu:.2f} x fwd (CPU) -> "
-          f"{naive_cpu / max(future[2][1] / cpu, 1e-9):.0f}x cheaper than the naive loop")
+    print(
+        f"\nnaive per-position loop (every cut, full batch): {naive_wall:.1f} x fwd wall, {naive_cpu:.1f} x fwd CPU "
+        f"(timed {len(cuts)} cuts, scaled to {T - 1})"
+    )
+    print(
+        f"future-token in the suite: {future[2][1] / cpu:.2f} x fwd (CPU) -> "
+        f"{naive_cpu / max(future[2][1] / cpu, 1e-9):.0f}x cheaper than the naive loop"
+    )
 
 
 # -- peak memory -----------------------------------------------------------------------------------------------------
@@ -166,20 +178,35 @@ def memory(args) -> None:
         return
     measured = {}
     for what in ("plain", "suite"):
-        command = [sys.executable, __file__, "--peak", what, "--seq-len", str(args.seq_len),
-                   "--batch-size", str(args.batch_size)] + (["--small"] if args.small else []) + \
-                  (["--threads", str(args.threads)] if args.threads else [])
+        command = (
+            [
+                sys.executable,
+                __file__,
+                "--peak",
+                what,
+                "--seq-len",
+                str(args.seq_len),
+                "--batch-size",
+                str(args.batch_size),
+            ]
+            + (["--small"] if args.small else [])
+            + (["--threads", str(args.threads)] if args.threads else [])
+        )
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         measured[what] = json.loads(output.strip().splitlines()[-1])
     plain, suite = measured["plain"], measured["suite"]
     mb = 1 / 1024
-    print(f"\npeak RSS, each in a fresh process after one warm-up forward (MB): one plain forward "
-          f"{plain['peak_kb'] * mb:.0f}, default run {suite['peak_kb'] * mb:.0f} -> "
-          f"{suite['peak_kb'] / plain['peak_kb']:.2f} x")
+    print(
+        f"\npeak RSS, each in a fresh process after one warm-up forward (MB): one plain forward "
+        f"{plain['peak_kb'] * mb:.0f}, default run {suite['peak_kb'] * mb:.0f} -> "
+        f"{suite['peak_kb'] / plain['peak_kb']:.2f} x"
+    )
     added_plain = plain["peak_kb"] - plain["before_kb"]
     added_suite = suite["peak_kb"] - suite["before_kb"]
-    print(f"  above what was resident before (model, torch): plain forward +{added_plain * mb:.0f}, "
-          f"default run +{added_suite * mb:.0f} -> {added_suite / max(added_plain, 1):.2f} x")
+    print(
+        f"  above what was resident before (model, torch): plain forward +{added_plain * mb:.0f}, "
+        f"default run +{added_suite * mb:.0f} -> {added_suite / max(added_plain, 1):.2f} x"
+    )
 
 
 def main() -> None:
@@ -188,8 +215,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--naive-sample", type=int, default=6, help="cuts timed for the naive loop")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice); 1 keeps "
-                        "CPU time honest on a shared machine, where waiting threads spin")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: torch's own choice); 1 keeps "
+        "CPU time honest on a shared machine, where waiting threads spin",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--peak", choices=["plain", "suite"], help=argparse.SUPPRESS)  # one memory measurement
     args = parser.parse_args()

@@ -28,8 +28,12 @@ TOY = Path(__file__).resolve().parents[1] / "sample_configs" / "toy.yaml"
 
 def wall_time(config: Path, *extra: str, copies: int = 1, env: dict | None = None) -> float:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "fwdcheck", "run", *[str(config)] * copies, "--format", "json",
-                           *extra], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", *[str(config)] * copies, "--format", "json", *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     elapsed = time.perf_counter() - start
     if proc.returncode not in (0, 1):
         raise SystemExit(f"fwdcheck exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -54,16 +58,21 @@ def main() -> None:
     print(f"  overhead                      {a - b:+6.2f} s  ({a / b:.2f}x)")
 
     n = args.configs
-    ways = {"in-process": (["--in-process"], None), "forked workers (default)": ([], None),
-            "new interpreters": ([], {"FWDCHECK_NO_FORK_SERVER": "1"})}
+    ways = {
+        "in-process": (["--in-process"], None),
+        "forked workers (default)": ([], None),
+        "new interpreters": ([], {"FWDCHECK_NO_FORK_SERVER": "1"}),
+    }
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.runs):
         for way, (extra, env) in ways.items():
             times[way].append(wall_time(args.config, *extra, copies=n, env=env))
     medians = {way: statistics.median(t) for way, t in times.items()}
     base = medians["in-process"]
-    print(f"one command, the config {n} times: median wall time, and the overhead per config after the first "
-          f"(the first worker is a new interpreter either way)")
+    print(
+        f"one command, the config {n} times: median wall time, and the overhead per config after the first "
+        f"(the first worker is a new interpreter either way)"
+    )
     for way, median in medians.items():
         extra = "" if way == "in-process" else f"  {(median - base - (a - b)) / (n - 1):+6.2f} s a config"
         print(f"  {way:<29} median {median:6.2f} s{extra}")

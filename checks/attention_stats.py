@@ -48,7 +48,7 @@ class AttentionStats(Check):
     codes = {
         "FWD951": "attention scores are not scaled (scale 1): their spread is sqrt(d_h) times 1/sqrt(d_h)'s",
         "FWD952": "attention scores are scaled by 1/d_h: 1/sqrt(d_h) applied twice, the softmax sqrt(d_h) times "
-                  "flatter",
+        "flatter",
         "FWD953": "attention scores are scaled by neither 1/sqrt(d_h) nor what the model's config declares",
         "FWD954": "at initialisation most attention rows put more than 0.99 of their weight on one key",
     }
@@ -80,12 +80,14 @@ is learned, not a bug. Skips when no call's scale could be measured."""
     def run(self, model, session) -> CheckResult:
         recorder = RecordSdpa()  # SDPA's own arguments (scale, mask), in the order the observer sees the calls
         projections: dict[str, tuple[float, int]] = {}  # query projection -> (sum of squares of its output, numel)
-        handles = [m.register_forward_hook(partial(keep_size, projections, name))
-                   for name, m in model.module.named_modules()
-                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS]
+        handles = [
+            m.register_forward_hook(partial(keep_size, projections, name))
+            for name, m in model.module.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS
+        ]
         # The first row, at most LENGTH tokens: a scale shows at any length, and keeping q, k and every weight of
         # the session's whole batch would cost more than the forward itself at long sequences.
-        ids = session.inputs[:1, :max(LENGTH, session.min_seq_len)]
+        ids = session.inputs[:1, : max(LENGTH, session.min_seq_len)]
         try:
             with recorder:
                 seen = session.observe(ids, keep_tensors=True)
@@ -113,10 +115,17 @@ is learned, not a bug. Skips when no call's scale could be measured."""
                 continue
             raw, weights, allowed, scale_used, how, d_h, q = measured
             layer = layer_index(model, call.module)
-            expected = {"1/sqrt(d_h)": d_h ** -0.5, **{name: f(d_h, layer) for name, f in declared.items()}}
+            expected = {"1/sqrt(d_h)": d_h**-0.5, **{name: f(d_h, layer) for name, f in declared.items()}}
             stats = statistics(raw, weights, allowed, d_h, scale_used)
-            row = {"module": call.module, "api": call.api, "d_h": d_h, "scale": scale_used, "measured_by": how,
-                   "scale_ratio": scale_used * math.sqrt(d_h) if scale_used else None, **stats}
+            row = {
+                "module": call.module,
+                "api": call.api,
+                "d_h": d_h,
+                "scale": scale_used,
+                "measured_by": how,
+                "scale_ratio": scale_used * math.sqrt(d_h) if scale_used else None,
+                **stats,
+            }
             rows.append(row)
             if scale_used is None:
                 unmeasured.append(f"{call.module}: {how}")
@@ -138,23 +147,33 @@ is learned, not a bug. Skips when no call's scale could be measured."""
             saturated = [r for r in rows if r["saturated_share"] is not None and r["saturated_share"] > SATURATED_SHARE]
             if saturated:
                 worst = max(saturated, key=lambda r: r["saturated_share"])
-                findings.append(Finding("FWD954", Status.WARN, f"at initialisation {worst['saturated_share']:.0%} of "
-                                        f"the attention rows put more than {SATURATED} of their weight on one key "
-                                        f"(in {len(saturated)} of {len(rows)} calls; scaled score std "
-                                        f"{worst['score_std']:.3g})", worst["module"]))
+                findings.append(
+                    Finding(
+                        "FWD954",
+                        Status.WARN,
+                        f"at initialisation {worst['saturated_share']:.0%} of "
+                        f"the attention rows put more than {SATURATED} of their weight on one key "
+                        f"(in {len(saturated)} of {len(rows)} calls; scaled score std "
+                        f"{worst['score_std']:.3g})",
+                        worst["module"],
+                    )
+                )
         findings = first_per_code(findings)
-        data = {"calls": rows, "not_measured": unmeasured, "at_initialisation": at_init,
-                "declared": sorted(declared)}
-        metrics = {"scale_ratio": max((r["scale_ratio"] for r in measured_rows), key=lambda x: abs(math.log(x))),
-                   "score_std": max(r["score_std"] for r in rows),
-                   "entropy_share": min((r["entropy_share"] for r in rows if r["entropy_share"] is not None),
-                                        default=None),
-                   "saturated_share": max((r["saturated_share"] for r in rows if r["saturated_share"] is not None),
-                                          default=None)}
+        data = {"calls": rows, "not_measured": unmeasured, "at_initialisation": at_init, "declared": sorted(declared)}
+        metrics = {
+            "scale_ratio": max((r["scale_ratio"] for r in measured_rows), key=lambda x: abs(math.log(x))),
+            "score_std": max(r["score_std"] for r in rows),
+            "entropy_share": min((r["entropy_share"] for r in rows if r["entropy_share"] is not None), default=None),
+            "saturated_share": max(
+                (r["saturated_share"] for r in rows if r["saturated_share"] is not None), default=None
+            ),
+        }
         stats_note = "" if at_init else "; statistics reported, not judged (the weights may be trained)"
-        summary = (f"scale x sqrt(d_h) = {metrics['scale_ratio']:.3g} (1 = 1/sqrt(d_h)) at "
-                   f"{len(measured_rows)} of {len(seen.attention)} attention calls; scaled score std up to "
-                   f"{metrics['score_std']:.3g}{stats_note}")
+        summary = (
+            f"scale x sqrt(d_h) = {metrics['scale_ratio']:.3g} (1 = 1/sqrt(d_h)) at "
+            f"{len(measured_rows)} of {len(seen.attention)} attention calls; scaled score std up to "
+            f"{metrics['score_std']:.3g}{stats_note}"
+        )
         if findings:
             summary = f"{self.codes[findings[0].code]}; {summary}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -175,7 +194,7 @@ is learned, not a bug. Skips when no call's scale could be measured."""
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped heads: (.., h, S, d_h)
         d_h = q.shape[-1]
         scale = arguments.get("scale")
-        scale = float(scale) if scale is not None else d_h ** -0.5
+        scale = float(scale) if scale is not None else d_h**-0.5
         raw = q @ k.transpose(-2, -1)  # (.., h, L, S)
         L, S = raw.shape[-2:]
         allowed = torch.ones(L, S, dtype=torch.bool, device=raw.device)
@@ -224,25 +243,29 @@ def reproducing_scale(raw, weights, allowed, d_h: int, tolerance: float) -> tupl
         model = (raw * c).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
         return float((model - weights).abs()[rows].max())
 
-    candidates = [d_h ** -0.5, 1.0 / d_h, 1.0]
+    candidates = [d_h**-0.5, 1.0 / d_h, 1.0]
     errors = [error(c) for c in candidates]
     fits = [c for c, e in zip(candidates, errors, strict=True) if e <= tolerance]
     if len(fits) == len(candidates):
-        return None, ("q . k is too small at this precision to tell 1/sqrt(d_h), 1/d_h and 1 apart (largest |q . k| "
-                      f"{float(raw[allowed].abs().max()):.3g})")
+        return None, (
+            "q . k is too small at this precision to tell 1/sqrt(d_h), 1/d_h and 1 apart (largest |q . k| "
+            f"{float(raw[allowed].abs().max()):.3g})"
+        )
     if fits:
         return min(fits, key=lambda c: error(c)), "weights"
     # Another scale: the slope of log(weight) on q . k within each row (the row's normaliser is a constant there).
     log_w = weights.clamp_min(1e-300).log()
     count = allowed.sum(-1, keepdim=True).clamp_min(1)
-    centred_log = (log_w.masked_fill(~allowed, 0.0) - log_w.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count)
-    centred_raw = (raw.masked_fill(~allowed, 0.0) - raw.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count)
+    centred_log = log_w.masked_fill(~allowed, 0.0) - log_w.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count
+    centred_raw = raw.masked_fill(~allowed, 0.0) - raw.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count
     centred_log, centred_raw = centred_log.masked_fill(~allowed, 0.0), centred_raw.masked_fill(~allowed, 0.0)
     slope = float((centred_log * centred_raw).sum() / (centred_raw * centred_raw).sum().clamp_min(1e-300))
     if slope > 0 and error(slope) <= tolerance:
         return slope, "weights"
-    return None, ("no scale reproduces its weights from q . k (a positional bias such as ALiBi, soft-capping, or "
-                  "weights changed after the softmax)")
+    return None, (
+        "no scale reproduces its weights from q . k (a positional bias such as ALiBi, soft-capping, or "
+        "weights changed after the softmax)"
+    )
 
 
 def statistics(raw, weights, allowed, d_h: int, scale: float | None) -> dict:
@@ -252,9 +275,13 @@ def statistics(raw, weights, allowed, d_h: int, scale: float | None) -> dict:
     rows = allowed.sum(-1) >= 2  # (..,)
     keys = allowed.sum(-1).double()  # (..,)
     entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1)  # (..,) nats
-    stats = {"score_std": float(entries.std() / math.sqrt(d_h)) if entries.numel() > 1 else 0.0,
-             "applied_std": float((entries * scale).std()) if scale is not None and entries.numel() > 1 else None,
-             "entropy": None, "entropy_share": None, "saturated_share": None}
+    stats = {
+        "score_std": float(entries.std() / math.sqrt(d_h)) if entries.numel() > 1 else 0.0,
+        "applied_std": float((entries * scale).std()) if scale is not None and entries.numel() > 1 else None,
+        "entropy": None,
+        "entropy_share": None,
+        "saturated_share": None,
+    }
     if bool(rows.any()):
         stats["entropy"] = float(entropy[rows].mean())
         stats["entropy_share"] = float((entropy[rows] / keys[rows].log()).mean())
@@ -291,12 +318,22 @@ def judge_scale(scale: float, d_h: int, expected: dict[str, float], module: str,
     if isinstance(attribute, float):
         said += f"; the attention module's own `scaling` is {attribute:.4g}"
     if abs(ratio / math.sqrt(d_h) - 1) <= 1e-2:
-        return Finding("FWD951", Status.WARN, f"{said}: no 1/sqrt(d_h) at all, so unit-variance q and k give scores "
-                       f"of std {math.sqrt(d_h):.3g} instead of 1 (deliberate only where the initialisation folds the "
-                       "scale in, as T5's does)", module)
+        return Finding(
+            "FWD951",
+            Status.WARN,
+            f"{said}: no 1/sqrt(d_h) at all, so unit-variance q and k give scores "
+            f"of std {math.sqrt(d_h):.3g} instead of 1 (deliberate only where the initialisation folds the "
+            "scale in, as T5's does)",
+            module,
+        )
     if abs(ratio * math.sqrt(d_h) - 1) <= 1e-2:
-        return Finding("FWD952", Status.WARN, f"{said}: 1/d_h, the scale applied twice (or `/ head_dim` for "
-                       "`/ sqrt(head_dim)`): the softmax is sqrt(d_h) times flatter than intended", module)
+        return Finding(
+            "FWD952",
+            Status.WARN,
+            f"{said}: 1/d_h, the scale applied twice (or `/ head_dim` for "
+            "`/ sqrt(head_dim)`): the softmax is sqrt(d_h) times flatter than intended",
+            module,
+        )
     declared = ", ".join(f"{n} = {v:.4g}" for n, v in expected.items())
     return Finding("FWD953", Status.WARN, f"{said}: neither 1/sqrt(d_h) nor a declared scale ({declared})", module)
 
@@ -307,11 +344,11 @@ def declared_scales(model) -> dict:
     found: dict[str, Callable[..., float]] = {}
     scalar = getattr(config, "query_pre_attn_scalar", None)
     if isinstance(scalar, (int, float)) and scalar > 0:
-        found["query_pre_attn_scalar^-1/2"] = lambda d_h, layer, s=scalar: s ** -0.5
+        found["query_pre_attn_scalar^-1/2"] = lambda d_h, layer, s=scalar: s**-0.5
     if getattr(config, "scale_attn_weights", True) is False:
         found["scale_attn_weights=False"] = lambda d_h, layer: 1.0
     if getattr(config, "scale_attn_by_inverse_layer_idx", False) is True:
-        found["1/(sqrt(d_h) (layer + 1))"] = lambda d_h, layer: d_h ** -0.5 / ((layer or 0) + 1)
+        found["1/(sqrt(d_h) (layer + 1))"] = lambda d_h, layer: d_h**-0.5 / ((layer or 0) + 1)
     multiplier = getattr(config, "attention_multiplier", None)
     if isinstance(multiplier, (int, float)) and multiplier > 0:
         found["attention_multiplier"] = lambda d_h, layer, m=multiplier: float(m)

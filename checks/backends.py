@@ -36,8 +36,11 @@ from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
 
 # The SDPA kernels compared with the math kernel, by the names reports use.
-KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-           "cudnn": SDPBackend.CUDNN_ATTENTION}
+KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 FLEX = "flex_attention"
 
 
@@ -61,8 +64,10 @@ class RecordSdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
-            kept = {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                    for name, value in bound.arguments.items()}
+            kept = {
+                name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                for name, value in bound.arguments.items()
+            }
             self.calls.append(SdpaCall(kept, _model_line()))
         return func(*args, **kwargs)
 
@@ -81,8 +86,10 @@ def switchable(model) -> tuple[list[str], str | None]:
     why not. The switch is the model's capability (ModelUnderTest.attention): transformers' config._attn_implementation
     read, set_attn_implementation(name) called, on any model that offers them."""
     if model.attention is None:
-        return [], ("the model has no attention switch (a Hugging Face-style config._attn_implementation and "
-                    "set_attn_implementation)")
+        return [], (
+            "the model has no attention switch (a Hugging Face-style config._attn_implementation and "
+            "set_attn_implementation)"
+        )
     return model.attention.ordered(), None
 
 
@@ -145,16 +152,20 @@ Options (`options: {backends: {...}}`): flex."""
             if self.options_in(session).flex and no_switch is None:
                 implementations.append(FLEX)
             else:
-                flex_note = ("flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
-                             "`options: {backends: {flex: true}}` (or --exhaustive) includes it")
+                flex_note = (
+                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
+                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
+                )
         if flex_note:
             data["flex_attention"] = flex_note
-        padded = model.accepts("attention_mask") and model.accepts("position_ids") and \
-            session.inputs.shape[1] > LEFT_PADDING + 1
+        padded = (
+            model.accepts("attention_mask")
+            and model.accepts("position_ids")
+            and session.inputs.shape[1] > LEFT_PADDING + 1
+        )
         compared: list[str] = []
         if len(implementations) >= 2:
-            compared = self._implementations(model, session, implementations, padded, recorder, findings, data,
-                                             metrics)
+            compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
         else:
             data["implementations"] = no_switch or f"only {implementations[0]} is offered"
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
@@ -164,20 +175,27 @@ Options (`options: {backends: {...}}`): flex."""
         ran = [k for k, n in kernels.items() if n]
         if len(compared) < 2 and len(ran) < 2:
             why = data["implementations"] if len(compared) < 2 else ""
-            kernel_why = ("no scaled_dot_product_attention call" if not recorder.calls else
-                          f"only the {', '.join(ran) or 'no'} kernel runs here")
+            kernel_why = (
+                "no scaled_dot_product_attention call"
+                if not recorder.calls
+                else f"only the {', '.join(ran) or 'no'} kernel runs here"
+            )
             raise SkipCheck(f"nothing to compare: {why}; {kernel_why}".lstrip("; "))
         bad = [f for f in findings if f.status != Status.PASS]
         said = []
         if len(compared) >= 2:
             padding = " and a left-padded row" if isinstance(data["implementations"].get("left_padding"), int) else ""
-            said.append(f"{' vs '.join(compared)} on the inputs{padding}: max change "
-                        f"{metrics['implementation_change']:.3g} (bar {metrics['implementation_bar']:.3g})")
+            said.append(
+                f"{' vs '.join(compared)} on the inputs{padding}: max change "
+                f"{metrics['implementation_change']:.3g} (bar {metrics['implementation_bar']:.3g})"
+            )
         else:
             said.append(f"implementations not compared: {data['implementations']}")
         if len(ran) >= 2:
-            said.append(f"SDPA kernels {' vs '.join(ran)} on {len(recorder.calls)} calls: max change "
-                        f"{metrics['kernel_change']:.3g}")
+            said.append(
+                f"SDPA kernels {' vs '.join(ran)} on {len(recorder.calls)} calls: max change "
+                f"{metrics['kernel_change']:.3g}"
+            )
         summary = (self.codes[bad[0].code] + "; " if bad else "") + "; ".join(said)
         data["kernels_ran"] = kernels
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -191,8 +209,7 @@ Options (`options: {backends: {...}}`): flex."""
 
     # -- implementations ---------------------------------------------------------------------------------------------
 
-    def _implementations(self, model, session, implementations, padded, recorder, findings, data,
-                         metrics) -> list[str]:
+    def _implementations(self, model, session, implementations, padded, recorder, findings, data, metrics) -> list[str]:
         """Logits of every implementation against the default one's; the implementations that ran."""
         default = implementations[0]
         # The default implementation's logits: the observation pass's while every implementation agrees with them
@@ -240,20 +257,43 @@ Options (`options: {backends: {...}}`): flex."""
         noise = session.repeat_change() if needs_noise else 0.0
         bar = tolerance(session, scale, noise)
         metrics.update(implementation_change=largest, implementation_bar=bar)
-        data["implementations"] = {"default": default, "compared": ran, "left_padding": LEFT_PADDING if padded
-                                   else "not compared: forward takes no attention_mask and position_ids"}
+        data["implementations"] = {
+            "default": default,
+            "compared": ran,
+            "left_padding": LEFT_PADDING
+            if padded
+            else "not compared: forward takes no attention_mask and position_ids",
+        }
         data["changes"] = {i: float(c.max()) for i, c in changes.items()}
         data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
         for implementation, change in changes.items():
             if float(change.max()) > bar:
-                findings.append(Finding("FWD801", Status.FAIL, _message(default, implementation, change, bar, "the "
-                                        "session's inputs"), _where(change, bar)))
+                findings.append(
+                    Finding(
+                        "FWD801",
+                        Status.FAIL,
+                        _message(default, implementation, change, bar, "the session's inputs"),
+                        _where(change, bar),
+                    )
+                )
         for implementation, change in pad_changes.items():
-            if float(change.max()) > bar and not any(f.code == "FWD801" and implementation in f.message
-                                                     for f in findings):
-                findings.append(Finding("FWD802", Status.FAIL, _message(default, implementation, change, bar,
-                                        f"the real tokens of a row left-padded by {LEFT_PADDING}"),
-                                        _where(change, bar, "real token")))
+            if float(change.max()) > bar and not any(
+                f.code == "FWD801" and implementation in f.message for f in findings
+            ):
+                findings.append(
+                    Finding(
+                        "FWD802",
+                        Status.FAIL,
+                        _message(
+                            default,
+                            implementation,
+                            change,
+                            bar,
+                            f"the real tokens of a row left-padded by {LEFT_PADDING}",
+                        ),
+                        _where(change, bar, "real token"),
+                    )
+                )
             elif float(change.max()) > bar:
                 data["padded_also_differs"] = True
         return ran
@@ -291,10 +331,18 @@ Options (`options: {backends: {...}}`): flex."""
             if value > bar:
                 call = calls[index]
                 q = call.arguments["query"]
-                findings.append(Finding("FWD803", Status.FAIL, f"SDPA's {name} kernel differs from the math kernel "
-                                        f"by {value:.3g} (bar {bar:.3g}) on call {index + 1} of {len(calls)} "
-                                        f"(q {list(q.shape)}, {str(q.dtype).removeprefix('torch.')}, mask "
-                                        f"{_mask_kind(call.arguments)})", call.source, source=call.source))
+                findings.append(
+                    Finding(
+                        "FWD803",
+                        Status.FAIL,
+                        f"SDPA's {name} kernel differs from the math kernel "
+                        f"by {value:.3g} (bar {bar:.3g}) on call {index + 1} of {len(calls)} "
+                        f"(q {list(q.shape)}, {str(q.dtype).removeprefix('torch.')}, mask "
+                        f"{_mask_kind(call.arguments)})",
+                        call.source,
+                        source=call.source,
+                    )
+                )
         return ran
 
 
@@ -330,8 +378,10 @@ def _mask_kind(arguments: dict) -> str:
 
 def _message(default: str, other: str, change: torch.Tensor, bar: float, inputs: str) -> str:
     moved = int((change > bar).sum())
-    return (f"{other} and {default} give logits that differ by {float(change.max()):.3g} (bar {bar:.3g}) at "
-            f"{moved} of {change.numel()} positions of {inputs}")
+    return (
+        f"{other} and {default} give logits that differ by {float(change.max()):.3g} (bar {bar:.3g}) at "
+        f"{moved} of {change.numel()} positions of {inputs}"
+    )
 
 
 def _where(change: torch.Tensor, bar: float, unit: str = "position") -> str:
@@ -339,4 +389,3 @@ def _where(change: torch.Tensor, bar: float, unit: str = "position") -> str:
     row, position = divmod(int(change.flatten().argmax()), change.shape[-1])
     first = int((change > bar).nonzero()[0, 1])
     return f"row {row} {unit} {position} (first over the bar: {unit} {first})"
-

@@ -10,5 +10,8 @@ from fwdcheck.config import CheckOptions
 class Options(CheckOptions):
     """`options: {backends: {...}}`"""
 
-    flex: bool = Field(False, description="also compare flex_attention where the model offers it (it compiles its "
-                       "kernel on first use: tens of seconds on CPU)")
+    flex: bool = Field(
+        False,
+        description="also compare flex_attention where the model offers it (it compiles its "
+        "kernel on first use: tens of seconds on CPU)",
+    )

@@ -55,8 +55,13 @@ from fwdcheck.session import prefix_lengths
 
 # The comparisons judged against the threshold: the metric holding each one's largest change, and how a summary names
 # it. A comparison that ran but was not judged (the cuts of a model declared not causal) has no metric.
-JUDGED = {"max_change_before_cut": "{cuts} cut{s}", "batch_max_change": "batch", "prefix_max_change": "prefix",
-          "single_row_max_change": "single row", "padding_max_change": "left padding"}
+JUDGED = {
+    "max_change_before_cut": "{cuts} cut{s}",
+    "batch_max_change": "batch",
+    "prefix_max_change": "prefix",
+    "single_row_max_change": "single row",
+    "padding_max_change": "left padding",
+}
 
 
 def default_cuts(T: int) -> list[int]:
@@ -161,10 +166,16 @@ only when the model refused every comparison."""
         findings: list[Finding] = []
         if live_dropout:
             spots = [spot for spot, _ in live_dropout]
-            findings.append(Finding("FWD103", Status.FAIL, f"dropout is live in eval mode at {len(live_dropout)} "
-                                    "call(s); forced to zero for the comparisons below",
-                                    where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
-                                    source=live_dropout[0][1]))  # the first live call's line
+            findings.append(
+                Finding(
+                    "FWD103",
+                    Status.FAIL,
+                    f"dropout is live in eval mode at {len(live_dropout)} "
+                    "call(s); forced to zero for the comparisons below",
+                    where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
+                    source=live_dropout[0][1],
+                )
+            )  # the first live call's line
         if broken:
             return self._nonfinite_baseline(findings, reference)
 
@@ -185,8 +196,10 @@ only when the model refused every comparison."""
                 if not torch.equal(observed, reference):
                     if nonfinite_positions(reference):
                         return self._nonfinite_baseline(findings, reference)
-                    data["reference"] = ("the observation pass's logits differ from the untouched baseline's: "
-                                         "every comparison was made again against the baseline")
+                    data["reference"] = (
+                        "the observation pass's logits differ from the untouched baseline's: "
+                        "every comparison was made again against the baseline"
+                    )
                     scale, refusals = logit_scale(reference), Refusals()
                     measured = self._measure(plan, session, reference, refusals)
                 del observed
@@ -202,17 +215,30 @@ only when the model refused every comparison."""
         if live_dropout:
             metrics["live_dropout_calls"] = len(live_dropout)
         if noise is None:
-            data["noise_floor"] = ("not measured: nothing moved beyond the tolerance, where no noise floor can "
-                                   "change the verdict")
+            data["noise_floor"] = (
+                "not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"
+            )
         else:
             metrics["noise_floor"] = noise
             if noise > tolerance:
-                findings.append(Finding("FWD103", Status.FAIL, f"two identical eval-mode forwards differ by "
-                                        f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                                        "in eval mode"))
+                findings.append(
+                    Finding(
+                        "FWD103",
+                        Status.FAIL,
+                        f"two identical eval-mode forwards differ by "
+                        f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
+                        "in eval mode",
+                    )
+                )
             if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
-                findings.append(Finding("FWD106", Status.WARN, f"noise floor {noise:.3g} is over 10x the dtype "
-                                        f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen"))
+                findings.append(
+                    Finding(
+                        "FWD106",
+                        Status.WARN,
+                        f"noise floor {noise:.3g} is over 10x the dtype "
+                        f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen",
+                    )
+                )
         if measured.padding is not None:
             metrics["padding_max_change"] = float(measured.padding.max())
             findings += self._padding(measured.padding, threshold)
@@ -224,20 +250,26 @@ only when the model refused every comparison."""
             # The control row's every position, or, when the first forward vouched alone, the first row's before its
             # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
             control = plan.control if measured.ran(plan.control) else 0
-            control_change = cut_changes[control, :plan.cut_of.get(control, T)].tolist()
+            control_change = cut_changes[control, : plan.cut_of.get(control, T)].tolist()
             batch_moved = [p for p, c in enumerate(control_change) if c > threshold]
             metrics["batch_max_change"] = max(control_change)
             if batch_moved:
-                findings.append(Finding(
-                    "FWD102", Status.FAIL,
-                    f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
-                    f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read each other",
-                    where=f"sample 0, positions {span(batch_moved)}"))
+                findings.append(
+                    Finding(
+                        "FWD102",
+                        Status.FAIL,
+                        f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
+                        f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read "
+                        "each other",
+                        where=f"sample 0, positions {span(batch_moved)}",
+                    )
+                )
             if batch_moved and causal:  # mixing contaminates every batched row: judge causality one row at a time
                 rerun = refusals.attempt(
                     lambda: self._one_row_at_a_time(plan, session),
                     "causal comparisons skipped: samples read each other and the rows cannot run one at a time",
-                    f"B=1, T={T}")
+                    f"B=1, T={T}",
+                )
                 if rerun is None:
                     causal = False
                 else:
@@ -251,8 +283,9 @@ only when the model refused every comparison."""
             for part in (cuts, prefixes, single):
                 metrics.update(part.metrics)
                 data.update(part.data)
-            findings += _with_single_row(cuts.findings + prefixes.findings, single.findings,
-                                         single.metrics.get("single_row_max_change"))
+            findings += _with_single_row(
+                cuts.findings + prefixes.findings, single.findings, single.metrics.get("single_row_max_change")
+            )
         elif not model.causal:
             data["note"] = "model.causal is false: part (a) skipped"
 
@@ -263,7 +296,7 @@ only when the model refused every comparison."""
         metrics["max_change"] = max(metrics[name] for name in judged) if judged else 0.0
         metrics["decided_by"] = _decided_by(leaks, metrics)
         if leaks:
-            summary = "; ".join(sorted({self.codes[f.code].split(':')[0] for f in leaks}))
+            summary = "; ".join(sorted({self.codes[f.code].split(":")[0] for f in leaks}))
         else:
             n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
             ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged]
@@ -283,11 +316,16 @@ only when the model refused every comparison."""
         if session.unpadded is not None:  # a left-padded path: the real tokens must not see the padding
             measured.padding = refusals.attempt(
                 lambda: position_change(reference, session.logits(session.inputs, model=session.unpadded)),
-                "left-padding comparison skipped", f"B={B}, T={T} without padding")
+                "left-padding comparison skipped",
+                f"B={B}, T={T} without padding",
+            )
         screen = plan.screen(session.max_rows)
         measured.cuts = self._run_rows(session, plan, range(screen), reference, refusals)  # (screen, T), or None
-        if measured.cuts is not None and screen < len(plan.rows) \
-                and session.noise_matters(plan.largest_before_cut(measured.cuts), logit_scale(reference)):
+        if (
+            measured.cuts is not None
+            and screen < len(plan.rows)
+            and session.noise_matters(plan.largest_before_cut(measured.cuts), logit_scale(reference))
+        ):
             rest = self._run_rows(session, plan, range(screen, len(plan.rows)), reference, refusals)
             if rest is not None:
                 measured.cuts = torch.cat([measured.cuts, rest])
@@ -301,7 +339,7 @@ only when the model refused every comparison."""
     def _one_row_at_a_time(plan: Plan, session) -> tuple[torch.Tensor, Prefix]:
         """The cut rows and the prefix ladder again, every forward one row, against each sample run alone."""
         B = session.inputs.shape[0]
-        alone = [session.logits(session.inputs[s:s + 1]) for s in range(B)]  # B x (1, T, V)
+        alone = [session.logits(session.inputs[s : s + 1]) for s in range(B)]  # B x (1, T, V)
         changes = torch.zeros(len(plan.rows), session.inputs.shape[1])  # (rows, T); the control row is not rerun
         for i in plan.cut_rows:
             changes[i] = position_change(session.logits(plan.rows[i][None])[0], alone[plan.sources[i]][0])
@@ -309,10 +347,20 @@ only when the model refused every comparison."""
 
     def _nonfinite_baseline(self, findings: list[Finding], baseline: torch.Tensor) -> CheckResult:
         broken = nonfinite_positions(baseline)
-        findings.append(Finding("FWD104", Status.FAIL, f"the baseline logits hold NaN or Inf at "
-                                f"{len(broken)} (sample, position) pairs", where=_pairs(broken)))
-        return CheckResult.from_findings(self.name, findings, "NaN/Inf in the baseline logits; nothing to compare",
-                                         metrics={"nonfinite_positions": len(broken), "decided_by": "nonfinite"})
+        findings.append(
+            Finding(
+                "FWD104",
+                Status.FAIL,
+                f"the baseline logits hold NaN or Inf at {len(broken)} (sample, position) pairs",
+                where=_pairs(broken),
+            )
+        )
+        return CheckResult.from_findings(
+            self.name,
+            findings,
+            "NaN/Inf in the baseline logits; nothing to compare",
+            metrics={"nonfinite_positions": len(broken), "decided_by": "nonfinite"},
+        )
 
     def _measured_nothing(self, findings: list[Finding], refusals: Refusals) -> CheckResult:
         """Every pass that compares was refused. Findings made before (dropout live in eval) stand, with the notes;
@@ -323,8 +371,9 @@ only when the model refused every comparison."""
         return CheckResult.from_findings(self.name, findings, "; ".join(refusals.notes), data={"notes": refusals.notes})
 
     @staticmethod
-    def _run_rows(session, plan: Plan, indices: range, reference: torch.Tensor,
-                  refusals: Refusals) -> torch.Tensor | None:
+    def _run_rows(
+        session, plan: Plan, indices: range, reference: torch.Tensor, refusals: Refusals
+    ) -> torch.Tensor | None:
         """The plan's rows of these indices (cut rows, the control row), each reduced to its per-position change
         from its sample's reference (rows, T), in forwards no larger than the baseline's (session.changes). A
         model that refuses one of those row counts (a cache sized for exactly the batch) gets them in forwards of
@@ -334,9 +383,11 @@ only when the model refused every comparison."""
         N, T = ids.shape
         B = session.inputs.shape[0]
         sizes = sorted(set(session.row_counts(N)))
-        changes = refusals.attempt(lambda: session.changes(ids, reference, sources),
-                                   f"{N} rows in forwards of {' and '.join(map(str, sizes))} refused",
-                                   f"B={'/'.join(map(str, sizes))}, T={T}")
+        changes = refusals.attempt(
+            lambda: session.changes(ids, reference, sources),
+            f"{N} rows in forwards of {' and '.join(map(str, sizes))} refused",
+            f"B={'/'.join(map(str, sizes))}, T={T}",
+        )
         if changes is not None or sizes == [B]:
             return changes
 
@@ -360,9 +411,16 @@ only when the model refused every comparison."""
         if not bool((change > threshold).any()):
             return []
         moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
-        return [Finding("FWD107", Status.FAIL, f"left padding moves the real tokens' logits by up to "
-                        f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
-                        "the positions count them", where=f"real positions {span(moved)}")]
+        return [
+            Finding(
+                "FWD107",
+                Status.FAIL,
+                f"left padding moves the real tokens' logits by up to "
+                f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
+                "the positions count them",
+                where=f"real positions {span(moved)}",
+            )
+        ]
 
     @staticmethod
     def _observe_dropout(session) -> list[tuple[str, str | None]]:
@@ -400,17 +458,27 @@ only when the model refused every comparison."""
             for p, k in leaked_pairs:
                 by_cut.setdefault(k, []).append(p)
             first_k = min(by_cut)
-            findings.append(Finding(
-                "FWD101", Status.FAIL,
-                f"earlier logits moved by up to {worst:.3g} (threshold {threshold:.3g}) at {len(leaked_pairs)} "
-                f"(query, perturbed) pairs: the model reads the future",
-                where=f"positions {span(by_cut[first_k])} when {what.format(k=first_k)}"
-                + (f"; {len(by_cut) - 1} more column(s) in the leak map" if len(by_cut) > 1 else "")))
+            findings.append(
+                Finding(
+                    "FWD101",
+                    Status.FAIL,
+                    f"earlier logits moved by up to {worst:.3g} (threshold {threshold:.3g}) at {len(leaked_pairs)} "
+                    f"(query, perturbed) pairs: the model reads the future",
+                    where=f"positions {span(by_cut[first_k])} when {what.format(k=first_k)}"
+                    + (f"; {len(by_cut) - 1} more column(s) in the leak map" if len(by_cut) > 1 else ""),
+                )
+            )
         if nan_pairs:
             p, k = nan_pairs[0]
-            findings.append(Finding("FWD104", Status.FAIL, f"NaN or Inf appeared at {len(nan_pairs)} earlier "
-                                    "(query, perturbed) pairs when later tokens changed",
-                                    where=f"position {p} when {what.format(k=k)}"))
+            findings.append(
+                Finding(
+                    "FWD104",
+                    Status.FAIL,
+                    f"NaN or Inf appeared at {len(nan_pairs)} earlier "
+                    "(query, perturbed) pairs when later tokens changed",
+                    where=f"position {p} when {what.format(k=k)}",
+                )
+            )
         leak_map: LeakMap = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
         return Judged(findings, {"max_change_before_cut": worst, "cuts": cuts}, {"leak_map": leak_map})
 
@@ -453,14 +521,23 @@ only when the model refused every comparison."""
         if not moved:
             return Judged(metrics=metrics)
         k, positions = moved[0]
-        return Judged([Finding("FWD105", Status.FAIL, f"the first k tokens run alone differ from the full run by up "
-                               f"to {worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
-                               where=f"sample 0, positions {span(positions)} with the first {k} tokens alone")],
-                      metrics)
+        return Judged(
+            [
+                Finding(
+                    "FWD105",
+                    Status.FAIL,
+                    f"the first k tokens run alone differ from the full run by up "
+                    f"to {worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
+                    where=f"sample 0, positions {span(positions)} with the first {k} tokens alone",
+                )
+            ],
+            metrics,
+        )
 
     @staticmethod
-    def _run_single_row(plan: Plan, session, prefix: Prefix, reference: torch.Tensor,
-                        refusals: Refusals) -> SingleRow | None:
+    def _run_single_row(
+        plan: Plan, session, prefix: Prefix, reference: torch.Tensor, refusals: Refusals
+    ) -> SingleRow | None:
         """Batch size 1 is a code path of its own in many models (a "single sequence" shortcut that forgets the mask,
         another kernel), and the cuts run several rows. One row runs alone with its later half replaced and is
         compared, before the replaced half, with the longest prefix run alone: both one row of the same length,
@@ -479,8 +556,12 @@ only when the model refused every comparison."""
     @staticmethod
     def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold: float) -> Judged:
         if plan.single_row_skipped or alone:
-            return Judged(data={"single_row": plan.single_row_skipped or "not needed: the comparisons above already "
-                                                                         "ran one row beside several"})
+            return Judged(
+                data={
+                    "single_row": plan.single_row_skipped
+                    or "not needed: the comparisons above already ran one row beside several"
+                }
+            )
         if single is None:  # refused: a note says so
             return Judged()
         L, cut, change = single.length, single.cut, single.change.tolist()
@@ -490,13 +571,26 @@ only when the model refused every comparison."""
         where = f"sample 0 run alone (T={L}), positions {span(moved or nan)} when tokens >= {cut} changed"
         findings = []
         if moved:
-            findings.append(Finding("FWD101", Status.FAIL, f"with one row run alone (batch size 1), earlier logits "
-                                    f"moved by up to {largest:.3g} (threshold {threshold:.3g}) when later tokens "
-                                    "changed: the single-row path reads the future", where=where))
+            findings.append(
+                Finding(
+                    "FWD101",
+                    Status.FAIL,
+                    f"with one row run alone (batch size 1), earlier logits "
+                    f"moved by up to {largest:.3g} (threshold {threshold:.3g}) when later tokens "
+                    "changed: the single-row path reads the future",
+                    where=where,
+                )
+            )
         if nan:
-            findings.append(Finding("FWD104", Status.FAIL, f"with one row run alone (batch size 1), NaN or Inf "
-                                    f"appeared at {len(nan)} earlier positions when later tokens changed",
-                                    where=where))
+            findings.append(
+                Finding(
+                    "FWD104",
+                    Status.FAIL,
+                    f"with one row run alone (batch size 1), NaN or Inf "
+                    f"appeared at {len(nan)} earlier positions when later tokens changed",
+                    where=where,
+                )
+            )
         shown: SingleRowShown = {"length": L, "cut": cut, "against": single.against, "change": change}
         return Judged(findings, {"single_row_max_change": largest}, {"single_row": shown})
 
@@ -530,7 +624,7 @@ class Plan:
             sample = i % B
             row = session.inputs[sample].clone()
             if self.exhaustive:  # one token at a time: the map's cell (i, k) is exactly "position i reads token k"
-                row[k] = session.random_ids((1,), differ_from=row[k:k + 1])[0]
+                row[k] = session.random_ids((1,), differ_from=row[k : k + 1])[0]
             else:
                 row[k:] = session.random_ids((T - k,), differ_from=row[k:])
             rows.append(row)
@@ -565,7 +659,7 @@ class Plan:
     def largest_before_cut(self, changes: torch.Tensor) -> float:
         """The largest change of the rows in `changes` (the first rows of the plan) at the positions they compare:
         each cut row's before its cut, the control row's everywhere. inf for NaN."""
-        compared = [changes[i, :self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
+        compared = [changes[i, : self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
         return float(torch.cat(compared).max())
 
     def single_row(self, length: int) -> torch.Tensor:

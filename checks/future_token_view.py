@@ -23,8 +23,11 @@ MAP_WIDTH = 64  # leak maps wider than this many positions are binned
 class Options(CheckOptions):
     """`options: {future-token: {...}}`"""
 
-    exhaustive: bool = Field(False, description="perturb every position, one token at a time, and draw the full "
-                             "leak map (T - 1 rows instead of 2 to 4)")
+    exhaustive: bool = Field(
+        False,
+        description="perturb every position, one token at a time, and draw the full "
+        "leak map (T - 1 rows instead of 2 to 4)",
+    )
 
 
 class LeakColumn(TypedDict):
@@ -72,8 +75,10 @@ def leak_map(r: CheckResult) -> RenderableType:
     if leak["kind"] == "cut":
         header, kind = "query\\k " + "".join(f"{c['k']} " for c in columns), "tokens >= k changed"
     else:
-        header, kind = f"query\\k 0..{last}" + (f" ({bins} positions per char)" if bins > 1 else ""), \
-            "token k alone changed"
+        header, kind = (
+            f"query\\k 0..{last}" + (f" ({bins} positions per char)" if bins > 1 else ""),
+            "token k alone changed",
+        )
     lines = [Text(header, style="dim")]
     for qbin in range(-(-last // bins)):
         queries = slice(qbin * bins, (qbin + 1) * bins)
@@ -87,8 +92,9 @@ def leak_map(r: CheckResult) -> RenderableType:
                 group = [c for c in columns if kbin * bins <= c["k"] < (kbin + 1) * bins]
                 line.append(_cell([v for c in group for v in c["change"][queries]], threshold))
         lines.append(line)
-    legend = Text(f"# moved beyond {threshold:.2g}, . still, N NaN/Inf, blank: not before k. Columns: {kind}.",
-                  style="dim")
+    legend = Text(
+        f"# moved beyond {threshold:.2g}, . still, N NaN/Inf, blank: not before k. Columns: {kind}.", style="dim"
+    )
     return Group(*lines, legend, *said)
 
 
@@ -102,8 +108,10 @@ def _single_row(r: CheckResult) -> str | None:
     worst = r.metrics.get("single_row_max_change", max(single.get("change") or [0.0]))
     against = "the prefix run alone" if single.get("against") == "prefix" else "the batched run"
     threshold = f" (threshold {r.metrics['threshold']:.2g})" if "threshold" in r.metrics else ""
-    return (f"single row (batch size 1, T={single['length']}): tokens >= {single['cut']} replaced, earlier logits "
-            f"moved by up to {worst:.2g}{threshold} against {against}")
+    return (
+        f"single row (batch size 1, T={single['length']}): tokens >= {single['cut']} replaced, earlier logits "
+        f"moved by up to {worst:.2g}{threshold} against {against}"
+    )
 
 
 def _cell(values: list[float], threshold: float) -> Text:

@@ -38,13 +38,13 @@ class Golden(Check):
     order = 90  # after the other built-ins: its forward is its own, and shares nothing
     codes = {
         "FWD961": "against --expect-golden: a module's output moved beyond tolerance (the first, in the order the "
-                  "outputs came, is named)",
+        "outputs came, is named)",
         "FWD962": "against --expect-golden: parameters or buffers moved beyond tolerance (the init or the loading "
-                  "changed)",
+        "changed)",
         "FWD963": "against --expect-golden: modules (outputs) or parameters were added or removed",
         "FWD964": "against --expect-golden: NaN or Inf where the golden file has finite values",
         "FWD965": "against --expect-golden: an output's or a parameter's shape or dtype changed (a shape contract "
-                  "difference, not compared numerically)",
+        "difference, not compared numerically)",
     }
     explain = """\
 Records, at the config's seed (its seeded initialisation, or the checkpoint's weights) and on the run's inputs, a
@@ -85,38 +85,53 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
         metrics: dict[str, Any] = {"outputs": len(outputs), "parameters": len(parameters)}
         expected = session.settings.expect_golden
         if expected is None:
-            return CheckResult(self.name, Status.PASS, f"fingerprinted {len(outputs)} module outputs and "
-                               f"{len(parameters)} parameters and buffers in one forward (--save-golden writes them)",
-                               metrics=metrics, data={"golden": document})
+            return CheckResult(
+                self.name,
+                Status.PASS,
+                f"fingerprinted {len(outputs)} module outputs and "
+                f"{len(parameters)} parameters and buffers in one forward (--save-golden writes them)",
+                metrics=metrics,
+                data={"golden": document},
+            )
         made = expected["run"]
         if (made.get("device"), made.get("torch")) != (document["run"]["device"], document["run"]["torch"]):
-            session.notes.append(f"the golden file was made on {made.get('device') or '?'} with torch "
-                                 f"{made.get('torch') or '?'}; this run is on {document['run']['device']} with torch "
-                                 f"{document['run']['torch']}")
+            session.notes.append(
+                f"the golden file was made on {made.get('device') or '?'} with torch "
+                f"{made.get('torch') or '?'}; this run is on {document['run']['device']} with torch "
+                f"{document['run']['torch']}"
+            )
         tolerance = expected["tolerance"]
         output_diff = compare(expected["outputs"], outputs, tolerance)
         parameter_diff = compare(expected["parameters"], parameters, tolerance)
         findings = judge(output_diff, parameter_diff, tolerance)
         for finding in findings:
             finding.module = model_code(model.module, finding.module)
-        data: GoldenData = {"golden": document, "comparison": {
-            "tolerance": tolerance, "moved": [m.shown() for m in output_diff.moved[:KEPT]],
-            "moved_outputs": len(output_diff.moved), "moved_parameters": len(parameter_diff.moved),
-            "parameters_moved": [m.shown() for m in parameter_diff.moved[:KEPT]]}}
-        first = output_diff.moved[0] if output_diff.moved else parameter_diff.moved[0] if parameter_diff.moved \
-            else None
+        data: GoldenData = {
+            "golden": document,
+            "comparison": {
+                "tolerance": tolerance,
+                "moved": [m.shown() for m in output_diff.moved[:KEPT]],
+                "moved_outputs": len(output_diff.moved),
+                "moved_parameters": len(parameter_diff.moved),
+                "parameters_moved": [m.shown() for m in parameter_diff.moved[:KEPT]],
+            },
+        }
+        first = output_diff.moved[0] if output_diff.moved else parameter_diff.moved[0] if parameter_diff.moved else None
         if first is not None:
             metrics.update(moved_by=first.by, tolerance=first.tolerance)
         closest = max(output_diff.ratio, parameter_diff.ratio)
-        metrics.update(moved_outputs=len(output_diff.moved), moved_parameters=len(parameter_diff.moved),
-                       closest=closest)
+        metrics.update(
+            moved_outputs=len(output_diff.moved), moved_parameters=len(parameter_diff.moved), closest=closest
+        )
         bad = [f for f in findings if f.status != Status.PASS]
         if bad:
             summary = f"{len(bad)} difference(s) from the golden file; first: {bad[0].message}"
         else:
-            summary = (f"{len(outputs)} module outputs and {len(parameters)} parameters within tolerance of the "
-                       f"golden file (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g}); the closest came to "
-                       f"{closest:.2g} of its tolerance")
+            summary = (
+                f"{len(outputs)} module outputs and {len(parameters)} parameters within tolerance of the "
+                f"golden file (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g}); the closest came to "
+                f"{closest:.2g} of its tolerance"
+            )
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
 
@@ -130,14 +145,26 @@ def record(model, session) -> dict:
     session.forward_tokens += session.inputs.numel()
     outputs = [{"name": name, **fingerprint(tensor)} for name, tensor in calls]
     module = model.module
-    parameters = [{"name": name, **fingerprint(tensor)}
-                  for name, tensor in [*module.named_parameters(), *module.named_buffers()]]
+    parameters = [
+        {"name": name, **fingerprint(tensor)} for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+    ]
     rtol, atol = TOLERANCES[session.dtype].golden
     inputs = session.settings.inputs
-    return {"fwdcheck_golden": VERSION, "model": model.label,
-            "run": {"seed": inputs.seed, "batch_size": inputs.batch_size, "seq_len": inputs.seq_len,
-                    "dtype": session.settings.dtype, "device": str(session.device), "torch": torch.__version__},
-            "tolerance": {"rtol": rtol, "atol": atol}, "outputs": outputs, "parameters": parameters}
+    return {
+        "fwdcheck_golden": VERSION,
+        "model": model.label,
+        "run": {
+            "seed": inputs.seed,
+            "batch_size": inputs.batch_size,
+            "seq_len": inputs.seq_len,
+            "dtype": session.settings.dtype,
+            "device": str(session.device),
+            "torch": torch.__version__,
+        },
+        "tolerance": {"rtol": rtol, "atol": atol},
+        "outputs": outputs,
+        "parameters": parameters,
+    }
 
 
 @dataclass
@@ -174,8 +201,14 @@ def compare(before: list[dict], after: list[dict], tolerance: dict) -> Compariso
     """This run's fingerprints against the golden file's, matched by name."""
     expected = {e["name"]: e for e in before}
     current = {e["name"]: e for e in after}
-    diff = Comparison(added=[n for n in current if n not in expected],
-                      removed=[n for n in expected if n not in current], reshaped=[], nonfinite=[], moved=[], ratio=0.0)
+    diff = Comparison(
+        added=[n for n in current if n not in expected],
+        removed=[n for n in expected if n not in current],
+        reshaped=[],
+        nonfinite=[],
+        moved=[],
+        ratio=0.0,
+    )
     for name, now in current.items():
         then = expected.get(name)
         if then is None:
@@ -201,8 +234,11 @@ def largest_change(then: dict, now: dict, tolerance: dict) -> tuple[float, float
     limit = tolerance["atol"] + tolerance["rtol"] * then["absmax"]
     pairs = [("non-finite elements", then.get("nonfinite", 0), now.get("nonfinite", 0))]
     pairs += [(key, then[key], now[key]) for key in ("mean", "std", "absmax")]
-    pairs += [(f"{key}[{i}]", a, b) for key in ("values", "digest")
-              for i, (a, b) in enumerate(zip(then[key], now[key], strict=False))]
+    pairs += [
+        (f"{key}[{i}]", a, b)
+        for key in ("values", "digest")
+        for i, (a, b) in enumerate(zip(then[key], now[key], strict=False))
+    ]
     largest, what = 0.0, "no change"
     for label, a, b in pairs:
         change = float("inf") if (a is None) != (b is None) else 0.0 if a is None else abs(b - a)
@@ -217,32 +253,69 @@ def judge(outputs: Comparison, parameters: Comparison, tolerance: dict) -> list[
     findings = []
     if outputs.moved:
         first = outputs.moved[0]
-        cause = "parameters changed too (FWD962)" if parameters.moved else \
-            "only the computation changed: every parameter both runs have is within tolerance"
-        findings.append(Finding("FWD961", Status.FAIL, f"{first.name}: output {first.said()}, the first of "
-                                f"{len(outputs.moved)} module outputs that moved; {cause}", where=first.name,
-                                module=_module(first.name)))
+        cause = (
+            "parameters changed too (FWD962)"
+            if parameters.moved
+            else "only the computation changed: every parameter both runs have is within tolerance"
+        )
+        findings.append(
+            Finding(
+                "FWD961",
+                Status.FAIL,
+                f"{first.name}: output {first.said()}, the first of "
+                f"{len(outputs.moved)} module outputs that moved; {cause}",
+                where=first.name,
+                module=_module(first.name),
+            )
+        )
     if parameters.moved:
         first = parameters.moved[0]
-        findings.append(Finding("FWD962", Status.FAIL, f"parameters changed (init or loading): first {first.name}, "
-                                f"{first.said()}; {len(parameters.moved)} moved", where=first.name,
-                                module=first.name.rpartition(".")[0] or None))
+        findings.append(
+            Finding(
+                "FWD962",
+                Status.FAIL,
+                f"parameters changed (init or loading): first {first.name}, "
+                f"{first.said()}; {len(parameters.moved)} moved",
+                where=first.name,
+                module=first.name.rpartition(".")[0] or None,
+            )
+        )
     for kind, diff in (("module outputs", outputs), ("parameters", parameters)):
         if diff.nonfinite:
-            findings.append(Finding("FWD964", Status.FAIL, f"NaN or Inf where the golden file has finite values, "
-                                    f"first in {_listed('', diff.nonfinite)}", where=diff.nonfinite[0].split(":")[0],
-                                    module=_module(diff.nonfinite[0].split(":")[0])))
+            findings.append(
+                Finding(
+                    "FWD964",
+                    Status.FAIL,
+                    f"NaN or Inf where the golden file has finite values, first in {_listed('', diff.nonfinite)}",
+                    where=diff.nonfinite[0].split(":")[0],
+                    module=_module(diff.nonfinite[0].split(":")[0]),
+                )
+            )
         if diff.reshaped:
-            findings.append(Finding("FWD965", Status.FAIL, f"{kind} changed shape or dtype (a shape contract "
-                                    f"difference, not compared numerically): {_listed('', diff.reshaped)}",
-                                    where=diff.reshaped[0].split(":")[0]))
+            findings.append(
+                Finding(
+                    "FWD965",
+                    Status.FAIL,
+                    f"{kind} changed shape or dtype (a shape contract "
+                    f"difference, not compared numerically): {_listed('', diff.reshaped)}",
+                    where=diff.reshaped[0].split(":")[0],
+                )
+            )
         if diff.added or diff.removed:
             said = "; ".join(part for part in (_listed("new", diff.added), _listed("gone", diff.removed)) if part)
-            findings.append(Finding("FWD963", Status.FAIL, f"{kind} added or removed: {said}",
-                                    where=(diff.added or diff.removed)[0]))
+            findings.append(
+                Finding(
+                    "FWD963", Status.FAIL, f"{kind} added or removed: {said}", where=(diff.added or diff.removed)[0]
+                )
+            )
     if not findings:
-        findings.append(Finding("FWD961", Status.PASS, f"every output and parameter within tolerance (rtol "
-                                f"{tolerance['rtol']:g}, atol {tolerance['atol']:g})"))
+        findings.append(
+            Finding(
+                "FWD961",
+                Status.PASS,
+                f"every output and parameter within tolerance (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g})",
+            )
+        )
     return findings
 
 

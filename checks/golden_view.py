@@ -38,21 +38,45 @@ def golden(r: CheckResult) -> RenderableType:
     comparison = r.data.get("comparison")
     if comparison is None:
         document = r.data.get("golden", {})
-        return Text(f"{len(document.get('outputs', []))} module outputs and {len(document.get('parameters', []))} "
-                    "parameters and buffers fingerprinted; --save-golden FILE writes them", style="dim")
+        return Text(
+            f"{len(document.get('outputs', []))} module outputs and {len(document.get('parameters', []))} "
+            "parameters and buffers fingerprinted; --save-golden FILE writes them",
+            style="dim",
+        )
     parts: list[RenderableType] = []
-    for key, total, title in (("moved", "moved_outputs", "module outputs"),
-                              ("parameters_moved", "moved_parameters", "parameters")):
-        rows = [[Text(m["name"]), Text(f"{m['by']:.3g}", "bold red"), Text(f"{m['tolerance']:.2g}"), Text(m["what"])]
-                for m in comparison.get(key, [])]
+    for key, total, title in (
+        ("moved", "moved_outputs", "module outputs"),
+        ("parameters_moved", "moved_parameters", "parameters"),
+    ):
+        rows = [
+            [Text(m["name"]), Text(f"{m['by']:.3g}", "bold red"), Text(f"{m['tolerance']:.2g}"), Text(m["what"])]
+            for m in comparison.get(key, [])
+        ]
         if rows:
-            columns = [FitColumn("name", whole=True), FitColumn("moved by", justify="right", whole=True),
-                       FitColumn("tolerance", justify="right", whole=True), FitColumn("largest change", give_way=1)]
+            columns = [
+                FitColumn("name", whole=True),
+                FitColumn("moved by", justify="right", whole=True),
+                FitColumn("tolerance", justify="right", whole=True),
+                FitColumn("largest change", give_way=1),
+            ]
             more = comparison[total] - len(rows)
-            parts.append(FitTable(columns, rows, title=f"{title} that moved ({comparison[total]}), in order"
-                                  + (f"; {more} more not shown" if more > 0 else ""),
-                                  box=box.SIMPLE, pad_edge=False, show_edge=False))
+            parts.append(
+                FitTable(
+                    columns,
+                    rows,
+                    title=f"{title} that moved ({comparison[total]}), in order"
+                    + (f"; {more} more not shown" if more > 0 else ""),
+                    box=box.SIMPLE,
+                    pad_edge=False,
+                    show_edge=False,
+                )
+            )
     tolerance = comparison.get("tolerance", {})
-    parts.append(Text(f"tolerance: atol {tolerance.get('atol', 0):g} + rtol {tolerance.get('rtol', 0):g} x each "
-                      "tensor's abs-max in the golden file", style="dim"))
+    parts.append(
+        Text(
+            f"tolerance: atol {tolerance.get('atol', 0):g} + rtol {tolerance.get('rtol', 0):g} x each "
+            "tensor's abs-max in the golden file",
+            style="dim",
+        )
+    )
     return Group(*parts)

@@ -101,8 +101,10 @@ def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
 def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
     logits = extract_logits(output)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-        raise ModelRaised(f"{what} returned logits of shape {list(logits.shape)} for input_ids {list(ids.shape)}; "
-                          "the cached path must return every new position's logits [B, T_new, V]")
+        raise ModelRaised(
+            f"{what} returned logits of shape {list(logits.shape)} for input_ids {list(ids.shape)}; "
+            "the cached path must return every new position's logits [B, T_new, V]"
+        )
     return logits.float()
 
 
@@ -167,8 +169,10 @@ class PastKeyValues(Decoder):
         output = call_model(what, self.module, ids, **kwargs)
         cache = returned_cache(output)
         if cache is None and self.new_cache is None:
-            raise ModelRaised(f"{what} returned no cache (no .past_key_values, .cache, nor a (logits, cache) "
-                              "tuple); the config's `cache: {style: hf}` says it would")
+            raise ModelRaised(
+                f"{what} returned no cache (no .past_key_values, .cache, nor a (logits, cache) "
+                "tuple); the config's `cache: {style: hf}` says it would"
+            )
         return logits_of(output, ids, what), cache if cache is not None else state
 
 
@@ -191,8 +195,9 @@ class InputPos(Decoder):
         super().__init__(module)
         self.setup = getattr(module, setup, None)
         if not callable(self.setup):
-            raise ModelRaised(f"the config's cache.setup names '{setup}', but {type(module).__name__} has no such "
-                              "method")
+            raise ModelRaised(
+                f"the config's cache.setup names '{setup}', but {type(module).__name__} has no such method"
+            )
         self.label = f"{setup}, then forward(input_ids, input_pos)"
 
     def begin(self, rows, length):
@@ -215,9 +220,11 @@ def decoder_for(model) -> Decoder:
         if cache.style == "input_pos":
             return InputPos(model.module, cache.setup)
         return PastKeyValues(model.module, new_cache=cache.new_cache)
-    raise SkipCheck(f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
-                    "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
-                    "setup_caches}` (input_pos)")
+    raise SkipCheck(
+        f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
+        "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
+        "setup_caches}` (input_pos)"
+    )
 
 
 @contextmanager
@@ -270,9 +277,11 @@ class Changes:
     @classmethod
     def of(cls, decoded: Decoded, reference: torch.Tensor, plan: Plan) -> Changes:
         P = plan.prefill
-        return cls(position_change(decoded.prefill, reference[:, :P]),
-                   position_change(decoded.token, reference[:, P:P + plan.tokens]),
-                   position_change(decoded.chunked, reference[:, P:]))
+        return cls(
+            position_change(decoded.prefill, reference[:, :P]),
+            position_change(decoded.token, reference[:, P : P + plan.tokens]),
+            position_change(decoded.chunked, reference[:, P:]),
+        )
 
     def largest(self) -> float:
         return max(float(c.max()) for c in self.parts.values())
@@ -337,19 +346,24 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         decoder = decoder_for(model)
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
-            raise SkipCheck(f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it "
-                            f"(seq_len >= {MIN_LENGTH})")
+            raise SkipCheck(
+                f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it (seq_len >= {MIN_LENGTH})"
+            )
         plan = Plan.for_length(T)
         if session.min_seq_len > 1:
-            raise SkipCheck(f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
-                            "decoding steps cannot run")
+            raise SkipCheck(
+                f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
+                "decoding steps cannot run"
+            )
 
         reference = session.reference()  # (B, T, V)
         if nonfinite_positions(reference) and not session.reference_untouched:
             reference = session.baseline()
         if nonfinite_positions(reference):
-            raise SkipCheck("the full forward's logits hold NaN or Inf: there is nothing to compare the cached "
-                            "decoding with (shape-ledger and future-token report the NaN)")
+            raise SkipCheck(
+                "the full forward's logits hold NaN or Inf: there is nothing to compare the cached "
+                "decoding with (shape-ledger and future-token report the NaN)"
+            )
         decoded = self._decode(decoder, model, session, plan)
         changes = Changes.of(decoded, reference, plan)
         scale = logit_scale(reference)
@@ -369,24 +383,37 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
                 for finding in failing:
                     finding.where = f"{finding.where}; {layer}"
         largest = {name: float(c.max()) for name, c in changes.parts.items()}
-        metrics = {"max_change": max(largest.values()), "threshold": threshold, "tolerance": tolerance,
-                   "logit_scale": scale, "prefill_max_change": largest["prefill"],
-                   "token_max_change": largest["token-by-token"], "chunked_max_change": largest["chunked"],
-                   "prefill": plan.prefill, "decoded": sum(plan.chunks), "calls": plan.calls,
-                   "tokens_run": decoded.tokens}
+        metrics = {
+            "max_change": max(largest.values()),
+            "threshold": threshold,
+            "tolerance": tolerance,
+            "logit_scale": scale,
+            "prefill_max_change": largest["prefill"],
+            "token_max_change": largest["token-by-token"],
+            "chunked_max_change": largest["chunked"],
+            "prefill": plan.prefill,
+            "decoded": sum(plan.chunks),
+            "calls": plan.calls,
+            "tokens_run": decoded.tokens,
+        }
         if noise is not None:
             metrics["noise_floor"] = noise
         chunks = "+".join(map(str, plan.chunks))
-        data = {"cache_call": decoder.label, "chunks": plan.chunks,
-                "noise_floor": "measured" if noise is not None else ("not measured: nothing moved beyond the "
-                                                                     "tolerance, where no noise floor can change "
-                                                                     "the verdict")}
+        data = {
+            "cache_call": decoder.label,
+            "chunks": plan.chunks,
+            "noise_floor": "measured"
+            if noise is not None
+            else ("not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"),
+        }
         if failing:
             summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
         else:
-            summary = (f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a "
-                       f"time and {plan.positions('chunked')} in chunks of {chunks}: max change "
-                       f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}")
+            summary = (
+                f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a "
+                f"time and {plan.positions('chunked')} in chunks of {chunks}: max change "
+                f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}"
+            )
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
     def key_number(self, result: CheckResult) -> str:
@@ -403,7 +430,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         parts: dict[str, list[torch.Tensor]] = {"prefill": [], "token-by-token": [], "chunked": []}
         tokens = 0
         for start in range(0, session.inputs.shape[0], session.max_rows):
-            rows = session.inputs[start:start + session.max_rows]
+            rows = session.inputs[start : start + session.max_rows]
             run = self._replay(decoder, model, session, plan, rows, ["token-by-token", "chunked"])
             for name, logits in run.items():
                 parts[name].append(logits)
@@ -412,21 +439,29 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         joined = {name: torch.cat(chunks) for name, chunks in parts.items()}
         return Decoded(joined["prefill"], joined["token-by-token"], joined["chunked"], tokens)
 
-    def _replay(self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor, variants: list[str],
-                until: int | None = None) -> dict[str, torch.Tensor]:
+    def _replay(
+        self,
+        decoder: Decoder,
+        model,
+        session,
+        plan: Plan,
+        rows: torch.Tensor,
+        variants: list[str],
+        until: int | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Prefill, then each variant's steps from a copy of the prefill's state (up to position `until`); logits
         [B, n, V] per part, positions in order."""
         dropout_off = ZeroAttentionDropout() if session.force_zero_dropout else nullcontext()
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad(), dropout_off, attributes_restored(model.module):
             decoder.begin(rows.shape[0], plan.length)
-            out["prefill"], prefilled = decoder.step(None, rows[:, :plan.prefill], 0)
+            out["prefill"], prefilled = decoder.step(None, rows[:, : plan.prefill], 0)
             for variant in variants:
                 state, logits = decoder.fork(prefilled), []
                 for start, n in plan.steps(variant):
                     if until is not None and start > until:
                         break
-                    step_logits, state = decoder.step(state, rows[:, start:start + n], start)
+                    step_logits, state = decoder.step(state, rows[:, start : start + n], start)
                     logits.append(step_logits)
                 out[variant] = torch.cat(logits, dim=1)
         return out
@@ -451,44 +486,80 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             nonfinite = nonfinite_positions(logits[name])
             if nonfinite:
                 row, index = nonfinite[0]
-                findings.append(Finding("FWD504", Status.FAIL, f"{name} decoding gives NaN or Inf at "
-                                        f"{len(nonfinite)} position(s) where the full forward is finite",
-                                        f"{name}, sample {row}, position {offsets[name] + index}"))
+                findings.append(
+                    Finding(
+                        "FWD504",
+                        Status.FAIL,
+                        f"{name} decoding gives NaN or Inf at "
+                        f"{len(nonfinite)} position(s) where the full forward is finite",
+                        f"{name}, sample {row}, position {offsets[name] + index}",
+                    )
+                )
                 continue
             value = float(change[row, index])
             moved = int((change > threshold).any(0).sum())
-            base = (f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
-                    f"{threshold:.3g}); {moved} of {change.shape[1]} positions part")
+            base = (
+                f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
+                f"{threshold:.3g}); {moved} of {change.shape[1]} positions part"
+            )
             if name == "prefill":
-                code, message = "FWD503", (
-                    f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how the "
-                    "prompt is computed (or the full forward reads future tokens: see future-token)")
+                code, message = (
+                    "FWD503",
+                    (
+                        f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how "
+                        "the prompt is computed (or the full forward reads future tokens: see future-token)"
+                    ),
+                )
             elif name == "token-by-token":
-                also = (f"in chunks of {chunks} from position {plan.prefill + parted['chunked'][1]} too"
-                        if parted["chunked"] is not None else f"in chunks of {chunks} they agree")
-                code, message = "FWD501", (
-                    f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
-                    "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
-                    "rotary embedding) and what the cache hands back")
+                also = (
+                    f"in chunks of {chunks} from position {plan.prefill + parted['chunked'][1]} too"
+                    if parted["chunked"] is not None
+                    else f"in chunks of {chunks} they agree"
+                )
+                code, message = (
+                    "FWD501",
+                    (
+                        f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
+                        "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
+                        "rotary embedding) and what the cache hands back"
+                    ),
+                )
             else:
-                code, message = "FWD502", (
-                    f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
-                    "a time agrees: the mask of several new queries over the cached keys is likely aligned "
-                    "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
-                    "cache) instead of bottom-right")
+                code, message = (
+                    "FWD502",
+                    (
+                        f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
+                        "a time agrees: the mask of several new queries over the cached keys is likely aligned "
+                        "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
+                        "cache) instead of bottom-right"
+                    ),
+                )
             findings.append(Finding(code, Status.FAIL, message, f"{name}, sample {row}, position {position}"))
         if not findings:
-            findings.append(Finding("FWD501", Status.PASS, f"positions {plan.positions('token-by-token')} one token "
-                                    "at a time match the full forward (max change "
-                                    f"{float(changes.token.max()):.2g})"))
-            findings.append(Finding("FWD502", Status.PASS, f"positions {plan.positions('chunked')} in chunks of "
-                                    f"{chunks} match it (max change {float(changes.chunked.max()):.2g})"))
+            findings.append(
+                Finding(
+                    "FWD501",
+                    Status.PASS,
+                    f"positions {plan.positions('token-by-token')} one token "
+                    "at a time match the full forward (max change "
+                    f"{float(changes.token.max()):.2g})",
+                )
+            )
+            findings.append(
+                Finding(
+                    "FWD502",
+                    Status.PASS,
+                    f"positions {plan.positions('chunked')} in chunks of "
+                    f"{chunks} match it (max change {float(changes.chunked.max()):.2g})",
+                )
+            )
         return findings
 
     # -- where it parts ---------------------------------------------------------------------------------------------
 
-    def _first_layer(self, decoder: Decoder, model, session, plan: Plan, changes: Changes,
-                     threshold: float) -> str | None:
+    def _first_layer(
+        self, decoder: Decoder, model, session, plan: Plan, changes: Changes, threshold: float
+    ) -> str | None:
         """The first block of the layer stack whose output parts from the full forward's at the first parting
         position of the first failing part: one hooked full forward of that row, and a replay of the cached run up
         to that position. None when the model has no layer stack or no block output parts beyond rounding."""
@@ -505,10 +576,12 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         if name is None:
             return None
         blocks = list(model.module.get_submodule(stack))
-        sample = session.inputs[row:row + 1]  # (1, T)
+        sample = session.inputs[row : row + 1]  # (1, T)
         full = self._block_outputs(blocks, lambda: session.logits(sample))  # per block, per call: (1, n, C)
-        cached = self._block_outputs(blocks, lambda: self._replay(decoder, model, session, plan, sample,
-                                                                  [] if name == "prefill" else [name], position))
+        cached = self._block_outputs(
+            blocks,
+            lambda: self._replay(decoder, model, session, plan, sample, [] if name == "prefill" else [name], position),
+        )
         if full is None or cached is None:
             return None
         starts = [0] + [start for start, _ in ([] if name == "prefill" else plan.steps(name)) if start <= position]
@@ -534,6 +607,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
                 hidden = first_tensor(output)
                 if hidden is not None and hidden.dim() == 3:
                     seen[i].append(hidden.detach().float())
+
             return hook
 
         try:

@@ -34,8 +34,11 @@ RIGHT = "shift 1"
 WRONG = {
     "shift 0": ("FWD701", "labels are not shifted: each position is scored against its own input token"),
     "shift 2": ("FWD702", "labels are shifted twice: each position is scored against the token two ahead"),
-    "across rows": ("FWD702", "labels are shifted twice, the second time on the flattened batch: each position is "
-                    "scored two tokens ahead, and the last of each row against the next row's labels"),
+    "across rows": (
+        "FWD702",
+        "labels are shifted twice, the second time on the flattened batch: each position is "
+        "scored two tokens ahead, and the last of each row against the next row's labels",
+    ),
     "ignored counted": ("FWD705", "positions labelled ignore_index are skipped in the sum but counted in the mean"),
 }
 
@@ -45,10 +48,15 @@ def convention(model) -> Loss:
     if not model.causal:
         raise SkipCheck("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
     if model.loss is None:
-        raise SkipCheck(model.why_not("loss", "the model declares no loss: add `loss:` to the model section (e.g. "
-                                      "nanoGPT: {argument: targets, shifted_by: caller, output: 1, ignore_index: -1}; "
-                                      "Hugging Face style: {argument: labels, output: loss}) so that forward can be "
-                                      "asked for it"))
+        raise SkipCheck(
+            model.why_not(
+                "loss",
+                "the model declares no loss: add `loss:` to the model section (e.g. "
+                "nanoGPT: {argument: targets, shifted_by: caller, output: 1, ignore_index: -1}; "
+                "Hugging Face style: {argument: labels, output: loss}) so that forward can be "
+                "asked for it",
+            )
+        )
     return model.loss
 
 
@@ -61,8 +69,9 @@ def read_loss(output, where: int | str):
     return getattr(output, where, None)
 
 
-def candidate_losses(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                     caller_shifts: int) -> dict[str, float]:
+def candidate_losses(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, caller_shifts: int
+) -> dict[str, float]:
     """The mean cross-entropy of logits [N, T, V] against labels [N, T] under each candidate pairing, summed in
     float64 (the log-probabilities in the logits' float32: no second copy of them in double).
 
@@ -82,7 +91,7 @@ def candidate_losses(logits: torch.Tensor, labels: torch.Tensor, ignore_index: i
     for k in SHIFTS:
         offset = k - caller_shifts  # logits[:, t] pairs with labels[:, t + offset]
         first, end = max(0, -offset), min(T, T - offset)
-        loss, counted = nll(log_probs[:, first:end], labels[:, first + offset:end + offset])
+        loss, counted = nll(log_probs[:, first:end], labels[:, first + offset : end + offset])
         found[f"shift {k}"] = float(loss[counted].mean())
         if k == 1:
             found["ignored counted"] = float(loss[counted].sum() / counted.numel())
@@ -108,7 +117,7 @@ def telling_labels(logits: torch.Tensor, labels: torch.Tensor, caller_shifts: in
 
     def scorer(k: int) -> torch.Tensor:  # (N, T, V): row j is the position scoring slot j under shift k
         start = 2 - k + caller_shifts
-        return padded[:, start:start + T]
+        return padded[:, start : start + T]
 
     preference = scorer(1) - torch.maximum(scorer(0), scorer(2))  # (N, T, V); -inf where no position scores it
     chosen = preference.argmax(-1)  # (N, T)
@@ -151,7 +160,7 @@ class LabelShift(Check):
         "FWD702": "labels shifted twice: the loss scores each position against the token two ahead",
         "FWD703": "the loss changes with the order of the rows: labels cross from one row into another",
         "FWD704": "the loss is not the mean cross-entropy of the returned logits at any shift (an auxiliary term, "
-                  "label smoothing, another reduction, or other logits)",
+        "label smoothing, another reduction, or other logits)",
         "FWD705": "positions labelled ignore_index are counted in the mean",
         "FWD706": "the loss or the logits returned with it are NaN or Inf",
     }
@@ -219,24 +228,43 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             # chosen from these logits, which the right shift scores far better than the wrong ones.
             chosen = telling_labels(logits, labels, way.caller_shifts)
             chosen_loss, chosen_logits = self._forward(session, way, input_ids, chosen)
-            looks.append(Look("chosen", chosen_loss,
-                              candidate_losses(chosen_logits, chosen, way.ignore_index, way.caller_shifts)))
+            looks.append(
+                Look(
+                    "chosen", chosen_loss, candidate_losses(chosen_logits, chosen, way.ignore_index, way.caller_shifts)
+                )
+            )
             scale = max(scale, abs(chosen_loss), logit_scale(chosen_logits))
         largest = max([order_change] + [abs(look.loss - look.candidates[RIGHT]) for look in looks])
         noise = session.repeat_change() if session.noise_matters(largest, scale) else 0.0  # bounds the loss's too
         threshold = session.threshold(scale, noise)
 
-        metrics = {"loss": loss, "shift_1": looks[0].candidates[RIGHT],
-                   "loss_vs_shift_1": max(abs(look.loss - look.candidates[RIGHT]) for look in looks),
-                   "threshold": threshold, "rolled_rows_loss": rolled_loss}
-        data = {"convention": way.origin, "argument": way.argument, "shifted_by": way.shifted_by, "rows": N,
-                "seq_len": T, "looks": [{"labels": look.labels, "loss": look.loss, "candidates": look.candidates}
-                                        for look in looks]}
+        metrics = {
+            "loss": loss,
+            "shift_1": looks[0].candidates[RIGHT],
+            "loss_vs_shift_1": max(abs(look.loss - look.candidates[RIGHT]) for look in looks),
+            "threshold": threshold,
+            "rolled_rows_loss": rolled_loss,
+        }
+        data = {
+            "convention": way.origin,
+            "argument": way.argument,
+            "shifted_by": way.shifted_by,
+            "rows": N,
+            "seq_len": T,
+            "looks": [{"labels": look.labels, "loss": look.loss, "candidates": look.candidates} for look in looks],
+        }
         findings = []
         if order_change > threshold:
-            findings.append(Finding("FWD703", Status.FAIL, f"rolling the rows by one changes the loss from {loss:.6g} "
-                                    f"to {rolled_loss:.6g} (threshold {threshold:.3g}): labels cross from one row "
-                                    "into another", where=where))
+            findings.append(
+                Finding(
+                    "FWD703",
+                    Status.FAIL,
+                    f"rolling the rows by one changes the loss from {loss:.6g} "
+                    f"to {rolled_loss:.6g} (threshold {threshold:.3g}): labels cross from one row "
+                    "into another",
+                    where=where,
+                )
+            )
         told: set[str] = set()
         verdicts = []
         for look in looks:
@@ -246,17 +274,37 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             if matched == RIGHT:
                 told |= apart
             elif matched == "unexplained":
-                findings.append(Finding("FWD704", Status.WARN, f"the loss {look.loss:.6g} ({look.labels} labels) is "
-                                        f"none of the cross-entropies of the returned logits (shift 1: {right:.6g}; "
-                                        f"threshold {threshold:.3g})", where=where))
+                findings.append(
+                    Finding(
+                        "FWD704",
+                        Status.WARN,
+                        f"the loss {look.loss:.6g} ({look.labels} labels) is "
+                        f"none of the cross-entropies of the returned logits (shift 1: {right:.6g}; "
+                        f"threshold {threshold:.3g})",
+                        where=where,
+                    )
+                )
             else:
                 code, meaning = WRONG[matched]
-                findings.append(Finding(code, Status.FAIL, f"the loss {look.loss:.6g} equals the {matched} "
-                                        f"cross-entropy {look.candidates[matched]:.6g}, not shift 1's {right:.6g}: "
-                                        f"{meaning}", where=where))
+                findings.append(
+                    Finding(
+                        code,
+                        Status.FAIL,
+                        f"the loss {look.loss:.6g} equals the {matched} "
+                        f"cross-entropy {look.candidates[matched]:.6g}, not shift 1's {right:.6g}: "
+                        f"{meaning}",
+                        where=where,
+                    )
+                )
                 if matched == "across rows":
-                    findings.append(Finding("FWD703", Status.FAIL, "the last position of each row is scored against "
-                                            "the next row's labels", where=where))
+                    findings.append(
+                        Finding(
+                            "FWD703",
+                            Status.FAIL,
+                            "the last position of each row is scored against the next row's labels",
+                            where=where,
+                        )
+                    )
         first_per_code: dict[str, Finding] = {}
         for f in findings:
             first_per_code.setdefault(f.code, f)
@@ -267,11 +315,15 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             bad = next((f for f in findings if f.status == Status.FAIL), findings[0])
             return CheckResult.from_findings(self.name, findings, bad.message, metrics=metrics, data=data)
         if not told:
-            raise SkipCheck(f"every candidate loss lies within twice the threshold ({2 * threshold:.3g}) of shift "
-                            f"1's: these logits cannot tell the shifts apart in {session.settings.dtype}")
+            raise SkipCheck(
+                f"every candidate loss lies within twice the threshold ({2 * threshold:.3g}) of shift "
+                f"1's: these logits cannot tell the shifts apart in {session.settings.dtype}"
+            )
         untold = sorted(set(WRONG) - told)
-        summary = (f"loss {loss:.4g} = shift 1 cross-entropy {looks[0].candidates[RIGHT]:.4g} (threshold "
-                   f"{threshold:.2g}); rows in any order")
+        summary = (
+            f"loss {loss:.4g} = shift 1 cross-entropy {looks[0].candidates[RIGHT]:.4g} (threshold "
+            f"{threshold:.2g}); rows in any order"
+        )
         if untold:
             summary += f"; not told apart: {', '.join(untold)}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -290,17 +342,25 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
         output = session.output(input_ids, **{way.argument: labels})
         loss = read_loss(output, way.output)
         if not isinstance(loss, torch.Tensor):
-            raise SkipCheck(f"forward({way.argument}=labels) returned no loss at {way.output!r} "
-                            f"({type(output).__name__}); declare where it is with `loss: {{output: ...}}`")
+            raise SkipCheck(
+                f"forward({way.argument}=labels) returned no loss at {way.output!r} "
+                f"({type(output).__name__}); declare where it is with `loss: {{output: ...}}`"
+            )
         if loss.numel() != 1:
-            raise SkipCheck(f"the loss at {way.output!r} has shape {list(loss.shape)}, not one number: a loss "
-                            "without its mean (reduction='none') is not compared")
+            raise SkipCheck(
+                f"the loss at {way.output!r} has shape {list(loss.shape)}, not one number: a loss "
+                "without its mean (reduction='none') is not compared"
+            )
         logits = extract_logits(output).float()
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
-            raise SkipCheck(f"forward({way.argument}=labels) returned logits {list(logits.shape)} for input_ids "
-                            f"{list(input_ids.shape)}: the loss cannot be recomputed from every position")
+            raise SkipCheck(
+                f"forward({way.argument}=labels) returned logits {list(logits.shape)} for input_ids "
+                f"{list(input_ids.shape)}: the loss cannot be recomputed from every position"
+            )
         value = float(loss)
         if not (torch.isfinite(logits).all() and torch.isfinite(loss)):
-            raise NonFinite(f"with labels, forward returned a loss of {value} and "
-                            f"{int((~torch.isfinite(logits)).sum())} non-finite logits")
+            raise NonFinite(
+                f"with labels, forward returned a loss of {value} and "
+                f"{int((~torch.isfinite(logits)).sum())} non-finite logits"
+            )
         return value, logits

@@ -28,13 +28,24 @@ from fwdcheck.observe import AttentionCall
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 
 CONVENTIONS = [
-    {"api": "F.scaled_dot_product_attention", "bool": "True = may attend",
-     "float": "added to scores (0 keep, -inf drop)",
-     "flag": "is_causal=True: lower-triangular, no attn_mask"},
-    {"api": "nn.MultiheadAttention", "bool": "True = masked out", "float": "added to scores (0 keep, -inf drop)",
-     "flag": "is_causal: a hint that attn_mask is causal"},
-    {"api": "eager softmax(scores)", "bool": "-", "float": "masked scores are -inf or far below the row maximum",
-     "flag": "-"},
+    {
+        "api": "F.scaled_dot_product_attention",
+        "bool": "True = may attend",
+        "float": "added to scores (0 keep, -inf drop)",
+        "flag": "is_causal=True: lower-triangular, no attn_mask",
+    },
+    {
+        "api": "nn.MultiheadAttention",
+        "bool": "True = masked out",
+        "float": "added to scores (0 keep, -inf drop)",
+        "flag": "is_causal: a hint that attn_mask is causal",
+    },
+    {
+        "api": "eager softmax(scores)",
+        "bool": "-",
+        "float": "masked scores are -inf or far below the row maximum",
+        "flag": "-",
+    },
 ]
 
 
@@ -91,15 +102,19 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
     if call.cross:
         return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
     if input_followed and call.reads_input is False:
-        return NotJudged("another sequence", "another sequence: queries not computed from the input tokens (an "
-                         "encoder over a fixed source), not judged for causality")
+        return NotJudged(
+            "another sequence",
+            "another sequence: queries not computed from the input tokens (an "
+            "encoder over a fixed source), not judged for causality",
+        )
     if call.query_positions is None:
-        return NotJudged("query positions unknown",
-                         f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key "
-                         f"slots, {call.written} tokens written; no input_pos / cache_position / position_ids of "
-                         f"{call.query_len} positions reached the attention)")
+        return NotJudged(
+            "query positions unknown",
+            f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key "
+            f"slots, {call.written} tokens written; no input_pos / cache_position / position_ids of "
+            f"{call.query_len} positions reached the attention)",
+        )
     return None
-
 
 
 class MaskAudit(Check):
@@ -186,13 +201,19 @@ the attention module's forward as input_pos or cache_position."""
         bad = [f for f in findings if f.status != Status.PASS]
         judged = [r for r in rows if r["judged"]]
         if not judged and not bad:  # nothing was compared with causal: a pass would claim what was not measured
-            raise SkipCheck(f"no attention call could be judged for causality: {len(rows)} call(s), e.g. "
-                            f"{rows[0]['module']} ({rows[0]['api']}) {rows[0]['pattern']}")
+            raise SkipCheck(
+                f"no attention call could be judged for causality: {len(rows)} call(s), e.g. "
+                f"{rows[0]['module']} ({rows[0]['api']}) {rows[0]['pattern']}"
+            )
         also = " (alike at B=1)" if data.get("batch1") == "observed" and len(rows) == len(data["calls"]) else ""
-        summary = (f"{len(rows)} attention call(s){also}: {_patterns(rows)}" if not bad
-                   else f"{self.codes[bad[0].code]} ({bad[0].where})")
-        return CheckResult.from_findings(self.name, findings, summary, data=data,
-                                         metrics={"attention_calls": len(rows), "judged_calls": len(judged)})
+        summary = (
+            f"{len(rows)} attention call(s){also}: {_patterns(rows)}"
+            if not bad
+            else f"{self.codes[bad[0].code]} ({bad[0].where})"
+        )
+        return CheckResult.from_findings(
+            self.name, findings, summary, data=data, metrics={"attention_calls": len(rows), "judged_calls": len(judged)}
+        )
 
     def audit(self, observation, model) -> tuple[list[Finding], list[dict]]:
         """Findings and one table row per attention call of one observation pass."""
@@ -203,83 +224,164 @@ the attention module's forward as input_pos or cache_position."""
         for call in observation.attention:
             if pad and call.self_attention:
                 reads_padding = bool(call.allowed[pad:, :pad].any())
-                call = dataclasses.replace(call, allowed=call.allowed[pad:, pad:],
-                                           empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
-                                           query_positions=torch.arange(call.query_len - pad))
+                call = dataclasses.replace(
+                    call,
+                    allowed=call.allowed[pad:, pad:],
+                    empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
+                    query_positions=torch.arange(call.query_len - pad),
+                )
                 if reads_padding:
-                    findings.append(Finding("FWD208", Status.FAIL, "real tokens may read the padding keys: the "
-                                            "attention_mask is not applied", f"{call.module or 'model'} ({call.api})",
-                                            source=call.source, module=call.module))
+                    findings.append(
+                        Finding(
+                            "FWD208",
+                            Status.FAIL,
+                            "real tokens may read the padding keys: the attention_mask is not applied",
+                            f"{call.module or 'model'} ({call.api})",
+                            source=call.source,
+                            module=call.module,
+                        )
+                    )
             reason = not_judged(call, input_followed)
             positions = call.query_positions
             shape, future_pairs = (None, []) if reason else pattern(call.allowed, positions)
             L, S = call.allowed.shape
-            row: CallRow = {"module": call.module or "model", "api": call.api, "mask": call.mask_kind,
-                            "mask_shape": list(call.mask_shape) if call.mask_shape else None,
-                            "values": call.mask_values, "is_causal": call.is_causal, "dropout_p": call.dropout_p,
-                            "pattern": reason.reason if reason else cast(MayRead, shape).value,
-                            "judged": reason is None,
-                            "reads_future": shape is not None and shape.reads_future,
-                            "not_judged": reason.kind if reason else None, "queries": L, "keys": S,
-                            "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
-                            "positions_from": call.positions_from or None, "source": call.source,
-                            "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None}
+            row: CallRow = {
+                "module": call.module or "model",
+                "api": call.api,
+                "mask": call.mask_kind,
+                "mask_shape": list(call.mask_shape) if call.mask_shape else None,
+                "values": call.mask_values,
+                "is_causal": call.is_causal,
+                "dropout_p": call.dropout_p,
+                "pattern": reason.reason if reason else cast(MayRead, shape).value,
+                "judged": reason is None,
+                "reads_future": shape is not None and shape.reads_future,
+                "not_judged": reason.kind if reason else None,
+                "queries": L,
+                "keys": S,
+                "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
+                "positions_from": call.positions_from or None,
+                "source": call.source,
+                "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None,
+            }
             rows.append(row)
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.causal)
-        findings += [Finding("FWD207", Status.FAIL, f"F.dropout(p={d.p:g}, training=True) with the model in eval "
-                             "mode: pass training=self.training", where=d.module or "model", source=d.source,
-                             module=d.module)
-                     for d in observation.dropouts if d.training and d.p > 0]
+        findings += [
+            Finding(
+                "FWD207",
+                Status.FAIL,
+                f"F.dropout(p={d.p:g}, training=True) with the model in eval mode: pass training=self.training",
+                where=d.module or "model",
+                source=d.source,
+                module=d.module,
+            )
+            for d in observation.dropouts
+            if d.training and d.p > 0
+        ]
         return findings, rows
 
     @staticmethod
     def judge(call: AttentionCall, shape: MayRead, future_pairs, causal: bool) -> list[Finding]:
         where = f"{call.module or 'model'} ({call.api})"
-        api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
-               "softmax": "eager softmax"}[call.api]
+        api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention", "softmax": "eager softmax"}[
+            call.api
+        ]
         findings = []
         if call.float_01:
-            findings.append(Finding("FWD203", Status.FAIL, f"0/1 float mask {call.mask_values} handed to {api}: "
-                                    "added to the scores it masks nothing (a boolean turned into float?)", where))
+            findings.append(
+                Finding(
+                    "FWD203",
+                    Status.FAIL,
+                    f"0/1 float mask {call.mask_values} handed to {api}: "
+                    "added to the scores it masks nothing (a boolean turned into float?)",
+                    where,
+                )
+            )
         elif causal and future_pairs:
             L, S = call.allowed.shape
             if shape is MayRead.BIDIRECTIONAL:
                 how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
-                    call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
-                every = f"every query of {L} reads every key" if L == S else \
-                    f"each of {L} queries reads all {S} key slots, those after its own position included"
+                    call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing"
+                )
+                every = (
+                    f"every query of {L} reads every key"
+                    if L == S
+                    else f"each of {L} queries reads all {S} key slots, those after its own position included"
+                )
                 findings.append(Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where))
             elif shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
-                convention = ("True = may attend, but this mask is True on the future (nn.MultiheadAttention's "
-                              "convention)" if call.api == "sdpa" else
-                              "True = masked out, but this mask is True on the past (SDPA's convention)")
-                findings.append(Finding("FWD202", Status.FAIL, f"boolean mask in the other convention: for {api} "
-                                        f"{convention}; pass ~mask", where))
+                convention = (
+                    "True = may attend, but this mask is True on the future (nn.MultiheadAttention's convention)"
+                    if call.api == "sdpa"
+                    else "True = masked out, but this mask is True on the past (SDPA's convention)"
+                )
+                findings.append(
+                    Finding(
+                        "FWD202",
+                        Status.FAIL,
+                        f"boolean mask in the other convention: for {api} {convention}; pass ~mask",
+                        where,
+                    )
+                )
             elif shape is MayRead.INVERTED and call.mask_kind.startswith("float"):
                 # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
                 # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
-                findings.append(Finding("FWD202", Status.FAIL, f"the mask handed to {api} blocks the past and opens "
-                                        "the future: a mask built for the other convention (e.g. tril(...).bool(), "
-                                        "SDPA's 'True = may attend', where True means masked out); pass ~mask",
-                                        where))
+                findings.append(
+                    Finding(
+                        "FWD202",
+                        Status.FAIL,
+                        f"the mask handed to {api} blocks the past and opens "
+                        "the future: a mask built for the other convention (e.g. tril(...).bool(), "
+                        "SDPA's 'True = may attend', where True means masked out); pass ~mask",
+                        where,
+                    )
+                )
             else:
                 shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
                 # Over a cache, a slot after the query's own position holds a future token or nothing written yet:
                 # a correct mask closes both, so both are read here as the future.
-                what = "future keys" if call.self_attention else "key slots after their own position (future " \
-                    "tokens, or cache slots not yet written)"
-                findings.append(Finding("FWD204", Status.FAIL, f"the mask lets queries read {what} ({shape}), "
-                                        f"(query position, key) e.g. {shown}", where))
+                what = (
+                    "future keys"
+                    if call.self_attention
+                    else "key slots after their own position (future tokens, or cache slots not yet written)"
+                )
+                findings.append(
+                    Finding(
+                        "FWD204",
+                        Status.FAIL,
+                        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
+                        where,
+                    )
+                )
         if call.empty_rows:
-            findings.append(Finding("FWD205", Status.WARN, "(batch, head, query) rows with every key masked: their "
-                                    "attention output is NaN or zero", f"{where}: {call.empty_rows} rows"))
+            findings.append(
+                Finding(
+                    "FWD205",
+                    Status.WARN,
+                    "(batch, head, query) rows with every key masked: their attention output is NaN or zero",
+                    f"{where}: {call.empty_rows} rows",
+                )
+            )
         if call.api == "sdpa" and call.is_causal and call.mask_kind not in ("none", "is_causal"):
-            findings.append(Finding("FWD206", Status.FAIL, "attn_mask passed together with is_causal=True: backends "
-                                    "disagree on which wins; pass one of them", where))
+            findings.append(
+                Finding(
+                    "FWD206",
+                    Status.FAIL,
+                    "attn_mask passed together with is_causal=True: backends disagree on which wins; pass one of them",
+                    where,
+                )
+            )
         if call.dropout_p > 0:
-            findings.append(Finding("FWD207", Status.FAIL, f"dropout_p={call.dropout_p:g} handed to {api} with the "
-                                    "model in eval mode: pass dropout_p=p if self.training else 0.0", where))
+            findings.append(
+                Finding(
+                    "FWD207",
+                    Status.FAIL,
+                    f"dropout_p={call.dropout_p:g} handed to {api} with the "
+                    "model in eval mode: pass dropout_p=p if self.training else 0.0",
+                    where,
+                )
+            )
         for f in findings:  # each is about this call: it points at the line of model code that made it
             f.source, f.module = call.source, call.module
         return findings
@@ -310,6 +412,5 @@ def _group(findings: list[Finding]) -> list[Finding]:
     for first, members in grouped(findings, key=lambda f: (f.code, f.message, f.source)):
         counts = Counter(f.where or "" for f in members)  # in the order first seen; every finding here says where
         where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in counts.items())
-        merged.append(Finding(first.code, first.status, first.message, where, source=first.source,
-                              module=first.module))
+        merged.append(Finding(first.code, first.status, first.message, where, source=first.source, module=first.module))
     return merged

@@ -56,23 +56,39 @@ class MaskAuditData(TypedDict, total=False):
 
 
 def mask_table(r: CheckResult) -> RenderableType:
-    conventions = FitTable([FitColumn("API", whole=True), FitColumn("bool mask"), FitColumn("float mask"),
-                            FitColumn("flag")],
-                           [[Text(c[key]) for key in ("api", "bool", "float", "flag")]
-                            for c in r.data.get("conventions", [])],
-                           title="conventions", box=box.SIMPLE, pad_edge=False, show_edge=False)
+    conventions = FitTable(
+        [FitColumn("API", whole=True), FitColumn("bool mask"), FitColumn("float mask"), FitColumn("flag")],
+        [[Text(c[key]) for key in ("api", "bool", "float", "flag")] for c in r.data.get("conventions", [])],
+        title="conventions",
+        box=box.SIMPLE,
+        pad_edge=False,
+        show_edge=False,
+    )
     # What a reader needs of each call: which call (the module's name is how it is found in the code), the mask in
     # its convention, the flags beside it (is_causal, a live dropout_p) and the verdict. At a narrow width the mask's
     # shape and values, the extent and then the API give way, in that order, before any of those is cut.
-    columns = [FitColumn("module"), FitColumn("api", give_way=4), FitColumn("mask"),
-               FitColumn("shape", whole=True, give_way=1), FitColumn("values", give_way=2), FitColumn("flags"),
-               FitColumn("L x S", whole=True, give_way=3), FitColumn("may read")]
+    columns = [
+        FitColumn("module"),
+        FitColumn("api", give_way=4),
+        FitColumn("mask"),
+        FitColumn("shape", whole=True, give_way=1),
+        FitColumn("values", give_way=2),
+        FitColumn("flags"),
+        FitColumn("L x S", whole=True, give_way=3),
+        FitColumn("may read"),
+    ]
     rows = r.data.get("calls", [])
     cells = []
     for c in rows:
         module = c["module"] + (" at B=1" if c.get("batch_size") == 1 else "")
-        cells.append([*map(Text, (module, c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], _flags(c),
-                                  _extent(c))), _pattern(c)])
+        cells.append(
+            [
+                *map(
+                    Text, (module, c["api"], c["mask"], str(c["mask_shape"] or "-"), c["values"], _flags(c), _extent(c))
+                ),
+                _pattern(c),
+            ]
+        )
     calls = FitTable(columns, cells, title="what each call used", box=box.SIMPLE, pad_edge=False, show_edge=False)
     parts: list[RenderableType] = [conventions, calls]
     # The reasons a call was not judged are sentences: said once each under the table, not squeezed into a column.
@@ -165,12 +181,17 @@ def may_read_grid(call: dict, keys: int = GRID_KEYS) -> RenderableType:
     width = min(slots, keys)
     end = min(slots, max(width, max(positions, default=0) + 1 + keys // 4))
     start = end - width
-    where = f" at {_positions(positions)} ({call['positions_from']})" if call.get("positions_from") not in (
-        None, "", "square") and call.get("query_positions") else ""
+    where = (
+        f" at {_positions(positions)} ({call['positions_from']})"
+        if call.get("positions_from") not in (None, "", "square") and call.get("query_positions")
+        else ""
+    )
     shown = f"{slots} key slots" + (f", {start}..{end - 1} shown" if width < slots else "")
-    caption = Text(f"may-read set of {call['module']}{' at B=1' if call.get('batch_size') == 1 else ''} "
-                   f"(rows: queries{where}; columns: {shown})" + ("" if judged else ": not judged, drawn plain"),
-                   style="dim")
+    caption = Text(
+        f"may-read set of {call['module']}{' at B=1' if call.get('batch_size') == 1 else ''} "
+        f"(rows: queries{where}; columns: {shown})" + ("" if judged else ": not judged, drawn plain"),
+        style="dim",
+    )
     lines = []
     for i, row in enumerate(may_read):
         line = Text()

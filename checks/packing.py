@@ -68,10 +68,15 @@ def isolation(model, session) -> Way:
         raise SkipCheck("the model is declared bidirectional (causal: false): packing is checked on causal models")
     offered = model.packing
     if offered is None:
-        raise SkipCheck(model.why_not("packing", "the model offers no way to isolate packed documents that fwdcheck "
-                                      "knows: declare one under `packing:` in the model section (document ids or a "
-                                      "mask keyword). position_ids restarting alone do not isolate documents in a "
-                                      "causal model, so they are not checked"))
+        raise SkipCheck(
+            model.why_not(
+                "packing",
+                "the model offers no way to isolate packed documents that fwdcheck "
+                "knows: declare one under `packing:` in the model section (document ids or a "
+                "mask keyword). position_ids restarting alone do not isolate documents in a "
+                "causal model, so they are not checked",
+            )
+        )
     lowest = torch.finfo(session.dtype).min
 
     def kwargs(docs: torch.Tensor) -> dict[str, Any]:
@@ -82,8 +87,9 @@ def isolation(model, session) -> Way:
             given[offered.argument] = document_mask(docs)  # (N, 1, T, T) True = may attend
         elif offered.form == "additive-mask":
             keep = document_mask(docs)
-            given[offered.argument] = torch.zeros(keep.shape, dtype=session.dtype,
-                                                  device=docs.device).masked_fill(~keep, lowest)  # (N, 1, T, T)
+            given[offered.argument] = torch.zeros(keep.shape, dtype=session.dtype, device=docs.device).masked_fill(
+                ~keep, lowest
+            )  # (N, 1, T, T)
         if offered.position_ids:
             given["position_ids"] = positions_within(docs)
         return given
@@ -99,9 +105,9 @@ class Packing(Check):
     codes = {
         "FWD601": "documents are not isolated: changing one document moves the logits of the documents after it",
         "FWD602": "a packed document's logits differ from the document run alone although no other document "
-                  "reaches it: positions do not restart at the document boundary",
+        "reaches it: positions do not restart at the document boundary",
         "FWD603": "the first document, at the unpacked row's own positions, changes when packed: the packed path "
-                  "computes differently (a mask letting it read later documents?)",
+        "computes differently (a mask letting it read later documents?)",
         "FWD604": "the packed forward gives NaN or Inf",
     }
     explain = """\
@@ -142,10 +148,11 @@ position_ids alone leave a causal model reading the earlier documents, by design
         other = 1 % B  # the session's second row, or the first again for batch size 1
         X = session.inputs
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)  # own draws: the shared ones stay put
-        changed = (X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator))
+        changed = X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator)
         changed = (changed % model.vocab_size).to(X.device)  # every token of document 1 differs
-        rows = torch.stack([torch.cat([X[0, :a], X[other, :b], X[0, :b]]),
-                            torch.cat([changed, X[other, :b], X[0, :b]])])  # (2, T)
+        rows = torch.stack(
+            [torch.cat([X[0, :a], X[other, :b], X[0, :b]]), torch.cat([changed, X[other, :b], X[0, :b]])]
+        )  # (2, T)
         document_ids = torch.tensor([0] * a + [1] * b + [2] * b, device=X.device).expand(2, T)  # (2, T)
 
         packed = extract_logits(session.output(rows, **way.kwargs(document_ids))).float()  # (2, T, V)
@@ -154,8 +161,12 @@ position_ids alone leave a causal model reading the earlier documents, by design
         data = {"way": way.name, "documents": {name: list(span) for name, span in spans.items()}}
         broken = nonfinite_positions(packed)
         if broken:
-            finding = Finding("FWD604", Status.FAIL, f"the packed forward gives NaN or Inf at {len(broken)} positions "
-                              f"({way.name})", where=f"row {broken[0][0]} pos {broken[0][1]}")
+            finding = Finding(
+                "FWD604",
+                Status.FAIL,
+                f"the packed forward gives NaN or Inf at {len(broken)} positions ({way.name})",
+                where=f"row {broken[0][0]} pos {broken[0][1]}",
+            )
             return CheckResult.from_findings(self.name, [finding], finding.message, data=data)
 
         reference = session.reference()  # (B, T, V): each document alone is a prefix of a session row
@@ -164,7 +175,7 @@ position_ids alone leave a causal model reading the earlier documents, by design
         def changes(reference: torch.Tensor) -> dict[str, float]:
             found = {"leak": float(position_change(packed[1, a:], packed[0, a:]).max())}
             for name, (start, end) in spans.items():
-                alone = reference[alone_rows[name], :end - start]
+                alone = reference[alone_rows[name], : end - start]
                 found[name] = float(position_change(packed[0, start:end], alone).max())
             return found
 
@@ -177,14 +188,24 @@ position_ids alone leave a causal model reading the earlier documents, by design
                 measured, scale = changes(reference), logit_scale(reference)
             noise = session.repeat_change()
         threshold = session.threshold(scale, noise)
-        metrics = {"leak": measured["leak"], "threshold": threshold,
-                   **{f"{name.replace(' ', '_')}_vs_alone": measured[name] for name in spans}}
+        metrics = {
+            "leak": measured["leak"],
+            "threshold": threshold,
+            **{f"{name.replace(' ', '_')}_vs_alone": measured[name] for name in spans},
+        }
 
         findings = []
         if measured["leak"] > threshold:
-            findings.append(Finding("FWD601", Status.FAIL, f"changing document 1 moves the logits of the documents "
-                                    f"after it by {measured['leak']:.3g} (threshold {threshold:.3g}): {way.name} "
-                                    "does not isolate them", where=f"positions {a}..{T - 1}"))
+            findings.append(
+                Finding(
+                    "FWD601",
+                    Status.FAIL,
+                    f"changing document 1 moves the logits of the documents "
+                    f"after it by {measured['leak']:.3g} (threshold {threshold:.3g}): {way.name} "
+                    "does not isolate them",
+                    where=f"positions {a}..{T - 1}",
+                )
+            )
         # A leak explains later documents that differ from their runs alone; without one, a difference is positions.
         differ = [name for name in spans if measured[name] > threshold and (name == "document 1" or not findings)]
         if differ:
@@ -192,25 +213,43 @@ position_ids alone leave a causal model reading the earlier documents, by design
             confirmed = self._run_alone(session, packed, spans, [X[0, :a], X[other, :b], X[0, :b]], differ)
             metrics.update({f"{name.replace(' ', '_')}_vs_run_alone": value for name, value in confirmed.items()})
             if len([name for name in differ if confirmed[name] <= threshold]):
-                data["prefixes"] = ("the unpacked rows' prefixes differ from the same tokens run alone (the model "
-                                    "is not causal): those documents were judged against their runs alone")
+                data["prefixes"] = (
+                    "the unpacked rows' prefixes differ from the same tokens run alone (the model "
+                    "is not causal): those documents were judged against their runs alone"
+                )
             differ = [name for name in differ if confirmed[name] > threshold]
         for name in differ:
             start, end = spans[name]
             where = f"positions {start}..{end - 1}"
             if name == "document 1":
-                findings.append(Finding("FWD603", Status.FAIL, f"document 1 ({where}, as in the unpacked row) differs "
-                                        f"from its tokens run alone by {confirmed[name]:.3g} when packed (threshold "
-                                        f"{threshold:.3g}): the packed path computes it differently", where=where))
+                findings.append(
+                    Finding(
+                        "FWD603",
+                        Status.FAIL,
+                        f"document 1 ({where}, as in the unpacked row) differs "
+                        f"from its tokens run alone by {confirmed[name]:.3g} when packed (threshold "
+                        f"{threshold:.3g}): the packed path computes it differently",
+                        where=where,
+                    )
+                )
             elif not any(f.code == "FWD602" for f in findings):
-                findings.append(Finding("FWD602", Status.FAIL, f"{name} ({where}) differs from its tokens run alone "
-                                        f"by {confirmed[name]:.3g} (threshold {threshold:.3g}) while changes to "
-                                        "document 1 do not reach it: positions do not restart at the document "
-                                        "boundary", where=where))
+                findings.append(
+                    Finding(
+                        "FWD602",
+                        Status.FAIL,
+                        f"{name} ({where}) differs from its tokens run alone "
+                        f"by {confirmed[name]:.3g} (threshold {threshold:.3g}) while changes to "
+                        "document 1 do not reach it: positions do not restart at the document "
+                        "boundary",
+                        where=where,
+                    )
+                )
         if findings:
             return CheckResult.from_findings(self.name, findings, findings[0].message, metrics=metrics, data=data)
-        summary = (f"3 documents in a row via {way.name.split(' (')[0]}: leak {measured['leak']:.2g}, each vs alone "
-                   f"<= {max(measured[name] for name in spans):.2g} (threshold {threshold:.2g})")
+        summary = (
+            f"3 documents in a row via {way.name.split(' (')[0]}: leak {measured['leak']:.2g}, each vs alone "
+            f"<= {max(measured[name] for name in spans):.2g} (threshold {threshold:.2g})"
+        )
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
     def key_number(self, result: CheckResult) -> str:
@@ -228,14 +267,15 @@ position_ids alone leave a causal model reading the earlier documents, by design
         return f"{max(changes):.2g} / {m['threshold']:.2g}"
 
     @staticmethod
-    def _run_alone(session, packed: torch.Tensor, spans: dict, documents: list[torch.Tensor],
-                   names: list[str]) -> dict[str, float]:
+    def _run_alone(
+        session, packed: torch.Tensor, spans: dict, documents: list[torch.Tensor], names: list[str]
+    ) -> dict[str, float]:
         """Largest change of each named document's packed logits (row 0) from its tokens run alone, each beside the
         session's first row cut to its length (a row alone is a code path of its own)."""
         found = {}
         for name, tokens in zip(spans, documents, strict=True):
             if name in names:
                 start, end = spans[name]
-                alone = session.logits(torch.stack([tokens, session.inputs[0, :len(tokens)]]))[0]  # (len, V)
+                alone = session.logits(torch.stack([tokens, session.inputs[0, : len(tokens)]]))[0]  # (len, V)
                 found[name] = float(position_change(packed[0, start:end], alone).max())
         return found

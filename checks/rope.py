@@ -207,8 +207,11 @@ class Hold:
 
     @contextmanager
     def installed(self, model: nn.Module):
-        handles = [m.register_forward_pre_hook(self._hook(n), with_kwargs=True)
-                   for n, m in model.named_modules() if n in self.names]
+        handles = [
+            m.register_forward_pre_hook(self._hook(n), with_kwargs=True)
+            for n, m in model.named_modules()
+            if n in self.names
+        ]
         try:
             yield self
         finally:
@@ -218,16 +221,25 @@ class Hold:
     def _hook(self, name: str):
         def hold(module, args, kwargs):
             x = first_tensor(args) if args else first_tensor(kwargs)  # what the observation pass records as input
-            if x is None or not x.is_floating_point() or x.dim() != 3 or x.shape[0] != 1 or \
-                    not 1 <= x.shape[1] <= self.positions:
+            if (
+                x is None
+                or not x.is_floating_point()
+                or x.dim() != 3
+                or x.shape[0] != 1
+                or not 1 <= x.shape[1] <= self.positions
+            ):
                 return None  # not a hidden state (1, L <= P, width): leave this call alone
 
             # Every tensor shaped like it (q, k and v inputs given apart) is held alike; one handed over twice stays
             # one tensor (whether keys come from the queries' own input is read off that identity).
             distinct: list[torch.Tensor] = []
             for t in (*args, *kwargs.values()):
-                if isinstance(t, torch.Tensor) and t.shape == x.shape and t.dtype == x.dtype and \
-                        not any(t is d for d in distinct):
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.shape == x.shape
+                    and t.dtype == x.dtype
+                    and not any(t is d for d in distinct)
+                ):
                     distinct.append(t)
             if not any(x is d for d in distinct):
                 return None  # the hidden state sits inside a container: nothing is held, and nothing claims it
@@ -237,10 +249,15 @@ class Hold:
                 given = own
                 if self.replay is not None and name in self.replay:
                     given = self.replay[name]
-                    self.moved[name] = max([0.0] + [float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
-                                                    for a, b in zip(own, given, strict=False)])
+                    self.moved[name] = max(
+                        [0.0]
+                        + [
+                            float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
+                            for a, b in zip(own, given, strict=False)
+                        ]
+                    )
                 self.rows[name] = given
-            rows = (*self.rows[name], *own[len(self.rows[name]):])
+            rows = (*self.rows[name], *own[len(self.rows[name]) :])
             made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct, strict=False)]
 
             def held(t):
@@ -265,7 +282,7 @@ class Rope(Check):
         "FWD302": "q and k are rotated with different pairings or frequencies",
         "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
         "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k "
-                  "differently",
+        "differently",
         "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
         "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
         "FWD307": "the model declares a rotary embedding but q and k do not change with position",
@@ -342,12 +359,21 @@ or correct the declaration."""
         failing = any(f.status != Status.PASS for f in findings)
         if probe.judged and not probe.rotates:
             if claims_rope:
-                findings.append(Finding("FWD307", Status.FAIL, "the model declares a rotary embedding but q and k "
-                                        f"do not change with position at any of {len(probe.judged)} attention "
-                                        f"calls; found instead: {probe.found}", "rotary embedding"))
+                findings.append(
+                    Finding(
+                        "FWD307",
+                        Status.FAIL,
+                        "the model declares a rotary embedding but q and k "
+                        f"do not change with position at any of {len(probe.judged)} attention "
+                        f"calls; found instead: {probe.found}",
+                        "rotary embedding",
+                    )
+                )
             elif not failing:
-                raise SkipCheck(f"no rotary embedding: q and k do not turn with position at any of "
-                                f"{len(probe.judged)} attention calls and the model declares none; {probe.found}")
+                raise SkipCheck(
+                    f"no rotary embedding: q and k do not turn with position at any of "
+                    f"{len(probe.judged)} attention calls and the model declares none; {probe.found}"
+                )
         if not probe.judged and not claims_rope and component is None and not failing:
             raise SkipCheck(f"not measured: {probe.why_unjudged()}, and the model declares no rotary embedding")
         measured = probe.q if probe.rotates else component
@@ -357,17 +383,24 @@ or correct the declaration."""
         if not model.accepts_position_ids:
             data["logits_shift"] = "skipped: forward takes no position_ids"
         elif data.get("absolute_positions"):
-            data["logits_shift"] = (f"skipped: positions also enter absolutely ({data['absolute_positions']}); the "
-                                    "logits are not expected to stay the same")
+            data["logits_shift"] = (
+                f"skipped: positions also enter absolutely ({data['absolute_positions']}); the "
+                "logits are not expected to stay the same"
+            )
         elif any(c.cached for c in probe.calls):
-            data["logits_shift"] = ("skipped: attention reads a KV cache with more key slots than queries; shifted "
-                                    "positions would read what the cache holds before them")
+            data["logits_shift"] = (
+                "skipped: attention reads a KV cache with more key slots than queries; shifted "
+                "positions would read what the cache holds before them"
+            )
         else:
             findings += self._logits_shift(model, session, metrics, data)
             shift_measured = "logits_shift_change" in metrics
         if measured is not None:
-            metrics.update(pairing=measured.pairing, rotary_dim=measured.rotary_dim,
-                           base=round(measured.base, 3) if measured.base else None)
+            metrics.update(
+                pairing=measured.pairing,
+                rotary_dim=measured.rotary_dim,
+                base=round(measured.base, 3) if measured.base else None,
+            )
         metrics["judged_calls"] = len(probe.judged)
         bad = [f for f in findings if f.status != Status.PASS]
         if bad:
@@ -378,15 +411,22 @@ or correct the declaration."""
             alone = "; the rotary function alone satisfies the identity" if component is not None else ""
             raise SkipCheck(f"not measured in the model: {probe.why_unjudged()}; logits {shift}{alone}")
         elif not probe.judged:
-            summary = (f"relative identity holds at the logits (every position shifted); attention not probed: "
-                       f"{probe.why_unjudged()}")
+            summary = (
+                f"relative identity holds at the logits (every position shifted); attention not probed: "
+                f"{probe.why_unjudged()}"
+            )
         elif measured is not None and measured.pairing:
-            summary = (f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}, "
-                       f"base ~{measured.base:.4g}" if measured.base else f"relative identity holds; pairing "
-                       f"{measured.pairing}")
+            summary = (
+                f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}, "
+                f"base ~{measured.base:.4g}"
+                if measured.base
+                else f"relative identity holds; pairing {measured.pairing}"
+            )
         elif probe.rotates:
-            summary = ("relative identity holds; q and k turn and scale with position (xPos-like): no pairing keeps "
-                       "their norms")
+            summary = (
+                "relative identity holds; q and k turn and scale with position (xPos-like): no pairing keeps "
+                "their norms"
+            )
         else:
             summary = "relative identity holds"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -413,8 +453,10 @@ or correct the declaration."""
             data["head_dim"] = calls[0].head_dim if calls else None  # a shape: known judged or not
             results = self._measure(probe.judged, tol, model.rope.pairing if model.rope else None)
             toeplitz = max((r.toeplitz for r in results), default=0.0)
-            data["probe_calls"] = [{"where": c.where, "judged": c.judged, "note": c.note, "cached": c.cached,
-                                    "held": c.held} for c in calls]
+            data["probe_calls"] = [
+                {"where": c.where, "judged": c.judged, "note": c.note, "cached": c.cached, "held": c.held}
+                for c in calls
+            ]
             data["held"] = {name: round(spread, 6) for name, spread in hold.spread.items()}
             judged = probe.judged
             if not judged:
@@ -424,14 +466,26 @@ or correct the declaration."""
             where0, probe.q, probe.k = first.where, first.q, first.k
             if not probe.rotates:
                 probe.found = position_found(seen, hold, points, tables, token, tol)
-            data["probe"] = {"calls": len(judged), "q": asdict(probe.q), "k": asdict(probe.k),
-                             "toeplitz_error": toeplitz, "head_dim": judged[0].head_dim}
+            data["probe"] = {
+                "calls": len(judged),
+                "q": asdict(probe.q),
+                "k": asdict(probe.k),
+                "toeplitz_error": toeplitz,
+                "head_dim": judged[0].head_dim,
+            }
             specific = self._compare_qk(results, tol, P)
             findings += specific
             if toeplitz > tol and not specific and probe.rotates:
-                findings.append(Finding("FWD303", Status.FAIL, f"q_m . k_n varies along diagonals by {toeplitz:.3g} "
-                                        f"of its scale (tolerance {tol:g}): it depends on more than n - m", where0,
-                                        module=where0))
+                findings.append(
+                    Finding(
+                        "FWD303",
+                        Status.FAIL,
+                        f"q_m . k_n varies along diagonals by {toeplitz:.3g} "
+                        f"of its scale (tolerance {tol:g}): it depends on more than n - m",
+                        where0,
+                        module=where0,
+                    )
+                )
             if model.accepts_position_ids and probe.rotates:
                 findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
         return probe
@@ -515,21 +569,45 @@ or correct the declaration."""
             where, q, k, toeplitz = r.where, r.q, r.k, r.toeplitz
             if q.rotates != k.rotates:
                 still, moving = ("k", "q") if q.rotates else ("q", "k")
-                findings.append(Finding("FWD301", Status.FAIL, f"{moving} is rotated by position but {still} is "
-                                        f"not: the rotary embedding is missing on {still}", where, module=where))
+                findings.append(
+                    Finding(
+                        "FWD301",
+                        Status.FAIL,
+                        f"{moving} is rotated by position but {still} is "
+                        f"not: the rotary embedding is missing on {still}",
+                        where,
+                        module=where,
+                    )
+                )
             elif q.rotates and (q.pairing is None or k.pairing is None):
                 if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
-                    findings.append(Finding("FWD306", Status.FAIL, "q/k change with position but no pairing keeps "
-                                            f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
-                                            f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
-                                            "rotation", where, module=where))
+                    findings.append(
+                        Finding(
+                            "FWD306",
+                            Status.FAIL,
+                            "q/k change with position but no pairing keeps "
+                            f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
+                            f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
+                            "rotation",
+                            where,
+                            module=where,
+                        )
+                    )
             elif q.rotates and q.pairing != k.pairing:
-                findings.append(Finding("FWD302", Status.FAIL, f"q is rotated with {q.pairing} pairing, k with "
-                                        f"{k.pairing}: their dot product loses the relative property", where,
-                                        module=where))
+                findings.append(
+                    Finding(
+                        "FWD302",
+                        Status.FAIL,
+                        f"q is rotated with {q.pairing} pairing, k with "
+                        f"{k.pairing}: their dot product loses the relative property",
+                        where,
+                        module=where,
+                    )
+                )
             elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
-                findings.append(Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where,
-                                        module=where))
+                findings.append(
+                    Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where, module=where)
+                )
         return _first_per_code(findings, len(results))
 
     def _probe_shift(self, model, session, token, look, P, tol, points, hold, blocks, data) -> list[Finding]:
@@ -555,8 +633,9 @@ or correct the declaration."""
             # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
             # rotation can come from different content.
             if len(before.rows) != len(after.rows) or any(
-                    float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
-                    for a, b in zip(before.rows, after.rows, strict=True)):
+                float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
+                for a, b in zip(before.rows, after.rows, strict=True)
+            ):
                 continue
             compared += 1
             q, k, q2, k2 = before.q, before.k, after.q, after.k
@@ -568,11 +647,23 @@ or correct the declaration."""
             if change > tol:
                 q_moved = float((q2 - q).abs().max()) > tol * float(q.abs().max())
                 k_moved = float((k2 - k).abs().max()) > tol * float(k.abs().max())
-                who = "q moved and k did not" if q_moved and not k_moved else \
-                    "k moved and q did not" if k_moved and not q_moved else "both moved, differently"
-                return [Finding("FWD304", Status.FAIL, f"shifting every position by {offset} changes q . k by "
-                                f"{change:.3g} of its scale ({who}): the offset reaches q and k differently",
-                                before.where, module=before.where)]
+                who = (
+                    "q moved and k did not"
+                    if q_moved and not k_moved
+                    else "k moved and q did not"
+                    if k_moved and not q_moved
+                    else "both moved, differently"
+                )
+                return [
+                    Finding(
+                        "FWD304",
+                        Status.FAIL,
+                        f"shifting every position by {offset} changes q . k by "
+                        f"{change:.3g} of its scale ({who}): the offset reaches q and k differently",
+                        before.where,
+                        module=before.where,
+                    )
+                ]
         if not compared:
             data["probe_shift"] = "skipped: no call computed q and k from the same input in both probes"
         return []
@@ -608,9 +699,15 @@ or correct the declaration."""
         metrics["logits_shift_threshold"] = threshold
         data["logits_shift_length"] = T
         if change > threshold:
-            return [Finding("FWD304", Status.FAIL, f"shifting every position by {offset} changes the logits by "
-                            f"{change:.3g} (threshold {threshold:.3g}): positions act absolutely, not relatively",
-                            "logits")]
+            return [
+                Finding(
+                    "FWD304",
+                    Status.FAIL,
+                    f"shifting every position by {offset} changes the logits by "
+                    f"{change:.3g} (threshold {threshold:.3g}): positions act absolutely, not relatively",
+                    "logits",
+                )
+            ]
         return []
 
     # -- the rotary function alone -----------------------------------------------------------------------------------
@@ -618,8 +715,15 @@ or correct the declaration."""
     def _component(self, model, session, tol, findings, data) -> Rotation | None:
         D = model.dims.get("d_h") or data.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
         if not D:
-            findings.append(Finding("FWD308", Status.WARN, "the rotary function was not tested alone: the head size "
-                                    "is unknown (no attention call seen); set rope.rotary_dim", "rotary function"))
+            findings.append(
+                Finding(
+                    "FWD308",
+                    Status.WARN,
+                    "the rotary function was not tested alone: the head size "
+                    "is unknown (no attention call seen); set rope.rotary_dim",
+                    "rotary function",
+                )
+            )
             return None
         P = 32
         g = torch.Generator().manual_seed(session.settings.inputs.seed)
@@ -652,15 +756,22 @@ or correct the declaration."""
         norms = float((Rq.norm(dim=-1) - q.double().norm()).abs().max()) / float(q.double().norm())
         origin = float((Rq[0] - q.double()).abs().max()) / float(q.double().abs().max())
         rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
-        data["component"] = {"identity_error": identity, "norm_error": norms, "position0_error": origin,
-                             **asdict(rotation)}
-        checked = [f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
-                   f"norms change by {norms:.3g}" if norms > tol else None,
-                   f"R(0) is not the identity ({origin:.3g})" if origin > tol else None]
+        data["component"] = {
+            "identity_error": identity,
+            "norm_error": norms,
+            "position0_error": origin,
+            **asdict(rotation),
+        }
+        checked = [
+            f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
+            f"norms change by {norms:.3g}" if norms > tol else None,
+            f"R(0) is not the identity ({origin:.3g})" if origin > tol else None,
+        ]
         problems = [p for p in checked if p]
         if problems:
-            findings.append(Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}",
-                                    "rotary function"))
+            findings.append(
+                Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}", "rotary function")
+            )
         return rotation
 
     @staticmethod
@@ -689,8 +800,6 @@ def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
     return first_missing < slowest_seen
 
 
-
-
 def buffer_versions(module: nn.Module) -> list[int | None]:
     """Each buffer's version counter, which every in-place write advances (None for an inference tensor: it keeps
     none, and cannot be written outside inference mode anyway)."""
@@ -714,8 +823,11 @@ def hold_points(model, session) -> dict[str, str]:
     except ModelRaised:
         return {}
     B, T = session.inputs.shape
-    width = {m.name: m.input_shape[2] for m in seen.modules
-             if m.name and m.input_shape is not None and len(m.input_shape) == 3 and m.input_shape[:2] == (B, T)}
+    width = {
+        m.name: m.input_shape[2]
+        for m in seen.modules
+        if m.name and m.input_shape is not None and len(m.input_shape) == 3 and m.input_shape[:2] == (B, T)
+    }
     where = {c.module for c in seen.attention} | {mm.module for mm in seen.matmuls if mm.kind == "scores"}
     points = {}
     for module in where:
@@ -724,8 +836,11 @@ def hold_points(model, session) -> dict[str, str]:
             continue
         # The residual stream, not one head's already rotated q and k handed on to an inner module as (B, T, d_h):
         # holding those would hold the rotation away. Its width is the model's, when known, else the widest.
-        wide = model.dims.get("d") if any(width[n] == model.dims.get("d") for n in around) else \
-            max(width[n] for n in around)
+        wide = (
+            model.dims.get("d")
+            if any(width[n] == model.dims.get("d") for n in around)
+            else max(width[n] for n in around)
+        )
         points[module] = max((n for n in around if width[n] == wide), key=len)
     return points
 
@@ -764,8 +879,11 @@ def merge_steps(raw, written, P: int) -> list[tuple]:
     for i, (where, q, _, _) in enumerate(raw):
         if q.shape[-2] < P:
             steps.setdefault(where, []).append(i)
-    groups = {idx[-1]: idx for idx in steps.values()
-              if sum(raw[i][1].shape[-2] for i in idx) == P and len({raw[i][1].shape[:-2] for i in idx}) == 1}
+    groups = {
+        idx[-1]: idx
+        for idx in steps.values()
+        if sum(raw[i][1].shape[-2] for i in idx) == P and len({raw[i][1].shape[:-2] for i in idx}) == 1
+    }
     folded = {i for idx in groups.values() for i in idx[:-1]}
     merged = []
     for i, (where, q, k, positions) in enumerate(raw):
@@ -793,8 +911,12 @@ def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: lis
     when they index a cache of S slots and agree with what the probe wrote, else the slots it wrote."""
     if query_positions is not None:
         positions = [int(p) for p in query_positions.flatten()[-P:].tolist()]
-        if len(positions) == P and 0 <= min(positions) and max(positions) < S and \
-                (written is None or sorted(positions) == written):
+        if (
+            len(positions) == P
+            and 0 <= min(positions)
+            and max(positions) < S
+            and (written is None or sorted(positions) == written)
+        ):
             return positions
     if written is not None and len(written) == P:
         return written
@@ -804,26 +926,38 @@ def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: lis
 def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], token, tol: float) -> str:
     """How position reaches a model whose q and k do not turn: said in the skip or FWD307."""
     ids = int(token.flatten()[0])
-    learned = [m.name for m in seen.modules if m.name in tables and m.input_value is not None
-               and bool((m.input_value != ids).any())]
+    learned = [
+        m.name
+        for m in seen.modules
+        if m.name in tables and m.input_value is not None and bool((m.input_value != ids).any())
+    ]
     if learned:
-        return (f"absolute positions from a learned table ('{learned[0]}' reads the positions) added to the residual "
-                "stream, which is not RoPE")
+        return (
+            f"absolute positions from a learned table ('{learned[0]}' reads the positions) added to the residual "
+            "stream, which is not RoPE"
+        )
     first = next((points[c.module] for c in seen.attention if c.module in points), None)
     if first is not None and hold.spread.get(first, 0.0) > tol:
-        return ("the hidden state entering attention varies with position when every token is the same (an absolute "
-                "encoding such as sinusoids added to the residual stream, or tokens mixed with their neighbours), "
-                "which is not RoPE")
+        return (
+            "the hidden state entering attention varies with position when every token is the same (an absolute "
+            "encoding such as sinusoids added to the residual stream, or tokens mixed with their neighbours), "
+            "which is not RoPE"
+        )
     return "no position encoding reaches q and k"
 
 
 def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) -> str:
     """FWD302's message for q and k of one pairing that do not turn alike: in opposite directions, or how fast."""
-    pairs = [(a, b) for a, b in zip(q.thetas, k.thetas, strict=False) if well_measured(a, positions, tol)
-             and well_measured(b, positions, tol)]
+    pairs = [
+        (a, b)
+        for a, b in zip(q.thetas, k.thetas, strict=False)
+        if well_measured(a, positions, tol) and well_measured(b, positions, tol)
+    ]
     if pairs and all(a * b < 0 and abs(abs(a) - abs(b)) <= 10 * tol * abs(a) for a, b in pairs):
-        return ("q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "
-                "sin differs between them")
+        return (
+            "q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "
+            "sin differs between them"
+        )
     return f"q and k rotate at different frequencies (base ~{q.base or 0:.4g} vs ~{k.base or 0:.4g})"
 
 

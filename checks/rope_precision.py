@@ -81,8 +81,11 @@ is the reference (a float32 run then skips)."""
         # The rotation as the layers apply it, in their precision, where the model exposes it; else its function.
         rotary = model.rotary_in_layers or model.rotary
         if rotary is None:
-            why = "the model declares rotary settings but fwdcheck found no rotary function to call alone" \
-                if model.rope is not None else "no rotary embedding"
+            why = (
+                "the model declares rotary settings but fwdcheck found no rotary function to call alone"
+                if model.rope is not None
+                else "no rotary embedding"
+            )
             raise SkipCheck(f"{why} (name one with `rotary_function:` in the config)")
         D = model.dims.get("d_h") or (model.rope.rotary_dim if model.rope else None)
         if not D:
@@ -115,22 +118,27 @@ is the reference (a float32 run then skips)."""
             if not model.rotary_discovered:
                 raise  # a rotary function the config names must run
             # found by naming convention only: a modeling file with another signature is no finding
-            raise SkipCheck(f"the rotary function found by convention cannot be called alone ({exc}); name one "
-                            "with `rotary_function:` in the config") from None
+            raise SkipCheck(
+                f"the rotary function found by convention cannot be called alone ({exc}); name one "
+                "with `rotary_function:` in the config"
+            ) from None
         reference_dtype = torch.float64
         try:
             rotate(q, short[:2], torch.float64)
         except ModelRaised as exc:
             if session.dtype == torch.float32:
-                raise SkipCheck(f"the rotary function does not run in float64 ({exc}); a float32 run has no more "
-                                "precise reference") from None
+                raise SkipCheck(
+                    f"the rotary function does not run in float64 ({exc}); a float32 run has no more precise reference"
+                ) from None
             reference_dtype = torch.float32
         # Which dims rotate, paired how: from q turned through the short positions at the reference precision.
         tol = TOLERANCES[torch.float32].rotation
         turn = analyze(rotate(q, short, reference_dtype), tol, model.rope.pairing if model.rope else None)
         if not turn.rotates or turn.pairing is None:
-            raise SkipCheck("the rotary function alone does not rotate pairs of dims at positions 0..31"
-                            + ("" if not turn.rotates else f" (pair norms drift by {turn.norm_error:.3g})"))
+            raise SkipCheck(
+                "the rotary function alone does not rotate pairs of dims at positions 0..31"
+                + ("" if not turn.rotates else f" (pair norms drift by {turn.norm_error:.3g})")
+            )
         first, second = pair_indices(turn.pairing, turn.rotary_dim)
         probe = torch.zeros(D, dtype=torch.float64)
         probe[first] = 1.0  # each pair (1, 0): turned, it reads (cos, sin) of the pair's angle
@@ -161,26 +169,57 @@ is the reference (a float32 run then skips)."""
             angle = float("inf") if math.isnan(angle) else angle
             bar = angle_bar(position)
             identity_bar = TOLERANCES[session.dtype].rotation + 2 * bar
-            rows.append({"position": position, "angle_error": angle, "angle_bar": bar, "identity_error": identity,
-                         "identity_bar": identity_bar})
+            rows.append(
+                {
+                    "position": position,
+                    "angle_error": angle,
+                    "angle_bar": bar,
+                    "identity_error": identity,
+                    "identity_bar": identity_bar,
+                }
+            )
             dtype = str(session.dtype).removeprefix("torch.")
             if angle > bar:
-                findings.append(Finding("FWD901", Status.FAIL, f"at position {position} the rotary angles in {dtype} "
-                                        f"are off by up to {angle:.3g} rad from float64 (bar {bar:.3g}): inv_freq or "
-                                        "position * inv_freq is computed in low precision", "rotary embedding"))
+                findings.append(
+                    Finding(
+                        "FWD901",
+                        Status.FAIL,
+                        f"at position {position} the rotary angles in {dtype} "
+                        f"are off by up to {angle:.3g} rad from float64 (bar {bar:.3g}): inv_freq or "
+                        "position * inv_freq is computed in low precision",
+                        "rotary embedding",
+                    )
+                )
             if identity > identity_bar:
-                findings.append(Finding("FWD902", Status.FAIL, f"at positions {position - WINDOW + 1}..{position} "
-                                        f"<R(m)q, R(n)k> differs from <q, R(n-m)k> by {identity:.3g} of its scale in "
-                                        f"{dtype} (bar {identity_bar:.3g})", "rotary embedding"))
+                findings.append(
+                    Finding(
+                        "FWD902",
+                        Status.FAIL,
+                        f"at positions {position - WINDOW + 1}..{position} "
+                        f"<R(m)q, R(n)k> differs from <q, R(n-m)k> by {identity:.3g} of its scale in "
+                        f"{dtype} (bar {identity_bar:.3g})",
+                        "rotary embedding",
+                    )
+                )
         findings = first_per_code(findings)
-        data = {"positions": rows, "pairing": turn.pairing, "rotary_dim": turn.rotary_dim,
-                "reference_dtype": str(reference_dtype).removeprefix("torch."), "buffers": half_buffers(model)}
+        data = {
+            "positions": rows,
+            "pairing": turn.pairing,
+            "rotary_dim": turn.rotary_dim,
+            "reference_dtype": str(reference_dtype).removeprefix("torch."),
+            "buffers": half_buffers(model),
+        }
         worst = max(rows, key=lambda r: r["angle_error"])
-        metrics = {"max_angle_error": worst["angle_error"], "at_position": worst["position"],
-                   "max_identity_error": max(r["identity_error"] for r in rows)}
-        summary = (f"angles off by up to {worst['angle_error']:.3g} rad at position {worst['position']} "
-                   f"(bar {worst['angle_bar']:.3g}); positions {', '.join(str(p) for p in positions)} in "
-                   f"{str(session.dtype).removeprefix('torch.')} vs {data['reference_dtype']}")
+        metrics = {
+            "max_angle_error": worst["angle_error"],
+            "at_position": worst["position"],
+            "max_identity_error": max(r["identity_error"] for r in rows),
+        }
+        summary = (
+            f"angles off by up to {worst['angle_error']:.3g} rad at position {worst['position']} "
+            f"(bar {worst['angle_bar']:.3g}); positions {', '.join(str(p) for p in positions)} in "
+            f"{str(session.dtype).removeprefix('torch.')} vs {data['reference_dtype']}"
+        )
         if findings:
             summary = f"{self.codes[findings[0].code]}; {summary}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -189,6 +228,7 @@ is the reference (a float32 run then skips)."""
         """The largest angle error, in radians."""
         value = result.metrics.get("max_angle_error")
         return f"{value:.2g} rad" if value is not None else ""
+
 
 def first_per_code(findings: list[Finding]) -> list[Finding]:
     """The first (shortest) position failing each code, with how many positions fail it."""
@@ -205,5 +245,8 @@ def first_per_code(findings: list[Finding]) -> list[Finding]:
 
 def half_buffers(model) -> list[str]:
     """Floating buffers of rotary modules held in half precision during the run: read as held, not judged."""
-    return [f"{name} ({str(buffer.dtype).removeprefix('torch.')})" for name, buffer in model.module.named_buffers()
-            if ("rotary" in name or "rope" in name) and buffer.dtype in (torch.bfloat16, torch.float16)]
+    return [
+        f"{name} ({str(buffer.dtype).removeprefix('torch.')})"
+        for name, buffer in model.module.named_buffers()
+        if ("rotary" in name or "rope" in name) and buffer.dtype in (torch.bfloat16, torch.float16)
+    ]

@@ -60,29 +60,63 @@ def rope_numbers(r: CheckResult) -> RenderableType:
     cells = []
     for view, rot in rows:
         thetas = ", ".join(f"{t:.4g}" for t in rot.get("thetas", [])[:4])
-        cells.append([*map(Text, (view, str(rot["rotates"]), str(rot.get("pairing")), str(rot.get("rotary_dim")),
-                                  f"{rot['base']:.5g}" if rot.get("base") else "-", thetas))])
-    columns = [FitColumn("view"), FitColumn("rotates"), FitColumn("pairing"), FitColumn("rotary dim"),
-               FitColumn("base", whole=True), FitColumn("first frequencies (rad/position)")]
+        cells.append(
+            [
+                *map(
+                    Text,
+                    (
+                        view,
+                        str(rot["rotates"]),
+                        str(rot.get("pairing")),
+                        str(rot.get("rotary_dim")),
+                        f"{rot['base']:.5g}" if rot.get("base") else "-",
+                        thetas,
+                    ),
+                )
+            ]
+        )
+    columns = [
+        FitColumn("view"),
+        FitColumn("rotates"),
+        FitColumn("pairing"),
+        FitColumn("rotary dim"),
+        FitColumn("base", whole=True),
+        FitColumn("first frequencies (rad/position)"),
+    ]
     table = FitTable(columns, cells, box=box.SIMPLE, pad_edge=False, show_edge=False)
     declared = r.data.get("declared")
     lines: list[RenderableType] = [table] if rows else []  # headers over nothing say less than the notes below
     if declared:
         base = f"{declared['base']:g}" if declared.get("base") else "rescaled"
-        lines.append(Text(f"declared: pairing {declared.get('pairing')}, base {base}, rotary dim "
-                          f"{declared.get('rotary_dim') or 'head size'}", style="dim"))
+        lines.append(
+            Text(
+                f"declared: pairing {declared.get('pairing')}, base {base}, rotary dim "
+                f"{declared.get('rotary_dim') or 'head size'}",
+                style="dim",
+            )
+        )
     if isinstance(probe, dict):
         lines.append(Text(f"q_m . k_n off its diagonals: {probe['toeplitz_error']:.2g} of its scale", style="dim"))
     if r.data.get("component_note"):
         lines.append(Text(r.data["component_note"], style="dim"))
     if r.data.get("component"):
         c = r.data["component"]
-        lines.append(Text(f"rotary function: identity {c['identity_error']:.2g}, norms {c['norm_error']:.2g}, "
-                          f"R(0) {c['position0_error']:.2g} (relative errors)", style="dim"))
+        lines.append(
+            Text(
+                f"rotary function: identity {c['identity_error']:.2g}, norms {c['norm_error']:.2g}, "
+                f"R(0) {c['position0_error']:.2g} (relative errors)",
+                style="dim",
+            )
+        )
     m = r.metrics
     if "logits_shift_change" in m:
-        lines.append(Text(f"logits with every position shifted: change {m['logits_shift_change']:.2g} vs threshold "
-                          f"{m['logits_shift_threshold']:.2g}", style="dim"))
+        lines.append(
+            Text(
+                f"logits with every position shifted: change {m['logits_shift_change']:.2g} vs threshold "
+                f"{m['logits_shift_threshold']:.2g}",
+                style="dim",
+            )
+        )
     return Group(*lines, *notes(_ropenotes(r.data)))
 
 
@@ -99,12 +133,15 @@ def _ropenotes(data: dict) -> list[str]:
             notes.append(f"probe: {len(unjudged)} of {len(calls)} attention calls not judged ({why})")
     cached = [c for c in calls if c.get("judged") and c.get("cached")]
     if cached:
-        notes.append(f"probe: {len(cached)} call(s) read a KV cache; only the key slots holding the probe's positions "
-                     "were read")
+        notes.append(
+            f"probe: {len(cached)} call(s) read a KV cache; only the key slots holding the probe's positions were read"
+        )
     shift = data.get("probe_shift")
     if isinstance(shift, dict):
-        notes.append(f"probe with every position shifted by {shift['offset']}: q . k changed by "
-                     f"{shift['score_change']:.2g} of its scale over {shift['calls']} call(s)")
+        notes.append(
+            f"probe with every position shifted by {shift['offset']}: q . k changed by "
+            f"{shift['score_change']:.2g} of its scale over {shift['calls']} call(s)"
+        )
     elif shift:
         notes.append(f"probe shift: {shift}")
     if data.get("absolute_positions"):

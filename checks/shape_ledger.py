@@ -51,8 +51,15 @@ class Entry:
 # * any width (an embedding's own); 1 a broadcast axis. A T axis may hold a chunk of the sequence instead (a
 # prefill, one decode step) when no axis of the tensor follows T.
 _QUERIES = [["B", "h", "T", "d_h"], ["B*h", "T", "d_h"], ["B", "T", "d_h"], ["B", "h_kv", "g", "T", "d_h"]]
-_KEYS = [["B", "h_kv", "S", "d_h"], ["B", "h", "S", "d_h"], ["B*h", "S", "d_h"], ["B*h_kv", "S", "d_h"],
-         ["B", "S", "d_h"], ["B", "h_kv", "1", "S", "d_h"], ["B", "h_kv", "g", "S", "d_h"]]
+_KEYS = [
+    ["B", "h_kv", "S", "d_h"],
+    ["B", "h", "S", "d_h"],
+    ["B*h", "S", "d_h"],
+    ["B*h_kv", "S", "d_h"],
+    ["B", "S", "d_h"],
+    ["B", "h_kv", "1", "S", "d_h"],
+    ["B", "h_kv", "g", "S", "d_h"],
+]
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
     "embedding": [["B", "T", "d"], ["T", "B", "d"], ["B", "T", "*"], ["T", "B", "*"]],
@@ -81,7 +88,7 @@ class ShapeLedger(Check):
     needs_values = False  # shapes alone: runs on the meta device
     codes = {
         "FWD401": "a tensor's layout contradicts its role (an axis where another belongs, a size against the "
-                  "declared one)",
+        "declared one)",
         "FWD402": "attention runs over an axis that is not the sequence (e.g. heads and positions swapped)",
         "FWD403": "the softmax normalises over the query axis instead of the keys being read",
         "FWD404": "attention weights do not sum to 1 over the key axis, or hold NaN/Inf",
@@ -138,8 +145,18 @@ If a size is named wrongly because the model's config says something else, decla
             ok = layout is not None or expected is None
             # The layout it fits is what it was expected to be (a repeated v [B,h,S,d_h], not the first of the
             # alternatives, [B,h_kv,S,d_h]); a tensor that fits none is shown against the first.
-            rows.append({"name": e.name, "shape": list(e.shape), "dims": dims, "dtype": e.dtype, "role": e.role,
-                         "expected": layout or (expected[0] if expected else None), "ok": ok, "implied": e.implied})
+            rows.append(
+                {
+                    "name": e.name,
+                    "shape": list(e.shape),
+                    "dims": dims,
+                    "dtype": e.dtype,
+                    "role": e.role,
+                    "expected": layout or (expected[0] if expected else None),
+                    "ok": ok,
+                    "implied": e.implied,
+                }
+            )
             findings += judge(e, dims, ok, expected, namer)
         findings = _merge_layers(findings)
         notes += namer.notes(rows)
@@ -151,8 +168,13 @@ If a size is named wrongly because the model's config says something else, decla
 
         attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
         directions = sorted({_direction(e) for e in entries if e.role == "weights"})
-        data: LedgerData = {"entries": rows, "dims": dims_seen, "probe": {"batch_size": B2, "seq_len": T2},
-                "softmax": directions or ["no attention weights observed"], "notes": notes}
+        data: LedgerData = {
+            "entries": rows,
+            "dims": dims_seen,
+            "probe": {"batch_size": B2, "seq_len": T2},
+            "softmax": directions or ["no attention weights observed"],
+            "notes": notes,
+        }
         if expected_ledger is not None:
             data["ledger_diff"] = [f.message for f in diff or []]
         bad = [f for f in findings if f.status != Status.PASS]
@@ -161,19 +183,26 @@ If a size is named wrongly because the model's config says something else, decla
         elif bad:
             summary = f"{len(bad)} layout problem(s): {bad[0].message}"
         else:
-            summary = (f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in dims_seen.items())}); "
-                       f"softmax {directions[0] if directions else 'not observed'}")
+            summary = (
+                f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in dims_seen.items())}); "
+                f"softmax {directions[0] if directions else 'not observed'}"
+            )
         if not attention:
             summary += "; no attention call observed (custom kernel?): q/k/v not in the ledger"
         if notes:
             summary += "; note: " + "; ".join(notes)
-        return CheckResult.from_findings(self.name, findings, summary,
-                                         metrics={"tensors": len(rows), "probe_batch": B2, "probe_seq_len": T2},
-                                         data=data)
+        return CheckResult.from_findings(
+            self.name,
+            findings,
+            summary,
+            metrics={"tensors": len(rows), "probe_batch": B2, "probe_seq_len": T2},
+            data=data,
+        )
 
 
-def naming_pass(session, entries: list[Entry], blocks: str | None, known: dict[str, int],
-                max_positions: int | None) -> tuple[tuple[int, int], bool, list[str]]:
+def naming_pass(
+    session, entries: list[Entry], blocks: str | None, known: dict[str, int], max_positions: int | None
+) -> tuple[tuple[int, int], bool, list[str]]:
     """Run the second, small pass and give each entry its shape there (probe_shape). Returns the pass's (B, T),
     whether it ran, and notes. A model that refuses the pass is not failed for it: what the first pass showed still
     counts, only the naming is poorer."""
@@ -188,10 +217,19 @@ def naming_pass(session, entries: list[Entry], blocks: str | None, known: dict[s
         except ModelRaised as exc:
             refused.append(f"B={batch}, T={T2} ({first_line(exc)})")
     if second is None:
-        return (B2, T2), False, [f"the naming pass raised at {' and at '.join(refused)}: axes are named by position "
-                                 "and size only, which cannot tell a missing transpose from a chunk of the sequence"]
-    notes = [f"the naming pass raised at {refused[0]}; it ran at B={B}: batch axes are named by position"] \
-        if refused else []
+        return (
+            (B2, T2),
+            False,
+            [
+                f"the naming pass raised at {' and at '.join(refused)}: axes are named by position "
+                "and size only, which cannot tell a missing transpose from a chunk of the sequence"
+            ],
+        )
+    notes = (
+        [f"the naming pass raised at {refused[0]}; it ran at B={B}: batch axes are named by position"]
+        if refused
+        else []
+    )
     by_name = {e.name: e for e in collect(second, (B2, T2), first_logits_shape(second), blocks, known)}
     for e in entries:
         other = by_name.get(e.name)
@@ -221,24 +259,38 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
             continue
         if _embeds_ids(call, ids_shape[0]):
             role, label = "embedding", f"{'token embedding' if call.name == token else 'embedding'} ({call.name})"
-        elif blocks and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name) and \
-                call.input_shape in (None, call.output_shape):
+        elif (
+            blocks
+            and re.fullmatch(rf"{re.escape(blocks)}\.\d+", call.name)
+            and call.input_shape in (None, call.output_shape)
+        ):
             # A transformer block maps the residual stream to itself; a list item that changes the shape (one
             # attention head of a per-head ModuleList, a projection) is not a block, and not a hidden state.
             role, label = "hidden", f"{call.name} output"
-        elif call.cls == "Linear" and known.get("d_ff") and _in_first_block(call.name, blocks) \
-                and not any(call.name.startswith(f"{m}.") for m in attending) and _hidden_layer(obs.modules, i) \
-                and call.output_shape[-1:] == (known["d_ff"],):
+        elif (
+            call.cls == "Linear"
+            and known.get("d_ff")
+            and _in_first_block(call.name, blocks)
+            and not any(call.name.startswith(f"{m}.") for m in attending)
+            and _hidden_layer(obs.modules, i)
+            and call.output_shape[-1:] == (known["d_ff"],)
+        ):
             # The MLP's hidden layer (up, gate) by what it does, its width only confirming it: not a fused q/k/v
             # projection, nor the down projection or an lm head that happen to be as wide.
             role, label = "ffn", f"{call.name} output"
         else:
             continue
         n = calls[label] = calls.get(label, -1) + 1
-        # call.name lands in probe_shape (the 4th field), not in module: naming_pass overwrites it before any read,
-        # and module stays "", so these entries borrow no other call's probe shape. Passing module= would change that.
-        entries.append(Entry(label + (f" #{n}" if n else ""), role, call.output_shape, call.name, seq=call.seq,  # type: ignore[arg-type]
-                             dtype=call.output_dtype))
+        entries.append(
+            Entry(
+                label + (f" #{n}" if n else ""),
+                role,
+                call.output_shape,
+                module=call.name,
+                seq=call.seq,
+                dtype=call.output_dtype,
+            )
+        )
 
     per_module: dict[str, int] = {}
     calls_at: list[str] = []  # each attention call's name, by its index
@@ -249,14 +301,25 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         at: dict[str, Any] = dict(module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source)
         if attn.api == "sdpa":
             assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
-            entries += [Entry(f"{where} q", "q", attn.query_shape, **at),
-                        Entry(f"{where} k", "k", attn.key_shape, **at),
-                        Entry(f"{where} v", "v", attn.value_shape, **at)]
+            entries += [
+                Entry(f"{where} q", "q", attn.query_shape, **at),
+                Entry(f"{where} k", "k", attn.key_shape, **at),
+                Entry(f"{where} v", "v", attn.value_shape, **at),
+            ]
         elif attn.api == "mha":
             entries.append(Entry(f"{where} query (MHA input)", "mha_in", attn.query_shape, **at))
-        entries.append(Entry(f"{where} attention weights", "weights", attn.weights_shape, softmax_dim=attn.softmax_dim,
-                             row_sum_error=attn.row_sum_error, nonfinite_rows=attn.nonfinite_rows,
-                             implied=attn.api != "softmax", **at))
+        entries.append(
+            Entry(
+                f"{where} attention weights",
+                "weights",
+                attn.weights_shape,
+                softmax_dim=attn.softmax_dim,
+                row_sum_error=attn.row_sum_error,
+                nonfinite_rows=attn.nonfinite_rows,
+                implied=attn.api != "softmax",
+                **at,
+            )
+        )
     per_kind: dict[tuple[str, str], int] = {}
     for mm in obs.matmuls:  # eager attention: q @ k^T makes the scores, weights @ v reads the values
         n = per_kind[(mm.module, mm.kind)] = per_kind.get((mm.module, mm.kind), -1) + 1
@@ -264,11 +327,14 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
         index = mm.call if mm.call is not None and mm.call < len(calls_at) else None
         where = calls_at[index] if index is not None else where
-        at = dict(module=mm.module, seq=mm.seq, group=where,
-                  source=obs.attention[index].source if index is not None else None)
+        at = dict(
+            module=mm.module, seq=mm.seq, group=where, source=obs.attention[index].source if index is not None else None
+        )
         if mm.kind == "scores":
-            entries += [Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
-                        Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at)]
+            entries += [
+                Entry(f"{where} q (q @ k^T)", "scores_q", mm.a_shape, **at),
+                Entry(f"{where} k^T (q @ k^T)", "scores_k", mm.b_shape, **at),
+            ]
         else:
             entries.append(Entry(f"{where} v (weights @ v)", "scores_v", mm.b_shape, **at))
     entries.sort(key=lambda e: e.seq)
@@ -276,15 +342,20 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
         # The logits the checks read are [B, T, width]: the model's face verified B and T, also where a forward
         # adapter calls the model several times (a prefill, then decode steps) and joins the pieces.
         root = next((m for m in obs.modules if m.name == ""), None)
-        entries.append(Entry("logits", "logits", (*ids_shape, logits_shape[-1]),
-                             dtype=root.output_dtype if root else ""))
+        entries.append(
+            Entry("logits", "logits", (*ids_shape, logits_shape[-1]), dtype=root.output_dtype if root else "")
+        )
     return entries
 
 
 def _embeds_ids(call, batch: int) -> bool:
     """An nn.Embedding of token ids: a [B, T] input (or a [B, t] chunk of it, when forward decodes step by step)."""
-    return call.cls == "Embedding" and call.input_shape is not None and len(call.input_shape) == 2 \
+    return (
+        call.cls == "Embedding"
+        and call.input_shape is not None
+        and len(call.input_shape) == 2
         and call.input_shape[0] == batch
+    )
 
 
 def _token_embedding(obs: Observation, batch: int, d: int | None) -> str | None:
@@ -303,7 +374,7 @@ def _hidden_layer(modules: list[ModuleCall], i: int) -> bool:
     enclosing = next((m for m in reversed(modules[:i]) if m.name == parent), None)
     if enclosing is None:
         return False
-    for later in modules[i + 1:]:  # in the order calls started; those inside the parent's call end before it does
+    for later in modules[i + 1 :]:  # in the order calls started; those inside the parent's call end before it does
         if later.seq > enclosing.seq:
             return False
         if later.cls == "Linear" and later.name.rpartition(".")[0] == parent:
@@ -354,8 +425,11 @@ class Namer:
         # d_h = d / h and h_kv = h are what a config implies when it says no more, not what it states: Gemma's head
         # size is not d / h, and a config may name its kv heads in a way fwdcheck does not read. A layout that shows
         # its heads (q [B,h,T,d_h]) says what they are; a per-head [B,T,d_h] still has to agree.
-        self.defaults = {s for s, derived in (("d_h", _ratio(known, "d", "h")), ("h_kv", known.get("h")))
-                         if s in known and known[s] == derived}
+        self.defaults = {
+            s
+            for s, derived in (("d_h", _ratio(known, "d", "h")), ("h_kv", known.get("h")))
+            if s in known and known[s] == derived
+        }
         self.shared: dict[str, int] = {}  # read off tensors outside attention calls (d, from the blocks)
         self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
         self.padded: tuple[int, int | None] | None = None  # (logits width, vocabulary) when the vocabulary is padded
@@ -403,8 +477,9 @@ class Namer:
                 named[e.name] = self.name(e, scope)
 
         order = {"hidden": 0, "embedding": 1}
-        run(sorted((e for e in entries if e.role in order), key=lambda e: (order[e.role], e.seq)),
-            ChainMap(self.shared))
+        run(
+            sorted((e for e in entries if e.role in order), key=lambda e: (order[e.role], e.seq)), ChainMap(self.shared)
+        )
         for key in dict.fromkeys(e.group for e in entries if e.group):
             scope = ChainMap(self.groups.setdefault(key, {}), self.shared)
             run(sorted((e for e in entries if e.group == key), key=lambda e: GROUP_ORDER.index(e.role)), scope)
@@ -512,8 +587,10 @@ class Namer:
             if axis.follows:
                 names.append(axis.follows)
             elif axis.per_batch:
-                names.append("B*" + next((s for s in ("h", "h_kv") if self.value(s, scope) == axis.per_batch),
-                                         str(axis.per_batch)))
+                names.append(
+                    "B*"
+                    + next((s for s in ("h", "h_kv") if self.value(s, scope) == axis.per_batch), str(axis.per_batch))
+                )
             elif axis.unseen and want in ("B", "T") and axis.size == (self.B if want == "B" else self.T):
                 names.append(want)
             else:
@@ -542,8 +619,10 @@ class Namer:
             notes.append(f"logits are {width} wide for a vocabulary of {vocab} (V_pad): a padded output vocabulary")
         unnamed = sorted({int(d) for r in rows if r["ok"] for d in r["dims"] if d.isdigit()})
         if unnamed:
-            notes.append(f"axes of size {', '.join(map(str, unnamed))} are shown by their size (fwdcheck has no name "
-                         "for them: a chunk of the sequence, an embedding's own width); that is no finding")
+            notes.append(
+                f"axes of size {', '.join(map(str, unnamed))} are shown by their size (fwdcheck has no name "
+                "for them: a chunk of the sequence, an embedding's own width); that is no finding"
+            )
         return notes
 
 
@@ -557,21 +636,49 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None,
     misplaced = None if ok else _sequence_misplaced(e, namer)
     if misplaced is not None:
         over = -1 if e.role == "scores_k" else -2
-        findings.append(Finding("FWD402", Status.FAIL, f"{e.name} is {shown}: the sequence T is axis {misplaced}, "
-                                f"but attention runs over axis {over}, which is {dims[over]} here (a missing "
-                                "transpose(1, 2)?)", where=e.module, module=e.module))
+        findings.append(
+            Finding(
+                "FWD402",
+                Status.FAIL,
+                f"{e.name} is {shown}: the sequence T is axis {misplaced}, "
+                f"but attention runs over axis {over}, which is {dims[over]} here (a missing "
+                "transpose(1, 2)?)",
+                where=e.module,
+                module=e.module,
+            )
+        )
     elif not ok and expected:
         status = Status.WARN if e.role in ("hidden", "embedding") else Status.FAIL
-        findings.append(Finding("FWD401", status, f"{e.name} is {shown}, expected "
-                                f"{' or '.join('[' + ','.join(x) + ']' for x in expected)}", where=e.module or None,
-                                module=e.module or None))
+        findings.append(
+            Finding(
+                "FWD401",
+                status,
+                f"{e.name} is {shown}, expected {' or '.join('[' + ','.join(x) + ']' for x in expected)}",
+                where=e.module or None,
+                module=e.module or None,
+            )
+        )
     if e.role == "weights" and e.softmax_dim is not None and e.softmax_dim != -1:
-        findings.append(Finding("FWD403", Status.FAIL, f"softmax over dim {e.softmax_dim} of the [..,T,S] scores: "
-                                "it normalises over the queries, not the keys each query reads", where=e.module,
-                                module=e.module))
+        findings.append(
+            Finding(
+                "FWD403",
+                Status.FAIL,
+                f"softmax over dim {e.softmax_dim} of the [..,T,S] scores: "
+                "it normalises over the queries, not the keys each query reads",
+                where=e.module,
+                module=e.module,
+            )
+        )
     elif e.role == "weights" and (e.nonfinite_rows or (e.row_sum_error or 0) > 1e-2):
-        findings.append(Finding("FWD404", Status.FAIL, f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest "
-                                f"|sum over keys - 1| is {e.row_sum_error:.3g}", where=e.module, module=e.module))
+        findings.append(
+            Finding(
+                "FWD404",
+                Status.FAIL,
+                f"{e.name}: {e.nonfinite_rows} rows hold NaN/Inf; largest |sum over keys - 1| is {e.row_sum_error:.3g}",
+                where=e.module,
+                module=e.module,
+            )
+        )
     for f in findings:  # a tensor of an attention call points at the line that made the call
         f.source = e.source
     return findings
@@ -599,19 +706,27 @@ def compare_ledgers(expected: dict, current: list[dict], dims: dict[str, int]) -
     findings = []
     for symbol, size in (expected.get("dims") or {}).items():
         if symbol in dims and dims[symbol] != size:
-            findings.append(Finding("FWD406", Status.FAIL, f"dimension {symbol}: {size} -> {dims[symbol]}",
-                                    where=symbol))
+            findings.append(
+                Finding("FWD406", Status.FAIL, f"dimension {symbol}: {size} -> {dims[symbol]}", where=symbol)
+            )
     for name in [n for n in after if n not in before]:
         findings.append(Finding("FWD405", Status.FAIL, f"new tensor {name} {_dims(after[name])}", where=name))
     for name in [n for n in before if n not in after]:
         findings.append(Finding("FWD405", Status.FAIL, f"tensor {name} {_dims(before[name])} is gone", where=name))
     for name in [n for n in after if n in before]:
         if before[name]["dims"] != after[name]["dims"]:
-            findings.append(Finding("FWD406", Status.FAIL, f"{name}: {_dims(before[name])} -> {_dims(after[name])}",
-                                    where=name))
+            findings.append(
+                Finding("FWD406", Status.FAIL, f"{name}: {_dims(before[name])} -> {_dims(after[name])}", where=name)
+            )
         if before[name].get("dtype") and before[name].get("dtype") != after[name].get("dtype"):
-            findings.append(Finding("FWD407", Status.FAIL, f"{name}: dtype {before[name]['dtype']} -> "
-                                    f"{after[name].get('dtype')}", where=name))
+            findings.append(
+                Finding(
+                    "FWD407",
+                    Status.FAIL,
+                    f"{name}: dtype {before[name]['dtype']} -> {after[name].get('dtype')}",
+                    where=name,
+                )
+            )
     return findings
 
 
@@ -630,7 +745,8 @@ def _merge_layers(findings: list[Finding]) -> list[Finding]:
     merged = []
     for first, members in grouped(findings, key=lambda f: (f.code, re.sub(r"\.\d+\.", ".*.", f.message))):
         if len(members) > 1:
-            first.where = f"{first.where} and {len(members) - 1} more like it" if first.where \
-                else f"{len(members)} places"
+            first.where = (
+                f"{first.where} and {len(members) - 1} more like it" if first.where else f"{len(members)} places"
+            )
         merged.append(first)
     return merged

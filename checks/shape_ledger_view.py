@@ -50,7 +50,7 @@ def ledger(r: CheckResult) -> RenderableType:
     order = []
     for e in r.data.get("entries", []):
         match = re.search(r"\.(\d+)(\.| |$)", e["name"])
-        key_name = e["name"][:match.start(1)] + "{}" + e["name"][match.end(1):] if match else e["name"]
+        key_name = e["name"][: match.start(1)] + "{}" + e["name"][match.end(1) :] if match else e["name"]
         key = (key_name, tuple(e["shape"]), tuple(e["dims"]), e["ok"])
         if key not in folded:
             order.append((key, e))
@@ -63,13 +63,20 @@ def ledger(r: CheckResult) -> RenderableType:
         if e.get("implied"):
             name += " (implied)"
         rows.append([Text(name), Text(str(e["shape"])), Text(dims, "green" if e["ok"] else "bold red"), Text(expected)])
-    columns = [FitColumn("tensor"), FitColumn("shape", whole=True), FitColumn("dims", whole=True),
-               FitColumn("expected", whole=True, give_way=1)]
+    columns = [
+        FitColumn("tensor"),
+        FitColumn("shape", whole=True),
+        FitColumn("dims", whole=True),
+        FitColumn("expected", whole=True, give_way=1),
+    ]
     table = FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False)
     dims = ", ".join(f"{k}={v}" for k, v in r.data.get("dims", {}).items())
     probe = r.data.get("probe", {})
-    caption = Text(f"dims: {dims}. Axes named by a second pass at B={probe.get('batch_size')}, "
-                   f"T={probe.get('seq_len')}. Softmax: {'; '.join(r.data.get('softmax', []))}.", style="dim")
+    caption = Text(
+        f"dims: {dims}. Axes named by a second pass at B={probe.get('batch_size')}, "
+        f"T={probe.get('seq_len')}. Softmax: {'; '.join(r.data.get('softmax', []))}.",
+        style="dim",
+    )
     return Group(table, caption, *notes(r.data.get("notes")))
 
 

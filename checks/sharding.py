@@ -84,8 +84,9 @@ output."""
     def run(self, model, session) -> CheckResult:
         context = rank_context()
         if context is None:
-            raise SkipCheck("not a distributed run: `--nproc N` or `distributed: {nproc: N}` shards the model across "
-                            "N processes")
+            raise SkipCheck(
+                "not a distributed run: `--nproc N` or `distributed: {nproc: N}` shards the model across N processes"
+            )
         blocks = _blocks(model.module, model.layer_stack)
         try:
             sharded = _hooked(blocks, lambda: session.logits(session.inputs))
@@ -93,8 +94,7 @@ output."""
         except ModelRaised as exc:  # on every rank alike, or the launch would have ended
             sharded, raised = None, exc
         disagreement = self._disagreement(context, session) if raised is None else None
-        split = self._context_parallel(context, session, model) if context.context_parallel and raised is None \
-            else None
+        split = self._context_parallel(context, session, model) if context.context_parallel and raised is None else None
         verdict = None
         if context.rank == 0:
             try:
@@ -138,8 +138,12 @@ output."""
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T).clone()
         try:
-            with torch.no_grad(), context_parallel(context.mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1],
-                                                   no_restore_buffers={ids, positions}):
+            with (
+                torch.no_grad(),
+                context_parallel(
+                    context.mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], no_restore_buffers={ids, positions}
+                ),
+            ):
                 local = extract_logits(module(ids, position_ids=positions))  # (B, T / ranks, V)
             return context_parallel_unshard(context.mesh, [local.float()], [1])[0]  # (B, T, V)
         except Exception as exc:  # on every rank alike: torch cannot split this attention here
@@ -152,13 +156,18 @@ output."""
     def _judge(self, context, session, model, blocks, sharded, raised, disagreement, split) -> dict:
         findings: list[Finding] = []
         metrics: dict = {}
-        data: dict = {"parallelized_by": context.parallelized_by, "ranks": context.world,
-                      "placements": placements(model.module)}
+        data: dict = {
+            "parallelized_by": context.parallelized_by,
+            "ranks": context.world,
+            "placements": placements(model.module),
+        }
         unsharded = context.unsharded()
         try:
             # the unsharded model's own stack: a parallelize function may return the model inside a wrapper
-            reference = _hooked(_blocks(unsharded, layer_stack_of(unsharded)),
-                                lambda: session.logits(session.inputs, model=_unsharded_view(model, unsharded)))
+            reference = _hooked(
+                _blocks(unsharded, layer_stack_of(unsharded)),
+                lambda: session.logits(session.inputs, model=_unsharded_view(model, unsharded)),
+            )
         except ModelRaised as exc:
             if raised is not None:  # both raise: the model's own error, which run() raises on every rank
                 return CheckResult(self.name, Status.ERROR, str(raised)).to_dict()
@@ -166,11 +175,17 @@ output."""
             return CheckResult(self.name, Status.ERROR, message, [Finding("FWD002", Status.ERROR, message)]).to_dict()
         if raised is not None:
             where = raised.where or ""
-            findings.append(Finding(UNSHARDED_RAISES, Status.FAIL, f"the sharded model raises where the unsharded "
-                                    f"one runs: {first_line(raised)} ({context.parallelized_by} over "
-                                    f"{context.world} ranks)",
-                                    where=where or None,
-                                    source=code_location(raised.frame[0], raised.frame[1]) if raised.frame else None))
+            findings.append(
+                Finding(
+                    UNSHARDED_RAISES,
+                    Status.FAIL,
+                    f"the sharded model raises where the unsharded "
+                    f"one runs: {first_line(raised)} ({context.parallelized_by} over "
+                    f"{context.world} ranks)",
+                    where=where or None,
+                    source=code_location(raised.frame[0], raised.frame[1]) if raised.frame else None,
+                )
+            )
             summary = f"the sharded model raises where the unsharded one runs: {first_line(raised)}"
             return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data).to_dict()
 
@@ -179,19 +194,27 @@ output."""
         scale = logit_scale(reference_logits)
         bar = _bar(session, scale)
         change = position_change(logits, reference_logits)  # (B, T)
-        metrics.update(max_change=float(change.max()), bar=bar, logit_scale=scale,
-                       rank_max_change=max(disagreement))
+        metrics.update(max_change=float(change.max()), bar=bar, logit_scale=scale, rank_max_change=max(disagreement))
         data["rank_changes"] = disagreement
         layers = _layer_changes(block_outputs, reference_blocks, session)
         data["layers"] = layers
         if float(change.max()) > bar:
             first = next((row for row in layers if row["change"] > row["bar"]), None)
-            at = f"first parts at {model.layer_stack}.{first['block']} (output changed by {first['change']:.3g})" \
-                if first else "no block output parts beyond its bar: the head or the final norm"
-            findings.append(Finding("FWD981", Status.FAIL, f"the sharded model's logits differ from the unsharded "
-                                    f"model's by {float(change.max()):.3g} (bar {bar:.3g}); {at}",
-                                    where=f"{model.layer_stack}.{first['block']}" if first else None,
-                                    module=f"{model.layer_stack}.{first['block']}" if first else None))
+            at = (
+                f"first parts at {model.layer_stack}.{first['block']} (output changed by {first['change']:.3g})"
+                if first
+                else "no block output parts beyond its bar: the head or the final norm"
+            )
+            findings.append(
+                Finding(
+                    "FWD981",
+                    Status.FAIL,
+                    f"the sharded model's logits differ from the unsharded "
+                    f"model's by {float(change.max()):.3g} (bar {bar:.3g}); {at}",
+                    where=f"{model.layer_stack}.{first['block']}" if first else None,
+                    module=f"{model.layer_stack}.{first['block']}" if first else None,
+                )
+            )
         if isinstance(split, str):
             data["context_parallel"] = f"not run: {split}"
         elif split is not None:
@@ -199,22 +222,36 @@ output."""
             metrics["context_parallel_max_change"] = split_change
             data["context_parallel"] = f"the sequence split across {context.world} ranks: max change {split_change:.3g}"
             if not split_change <= bar:
-                findings.append(Finding("FWD984", Status.FAIL, f"with the sequence split across {context.world} ranks "
-                                        f"(context_parallel) the logits differ from the whole sequence's by "
-                                        f"{split_change:.3g} (bar {bar:.3g}): the attention of a rank's chunk is "
-                                        "masked or positioned as if it were the whole sequence"))
+                findings.append(
+                    Finding(
+                        "FWD984",
+                        Status.FAIL,
+                        f"with the sequence split across {context.world} ranks "
+                        f"(context_parallel) the logits differ from the whole sequence's by "
+                        f"{split_change:.3g} (bar {bar:.3g}): the attention of a rank's chunk is "
+                        "masked or positioned as if it were the whole sequence",
+                    )
+                )
         apart = [rank for rank, c in enumerate(disagreement) if not c <= bar]
         if apart:
             who = f"rank {apart[0]} returns" if len(apart) == 1 else f"ranks {', '.join(map(str, apart))} return"
-            findings.append(Finding("FWD982", Status.FAIL, f"{who} other logits than rank 0 (by up to "
-                                    f"{max(disagreement):.3g}, bar {bar:.3g}): an output that should be replicated is "
-                                    "partial or sharded (a reduction or a gather missing)",
-                                    where=", ".join(f"rank {rank}" for rank in apart)))
+            findings.append(
+                Finding(
+                    "FWD982",
+                    Status.FAIL,
+                    f"{who} other logits than rank 0 (by up to "
+                    f"{max(disagreement):.3g}, bar {bar:.3g}): an output that should be replicated is "
+                    "partial or sharded (a reduction or a gather missing)",
+                    where=", ".join(f"rank {rank}" for rank in apart),
+                )
+            )
         if findings:
             summary = "; ".join(self.codes[f.code] for f in findings)
         else:
-            summary = (f"{context.world} ranks ({context.parallelized_by}) give the unsharded logits: max change "
-                       f"{float(change.max()):.2g} vs bar {bar:.2g}; {data['placements']['summary']}")
+            summary = (
+                f"{context.world} ranks ({context.parallelized_by}) give the unsharded logits: max change "
+                f"{float(change.max()):.2g} vs bar {bar:.2g}; {data['placements']['summary']}"
+            )
             if "context_parallel" in data:
                 summary += f"; context parallelism: {data['context_parallel']}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data).to_dict()
@@ -239,6 +276,7 @@ def _hooked(blocks: list[nn.Module], run: Callable[[], torch.Tensor]):
             hidden = first_tensor(output)
             if hidden is not None and outputs[i] is None:
                 outputs[i] = full(hidden).detach().float().clone()
+
         return hook
 
     handles = [block.register_forward_hook(keep(i)) for i, block in enumerate(blocks)]
@@ -254,9 +292,16 @@ def _layer_changes(sharded: list, reference: list, session) -> list[dict]:
     rows = []
     for i, (got, expected) in enumerate(zip(sharded, reference, strict=False)):
         if got is None or expected is None or got.shape != expected.shape:
-            rows.append({"block": i, "change": float("inf") if got is not None else 0.0, "bar": 0.0,
-                         "note": "no output" if got is None or expected is None else
-                         f"shape {list(got.shape)} vs {list(expected.shape)}"})
+            rows.append(
+                {
+                    "block": i,
+                    "change": float("inf") if got is not None else 0.0,
+                    "bar": 0.0,
+                    "note": "no output"
+                    if got is None or expected is None
+                    else f"shape {list(got.shape)} vs {list(expected.shape)}",
+                }
+            )
             continue
         scale = float(expected.abs().max())
         change = float((got - expected).abs().max())
@@ -284,6 +329,9 @@ def placements(module: nn.Module) -> dict:
         if len(rows) < PLACEMENTS_SHOWN:
             rows.append({"name": name, "placement": shown, "shape": list(parameter.shape), "local": local})
     summary = ", ".join(f"{n} {placement}" for placement, n in counts.most_common())
-    return {"summary": f"parameters: {summary}", "counts": dict(counts), "shown": rows,
-            "more": max(0, sum(counts.values()) - len(rows))}
-
+    return {
+        "summary": f"parameters: {summary}",
+        "counts": dict(counts),
+        "shown": rows,
+        "more": max(0, sum(counts.values()) - len(rows)),
+    }

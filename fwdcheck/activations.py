@@ -61,6 +61,7 @@ def module_outputs(model: nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]
             tensor = first_tensor(output)
             if tensor is not None:
                 outputs.append((name_of(name), tensor.detach().clone()))
+
         return hook
 
     try:
@@ -112,7 +113,7 @@ def fingerprint(tensor: torch.Tensor) -> dict:
     count, mean, m2, absmax, nonfinite = 0, 0.0, 0.0, 0.0, 0
     folded = torch.zeros(DIGEST_PERIOD, dtype=torch.float64, device=flat.device)
     for start in range(0, n, BLOCK):
-        block = flat[start:start + BLOCK].double()
+        block = flat[start : start + BLOCK].double()
         finite = block.isfinite()
         kept = int(finite.sum())
         nonfinite += block.numel() - kept
@@ -130,10 +131,15 @@ def fingerprint(tensor: torch.Tensor) -> dict:
         folded += padded.view(-1, DIGEST_PERIOD).sum(0)  # (DIGEST_PERIOD,): element i adds to slot i mod the period
     digest = (patterns @ folded / max(n, 1)).tolist()  # (DIGEST_ROWS,)
     values = [float(v) for v in flat[sampled_indices(n)].double().tolist()]
-    entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."), "mean": rounded(mean),
-             "std": rounded(math.sqrt(m2 / count) if count else 0.0), "absmax": rounded(absmax),
-             "values": [rounded(v) if math.isfinite(v) else None for v in values],
-             "digest": [rounded(d) for d in digest]}
+    entry = {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "mean": rounded(mean),
+        "std": rounded(math.sqrt(m2 / count) if count else 0.0),
+        "absmax": rounded(absmax),
+        "values": [rounded(v) if math.isfinite(v) else None for v in values],
+        "digest": [rounded(d) for d in digest],
+    }
     if nonfinite:
         entry["nonfinite"] = nonfinite
     return entry

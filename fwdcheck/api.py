@@ -1,7 +1,7 @@
 """The Python API: check any nn.Module from code, a test or a notebook.
 
-    report = fwdcheck.check_model(model, vocab_size=32000)
-    report.raise_for_failures()
+report = fwdcheck.check_model(model, vocab_size=32000)
+report.raise_for_failures()
 """
 
 from __future__ import annotations
@@ -58,10 +58,24 @@ def check_model(
         device = str(first.device) if first is not None else "cpu"
     try:
         inputs = Inputs(batch_size=batch_size, seq_len=seq_len, min_seq_len=min_seq_len, seed=seed)
-        config = RunConfig(inputs=inputs, device=device, dtype=dtype, exhaustive=exhaustive,
-                           code_paths=CodePaths(**(code_paths or paths or {})))
+        config = RunConfig(
+            inputs=inputs,
+            device=device,
+            dtype=dtype,
+            exhaustive=exhaustive,
+            code_paths=CodePaths(**(code_paths or paths or {})),
+        )
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
     run = Run.build(config, Overrides(checks=checks, fail_on=fail_on))
-    return run.check(from_module(model, vocab_size=vocab_size, max_positions=max_positions, causal=causal,
-                                 rope=rope, dims=dims, forward=forward))
+    return run.check(
+        from_module(
+            model,
+            vocab_size=vocab_size,
+            max_positions=max_positions,
+            causal=causal,
+            rope=rope,
+            dims=dims,
+            forward=forward,
+        )
+    )

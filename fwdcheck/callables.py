@@ -35,14 +35,18 @@ def resolve_callable(reference: str, what: str) -> Callable:
         raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
     except ValueError as exc:
         if module_name not in sys.modules and not _DOTTED.fullmatch(module_name):  # resolve_name's "invalid format"
-            raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': not a dotted module name "
-                                 "(package.module:attribute)") from exc
+            raise ModelLoadError(
+                f"{what} '{reference}': cannot import '{module_name}': not a dotted module name "
+                "(package.module:attribute)"
+            ) from exc
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised {last}") from exc
     except AttributeError as exc:
         if module_name not in sys.modules:  # raised while importing the module, not looking up the attribute
-            raise ModelLoadError(f"{what} '{reference}': importing '{module_name}' raised "
-                                 f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}") from exc
+            raise ModelLoadError(
+                f"{what} '{reference}': importing '{module_name}' raised "
+                f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}"
+            ) from exc
         raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'") from exc
     except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
         if not model_failure(exc):

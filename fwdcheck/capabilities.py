@@ -45,8 +45,9 @@ class AttentionSwitch:
         set_attn_implementation(name) called), whatever class offers it; None otherwise. The implementations offered
         are those that need no extra package: eager, and sdpa where the class says it supports it (_supports_sdpa)."""
         config: Any = getattr(module, "config", None)
-        if not callable(getattr(module, "set_attn_implementation", None)) or \
-                not isinstance(getattr(config, "_attn_implementation", None), str):
+        if not callable(getattr(module, "set_attn_implementation", None)) or not isinstance(
+            getattr(config, "_attn_implementation", None), str
+        ):
             return None
         offered = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
         return cls(offered, current=lambda: config._attn_implementation, switch=module.set_attn_implementation)

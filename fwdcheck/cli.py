@@ -92,8 +92,10 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool | None, typer.Option("--version", "-V", callback=_version, is_eager=True,
-                                                    help="Print the version and exit.")] = None,
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
 ) -> None:
     """Forward-pass sanity checks for transformer code."""
 
@@ -167,65 +169,157 @@ def split_check_flags(items: list[str]) -> tuple[list[Path], dict[str, dict]]:
     return configs, options
 
 
-@app.command(cls=RunCommand, epilog=EXIT_CODES, context_settings={"ignore_unknown_options": True},
-             help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
-             "With no CONFIG, ./fwdcheck.yaml. Several configs make one report and one exit code, the worst. The "
-             "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
-             "timeout_s or crashes, the report is written and the exit code is fwdcheck's.")
+@app.command(
+    cls=RunCommand,
+    epilog=EXIT_CODES,
+    context_settings={"ignore_unknown_options": True},
+    help="Check a model's forward pass and exit with a code CI can gate on.\n\n"
+    "With no CONFIG, ./fwdcheck.yaml. Several configs make one report and one exit code, the worst. The "
+    "model runs in a process of its own: what it prints goes to stderr, and whether it exits, hangs past "
+    "timeout_s or crashes, the report is written and the exit code is fwdcheck's.",
+)
 def run(
-    configs: Annotated[list[Path] | None, typer.Argument(metavar="CONFIG", show_default=False,
-                                                            help="YAML configs (`fwdcheck init` writes one).")] = None,
-    check: Annotated[list[str] | None, typer.Option("--check", "-c", metavar="NAME", help="Run only this check "
-                                                       "(repeatable); narrows the config's selection.")] = None,
-    model: Annotated[str | None, typer.Option("--model", metavar="MODULE:FACTORY", help="A callable returning "
-                                                 "an nn.Module, instead of a config.")] = None,
+    configs: Annotated[
+        list[Path] | None,
+        typer.Argument(metavar="CONFIG", show_default=False, help="YAML configs (`fwdcheck init` writes one)."),
+    ] = None,
+    check: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--check", "-c", metavar="NAME", help="Run only this check (repeatable); narrows the config's selection."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", metavar="MODULE:FACTORY", help="A callable returning an nn.Module, instead of a config."
+        ),
+    ] = None,
     device: Annotated[Device | None, typer.Option(help="Override the config's device.")] = None,
     dtype: Annotated[DType | None, typer.Option(help="Override the config's dtype.")] = None,
     seed: Annotated[int | None, typer.Option(help="Override the config's input seed.")] = None,
-    output_format: Annotated[Format, typer.Option("--format",
-                                                  help="Report format on stdout (or --output).")] = Format.rich,
-    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="PATH", help="Write the report to this "
-                                                   "file (whole or not at all) instead of stdout.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Also write the JSON report "
-                                                      "here.")] = None,
-    junit_path: Annotated[Path | None, typer.Option("--junit", metavar="PATH", help="Also write JUnit XML "
-                                                       "here.")] = None,
-    markdown_path: Annotated[Path | None, typer.Option("--markdown", metavar="PATH", help="Also write a markdown "
-                                                          "report here.")] = None,
-    html_path: Annotated[Path | None, typer.Option("--html", metavar="PATH", help="Also export the terminal "
-                                                      "report (every panel) as HTML.")] = None,
-    svg_path: Annotated[Path | None, typer.Option("--svg", metavar="PATH", help="Also export the terminal report "
-                                                     "(every panel) as SVG.")] = None,
-    save_ledger: Annotated[Path | None, typer.Option("--save-ledger", metavar="PATH", help="Write the shape "
-                                                     "ledger (JSON) here, to pin the architecture in review.")] = None,
-    expect_ledger: Annotated[Path | None, typer.Option("--expect-ledger", metavar="PATH", help="Fail (FWD405-407) "
-                                                          "when the ledger differs from this saved one.")] = None,
-    save_golden: Annotated[Path | None, typer.Option("--save-golden", metavar="PATH", help="Write the numeric "
-                                                        "contract (JSON: every module's output and parameter "
-                                                        "fingerprinted) here; runs the golden check.")] = None,
-    expect_golden: Annotated[Path | None, typer.Option("--expect-golden", metavar="PATH", help="Fail (FWD961-965) "
-                                                          "naming the first module whose output moved from this "
-                                                          "golden file; runs the golden check.")] = None,
+    output_format: Annotated[
+        Format, typer.Option("--format", help="Report format on stdout (or --output).")
+    ] = Format.rich,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="PATH",
+            help="Write the report to this file (whole or not at all) instead of stdout.",
+        ),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", metavar="PATH", help="Also write the JSON report here.")
+    ] = None,
+    junit_path: Annotated[
+        Path | None, typer.Option("--junit", metavar="PATH", help="Also write JUnit XML here.")
+    ] = None,
+    markdown_path: Annotated[
+        Path | None, typer.Option("--markdown", metavar="PATH", help="Also write a markdown report here.")
+    ] = None,
+    html_path: Annotated[
+        Path | None,
+        typer.Option("--html", metavar="PATH", help="Also export the terminal report (every panel) as HTML."),
+    ] = None,
+    svg_path: Annotated[
+        Path | None, typer.Option("--svg", metavar="PATH", help="Also export the terminal report (every panel) as SVG.")
+    ] = None,
+    save_ledger: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-ledger",
+            metavar="PATH",
+            help="Write the shape ledger (JSON) here, to pin the architecture in review.",
+        ),
+    ] = None,
+    expect_ledger: Annotated[
+        Path | None,
+        typer.Option(
+            "--expect-ledger", metavar="PATH", help="Fail (FWD405-407) when the ledger differs from this saved one."
+        ),
+    ] = None,
+    save_golden: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-golden",
+            metavar="PATH",
+            help="Write the numeric "
+            "contract (JSON: every module's output and parameter "
+            "fingerprinted) here; runs the golden check.",
+        ),
+    ] = None,
+    expect_golden: Annotated[
+        Path | None,
+        typer.Option(
+            "--expect-golden",
+            metavar="PATH",
+            help="Fail (FWD961-965) "
+            "naming the first module whose output moved from this "
+            "golden file; runs the golden check.",
+        ),
+    ] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
-    meta: Annotated[bool, typer.Option("--meta", help="Build on the meta device: the shape ledger of a model too "
-                                       "big for this machine, no weights allocated.")] = False,
-    nproc: Annotated[int | None, typer.Option("--nproc", metavar="N", min=1, max=256, help="Run the model sharded "
-                                                 "across N processes (the config's distributed.nproc).")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones "
-                                          "too.")] = False,
+    meta: Annotated[
+        bool,
+        typer.Option(
+            "--meta",
+            help="Build on the meta device: the shape ledger of a model too "
+            "big for this machine, no weights allocated.",
+        ),
+    ] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            metavar="N",
+            min=1,
+            max=256,
+            help="Run the model sharded across N processes (the config's distributed.nproc).",
+        ),
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Every check's detail panel, passing ones too.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line: the verdict and what failed.")] = False,
-    in_process: Annotated[bool, typer.Option("--in-process", help="Run the model in this process, for a debugger "
-                                             "or profiler; a model that exits, hangs or crashes then ends the run "
-                                             "itself.")] = False,
+    in_process: Annotated[
+        bool,
+        typer.Option(
+            "--in-process",
+            help="Run the model in this process, for a debugger "
+            "or profiler; a model that exits, hangs or crashes then ends the run "
+            "itself.",
+        ),
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    options = RunOptions(configs=configs or [], checks=check, model=model, device=device, dtype=dtype, seed=seed,
-                         format=output_format, output=output, json=json_path, junit=junit_path,
-                         markdown=markdown_path, html=html_path, svg=svg_path, save_ledger=save_ledger,
-                         expect_ledger=expect_ledger, save_golden=save_golden, expect_golden=expect_golden,
-                         fail_on=fail_on, check_flags={}, meta=meta, nproc=nproc,
-                         verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
-                         in_process=in_process, debug=debug)
+    options = RunOptions(
+        configs=configs or [],
+        checks=check,
+        model=model,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        format=output_format,
+        output=output,
+        json=json_path,
+        junit=junit_path,
+        markdown=markdown_path,
+        html=html_path,
+        svg=svg_path,
+        save_ledger=save_ledger,
+        expect_ledger=expect_ledger,
+        save_golden=save_golden,
+        expect_golden=expect_golden,
+        fail_on=fail_on,
+        check_flags={},
+        meta=meta,
+        nproc=nproc,
+        verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
+        in_process=in_process,
+        debug=debug,
+    )
     raise typer.Exit(_guarded(lambda: _run(options), debug))
 
 
@@ -280,22 +374,26 @@ def _run(o: RunOptions) -> int:
         raise UsageError("--save-golden and --expect-golden take one config; give one")
     if o.seed is not None and not SEED_RANGE[0] <= o.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed {o.seed}: out of range; a seed is between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
-    expected = Expected(ledger=read_ledger(o.expect_ledger) if o.expect_ledger else None,
-                        golden=read_golden(o.expect_golden) if o.expect_golden else None)
+    expected = Expected(
+        ledger=read_ledger(o.expect_ledger) if o.expect_ledger else None,
+        golden=read_golden(o.expect_golden) if o.expect_golden else None,
+    )
     plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
     check_outputs(o, [i for p in plans for i in run_inputs(o, p.path, p.config)])  # an unwritable report: now
     outcome = Outcome(several=len(plans) > 1)
     with progress_display(enabled=o.format == Format.rich and o.output is None and _isatty(sys.stdout)) as progress:
         for planned in plans:
             try:
-                report = run_job(planned.job, progress, in_process=o.in_process, timeout_s=planned.config.timeout_s,
-                                 debug=o.debug)
+                report = run_job(
+                    planned.job, progress, in_process=o.in_process, timeout_s=planned.config.timeout_s, debug=o.debug
+                )
             except FwdcheckError as exc:
                 if not outcome.several:
                     raise
                 code = print_error(exc, o.debug)  # this config's line; the others still run
-                outcome.not_run.append({"config": str(planned.path), "exit_code": code,
-                                        "error": one_line(exception_text(exc))})
+                outcome.not_run.append(
+                    {"config": str(planned.path), "exit_code": code, "error": one_line(exception_text(exc))}
+                )
                 continue
             outcome.reports.append(report)
             if report.interrupted:
@@ -321,8 +419,10 @@ class Outcome:
 
 def default_config() -> Path:
     if not DEFAULT_CONFIG.is_file():
-        raise UsageError(f"give a config file (there is no ./{DEFAULT_CONFIG}; `fwdcheck init` writes one) or "
-                         "--model pkg.module:factory")
+        raise UsageError(
+            f"give a config file (there is no ./{DEFAULT_CONFIG}; `fwdcheck init` writes one) or "
+            "--model pkg.module:factory"
+        )
     return DEFAULT_CONFIG
 
 
@@ -352,26 +452,39 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
             in_config = [entry.name for entry in select(config.checks)]
         outside = [e.name for e in named if e.name not in in_config and e.distribution != DIRECT]
         if outside:
-            raise UsageError(f"{path}: --check {outside[0]} is not among the config's checks "
-                             f"({', '.join(config.checks)})")
+            raise UsageError(
+                f"{path}: --check {outside[0]} is not among the config's checks ({', '.join(config.checks)})"
+            )
     nproc = o.nproc or config.distributed.nproc
     with about_config(path if config.checks and not o.checks else None, "checks: "):
         entries = selected(selection, nproc)
     if nproc > 1 and not config.model.shards_itself and not config.distributed.parallelize:
-        raise UsageError(f"{path or o.model}: distributed.parallelize is needed to run a {config.model.source} "
-                         "model on several processes: name a function (model, device_mesh) -> model that shards it")
+        raise UsageError(
+            f"{path or o.model}: distributed.parallelize is needed to run a {config.model.source} "
+            "model on several processes: name a function (model, device_mesh) -> model that shards it"
+        )
     if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
         raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
     golden = o.save_golden is not None or o.expect_golden is not None
     if golden and GOLDEN not in [e.name for e in entries]:  # the flags are the selection: no config need name it
         entries += select([GOLDEN])
-    overrides = Overrides(checks=[e.name for e in entries], device=o.device.value if o.device else None,
-                          dtype=o.dtype.value if o.dtype else None, seed=o.seed, options=o.check_flags,
-                          meta=o.meta, expect_ledger=expected.ledger, expect_golden=expected.golden,
-                          fail_on=o.fail_on.value, nproc=o.nproc)
+    overrides = Overrides(
+        checks=[e.name for e in entries],
+        device=o.device.value if o.device else None,
+        dtype=o.dtype.value if o.dtype else None,
+        seed=o.seed,
+        options=o.check_flags,
+        meta=o.meta,
+        expect_ledger=expected.ledger,
+        expect_golden=expected.golden,
+        fail_on=o.fail_on.value,
+        nproc=o.nproc,
+    )
     if nproc > 1 and (golden or GOLDEN in [e.name for e in entries]):  # each rank's modules hold their shards
-        raise UsageError("the golden check and --save-golden / --expect-golden run on one process: a golden file "
-                         "records the unsharded model, and the sharding check compares the sharded one with it")
+        raise UsageError(
+            "the golden check and --save-golden / --expect-golden run on one process: a golden file "
+            "records the unsharded model, and the sharding check compares the sharded one with it"
+        )
     if nproc > 1 and overrides.applied(config).meta:
         raise UsageError("--meta and a distributed run do not go together: sharding needs the weights' values")
     if golden and overrides.applied(config).meta:
@@ -380,15 +493,26 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
         refuse_other_run(expected.golden, overrides.applied(config), f"--expect-golden {o.expect_golden}")
     with about_config(path, ""):  # each check's options, before any model loads
         check_options(overrides.applied(config).options, o.check_flags, entries)
-    job = Job(config=str(path) if path is not None else None, factory=o.model, overrides=overrides,
-              sys_path=[p for p in sys.path if p])
+    job = Job(
+        config=str(path) if path is not None else None,
+        factory=o.model,
+        overrides=overrides,
+        sys_path=[p for p in sys.path if p],
+    )
     return Planned(path, config, job)
 
 
 # Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
 # not run, then a failure, then nothing ran, then a pass.
-EXIT_SEVERITY = (ExitCode.TERMINATED, ExitCode.INTERRUPTED, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.FAILED,
-                 ExitCode.NOTHING_RAN, ExitCode.OK)
+EXIT_SEVERITY = (
+    ExitCode.TERMINATED,
+    ExitCode.INTERRUPTED,
+    ExitCode.INTERNAL,
+    ExitCode.USAGE,
+    ExitCode.FAILED,
+    ExitCode.NOTHING_RAN,
+    ExitCode.OK,
+)
 
 
 def worst_exit(codes: list[int]) -> int:
@@ -445,8 +569,12 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
 
     if o.format == Format.rich:
         if o.output is None:
-            attempt(write_stdout, lambda stream: render_terminal(outcome, StdoutConsole(
-                file=stream, width=report_width(stream)), o.verbosity, o.debug))
+            attempt(
+                write_stdout,
+                lambda stream: render_terminal(
+                    outcome, StdoutConsole(file=stream, width=report_width(stream)), o.verbosity, o.debug
+                ),
+            )
         else:  # into the file only, as --output promises: "instead of stdout"
             text = recorded(outcome, o.verbosity, o.debug).export_text(styles=False)
             attempt(write_whole, o.output, text)
@@ -475,8 +603,9 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
     if failures:
         more = len(failures) - 1
         first = failures[0]
-        raise UsageError(f"{first}" + (f" (and {more} more output{'s' if more > 1 else ''} not written)"
-                                       if more else ""))
+        raise UsageError(
+            f"{first}" + (f" (and {more} more output{'s' if more > 1 else ''} not written)" if more else "")
+        )
 
 
 def save_ledger(report, path: Path) -> None:
@@ -516,8 +645,9 @@ def render_terminal(outcome: Outcome, console: Console, verbosity: Verbosity, de
     if outcome.several:
         each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
         each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
-        console.print(escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}",
-                      soft_wrap=True)
+        console.print(
+            escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}", soft_wrap=True
+        )
 
 
 def append_job_summary(report) -> None:
@@ -541,9 +671,17 @@ def render_text(outcome: Outcome, fmt: Format) -> str:
         from fwdcheck import __version__
         from fwdcheck.report import SCHEMA_VERSION
 
-        document = {"schema_version": SCHEMA_VERSION, "fwdcheck_version": __version__, "exit_code": outcome.exit_code,
-                    "reports": [r.to_dict() for r in reports], "not_run": outcome.not_run} if outcome.several \
+        document = (
+            {
+                "schema_version": SCHEMA_VERSION,
+                "fwdcheck_version": __version__,
+                "exit_code": outcome.exit_code,
+                "reports": [r.to_dict() for r in reports],
+                "not_run": outcome.not_run,
+            }
+            if outcome.several
             else reports[0].to_dict()
+        )
         return json.dumps(document, indent=2, default=str) + "\n"
     if fmt == Format.junit:
         from fwdcheck.report.junit import to_junit
@@ -573,8 +711,9 @@ def progress_display(enabled: bool):
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
-                  console=err) as bar:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True, console=err
+    ) as bar:
         task = bar.add_task("loading", total=None)
         yield lambda description: bar.update(task, description=description)
 
@@ -592,8 +731,10 @@ def _guarded(action, debug: bool) -> int:
         if debug:
             err.print(traceback.format_exc(), style="dim")
         message = escape(one_line(exception_text(exc)))
-        err.print(f"[bold magenta]internal error:[/] {type(exc).__name__}: {message} — this is a bug in fwdcheck; "
-                  "please report it with the output of --debug")
+        err.print(
+            f"[bold magenta]internal error:[/] {type(exc).__name__}: {message} — this is a bug in fwdcheck; "
+            "please report it with the output of --debug"
+        )
         return ExitCode.INTERNAL
 
 
@@ -602,8 +743,10 @@ def print_error(exc: FwdcheckError, debug: bool) -> int:
     if debug:  # an error made in the model's process carries that process's traceback
         err.print(getattr(exc, "detail", None) or traceback.format_exc(), style="dim")
     if exc.exit_code == ExitCode.INTERNAL:
-        err.print(f"[bold magenta]internal error:[/] {escape(one_line(exception_text(exc)))} — this is a bug in "
-                  "fwdcheck; please report it with the output of --debug")
+        err.print(
+            f"[bold magenta]internal error:[/] {escape(one_line(exception_text(exc)))} — this is a bug in "
+            "fwdcheck; please report it with the output of --debug"
+        )
     elif exc.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
         err.print("[bold red]interrupted[/]")
     else:
@@ -629,8 +772,16 @@ def why_not(exc: OSError | ValueError) -> str:
 
 
 # The outputs a run writes, as (option, RunOptions field): checked before the model loads, written after the run.
-OUTPUTS = (("--output", "output"), ("--json", "json"), ("--junit", "junit"), ("--markdown", "markdown"),
-           ("--html", "html"), ("--svg", "svg"), ("--save-ledger", "save_ledger"), ("--save-golden", "save_golden"))
+OUTPUTS = (
+    ("--output", "output"),
+    ("--json", "json"),
+    ("--junit", "junit"),
+    ("--markdown", "markdown"),
+    ("--html", "html"),
+    ("--svg", "svg"),
+    ("--save-ledger", "save_ledger"),
+    ("--save-golden", "save_golden"),
+)
 
 
 @dataclass
@@ -717,8 +868,9 @@ def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
             if _same_file(target.path, input_path):
                 raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
         for other, earlier in seen:
-            if (earlier.path == target.path or _same_file(earlier.path, target.path)) and \
-                    not (target.direct and earlier.direct):  # two reports into one stream (/dev/null) is fine
+            if (earlier.path == target.path or _same_file(earlier.path, target.path)) and not (
+                target.direct and earlier.direct
+            ):  # two reports into one stream (/dev/null) is fine
                 raise UsageError(f"{label} is also the file of {other}; give each report its own file")
         seen.append((option, target))
         if target.direct:
@@ -837,8 +989,12 @@ def list_checks() -> None:
             table.add_row(escape(entry.name), escape(entry.label), default, description)
         console = Console()
         console.print(table)
-        console.print("A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
-                      "`checks: [all]` runs every check.", highlight=False, markup=False)
+        console.print(
+            "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
+            "`checks: [all]` runs every check.",
+            highlight=False,
+            markup=False,
+        )
         return 0
 
     raise typer.Exit(_guarded(action, False))
@@ -848,8 +1004,15 @@ FINDING_CODE = re.compile(r"^[A-Z][A-Z0-9]*\d{3}$", re.IGNORECASE)  # FWD202, a 
 
 
 @app.command()
-def explain(what: Annotated[str, typer.Argument(metavar="CHECK|CODE", help="A check name from `fwdcheck list`, "
-                                                "or a finding code such as FWD202 (a plugin's too).")]) -> None:
+def explain(
+    what: Annotated[
+        str,
+        typer.Argument(
+            metavar="CHECK|CODE",
+            help="A check name from `fwdcheck list`, or a finding code such as FWD202 (a plugin's too).",
+        ),
+    ],
+) -> None:
     """What a check verifies, why it matters, what each finding code means, how to fix it; or one code's meaning."""
     from rich.table import Table
 
@@ -878,8 +1041,12 @@ def explain(what: Annotated[str, typer.Argument(metavar="CHECK|CODE", help="A ch
             for column in ("option", "default", "flag", "meaning"):
                 options.add_column(column, no_wrap=column != "meaning")
             for name, field_info in model.model_fields.items():
-                options.add_row(escape(name), escape(repr(field_info.default)), escape(flags.get(name, "")),
-                                escape(field_info.description or ""))
+                options.add_row(
+                    escape(name),
+                    escape(repr(field_info.default)),
+                    escape(flags.get(name, "")),
+                    escape(field_info.description or ""),
+                )
             console.print(options)
         return 0
 
@@ -912,8 +1079,12 @@ def paragraphs(text: str) -> str:
     item_indent, previous = 0, ""
     for line in text.strip("\n").splitlines():
         indent = len(line) - len(line.lstrip())
-        goes_on = previous.strip() and line.strip() and not STARTS_ITEM.match(line.lstrip()) and (
-            indent > item_indent or (indent == item_indent and len(previous) >= WRAPPED_AT))
+        goes_on = (
+            previous.strip()
+            and line.strip()
+            and not STARTS_ITEM.match(line.lstrip())
+            and (indent > item_indent or (indent == item_indent and len(previous) >= WRAPPED_AT))
+        )
         if goes_on:
             out[-1] = out[-1].rstrip() + " " + line.strip()
         else:
@@ -927,8 +1098,15 @@ def paragraphs(text: str) -> str:
 def init(
     path: Annotated[Path, typer.Argument(help="Where to write the starter config.")] = Path("fwdcheck.yaml"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
-    source: Annotated[str, typer.Option("--source", "-s", metavar="SOURCE", help="The model source the config "
-                                        "describes: reference | python | hf | checkpoint.")] = "reference",
+    source: Annotated[
+        str,
+        typer.Option(
+            "--source",
+            "-s",
+            metavar="SOURCE",
+            help="The model source the config describes: reference | python | hf | checkpoint.",
+        ),
+    ] = "reference",
 ) -> None:
     """Write a commented starter config, valid as written, for one model source."""
 
@@ -945,15 +1123,28 @@ def init(
     raise typer.Exit(_guarded(action, False))
 
 
-@app.command(epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint config whose kwargs name no "
-             "sizes, an existing output without "
-             "--force, a config transformers cannot build) · 3 internal error of fwdcheck.")
+@app.command(
+    epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint config whose kwargs name no "
+    "sizes, an existing output without "
+    "--force, a config transformers cannot build) · 3 internal error of fwdcheck."
+)
 def shrink(
-    config: Annotated[Path, typer.Argument(help="YAML config of any source, e.g. the real config of "
-                                           "the model you are about to train.", show_default=False)],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the shrunk config; "
-                                                   "default: CONFIG's stem + .shrunk.yaml in the working directory.",
-                                                   show_default=False)] = None,
+    config: Annotated[
+        Path,
+        typer.Argument(
+            help="YAML config of any source, e.g. the real config of the model you are about to train.",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write the shrunk config; default: CONFIG's stem + .shrunk.yaml in the working directory.",
+            show_default=False,
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
@@ -998,8 +1189,9 @@ def _shown(value) -> str:
     if value is None:
         return "(unset)"
     if isinstance(value, list):
-        shown = ", ".join(map(str, value[:3])) + (f", … {len(value)} items" if len(value) > 4 else
-                                                 "".join(f", {v}" for v in value[3:]))
+        shown = ", ".join(map(str, value[:3])) + (
+            f", … {len(value)} items" if len(value) > 4 else "".join(f", {v}" for v in value[3:])
+        )
         return f"[{shown}]"
     return str(value)
 
@@ -1009,18 +1201,40 @@ class DiffFormat(str, Enum):
     json = "json"
 
 
-@app.command("diff", epilog="Exit codes: 0 equal within tolerance · 1 they part (or a model raised) · 2 usage error "
-             "(a config, names that do not match one to one, shapes that differ) · 3 internal error of fwdcheck.")
+@app.command(
+    "diff",
+    epilog="Exit codes: 0 equal within tolerance · 1 they part (or a model raised) · 2 usage error "
+    "(a config, names that do not match one to one, shapes that differ) · 3 internal error of fwdcheck.",
+)
 def diff_command(
-    config_a: Annotated[Path, typer.Argument(metavar="A", help="The first implementation's config: its weights, "
-                                             "inputs, dtype and device are used for both.", show_default=False)],
-    config_b: Annotated[Path, typer.Argument(metavar="B", help="The second implementation's config; its `diff: "
-                                             "{rename: [...]}` maps A's names to its own.", show_default=False)],
-    rename: Annotated[list[str] | None, typer.Option("--rename", metavar="'PATTERN -> REPLACEMENT'", help="A "
-                                                        "regex rule mapping A's parameter and module names to B's, "
-                                                        "after B's config's own (repeatable).")] = None,
-    output_format: Annotated[DiffFormat, typer.Option("--format", help="The table (and, on a terminal, a plot of "
-                                                      "the difference by depth), or JSON.")] = DiffFormat.rich,
+    config_a: Annotated[
+        Path,
+        typer.Argument(
+            metavar="A",
+            help="The first implementation's config: its weights, inputs, dtype and device are used for both.",
+            show_default=False,
+        ),
+    ],
+    config_b: Annotated[
+        Path,
+        typer.Argument(
+            metavar="B",
+            help="The second implementation's config; its `diff: {rename: [...]}` maps A's names to its own.",
+            show_default=False,
+        ),
+    ],
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            metavar="'PATTERN -> REPLACEMENT'",
+            help="A regex rule mapping A's parameter and module names to B's, after B's config's own (repeatable).",
+        ),
+    ] = None,
+    output_format: Annotated[
+        DiffFormat,
+        typer.Option("--format", help="The table (and, on a terminal, a plot of the difference by depth), or JSON."),
+    ] = DiffFormat.rich,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     """Compare two implementations of one model, module by module: B gets A's weights, both run A's inputs, and the
@@ -1049,8 +1263,11 @@ def diff_command(
         if output_format == DiffFormat.json:
             write_stdout(lambda stream: stream.write(json.dumps(result.to_dict(), indent=2) + "\n"))
         else:
-            write_stdout(lambda stream: render_diff(result.to_dict(), StdoutConsole(
-                file=stream, width=report_width(stream)), plot=_isatty(stream)))
+            write_stdout(
+                lambda stream: render_diff(
+                    result.to_dict(), StdoutConsole(file=stream, width=report_width(stream)), plot=_isatty(stream)
+                )
+            )
         return result.exit_code
 
     raise typer.Exit(_guarded(action, debug))
@@ -1058,8 +1275,9 @@ def diff_command(
 
 @app.command()
 def schema(
-    json_report: Annotated[bool, typer.Option("--json-report", help="The schema of `--format json` reports (the "
-                                              "default; the only one).")] = True,
+    json_report: Annotated[
+        bool, typer.Option("--json-report", help="The schema of `--format json` reports (the default; the only one).")
+    ] = True,
 ) -> None:
     """Print the JSON schema of `--format json` reports. Consumers must ignore fields they do not know."""
 

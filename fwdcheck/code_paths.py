@@ -97,8 +97,9 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
     offered = list(model.attention.implementations) if model.attention is not None else []
     implementations: Sequence[str | None] = code_paths.attn_implementation or offered or [None]
     implementations = [i for i in implementations if not offered or i in offered]
-    attentions: Sequence[bool | None] = \
-        code_paths.output_attentions or ([False, True] if model.accepts("output_attentions") else [None])
+    attentions: Sequence[bool | None] = code_paths.output_attentions or (
+        [False, True] if model.accepts("output_attentions") else [None]
+    )
     masks = code_paths.attention_mask
     if masks is None:
         masks = ["absent"]
@@ -135,8 +136,9 @@ def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, short
     return length
 
 
-def cell_settings(settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1,
-                  max_rows: int | None = None) -> Settings:
+def cell_settings(
+    settings: Settings, model: ModelUnderTest, cell: CodePath, shortest: int = 1, max_rows: int | None = None
+) -> Settings:
     """The settings of one cell's session: the cell's batch size at the cell's length.
 
     min_seq_len is the cell's length: a cell is one shape, and a check asking for a shorter forward there (a prefix)
@@ -145,10 +147,10 @@ def cell_settings(settings: Settings, model: ModelUnderTest, cell: CodePath, sho
     without any forward holding more than the run's."""
     length = cell_length(settings, model, cell, shortest)
     rows = max_rows or settings.max_rows or max(settings.inputs.batch_size, 2)
-    inputs = settings.inputs.model_copy(update={"batch_size": cell.batch_size, "seq_len": length,
-                                                "min_seq_len": length})
-    return settings.model_copy(update={"inputs": inputs,
-                                       "max_rows": max(rows * settings.inputs.seq_len // length, 1)})
+    inputs = settings.inputs.model_copy(
+        update={"batch_size": cell.batch_size, "seq_len": length, "min_seq_len": length}
+    )
+    return settings.model_copy(update={"inputs": inputs, "max_rows": max(rows * settings.inputs.seq_len // length, 1)})
 
 
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
@@ -175,13 +177,15 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
             else:
                 position_ids = torch.cat([torch.ones_like(pads), position_ids], dim=1)
             kwargs["position_ids"] = position_ids
-        output = model.forward_adapter(module, input_ids, **kwargs) if model.forward_adapter else \
-            module(input_ids, **kwargs)
+        output = (
+            model.forward_adapter(module, input_ids, **kwargs) if model.forward_adapter else module(input_ids, **kwargs)
+        )
         return extract_logits(output)[:, padding:]  # (B, T, V): the real tokens
 
     takes = {"position_ids"} if model.accepts("position_ids") else set()
-    return dataclasses.replace(model, forward_adapter=forward, padding=padding, forward_kwargs=takes,
-                               label=f"{model.label} [{path.label}]")
+    return dataclasses.replace(
+        model, forward_adapter=forward, padding=padding, forward_kwargs=takes, label=f"{model.label} [{path.label}]"
+    )
 
 
 def plain_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
@@ -266,8 +270,11 @@ class Verdicts:
         inputs = session.inputs
         B = inputs.shape[0]
         for anchor in self.anchors:
-            same_tokens = anchor.inputs.shape[0] >= B and anchor.inputs.shape[1:] == inputs.shape[1:] \
+            same_tokens = (
+                anchor.inputs.shape[0] >= B
+                and anchor.inputs.shape[1:] == inputs.shape[1:]
                 and torch.equal(anchor.inputs[:B], inputs)
+            )
             if anchor.check != check or not same_tokens or anchor.logits.shape[1:] != logits.shape[1:]:
                 continue
             theirs = anchor.logits[:B]  # (B, L, V): the anchor's first B rows, this cell's tokens

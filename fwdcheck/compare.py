@@ -21,7 +21,7 @@ def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     step = max(1, DIFFERENCE_BLOCK // positions)
     change = None
     for start in range(0, V, step):
-        part = (new[..., start:start + step] - reference[..., start:start + step]).abs_().amax(-1)  # (N, T)
+        part = (new[..., start : start + step] - reference[..., start : start + step]).abs_().amax(-1)  # (N, T)
         change = part if change is None else torch.maximum(change, part)
     assert change is not None  # a vocabulary of at least one
     return change.nan_to_num_(nan=float("inf"))

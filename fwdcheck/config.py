@@ -54,8 +54,9 @@ class CheckOptions(Strict):
 class RopeSpec(Strict):
     """What the model declares about its rotary embedding; the rope check compares it with what it measures."""
 
-    base: float | None = Field(10000.0, gt=1.0, description="None: frequencies rescaled (llama3, yarn, ...); "
-                               "the base is then not compared")
+    base: float | None = Field(
+        10000.0, gt=1.0, description="None: frequencies rescaled (llama3, yarn, ...); the base is then not compared"
+    )
     pairing: Literal["half", "interleaved"] = "half"
     rotary_dim: PositiveInt | None = None
 
@@ -122,9 +123,14 @@ class ReferenceModel(ModelSpec):
     mask: Literal["bool", "float", "is_causal"] = "bool"
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = False
-    init_std: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="weights of linear layers and "
-                                   "embeddings drawn from normal(0, init_std) (GPT-2 uses 0.02); default PyTorch's "
-                                   "own initialisation")
+    init_std: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="weights of linear layers and "
+        "embeddings drawn from normal(0, init_std) (GPT-2 uses 0.02); default PyTorch's "
+        "own initialisation",
+    )
     bugs: list[Bug] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -155,8 +161,9 @@ class FactoryModel(ModelSpec):
     rotary_function: str | None = Field(
         None, description="'module:callable' (x [B,h,T,d_h], positions [T]) -> rotated x, tested on its own"
     )
-    dims: Dims | None = Field(None, description="declared sizes (d, h, h_kv, d_h, d_ff, V) where no model config "
-                              "object says them")
+    dims: Dims | None = Field(
+        None, description="declared sizes (d, h, h_kv, d_h, d_ff, V) where no model config object says them"
+    )
 
     @field_validator("factory", "forward", "rotary_function")
     @classmethod
@@ -175,8 +182,11 @@ class CacheSpec(Strict):
     forward(input_ids, input_pos) runs the tokens at positions input_pos [T] (litgpt: setup set_kv_cache)."""
 
     style: Literal["hf", "gpt-fast"]
-    setup: str = Field("setup_caches", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                       description="gpt-fast: the model's method that allocates the cache")
+    setup: str = Field(
+        "setup_caches",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="gpt-fast: the model's method that allocates the cache",
+    )
 
 
 class LossSpec(Strict):
@@ -185,26 +195,40 @@ class LossSpec(Strict):
     (argument labels, shifted_by model, output loss). nanoGPT: targets[t] is the token after position t, shifted by
     the caller (argument targets, shifted_by caller, output 1, ignore_index -1)."""
 
-    argument: str = Field("labels", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the keyword forward takes "
-                          "the labels by: labels (Hugging Face) or targets (nanoGPT)")
-    shifted_by: Literal["model", "caller"] = Field("model", description="model: labels line up with input_ids and "
-                                                   "forward shifts them; caller: labels[t] is already the token after "
-                                                   "position t")
-    output: int | str = Field("loss", description="where the loss is in forward's output: a tuple index (nanoGPT's "
-                              "(logits, loss): 1), or an attribute or key name")
+    argument: str = Field(
+        "labels",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="the keyword forward takes the labels by: labels (Hugging Face) or targets (nanoGPT)",
+    )
+    shifted_by: Literal["model", "caller"] = Field(
+        "model",
+        description="model: labels line up with input_ids and "
+        "forward shifts them; caller: labels[t] is already the token after "
+        "position t",
+    )
+    output: int | str = Field(
+        "loss",
+        description="where the loss is in forward's output: a tuple index (nanoGPT's "
+        "(logits, loss): 1), or an attribute or key name",
+    )
     ignore_index: int = Field(-100, description="the label value the loss skips (nanoGPT uses -1)")
 
 
 class PackingSpec(Strict):
     """How forward isolates documents packed into one row, for the packing check."""
 
-    argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the keyword forward takes the "
-                          "documents by")
-    form: Literal["document_ids", "mask"] = Field("document_ids", description="document_ids: [B, T] integers, one "
-                                                  "per document; mask: [B, 1, T, T] booleans, True = may attend, "
-                                                  "causal within each document")
-    position_ids: bool = Field(False, description="also pass position_ids restarting at 0 in each document (when "
-                               "forward does not restart them itself)")
+    argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the keyword forward takes the documents by")
+    form: Literal["document_ids", "mask"] = Field(
+        "document_ids",
+        description="document_ids: [B, T] integers, one "
+        "per document; mask: [B, 1, T, T] booleans, True = may attend, "
+        "causal within each document",
+    )
+    position_ids: bool = Field(
+        False,
+        description="also pass position_ids restarting at 0 in each document (when "
+        "forward does not restart them itself)",
+    )
 
 
 class PythonModel(FactoryModel):
@@ -234,8 +258,12 @@ class CheckpointModel(FactoryModel):
 
 
 # The weights a Hugging Face model directory may hold, as from_pretrained looks for them.
-HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
-                   "pytorch_model.bin.index.json")
+HF_WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 
 
 class HFModel(ModelSpec):
@@ -245,8 +273,9 @@ class HFModel(ModelSpec):
     source: Literal["hf"]
     path: Path | None = Field(None, description="a directory with config.json (and weights, optionally)")
     config: dict[str, Any] | None = Field(None, description="an inline config with model_type, instead of path")
-    model_class: str | None = Field(None, alias="class", description="e.g. BertForMaskedLM; default "
-                                    "AutoModelForCausalLM")
+    model_class: str | None = Field(
+        None, alias="class", description="e.g. BertForMaskedLM; default AutoModelForCausalLM"
+    )
     trust_remote_code: bool = False
     causal: bool = True
     rope: RopeSpec | None = Field(None, description="override what the config declares about its rotary embedding")
@@ -290,17 +319,24 @@ class CodePaths(Strict):
     output_attentions: list[bool] | None = None
     attention_mask: list[Literal["absent", "ones", "left-pad"]] | None = None
     batch_size: list[PositiveInt] | None = None
-    seq_len: int | None = Field(None, ge=2, description="tokens per row in each cell; default 8, never more than "
-                                "inputs.seq_len nor less than the model accepts")
+    seq_len: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per row in each cell; default 8, never more than "
+        "inputs.seq_len nor less than the model accepts",
+    )
 
 
 class Inputs(Strict):
     batch_size: PositiveInt = 2
     seq_len: int = Field(8, ge=2, description="at least 2: a future token needs a past")
     seed: int = Field(0, ge=-(2**63), le=2**64 - 1, description="a torch seed: a 64-bit integer")
-    min_seq_len: PositiveInt | None = Field(None, description="the shortest sequence forward accepts (e.g. code that "
-                                            "asserts T > 1); shorter passes are skipped with a note. Default: found "
-                                            "out by running")
+    min_seq_len: PositiveInt | None = Field(
+        None,
+        description="the shortest sequence forward accepts (e.g. code that "
+        "asserts T > 1); shorter passes are skipped with a note. Default: found "
+        "out by running",
+    )
 
     @model_validator(mode="after")
     def _min_fits(self) -> Inputs:
@@ -322,11 +358,17 @@ class Distributed(Strict):
 
     nproc: PositiveInt = Field(1, le=256, description="processes (ranks) on this machine; 1: not distributed")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on the CPU")
-    parallelize: str | None = Field(None, description="'module:function' taking (model, device_mesh) and returning "
-                                    "the sharded model (DTensor parallelize_module, fully_shard, your own); "
-                                    "default for Hugging Face models: their own tensor-parallel plan")
-    context_parallel: bool = Field(False, description="also split the sequence across the ranks (torch's "
-                                   "context_parallel around each forward); CUDA only")
+    parallelize: str | None = Field(
+        None,
+        description="'module:function' taking (model, device_mesh) and returning "
+        "the sharded model (DTensor parallelize_module, fully_shard, your own); "
+        "default for Hugging Face models: their own tensor-parallel plan",
+    )
+    context_parallel: bool = Field(
+        False,
+        description="also split the sequence across the ranks (torch's "
+        "context_parallel around each forward); CUDA only",
+    )
 
 
 class Ignore(Strict):
@@ -345,18 +387,23 @@ class RunConfig(Strict):
     inputs: Inputs = Field(default_factory=Inputs)
     device: str = Field("cpu", description="cpu | cuda | cuda:N | auto (cuda when available)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    checks: list[str] | None = Field(None, description="omitted: the checks `fwdcheck list` marks default; "
-                                      "`default` and `all` may be listed beside check names")
+    checks: list[str] | None = Field(
+        None,
+        description="omitted: the checks `fwdcheck list` marks default; "
+        "`default` and `all` may be listed beside check names",
+    )
     tolerance: Tolerance = Field(default_factory=Tolerance)
-    options: dict[str, Any] = Field(default_factory=dict, description="each check's own options, under its name "
-                                    "(`fwdcheck explain CHECK` lists them), e.g. {future-token: {exhaustive: true}}")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="each check's own options, under its name "
+        "(`fwdcheck explain CHECK` lists them), e.g. {future-token: {exhaustive: true}}",
+    )
     # `paths:` is the key's former name, still read
     code_paths: CodePaths = Field(default_factory=CodePaths, validation_alias=AliasChoices("code_paths", "paths"))
     meta: bool = Field(False, description="build on the meta device: shapes only, no weights allocated")
     ignore: list[Ignore] = Field(default_factory=list, description="finding codes that do not count, with reasons")
     timeout_s: float = Field(600.0, gt=0, description="per-check time limit: a hung forward ends as an error")
     distributed: Distributed = Field(default_factory=Distributed, description="run sharded across processes")
-
 
     @model_validator(mode="before")
     @classmethod
@@ -397,8 +444,10 @@ class DiffSpec(Strict):
     """How `fwdcheck diff A B` pairs the first model's names with this config's model (read from B's config)."""
 
     rename: list[Annotated[str, AfterValidator(_rename_rule)]] = Field(
-        default_factory=list, description="regex rules 'PATTERN -> REPLACEMENT', applied in order to the first model's "
-        "parameter and module names to give this model's (e.g. 'transformer\\.h\\.(\\d+) -> layers.\\1')")
+        default_factory=list,
+        description="regex rules 'PATTERN -> REPLACEMENT', applied in order to the first model's "
+        "parameter and module names to give this model's (e.g. 'transformer\\.h\\.(\\d+) -> layers.\\1')",
+    )
 
 
 class _ModelSection(Strict):
@@ -409,8 +458,9 @@ class _ModelSection(Strict):
 class Config(RunConfig, _ModelSection):
     """A whole config file: the model to check and how to check it."""
 
-    diff: DiffSpec = Field(default_factory=DiffSpec, description="for `fwdcheck diff A THIS`: how A's names map to "
-                           "this model's")
+    diff: DiffSpec = Field(
+        default_factory=DiffSpec, description="for `fwdcheck diff A THIS`: how A's names map to this model's"
+    )
     source_path: Path | None = Field(None, exclude=True, description="the file this config came from")
 
     @model_validator(mode="before")
@@ -474,8 +524,17 @@ def regular_file(path: Path, label: str, error: type[Exception], what: str) -> N
         return
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return
-    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
-            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    kind = (
+        "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
     raise error(f"{label}: is {kind}, not a regular file; fwdcheck reads a {what} only from a regular file")
 
 
@@ -508,8 +567,9 @@ def check_yaml_structure(text: str, name: str) -> None:
         if isinstance(event, yaml.CollectionStartEvent):
             open_nodes.append([event.anchor, 1])
             if len(open_nodes) > MAX_DEPTH:
-                raise ConfigError(f"{name}: nested more than {MAX_DEPTH} levels deep {at}; a config is a few "
-                                  "levels deep")
+                raise ConfigError(
+                    f"{name}: nested more than {MAX_DEPTH} levels deep {at}; a config is a few levels deep"
+                )
             continue
         if isinstance(event, yaml.CollectionEndEvent):
             anchor, count = open_nodes.pop()
@@ -521,8 +581,7 @@ def check_yaml_structure(text: str, name: str) -> None:
                 sizes[event.anchor] = 1
         elif isinstance(event, yaml.AliasEvent):
             if any(anchor == event.anchor for anchor, _ in open_nodes):
-                raise ConfigError(f"{name}: the alias *{event.anchor} {at} refers to a node that holds it (a "
-                                  "cycle)")
+                raise ConfigError(f"{name}: the alias *{event.anchor} {at} refers to a node that holds it (a cycle)")
             count = sizes.get(event.anchor, 1)  # an undefined anchor: the composer names it
         else:
             continue
@@ -530,8 +589,10 @@ def check_yaml_structure(text: str, name: str) -> None:
             open_nodes[-1][1] += count
             count = open_nodes[-1][1]
         if count > MAX_VALUES:
-            raise ConfigError(f"{name}: its aliases expand to more than {MAX_VALUES} values (by the alias {at}); a "
-                              "config holds a few hundred")
+            raise ConfigError(
+                f"{name}: its aliases expand to more than {MAX_VALUES} values (by the alias {at}); a "
+                "config holds a few hundred"
+            )
 
 
 def nesting_depth(document: Any, limit: int = MAX_DEPTH) -> int:
@@ -560,8 +621,9 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
         kind = type(document).__name__
         raise ConfigError(f"{name}: the top level must be a mapping with a 'model' key, not a {kind}")
     if nesting_depth(document) > MAX_DEPTH:  # a dict built in Python never went through the YAML structure check
-        raise ConfigError(f"{name}: nested more than {MAX_DEPTH} levels deep (or holds itself); a config is a few "
-                          "levels deep")
+        raise ConfigError(
+            f"{name}: nested more than {MAX_DEPTH} levels deep (or holds itself); a config is a few levels deep"
+        )
     try:
         config = Config.model_validate(document)
     except ValidationError as exc:
@@ -598,8 +660,10 @@ def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
     if error["type"] == "missing":
         return f"{loc}: required key is missing"
     if error["type"] == "union_tag_invalid":
-        return f"{loc or 'model'}.source: unknown source {error['input'].get('source')!r}; " \
+        return (
+            f"{loc or 'model'}.source: unknown source {error['input'].get('source')!r}; "
             f"known: {', '.join(MODEL_CLASSES)}"
+        )
     if error["type"] == "union_tag_not_found":
         return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(MODEL_CLASSES)})"
     got = error.get("input")

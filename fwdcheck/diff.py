@@ -59,9 +59,16 @@ class Pair:
         return not self.max_diff <= self.tolerance
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "shape": self.shape, "shape_b": self.shape_b,
-                "max_diff": self.max_diff if math.isfinite(self.max_diff) else None, "tolerance": self.tolerance,
-                "by_name": self.by_name, "parts": self.parts}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "shape": self.shape,
+            "shape_b": self.shape_b,
+            "max_diff": self.max_diff if math.isfinite(self.max_diff) else None,
+            "tolerance": self.tolerance,
+            "by_name": self.by_name,
+            "parts": self.parts,
+        }
 
 
 @dataclass
@@ -93,7 +100,7 @@ class Diff:
         return [p for k, p in enumerate(self.pairs) if p.parts and not p.by_name and not self._confirmed(k)]
 
     def _confirmed(self, k: int) -> bool:
-        following = next((q for q in self.pairs[k + 1:] if q.by_name), None)
+        following = next((q for q in self.pairs[k + 1 :] if q.by_name), None)
         return following is None or following.parts
 
     @property
@@ -109,12 +116,20 @@ class Diff:
 
     def to_dict(self) -> dict:
         first = self.first
-        return {"a": self.a, "b": self.b, "dtype": self.dtype, "tolerance": {"rtol": self.rtol, "atol": self.atol},
-                "equal": first is None, "exit_code": self.exit_code,
-                "first_parting": first.to_dict() if first is not None else None,
-                "first_difference": self.first_difference.to_dict() if self.first_difference is not None else None,
-                "pairs": [p.to_dict() for p in self.pairs], "unpaired_a": self.unpaired_a,
-                "unpaired_b": self.unpaired_b, "notes": self.notes}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "dtype": self.dtype,
+            "tolerance": {"rtol": self.rtol, "atol": self.atol},
+            "equal": first is None,
+            "exit_code": self.exit_code,
+            "first_parting": first.to_dict() if first is not None else None,
+            "first_difference": self.first_difference.to_dict() if self.first_difference is not None else None,
+            "pairs": [p.to_dict() for p in self.pairs],
+            "unpaired_a": self.unpaired_a,
+            "unpaired_b": self.unpaired_b,
+            "notes": self.notes,
+        }
 
 
 def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
@@ -129,9 +144,14 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         model_a = run_a.load()
     with about_config(path_b):
         model_b = run_b.load()
-    notes = [f"B runs as A does: {config_a.device} {config_a.dtype}, B={config_a.inputs.batch_size} "
-             f"T={config_a.inputs.seq_len} seed={config_a.inputs.seed}"] \
-        if (config_b.device, config_b.dtype) != (config_a.device, config_a.dtype) else []
+    notes = (
+        [
+            f"B runs as A does: {config_a.device} {config_a.dtype}, B={config_a.inputs.batch_size} "
+            f"T={config_a.inputs.seq_len} seed={config_a.inputs.seed}"
+        ]
+        if (config_b.device, config_b.dtype) != (config_a.device, config_a.dtype)
+        else []
+    )
     notes += transfer(model_a.module, model_b.module, rules, path_b)
     session_a = Session(model_a, run_a.settings)
     with about_config(path_b):  # B runs A's inputs: they must fit it
@@ -141,11 +161,22 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         outputs_b = recorded_forward(model_b, session_a.inputs.to(session_b.device))
         rtol, atol = TOLERANCES[session_a.dtype].golden
         pairs, unpaired_a, unpaired_b = pair(outputs_a, outputs_b, rules, rtol, atol)
-    diff = Diff(model_a.label, model_b.label, config_a.dtype, rtol, atol, pairs, unpaired_a, unpaired_b,
-                notes + session_a.notes + session_b.notes)
+    diff = Diff(
+        model_a.label,
+        model_b.label,
+        config_a.dtype,
+        rtol,
+        atol,
+        pairs,
+        unpaired_a,
+        unpaired_b,
+        notes + session_a.notes + session_b.notes,
+    )
     for p in diff.mispaired:
-        diff.notes.append(f"{p.a} and {p.b}, paired by order, differ by {p.max_diff:.2g}, but the next outputs paired "
-                          "by name agree: not the same computation, and not counted (rename one to pair them)")
+        diff.notes.append(
+            f"{p.a} and {p.b}, paired by order, differ by {p.max_diff:.2g}, but the next outputs paired "
+            "by name agree: not the same computation, and not counted (rename one to pair them)"
+        )
     return diff
 
 
@@ -161,19 +192,29 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
     for name in params_a:
         target = renamed(name, rules)
         if target in source:
-            raise UsageError(f"the rename rules map two of A's parameters to one of B's: {source[target]} and "
-                             f"{name} both become {target}")
+            raise UsageError(
+                f"the rename rules map two of A's parameters to one of B's: {source[target]} and "
+                f"{name} both become {target}"
+            )
         source[target] = name
-    missing = [f"{name} (as {target})" if name != target else name
-               for target, name in source.items() if target not in params_b]
+    missing = [
+        f"{name} (as {target})" if name != target else name for target, name in source.items() if target not in params_b
+    ]
     extra = [name for name in params_b if name not in source]
     if missing or extra:
-        said = "; ".join(part for part in (
-            f"{len(missing)} of A's parameters have no counterpart in B: {_listed(missing)}" if missing else "",
-            f"{len(extra)} of B's have none in A: {_listed(extra)}" if extra else "") if part)
-        raise UsageError(f"the two models' parameters do not match one to one after renaming: {said}; rename them "
-                         f"(`diff: {{rename: ['PATTERN -> REPLACEMENT']}}` in {path_b or 'the second config'}, or "
-                         "--rename)")
+        said = "; ".join(
+            part
+            for part in (
+                f"{len(missing)} of A's parameters have no counterpart in B: {_listed(missing)}" if missing else "",
+                f"{len(extra)} of B's have none in A: {_listed(extra)}" if extra else "",
+            )
+            if part
+        )
+        raise UsageError(
+            f"the two models' parameters do not match one to one after renaming: {said}; rename them "
+            f"(`diff: {{rename: ['PATTERN -> REPLACEMENT']}}` in {path_b or 'the second config'}, or "
+            "--rename)"
+        )
     modules_a, modules_b = dict(a.named_modules()), dict(b.named_modules())
 
     def classes(name_b: str) -> tuple[str, str]:
@@ -191,13 +232,18 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
     for name_b, param_b in params_b.items():
         value = params_a[source[name_b]].detach()
         square = value.dim() == 2 and value.shape[0] == value.shape[1]
-        if value.dim() == 2 and tuple(param_b.shape) == tuple(value.shape)[::-1] and \
-                (not square or layouts.get(classes(name_b)) == {True}):
+        if (
+            value.dim() == 2
+            and tuple(param_b.shape) == tuple(value.shape)[::-1]
+            and (not square or layouts.get(classes(name_b)) == {True})
+        ):
             value = value.t()
             transposed.append(name_b)
         elif param_b.shape != value.shape:
-            raise UsageError(f"A's {source[name_b]} {list(value.shape)} and B's {name_b} {list(param_b.shape)} differ "
-                             "in shape (not a transpose either): the two models are not the same architecture")
+            raise UsageError(
+                f"A's {source[name_b]} {list(value.shape)} and B's {name_b} {list(param_b.shape)} differ "
+                "in shape (not a transpose either): the two models are not the same architecture"
+            )
         values[name_b] = value
     _refuse_broken_ties(params_b, values, source)
     with torch.no_grad():
@@ -206,18 +252,23 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
     notes = []
     if transposed:
         pairs = sorted({f"{ca} -> {cb}" for ca, cb in map(classes, transposed)})
-        notes.append(f"{len(transposed)} weights transposed ({', '.join(pairs)}: one holds [in, out] where the other "
-                     f"holds [out, in]; square ones as the others of their modules' classes): {_listed(transposed)}")
+        notes.append(
+            f"{len(transposed)} weights transposed ({', '.join(pairs)}: one holds [in, out] where the other "
+            f"holds [out, in]; square ones as the others of their modules' classes): {_listed(transposed)}"
+        )
     buffers_a, buffers_b = [n for n, _ in a.named_buffers()], [n for n, _ in b.named_buffers()]
     if buffers_a or buffers_b:
-        notes.append("buffers are each model's own, not transferred (a causal mask, a rotary cache: copying A's "
-                     f"would hide a wrong one in B): A {_listed(buffers_a) or 'none'}; "
-                     f"B {_listed(buffers_b) or 'none'}")
+        notes.append(
+            "buffers are each model's own, not transferred (a causal mask, a rotary cache: copying A's "
+            f"would hide a wrong one in B): A {_listed(buffers_a) or 'none'}; "
+            f"B {_listed(buffers_b) or 'none'}"
+        )
     return notes
 
 
-def _refuse_broken_ties(params_b: dict[str, nn.Parameter], values: dict[str, torch.Tensor],
-                        source: dict[str, str]) -> None:
+def _refuse_broken_ties(
+    params_b: dict[str, nn.Parameter], values: dict[str, torch.Tensor], source: dict[str, str]
+) -> None:
     """B's tied weights (one tensor under several names) must get one value: A may tie them too, or hold equal
     values apart; different values would leave B with whichever was copied last."""
     tied: dict[int, list[str]] = defaultdict(list)
@@ -225,8 +276,10 @@ def _refuse_broken_ties(params_b: dict[str, nn.Parameter], values: dict[str, tor
         tied[id(param)].append(name)
     for names in tied.values():
         if any(not torch.equal(values[names[0]], values[other]) for other in names[1:]):
-            raise UsageError(f"B ties {' and '.join(names)} (one tensor), but A's "
-                             f"{' and '.join(source[n] for n in names)} hold different values")
+            raise UsageError(
+                f"B ties {' and '.join(names)} (one tensor), but A's "
+                f"{' and '.join(source[n] for n in names)} hold different values"
+            )
 
 
 def _listed(names: list[str]) -> str:
@@ -244,8 +297,13 @@ def renamed_call(name: str, rules: list[Rule]) -> str:
     return renamed(module, rules) + sep + call
 
 
-def pair(outputs_a: list[tuple[str, torch.Tensor]], outputs_b: list[tuple[str, torch.Tensor]], rules: list[Rule],
-         rtol: float, atol: float) -> tuple[list[Pair], list[str], list[str]]:
+def pair(
+    outputs_a: list[tuple[str, torch.Tensor]],
+    outputs_b: list[tuple[str, torch.Tensor]],
+    rules: list[Rule],
+    rtol: float,
+    atol: float,
+) -> tuple[list[Pair], list[str], list[str]]:
     """The pairs in A's order of execution, and the names of A's and B's outputs left without a partner."""
     index_b = {name: j for j, (name, _) in enumerate(outputs_b)}
     matched: dict[int, int] = {}  # A's position -> B's, paired by name
@@ -273,8 +331,16 @@ def pair(outputs_a: list[tuple[str, torch.Tensor]], outputs_b: list[tuple[str, t
         j = matched.get(i, by_order.get(i))
         if j is not None:
             name_b, tensor_b = outputs_b[j]
-            pairs.append(Pair(name, name_b, list(tensor.shape), list(tensor_b.shape),
-                              *difference(tensor, tensor_b, rtol, atol), by_name=i in matched))
+            pairs.append(
+                Pair(
+                    name,
+                    name_b,
+                    list(tensor.shape),
+                    list(tensor_b.shape),
+                    *difference(tensor, tensor_b, rtol, atol),
+                    by_name=i in matched,
+                )
+            )
     unpaired_a = [name for i, (name, _) in enumerate(outputs_a) if i not in matched and i not in by_order]
     partnered = set(matched.values()) | set(by_order.values())
     unpaired_b = [name for j, (name, _) in enumerate(outputs_b) if j not in partnered]

@@ -75,9 +75,14 @@ UNSHARDED_RAISES = "FWD983"  # the sharding check's code for a sharded model tha
 # The launcher's side
 
 
-def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
-           on_model: Callable[[dict], None] | None = None,
-           on_result: Callable[[CheckResult], None] | None = None) -> Report:
+def launch(
+    run: Run,
+    job,
+    *,
+    progress: Callable[[str], None] | None = None,
+    on_model: Callable[[dict], None] | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> Report:
     """The report of `job` (its config built into `run`) run on run.config.distributed.nproc ranks."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -102,21 +107,38 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
             rank_device(run.settings.device, local_rank)
         heard = Heard(job)
         heard.checks = [e.name for e in run.entries]
-        heard.environment = {**environment_summary(run.settings, run.settings.device),
-                             "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize}}
+        heard.environment = {
+            **environment_summary(run.settings, run.settings.device),
+            "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize},
+        }
         authkey = secrets.token_bytes(16)
         listener = Listener(family="AF_UNIX", authkey=authkey)
-        relay = threading.Thread(target=_relay, args=(listener, heard, progress, on_model, on_result), daemon=True,
-                                 name="fwdcheck-rank-0-events")
+        relay = threading.Thread(
+            target=_relay,
+            args=(listener, heard, progress, on_model, on_result),
+            daemon=True,
+            name="fwdcheck-rank-0-events",
+        )
         relay.start()
-        rank_job = {"config": job.config, "factory": job.factory, "overrides": dataclasses.asdict(job.overrides),
-                    "sys_path": [p for p in sys.path if p]}
+        rank_job = {
+            "config": job.config,
+            "factory": job.factory,
+            "overrides": dataclasses.asdict(job.overrides),
+            "sys_path": [p for p in sys.path if p],
+        }
         try:
             with _launcher_logs_quiet():
-                config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, max_restarts=0,
-                                      run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
-                                      rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
-                                      start_method=start_method)
+                config = LaunchConfig(
+                    min_nodes=1,
+                    max_nodes=1,
+                    nproc_per_node=nproc,
+                    max_restarts=0,
+                    run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
+                    rdzv_backend="c10d",
+                    rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                    monitor_interval=0.1,
+                    start_method=start_method,
+                )
                 returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
         except ChildFailedError as exc:
             relay.join(timeout=5)
@@ -128,8 +150,12 @@ def launch(run: Run, job, *, progress: Callable[[str], None] | None = None,
         finally:
             listener.close()
         relay.join(timeout=5)
-        return merge({rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
-                      for rank, (report, flags) in returned.items()})
+        return merge(
+            {
+                rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
+                for rank, (report, flags) in returned.items()
+            }
+        )
 
 
 # The ranks are forked from one process that has imported these (multiprocessing's fork server) rather than each
@@ -164,8 +190,10 @@ def _rank_server(device: str, models_modules: set[str]):
     caller's, in a process that runs fwdcheck in-process), the ranks are spawned, a new interpreter each, as torchrun
     does."""
     server: Any = getattr(multiprocessing.forkserver, "_forkserver", None)
-    if not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules")) \
-            or server._forkserver_pid is not None:
+    if (
+        not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules"))
+        or server._forkserver_pid is not None
+    ):
         yield "spawn"
         return
     preload = server._preload_modules
@@ -194,9 +222,15 @@ def _may_fork_server(server, device: str, models_modules: set[str]) -> bool:
     on_cpu = device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built())
     handle = all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd"))
     main_parameters = list(inspect.signature(multiprocessing.forkserver.main).parameters)
-    return (on_cpu and handle and main_parameters == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
-            and not torch.cuda.is_initialized() and threading.current_thread() is threading.main_thread()
-            and threading.active_count() == 1 and not any(name in sys.modules for name in models_modules))
+    return (
+        on_cpu
+        and handle
+        and main_parameters == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+        and not torch.cuda.is_initialized()
+        and threading.current_thread() is threading.main_thread()
+        and threading.active_count() == 1
+        and not any(name in sys.modules for name in models_modules)
+    )
 
 
 def _fork_server(server) -> None:
@@ -304,8 +338,11 @@ class _launcher_logs_quiet:
     LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
     def __enter__(self):
-        names = [name for name in [*logging.root.manager.loggerDict, *self.LOGGERS]
-                 if name in self.LOGGERS or name.startswith(tuple(f"{parent}." for parent in self.LOGGERS))]
+        names = [
+            name
+            for name in [*logging.root.manager.loggerDict, *self.LOGGERS]
+            if name in self.LOGGERS or name.startswith(tuple(f"{parent}." for parent in self.LOGGERS))
+        ]
         self.levels = {name: logging.getLogger(name).level for name in names}
         for name in names:
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -372,8 +409,9 @@ def merge(reports: dict[int, Report]) -> Report:
             for finding in other.findings:
                 if finding.status != Status.PASS and _key(finding) not in known:
                     known.add(_key(finding))
-                    result.findings.append(dataclasses.replace(
-                        finding, where="; ".join(filter(None, [finding.where, f"rank {rank}"]))))
+                    result.findings.append(
+                        dataclasses.replace(finding, where="; ".join(filter(None, [finding.where, f"rank {rank}"])))
+                    )
         result.status = worst([result.status, *(r.status for r in others.values())])
     base.notes.append(f"distributed: {len(ranks)} ranks; a finding that not every rank saw names the ranks that did")
     return base
@@ -474,8 +512,9 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             dist.destroy_process_group()
         # Any rank may meet it first, and its end can fail a slower peer inside a collective before that peer meets
         # the error itself (with another message, or none fwdcheck's): the launcher's record of this rank keeps it.
-        raise RankCannotRun(json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})) \
-            from exc
+        raise RankCannotRun(
+            json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})
+        ) from exc
     send("model", model=model_summary(model))
     settings = run.settings.model_copy(update={"device": str(device)})
     entries = sorted(run.entries, key=lambda e: e.name != SHARDING)  # the sharding check first
@@ -489,8 +528,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
         # collectives.
         agreed = cast(RankZeroLogits, model.forward_adapter).take_agreed_raises()  # as sharded() made it
-        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)),
-                       None)
+        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)), None)
         if stopped is not None:
             raise RankStopped(f"{result.name}: {stopped.message}")
         if result.internal_error:
@@ -499,23 +537,41 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             raise _ShardedModelRaises()
 
     try:
-        report = run_model(model, settings, entries, progress=lambda description: send("progress",
-                           description=description), on_result=on_result)
+        report = run_model(
+            model,
+            settings,
+            entries,
+            progress=lambda description: send("progress", description=description),
+            on_result=on_result,
+        )
     except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
-        rest = [CheckResult(e.name, Status.SKIP, f"not run: the sharded model raises where the unsharded one runs "
-                            f"(sharding {UNSHARDED_RAISES})") for e in entries[len(finished):]]
+        rest = [
+            CheckResult(
+                e.name,
+                Status.SKIP,
+                f"not run: the sharded model raises where the unsharded one runs (sharding {UNSHARDED_RAISES})",
+            )
+            for e in entries[len(finished) :]
+        ]
         for result in rest:
             send("result", result=result.to_dict(), internal_error=False)
-        report = Report(results=finished + rest, model=model_summary(model),
-                        environment=environment_summary(settings, str(device)), fail_on=run.fail_on)
+        report = Report(
+            results=finished + rest,
+            model=model_summary(model),
+            environment=environment_summary(settings, str(device)),
+            fail_on=run.fail_on,
+        )
     except RankStopped as exc:  # an Exception the launcher's record of this rank's failure keeps
         raise RankEnded(str(exc)) from exc
     if report.interrupted:  # a signal to the run's process group: the launcher, ending the launch, reads no report,
         sys.stdout.flush()  # and would leave a rank that returned one waiting for it to be read (30 s)
         sys.stderr.flush()
         os._exit(ExitCode.INTERRUPTED)
-    report.environment["distributed"] = {"nproc": world, "backend": backend,
-                                         "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None}
+    report.environment["distributed"] = {
+        "nproc": world,
+        "backend": backend,
+        "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None,
+    }
     # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with
     # a collective pending would abort the process before its error is written down for the launcher).
     dist.destroy_process_group()
@@ -533,8 +589,10 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise UsageError(f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device")
         if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"distributed.nproc: {local_rank + 1} or more ranks need as many GPUs (one each); this "
-                             f"machine has {torch.cuda.device_count()}")
+            raise UsageError(
+                f"distributed.nproc: {local_rank + 1} or more ranks need as many GPUs (one each); this "
+                f"machine has {torch.cuda.device_count()}"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -555,16 +613,28 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     mesh = _mesh(device, world)
     module, how = shard(model, cast(Config, run.config), mesh, world)
     logits = RankZeroLogits(model.forward_adapter, rank, world)
-    takes = model.forward_kwargs if model.forward_kwargs is not None else (
-        set() if model.forward_adapter is not None else _parameters(module))
+    takes = (
+        model.forward_kwargs
+        if model.forward_kwargs is not None
+        else (set() if model.forward_adapter is not None else _parameters(module))
+    )
     _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel)
     # Tensor parallelism gives each rank its share of the heads: the head counts a model's config declares are the
     # whole model's, and the ledger reads each rank's off its attention calls instead.
     dims = {name: size for name, size in model.dims.items() if name not in ("h", "h_kv")}
-    notes = [*model.extra.get("notes", []), "distributed: head counts (h, h_kv) are each rank's, read off its "
-             "attention calls"]
-    return dataclasses.replace(model, module=module, forward_adapter=logits, forward_kwargs=takes, dims=dims,
-                               extra={**model.extra, "notes": notes}, label=f"{model.label} [{how}, {world} ranks]")
+    notes = [
+        *model.extra.get("notes", []),
+        "distributed: head counts (h, h_kv) are each rank's, read off its attention calls",
+    ]
+    return dataclasses.replace(
+        model,
+        module=module,
+        forward_adapter=logits,
+        forward_kwargs=takes,
+        dims=dims,
+        extra={**model.extra, "notes": notes},
+        label=f"{model.label} [{how}, {world} ranks]",
+    )
 
 
 def _mesh(device: torch.device, world: int):
@@ -593,17 +663,22 @@ def shard(model: ModelUnderTest, config: Config, mesh, world: int) -> tuple[nn.M
         except BaseException as exc:
             if not model_failure(exc):
                 raise
-            raise ModelLoadError(f"parallelize function '{spec.parallelize}' raised {type(exc).__name__}: "
-                                 f"{first_line(exc)}") from exc
+            raise ModelLoadError(
+                f"parallelize function '{spec.parallelize}' raised {type(exc).__name__}: {first_line(exc)}"
+            ) from exc
         module = model.module if returned is None else returned
         if not isinstance(module, nn.Module):
-            raise ModelLoadError(f"parallelize function '{spec.parallelize}' returned {type(returned).__name__}, "
-                                 "not the model (an nn.Module) or None")
+            raise ModelLoadError(
+                f"parallelize function '{spec.parallelize}' returned {type(returned).__name__}, "
+                "not the model (an nn.Module) or None"
+            )
         return module, spec.parallelize
     if model.tensor_parallel is not None:  # a plan of the model's own (transformers' tp_plan)
         return model.tensor_parallel(model.module, world)
-    raise UsageError(f"distributed.parallelize is needed for {model.label}: it has no tensor-parallel plan of its "
-                     "own; name a function (model, device_mesh) -> model that shards it")
+    raise UsageError(
+        f"distributed.parallelize is needed for {model.label}: it has no tensor-parallel plan of its "
+        "own; name a function (model, device_mesh) -> model that shards it"
+    )
 
 
 def _parameters(module: nn.Module) -> set[str]:
@@ -636,8 +711,9 @@ class RankZeroLogits:
 
     def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         try:
-            output = self.adapter(module, input_ids, **kwargs) if self.adapter is not None else \
-                module(input_ids, **kwargs)
+            output = (
+                self.adapter(module, input_ids, **kwargs) if self.adapter is not None else module(input_ids, **kwargs)
+            )
         except BaseException as exc:
             if not model_failure(exc):
                 raise
@@ -649,13 +725,14 @@ class RankZeroLogits:
         shapes: list = [None] * self.world
         dist.all_gather_object(shapes, tuple(logits.shape))
         if len(set(shapes)) > 1:  # every rank knows it: every rank raises here, and they stay in step
-            raise ModelRaised("the ranks return logits of different shapes: " +
-                              ", ".join(f"rank {r} {list(s)}" for r, s in enumerate(shapes)))
+            raise ModelRaised(
+                "the ranks return logits of different shapes: "
+                + ", ".join(f"rank {r} {list(s)}" for r, s in enumerate(shapes))
+            )
         self.own = logits
         shared = logits.float().clone()  # a copy: the broadcast writes into it, and `own` stays this rank's
         dist.broadcast(shared, src=0)
         return shared
-
 
     def take_agreed_raises(self) -> int:
         """How many forwards raised on every rank at once since the last call."""
@@ -675,4 +752,3 @@ class RankZeroLogits:
 def full(tensor):
     """A DTensor gathered into the whole tensor (a collective: every rank calls it); a plain tensor as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-

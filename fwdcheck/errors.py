@@ -27,9 +27,15 @@ class ExitCode(IntEnum):
         return _VERDICTS[self]
 
 
-_VERDICTS = {ExitCode.OK: "passed", ExitCode.FAILED: "failed", ExitCode.USAGE: "usage error",
-             ExitCode.INTERNAL: "internal error", ExitCode.NOTHING_RAN: "nothing ran",
-             ExitCode.INTERRUPTED: "interrupted", ExitCode.TERMINATED: "terminated"}
+_VERDICTS = {
+    ExitCode.OK: "passed",
+    ExitCode.FAILED: "failed",
+    ExitCode.USAGE: "usage error",
+    ExitCode.INTERNAL: "internal error",
+    ExitCode.NOTHING_RAN: "nothing ran",
+    ExitCode.INTERRUPTED: "interrupted",
+    ExitCode.TERMINATED: "terminated",
+}
 
 
 # The finding codes of fwdcheck itself (a check's own codes are in its `codes`; `fwdcheck explain CODE` reads both).
@@ -96,7 +102,7 @@ def first_line(message: object, limit: int | None = None) -> str:
     what a one-line report can show of it."""
     text = exception_text(message) if isinstance(message, BaseException) else str(message)
     line = (text.strip().splitlines() or [""])[0]
-    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
 
 
 def exception_text(exc: BaseException) -> str:

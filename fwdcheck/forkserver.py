@@ -151,8 +151,12 @@ class _Server:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "fwdcheck.forkserver", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         except OSError:
             self.socket.close()
             raise
@@ -178,8 +182,14 @@ class _Server:
         """A new worker, once it has said it is one; None when the fork is refused (its child could not become a
         worker, the server died or does not answer)."""
         status_r, status_w = os.pipe()
-        request = json.dumps({"cwd": cwd, "environment": dict(os.environ), "umask": _umask(),
-                              "limits": {str(r): resource.getrlimit(r) for r in LIMITS}}).encode()
+        request = json.dumps(
+            {
+                "cwd": cwd,
+                "environment": dict(os.environ),
+                "umask": _umask(),
+                "limits": {str(r): resource.getrlimit(r) for r in LIMITS},
+            }
+        ).encode()
         try:
             socket.send_fds(self.socket, [request], [stdin_r, output_w, events_w, status_w])
         except OSError:  # it died, or the environment is larger than one message
@@ -235,8 +245,12 @@ def start_worker(events_w: int, output_w: int, cancelled: Callable[[], bool] = l
     global _current, _jobs, _failed_starts
     with _lock:
         _jobs += 1
-        if _jobs == 1 or os.environ.get("FWDCHECK_NO_FORK_SERVER") or _failed_starts >= MAX_FAILED_STARTS \
-                or not supported():
+        if (
+            _jobs == 1
+            or os.environ.get("FWDCHECK_NO_FORK_SERVER")
+            or _failed_starts >= MAX_FAILED_STARTS
+            or not supported()
+        ):
             return None
         try:
             cwd, wanted = os.getcwd(), _identity()
@@ -360,8 +374,9 @@ def serve(sock: socket.socket, supervisor_fd: int) -> None:
         _write(status_w, f"pid {pid}\n")
 
 
-def _become_worker(request: dict, stdin_r: int, output_w: int, events_w: int, status_w: int, server_pid: int,
-                   inherited: list[int]) -> None:
+def _become_worker(
+    request: dict, stdin_r: int, output_w: int, events_w: int, status_w: int, server_pid: int, inherited: list[int]
+) -> None:
     """In the forked child: become what `python -m fwdcheck.worker` started by the supervisor would be, say so on the
     status pipe, then run the worker. Anything that fails before it is a worker ends the child unannounced."""
     try:

@@ -100,8 +100,9 @@ class Golden(BaseModel):
             first: dict[str, int] = {}
             for i, entry in enumerate(getattr(self, key)):
                 if entry.name in first:
-                    raise ValueError(f"{key}[{i}]: '{entry.name}' is listed twice (first as "
-                                     f"{key}[{first[entry.name]}])")
+                    raise ValueError(
+                        f"{key}[{i}]: '{entry.name}' is listed twice (first as {key}[{first[entry.name]}])"
+                    )
                 first[entry.name] = i
         return self
 
@@ -122,8 +123,11 @@ def golden_text(report, path: Path) -> str:
     lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
     for key, last in (("outputs", False), ("parameters", True)):
         entries = [f"    {json.dumps(e)}" for e in document[key]]
-        lines += [f'  "{key}": [', ",\n".join(entries), "  ]" + ("" if last else ",")] if entries else \
-            [f'  "{key}": []' + ("" if last else ",")]
+        lines += (
+            [f'  "{key}": [', ",\n".join(entries), "  ]" + ("" if last else ",")]
+            if entries
+            else [f'  "{key}": []' + ("" if last else ",")]
+        )
     return "\n".join(lines) + "\n}\n"
 
 
@@ -145,16 +149,20 @@ def golden_from_dict(document: Any, name: str) -> dict:
     if not isinstance(document, dict) or "fwdcheck_golden" not in document:
         raise UsageError(f"{name}: not a golden file written by --save-golden (a JSON object with 'fwdcheck_golden')")
     if nesting_depth(document) > MAX_DEPTH:
-        raise UsageError(f"{name}: nested more than {MAX_DEPTH} levels deep; not a golden file written by "
-                         "--save-golden")
+        raise UsageError(
+            f"{name}: nested more than {MAX_DEPTH} levels deep; not a golden file written by --save-golden"
+        )
     if document["fwdcheck_golden"] != VERSION:
-        raise UsageError(f"{name}: golden file format {document['fwdcheck_golden']!r}; this fwdcheck reads format "
-                         f"{VERSION} (save it again with this fwdcheck)")
+        raise UsageError(
+            f"{name}: golden file format {document['fwdcheck_golden']!r}; this fwdcheck reads format "
+            f"{VERSION} (save it again with this fwdcheck)"
+        )
     try:
         golden = Golden.model_validate(document)
     except ValidationError as exc:
-        raise UsageError(f"{name}: not a golden file written by --save-golden: "
-                         f"{describe_validation_error(exc)}") from None
+        raise UsageError(
+            f"{name}: not a golden file written by --save-golden: {describe_validation_error(exc)}"
+        ) from None
     return golden.model_dump()
 
 
@@ -162,9 +170,15 @@ def refuse_other_run(document: dict, config: RunConfig, name: str) -> None:
     """A golden file is compared at the inputs and in the dtype it was made with: one made at another seed, batch
     size or length, or in another dtype, is a usage error naming what differs (the overrides applied to `config`)."""
     made = document["run"]
-    now = {"seed": config.inputs.seed, "batch_size": config.inputs.batch_size, "seq_len": config.inputs.seq_len,
-           "dtype": config.dtype}
+    now = {
+        "seed": config.inputs.seed,
+        "batch_size": config.inputs.batch_size,
+        "seq_len": config.inputs.seq_len,
+        "dtype": config.dtype,
+    }
     differ = [f"{key} {made[key]} (this run: {value})" for key, value in now.items() if made[key] != value]
     if differ:
-        raise UsageError(f"{name}: made with another config: {', '.join(differ)}; a golden file is compared at the "
-                         "inputs and dtype it was made with (run with those, or save it again)")
+        raise UsageError(
+            f"{name}: made with another config: {', '.join(differ)}; a golden file is compared at the "
+            "inputs and dtype it was made with (run with those, or save it again)"
+        )

@@ -62,8 +62,12 @@ class Heard:
             result = CheckResult.from_dict(event["result"], event.get("internal_error", False))
             self.results[result.name] = result
         elif kind == "report":
-            self.report = Report.from_dict(event["report"], internal_errors=event["internal_errors"],
-                                           fail_on=self.job.overrides.fail_on, interrupted=event["interrupted"])
+            self.report = Report.from_dict(
+                event["report"],
+                internal_errors=event["internal_errors"],
+                fail_on=self.job.overrides.fail_on,
+                interrupted=event["interrupted"],
+            )
         elif kind == "error":
             self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
 
@@ -82,8 +86,11 @@ class Heard:
         for name in self.checks:
             if name in self.results:
                 result = self.results[name]
-                if self.current == "code paths" and name in self.per_code_path and result.status not in (
-                        Status.SKIP, Status.ERROR):
+                if (
+                    self.current == "code paths"
+                    and name in self.per_code_path
+                    and result.status not in (Status.SKIP, Status.ERROR)
+                ):
                     message = f"the code-path matrix did not finish: {how}; the default path's result is kept"
                     result.findings.append(Finding(code, status, message))
                     result.status, result.summary = status, f"{result.summary}; {message}"
@@ -92,14 +99,24 @@ class Heard:
                 message = f"while this check ran, {how}"
                 results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
             else:
-                message = f"not run: {how} " + ("before the model loaded" if self.current is None
-                                                else "before this check began")
+                message = f"not run: {how} " + (
+                    "before the model loaded" if self.current is None else "before this check began"
+                )
                 results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
         job = self.job
-        environment = self.environment or {"device": job.overrides.device or "config",
-                                           "dtype": job.overrides.dtype or "config", "seed": job.overrides.seed}
-        return Report(results=results, model=self.model, environment=environment, notes=[f"{how}"],
-                      config_path=job.config, fail_on=job.overrides.fail_on)
+        environment = self.environment or {
+            "device": job.overrides.device or "config",
+            "dtype": job.overrides.dtype or "config",
+            "seed": job.overrides.seed,
+        }
+        return Report(
+            results=results,
+            model=self.model,
+            environment=environment,
+            notes=[f"{how}"],
+            config_path=job.config,
+            fail_on=job.overrides.fail_on,
+        )
 
 
 def grace(timeout_s: float | None) -> float:

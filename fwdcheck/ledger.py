@@ -44,12 +44,15 @@ class Ledger(BaseModel):
         first: dict[str, int] = {}
         for i, entry in enumerate(self.entries):
             if entry.name in first:
-                raise ValueError(f"entries[{i}]: '{entry.name}' is listed twice (first as "
-                                 f"entries[{first[entry.name]}])")
+                raise ValueError(
+                    f"entries[{i}]: '{entry.name}' is listed twice (first as entries[{first[entry.name]}])"
+                )
             first[entry.name] = i
             if entry.shape is not None and len(entry.shape) != len(entry.dims):
-                raise ValueError(f"entries[{i}]: '{entry.name}' has {len(entry.shape)} sizes in shape but "
-                                 f"{len(entry.dims)} names in dims")
+                raise ValueError(
+                    f"entries[{i}]: '{entry.name}' has {len(entry.shape)} sizes in shape but "
+                    f"{len(entry.dims)} names in dims"
+                )
         return self
 
 
@@ -59,8 +62,12 @@ def ledger_text(report, path: Path) -> str:
     if ledger is None or "entries" not in ledger.data:
         why = ledger.summary if ledger is not None else "not selected"
         raise UsageError(f"--save-ledger {path}: the shape ledger did not run ({why})")
-    document = {"fwdcheck_ledger": 1, "model": report.model.get("label"), "dims": ledger.data.get("dims", {}),
-                "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]]}
+    document = {
+        "fwdcheck_ledger": 1,
+        "model": report.model.get("label"),
+        "dims": ledger.data.get("dims", {}),
+        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]],
+    }
     return json.dumps(document, indent=2) + "\n"
 
 

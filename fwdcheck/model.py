@@ -68,8 +68,10 @@ class ModelUnderTest:
         if implementation is None:
             return nullcontext()
         if self.attention is None:
-            raise UsageError(f"attention implementation {implementation!r} asked for, but the model has no attention "
-                             "switch (transformers' set_attn_implementation)")
+            raise UsageError(
+                f"attention implementation {implementation!r} asked for, but the model has no attention "
+                "switch (transformers' set_attn_implementation)"
+            )
         return self.attention.using(implementation)
 
     def why_not(self, capability: str, default: str) -> str:
@@ -94,7 +96,7 @@ class ModelUnderTest:
         stack = self.layer_stack
         if stack is None or not module_name.startswith(f"{stack}."):
             return None
-        index = module_name[len(stack) + 1:].split(".")[0]
+        index = module_name[len(stack) + 1 :].split(".")[0]
         return f"{stack}.{index}" if index.isdigit() else None
 
     @property
@@ -167,11 +169,15 @@ def _unusable(logits: torch.Tensor, input_ids: torch.Tensor) -> str | None:
     if logits.shape[2] == 0:
         return "with an empty vocabulary axis (V = 0): a head with no outputs, or the logits sliced to nothing"
     if logits.layout != torch.strided:
-        return (f"as a {str(logits.layout).removeprefix('torch.')} tensor; fwdcheck needs dense logits "
-                "(call .to_dense() in a `forward:` adapter)")
+        return (
+            f"as a {str(logits.layout).removeprefix('torch.')} tensor; fwdcheck needs dense logits "
+            "(call .to_dense() in a `forward:` adapter)"
+        )
     if logits.is_meta and not input_ids.is_meta:
-        return (f"on the meta device (shapes, no values) for inputs on {input_ids.device}: a parameter or buffer "
-                "left on meta, or a tensor created with device='meta'")
+        return (
+            f"on the meta device (shapes, no values) for inputs on {input_ids.device}: a parameter or buffer "
+            "left on meta, or a tensor created with device='meta'"
+        )
     if logits.is_complex():
         return f"of dtype {str(logits.dtype).removeprefix('torch.')}; logits are real numbers"
     return None
@@ -215,8 +221,10 @@ def extract_logits(output: Any) -> torch.Tensor:
     except BaseException as exc:
         if not model_failure(exc):
             raise
-        raise ModelRaised(f"reading the logits from what forward returned ({type(output).__name__}) raised "
-                          f"{describe(exc)}", frame=model_frame(exc)) from exc
+        raise ModelRaised(
+            f"reading the logits from what forward returned ({type(output).__name__}) raised {describe(exc)}",
+            frame=model_frame(exc),
+        ) from exc
 
 
 def _extract_logits(output: Any) -> torch.Tensor:

@@ -30,7 +30,8 @@ class ModelState:
     dropout_p: dict[_DropoutNd, float] = field(default_factory=dict)
     # (owner, kind, name, original data, the .grad tensor, its original data)
     tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(
-        default_factory=list)
+        default_factory=list
+    )
     buffer_contents: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (name, buffer, copy)
     parameters: dict[tuple[nn.Module, str], nn.Parameter] = field(default_factory=dict)  # the objects themselves
     hooks: list[tuple[dict, dict]] = field(default_factory=list)  # (a module's hook dict, a copy of its entries)
@@ -53,8 +54,11 @@ class ModelState:
                     state.tensors.append((module, "buffer", name, b, None, None))
             # _forward_hooks, _forward_pre_hooks, their with_kwargs and always_called companions, backward and
             # state-dict hooks: every dict of hooks a module keeps, whatever this torch version names them
-            state.hooks += [(hooks, hooks.copy()) for key, hooks in vars(module).items()
-                            if "_hooks" in key and isinstance(hooks, dict)]
+            state.hooks += [
+                (hooks, hooks.copy())
+                for key, hooks in vars(module).items()
+                if "_hooks" in key and isinstance(hooks, dict)
+            ]
             state.attributes[module] = set(vars(module))
         state.buffer_contents = [(name, b, b.clone()) for name, b in model.named_buffers() if readable(b)]
         return state
@@ -169,30 +173,50 @@ def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
         return f"{path}.{name}", lambda: getattr(owner, name), lambda value: setattr(owner, name, value)
 
     found: list[tuple[str, Callable[[], Any], Callable[[Any], object]]] = [
-        ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
-         torch.set_float32_matmul_precision)]
-    for path, owner in [("torch.backends", backends), ("torch.backends.cuda.matmul", backends.cuda.matmul),
-                        ("torch.backends.cudnn", backends.cudnn), ("torch.backends.mkldnn", backends.mkldnn)]:
+        ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
+    ]
+    for path, owner in [
+        ("torch.backends", backends),
+        ("torch.backends.cuda.matmul", backends.cuda.matmul),
+        ("torch.backends.cudnn", backends.cudnn),
+        ("torch.backends.mkldnn", backends.mkldnn),
+    ]:
         for sub in ("", "matmul", "conv", "rnn"):
             inner = getattr(owner, sub, None) if sub else owner
             if inner is not None and hasattr(inner, "fp32_precision"):
                 found.append(attribute(inner, f"{path}.{sub}" if sub else path, "fp32_precision"))
-    found += [attribute(backends.cuda.matmul, "torch.backends.cuda.matmul", "allow_tf32"),
-              *(attribute(backends.cudnn, "torch.backends.cudnn", name)
-                for name in ("allow_tf32", "benchmark", "deterministic", "enabled")),
-              ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
-              ("torch.are_deterministic_algorithms_enabled() (warn_only)",
-               lambda: (torch.are_deterministic_algorithms_enabled(),
-                        torch.is_deterministic_algorithms_warn_only_enabled()),
-               lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
-              ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
-              ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-              # no default device reads as the CPU; putting it back as None installs no device context
-              ("torch.get_default_device()", torch.get_default_device,
-               lambda device: torch.set_default_device(None if device == torch.device("cpu") else device))]
+    found += [
+        attribute(backends.cuda.matmul, "torch.backends.cuda.matmul", "allow_tf32"),
+        *(
+            attribute(backends.cudnn, "torch.backends.cudnn", name)
+            for name in ("allow_tf32", "benchmark", "deterministic", "enabled")
+        ),
+        ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
+        (
+            "torch.are_deterministic_algorithms_enabled() (warn_only)",
+            lambda: (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+        ),
+        ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+        ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
+        # no default device reads as the CPU; putting it back as None installs no device context
+        (
+            "torch.get_default_device()",
+            torch.get_default_device,
+            lambda device: torch.set_default_device(None if device == torch.device("cpu") else device),
+        ),
+    ]
     for kernel in ("flash", "mem_efficient", "math", "cudnn"):
-        found.append((f"torch.backends.cuda.{kernel}_sdp_enabled()", getattr(backends.cuda, f"{kernel}_sdp_enabled"),
-                      getattr(backends.cuda, f"enable_{kernel}_sdp")))
+        found.append(
+            (
+                f"torch.backends.cuda.{kernel}_sdp_enabled()",
+                getattr(backends.cuda, f"{kernel}_sdp_enabled"),
+                getattr(backends.cuda, f"enable_{kernel}_sdp"),
+            )
+        )
     found.append(attribute(module_globals, "torch.nn.modules.module", "_global_is_full_backward_hook"))
     return found
 
@@ -213,9 +237,11 @@ class GlobalState:
                 state.switches[name] = (read(), read, put)
             except RuntimeError:  # unreadable as it stands (torch refuses TF32 flags set through both APIs): kept out
                 continue
-        state.hooks = [(f"torch.nn.modules.module.{name}", hooks, hooks.copy())
-                       for name, hooks in vars(module_globals).items()
-                       if name.startswith("_global_") and isinstance(hooks, dict)]
+        state.hooks = [
+            (f"torch.nn.modules.module.{name}", hooks, hooks.copy())
+            for name, hooks in vars(module_globals).items()
+            if name.startswith("_global_") and isinstance(hooks, dict)
+        ]
         return state
 
     def restore(self) -> list[str]:

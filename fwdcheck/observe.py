@@ -63,8 +63,13 @@ _SDPA_SIGNATURE = inspect.Signature(
     [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value")]
     + [
         inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
-        for n, d in (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
-                     ("enable_gqa", False))
+        for n, d in (
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+            ("enable_gqa", False),
+        )
     ]
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
@@ -186,10 +191,16 @@ class Observation:
     @property
     def active_dropout(self) -> list[tuple[str, str | None]]:
         """Where dropout was still live although the model was in eval mode: (module and call, "file:line")."""
-        spots = [(f"{c.module or 'model'} ({c.api}, dropout_p={c.dropout_p:g})", c.source)
-                 for c in self.attention if c.dropout_p]
-        spots += [(f"{d.module or 'model'} (F.dropout p={d.p:g}, training=True)", d.source) for d in self.dropouts
-                  if d.training and d.p > 0]
+        spots = [
+            (f"{c.module or 'model'} ({c.api}, dropout_p={c.dropout_p:g})", c.source)
+            for c in self.attention
+            if c.dropout_p
+        ]
+        spots += [
+            (f"{d.module or 'model'} (F.dropout p={d.p:g}, training=True)", d.source)
+            for d in self.dropouts
+            if d.training and d.p > 0
+        ]
         return spots
 
 
@@ -284,8 +295,9 @@ class _Identities:
 
 
 class _Observer(TorchFunctionMode):
-    def __init__(self, record: Observation, where: list[_Frame], keep_tensors: bool, zero_dropout: bool,
-                 from_input: _Identities):
+    def __init__(
+        self, record: Observation, where: list[_Frame], keep_tensors: bool, zero_dropout: bool, from_input: _Identities
+    ):
         super().__init__()
         self.record, self.where, self.keep_tensors, self.zero_dropout = record, where, keep_tensors, zero_dropout
         self.origins = _Identities()  # tensor -> _Origin, for tensors on the way from q @ k^T to weights @ v
@@ -293,9 +305,13 @@ class _Observer(TorchFunctionMode):
         self.written: dict[tuple[str, str], int] = {}  # (module, api) -> query tokens attended with so far
         self.lines: dict[tuple[str, int], str] = {}  # (file, line) of a call site -> its code_location
         # The few functions the observer reads; every other op only passes on what it learned about its inputs.
-        self.readers = {F.scaled_dot_product_attention: self._on_sdpa, F.multi_head_attention_forward: self._on_mha,
-                        F.dropout: self._on_dropout, **dict.fromkeys(PRODUCTS, self._on_product),
-                        **dict.fromkeys(SOFTMAX, self._on_softmax)}
+        self.readers = {
+            F.scaled_dot_product_attention: self._on_sdpa,
+            F.multi_head_attention_forward: self._on_mha,
+            F.dropout: self._on_dropout,
+            **dict.fromkeys(PRODUCTS, self._on_product),
+            **dict.fromkeys(SOFTMAX, self._on_softmax),
+        }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every op of the forward: an op the observer does not read costs one dict lookup, and passing on
@@ -330,8 +346,9 @@ class _Observer(TorchFunctionMode):
         p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
         training = kwargs.get("training", args[2] if len(args) > 2 else True)
         live = bool(training) and float(p) > 0
-        self.record.dropouts.append(DropoutCall(self._module(), float(p), bool(training),
-                                                self._model_line() if live else None))
+        self.record.dropouts.append(
+            DropoutCall(self._module(), float(p), bool(training), self._model_line() if live else None)
+        )
         if self.zero_dropout and training:
             return args[0] if args else kwargs["input"]
         return self._plain(func, args, kwargs)
@@ -377,8 +394,9 @@ class _Observer(TorchFunctionMode):
         """'path:line' of the model code making the call being observed: the first frame beyond torch and this
         observer, None when that is fwdcheck running the forward. Each call site is formatted once per observation."""
         frame: FrameType | None = sys._getframe(1)
-        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH)
-                                     or frame.f_code.co_filename == __file__):
+        while frame is not None and (
+            frame.f_code.co_filename.startswith(_TORCH) or frame.f_code.co_filename == __file__
+        ):
             frame = frame.f_back
         if frame is None:
             return None
@@ -407,8 +425,9 @@ class _Observer(TorchFunctionMode):
         if operands is None:
             return
         a, b, equation = operands
-        weights = next((i for i, x in enumerate((a, b)) if x in self.origins and self.origins[x].kind == "weights"),
-                       None)
+        weights = next(
+            (i for i, x in enumerate((a, b)) if x in self.origins and self.origins[x].kind == "weights"), None
+        )
         op = "einsum" if equation else "baddbmm" if func in BADDBMM else "matmul"
         if weights is not None:  # weights @ v
             call = self.origins[(a, b)[weights]].call
@@ -416,10 +435,20 @@ class _Observer(TorchFunctionMode):
             if equation:
                 w, v = _values_layout(equation, a, b, weights) or (w, v)
             keep = self.keep_tensors
-            self.record.matmuls.append(MatmulCall(
-                module, "values", tuple(w.shape), tuple(v.shape), tuple(out.shape),
-                w.detach().clone() if keep else None, v.detach().clone() if keep else None, self.record.tick(), op,
-                call))
+            self.record.matmuls.append(
+                MatmulCall(
+                    module,
+                    "values",
+                    tuple(w.shape),
+                    tuple(v.shape),
+                    tuple(out.shape),
+                    w.detach().clone() if keep else None,
+                    v.detach().clone() if keep else None,
+                    self.record.tick(),
+                    op,
+                    call,
+                )
+            )
             return
         if a.dim() < 3 or b.dim() < 3:
             return  # a projection by a weight matrix, not a product of two per-head tensors
@@ -431,8 +460,9 @@ class _Observer(TorchFunctionMode):
             q, k_t, q_index = layout
             reads_input = self._reads_input((a, b)[q_index])
         # Only a softmax reading the result (or something made from it) makes this q @ k^T; until then, a candidate.
-        call = MatmulCall(module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=self.record.tick(),
-                          op=op)
+        call = MatmulCall(
+            module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=self.record.tick(), op=op
+        )
         self.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input))
 
     # -- one reducer per API ----------------------------------------------------------------------------------------
@@ -446,9 +476,19 @@ class _Observer(TorchFunctionMode):
             read.allowed = read.allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
         if mask is not None:
             read = read.combined(_read_mask(mask, true_means_masked=False))
-        return self._call("sdpa", module, q, k, v, batch_heads=tuple(q.shape[:-2]), mask=read, is_causal=is_causal,
-                          dropout=float(a.get("dropout_p", 0.0) or 0.0), cross=self._cross(),
-                          reads_input=self._reads_input(q))
+        return self._call(
+            "sdpa",
+            module,
+            q,
+            k,
+            v,
+            batch_heads=tuple(q.shape[:-2]),
+            mask=read,
+            is_causal=is_causal,
+            dropout=float(a.get("dropout_p", 0.0) or 0.0),
+            cross=self._cross(),
+            reads_input=self._reads_input(q),
+        )
 
     def _mha(self, a: dict, module: str) -> AttentionCall:
         q, k, v = a["query"], a["key"], a["value"]
@@ -473,11 +513,23 @@ class _Observer(TorchFunctionMode):
         dropout = float(a.get("dropout_p", 0.0) or 0.0) if a.get("training", True) else 0.0
         # nn.MultiheadAttention hands its own inputs on: self-attention passes one tensor as query, key and value
         # (it keeps that identity through its batch_first transpose), cross-attention passes the memory as key.
-        return self._call("mha", module, q, k, v, batch_heads=(N, h), mask=read, is_causal=is_causal,
-                          dropout=dropout, cross=k is not q, reads_input=self._reads_input(q))
+        return self._call(
+            "mha",
+            module,
+            q,
+            k,
+            v,
+            batch_heads=(N, h),
+            mask=read,
+            is_causal=is_causal,
+            dropout=dropout,
+            cross=k is not q,
+            reads_input=self._reads_input(q),
+        )
 
-    def _softmax(self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str,
-                 product: _Product) -> AttentionCall:
+    def _softmax(
+        self, scores: torch.Tensor, weights: torch.Tensor, dim: int, module: str, product: _Product
+    ) -> AttentionCall:
         L, S = scores.shape[-2], scores.shape[-1]
         if product.recorded:
             matmul = next(i for i, m in enumerate(self.record.matmuls) if m is product.call)
@@ -505,19 +557,49 @@ class _Observer(TorchFunctionMode):
             nonfinite = int((~torch.isfinite(weights)).any(-1).sum())
         positions, source, written, cross = self._where_queries("softmax", module, L, S, self._cross())
         return AttentionCall(
-            index=index, api="softmax", module=module, query_shape=tuple(scores.shape),
-            key_shape=None, value_shape=None, weights_shape=tuple(weights.shape), mask_kind="scores",
-            mask_shape=None, mask_values="read off the scores (-inf or far below the row maximum)",
-            is_causal=False, dropout_p=0.0, allowed=allowed, empty_rows=empty,
-            softmax_dim=dim - scores.dim() if dim >= 0 else dim, row_sum_error=error, nonfinite_rows=nonfinite,
+            index=index,
+            api="softmax",
+            module=module,
+            query_shape=tuple(scores.shape),
+            key_shape=None,
+            value_shape=None,
+            weights_shape=tuple(weights.shape),
+            mask_kind="scores",
+            mask_shape=None,
+            mask_values="read off the scores (-inf or far below the row maximum)",
+            is_causal=False,
+            dropout_p=0.0,
+            allowed=allowed,
+            empty_rows=empty,
+            softmax_dim=dim - scores.dim() if dim >= 0 else dim,
+            row_sum_error=error,
+            nonfinite_rows=nonfinite,
             seq=self.record.tick(),
-            dtype=str(weights.dtype).removeprefix("torch."), query_positions=positions, positions_from=source,
-            cross=cross, written=written, matmul=matmul, reads_input=product.reads_input, source=self._model_line(),
+            dtype=str(weights.dtype).removeprefix("torch."),
+            query_positions=positions,
+            positions_from=source,
+            cross=cross,
+            written=written,
+            matmul=matmul,
+            reads_input=product.reads_input,
+            source=self._model_line(),
         )
 
-    def _call(self, api: str, module: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              batch_heads: tuple[int, ...], mask: MaskRead, is_causal: bool, dropout: float, cross: bool,
-              reads_input: bool | None) -> AttentionCall:
+    def _call(
+        self,
+        api: str,
+        module: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        batch_heads: tuple[int, ...],
+        mask: MaskRead,
+        is_causal: bool,
+        dropout: float,
+        cross: bool,
+        reads_input: bool | None,
+    ) -> AttentionCall:
         """The record of one SDPA or nn.MultiheadAttention call: q, k, v as the API got them, the (batch, head)
         sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
         its keys come from another sequence and whether its queries were computed from the input ids."""
@@ -525,14 +607,31 @@ class _Observer(TorchFunctionMode):
         positions, source, written, cross = self._where_queries(api, module, L, S, cross)
         keep = self.keep_tensors
         return AttentionCall(
-            index=len(self.record.attention), api=api, module=module, query_shape=tuple(q.shape),
-            key_shape=tuple(k.shape), value_shape=tuple(v.shape), weights_shape=(*batch_heads, L, S),
-            mask_kind=mask.kind, mask_shape=mask.shape, mask_values=mask.values, is_causal=is_causal,
-            dropout_p=dropout, allowed=mask.allowed.reshape(-1, L, S).any(0),
-            empty_rows=_empty_rows(mask.allowed, batch_heads, L), float_01=mask.float_01,
-            query=q.detach().clone() if keep else None, key=k.detach().clone() if keep else None,
-            seq=self.record.tick(), dtype=str(q.dtype).removeprefix("torch."), query_positions=positions,
-            positions_from=source, cross=cross, written=written, reads_input=reads_input, source=self._model_line(),
+            index=len(self.record.attention),
+            api=api,
+            module=module,
+            query_shape=tuple(q.shape),
+            key_shape=tuple(k.shape),
+            value_shape=tuple(v.shape),
+            weights_shape=(*batch_heads, L, S),
+            mask_kind=mask.kind,
+            mask_shape=mask.shape,
+            mask_values=mask.values,
+            is_causal=is_causal,
+            dropout_p=dropout,
+            allowed=mask.allowed.reshape(-1, L, S).any(0),
+            empty_rows=_empty_rows(mask.allowed, batch_heads, L),
+            float_01=mask.float_01,
+            query=q.detach().clone() if keep else None,
+            key=k.detach().clone() if keep else None,
+            seq=self.record.tick(),
+            dtype=str(q.dtype).removeprefix("torch."),
+            query_positions=positions,
+            positions_from=source,
+            cross=cross,
+            written=written,
+            reads_input=reads_input,
+            source=self._model_line(),
         )
 
     # -- where the queries sit on the key axis --------------------------------------------------------------------
@@ -546,8 +645,9 @@ class _Observer(TorchFunctionMode):
         a key-source parameter (context, encoder_hidden_states, ...) says so; without one, self-attention."""
         return next((f.cross for f in reversed(self.where) if f.cross is not None), False)
 
-    def _where_queries(self, api: str, module: str, L: int, S: int,
-                       cross: bool) -> tuple[torch.Tensor | None, str, int, bool]:
+    def _where_queries(
+        self, api: str, module: str, L: int, S: int, cross: bool
+    ) -> tuple[torch.Tensor | None, str, int, bool]:
         """(query positions on the key axis, how they were learned, tokens written so far, cross)."""
         written = self.written[(module, api)] = self.written.get((module, api), 0) + L
         if cross:
@@ -680,8 +780,9 @@ def _scores_layout(equation: str, a: torch.Tensor, b: torch.Tensor) -> tuple[tor
     return q.permute(*[lq.index(c) for c in q_order]), k.permute(*[lk.index(c) for c in k_order]), int(q is b)
 
 
-def _values_layout(equation: str, a: torch.Tensor, b: torch.Tensor,
-                   weights: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _values_layout(
+    equation: str, a: torch.Tensor, b: torch.Tensor, weights: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weights [.., L, S] and v [.., S, d] as views of an einsum that reads the weights; None if not of that form."""
     labels = _einsum_labels(equation, a, b)
     if labels is None:
@@ -715,8 +816,13 @@ class MaskRead:
         is_causal), or with `joined` is added to it (a key padding mask beside an attn_mask)."""
         if not joined:
             return replace(other, allowed=self.allowed & other.allowed)
-        return MaskRead(self.allowed & other.allowed, f"{self.kind}+key_padding",
-                        f"{self.values}; padding {other.values}", self.float_01 or other.float_01, self.shape)
+        return MaskRead(
+            self.allowed & other.allowed,
+            f"{self.kind}+key_padding",
+            f"{self.values}; padding {other.values}",
+            self.float_01 or other.float_01,
+            self.shape,
+        )
 
 
 def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
@@ -725,8 +831,7 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     shape = tuple(mask.shape)
     if mask.is_meta:  # no values: may-attend everywhere, itself on the meta device (nothing allocated)
         kind = "bool" if mask.dtype == torch.bool else "float"
-        return MaskRead(torch.ones(mask.shape, dtype=torch.bool, device="meta"), kind, "(meta: no values)",
-                        shape=shape)
+        return MaskRead(torch.ones(mask.shape, dtype=torch.bool, device="meta"), kind, "(meta: no values)", shape=shape)
     if mask.dtype == torch.bool:
         share = float(mask.float().mean())
         return MaskRead(~mask if true_means_masked else mask, "bool", f"True on {share:.0%}", shape=shape)
@@ -739,7 +844,7 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
         values = "{" + shown + "}"
     else:
         values = f"[{float(finite.min()):.3g}, {float(finite.max()):.3g}]" + (" and -inf" if has_neg_inf else "")
-    float_01 = (not has_neg_inf and distinct.numel() == 2 and distinct.tolist() == [0.0, 1.0])
+    float_01 = not has_neg_inf and distinct.numel() == 2 and distinct.tolist() == [0.0, 1.0]
     may = torch.isfinite(m) & (m > MASKED_BELOW)  # float masks are added to the scores: -inf / very negative = drop
     return MaskRead(may, "float", values, float_01, shape)
 
@@ -779,9 +884,11 @@ def _reading(module: nn.Module) -> _Reading:
     positional, accepted = _parameters(module)
     index = {n: i for i, n in enumerate(positional)}
     source = next((n for n in KEY_SOURCE_INPUTS if n in accepted), None)
-    return _Reading(tuple((n, index.get(n)) for n in POSITION_INPUTS),
-                    (source, index.get(source)) if source is not None else None,
-                    positional[0] if positional else None)
+    return _Reading(
+        tuple((n, index.get(n)) for n in POSITION_INPUTS),
+        (source, index.get(source)) if source is not None else None,
+        positional[0] if positional else None,
+    )
 
 
 def _given(name: str, at: int | None, args: tuple, kwargs: dict) -> Any:
@@ -809,8 +916,14 @@ def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict) -> _Frame:
 
 def _shared_positions(value: Any) -> torch.Tensor | None:
     """(n,) integer positions on the CPU when every batch row has the same ones; None otherwise (or on meta)."""
-    if not isinstance(value, torch.Tensor) or value.is_meta or value.is_floating_point() or value.dim() > 2 \
-            or value.dtype == torch.bool or not value.numel():
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.is_meta
+        or value.is_floating_point()
+        or value.dim() > 2
+        or value.dtype == torch.bool
+        or not value.numel()
+    ):
         return None
     rows = value.reshape(-1, value.shape[-1]) if value.dim() else value.reshape(1, 1)
     if not bool((rows == rows[:1]).all()):
@@ -819,8 +932,13 @@ def _shared_positions(value: Any) -> torch.Tensor | None:
 
 
 @contextmanager
-def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
-                    keep_inputs_of: Collection[str] = frozenset(), from_input: _Identities | None = None):
+def module_tracking(
+    model: nn.Module,
+    record: Observation,
+    where: list[_Frame],
+    keep_inputs_of: Collection[str] = frozenset(),
+    from_input: _Identities | None = None,
+):
     """Forward hooks on every submodule: keep a stack of running modules (with the positions and key sources their
     forward was handed) and record in/out shapes; the root's input ids go into from_input, where the observer
     follows what is computed from them."""
@@ -835,10 +953,16 @@ def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
                 if isinstance(ids, torch.Tensor):
                     from_input[ids] = True
             where.append(_frame(name, reading, args, kwargs))
-            call = ModuleCall(name, type(module).__name__, tuple(x.shape) if x is not None else None, None,
-                              x.detach().clone() if name in keep_inputs_of and x is not None else None)
+            call = ModuleCall(
+                name,
+                type(module).__name__,
+                tuple(x.shape) if x is not None else None,
+                None,
+                x.detach().clone() if name in keep_inputs_of and x is not None else None,
+            )
             record.modules.append(call)
             running.setdefault(name, []).append(call)
+
         return hook
 
     def post(name):
@@ -852,6 +976,7 @@ def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
                 call.output_shape = tuple(y.shape) if y is not None else ()
                 call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
                 call.seq = record.tick()
+
         return hook
 
     try:
@@ -865,14 +990,21 @@ def module_tracking(model: nn.Module, record: Observation, where: list[_Frame],
 
 
 @contextmanager
-def observing(model: nn.Module, seq_len: int, keep_tensors: bool = False, zero_dropout: bool = False,
-              keep_inputs_of: Collection[str] = frozenset()):
+def observing(
+    model: nn.Module,
+    seq_len: int,
+    keep_tensors: bool = False,
+    zero_dropout: bool = False,
+    keep_inputs_of: Collection[str] = frozenset(),
+):
     """Everything inside runs observed; the Observation fills as it runs and is complete on exit."""
     record = Observation(seq_len=seq_len)
     where: list[_Frame] = []
     from_input = _Identities()
-    with module_tracking(model, record, where, keep_inputs_of, from_input), \
-            _Observer(record, where, keep_tensors, zero_dropout, from_input):
+    with (
+        module_tracking(model, record, where, keep_inputs_of, from_input),
+        _Observer(record, where, keep_tensors, zero_dropout, from_input),
+    ):
         yield record
 
 

@@ -32,10 +32,16 @@ class Overrides:
     def applied(self, config: RunConfig) -> RunConfig:
         """The config with these overrides in it (a copy; the config itself is left alone)."""
         inputs = config.inputs if self.seed is None else config.inputs.model_copy(update={"seed": self.seed})
-        distributed = config.distributed if self.nproc is None else \
-            config.distributed.model_copy(update={"nproc": self.nproc})
-        return config.model_copy(update={
-            "inputs": inputs, "distributed": distributed, "device": self.device or config.device,
-            "dtype": self.dtype or config.dtype,
-            "checks": self.checks if self.checks is not None else config.checks,
-            "meta": self.meta or config.meta})
+        distributed = (
+            config.distributed if self.nproc is None else config.distributed.model_copy(update={"nproc": self.nproc})
+        )
+        return config.model_copy(
+            update={
+                "inputs": inputs,
+                "distributed": distributed,
+                "device": self.device or config.device,
+                "dtype": self.dtype or config.dtype,
+                "checks": self.checks if self.checks is not None else config.checks,
+                "meta": self.meta or config.meta,
+            }
+        )

@@ -45,18 +45,42 @@ class FwdcheckWarning(UserWarning):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fwdcheck", "fwdcheck: forward-pass checks of the models fwdcheck configs describe")
-    group.addoption("--fwdcheck", action="append", default=[], metavar="PATH", dest="fwdcheck_paths",
-                    help="collect every fwdcheck config (*.yaml/*.yml with a `model:` key) under PATH, a file or a "
-                         "directory; one test item per check. Repeatable.")
-    group.addoption("--fwdcheck-fail-on", choices=("fail", "warn"), default="fail", dest="fwdcheck_fail_on",
-                    help="lowest check status that fails its item (default: fail; warnings are then reported as "
-                         "pytest warnings).")
-    group.addoption("--fwdcheck-device", choices=("cpu", "cuda", "auto"), default=None, dest="fwdcheck_device",
-                    help="override every config's device.")
-    group.addoption("--fwdcheck-dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    dest="fwdcheck_dtype", help="override every config's dtype.")
-    parser.addini("fwdcheck_paths", type="paths", default=[],
-                  help="config files or directories collected as if given with --fwdcheck (relative to the ini file)")
+    group.addoption(
+        "--fwdcheck",
+        action="append",
+        default=[],
+        metavar="PATH",
+        dest="fwdcheck_paths",
+        help="collect every fwdcheck config (*.yaml/*.yml with a `model:` key) under PATH, a file or a "
+        "directory; one test item per check. Repeatable.",
+    )
+    group.addoption(
+        "--fwdcheck-fail-on",
+        choices=("fail", "warn"),
+        default="fail",
+        dest="fwdcheck_fail_on",
+        help="lowest check status that fails its item (default: fail; warnings are then reported as pytest warnings).",
+    )
+    group.addoption(
+        "--fwdcheck-device",
+        choices=("cpu", "cuda", "auto"),
+        default=None,
+        dest="fwdcheck_device",
+        help="override every config's device.",
+    )
+    group.addoption(
+        "--fwdcheck-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        dest="fwdcheck_dtype",
+        help="override every config's dtype.",
+    )
+    parser.addini(
+        "fwdcheck_paths",
+        type="paths",
+        default=[],
+        help="config files or directories collected as if given with --fwdcheck (relative to the ini file)",
+    )
 
 
 _ROOTS = pytest.StashKey[list]()  # the absolute config paths / directories to collect
@@ -113,8 +137,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     invocation = config.invocation_params.dir
     for root, count in config.stash.get(_FOUND, {}).items():
         if count == 0:
-            terminalreporter.write_line(f"fwdcheck: no configs found under {_shown(root, invocation)} "
-                                        "(a config is a *.yaml/*.yml mapping with a `model:` key)", yellow=True)
+            terminalreporter.write_line(
+                f"fwdcheck: no configs found under {_shown(root, invocation)} "
+                "(a config is a *.yaml/*.yml mapping with a `model:` key)",
+                yellow=True,
+            )
 
 
 # -- collection -------------------------------------------------------------------------------------------------------
@@ -187,8 +214,9 @@ class ConfigFile(pytest.File):
         from fwdcheck.overrides import Overrides
 
         options = self.config.option
-        return Overrides(device=options.fwdcheck_device, dtype=options.fwdcheck_dtype,
-                         fail_on=options.fwdcheck_fail_on, **fields)
+        return Overrides(
+            device=options.fwdcheck_device, dtype=options.fwdcheck_dtype, fail_on=options.fwdcheck_fail_on, **fields
+        )
 
     def _golden_beside(self) -> dict | None:
         """The golden file beside the config, read and checked against the run it is for; None when there is none."""
@@ -239,8 +267,9 @@ class ConfigFile(pytest.File):
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
-        run = Run.build(self.fwd_config, self.overrides(checks=[e.name for e in entries],
-                                                        expect_golden=self.expected_golden))
+        run = Run.build(
+            self.fwd_config, self.overrides(checks=[e.name for e in entries], expect_golden=self.expected_golden)
+        )
         report = run.check(run.load(), config_path=self.shown)
         return report, dict(zip((e.name for e in entries), report.results, strict=False))
 
@@ -304,7 +333,8 @@ class CheckItem(pytest.Item):
         if result.status == Status.SKIP:
             _skip(f"{self.name}: {result.summary}")
         failing = result.status in (Status.FAIL, Status.ERROR) or (
-            result.status == Status.WARN and report.fail_on == "warn")
+            result.status == Status.WARN and report.fail_on == "warn"
+        )
         if failing:
             raise CheckFailed(self.failure_text(report, result), self.headline(result))
         if result.status == Status.WARN:
@@ -331,16 +361,19 @@ class CheckItem(pytest.Item):
             if source and source != f.where:
                 lines.append(f"      code {source}")
         if result.internal_error and result.data.get("traceback"):
-            lines += ["", "internal error (a bug in fwdcheck or in the check's plugin); traceback:",
-                      result.data["traceback"].rstrip()]
+            lines += [
+                "",
+                "internal error (a bug in fwdcheck or in the check's plugin); traceback:",
+                result.data["traceback"].rstrip(),
+            ]
         env = report.environment
         lines += [
             "",
             f"config:  {self.file.shown}",
             f"model:   {report.model.get('label', '?')} · {env.get('device')} {env.get('dtype')} · "
             f"B={env.get('batch_size')} T={env.get('seq_len')} seed={env.get('seed')}",
-            f"rerun:   fwdcheck run {self.file.shown} " + (f"--expect-golden {self.file.golden_shown}"
-                                                          if self.expected_golden else f"--check {self.name}"),
+            f"rerun:   fwdcheck run {self.file.shown} "
+            + (f"--expect-golden {self.file.golden_shown}" if self.expected_golden else f"--check {self.name}"),
         ]
         if self.entry.distribution != "direct":
             lines.append(f"explain: fwdcheck explain {self.name}")
@@ -378,8 +411,8 @@ def _skip(reason: str):
 def fwdcheck():
     """fwdcheck.check_model: `fwdcheck(model, checks=None, batch_size=2, seq_len=8, ...) -> Report`.
 
-        def test_model(fwdcheck):
-            fwdcheck(MyModel(), vocab_size=32000).raise_for_failures()
+    def test_model(fwdcheck):
+        fwdcheck(MyModel(), vocab_size=32000).raise_for_failures()
     """
     from fwdcheck.api import check_model
 

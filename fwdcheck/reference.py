@@ -23,7 +23,6 @@ Positional = Literal["rope", "learned", "none"]
 Pairing = Literal["half", "interleaved"]
 
 
-
 @dataclass
 class RopeConfig:
     base: float = 10000.0
@@ -83,16 +82,23 @@ class ReferenceConfig:
 # Rotary position embedding (RoFormer section 3), in both pairings real code uses.
 
 
-def rope_angles(positions: torch.Tensor, rotary_dim: int, base: float,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rope_angles(
+    positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Angle m * theta_i for each position m and frequency theta_i = base^(-2i/rotary_dim): (..., T, rotary_dim/2).
     Computed in float32 whatever the activations' dtype: bfloat16 holds integers exactly only up to 256."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=dtype, device=positions.device) / rotary_dim))
     return positions.to(dtype)[..., None] * inv_freq
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float, pairing: Pairing, rotary_dim: int,
-               angle_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    base: float,
+    pairing: Pairing,
+    rotary_dim: int,
+    angle_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Rotate x (B, nh, T, hs) by its positions (B, T) or (T,); only the first rotary_dim dims of each head turn.
 
     half (GPT-NeoX, Llama): dim i pairs with dim i + rotary_dim/2.  interleaved (GPT-J, RoFormer): 2i pairs with 2i+1.
@@ -125,8 +131,9 @@ def positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def restrict_to_documents(mask: torch.Tensor | None, is_causal: bool,
-                          same_document: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def restrict_to_documents(
+    mask: torch.Tensor | None, is_causal: bool, same_document: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
     """The causal mask narrowed to the keys of each query's own document, (B, 1, T, T) in the mask's encoding.
     same_document: (B, T, T), True where query and key belong to one document."""
     T = same_document.shape[-1]
@@ -179,8 +186,14 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout  # attention-probability dropout, handed to SDPA as dropout_p
         self.bugs = set(cfg.bugs)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, offset_given: bool,
-                cache: KVCache | None = None, same_document: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        offset_given: bool,
+        cache: KVCache | None = None,
+        same_document: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
         if "batch-mix" in self.bugs:
@@ -304,11 +317,13 @@ class Block(nn.Module):
 
     def forward(self, x, position_ids, offset_given, cache=None, same_document=None):
         if self.pre_norm:  # x + f(norm(x))
-            x = x + self.resid_dropout(self.attn(self.ln_1(x), position_ids, offset_given, cache,
-                                                 same_document=same_document))
+            x = x + self.resid_dropout(
+                self.attn(self.ln_1(x), position_ids, offset_given, cache, same_document=same_document)
+            )
             return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.resid_dropout(self.attn(x, position_ids, offset_given, cache,
-                                                       same_document=same_document)))  # norm(x + f(x))
+        x = self.ln_1(
+            x + self.resid_dropout(self.attn(x, position_ids, offset_given, cache, same_document=same_document))
+        )  # norm(x + f(x))
         return self.ln_2(x + self.mlp(x))
 
 
@@ -347,12 +362,24 @@ class ReferenceTransformer(nn.Module):
         """The rotation the attention layers apply to q and k, on its own: x (B, nh, T, hs) turned by positions (T,)
         or (B, T), in the layers' precision (planted bugs included)."""
         cfg = self.config
-        return apply_rope(x, positions, base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim,
-                          angle_dtype=cast(Block, self.layers[0]).attn.angle_dtype(x))
+        return apply_rope(
+            x,
+            positions,
+            base=cfg.rope.base,
+            pairing=cfg.rope.pairing,
+            rotary_dim=cfg.rotary_dim,
+            angle_dtype=cast(Block, self.layers[0]).attn.angle_dtype(x),
+        )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                past_key_values: KVCache | None = None, use_cache: bool = False, labels: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        labels: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ):
         """Logits (B, T, V); with use_cache, (logits, cache): the cache holds every token run so far, and handed
         back as past_key_values the next call's input_ids continue the sequence after them. With labels (B, T),
         (logits, loss) as Hugging Face's causal LMs compute it (next_token_loss). With document_ids (B, T), one id
@@ -362,8 +389,9 @@ class ReferenceTransformer(nn.Module):
             past_key_values = KVCache()
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0  # tokens already cached
         length = past_len + T
-        assert length <= self.config.max_seq_len, (f"sequence length {length} exceeds max_seq_len "
-                                                   f"{self.config.max_seq_len}")
+        assert length <= self.config.max_seq_len, (
+            f"sequence length {length} exceeds max_seq_len {self.config.max_seq_len}"
+        )
         offset_given = position_ids is not None
         if position_ids is None:
             start = past_len  # the new tokens follow the cached ones

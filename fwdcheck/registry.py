@@ -87,10 +87,16 @@ def info(entry: CheckEntry) -> CheckInfo:
     if literal is not None:
         return literal
     check = entry.load()
-    return CheckInfo(check.description, getattr(check, "explain", ""), dict(getattr(check, "codes", {})),
-                     bool(getattr(check, "default", True)), int(getattr(check, "order", LAST)),
-                     getattr(check, "detail_view", None), getattr(check, "options", None),
-                     dict(getattr(check, "flags", {})))
+    return CheckInfo(
+        check.description,
+        getattr(check, "explain", ""),
+        dict(getattr(check, "codes", {})),
+        bool(getattr(check, "default", True)),
+        int(getattr(check, "order", LAST)),
+        getattr(check, "detail_view", None),
+        getattr(check, "options", None),
+        dict(getattr(check, "flags", {})),
+    )
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
@@ -134,22 +140,40 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             continue
         values = {}
         for statement in node.body:
-            targets = statement.targets if isinstance(statement, ast.Assign) else \
-                [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
+            targets = (
+                statement.targets
+                if isinstance(statement, ast.Assign)
+                else [statement.target]
+                if isinstance(statement, ast.AnnAssign) and statement.value
+                else []
+            )
             if len(targets) == 1 and isinstance(targets[0], ast.Name):
                 assert isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None  # targets
                 with suppress(ValueError):  # ValueError: computed, not a literal
                     values[targets[0].id] = ast.literal_eval(statement.value)
-        literal = (isinstance(values.get("description"), str) and isinstance(values.get("codes", {}), dict)
-                   and isinstance(values.get("default", True), bool) and isinstance(values.get("order", 0), int)
-                   and isinstance(values.get("detail_view", ""), (str, type(None)))
-                   and isinstance(values.get("options", ""), (str, type(None)))
-                   and isinstance(values.get("flags", {}), dict))
+        literal = (
+            isinstance(values.get("description"), str)
+            and isinstance(values.get("codes", {}), dict)
+            and isinstance(values.get("default", True), bool)
+            and isinstance(values.get("order", 0), int)
+            and isinstance(values.get("detail_view", ""), (str, type(None)))
+            and isinstance(values.get("options", ""), (str, type(None)))
+            and isinstance(values.get("flags", {}), dict)
+        )
         if literal:
-            found.setdefault(node.name, CheckInfo(values["description"], values.get("explain", ""),
-                                                  values.get("codes", {}), values.get("default", True),
-                                                  values.get("order", LAST), values.get("detail_view"),
-                                                  values.get("options"), values.get("flags", {})))
+            found.setdefault(
+                node.name,
+                CheckInfo(
+                    values["description"],
+                    values.get("explain", ""),
+                    values.get("codes", {}),
+                    values.get("default", True),
+                    values.get("order", LAST),
+                    values.get("detail_view"),
+                    values.get("options"),
+                    values.get("flags", {}),
+                ),
+            )
     return found
 
 
@@ -170,8 +194,10 @@ def available() -> dict[str, CheckEntry]:
 
 def _registered() -> list[CheckEntry]:
     """An entry for each entry point of the group, in the order importlib.metadata lists them (nothing imported)."""
-    return [CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown")
-            for ep in entry_points(group=GROUP)]
+    return [
+        CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown")
+        for ep in entry_points(group=GROUP)
+    ]
 
 
 def _order(entry: CheckEntry) -> int:
@@ -199,8 +225,11 @@ def _is_builtin(entry: CheckEntry) -> bool:
 def direct(reference: str) -> CheckEntry:
     """An entry for a check class named as `package.module:Class`; a malformed reference is a usage error."""
     module, colon, attr = reference.partition(":")
-    if not (module and attr) or ":" in attr or any(not part.isidentifier() for part in [*module.split("."),
-                                                                                         *attr.split(".")]):
+    if (
+        not (module and attr)
+        or ":" in attr
+        or any(not part.isidentifier() for part in [*module.split("."), *attr.split(".")])
+    ):
         raise UsageError(f"check '{reference}' is not of the form 'package.module:Class'")
     return CheckEntry(reference, reference, DIRECT)
 
@@ -272,8 +301,9 @@ def options_model(entry: CheckEntry) -> type[BaseModel] | None:
     return model
 
 
-def check_options(configured: dict[str, dict], flagged: dict[str, dict],
-                  entries: list[CheckEntry]) -> dict[str, BaseModel]:
+def check_options(
+    configured: dict[str, dict], flagged: dict[str, dict], entries: list[CheckEntry]
+) -> dict[str, BaseModel]:
     """Each check's options, validated: the config's `options:` section under the check's name, the command line's
     flags on top. Every selected check that has an options model gets one (its defaults when nothing is said); a
     section for a check that is not registered is a usage error with a did-you-mean, as is a wrong option."""
@@ -302,8 +332,7 @@ def check_options(configured: dict[str, dict], flagged: dict[str, dict],
                 raise UsageError(f"options.{name}: the check {entry.label} takes no options")
             continue
         if not isinstance(configured.get(name, {}), dict):
-            raise UsageError(f"options.{name}: a mapping of the check's options, not "
-                             f"{type(configured[name]).__name__}")
+            raise UsageError(f"options.{name}: a mapping of the check's options, not {type(configured[name]).__name__}")
         try:
             validated[name] = model.model_validate(given)
         except ValidationError as exc:
@@ -356,8 +385,9 @@ def command_line_flags() -> list[Flag]:
             said = f"{entry.name}: {field_info.description or option}"
             if flag in found:
                 known = found[flag]
-                found[flag] = Flag(flag, (*known.targets, (entry.name, option)), known.annotation,
-                                   f"{known.help}; {said}")
+                found[flag] = Flag(
+                    flag, (*known.targets, (entry.name, option)), known.annotation, f"{known.help}; {said}"
+                )
             else:
                 found[flag] = Flag(flag, ((entry.name, option),), field_info.annotation, said)
     return list(found.values())
@@ -387,12 +417,16 @@ def code_collision(entry: CheckEntry, codes: dict[str, str]) -> str | None:
     if not entry.value.startswith("fwdcheck."):
         own = sorted(code for code in codes if code.upper().startswith(OWN_PREFIX))
         if own:
-            return f"declares {own[0]}: the {OWN_PREFIX} prefix is fwdcheck's own; give the plugin's codes a prefix " \
-                   "of their own"
+            return (
+                f"declares {own[0]}: the {OWN_PREFIX} prefix is fwdcheck's own; give the plugin's codes a prefix "
+                "of their own"
+            )
     owners = code_owners() if codes else {}
     for code in codes:
         owner = owners.get(code)
         if owner is not None and owner[0].value != entry.value:
-            return f"declares {code}, which {owner[0].label} already declares; give the plugin's codes a prefix " \
-                   "of their own"
+            return (
+                f"declares {code}, which {owner[0].label} already declares; give the plugin's codes a prefix "
+                "of their own"
+            )
     return None

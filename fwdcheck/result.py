@@ -47,8 +47,15 @@ class Finding:
         return cls(**{k: v for k, v in d.items() if k in known} | {"status": Status(d["status"])})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "status": self.status.value, "message": self.message, "where": self.where,
-                "source": self.source, "ignored": self.ignored, "module": self.module}
+        return {
+            "code": self.code,
+            "status": self.status.value,
+            "message": self.message,
+            "where": self.where,
+            "source": self.source,
+            "ignored": self.ignored,
+            "module": self.module,
+        }
 
 
 def grouped(findings: list[Finding], key: Callable[[Finding], Hashable]) -> list[tuple[Finding, list[Finding]]]:
@@ -91,10 +98,17 @@ class CheckResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any], internal_error: bool = False) -> CheckResult:
         """The inverse of to_dict, which leaves internal_error out of the JSON report."""
-        return cls(name=d["name"], status=Status(d["status"]), summary=d["summary"],
-                   findings=[Finding.from_dict(f) for f in d.get("findings", [])], metrics=d.get("metrics", {}),
-                   data=d.get("data", {}), duration_s=d.get("duration_s", 0.0), key_number=d.get("key_number", ""),
-                   internal_error=internal_error)
+        return cls(
+            name=d["name"],
+            status=Status(d["status"]),
+            summary=d["summary"],
+            findings=[Finding.from_dict(f) for f in d.get("findings", [])],
+            metrics=d.get("metrics", {}),
+            data=d.get("data", {}),
+            duration_s=d.get("duration_s", 0.0),
+            key_number=d.get("key_number", ""),
+            internal_error=internal_error,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -64,18 +64,40 @@ class Run:
         """The model the config names (a Config's `model:` section)."""
         return load_model(cast(Config, self.config))  # only a run of a whole Config loads its model
 
-    def check(self, model: ModelUnderTest, *, config_path=None, progress: Callable[[str], None] | None = None,
-              on_result: Callable[[CheckResult], None] | None = None) -> Report:
+    def check(
+        self,
+        model: ModelUnderTest,
+        *,
+        config_path=None,
+        progress: Callable[[str], None] | None = None,
+        on_result: Callable[[CheckResult], None] | None = None,
+    ) -> Report:
         if self.config.distributed.nproc > 1:
-            raise UsageError(f"a distributed run (distributed.nproc {self.config.distributed.nproc}) starts processes "
-                             "of its own: run it with `fwdcheck run`")
-        return run_model(model, self.settings, self.entries, config_path=config_path, fail_on=self.fail_on,
-                         progress=progress, on_result=on_result)
+            raise UsageError(
+                f"a distributed run (distributed.nproc {self.config.distributed.nproc}) starts processes "
+                "of its own: run it with `fwdcheck run`"
+            )
+        return run_model(
+            model,
+            self.settings,
+            self.entries,
+            config_path=config_path,
+            fail_on=self.fail_on,
+            progress=progress,
+            on_result=on_result,
+        )
 
 
-def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntry], *, config_path=None,
-              fail_on: str = "fail", progress: Callable[[str], None] | None = None,
-              on_result: Callable[[CheckResult], None] | None = None) -> Report:
+def run_model(
+    model: ModelUnderTest,
+    settings: Settings,
+    entries: list[CheckEntry],
+    *,
+    config_path=None,
+    fail_on: str = "fail",
+    progress: Callable[[str], None] | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> Report:
     """Every check on one session, then the per-path checks over the code-path matrix; the model is restored when
     this returns, however it returns. `on_result` is told each check's default-path result as soon as it is known
     (the CLI's worker streams them to its supervisor, which keeps them if the process dies later)."""
@@ -107,13 +129,14 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
                     if result is not before:  # the check ran over the matrix
                         report_parameter_writes(result, written, session, " on the code-path matrix")
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
-        results += [CheckResult(e.name, Status.ERROR, str(exc), [model_raised(exc)])
-                    for e in entries[len(results):]]
+        results += [CheckResult(e.name, Status.ERROR, str(exc), [model_raised(exc)]) for e in entries[len(results) :]]
     except KeyboardInterrupt:  # Ctrl-C: the model is restored by now; report what ran, mark the rest
         interrupted = True
         if cells and len(results) == len(entries):
             session.notes.append("interrupted during the code-path matrix: the results cover the default path only")
-        results += [CheckResult(e.name, Status.ERROR, "interrupted before it finished") for e in entries[len(results):]]
+        results += [
+            CheckResult(e.name, Status.ERROR, "interrupted before it finished") for e in entries[len(results) :]
+        ]
     for result in results:
         result.apply_ignores(settings.ignored)
         for finding in result.findings:
@@ -132,17 +155,30 @@ def run_model(model: ModelUnderTest, settings: Settings, entries: list[CheckEntr
 def model_summary(model: ModelUnderTest) -> dict:
     """The report's `model` section."""
     parameters = sum(p.numel() for p in model.module.parameters())
-    return {"label": model.label, "source": model.source, "parameters": parameters, "vocab_size": model.vocab_size,
-            "max_positions": model.max_positions, "causal": model.causal, "dims": dict(model.dims)}
+    return {
+        "label": model.label,
+        "source": model.source,
+        "parameters": parameters,
+        "vocab_size": model.vocab_size,
+        "max_positions": model.max_positions,
+        "causal": model.causal,
+        "dims": dict(model.dims),
+    }
 
 
 def environment_summary(settings: Settings, device: str) -> dict:
     """The report's `environment` section."""
     import torch
 
-    return {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "dtype": settings.dtype, "seed": settings.inputs.seed, "batch_size": settings.inputs.batch_size,
-            "seq_len": settings.inputs.seq_len}
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "dtype": settings.dtype,
+        "seed": settings.inputs.seed,
+        "batch_size": settings.inputs.batch_size,
+        "seq_len": settings.inputs.seq_len,
+    }
 
 
 def model_raised(exc: ModelRaised) -> Finding:
@@ -177,14 +213,23 @@ class CellRun:
     shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
 
 
-def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model: ModelUnderTest, settings: Settings,
-                   cells: list[CodePath], session: Session,
-                   progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+def run_code_paths(
+    entries: list[CheckEntry],
+    results: list[CheckResult],
+    model: ModelUnderTest,
+    settings: Settings,
+    cells: list[CodePath],
+    session: Session,
+    progress: Callable[[str], None] | None = None,
+) -> list[CheckResult]:
     """The checks that declare per_code_path, once per cell, each merged into one result that lists every cell. A
     check that skipped or could not run on the default path is left as it is. Cells outside, checks inside: a cell's
     session (its observation pass, its baseline) is shared by every per-path check."""
-    chosen = [i for i, (entry, result) in enumerate(zip(entries, results, strict=True))
-              if result.status not in (Status.SKIP, Status.ERROR) and per_code_path(entry)]
+    chosen = [
+        i
+        for i, (entry, result) in enumerate(zip(entries, results, strict=True))
+        if result.status not in (Status.SKIP, Status.ERROR) and per_code_path(entry)
+    ]
     if not chosen:
         return results
     per_path = [entries[i] for i in chosen]
@@ -200,20 +245,35 @@ def run_code_paths(entries: list[CheckEntry], results: list[CheckResult], model:
     return merged
 
 
-def run_path(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings,
-             session: Session, verdicts: Verdicts | None = None) -> CellRun:
+def run_path(
+    cell: CodePath,
+    entries: list[CheckEntry],
+    model: ModelUnderTest,
+    settings: Settings,
+    session: Session,
+    verdicts: Verdicts | None = None,
+) -> CellRun:
     """One cell as a run does it, given the run's own session: at the cell's short length, and again at
     inputs.seq_len if the model raised there. A model may refuse short sequences (a length it needs at least,
     undeclared); the default run showed that it takes inputs.seq_len, so the path gets a verdict all the same.
     `verdicts`: what the cells run so far vouch for, which this cell may share."""
-    run = run_cell(cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows,
-                   verdicts=verdicts)
+    run = run_cell(
+        cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows, verdicts=verdicts
+    )
     if run.seq_len < settings.inputs.seq_len and _model_raised(run):
-        again = run_cell(cell, entries, model, settings, shortest=settings.inputs.seq_len, max_rows=session.max_rows,
-                         verdicts=verdicts)
+        again = run_cell(
+            cell,
+            entries,
+            model,
+            settings,
+            shortest=settings.inputs.seq_len,
+            max_rows=session.max_rows,
+            verdicts=verdicts,
+        )
         again.forward_tokens = [a + b for a, b in zip(run.forward_tokens, again.forward_tokens, strict=True)]
-        again.note = "; ".join(filter(None, [f"the model raised at T={run.seq_len}; the cell ran at "
-                                             f"T={again.seq_len}", again.note]))
+        again.note = "; ".join(
+            filter(None, [f"the model raised at T={run.seq_len}; the cell ran at T={again.seq_len}", again.note])
+        )
         return again
     return run
 
@@ -236,8 +296,16 @@ def _declares(entry: CheckEntry, reads: Callable[[object], bool]) -> bool:
         return False
 
 
-def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, settings: Settings, *,
-             shortest: int = 1, max_rows: int | None = None, verdicts: Verdicts | None = None) -> CellRun:
+def run_cell(
+    cell: CodePath,
+    entries: list[CheckEntry],
+    model: ModelUnderTest,
+    settings: Settings,
+    *,
+    shortest: int = 1,
+    max_rows: int | None = None,
+    verdicts: Verdicts | None = None,
+) -> CellRun:
     """Every given check on one cell, in one session: the model's forward takes the cell's path, on inputs of the
     cell's batch size and length (code_paths.cell_settings). A left-padded cell also holds the same path without
     padding, whose logits the real tokens must reproduce. `shortest` and `max_rows` are the run's own session's.
@@ -262,12 +330,18 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
             if same is not None:
                 spent = time.perf_counter() - started
-                results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0)
-                           for i, r in enumerate(same.results)]
+                results = [
+                    dataclasses.replace(r, duration_s=spent if i == 0 else 0.0) for i, r in enumerate(same.results)
+                ]
                 tokens = [session.forward_tokens] + [0] * (len(entries) - 1)  # the shared pass, on the first check
-                return CellRun(cell, own.inputs.seq_len, results, tokens,
-                               note=f"the same code path as {same.cell.label} (the same calls, masks and logits): "
-                                    "its verdict", shares=same.cell.label)
+                return CellRun(
+                    cell,
+                    own.inputs.seq_len,
+                    results,
+                    tokens,
+                    note=f"the same code path as {same.cell.label} (the same calls, masks and logits): its verdict",
+                    shares=same.cell.label,
+                )
             # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode).
             logits = session.observed_logits if signature else None
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
@@ -275,8 +349,11 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
                 before = session.forward_tokens
                 follows_logits = logits is not None and _declares(entry, verdict_from_logits)
                 # (logits are kept only with a signature, and a signature only with verdicts)
-                shared = verdicts.same_logits(entry.name, session, logits) \
-                    if follows_logits and verdicts is not None and logits is not None else None
+                shared = (
+                    verdicts.same_logits(entry.name, session, logits)
+                    if follows_logits and verdicts is not None and logits is not None
+                    else None
+                )
                 result = _same_logits_verdict(entry, shared) if shared else run_one(entry, view, session)
                 results.append(result)
                 tokens.append(session.forward_tokens - before + observed)
@@ -286,7 +363,7 @@ def run_cell(cell: CodePath, entries: list[CheckEntry], model: ModelUnderTest, s
                     anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         message = f"{type(exc).__name__}: {exc}"
-        for entry in entries[len(results):]:
+        for entry in entries[len(results) :]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
         signature, anchors = None, []
@@ -301,11 +378,19 @@ def _same_logits_verdict(entry: CheckEntry, same: SameLogits) -> CheckResult:
     """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: this cell's measurement is
     the comparison that vouches for it; the pass it takes is named, its numbers not copied."""
     anchor, passed = same.anchor, same.anchor.result
-    summary = (f"the same logits as {anchor.label} (max difference {same.difference:.2g} vs tolerance "
-               f"{same.tolerance:.2g}): its verdict, {passed.summary}")
+    summary = (
+        f"the same logits as {anchor.label} (max difference {same.difference:.2g} vs tolerance "
+        f"{same.tolerance:.2g}): its verdict, {passed.summary}"
+    )
     metrics = {"same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
-    return CheckResult(entry.name, passed.status, summary, metrics=metrics, data={"same_logits_as": anchor.label},
-                       key_number=f"{same.difference:.2g} / {same.tolerance:.2g}")
+    return CheckResult(
+        entry.name,
+        passed.status,
+        summary,
+        metrics=metrics,
+        data={"same_logits_as": anchor.label},
+        key_number=f"{same.difference:.2g} / {same.tolerance:.2g}",
+    )
 
 
 def _signature(session: Session) -> str | None:
@@ -324,11 +409,18 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     """Keep the default path's detail (leak map, mask table); add one row per cell (its path, length and verdict)
     and, for each finding code that failed somewhere, one finding naming the cells. `cells`: each cell's run with
     this check's result there."""
-    rows = [{"path": run.cell.label, "status": r.status.value, "summary": r.summary,
-             "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
-             "seq_len": run.seq_len, **({"note": run.note} if run.note else {}),
-             **({"shares": shared} if (shared := shared_from(run, r)) else {})}
-            for run, r in cells]
+    rows = [
+        {
+            "path": run.cell.label,
+            "status": r.status.value,
+            "summary": r.summary,
+            "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
+            "seq_len": run.seq_len,
+            **({"note": run.note} if run.note else {}),
+            **({"shares": shared} if (shared := shared_from(run, r)) else {}),
+        }
+        for run, r in cells
+    ]
     by_code: dict[str, tuple[Finding, list[str]]] = {}
     for run, r in cells:
         for f in r.findings:
@@ -339,9 +431,16 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     findings = [f for f in default.findings if f.code not in by_code]
     for code, (first, where) in by_code.items():
         shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
-        findings.append(Finding(code, first.status, first.message,
-                                f"{len(where)} of {len(cells)} code paths: {shown}" +
-                                (f" (first at {first.where})" if first.where else ""), source=first.source))
+        findings.append(
+            Finding(
+                code,
+                first.status,
+                first.message,
+                f"{len(where)} of {len(cells)} code paths: {shown}"
+                + (f" (first at {first.where})" if first.where else ""),
+                source=first.source,
+            )
+        )
     failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
     status = worst([default.status, *(r.status for _, r in cells)])
     lengths = sorted({run.seq_len for run, _ in cells})
@@ -351,10 +450,17 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
         summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
     else:
         summary = f"{len(cells)} code paths pass ({at}); {default.summary}"
-    return CheckResult(default.name, status, summary, findings, dict(default.metrics, code_paths=len(cells),
-                       failing_code_paths=len(failing)), {**default.data, "paths": rows},
-                       default.duration_s + sum(r.duration_s for _, r in cells),
-                       default.internal_error or any(r.internal_error for _, r in cells), default.key_number)
+    return CheckResult(
+        default.name,
+        status,
+        summary,
+        findings,
+        dict(default.metrics, code_paths=len(cells), failing_code_paths=len(failing)),
+        {**default.data, "paths": rows},
+        default.duration_s + sum(r.duration_s for _, r in cells),
+        default.internal_error or any(r.internal_error for _, r in cells),
+        default.key_number,
+    )
 
 
 def shared_from(run: CellRun, result: CheckResult) -> dict | None:
@@ -390,8 +496,12 @@ def time_limit(seconds: float | None):
     deadline comes first, and when it is the enclosing one's, its handler runs then, as it would have, while the
     block's own limit carries on. An enclosing timer without a Python handler to call fires as soon as the block
     ends. Afterwards it is armed again with the time it had left, its handler back in place."""
-    usable = (seconds and seconds < _LONGEST_LIMIT and hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread())
+    usable = (
+        seconds
+        and seconds < _LONGEST_LIMIT
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
     if not usable or seconds is None:  # (usable implies a number)
         yield
         return
@@ -431,13 +541,16 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
     try:
         check = entry.load()
         if session.device.type == "meta" and getattr(check, "needs_values", True):
-            raise SkipCheck("needs values; on the meta device only shapes exist: run on a shrunk config "
-                            "(`fwdcheck shrink CONFIG`)")
+            raise SkipCheck(
+                "needs values; on the meta device only shapes exist: run on a shrunk config (`fwdcheck shrink CONFIG`)"
+            )
         with time_limit(session.settings.timeout_s):
             result = check.run(model, session)
         if not isinstance(result, CheckResult):  # a plugin's bug: its own error, not the end of the run
-            raise TypeError(f"{type(check).__name__}.run() returned "
-                            f"{'None' if result is None else type(result).__name__}, not a CheckResult")
+            raise TypeError(
+                f"{type(check).__name__}.run() returned "
+                f"{'None' if result is None else type(result).__name__}, not a CheckResult"
+            )
         if result.status != Status.SKIP and callable(getattr(check, "key_number", None)):
             result.key_number = str(check.key_number(result) or "")
     except CheckTimeout as timeout:
@@ -451,8 +564,14 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         result = CheckResult(entry.name, Status.ERROR, str(exc), [model_raised(exc)])
     except Exception as exc:  # a bug of fwdcheck's (or of a plugin's), not of the model: exit 3
         message = f"internal error in check {entry.label}: {type(exc).__name__}: {exc}"
-        result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD003", Status.ERROR, message)],
-                             data={"traceback": traceback.format_exc()}, internal_error=True)
+        result = CheckResult(
+            entry.name,
+            Status.ERROR,
+            message,
+            [Finding("FWD003", Status.ERROR, message)],
+            data={"traceback": traceback.format_exc()},
+            internal_error=True,
+        )
     result.duration_s = time.perf_counter() - start
     return result
 
@@ -465,10 +584,14 @@ def report_parameter_writes(result: CheckResult, written: list[str], session: Se
     if all(session.runs_on_copy(parameters[name]) for name in written):
         after = "the model's own values are intact: the run worked on a copy"
     else:
-        after = ("they stay as written (fwdcheck keeps fingerprints of parameters, not copies): reload the model "
-                 "before using it")
+        after = (
+            "they stay as written (fwdcheck keeps fingerprints of parameters, not copies): reload the model "
+            "before using it"
+        )
     shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
-    message = (f"the forward wrote parameter{'s' if len(written) > 1 else ''} {shown} in place{during}: a forward in "
-               f"eval mode should not change the weights, and the forwards after it ran another model; {after}")
+    message = (
+        f"the forward wrote parameter{'s' if len(written) > 1 else ''} {shown} in place{during}: a forward in "
+        f"eval mode should not change the weights, and the forwards after it ran another model; {after}"
+    )
     result.findings.append(Finding("FWD006", Status.FAIL, message, written[0].rpartition(".")[0] or None))
     result.status = worst([result.status, Status.FAIL])

@@ -41,8 +41,9 @@ class Session:
         self.dtype = DTYPES[settings.dtype]
         self.notes: list[str] = [device_note] if device_note else []
         if settings.inputs.seq_len > (model.max_positions or settings.inputs.seq_len):
-            raise UsageError(f"inputs.seq_len {settings.inputs.seq_len} exceeds the model's maximum positions "
-                             f"{model.max_positions}")
+            raise UsageError(
+                f"inputs.seq_len {settings.inputs.seq_len} exceeds the model's maximum positions {model.max_positions}"
+            )
         rtol, atol = TOLERANCES[self.dtype].logits
         self.rtol = settings.tolerance.rtol if settings.tolerance.rtol is not None else rtol
         self.atol = settings.tolerance.atol if settings.tolerance.atol is not None else atol
@@ -56,8 +57,10 @@ class Session:
         try:
             self.inputs = self.random_ids((B, T))
         except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
-            raise UsageError(f"inputs: batch_size {B} x seq_len {T} token ids cannot be allocated "
-                             f"({type(exc).__name__}: {first_line(exc)})") from None
+            raise UsageError(
+                f"inputs: batch_size {B} x seq_len {T} token ids cannot be allocated "
+                f"({type(exc).__name__}: {first_line(exc)})"
+            ) from None
         self._cache: dict[str, object] = {}  # baseline, repeat, observation: computed once, shared by all checks
         self._observed: torch.Tensor | None = None  # the observation pass's logits, while they may stand in
         self.forward_tokens = 0  # rows x positions run, for benchmarks
@@ -85,8 +88,9 @@ class Session:
             except BaseException as exc:
                 if not model_failure(exc):
                     raise
-                raise ModelRaised(f"the model cannot be put in eval mode: {describe(exc)}",
-                                  frame=model_frame(exc)) from exc
+                raise ModelRaised(
+                    f"the model cannot be put in eval mode: {describe(exc)}", frame=model_frame(exc)
+                ) from exc
             for dropout in state.dropout_p:
                 dropout.p = 0.0
             self._place(module)
@@ -97,8 +101,10 @@ class Session:
         written = state.restore()
         if written:
             shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
-            self.notes.append(f"the forward wrote buffer{'s' if len(written) > 1 else ''} {shown} in place (where "
-                              "models keep caches and counters); the contents were put back as found")
+            self.notes.append(
+                f"the forward wrote buffer{'s' if len(written) > 1 else ''} {shown} in place (where "
+                "models keep caches and counters); the contents were put back as found"
+            )
 
     def _place(self, module: nn.Module) -> None:
         tensors = [*module.parameters(), *module.buffers()]
@@ -121,14 +127,15 @@ class Session:
 
     # -- forwards -------------------------------------------------------------------------------------------------
 
-    def logits(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-               model: ModelUnderTest | None = None) -> torch.Tensor:
+    def logits(
+        self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, model: ModelUnderTest | None = None
+    ) -> torch.Tensor:
         """Logits [N, T, V] as float32, in row chunks of at most max_rows, dropout forced off where needed."""
         model = model or self.model
         chunks = []
         for start in range(0, ids.shape[0], self.max_rows):
-            rows = ids[start:start + self.max_rows]
-            positions = position_ids[start:start + self.max_rows] if position_ids is not None else None
+            rows = ids[start : start + self.max_rows]
+            positions = position_ids[start : start + self.max_rows] if position_ids is not None else None
             chunks.append(self._forward(rows, positions, model))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -136,7 +143,7 @@ class Session:
         """The model's raw output for ids [N, T] with keyword arguments of its own (labels, document ids, a 4-D mask;
         ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), under
         torch.no_grad(), dropout forced off where needed, model exceptions as ModelRaised."""
-        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else nullcontext()):
+        with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
             output = self.model.call(ids, **kwargs)
         self.forward_tokens += ids.numel()
         return output
@@ -153,12 +160,13 @@ class Session:
         N = ids.shape[0]
         out = []
         for start in range(0, N, self.max_rows):
-            rows = ids[start:start + self.max_rows]
+            rows = ids[start : start + self.max_rows]
             if len(rows) == 1 and (N > 1 or self.inputs.shape[0] > 1):
                 rows = torch.cat([rows, self.inputs[:1]])
             logits = self._forward(rows, None, self.model)  # (n, T, V)
-            out += [position_change(logits[i], reference[against[start + i]])
-                    for i in range(min(self.max_rows, N - start))]
+            out += [
+                position_change(logits[i], reference[against[start + i]]) for i in range(min(self.max_rows, N - start))
+            ]
             del logits
         return torch.stack(out)  # (N, T)
 
@@ -168,7 +176,7 @@ class Session:
         return [max(c, 2) if n > 1 or self.inputs.shape[0] > 1 else c for c in counts]
 
     def _forward(self, rows: torch.Tensor, positions: torch.Tensor | None, model: ModelUnderTest) -> torch.Tensor:
-        with torch.no_grad(), (ZeroAttentionDropout() if self.force_zero_dropout else nullcontext()):
+        with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
             logits = model.logits(rows, positions).float()
         self.forward_tokens += rows.numel()
         return logits
@@ -272,8 +280,13 @@ class Session:
 
         return self._once("observation", compute)
 
-    def observe(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep_tensors: bool = False,
-                keep_inputs_of: Collection[str] = frozenset()) -> Observation:
+    def observe(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        keep_tensors: bool = False,
+        keep_inputs_of: Collection[str] = frozenset(),
+    ) -> Observation:
         """One forward under the attention observer. Its logits are dropped (the mode can change code paths): it
         tells what the model did, not what it computes untouched. Only the session's own observation pass keeps
         them, as a reference that stands while untouched forwards agree with it (see reference())."""

@@ -30,9 +30,12 @@ class Settings(RunConfig):
         overrides = overrides or Overrides()
         run = overrides.applied(config)
         entries = selected(run.checks, run.distributed.nproc)
-        return cls(**{name: getattr(run, name) for name in RunConfig.model_fields},
-                   expect_ledger=overrides.expect_ledger, expect_golden=overrides.expect_golden,
-                   check_options=check_options(run.options, overrides.options or {}, entries))
+        return cls(
+            **{name: getattr(run, name) for name in RunConfig.model_fields},
+            expect_ledger=overrides.expect_ledger,
+            expect_golden=overrides.expect_golden,
+            check_options=check_options(run.options, overrides.options or {}, entries),
+        )
 
     @property
     def ignored(self) -> dict[str, str]:
@@ -49,8 +52,10 @@ def resolve_device(requested: str) -> tuple[torch.device, str | None]:
             return torch.device("cuda"), "device auto: CUDA is available, using cuda"
         return torch.device("cpu"), "device auto: no CUDA device found, using cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device; "
-                          "use `--device cpu` or `--device auto`")
+        raise DeviceError(
+            f"device '{requested}' requested but torch {torch.__version__} sees no CUDA device; "
+            "use `--device cpu` or `--device auto`"
+        )
     try:
         return torch.device(requested), None
     except RuntimeError as exc:

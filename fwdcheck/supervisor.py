@@ -48,7 +48,10 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         try:
             worker = start_worker(events_write, output_write, cancelled=lambda: bool(received)) or subprocess.Popen(
                 [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=output_write, stderr=output_write, pass_fds=(events_write,),
+                stdin=subprocess.PIPE,
+                stdout=output_write,
+                stderr=output_write,
+                pass_fds=(events_write,),
                 start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor alone, which passes it on
             )
         finally:
@@ -77,13 +80,23 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         raise run.error
     if ending == "timeout":
         limit = f"{timeout_s:g} s" if timeout_s else "its limit"
-        return run.partial_report(f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
-                                  "forward that ignores the time limit, or hangs in native code)", "FWD004")
+        return run.partial_report(
+            f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
+            "forward that ignores the time limit, or hangs in native code)",
+            "FWD004",
+        )
     return run.partial_report(f"the model process {ended(worker)}", "FWD005")
 
 
-def supervise(worker: subprocess.Popen | ForkedWorker, run: Heard, events_fd: int, output_fd: int,
-              timeout_s: float | None, progress, received: list[int]) -> str:
+def supervise(
+    worker: subprocess.Popen | ForkedWorker,
+    run: Heard,
+    events_fd: int,
+    output_fd: int,
+    timeout_s: float | None,
+    progress,
+    received: list[int],
+) -> str:
     """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout' or 'signal'."""
     buffer = b""
     open_fds = [events_fd, output_fd]
@@ -175,8 +188,9 @@ def caught_signals():
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield received
     finally:
@@ -200,7 +214,11 @@ def died(returncode: int) -> str:
     """How a worker that sent no report ended, in words."""
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        why = {"SIGKILL": " (the out-of-memory killer sends this)", "SIGSEGV": " (a segmentation fault)",
-               "SIGABRT": " (an abort in native code)", "SIGBUS": " (a bus error)"}.get(name, "")
+        why = {
+            "SIGKILL": " (the out-of-memory killer sends this)",
+            "SIGSEGV": " (a segmentation fault)",
+            "SIGABRT": " (an abort in native code)",
+            "SIGBUS": " (a bus error)",
+        }.get(name, "")
         return f"was killed by {name}{why}"
     return f"exited with code {returncode} (sys.exit or os._exit in model code)"

@@ -41,10 +41,13 @@ class Tolerances(NamedTuple):
 
 
 TOLERANCES = {
-    torch.float32: Tolerances(logits=(1.3e-6, 1e-5), rotation=1e-4, attention_weights=1e-4, backends=(1e-4, 1e-6),
-                               golden=(1e-4, 1e-6)),
-    torch.bfloat16: Tolerances(logits=(1.6e-2, 1e-5), rotation=3e-2, attention_weights=2e-2, backends=(1e-2, 1e-2),
-                                golden=(8e-2, 1e-3)),
-    torch.float16: Tolerances(logits=(1e-3, 1e-5), rotation=5e-3, attention_weights=5e-3, backends=(5e-3, 5e-3),
-                               golden=(1e-2, 1e-4)),
+    torch.float32: Tolerances(
+        logits=(1.3e-6, 1e-5), rotation=1e-4, attention_weights=1e-4, backends=(1e-4, 1e-6), golden=(1e-4, 1e-6)
+    ),
+    torch.bfloat16: Tolerances(
+        logits=(1.6e-2, 1e-5), rotation=3e-2, attention_weights=2e-2, backends=(1e-2, 1e-2), golden=(8e-2, 1e-3)
+    ),
+    torch.float16: Tolerances(
+        logits=(1e-3, 1e-5), rotation=5e-3, attention_weights=5e-3, backends=(5e-3, 5e-3), golden=(1e-2, 1e-4)
+    ),
 }

@@ -51,8 +51,13 @@ class Job:
         return self.factory or Path(self.config or "model").stem
 
 
-def execute(job: Job, *, progress: Callable[[str], None] | None = None,
-            on_model: Callable[[dict], None] | None = None, on_result=None):
+def execute(
+    job: Job,
+    *,
+    progress: Callable[[str], None] | None = None,
+    on_model: Callable[[dict], None] | None = None,
+    on_result=None,
+):
     """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
     on an error they travel on the exception as `warning_notes`, for --debug."""
     from fwdcheck.config import config_for
@@ -127,22 +132,39 @@ def main(argv: list[str]) -> None:
         from fwdcheck.runner import per_code_path
 
         entries = select(job.overrides.checks)
-        events.send("plan", checks=[e.name for e in entries],
-                    per_code_path=[e.name for e in entries if per_code_path(e)])
-        report = execute(job, progress=lambda description: events.send("progress", description=description),
-                         on_model=lambda model: events.send("model", model=model),
-                         on_result=lambda r: events.send("result", result=r.to_dict(),
-                                                         internal_error=r.internal_error))
-        events.send("report", report=report.to_dict(), internal_errors=[r.internal_error for r in report.results],
-                    interrupted=report.interrupted)
+        events.send(
+            "plan", checks=[e.name for e in entries], per_code_path=[e.name for e in entries if per_code_path(e)]
+        )
+        report = execute(
+            job,
+            progress=lambda description: events.send("progress", description=description),
+            on_model=lambda model: events.send("model", model=model),
+            on_result=lambda r: events.send("result", result=r.to_dict(), internal_error=r.internal_error),
+        )
+        events.send(
+            "report",
+            report=report.to_dict(),
+            internal_errors=[r.internal_error for r in report.results],
+            interrupted=report.interrupted,
+        )
     except FwdcheckError as exc:
-        events.send("error", exit_code=exc.exit_code, message=exception_text(exc), detail=traceback.format_exc(),
-                    notes=getattr(exc, "warning_notes", []))
+        events.send(
+            "error",
+            exit_code=exc.exit_code,
+            message=exception_text(exc),
+            detail=traceback.format_exc(),
+            notes=getattr(exc, "warning_notes", []),
+        )
     except KeyboardInterrupt:  # while the model loaded: the supervisor sent it, and reports what it has
         events.send("error", exit_code=ExitCode.INTERRUPTED, message="interrupted", detail="", notes=[])
     except BaseException as exc:  # a bug of fwdcheck's; the supervisor prints it as one
-        events.send("error", exit_code=ExitCode.INTERNAL, message=f"{type(exc).__name__}: {exception_text(exc)}",
-                    detail=traceback.format_exc(), notes=getattr(exc, "warning_notes", []))
+        events.send(
+            "error",
+            exit_code=ExitCode.INTERNAL,
+            message=f"{type(exc).__name__}: {exception_text(exc)}",
+            detail=traceback.format_exc(),
+            notes=getattr(exc, "warning_notes", []),
+        )
     # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
     sys.stderr.flush()
     os._exit(0)

@@ -30,8 +30,10 @@ def structure_counts() -> dict[str, int]:
 
 def structure_line(c: dict[str, int] | None = None) -> str:
     c = c or structure_counts()
-    return (f"and {c['fuzzed_structures']} YAML documents nested deep or aliased, {c['fuzzed_ledgers']} fuzzed "
-            "expected ledgers")
+    return (
+        f"and {c['fuzzed_structures']} YAML documents nested deep or aliased, {c['fuzzed_ledgers']} fuzzed "
+        "expected ledgers"
+    )
 
 
 def counts() -> dict[str, int]:
@@ -50,8 +52,10 @@ def counts() -> dict[str, int]:
 
 def line(c: dict[str, int] | None = None) -> str:
     c = c or counts()
-    return (f"{c['bad_configs']} bad configs, {c['fuzzed_documents']} fuzzed documents, "
-            f"{c['model_failure_modes']} model-failure modes, model bitwise unchanged in all")
+    return (
+        f"{c['bad_configs']} bad configs, {c['fuzzed_documents']} fuzzed documents, "
+        f"{c['model_failure_modes']} model-failure modes, model bitwise unchanged in all"
+    )
 
 
 def main(argv: list[str]) -> int:

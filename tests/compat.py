@@ -20,9 +20,11 @@ CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- compat:start -->", "<!-- compat:end -->"
 CORPUS_START, CORPUS_END = "<!-- corpus:start -->", "<!-- corpus:end -->"
-CORPUS_LEAD = ("Third-party code (`tests/test_corpus.py`, models in `tests/corpus/`: litgpt, torchtune, "
-               "x-transformers, rotary-embedding-torch, torch.nn and textbook shapes), correct models first, then the "
-               "bugs planted in them:")
+CORPUS_LEAD = (
+    "Third-party code (`tests/test_corpus.py`, models in `tests/corpus/`: litgpt, torchtune, "
+    "x-transformers, rotary-embedding-torch, torch.nn and textbook shapes), correct models first, then the "
+    "bugs planted in them:"
+)
 
 
 def hf(model_type: str, model_class: str | None = None, **fields) -> dict:
@@ -39,8 +41,16 @@ LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num
 # transformers' Falcon (up to 5.24) ignored the causal mask on the path that returns attention weights; 5.25 sends
 # both paths through one attention function. Tests measure the leak in plain torch (falcon_leaks) rather than assume
 # a release: fwdcheck must flag exactly the paths that leak, and none where none does.
-FALCON = hf("falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-            new_decoder_architecture=False, parallel_attn=True, alibi=False)
+FALCON = hf(
+    "falcon",
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    multi_query=True,
+    new_decoder_architecture=False,
+    parallel_attn=True,
+    alibi=False,
+)
 
 
 def falcon_leaks(length: int) -> dict[bool, bool]:
@@ -68,38 +78,90 @@ P, F, S = "pass", "fail", "skip"
 
 # name -> (model section, what the model is, expected status per check, rope pairing expected or None)
 CASES: dict[str, tuple[dict, str, dict[str, str], str | None]] = {
-    "GPT-2": (hf("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0),
-              "learned positions", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
-    "Llama (GQA)": (hf("llama", num_key_value_heads=2, **LLAMA_LIKE), "rotary, grouped-query",
-                    dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "Mistral (sliding window 4)": (hf("mistral", num_key_value_heads=2, sliding_window=4, **LLAMA_LIKE),
-                                   "rotary, sliding window", dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "Qwen2": (hf("qwen2", num_key_value_heads=2, **LLAMA_LIKE), "rotary, qkv bias",
-              dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "GPT-NeoX (partial rotary 0.5)": (hf("gpt_neox", rotary_pct=0.5, **LLAMA_LIKE), "rotary on half of each head",
-                                      dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "GPT-J (interleaved rotary)": (hf("gptj", n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
-                                   "rotate_every_two", dict(zip(CHECKS, (P, P, P, P), strict=True)), "interleaved"),
-    "Phi (partial rotary 0.5)": (hf("phi", partial_rotary_factor=0.5, **LLAMA_LIKE), "rotary, parallel block",
-                                 dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "Gemma (MQA)": (hf("gemma", num_key_value_heads=1, head_dim=8, **LLAMA_LIKE), "rotary, multi-query",
-                    dict(zip(CHECKS, (P, P, P, P), strict=True)), "half"),
-    "OPT": (hf("opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
-            "learned positions", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
-    "BERT (BertForMaskedLM)": (hf("bert", "BertForMaskedLM", **LLAMA_LIKE), "bidirectional encoder",
-                               dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
+    "GPT-2": (
+        hf("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0),
+        "learned positions",
+        dict(zip(CHECKS, (P, P, P, S), strict=True)),
+        None,
+    ),
+    "Llama (GQA)": (
+        hf("llama", num_key_value_heads=2, **LLAMA_LIKE),
+        "rotary, grouped-query",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "Mistral (sliding window 4)": (
+        hf("mistral", num_key_value_heads=2, sliding_window=4, **LLAMA_LIKE),
+        "rotary, sliding window",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "Qwen2": (
+        hf("qwen2", num_key_value_heads=2, **LLAMA_LIKE),
+        "rotary, qkv bias",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "GPT-NeoX (partial rotary 0.5)": (
+        hf("gpt_neox", rotary_pct=0.5, **LLAMA_LIKE),
+        "rotary on half of each head",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "GPT-J (interleaved rotary)": (
+        hf("gptj", n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
+        "rotate_every_two",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "interleaved",
+    ),
+    "Phi (partial rotary 0.5)": (
+        hf("phi", partial_rotary_factor=0.5, **LLAMA_LIKE),
+        "rotary, parallel block",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "Gemma (MQA)": (
+        hf("gemma", num_key_value_heads=1, head_dim=8, **LLAMA_LIKE),
+        "rotary, multi-query",
+        dict(zip(CHECKS, (P, P, P, P), strict=True)),
+        "half",
+    ),
+    "OPT": (
+        hf("opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+        "learned positions",
+        dict(zip(CHECKS, (P, P, P, S), strict=True)),
+        None,
+    ),
+    "BERT (BertForMaskedLM)": (
+        hf("bert", "BertForMaskedLM", **LLAMA_LIKE),
+        "bidirectional encoder",
+        dict(zip(CHECKS, (P, F, F, S), strict=True)),
+        None,
+    ),
     "nn.TransformerEncoder + generate_square_subsequent_mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "float"}},
-        "float 0/-inf mask", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
+        "float 0/-inf mask",
+        dict(zip(CHECKS, (P, P, P, S), strict=True)),
+        None,
+    ),
     "nn.TransformerEncoder + bool triu(1) mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "bool"}},
-        "True = masked, right for MHA", dict(zip(CHECKS, (P, P, P, S), strict=True)), None),
+        "True = masked, right for MHA",
+        dict(zip(CHECKS, (P, P, P, S), strict=True)),
+        None,
+    ),
     "nn.TransformerEncoder, no mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "none"}},
-        "bidirectional", dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
+        "bidirectional",
+        dict(zip(CHECKS, (P, F, F, S), strict=True)),
+        None,
+    ),
     "nn.TransformerEncoder + bool tril mask": (
         {"source": "python", "factory": "tests.models:torch_encoder", "kwargs": {"mask": "tril_bool"}},
-        "SDPA's convention handed to MHA", dict(zip(CHECKS, (P, F, F, S), strict=True)), None),
+        "SDPA's convention handed to MHA",
+        dict(zip(CHECKS, (P, F, F, S), strict=True)),
+        None,
+    ),
 }
 
 
@@ -115,16 +177,21 @@ def shown_base(base: float) -> str:
 
 
 def table() -> str:
-    lines = ["| model | what it is | " + " | ".join(CHECKS) + " | code paths | rope measured |",
-             "| --- | --- | " + " | ".join("---" for _ in CHECKS) + " | ---: | --- |"]
+    lines = [
+        "| model | what it is | " + " | ".join(CHECKS) + " | code paths | rope measured |",
+        "| --- | --- | " + " | ".join("---" for _ in CHECKS) + " | ---: | --- |",
+    ]
     for name, (_, what, _, _) in CASES.items():
         r = report(name)
         cells = [r.result(c).status.value for c in CHECKS]
         paths = r.result("future-token").metrics.get("code_paths", 1)
         rope = r.result("rope")
         m = rope.metrics
-        measured = (f"{m['pairing']}, dim {m['rotary_dim']}, base {shown_base(m['base'])}"
-                    if rope.status.value == "pass" and m.get("base") else "-")
+        measured = (
+            f"{m['pairing']}, dim {m['rotary_dim']}, base {shown_base(m['base'])}"
+            if rope.status.value == "pass" and m.get("base")
+            else "-"
+        )
         lines.append(f"| {name} | {what} | " + " | ".join(cells) + f" | {paths} | {measured} |")
     return "\n".join(lines)
 
@@ -141,18 +208,26 @@ def corpus_table() -> str:
         shown = f", base {shown_base(base)}" if base else ""
         return f"{m['pairing']}, dim {m['rotary_dim']}{shown}"
 
-    lines = ["| library | model | what it is | " + " | ".join(CHECKS) + " | rope measured |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in CHECKS) + " | --- |"]
+    lines = [
+        "| library | model | what it is | " + " | ".join(CHECKS) + " | rope measured |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in CHECKS) + " | --- |",
+    ]
     for case in (c for c in corpus.CASES if c.correct):
         r = corpus.report(case.id)
         cells = [r.result(c).status.value for c in CHECKS]
-        lines.append(f"| {case.library} | `{case.id}` | {case.what} | " + " | ".join(cells)
-                     + f" | {measured(r.result('rope'))} |")
+        lines.append(
+            f"| {case.library} | `{case.id}` | {case.what} | "
+            + " | ".join(cells)
+            + f" | {measured(r.result('rope'))} |"
+        )
     lines += ["", "| library | planted bug | what it is | caught by |", "| --- | --- | --- | --- |"]
     for case in (c for c in corpus.CASES if not c.correct):
         r = corpus.report(case.id)
-        caught = [f"{c} {' '.join(sorted(corpus.problems(r.result(c))))}" for c in CHECKS
-                  if r.result(c).status.value == "fail"]
+        caught = [
+            f"{c} {' '.join(sorted(corpus.problems(r.result(c))))}"
+            for c in CHECKS
+            if r.result(c).status.value == "fail"
+        ]
         lines.append(f"| {case.library} | `{case.id}` | {case.what} | {', '.join(caught) or 'missed'} |")
     return "\n".join(lines)
 
@@ -173,8 +248,9 @@ def readme_corpus_table() -> str:
 
 def write() -> None:
     text = README.read_text(encoding="utf-8")
-    text = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text,
-                  flags=re.S)
+    text = re.sub(
+        re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text, flags=re.S
+    )
     corpus = f"{CORPUS_START}\n{corpus_table()}\n{CORPUS_END}"
     if CORPUS_START in text:
         text = re.sub(re.escape(CORPUS_START) + r"\n.*?" + re.escape(CORPUS_END), lambda _: corpus, text, flags=re.S)

@@ -92,17 +92,34 @@ def tensor_parallel(model: GPT, mesh) -> GPT:
     """Megatron's plan: q, k, v and up column-wise (each rank its heads and its slice of the hidden layer), o and down
     row-wise (each rank's partial product, summed across the ranks)."""
     for layer in model.layers:
-        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                                         "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
-                                         "up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(),
+                "up": ColwiseParallel(),
+                "down": RowwiseParallel(),
+            },
+        )
     return model
 
 
 def row_layer_declared_column_wise(model: GPT, mesh) -> GPT:
     """o_proj, which reads the heads each rank holds, declared column-wise: it expects the whole hidden state."""
     for layer in model.layers:
-        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                                         "attn.v_proj": ColwiseParallel(), "attn.o_proj": ColwiseParallel()})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": ColwiseParallel(),
+            },
+        )
     return model
 
 
@@ -111,11 +128,14 @@ def reduction_missing(model: GPT, mesh) -> GPT:
     summed across the ranks (the all-reduce of a row-parallel layer left out)."""
     rank, world = mesh.get_local_rank(), mesh.size()
     for layer in model.layers:
-        parallelize_module(layer, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                                         "attn.v_proj": ColwiseParallel()})
+        parallelize_module(
+            layer,
+            mesh,
+            {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel()},
+        )
         weight = layer.attn.o_proj.weight  # (D, D): this rank reads the columns of its heads
         columns = weight.shape[1] // world
-        layer.attn.o_proj.weight = nn.Parameter(weight[:, rank * columns:(rank + 1) * columns].detach().clone())
+        layer.attn.o_proj.weight = nn.Parameter(weight[:, rank * columns : (rank + 1) * columns].detach().clone())
     return model
 
 
@@ -173,9 +193,16 @@ class RankServer(Check):
         launcher = int(_proc(server, "stat").rsplit(")", 1)[1].split()[1])
         held = set(_channels(server).values())
         shared = sorted(int(fd) for fd, channel in _channels(launcher).items() if channel in held and int(fd) > 2)
-        return CheckResult(self.name, Status.PASS, "described",
-                           data={"server": _proc(server, "cmdline").split("\0"),
-                                 "launcher": _proc(launcher, "cmdline").split("\0"), "shared": shared})
+        return CheckResult(
+            self.name,
+            Status.PASS,
+            "described",
+            data={
+                "server": _proc(server, "cmdline").split("\0"),
+                "launcher": _proc(launcher, "cmdline").split("\0"),
+                "shared": shared,
+            },
+        )
 
 
 def _proc(pid: int, name: str) -> str:

@@ -20,9 +20,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # A's (GPT2LMHeadModel) parameter and module names -> this port's, in order.
-RENAME = [r"^transformer\.wte -> tok_emb", r"^transformer\.wpe -> pos_emb", r"^transformer\.h\.(\d+) -> blocks.\1",
-          r"\.ln_1 -> .norm1", r"\.ln_2 -> .norm2", r"\.attn\.c_attn -> .attn.qkv", r"\.attn\.c_proj -> .attn.proj",
-          r"\.mlp\.c_fc -> .mlp.fc", r"\.mlp\.c_proj -> .mlp.proj", r"^transformer\.ln_f -> norm", r"^lm_head -> head"]
+RENAME = [
+    r"^transformer\.wte -> tok_emb",
+    r"^transformer\.wpe -> pos_emb",
+    r"^transformer\.h\.(\d+) -> blocks.\1",
+    r"\.ln_1 -> .norm1",
+    r"\.ln_2 -> .norm2",
+    r"\.attn\.c_attn -> .attn.qkv",
+    r"\.attn\.c_proj -> .attn.proj",
+    r"\.mlp\.c_fc -> .mlp.fc",
+    r"\.mlp\.c_proj -> .mlp.proj",
+    r"^transformer\.ln_f -> norm",
+    r"^lm_head -> head",
+]
 BUGS = ("no-scale", "heads-swapped", "post-norm")
 
 
@@ -102,6 +112,12 @@ class GPT(nn.Module):
         return self.head(self.norm(x))  # (B, T, V)
 
 
-def gpt(vocab_size: int = 96, width: int = 32, layers: int = 2, heads: int = 4, max_positions: int = 128,
-        bug: str | None = None) -> GPT:
+def gpt(
+    vocab_size: int = 96,
+    width: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    max_positions: int = 128,
+    bug: str | None = None,
+) -> GPT:
     return GPT(vocab_size, width, layers, heads, max_positions, bug)

@@ -53,8 +53,9 @@ class TorchEncoderLM(nn.Module):
         self.config, self.mask, self.key_padding = cfg, mask, key_padding
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.num_heads, cfg.dim_feedforward, dropout=cfg.dropout,
-                                           batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            cfg.d_model, cfg.num_heads, cfg.dim_feedforward, dropout=cfg.dropout, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=enable_nested_tensor)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
 
@@ -164,8 +165,9 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None,
-                                              dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -320,8 +322,14 @@ class BatchMeanBlock(Block):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: type[nn.Module], learned_positions: bool = True,
-                 block: type[Block] = Block, **attention_kwargs):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        attention: type[nn.Module],
+        learned_positions: bool = True,
+        block: type[Block] = Block,
+        **attention_kwargs,
+    ):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -432,7 +440,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -514,11 +522,18 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))  # (B, T, V)
 
 
-def llama(pairing: str = "half", rope_theta: float = 500000.0, num_attention_heads: int = HEADS,
-          num_key_value_heads: int = 2) -> nn.Module:
+def llama(
+    pairing: str = "half", rope_theta: float = 500000.0, num_attention_heads: int = HEADS, num_key_value_heads: int = 2
+) -> nn.Module:
     torch.manual_seed(0)
-    return Llama(LlamaConfig(rope_theta=rope_theta, rope_pairing=pairing, num_attention_heads=num_attention_heads,
-                             num_key_value_heads=num_key_value_heads))
+    return Llama(
+        LlamaConfig(
+            rope_theta=rope_theta,
+            rope_pairing=pairing,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+        )
+    )
 
 
 # =====================================================================================================================

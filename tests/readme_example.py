@@ -47,7 +47,7 @@ def example() -> str:
     render(report, console, durations=False)
     lines = [line.rstrip() for line in console.file.getvalue().splitlines()]
     panel_ends = [i for i, line in enumerate(lines) if line.startswith("╰")]
-    shown = lines[:panel_ends[PANELS - 1] + 1] if len(panel_ends) > PANELS else lines[:-1]
+    shown = lines[: panel_ends[PANELS - 1] + 1] if len(panel_ends) > PANELS else lines[:-1]
     elided = ["..."] if len(panel_ends) > PANELS else []
     return "\n".join(["```", f"$ fwdcheck run {CONFIG}", *shown, *elided, lines[-1], "```"])
 
@@ -86,12 +86,21 @@ def golden_example() -> str:
     render(run.check(run.load(), config_path=GOLDEN_BRANCH), console, durations=False)
     lines = _lines(console)
     moved = next(i for i, line in enumerate(lines) if re.search(r"module outputs that moved \(\d+\)", line))
-    return "\n".join(["```", f"$ fwdcheck run {GOLDEN_MAIN} --save-golden golden.json -q", *saving,
-                      f"$ wc -c golden.json  # one module a line: {len(expected['outputs'])} outputs, "
-                      f"{len(expected['parameters'])} parameters and buffers",
-                      f"{size} golden.json",
-                      f"$ fwdcheck run {GOLDEN_BRANCH} --expect-golden golden.json", *lines[:moved + 6], "...",
-                      lines[-1], "```"])
+    return "\n".join(
+        [
+            "```",
+            f"$ fwdcheck run {GOLDEN_MAIN} --save-golden golden.json -q",
+            *saving,
+            f"$ wc -c golden.json  # one module a line: {len(expected['outputs'])} outputs, "
+            f"{len(expected['parameters'])} parameters and buffers",
+            f"{size} golden.json",
+            f"$ fwdcheck run {GOLDEN_BRANCH} --expect-golden golden.json",
+            *lines[: moved + 6],
+            "...",
+            lines[-1],
+            "```",
+        ]
+    )
 
 
 def _diff(a: str, b: str) -> dict:
@@ -99,8 +108,7 @@ def _diff(a: str, b: str) -> dict:
 
     from fwdcheck.cli import app
 
-    result = CliRunner().invoke(app, ["diff", str(ROOT / a), str(ROOT / b), "--format", "json"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(app, ["diff", str(ROOT / a), str(ROOT / b), "--format", "json"], catch_exceptions=False)
     return json.loads(result.stdout)
 
 
@@ -114,9 +122,18 @@ def diff_example() -> str:
     render_diff(_diff(DIFF_A, DIFF_PARTS), console, plot=True)
     parts = _lines(console)
     plot = next(i for i, line in enumerate(parts) if line.startswith("tol x1") or re.match(r"\s+1e[+-]\d+ ", line))
-    return "\n".join(["```", f"$ fwdcheck diff {DIFF_A} {DIFF_B}", *equal,
-                      f"$ fwdcheck diff {DIFF_A} {DIFF_PARTS}   # on a terminal: the plot", *parts[:2 + TABLE_ROWS],
-                      "...", *parts[plot:], "```"])
+    return "\n".join(
+        [
+            "```",
+            f"$ fwdcheck diff {DIFF_A} {DIFF_B}",
+            *equal,
+            f"$ fwdcheck diff {DIFF_A} {DIFF_PARTS}   # on a terminal: the plot",
+            *parts[: 2 + TABLE_ROWS],
+            "...",
+            *parts[plot:],
+            "```",
+        ]
+    )
 
 
 EXAMPLES = {"example": example, "golden": golden_example, "diff": diff_example}  # marker name -> its text

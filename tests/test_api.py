@@ -86,12 +86,25 @@ def test_module_class_instead_of_instance_is_a_usage_error():
 # Left as found
 
 
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-              "_load_state_dict_pre_hooks")
-GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                "_global_backward_pre_hooks", "_global_module_registration_hooks",
-                "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
 
 
 def snapshot(module: nn.Module) -> dict:
@@ -130,15 +143,19 @@ def assert_bitwise_same(before: dict, after: dict, name: str) -> None:
         other = after[key]
         assert tensor.dtype == other.dtype and tensor.shape == other.shape, f"{name} {key}"
         # bitwise: compare the raw bytes, so NaN payloads and -0.0 count too
-        assert torch.equal(tensor.view(torch.uint8) if tensor.is_floating_point() else tensor,
-                           other.view(torch.uint8) if other.is_floating_point() else other), f"{name} {key}"
+        assert torch.equal(
+            tensor.view(torch.uint8) if tensor.is_floating_point() else tensor,
+            other.view(torch.uint8) if other.is_floating_point() else other,
+        ), f"{name} {key}"
 
 
-@pytest.mark.parametrize("bug, dtype", [(None, "float32"), ("no-causal-mask", "bfloat16"),
-                                        ("sdpa-dropout-in-eval", "float32")])
+@pytest.mark.parametrize(
+    "bug, dtype", [(None, "float32"), ("no-causal-mask", "bfloat16"), ("sdpa-dropout-in-eval", "float32")]
+)
 def test_model_left_as_found(bug, dtype):
-    module = small(dropout=0.2, positional="learned" if bug == "sdpa-dropout-in-eval" else "rope",
-                   bugs=[bug] if bug else [])
+    module = small(
+        dropout=0.2, positional="learned" if bug == "sdpa-dropout-in-eval" else "rope", bugs=[bug] if bug else []
+    )
     module.train()  # found in training mode: it must go back to training mode
     module.layers[1].attn.eval()  # and a submodule in eval mode stays in eval mode
     q = module.layers[0].attn.q_proj.weight
@@ -163,8 +180,18 @@ def test_model_left_as_found(bug, dtype):
         assert (grad is None) == (after["grads"][name] is None), name
         if grad is not None:
             assert_bitwise_same({name: grad}, {name: after["grads"][name]}, "grad")
-    for key in ("identity", "storage", "device", "dtype", "requires_grad", "grad_identity", "training", "dropout_p",
-                "hooks", "global_hooks"):
+    for key in (
+        "identity",
+        "storage",
+        "device",
+        "dtype",
+        "requires_grad",
+        "grad_identity",
+        "training",
+        "dropout_p",
+        "hooks",
+        "global_hooks",
+    ):
         assert before[key] == after[key], key
     assert all(count == 0 for count in after["hooks"].values())
     assert module.training and not module.layers[1].attn.training

@@ -45,7 +45,7 @@ class Attention(nn.Module):
 
 @pytest.mark.parametrize("eager", [False, True])
 def test_one_over_sqrt_d_passes(eager):
-    r = fwdcheck.check_model(Attention(16 ** -0.5 if eager else None, eager), [CHECK]).results[0]
+    r = fwdcheck.check_model(Attention(16**-0.5 if eager else None, eager), [CHECK]).results[0]
     assert r.status.value == "pass", r.findings
     assert r.metrics["scale_ratio"] == pytest.approx(1.0, rel=1e-2)
     assert r.data["calls"][0]["measured_by"] == ("weights" if eager else "argument")
@@ -71,13 +71,13 @@ def test_doubled_scale_warns(eager):
 
 def test_q_scaled_before_the_call_is_the_scale():
     """OPT and BART multiply q by 1/sqrt(hs) and call attention with scale 1: correct, not a missing scale."""
-    r = fwdcheck.check_model(Attention(1.0, False, prescale=16 ** -0.5), [CHECK]).results[0]
+    r = fwdcheck.check_model(Attention(1.0, False, prescale=16**-0.5), [CHECK]).results[0]
     assert r.status.value == "pass", r.findings
     assert r.data["calls"][0]["q_scaled_before_call"] == pytest.approx(0.25, rel=1e-3)
 
 
 def test_other_scale_warns():
-    r = fwdcheck.check_model(Attention(2 * 16 ** -0.5, True), [CHECK]).results[0]
+    r = fwdcheck.check_model(Attention(2 * 16**-0.5, True), [CHECK]).results[0]
     assert {f.code for f in r.findings} == {"FWD953"}
 
 
@@ -125,8 +125,12 @@ def test_saturated_attention_at_initialisation_warns():
     from fwdcheck.settings import Settings
     from fwdcheck.sources import load_model
 
-    config = config_from_dict({"model": {"source": "reference", "vocab_size": 32, "d_model": 64, "n_heads": 4},
-                               "inputs": {"batch_size": 2, "seq_len": 16}})
+    config = config_from_dict(
+        {
+            "model": {"source": "reference", "vocab_size": 32, "d_model": 64, "n_heads": 4},
+            "inputs": {"batch_size": 2, "seq_len": 16},
+        }
+    )
     model = load_model(config)
     with torch.no_grad():
         for block in model.module.layers:
@@ -136,8 +140,9 @@ def test_saturated_attention_at_initialisation_warns():
     r = report.results[0]
     assert r.status.value == "warn" and {f.code for f in r.findings} == {"FWD954"}
     assert r.metrics["saturated_share"] > 0.5
-    trained = run_model(dataclasses.replace(model, weights_at_init=False), Settings.from_config(config),
-                        select([CHECK]))
+    trained = run_model(
+        dataclasses.replace(model, weights_at_init=False), Settings.from_config(config), select([CHECK])
+    )
     assert trained.results[0].status.value == "pass"
 
 

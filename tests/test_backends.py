@@ -50,12 +50,15 @@ def test_low_precision_clean_model_passes(reference, dtype):
     assert result(run_checks(reference(), [CHECK], dtype=dtype)).status.value == "pass"
 
 
-@pytest.mark.parametrize("model_type, fields", [
-    ("llama", {"num_key_value_heads": 2}),
-    ("mistral", {"num_key_value_heads": 2, "sliding_window": 4}),
-    ("qwen2", {"num_key_value_heads": 2}),
-    ("gemma", {"num_key_value_heads": 1, "head_dim": 8}),
-])
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("llama", {"num_key_value_heads": 2}),
+        ("mistral", {"num_key_value_heads": 2, "sliding_window": 4}),
+        ("qwen2", {"num_key_value_heads": 2}),
+        ("gemma", {"num_key_value_heads": 1, "head_dim": 8}),
+    ],
+)
 def test_hf_models_pass_with_left_padding(model_type, fields):
     r = result(run_checks(hf_spec(model_type, **fields), [CHECK], code_paths=NO_PATHS))
     assert r.status.value == "pass", r.findings
@@ -65,8 +68,12 @@ def test_hf_models_pass_with_left_padding(model_type, fields):
 
 
 def test_hf_llama_bfloat16_passes():
-    assert result(run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], code_paths=NO_PATHS,
-                             dtype="bfloat16")).status.value == "pass"
+    assert (
+        result(
+            run_checks(hf_spec("llama", num_key_value_heads=2), [CHECK], code_paths=NO_PATHS, dtype="bfloat16")
+        ).status.value
+        == "pass"
+    )
 
 
 def test_gpt2_passes():

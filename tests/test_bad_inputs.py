@@ -145,8 +145,14 @@ def _fifo(path: Path) -> None:
     timer.start()
 
 
-LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-         "num_attention_heads": 2}
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
 
 
 def _nested_config_json(depth: int):
@@ -154,13 +160,24 @@ def _nested_config_json(depth: int):
         path.parent.mkdir(parents=True, exist_ok=True)
         deep = '{"a": ' * depth + "1" + "}" * depth
         path.write_text(json.dumps(LLAMA)[:-1] + f', "custom": {deep}}}')
+
     return write
 
 
 def _large_config_json(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**LLAMA, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
-                                "num_hidden_layers": 24, "num_attention_heads": 16}))
+    path.write_text(
+        json.dumps(
+            {
+                **LLAMA,
+                "vocab_size": 32000,
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+            }
+        )
+    )
 
 
 GENERATORS = {
@@ -229,12 +246,17 @@ def assert_one_line_error(result, config: Path, expect: str, exit_code: int = 2)
 # The slow tier: a case whose config holds up until its ranks start launches them; the others take seconds to get
 # to their error (a Hugging Face model configured or sized, a huge allocation refused).
 LAUNCHES_RANKS = {"distributed-hf-plan-transformers-cannot-apply"}
-SLOW = LAUNCHES_RANKS | {"hf-directory-too-large-for-random-weights", "hf-inline-model-type-only", "hf-rope-theta-one",
-                         "batch-size-overflow"}
+SLOW = LAUNCHES_RANKS | {
+    "hf-directory-too-large-for-random-weights",
+    "hf-inline-model-type-only",
+    "hf-rope-theta-one",
+    "batch-size-overflow",
+}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in SLOW else [])
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in SLOW else []) for c in CASES]
+)
 def test_bad_input_gets_one_clear_line(case: Case, tmp_path, forget_corpus_modules):
     if case.skip_if_cuda and torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the case holds only without it")
@@ -281,16 +303,49 @@ def test_the_corpus_is_complete():
     for module in MODELS.glob("bad_*.py"):
         assert f'"{module.stem}:' in texts, f"{module.name} is named by no case"
     # one case per required kind of bad input (the brief the corpus was built to)
-    required = {"empty", "not-yaml", "top-level-list", "top-level-scalar", "unknown-top-level-key",
-                "unknown-nested-key", "batch-size-string", "batch-size-zero", "seq-len-one", "d-model-negative",
-                "seq-len-beyond-max", "unknown-check", "unknown-source", "factory-without-colon",
-                "module-missing-dependency", "module-syntax-error", "module-raises-at-import", "missing-attribute",
-                "factory-raises", "factory-not-module", "factory-bad-kwarg", "hf-missing-directory",
-                "hf-no-config-json", "hf-corrupt-config-json", "checkpoint-corrupt-safetensors",
-                "checkpoint-pickled-module", "device-cuda-without-gpu", "device-auto", "ignore-without-reason",
-                # and those of issue 11 (never exit 3 for what the user did)
-                "yaml-nested-500-deep", "yaml-nested-deep-block-style", "yaml-alias-bomb", "yaml-alias-cycle",
-                "hf-rope-theta-one", "hf-config-json-nested-deep", "checkpoint-pickle-calls-os-system",
-                "checkpoint-pickle-protocol-4", "checkpoint-integer-weight", "checkpoint-safetensors-duplicate-key",
-                "checkpoint-is-a-fifo", "factory-raises-cancelled-error", "factory-raises-unprintable"}
+    required = {
+        "empty",
+        "not-yaml",
+        "top-level-list",
+        "top-level-scalar",
+        "unknown-top-level-key",
+        "unknown-nested-key",
+        "batch-size-string",
+        "batch-size-zero",
+        "seq-len-one",
+        "d-model-negative",
+        "seq-len-beyond-max",
+        "unknown-check",
+        "unknown-source",
+        "factory-without-colon",
+        "module-missing-dependency",
+        "module-syntax-error",
+        "module-raises-at-import",
+        "missing-attribute",
+        "factory-raises",
+        "factory-not-module",
+        "factory-bad-kwarg",
+        "hf-missing-directory",
+        "hf-no-config-json",
+        "hf-corrupt-config-json",
+        "checkpoint-corrupt-safetensors",
+        "checkpoint-pickled-module",
+        "device-cuda-without-gpu",
+        "device-auto",
+        "ignore-without-reason",
+        # and those of issue 11 (never exit 3 for what the user did)
+        "yaml-nested-500-deep",
+        "yaml-nested-deep-block-style",
+        "yaml-alias-bomb",
+        "yaml-alias-cycle",
+        "hf-rope-theta-one",
+        "hf-config-json-nested-deep",
+        "checkpoint-pickle-calls-os-system",
+        "checkpoint-pickle-protocol-4",
+        "checkpoint-integer-weight",
+        "checkpoint-safetensors-duplicate-key",
+        "checkpoint-is-a-fifo",
+        "factory-raises-cancelled-error",
+        "factory-raises-unprintable",
+    }
     assert required <= {c.id for c in CASES}, required - {c.id for c in CASES}

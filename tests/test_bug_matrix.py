@@ -37,9 +37,11 @@ EXPECTED = {
 }
 # Bugs that only show at long positions in low precision run there: (model fields, dtype). In float32, or at 64
 # positions, rope angles computed in the activations' dtype are what correct code computes.
-BUG_RUN = {"rope-angles-in-model-dtype": ({"max_seq_len": 4096}, "bfloat16"),
-           # with rotary positions, isolated documents at continuing positions give the same logits: learned ones
-           "packing-positions-not-reset": ({"positional": "learned"}, "float32")}
+BUG_RUN = {
+    "rope-angles-in-model-dtype": ({"max_seq_len": 4096}, "bfloat16"),
+    # with rotary positions, isolated documents at continuing positions give the same logits: learned ones
+    "packing-positions-not-reset": ({"positional": "learned"}, "float32"),
+}
 # How each mask mistake reads, by code path: SDPA's mask is seen in its own convention; eager code only leaves
 # its scores, so an inverted mask is "future keys readable" and a 0/1 mask "no restriction".
 MASK_CODES = {
@@ -62,8 +64,9 @@ def test_planted_bug_fails_exactly_its_checks(reference, bug, attention):
     expected = EXPECTED[bug]
     # the default checks, and the checks the bug must fail that do not run by default
     fields, dtype = BUG_RUN.get(bug, ({}, "float32"))
-    report = run_checks(reference(bugs=[bug], attention=attention, dropout=0.1, **fields), ["default", *expected],
-                        dtype=dtype)
+    report = run_checks(
+        reference(bugs=[bug], attention=attention, dropout=0.1, **fields), ["default", *expected], dtype=dtype
+    )
     got = statuses(report)
     failing = {name for name, status in got.items() if status == "fail"}
     extra = set()
@@ -100,7 +103,8 @@ def test_clean_variants_pass(reference, variant, attention):
     got = statuses(report)
     rope_expected = "skip" if variant in ("learned", "no-positions") else "pass"
     assert got == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": rope_expected}, [
-        (r.name, r.findings) for r in report.results if r.status.value not in ("pass", "skip")]
+        (r.name, r.findings) for r in report.results if r.status.value not in ("pass", "skip")
+    ]
     assert report.exit_code == 0
 
 
@@ -108,8 +112,9 @@ def test_clean_variants_pass(reference, variant, attention):
 @pytest.mark.parametrize("bug", [None, "no-causal-mask", "batch-mix", "rope-k-unrotated", "sdpa-dropout-in-eval"])
 def test_low_precision_tolerances_follow_the_dtype(reference, dtype, bug):
     """bfloat16 rounding is ~1e-2 relative: no false alarm on the clean model, and the bugs still show."""
-    report = run_checks(reference(bugs=[bug] if bug else [], dropout=0.1), dtype=dtype,
-                        inputs={"batch_size": 2, "seq_len": 16})
+    report = run_checks(
+        reference(bugs=[bug] if bug else [], dropout=0.1), dtype=dtype, inputs={"batch_size": 2, "seq_len": 16}
+    )
     failing = {name for name, status in statuses(report).items() if status == "fail"}
     assert failing == (set(EXPECTED[bug]) if bug else set())
 
@@ -124,8 +129,9 @@ def test_rope_reports_measured_pairing_and_base(reference):
 
 def test_exhaustive_leak_map_names_every_pair(reference):
     """With every position perturbed alone, the leak map of a maskless model is the full upper triangle."""
-    report = run_checks(reference(bugs=["no-causal-mask"]), ["future-token"], exhaustive=True,
-                        inputs={"batch_size": 2, "seq_len": 6})
+    report = run_checks(
+        reference(bugs=["no-causal-mask"]), ["future-token"], exhaustive=True, inputs={"batch_size": 2, "seq_len": 6}
+    )
     columns = report.result("future-token").data["leak_map"]["columns"]
     threshold = report.result("future-token").data["leak_map"]["threshold"]
     moved = {(q, c["k"]) for c in columns for q, change in enumerate(c["change"]) if change > threshold}

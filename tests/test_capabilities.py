@@ -16,8 +16,15 @@ from tests.conftest import run_checks, statuses
 
 transformers = pytest.importorskip("transformers")
 
-TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+TINY_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def tiny_llama(causal_lm: bool = True, rope_restarts_in_decode: bool = False) -> torch.nn.Module:
@@ -43,8 +50,10 @@ def loaded(model: dict):
 
 
 def test_a_transformers_model_from_a_factory_has_the_hf_sources_capabilities():
-    from_factory, from_hf = loaded(factory("tiny_llama")), loaded({"source": "hf", "config": {"model_type": "llama",
-                                                                                             **TINY_LLAMA}})
+    from_factory, from_hf = (
+        loaded(factory("tiny_llama")),
+        loaded({"source": "hf", "config": {"model_type": "llama", **TINY_LLAMA}}),
+    )
     for model in (from_factory, from_hf):
         assert model.attention is not None and model.attention.ordered()[0] in ("eager", "sdpa")
         assert model.cache.style == "past_key_values" and model.cache.new_cache is not None
@@ -59,8 +68,9 @@ def test_a_transformers_model_from_a_factory_has_the_hf_sources_capabilities():
 def test_the_factory_built_transformers_model_is_checked_through_its_cache_and_loss():
     report = run_checks(factory("tiny_llama"), ["kv-cache", "label-shift", "packing"], code_paths={"enabled": False})
     assert statuses(report) == {"kv-cache": "pass", "label-shift": "pass", "packing": "pass"}
-    broken = run_checks(factory("tiny_llama", rope_restarts_in_decode=True), ["kv-cache"],
-                        code_paths={"enabled": False})
+    broken = run_checks(
+        factory("tiny_llama", rope_restarts_in_decode=True), ["kv-cache"], code_paths={"enabled": False}
+    )
     assert {f.code for f in broken.result("kv-cache").findings if f.status.value == "fail"} == {"FWD501"}
 
 
@@ -71,15 +81,21 @@ def test_a_transformers_model_that_is_not_a_causal_lm_says_why_it_has_no_loss():
 
 
 def test_a_declared_interface_wins_over_the_detected_one():
-    model = loaded({**factory("tiny_llama"), "cache": {"style": "hf"},
-                    "loss": {"argument": "labels", "output": "loss"}})
+    model = loaded(
+        {**factory("tiny_llama"), "cache": {"style": "hf"}, "loss": {"argument": "labels", "output": "loss"}}
+    )
     assert model.cache.new_cache is None and model.cache.origin == "declared in the config (model.cache)"
     assert model.loss.origin == "declared in the config (model.loss)"
 
 
 def test_the_reference_transformer_from_a_factory_is_driven_as_the_reference():
-    model = loaded({"source": "python", "factory": "fwdcheck.reference:build",
-                    "kwargs": {"vocab_size": 32, "d_model": 16, "n_heads": 4}})
+    model = loaded(
+        {
+            "source": "python",
+            "factory": "fwdcheck.reference:build",
+            "kwargs": {"vocab_size": 32, "d_model": 16, "n_heads": 4},
+        }
+    )
     assert model.packing.argument == "document_ids" and model.loss.output == 1
     assert model.rotary_in_layers is not None and model.attention.implementations == ("eager", "sdpa")
     assert not model.matrix_by_default and not model.weights_at_init

@@ -17,7 +17,8 @@ def test_newest_release_in_the_changelog_is_the_package_version():
     releases = RELEASE.findall(text)
     assert releases, "CHANGELOG.md has no `## [x.y.z]` release heading"
     assert releases[0][0] == fwdcheck.__version__, (
-        f"CHANGELOG.md's newest release is {releases[0][0]}, fwdcheck.__version__ is {fwdcheck.__version__}")
+        f"CHANGELOG.md's newest release is {releases[0][0]}, fwdcheck.__version__ is {fwdcheck.__version__}"
+    )
 
 
 def test_unreleased_comes_first():

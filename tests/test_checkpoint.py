@@ -113,8 +113,12 @@ def test_round_trip_verdicts_equal_direct_check(tmp_path, suffix, bugs):
     for result in direct.results:
         assert codes(loaded, result.name) == codes(direct, result.name), result.name
     failing = {name for name, status in statuses(loaded).items() if status == "fail"}
-    assert failing == {(): set(), ("no-causal-mask",): {"future-token", "mask-audit"},
-                       ("rope-k-unrotated",): {"rope"}}[tuple(bugs)]
+    assert (
+        failing
+        == {(): set(), ("no-causal-mask",): {"future-token", "mask-audit"}, ("rope-k-unrotated",): {"rope"}}[
+            tuple(bugs)
+        ]
+    )
     assert loaded.model["label"] == f"{FACTORY} <- model{suffix}"
     assert loaded.model["source"] == "checkpoint"
 
@@ -167,8 +171,10 @@ def test_compile_and_ddp_prefixes_are_stripped(tmp_path):
 def test_sharded_index_is_merged(tmp_path):
     saved = reference_state(seed=7)
     keys = sorted(saved)
-    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
-              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
     for name, shard_keys in shards.items():
         save({k: saved[k] for k in shard_keys}, tmp_path / name)
     index = tmp_path / "model.safetensors.index.json"
@@ -195,8 +201,9 @@ def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
     assert loaded.extra["unexpected_keys"] == ["layers.0.attn.query.weight"]
     assert loaded.extra["renamed_keys"] == {"layers.0.attn.query.weight": "layers.0.attn.q_proj.weight"}
     notes = " | ".join(loaded.extra["notes"])
-    assert ("key 'layers.0.attn.query.weight' in the checkpoint looks renamed from "
-            "'layers.0.attn.q_proj.weight'") in notes
+    assert (
+        "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'"
+    ) in notes
     assert "missing from the checkpoint" in notes and "ignored" in notes
     # The missing key cannot be assigned: the model is rebuilt on the CPU, the rest still the file's bits.
     assert loaded.extra["built_on"] == "cpu"
@@ -212,10 +219,13 @@ def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
 
 def test_renamed_key_with_strict_exits_2_naming_it(tmp_path):
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
-    one_line_error(cli(tmp_path, checkpoint_model(path, strict=True)), "strict",
-                   "missing 'layers.0.attn.q_proj.weight'", "unexpected 'layers.0.attn.query.weight'",
-                   "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from "
-                   "'layers.0.attn.q_proj.weight'")
+    one_line_error(
+        cli(tmp_path, checkpoint_model(path, strict=True)),
+        "strict",
+        "missing 'layers.0.attn.q_proj.weight'",
+        "unexpected 'layers.0.attn.query.weight'",
+        "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'",
+    )
 
 
 def test_whole_family_renamed_pairs_each_key_with_its_own(tmp_path):
@@ -237,8 +247,10 @@ def test_prefix_on_every_key_is_one_rename_line(tmp_path):
     loaded = load(checkpoint_model(path))
     assert len(loaded.extra["renamed_keys"]) == len(loaded.extra["missing_keys"]) == 24
     renames = [note for note in loaded.extra["notes"] if "renamed" in note]
-    assert renames == [renames[0]] and "24 keys in the checkpoint look renamed the same way, 'model.' in front" \
-        in renames[0]
+    assert (
+        renames == [renames[0]]
+        and "24 keys in the checkpoint look renamed the same way, 'model.' in front" in renames[0]
+    )
 
 
 def test_missing_key_without_strict_keeps_seeded_init(tmp_path):
@@ -252,8 +264,9 @@ def test_missing_key_without_strict_keeps_seeded_init(tmp_path):
 
 def test_shape_mismatch_exits_2_naming_key_and_shapes(tmp_path):
     path = save(reference_state(d_ff=48), tmp_path / "wide.safetensors")
-    line = one_line_error(cli(tmp_path, checkpoint_model(path)), "'layers.0.mlp.up.weight'", "[48, 16]", "[32, 16]",
-                          "more mismatched")
+    line = one_line_error(
+        cli(tmp_path, checkpoint_model(path)), "'layers.0.mlp.up.weight'", "[48, 16]", "[32, 16]", "more mismatched"
+    )
     assert "size mismatch" not in line  # ours, not torch's multi-line RuntimeError
 
 
@@ -265,8 +278,13 @@ def test_pickled_module_is_refused_without_trust(tmp_path):
     torch.manual_seed(7)
     path = tmp_path / "whole.pt"
     torch.save(build(**REF), path)
-    one_line_error(cli(tmp_path, checkpoint_model(path)), "trust_checkpoint: true", "weights_only refused",
-                   "fwdcheck.reference.ReferenceTransformer", "run arbitrary code")
+    one_line_error(
+        cli(tmp_path, checkpoint_model(path)),
+        "trust_checkpoint: true",
+        "weights_only refused",
+        "fwdcheck.reference.ReferenceTransformer",
+        "run arbitrary code",
+    )
 
 
 def test_pickled_module_loads_with_trust(tmp_path):
@@ -295,22 +313,30 @@ def test_pickle_calling_into_os_is_refused_even_when_trusted(tmp_path):
     path = tmp_path / "calls.pt"
     torch.save({"wte.weight": CallsSystem()}, path, _use_new_zipfile_serialization=False)
     for trusted in (False, True):
-        one_line_error(cli(tmp_path, checkpoint_model(path, trust_checkpoint=trusted)),
-                       "refused: unpickling it needs code: it calls posix.system, from module posix",
-                       "refused even with trust_checkpoint: true")
+        one_line_error(
+            cli(tmp_path, checkpoint_model(path, trust_checkpoint=trusted)),
+            "refused: unpickling it needs code: it calls posix.system, from module posix",
+            "refused even with trust_checkpoint: true",
+        )
 
 
 def test_pickle_protocol_the_safe_loader_does_not_read_is_named_and_loads_when_trusted(tmp_path):
     saved = reference_state()
     path = tmp_path / "p5.pt"
     torch.save(saved, path, pickle_protocol=5)
-    line = one_line_error(cli(tmp_path, checkpoint_model(path)), "written with pickle protocol 5",
-                          "torch.load(weights_only=True) does not read (opcode FRAME)", "trust_checkpoint: true")
+    line = one_line_error(
+        cli(tmp_path, checkpoint_model(path)),
+        "written with pickle protocol 5",
+        "torch.load(weights_only=True) does not read (opcode FRAME)",
+        "trust_checkpoint: true",
+    )
     assert "corrupt" not in line
     loaded = load(checkpoint_model(path, trust_checkpoint=True))
     assert_same_tensors(loaded.module, saved)
-    assert "loaded with weights_only=False (trust_checkpoint: true): written with pickle protocol 5" in \
-        loaded.extra["notes"]
+    assert (
+        "loaded with weights_only=False (trust_checkpoint: true): written with pickle protocol 5"
+        in loaded.extra["notes"]
+    )
     result = cli(tmp_path, checkpoint_model(path, trust_checkpoint=True))
     assert result.exit_code == 0 and result.stderr == "", result.output  # torch's protocol warning is not shown
 
@@ -325,8 +351,9 @@ def _truncated(path: Path) -> None:
 
 
 def _random_bytes(path: Path) -> None:
-    path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(3),
-                                   dtype=torch.uint8).numpy().tobytes())
+    path.write_bytes(
+        torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(3), dtype=torch.uint8).numpy().tobytes()
+    )
 
 
 BAD_FILES = {
@@ -373,18 +400,31 @@ def test_unloadable_file_is_one_line_exit_2(tmp_path, case):
 def test_sharded_index_with_a_missing_shard_names_it(tmp_path):
     save(reference_state(), tmp_path / "model-00001-of-00002.safetensors")
     index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"wte.weight": "model-00001-of-00002.safetensors",
-                                                "lm_head.weight": "model-00002-of-00002.safetensors"}}))
-    one_line_error(cli(tmp_path, checkpoint_model(index)), "model.safetensors.index.json",
-                   "shard model-00002-of-00002.safetensors: no such file")
+    index.write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "wte.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
+    one_line_error(
+        cli(tmp_path, checkpoint_model(index)),
+        "model.safetensors.index.json",
+        "shard model-00002-of-00002.safetensors: no such file",
+    )
 
 
 def test_load_error_keeps_every_key_torch_names(tmp_path, helpers):
     """torch puts the keys on the lines after "Error(s) in loading state_dict for X:"; the one line keeps them."""
     torch.manual_seed(3)
     path = save(helpers.build(kind="picky").state_dict(), tmp_path / "picky.safetensors")
-    one_line_error(cli(tmp_path, helpers(path, kwargs={"kind": "picky"})),
-                   "Error(s) in loading state_dict for Picky: layers.0.qkv.weight: stored transposed? refusing it")
+    one_line_error(
+        cli(tmp_path, helpers(path, kwargs={"kind": "picky"})),
+        "Error(s) in loading state_dict for Picky: layers.0.qkv.weight: stored transposed? refusing it",
+    )
 
 
 def test_meta_tensors_and_duplicate_safetensors_keys_are_refused(tmp_path):
@@ -495,8 +535,9 @@ def helpers(tmp_path, monkeypatch):
     spec.loader.exec_module(module)
 
     def model(path: Path, **fields) -> dict:
-        return checkpoint_model(path, factory=f"{HELPERS}:build", kwargs=fields.pop("kwargs", {}),
-                                python_path=[str(tmp_path)], **fields)
+        return checkpoint_model(
+            path, factory=f"{HELPERS}:build", kwargs=fields.pop("kwargs", {}), python_path=[str(tmp_path)], **fields
+        )
 
     model.build = module.build
     yield model
@@ -510,8 +551,9 @@ def test_rope_buffer_not_in_checkpoint_is_computed_on_cpu(tmp_path, helpers):
     path = save(saved, tmp_path / "rope.safetensors")
     loaded = load(helpers(path))
     assert loaded.extra["built_on"] == "cpu"
-    assert any("not stored in checkpoints" in note and "layers.0.rotary.inv_freq" in note
-               for note in loaded.extra["notes"])
+    assert any(
+        "not stored in checkpoints" in note and "layers.0.rotary.inv_freq" in note for note in loaded.extra["notes"]
+    )
     assert loaded.extra["missing_keys"] == []
     expected = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     for block in loaded.module.layers:
@@ -553,8 +595,9 @@ def test_tied_weights_stay_tied(tmp_path, helpers, drop_alias):
     assert torch.equal(loaded.module.head.weight, model.embed.weight)
     assert loaded.extra["missing_keys"] == []
     if drop_alias:
-        assert any("'head.weight' is not stored in the checkpoint; it is tied" in note
-                   for note in loaded.extra["notes"])
+        assert any(
+            "'head.weight' is not stored in the checkpoint; it is tied" in note for note in loaded.extra["notes"]
+        )
 
 
 def test_factory_that_cannot_run_on_meta_builds_on_cpu(tmp_path, helpers):

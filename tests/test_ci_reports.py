@@ -44,9 +44,11 @@ def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
 
 def test_junit_lists_every_code_path_cell(tmp_path):
     config = tmp_path / "paths.yaml"
-    config.write_text(f"model: {{source: python, factory: 'tests.models:path_bug', kwargs: {{bug: mask-ignored}}, "
-                      f"path: ['{ROOT}']}}\npaths: {{enabled: true, batch_size: [2]}}\n"
-                      "checks: [future-token]\n")
+    config.write_text(
+        f"model: {{source: python, factory: 'tests.models:path_bug', kwargs: {{bug: mask-ignored}}, "
+        f"path: ['{ROOT}']}}\npaths: {{enabled: true, batch_size: [2]}}\n"
+        "checks: [future-token]\n"
+    )
     assert invoke(config, "--format", "junit", "--output", tmp_path / "r.xml").exit_code == 1
     cases = ET.parse(tmp_path / "r.xml").getroot().find("testsuite").findall("testcase")
     failed = [c.get("name") for c in cases if c.find("failure") is not None]
@@ -103,8 +105,10 @@ def test_json_report_validates_against_the_published_schema(tmp_path):
 
 def test_ignored_codes_still_show_but_do_not_count(tmp_path):
     config = tmp_path / "ignore.yaml"
-    config.write_text("model: {source: reference, bugs: [float-mask-01]}\nchecks: [mask-audit]\n"
-                      "ignore: [{code: FWD203, reason: 'known; fixed upstream in #12'}]\n")
+    config.write_text(
+        "model: {source: reference, bugs: [float-mask-01]}\nchecks: [mask-audit]\n"
+        "ignore: [{code: FWD203, reason: 'known; fixed upstream in #12'}]\n"
+    )
     result = invoke(config, "--format", "json")
     assert result.exit_code == 0
     finding = json.loads(result.stdout)["checks"][0]["findings"][0]

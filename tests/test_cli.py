@@ -283,44 +283,82 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 USAGE_CASES = [
     pytest.param(lambda tmp, h: ["run", tmp / "missing.yaml"], ["missing.yaml", "no such file"], id="missing-file"),
-    pytest.param(lambda tmp, h: ["run", tmp / "conf[ig].yaml"], ["conf[ig].yaml: no such file"],
-                 id="missing-file-with-brackets"),  # the message is text, not rich markup
+    pytest.param(
+        lambda tmp, h: ["run", tmp / "conf[ig].yaml"], ["conf[ig].yaml: no such file"], id="missing-file-with-brackets"
+    ),  # the message is text, not rich markup
     pytest.param(lambda tmp, h: ["run", "--model", "mod[x]:f"], ["cannot import 'mod[x]'"], id="brackets-in-model"),
-    pytest.param(lambda tmp, h: ["run", _write(tmp, "empty.yaml", "")], ["empty.yaml", "the file is empty"],
-                 id="empty-file"),
-    pytest.param(lambda tmp, h: ["run", _write(tmp, "bad.yaml", "model: [1, 2\ninputs: {\n")],
-                 ["bad.yaml", "not valid YAML at line"], id="not-yaml"),
-    pytest.param(lambda tmp, h: ["run", _write(tmp, "list.yaml", "- model\n- inputs\n")],
-                 ["list.yaml", "top level must be a mapping", "not a list"], id="top-level-list"),
-    pytest.param(lambda tmp, h: ["run", _write(tmp, "typo.yaml", "model:\n  source: reference\n  n_head: 2\n")],
-                 ["typo.yaml", "model.n_head: unknown key", "did you mean 'n_heads'?"], id="unknown-key"),
-    pytest.param(lambda tmp, h: ["run", _write(tmp, "typo2.yaml", "model: {source: reference}\nchecks: [rope]\n"
-                                               "tolerence: {rtol: 0.1}\n")],
-                 ["tolerence: unknown key", "did you mean 'tolerance'?"], id="unknown-top-level-key"),
-    pytest.param(lambda tmp, h: ["run", TOY, "--check", "nope"],
-                 ["unknown check 'nope'", "known:", *CHECKS], id="unknown-check-config-selects"),
-    pytest.param(lambda tmp, h: ["run", SAMPLES / "reference-learned.yaml", "--check", "nope"],
-                 ["unknown check 'nope'", "known:", *CHECKS], id="unknown-check-config-selects-none"),
-    pytest.param(lambda tmp, h: ["run", TOY, "--model", "os.path:join"], ["either a config file or --model"],
-                 id="config-and-model"),
+    pytest.param(
+        lambda tmp, h: ["run", _write(tmp, "empty.yaml", "")], ["empty.yaml", "the file is empty"], id="empty-file"
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", _write(tmp, "bad.yaml", "model: [1, 2\ninputs: {\n")],
+        ["bad.yaml", "not valid YAML at line"],
+        id="not-yaml",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", _write(tmp, "list.yaml", "- model\n- inputs\n")],
+        ["list.yaml", "top level must be a mapping", "not a list"],
+        id="top-level-list",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", _write(tmp, "typo.yaml", "model:\n  source: reference\n  n_head: 2\n")],
+        ["typo.yaml", "model.n_head: unknown key", "did you mean 'n_heads'?"],
+        id="unknown-key",
+    ),
+    pytest.param(
+        lambda tmp, h: [
+            "run",
+            _write(tmp, "typo2.yaml", "model: {source: reference}\nchecks: [rope]\ntolerence: {rtol: 0.1}\n"),
+        ],
+        ["tolerence: unknown key", "did you mean 'tolerance'?"],
+        id="unknown-top-level-key",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", TOY, "--check", "nope"],
+        ["unknown check 'nope'", "known:", *CHECKS],
+        id="unknown-check-config-selects",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", SAMPLES / "reference-learned.yaml", "--check", "nope"],
+        ["unknown check 'nope'", "known:", *CHECKS],
+        id="unknown-check-config-selects-none",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", TOY, "--model", "os.path:join"],
+        ["either a config file or --model"],
+        id="config-and-model",
+    ),
     pytest.param(lambda tmp, h: ["run"], ["give a config file", "--model"], id="neither-config-nor-model"),
-    pytest.param(lambda tmp, h: ["run", "--model", "nodots"],
-                 ["model.factory", "'nodots' is not of the form 'package.module:callable'"], id="model-no-colon"),
-    pytest.param(lambda tmp, h: ["run", "--model", "no_such_module_xyz:f"],
-                 ["cannot import 'no_such_module_xyz'", "No module named"], id="model-cannot-import"),
-    pytest.param(lambda tmp, h: ["run", h("build_raises")],
-                 [f"factory '{HELPERS}:build_raises' raised RuntimeError: no weights at /nowhere"],
-                 id="factory-raises"),
-    pytest.param(lambda tmp, h: ["run", h("build_not_module")],
-                 [f"factory '{HELPERS}:build_not_module' returned dict, not a torch.nn.Module"],
-                 id="factory-not-a-module"),
-    pytest.param(lambda tmp, h: ["run", h("no_such_factory")], [f"module '{HELPERS}' has no attribute"],
-                 id="factory-missing"),
-    pytest.param(lambda tmp, h: ["run", TOY, "--device", "cuda"], ["device 'cuda' requested", "no CUDA device"],
-                 id="device-cuda-without-cuda", marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                                         reason="this machine has CUDA")),
-    pytest.param(lambda tmp, h: ["explain", "nope"], ["unknown check 'nope'", "known:", *CHECKS],
-                 id="explain-unknown"),
+    pytest.param(
+        lambda tmp, h: ["run", "--model", "nodots"],
+        ["model.factory", "'nodots' is not of the form 'package.module:callable'"],
+        id="model-no-colon",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", "--model", "no_such_module_xyz:f"],
+        ["cannot import 'no_such_module_xyz'", "No module named"],
+        id="model-cannot-import",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", h("build_raises")],
+        [f"factory '{HELPERS}:build_raises' raised RuntimeError: no weights at /nowhere"],
+        id="factory-raises",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", h("build_not_module")],
+        [f"factory '{HELPERS}:build_not_module' returned dict, not a torch.nn.Module"],
+        id="factory-not-a-module",
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", h("no_such_factory")], [f"module '{HELPERS}' has no attribute"], id="factory-missing"
+    ),
+    pytest.param(
+        lambda tmp, h: ["run", TOY, "--device", "cuda"],
+        ["device 'cuda' requested", "no CUDA device"],
+        id="device-cuda-without-cuda",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+    ),
+    pytest.param(lambda tmp, h: ["explain", "nope"], ["unknown check 'nope'", "known:", *CHECKS], id="explain-unknown"),
 ]
 
 
@@ -386,8 +424,7 @@ def test_forward_adapter_returning_every_position_passes(helpers):
     config = helpers("build_last_only", extra=f'forward: "{HELPERS}:every_position"\n')
     result, report = run_json(config, "--check", "future-token", "--check", "shape-ledger")
     assert result.exit_code == 0, result.output
-    assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass"),
-                                                                   ("shape-ledger", "pass")]
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass"), ("shape-ledger", "pass")]
 
 
 def test_learned_positions_pass_and_rope_skips(helpers):
@@ -457,9 +494,16 @@ ODD = {
 
 
 def odd_document(kind: str) -> dict:
-    return {"model": {"source": "python", "factory": "odd_failures:build", "kwargs": {"kind": kind},
-                      "path": [str(BAD_MODELS)], "vocab_size": 16},
-            "inputs": {"batch_size": 2, "seq_len": 4}}
+    return {
+        "model": {
+            "source": "python",
+            "factory": "odd_failures:build",
+            "kwargs": {"kind": kind},
+            "path": [str(BAD_MODELS)],
+            "vocab_size": 16,
+        },
+        "inputs": {"batch_size": 2, "seq_len": 4},
+    }
 
 
 @pytest.fixture
@@ -523,8 +567,9 @@ def test_json_report_schema():
     result, report = run_json(TOY)
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
-    assert {"schema_version", "fwdcheck_version", "status", "exit_code", "model", "environment",
-            "checks"} <= set(report)
+    assert {"schema_version", "fwdcheck_version", "status", "exit_code", "model", "environment", "checks"} <= set(
+        report
+    )
     assert report["schema_version"] == 1
     assert report["fwdcheck_version"] == __version__
     assert report["status"] == "pass" and report["exit_code"] == 0
@@ -558,10 +603,14 @@ def test_overrides_reach_the_report():
 
 
 def test_check_outside_the_configs_selection(tmp_path):
-    config = _write(tmp_path, "only-rope.yaml", TOY.read_text().replace(
-        "checks: [shape-ledger, future-token, mask-audit, rope]", "checks: [rope]"))
-    usage_error(invoke("run", config, "--check", "mask-audit"),
-                "--check mask-audit is not among the config's checks (rope)")
+    config = _write(
+        tmp_path,
+        "only-rope.yaml",
+        TOY.read_text().replace("checks: [shape-ledger, future-token, mask-audit, rope]", "checks: [rope]"),
+    )
+    usage_error(
+        invoke("run", config, "--check", "mask-audit"), "--check mask-audit is not among the config's checks (rope)"
+    )
 
 
 def test_output_json_file_is_written_whole(tmp_path):
@@ -596,8 +645,9 @@ def test_output_to_a_directory_is_a_usage_error(tmp_path):
 
 def test_output_that_cannot_be_written_is_a_usage_error(tmp_path):
     not_a_dir = _write(tmp_path, "file.txt", "x")
-    usage_error(invoke("run", TOY, "--format", "json", "--output", not_a_dir / "report.json"),
-                "--output", "cannot write there")
+    usage_error(
+        invoke("run", TOY, "--format", "json", "--output", not_a_dir / "report.json"), "--output", "cannot write there"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
 
 
@@ -638,8 +688,24 @@ def test_output_to_a_full_disk_is_one_line(option, tmp_path):
 def test_output_to_dev_stdout_reaches_stdout(stream, tmp_path):
     """/dev/stdout is a link to /proc/self/fd/1: replacing it (or the file behind it) left the reader with nothing."""
     link = _device_link(tmp_path, stream) if stream == "/dev/stdout" else stream
-    proc = subprocess.run([sys.executable, "-m", "fwdcheck", "run", str(TOY), "--check", "shape-ledger",
-                           "--format", "json", "--output", str(link)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fwdcheck",
+            "run",
+            str(TOY),
+            "--check",
+            "shape-ledger",
+            "--format",
+            "json",
+            "--output",
+            str(link),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["exit_code"] == 0
     assert proc.stderr == ""
@@ -682,8 +748,9 @@ def _checkpoint_run(tmp_path: Path) -> Path:
     return tmp_path / "reference.yaml"
 
 
-@pytest.mark.parametrize("which", ["config", "config-through-a-link", "config-hard-link", "checkpoint",
-                                   "expected-ledger"])
+@pytest.mark.parametrize(
+    "which", ["config", "config-through-a-link", "config-hard-link", "checkpoint", "expected-ledger"]
+)
 def test_output_over_an_input_of_the_run_is_refused(tmp_path, which):
     config = _checkpoint_run(tmp_path)
     ledger = tmp_path / "ledger.json"
@@ -712,8 +779,10 @@ def test_output_over_an_input_of_the_run_is_refused(tmp_path, which):
 
 
 def test_two_outputs_into_one_file_are_refused(tmp_path):
-    usage_error(invoke("run", TOY, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.json"),
-                f"--junit {tmp_path / 'r.json'} is also the file of --json")
+    usage_error(
+        invoke("run", TOY, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.json"),
+        f"--junit {tmp_path / 'r.json'} is also the file of --json",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -761,8 +830,14 @@ def test_stdout_that_cannot_take_the_report_is_one_line(stdout):
         pytest.skip("no /dev/full here")
     args = [sys.executable, "-m", "fwdcheck", "run", str(TOY), "--check", "shape-ledger", "--format", "json"]
     with open("/dev/full" if stdout == "full" else os.devnull, "w") as sink:
-        done = subprocess.run(args, stdout=sink, stderr=subprocess.PIPE, text=True, timeout=120,
-                              preexec_fn=_closed_stdout if stdout == "closed" else None)
+        done = subprocess.run(
+            args,
+            stdout=sink,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            preexec_fn=_closed_stdout if stdout == "closed" else None,
+        )
     stderr, returncode = done.stderr, done.returncode
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
     assert returncode == 2, (returncode, stderr)
@@ -820,22 +895,38 @@ def _deep(depth: int) -> str:
 
 LEDGER_CASES = {
     "entries-null": (lambda saved: {**saved, "entries": None}, "entries: Input should be a valid list (got None)"),
-    "entries-not-a-list": (lambda saved: {**saved, "entries": {"logits": ["B"]}},
-                           "entries: Input should be a valid list"),
-    "name-a-number": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "name": 3}]},
-                      "entries[0].name: Input should be a valid string (got 3)"),
-    "dims-a-string": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": "BT"}]},
-                      "entries[0].dims: Input should be a valid list (got 'BT')"),
-    "dims-nested": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": [["B"], ["T"]]}]},
-                    "entries[0].dims[0]: Input should be a valid string"),
-    "shape-and-dims-disagree": (lambda saved: {**saved, "entries": [{**saved["entries"][0], "shape": [2]}]},
-                                "'input_ids' has 1 sizes in shape but 2 names in dims"),
-    "dimension-nan": (lambda saved: {**saved, "dims": {**saved["dims"], "h": "NaN"}},
-                      "dims.h: Input should be a valid integer (got nan)"),
-    "dimension-a-float": (lambda saved: {**saved, "dims": {**saved["dims"], "h": 2.5}},
-                          "dims.h: Input should be a valid integer"),
-    "duplicated-entry": (lambda saved: {**saved, "entries": saved["entries"] + saved["entries"][-1:]},
-                         "is listed twice (first as entries["),
+    "entries-not-a-list": (
+        lambda saved: {**saved, "entries": {"logits": ["B"]}},
+        "entries: Input should be a valid list",
+    ),
+    "name-a-number": (
+        lambda saved: {**saved, "entries": [{**saved["entries"][0], "name": 3}]},
+        "entries[0].name: Input should be a valid string (got 3)",
+    ),
+    "dims-a-string": (
+        lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": "BT"}]},
+        "entries[0].dims: Input should be a valid list (got 'BT')",
+    ),
+    "dims-nested": (
+        lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": [["B"], ["T"]]}]},
+        "entries[0].dims[0]: Input should be a valid string",
+    ),
+    "shape-and-dims-disagree": (
+        lambda saved: {**saved, "entries": [{**saved["entries"][0], "shape": [2]}]},
+        "'input_ids' has 1 sizes in shape but 2 names in dims",
+    ),
+    "dimension-nan": (
+        lambda saved: {**saved, "dims": {**saved["dims"], "h": "NaN"}},
+        "dims.h: Input should be a valid integer (got nan)",
+    ),
+    "dimension-a-float": (
+        lambda saved: {**saved, "dims": {**saved["dims"], "h": 2.5}},
+        "dims.h: Input should be a valid integer",
+    ),
+    "duplicated-entry": (
+        lambda saved: {**saved, "entries": saved["entries"] + saved["entries"][-1:]},
+        "is listed twice (first as entries[",
+    ),
     "newer-version": (lambda saved: {**saved, "fwdcheck_ledger": 2}, "fwdcheck_ledger: Input should be 1 (got 2)"),
     "no-entries": (lambda saved: {"dims": saved["dims"]}, "not a ledger written by --save-ledger"),
     "nested-100-deep": (lambda saved: _deep(100), "nested more than 64 levels deep"),
@@ -850,8 +941,9 @@ def test_expected_ledger_of_the_wrong_shape_is_one_line(tmp_path, case):
     text = document if isinstance(document, str) else json.dumps(document)
     ledger = tmp_path / "expected.json"
     ledger.write_text(text.replace('"NaN"', "NaN"))  # json.dumps quotes it; a hand-edited file may not
-    usage_error(invoke("run", TOY, "--check", "shape-ledger", "--expect-ledger", ledger), f"--expect-ledger {ledger}",
-                fragment)
+    usage_error(
+        invoke("run", TOY, "--check", "shape-ledger", "--expect-ledger", ledger), f"--expect-ledger {ledger}", fragment
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -932,8 +1024,9 @@ def test_help_and_version_do_not_import_torch():
                 assert exc.code in (0, None), (argv, exc.code)
         print("torch imported:", "torch" in sys.modules)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "120"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"}
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Exit codes" in proc.stdout  # the help really was printed
     assert f"fwdcheck {__version__}" in proc.stdout

@@ -33,8 +33,14 @@ def invoke(*args):
 
 
 def fwdcheck(*args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fwdcheck", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fwdcheck", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_run_without_a_config_uses_fwdcheck_yaml_here(tmp_path, monkeypatch):
@@ -111,11 +117,16 @@ def test_explain_a_finding_code():
 
 def test_explain_text_is_wrapped_by_the_terminal_not_the_source():
     """A paragraph wrapped at the source's width joins into one line; items and labelled paragraphs stay apart."""
-    text = ("Why: " + "word " * 25 + "\n" + "more words.\nHow to fix: do this.\n  (a) an item that goes on\n"
-            "      deeper indented.\n  (b) the next item.")
+    text = (
+        "Why: " + "word " * 25 + "\n" + "more words.\nHow to fix: do this.\n  (a) an item that goes on\n"
+        "      deeper indented.\n  (b) the next item."
+    )
     assert paragraphs(text).splitlines() == [
-        "Why: " + "word " * 25 + "more words.", "How to fix: do this.",
-        "  (a) an item that goes on deeper indented.", "  (b) the next item."]
+        "Why: " + "word " * 25 + "more words.",
+        "How to fix: do this.",
+        "  (a) an item that goes on deeper indented.",
+        "  (b) the next item.",
+    ]
     result = fwdcheck("explain", "rope", env={"COLUMNS": "80"})
     assert result.returncode == 0 and max(len(line) for line in result.stdout.splitlines()) <= 80
 
@@ -144,10 +155,12 @@ def test_seed_out_of_range_is_one_line():
 
 
 def test_list_and_explain_do_not_import_torch():
-    script = ("import sys\nfrom typer.testing import CliRunner\nfrom fwdcheck.cli import app\n"
-              "for args in (['list'], ['explain', 'rope'], ['explain', 'FWD301']):\n"
-              "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
-              "print('torch' in sys.modules)\n")
+    script = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom fwdcheck.cli import app\n"
+        "for args in (['list'], ['explain', 'rope'], ['explain', 'FWD301']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
+        "print('torch' in sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
@@ -157,8 +170,11 @@ def test_list_and_explain_do_not_import_torch():
 def test_a_reader_that_stops_early_is_a_clean_exit():
     """`fwdcheck run toy.yaml | head -1`: the exit code is the report's, nothing on stderr."""
     for fmt in ("rich", "json"):
-        proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", str(TOY), "-v", "--format", fmt],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fwdcheck", "run", str(TOY), "-v", "--format", fmt],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         proc.stdout.readline()
         proc.stdout.close()  # the reader goes away
         stderr = proc.stderr.read().decode()

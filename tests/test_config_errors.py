@@ -17,13 +17,15 @@ def problems(document: dict) -> str:
 
 
 def test_every_problem_is_listed_unknown_keys_first():
-    line = problems({"model": {"source": "reference", "vocab_size": -1, "n_head": 2},
-                     "inputs": {"seq_len": 1}, "dtype": "f8"})
+    line = problems(
+        {"model": {"source": "reference", "vocab_size": -1, "n_head": 2}, "inputs": {"seq_len": 1}, "dtype": "f8"}
+    )
     assert line == (
         "config: model.n_head: unknown key; did you mean 'n_heads'?; "
         "model.vocab_size: Input should be greater than 0 (got -1); "
         "inputs.seq_len: Input should be greater than or equal to 2 (got 1); "
-        "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'f8')")
+        "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'f8')"
+    )
 
 
 def test_past_the_limit_the_rest_are_counted_and_the_valid_keys_named_once():

@@ -25,10 +25,17 @@ TIMEOUT = 240
 
 
 def gpt_config(parallelize: str, bug: str | None = None, **top) -> dict:
-    return {"model": {"source": "python", "factory": "tests.distributed_models:gpt", "kwargs": {"bug": bug},
-                      "path": [str(REPO)]},
-            "inputs": {"batch_size": 2, "seq_len": 8},
-            "distributed": {"nproc": 2, "parallelize": f"tests.distributed_models:{parallelize}"}, **top}
+    return {
+        "model": {
+            "source": "python",
+            "factory": "tests.distributed_models:gpt",
+            "kwargs": {"bug": bug},
+            "path": [str(REPO)],
+        },
+        "inputs": {"batch_size": 2, "seq_len": 8},
+        "distributed": {"nproc": 2, "parallelize": f"tests.distributed_models:{parallelize}"},
+        **top,
+    }
 
 
 def launch(tmp_path: Path, config: dict, *args: str, marker: str | None = None) -> tuple[int, dict, str]:
@@ -36,8 +43,14 @@ def launch(tmp_path: Path, config: dict, *args: str, marker: str | None = None) 
     path = tmp_path / "distributed.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     env = {**os.environ, "FWDCHECK_TEST_MARK": marker or uuid.uuid4().hex}
-    proc = subprocess.run([sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json", *args],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=REPO,
+    )
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
 
 
@@ -68,14 +81,22 @@ def test_tensor_parallel_model_passes_every_check_on_two_ranks(tmp_path):
     got = checks(report)
     assert list(got)[0] == "sharding"  # added first, though the config names no checks
     assert {name: c["status"] for name, c in got.items()} == {
-        "sharding": "pass", "shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
+        "sharding": "pass",
+        "shape-ledger": "pass",
+        "future-token": "pass",
+        "mask-audit": "pass",
+        "rope": "skip",
+    }
     sharding = got["sharding"]
     assert sharding["metrics"]["max_change"] <= sharding["metrics"]["bar"]
     assert sharding["data"]["rank_changes"] == [0.0, 0.0]
     placements = sharding["data"]["placements"]["counts"]
     assert placements["S(0)"] == 8 and placements["S(1)"] == 4  # q, k, v, up by rows; o, down by columns (2 layers)
-    assert report["environment"]["distributed"] == {"nproc": 2, "backend": "gloo",
-                                                     "parallelize": "tests.distributed_models:tensor_parallel"}
+    assert report["environment"]["distributed"] == {
+        "nproc": 2,
+        "backend": "gloo",
+        "parallelize": "tests.distributed_models:tensor_parallel",
+    }
 
 
 def test_hugging_face_llama_with_its_own_tensor_parallel_plan_passes(tmp_path):
@@ -111,10 +132,13 @@ def test_context_parallelism_on_cuda_gives_the_whole_sequence_logits(tmp_path):
     assert report["environment"]["distributed"]["backend"] == "nccl"
 
 
-@pytest.mark.parametrize(("parallelize", "bug", "expected"), [
-    ("tensor_parallel", "heads-not-divided", {"FWD981"}),  # the full head count assumed on each rank's share
-    ("reduction_missing", None, {"FWD981", "FWD982"}),  # each rank keeps its partial sum
-])
+@pytest.mark.parametrize(
+    ("parallelize", "bug", "expected"),
+    [
+        ("tensor_parallel", "heads-not-divided", {"FWD981"}),  # the full head count assumed on each rank's share
+        ("reduction_missing", None, {"FWD981", "FWD982"}),  # each rank keeps its partial sum
+    ],
+)
 def test_sharding_that_changes_the_output_fails_at_the_first_layer(tmp_path, parallelize, bug, expected):
     code, report, _ = launch(tmp_path, gpt_config(parallelize, bug))
     assert code == 1
@@ -152,10 +176,17 @@ def test_fully_sharded_model_passes(tmp_path):
     assert checks(report)["sharding"]["data"]["placements"]["counts"]["S(0)"] == 20
 
 
-@pytest.mark.parametrize("bug, code, how", [
-    ("raises-on-rank-1", "FWD002",
-     "rank 1 of 2 ended: the model raised RuntimeError: out of memory on this rank's device on this rank alone"),
-    ("crashes-on-rank-1", "FWD005", "rank 1 of 2 was killed by SIGSEGV")])
+@pytest.mark.parametrize(
+    "bug, code, how",
+    [
+        (
+            "raises-on-rank-1",
+            "FWD002",
+            "rank 1 of 2 ended: the model raised RuntimeError: out of memory on this rank's device on this rank alone",
+        ),
+        ("crashes-on-rank-1", "FWD005", "rank 1 of 2 was killed by SIGSEGV"),
+    ],
+)
 def test_a_rank_that_fails_ends_the_launch_naming_it(tmp_path, bug, code, how):
     """Rank 0 fails too, in the collective rank 1 left, as soon as rank 1's process ends: the rank named is the
     one where the failure began, not the lowest of those that ended."""
@@ -187,9 +218,14 @@ def test_a_signal_to_the_command_ends_every_rank(tmp_path, signum):
     path = tmp_path / "hang.yaml"
     path.write_text(yaml.safe_dump(gpt_config("tensor_parallel", "hangs-on-rank-1", timeout_s=600)))
     hanging = tmp_path / "hanging"
-    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "FWDCHECK_TEST_MARK": marker, "FWDCHECK_TEST_HANGING": str(hanging)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "FWDCHECK_TEST_MARK": marker, "FWDCHECK_TEST_HANGING": str(hanging)},
+    )
     deadline = time.monotonic() + 60
     while not hanging.exists() and time.monotonic() < deadline:  # rank 1 in its forward, rank 0 waiting for it
         time.sleep(0.2)
@@ -262,9 +298,16 @@ def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(t
         if pid == 0:
             try:
                 _as_new_interpreter(keep={write})
-                os.write(write, json.dumps([signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
-                                            signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                                            os.path.realpath(f"/dev/fd/{locked.fileno()}")]).encode())
+                os.write(
+                    write,
+                    json.dumps(
+                        [
+                            signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+                            signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                            os.path.realpath(f"/dev/fd/{locked.fileno()}"),
+                        ]
+                    ).encode(),
+                )
             finally:
                 os._exit(0)
         os.close(write)
@@ -315,7 +358,8 @@ def test_a_usage_error_on_one_rank_is_the_runs_error_whatever_its_end_does_to_th
     assert (code, report) == (2, {}), (code, stderr)
     assert stderr.strip().splitlines() == [
         f"error: {tmp_path / 'distributed.yaml'}: parallelize function 'tests.distributed_models:unusable_on_rank_1' "
-        "returned str, not the model (an nn.Module) or None"], stderr
+        "returned str, not the model (an nn.Module) or None"
+    ], stderr
 
 
 def test_a_model_handed_back_in_a_wrapper_passes(tmp_path):

@@ -29,8 +29,17 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 HOOKS = REPO / ".pre-commit-hooks.yaml"
 TOY = "sample_configs/toy.yaml"
-WRITES = {"--output", "-o", "--junit", "--json", "--markdown", "--html", "--svg", "--save-ledger",
-          "--save-golden"}  # take a PATH
+WRITES = {
+    "--output",
+    "-o",
+    "--junit",
+    "--json",
+    "--markdown",
+    "--html",
+    "--svg",
+    "--save-ledger",
+    "--save-golden",
+}  # take a PATH
 READS = {"--expect-golden"}  # a PATH an earlier step of the same job wrote
 TIMEOUT = 180
 
@@ -58,8 +67,12 @@ def shell_lines(script: str) -> list[str]:
 
 
 def github_commands(document: dict) -> list[str]:
-    return [line for job in document["jobs"].values() for step in job.get("steps", [])
-            for line in shell_lines(step.get("run", ""))]
+    return [
+        line
+        for job in document["jobs"].values()
+        for step in job.get("steps", [])
+        for line in shell_lines(step.get("run", ""))
+    ]
 
 
 def gitlab_commands(document: dict) -> list[str]:
@@ -97,8 +110,11 @@ EXAMPLE_FILES = {
     "gitlab-ci.yml": gitlab_commands,
     "pre-commit-config.yaml": precommit_commands,
 }
-COMMANDS = [(name, command) for name, read in EXAMPLE_FILES.items()
-            for command in fwdcheck_only(read(yaml.safe_load((EXAMPLES / name).read_text())))]
+COMMANDS = [
+    (name, command)
+    for name, read in EXAMPLE_FILES.items()
+    for command in fwdcheck_only(read(yaml.safe_load((EXAMPLES / name).read_text())))
+]
 UNIQUE = {command: sorted({n for n, c in COMMANDS if c == command}) for _, command in COMMANDS}  # each run once
 
 
@@ -111,8 +127,14 @@ def run_options() -> dict[str, tuple[bool, set[str] | None]]:
 
     Reads the option rows of rich's table (`│ --format  <rich|json>  ...`) or of click's plain help
     (`  -o, --output PATH  ...`); the description column, which may mention other options, is not read."""
-    proc = subprocess.run([*fwdcheck_executable(), "run", "--help"], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=environment(), cwd=REPO)
+    proc = subprocess.run(
+        [*fwdcheck_executable(), "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=environment(),
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     options: dict[str, tuple[bool, set[str] | None]] = {}
     for line in proc.stdout.splitlines():
@@ -181,11 +203,23 @@ def run_fwdcheck(tokens: list[str], tmp_path: Path) -> tuple[subprocess.Complete
     command, written = redirect_outputs(tokens, tmp_path)
     if "--expect-golden" in command:
         golden = command[command.index("--expect-golden") + 1]
-        saving = subprocess.run([*fwdcheck_executable(), "run", tokens[2], "--save-golden", golden, "-q"],
-                                capture_output=True, text=True, timeout=TIMEOUT, env=environment(), cwd=REPO)
+        saving = subprocess.run(
+            [*fwdcheck_executable(), "run", tokens[2], "--save-golden", golden, "-q"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=environment(),
+            cwd=REPO,
+        )
         assert saving.returncode == 0, saving.stdout + saving.stderr
-    proc = subprocess.run([*fwdcheck_executable(), *command[1:]], capture_output=True, text=True, timeout=TIMEOUT,
-                          env=environment(), cwd=REPO)
+    proc = subprocess.run(
+        [*fwdcheck_executable(), *command[1:]],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=environment(),
+        cwd=REPO,
+    )
     return proc, written
 
 
@@ -255,8 +289,9 @@ def test_options_missing_from_help_are_named():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", list(UNIQUE),
-                         ids=[f"{'+'.join(n)}:{c.split(' ', 2)[-1]}" for c, n in UNIQUE.items()])
+@pytest.mark.parametrize(
+    "command", list(UNIQUE), ids=[f"{'+'.join(n)}:{c.split(' ', 2)[-1]}" for c, n in UNIQUE.items()]
+)
 def test_example_command_passes_on_the_toy_config(command, tmp_path):
     proc, written = run_fwdcheck(shlex.split(command), tmp_path)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -277,10 +312,29 @@ def test_hook_manifest():
         assert isinstance(hook["args"], list) and hook["args"]
         assert set(hook["types_or"]) == {"python", "yaml"}
         # only keys pre-commit's manifest schema knows
-        assert set(hook) <= {"id", "name", "entry", "language", "files", "exclude", "types", "types_or",
-                             "exclude_types", "additional_dependencies", "args", "always_run", "fail_fast",
-                             "pass_filenames", "description", "language_version", "log_file",
-                             "minimum_pre_commit_version", "require_serial", "stages", "verbose"}
+        assert set(hook) <= {
+            "id",
+            "name",
+            "entry",
+            "language",
+            "files",
+            "exclude",
+            "types",
+            "types_or",
+            "exclude_types",
+            "additional_dependencies",
+            "args",
+            "always_run",
+            "fail_fast",
+            "pass_filenames",
+            "description",
+            "language_version",
+            "log_file",
+            "minimum_pre_commit_version",
+            "require_serial",
+            "stages",
+            "verbose",
+        }
     assert ours["fwdcheck"]["language"] == "python"
     assert ours["fwdcheck-system"]["language"] == "system"
 
@@ -298,7 +352,13 @@ def test_hook_entry_runs_on_the_toy_config(tmp_path):
 def test_hook_default_config_missing_is_a_usage_error(tmp_path):
     """A repository without fwdcheck.yaml gets exit 2 and one line naming the file, not a traceback."""
     hook = hooks()["fwdcheck"]
-    proc = subprocess.run([*fwdcheck_executable(), *shlex.split(hook["entry"])[1:], *hook["args"]],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=environment(), cwd=tmp_path)
+    proc = subprocess.run(
+        [*fwdcheck_executable(), *shlex.split(hook["entry"])[1:], *hook["args"]],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=environment(),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "fwdcheck.yaml" in proc.stderr and "Traceback" not in proc.stderr

@@ -69,22 +69,30 @@ def observe():
 def observing(tmp_path) -> Path:
     (tmp_path / "observing_model.py").write_text(OBSERVING)
     config = tmp_path / "observe.yaml"
-    config.write_text(textwrap.dedent("""\
+    config.write_text(
+        textwrap.dedent("""\
         model: {source: python, factory: "observing_model:observe", path: ["."], vocab_size: 16}
         checks: [shape-ledger]
-        """))
+        """)
+    )
     (tmp_path / "seen").mkdir()
     return config
 
 
 def test_a_forked_worker_sees_what_a_new_interpreter_sees(observing, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", observing.name, observing.name, "-q"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fwdcheck", "run", observing.name, observing.name, "-q"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")},
+    )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
-    new, forked = sorted((json.loads(p.read_text()) for p in (tmp_path / "seen").iterdir()),
-                         key=lambda seen: seen["parent"] != proc.pid)
+    new, forked = sorted(
+        (json.loads(p.read_text()) for p in (tmp_path / "seen").iterdir()), key=lambda seen: seen["parent"] != proc.pid
+    )
     assert new["parent"] == proc.pid and forked["parent"] != proc.pid  # the second is the fork server's child
     assert new["random"] != forked["random"]  # each draws its own seed
     for key in ("parent", "random"):
@@ -96,9 +104,14 @@ def test_a_signal_while_the_server_starts_still_writes_the_report(observing, tmp
     """SIGTERM while the second config waits for the fork server's imports: the run ends as any run SIGTERM ends,
     with the report of what finished (the first config) written."""
     report = tmp_path / "report.json"
-    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", observing.name, observing.name, "--json",
-                             str(report), "-q"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fwdcheck", "run", observing.name, observing.name, "--json", str(report), "-q"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")},
+    )
     deadline = time.monotonic() + 120
     while not any("fwdcheck.forkserver" in command for command in children_of(proc.pid)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()

@@ -59,9 +59,18 @@ class GPT(nn.Module):
     """A small GPT with the guards real training code has: `needs_two` asserts T > 1 (a loss over shifted targets
     needs two tokens), `max_batch` sizes a cache for the batch it trains with, `no_single` refuses one row."""
 
-    def __init__(self, leak: str = "none", needs_two: bool = False, max_batch: int | None = None,
-                 no_single: bool = False, mix_batch: bool = False, d: int = 16, n_heads: int = 2, n_layers: int = 2,
-                 block_size: int = 64):
+    def __init__(
+        self,
+        leak: str = "none",
+        needs_two: bool = False,
+        max_batch: int | None = None,
+        no_single: bool = False,
+        mix_batch: bool = False,
+        d: int = 16,
+        n_heads: int = 2,
+        n_layers: int = 2,
+        block_size: int = 64,
+    ):
         super().__init__()
         self.needs_two, self.max_batch, self.no_single, self.mix_batch = needs_two, max_batch, no_single, mix_batch
         self.wte = nn.Embedding(V, d)
@@ -130,9 +139,11 @@ def test_declared_min_seq_len_skips_the_short_prefixes_without_a_note():
 
 
 def test_min_seq_len_from_a_config():
-    report = run_checks({"source": "python", "factory": "tests.test_future_token_robust:gpt",
-                         "kwargs": {"needs_two": True}}, ["future-token"],
-                        inputs={"batch_size": 2, "seq_len": 16, "min_seq_len": 4})
+    report = run_checks(
+        {"source": "python", "factory": "tests.test_future_token_robust:gpt", "kwargs": {"needs_two": True}},
+        ["future-token"],
+        inputs={"batch_size": 2, "seq_len": 16, "min_seq_len": 4},
+    )
     result = report.result("future-token")
     assert result.status == Status.PASS and "notes" not in result.data
     assert result.metrics["prefix_lengths"] == [4]
@@ -142,8 +153,9 @@ def test_the_session_learns_the_refused_length_for_the_checks_after():
     """Other checks that run shorter forwards (a probe at another T) start at session.min_seq_len."""
     module = gpt(needs_two=True)
     spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
-    under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
-                                   source="python")
+    under_test = model_from_module(
+        module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None), source="python"
+    )
     session = Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
     assert session.min_seq_len == 1
     with session.active():
@@ -153,10 +165,22 @@ def test_the_session_learns_the_refused_length_for_the_checks_after():
     assert declared.min_seq_len == 4
 
 
-@pytest.mark.parametrize("T, shortest, expected", [
-    (8, 1, [1, 2]), (8, 2, [2]), (8, 4, [4]), (8, 8, []), (2, 1, [1]), (3, 2, [2]),
-    (256, 1, [1, 2, 16]), (256, 3, [3, 16]), (64, 2, [2, 16]), (32, 1, [1, 2]), (256, 20, [20]),
-])
+@pytest.mark.parametrize(
+    "T, shortest, expected",
+    [
+        (8, 1, [1, 2]),
+        (8, 2, [2]),
+        (8, 4, [4]),
+        (8, 8, []),
+        (2, 1, [1]),
+        (3, 2, [2]),
+        (256, 1, [1, 2, 16]),
+        (256, 3, [3, 16]),
+        (64, 2, [2, 16]),
+        (32, 1, [1, 2]),
+        (256, 20, [20]),
+    ],
+)
 def test_prefix_ladder_starts_at_the_shortest_accepted_length(T, shortest, expected):
     assert prefix_lengths(T, shortest) == expected
 
@@ -293,8 +317,9 @@ class Observed(nn.Module):
 
 def session_for(module: nn.Module) -> tuple:
     spec = FactoryModel(factory="tests.test_future_token_robust:gpt", vocab_size=V)
-    under_test = model_from_module(module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None),
-                                   source="python")
+    under_test = model_from_module(
+        module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None), source="python"
+    )
     return under_test, Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
 
 

@@ -60,17 +60,28 @@ from fwdcheck.cli import app
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLES = [*sorted((REPO / "sample_configs").glob("*.yaml")),
-           *sorted((REPO / "sample_configs" / "broken").glob("*.yaml")),
-           REPO / "sample_configs" / "checkpoint" / "reference.yaml"]
+SAMPLES = [
+    *sorted((REPO / "sample_configs").glob("*.yaml")),
+    *sorted((REPO / "sample_configs" / "broken").glob("*.yaml")),
+    REPO / "sample_configs" / "checkpoint" / "reference.yaml",
+]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ALLOWED_EXITS = {0, 1, 2, 5}
 CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
 
 # How many examples each property runs; scripts/reliability_counts.py reads these settings.
-ARBITRARY = settings(max_examples=300, deadline=None, derandomize=True, print_blob=True,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                            HealthCheck.filter_too_much, HealthCheck.large_base_example])
+ARBITRARY = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+    ],
+)
 MUTATIONS = settings(ARBITRARY, max_examples=200)
 STRUCTURES = settings(ARBITRARY, max_examples=100)
 LEDGERS = settings(ARBITRARY, max_examples=150)
@@ -80,17 +91,72 @@ runner = CliRunner()
 # ---------------------------------------------------------------------------------------------------------------------
 # Vocabulary
 
-CONFIG_CLASSES = [schema.Config, schema.ReferenceModel, schema.PythonModel, schema.CheckpointModel, schema.HFModel,
-                  schema.Inputs, schema.Tolerance, schema.CodePaths, schema.Ignore, schema.RopeSpec]
+CONFIG_CLASSES = [
+    schema.Config,
+    schema.ReferenceModel,
+    schema.PythonModel,
+    schema.CheckpointModel,
+    schema.HFModel,
+    schema.Inputs,
+    schema.Tolerance,
+    schema.CodePaths,
+    schema.Ignore,
+    schema.RopeSpec,
+]
 KEYS = sorted({name for cls in CONFIG_CLASSES for name in cls.model_fields} - {"source_path"} | {"class"})
-SIZE_KEYS = {"vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "d_ff", "max_seq_len", "rotary_dim",
-             "batch_size", "seq_len", "max_positions"}
+SIZE_KEYS = {
+    "vocab_size",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "n_layers",
+    "d_ff",
+    "max_seq_len",
+    "rotary_dim",
+    "batch_size",
+    "seq_len",
+    "max_positions",
+}
 # Model sizes beyond int64 must be refused cleanly; n_layers is left out: range(10**20) layers would build forever.
 OVERFLOW_SAFE = SIZE_KEYS - {"n_layers"}
-WORDS = ["reference", "python", "checkpoint", "hf", "cpu", "cuda", "auto", "meta", "float32", "bfloat16", "float16",
-         "float64", "rope", "learned", "none", "half", "interleaved", "sdpa", "eager", "bool", "float", "is_causal",
-         "pre", "post", "absent", "ones", "left-pad", "shape-ledger", "future-token", "mask-audit", "rope", "FWD203",
-         "fwdcheck.reference:build", ".", "", *BUGS]
+WORDS = [
+    "reference",
+    "python",
+    "checkpoint",
+    "hf",
+    "cpu",
+    "cuda",
+    "auto",
+    "meta",
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "rope",
+    "learned",
+    "none",
+    "half",
+    "interleaved",
+    "sdpa",
+    "eager",
+    "bool",
+    "float",
+    "is_causal",
+    "pre",
+    "post",
+    "absent",
+    "ones",
+    "left-pad",
+    "shape-ledger",
+    "future-token",
+    "mask-audit",
+    "rope",
+    "FWD203",
+    "fwdcheck.reference:build",
+    ".",
+    "",
+    *BUGS,
+]
 # The only 'module:callable' strings an example may hand to the importer; any other (a corruption can make one) is
 # skipped, so that a fuzzed config never imports and calls something arbitrary from the standard library.
 SAFE_REFERENCES = {"fwdcheck.reference:build"}
@@ -98,10 +164,19 @@ REFERENCE = re.compile(r"[A-Za-z_][\w.]*\s*:\s*[A-Za-z_][\w.]*")
 
 # No ":" in generated text: see SAFE_REFERENCES. A small alphabet with YAML's special characters, whitespace and
 # some non-ASCII is as good at breaking configs as all of Unicode, and much cheaper to draw.
-ALPHABET = list("abcdefghijklmnopqrstuvwxyz_ABCXYZ-0123456789./ \t\n#&*!|>'\"{}[],%@`?~=\\") + \
-    ["\u00e9", "\u00a0", "\u2028", "\ufeff", "\U0001f600", "\x00", "\x85"]
-text = st.one_of(st.text(st.sampled_from(ALPHABET), max_size=10),
-                 st.text(st.characters(blacklist_characters=":", blacklist_categories=("Cs",)), max_size=10))
+ALPHABET = list("abcdefghijklmnopqrstuvwxyz_ABCXYZ-0123456789./ \t\n#&*!|>'\"{}[],%@`?~=\\") + [
+    "\u00e9",
+    "\u00a0",
+    "\u2028",
+    "\ufeff",
+    "\U0001f600",
+    "\x00",
+    "\x85",
+]
+text = st.one_of(
+    st.text(st.sampled_from(ALPHABET), max_size=10),
+    st.text(st.characters(blacklist_characters=":", blacklist_categories=("Cs",)), max_size=10),
+)
 keys = st.one_of(st.sampled_from(KEYS), text)
 numbers = st.one_of(
     st.integers(-4, 64),
@@ -110,17 +185,25 @@ numbers = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf]),
 )
 scalars = st.one_of(st.none(), st.booleans(), numbers, text, st.sampled_from(WORDS))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(keys, inner, max_size=5)), max_leaves=24)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=5)),
+    max_leaves=24,
+)
 TOP_KEYS = sorted(schema.Config.model_fields.keys() - {"source_path", "model"})
 documents = st.one_of(
     values,
     st.dictionaries(keys, values, max_size=6),
-    st.builds(lambda model, rest: {"model": model, **rest}, st.dictionaries(keys, values, max_size=6),
-              st.dictionaries(st.sampled_from(TOP_KEYS), values, max_size=4)),
-    st.builds(lambda source, rest: {"model": {"source": source, **rest}},
-              st.sampled_from(["reference", "python", "hf", "checkpoint"]),
-              st.dictionaries(st.sampled_from(KEYS), values, max_size=6)),
+    st.builds(
+        lambda model, rest: {"model": model, **rest},
+        st.dictionaries(keys, values, max_size=6),
+        st.dictionaries(st.sampled_from(TOP_KEYS), values, max_size=4),
+    ),
+    st.builds(
+        lambda source, rest: {"model": {"source": source, **rest}},
+        st.sampled_from(["reference", "python", "hf", "checkpoint"]),
+        st.dictionaries(st.sampled_from(KEYS), values, max_size=6),
+    ),
 )
 
 
@@ -134,8 +217,11 @@ def size_value(key: str):
 
 def other_number():
     """A value for any other number: anything, huge included (seeds, bases, tolerances, timeouts)."""
-    return st.one_of(st.integers(-2, 10), st.sampled_from([0, -1, 10**20, 2**63, 2**64, 1e-6, 1e-3, 1e300, 0.5]),
-                     st.sampled_from([math.nan, math.inf, -math.inf]))
+    return st.one_of(
+        st.integers(-2, 10),
+        st.sampled_from([0, -1, 10**20, 2**63, 2**64, 1e-6, 1e-3, 1e300, 0.5]),
+        st.sampled_from([math.nan, math.inf, -math.inf]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -151,13 +237,16 @@ def corrupted(draw, text_: str) -> str:
     if how == "truncate":
         return text_[:at]
     if how == "insert":
-        return text_[:at] + draw(st.text(st.sampled_from(list("{}[]:,-&*!|>'\"#%@`?\t\n \\")), min_size=1,
-                                         max_size=3)) + text_[at:]
+        return (
+            text_[:at]
+            + draw(st.text(st.sampled_from(list("{}[]:,-&*!|>'\"#%@`?\t\n \\")), min_size=1, max_size=3))
+            + text_[at:]
+        )
     if how == "delete":
-        return text_[:at] + text_[at + draw(st.integers(1, 5)):]
+        return text_[:at] + text_[at + draw(st.integers(1, 5)) :]
     lines = text_.splitlines(keepends=True)
     i = draw(st.integers(0, len(lines) - 1))
-    return "".join(lines[:i + 1] + lines[i:])
+    return "".join(lines[: i + 1] + lines[i:])
 
 
 @st.composite
@@ -192,8 +281,16 @@ def change_type(draw, doc):
     if spot:
         container, key, _ = spot
         old = container[key]
-        new = draw(st.one_of(st.none(), st.booleans(), text, st.lists(scalars, max_size=2),
-                             st.dictionaries(text, scalars, max_size=2), numbers))
+        new = draw(
+            st.one_of(
+                st.none(),
+                st.booleans(),
+                text,
+                st.lists(scalars, max_size=2),
+                st.dictionaries(text, scalars, max_size=2),
+                numbers,
+            )
+        )
         if type(new) is not type(old):
             container[key] = new
 
@@ -210,8 +307,20 @@ def rename_key(draw, doc):
     if spot:
         container, key, _ = spot
         i = draw(st.integers(0, len(key) - 1))
-        new = draw(st.sampled_from([key[:i] + key[i + 1:], key + "s", key.upper(), key.replace("_", "-"),
-                                    key[:i] + key[i + 1:i + 2] + key[i:i + 1] + key[i + 2:]])) or "x"
+        new = (
+            draw(
+                st.sampled_from(
+                    [
+                        key[:i] + key[i + 1 :],
+                        key + "s",
+                        key.upper(),
+                        key.replace("_", "-"),
+                        key[:i] + key[i + 1 : i + 2] + key[i : i + 1] + key[i + 2 :],
+                    ]
+                )
+            )
+            or "x"
+        )
         container[new] = container.pop(key)
 
 
@@ -241,11 +350,31 @@ def flip_bool(draw, doc):
         doc[draw(st.sampled_from(["meta", "exhaustive"]))] = True
 
 
-NUMBER_FIELDS = [("timeout_s",), ("inputs", "seed"), ("inputs", "batch_size"), ("inputs", "seq_len"),
-                 ("tolerance", "rtol"), ("tolerance", "atol"), ("tolerance", "noise_factor"), ("model", "rope", "base"),
-                 ("model", "rope", "rotary_dim"), ("model", "dropout"),
-                 *[("model", key) for key in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "d_ff",
-                                              "max_seq_len", "max_positions")]]
+NUMBER_FIELDS = [
+    ("timeout_s",),
+    ("inputs", "seed"),
+    ("inputs", "batch_size"),
+    ("inputs", "seq_len"),
+    ("tolerance", "rtol"),
+    ("tolerance", "atol"),
+    ("tolerance", "noise_factor"),
+    ("model", "rope", "base"),
+    ("model", "rope", "rotary_dim"),
+    ("model", "dropout"),
+    *[
+        ("model", key)
+        for key in (
+            "vocab_size",
+            "d_model",
+            "n_heads",
+            "n_kv_heads",
+            "n_layers",
+            "d_ff",
+            "max_seq_len",
+            "max_positions",
+        )
+    ],
+]
 
 
 def set_field(draw, doc):
@@ -259,8 +388,20 @@ def set_field(draw, doc):
     node[key] = draw(size_value(key) if key in SIZE_KEYS else other_number())
 
 
-MUTATION_KINDS = {f.__name__: f for f in (drop_key, change_type, set_number, set_field, rename_key, add_unknown_key,
-                                          replace_source, swap_word, flip_bool)}
+MUTATION_KINDS = {
+    f.__name__: f
+    for f in (
+        drop_key,
+        change_type,
+        set_number,
+        set_field,
+        rename_key,
+        add_unknown_key,
+        replace_source,
+        swap_word,
+        flip_bool,
+    )
+}
 
 
 @st.composite
@@ -307,16 +448,20 @@ def imports_something_unvetted(text_: str) -> bool:
 
 
 def process_state() -> dict:
-    return {"function_mode": torch._C._is_torch_function_mode_enabled(), "sigalrm": signal.getsignal(signal.SIGALRM),
-            "itimer": signal.getitimer(signal.ITIMER_REAL), "default_dtype": torch.get_default_dtype(),
-            "grad": torch.is_grad_enabled(), "sys_path": list(sys.path)}
+    return {
+        "function_mode": torch._C._is_torch_function_mode_enabled(),
+        "sigalrm": signal.getsignal(signal.SIGALRM),
+        "itimer": signal.getitimer(signal.ITIMER_REAL),
+        "default_dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "sys_path": list(sys.path),
+    }
 
 
 def run_and_judge(config: Path, text_: str, output_format: str, outcomes: Counter) -> None:
     config.write_text(text_, encoding="utf-8")
     before, rng = process_state(), torch.get_rng_state()
-    result = runner.invoke(app, ["run", str(config), "--format", output_format, "--in-process"],
-                           catch_exceptions=False)
+    result = runner.invoke(app, ["run", str(config), "--format", output_format, "--in-process"], catch_exceptions=False)
     everything = result.stdout + result.stderr
     code = result.exit_code
     outcomes[code] += 1
@@ -375,18 +520,32 @@ def test_mutated_sample_configs():
 # Not random: every number field of the schema at every extreme, once (hypothesis may or may not draw these)
 
 EXTREMES = [0, -1, 0.5, 2**63, 2**64, 10**20, 1e300, math.inf, -math.inf, math.nan, "8", True, None, [1]]
-REFERENCE_BASE = {"model": {"source": "reference", "max_seq_len": 16, "rope": {"base": 10000.0}},
-                  "inputs": {"batch_size": 1, "seq_len": 2}}
-PYTHON_BASE = {"model": {"source": "python", "factory": "fwdcheck.reference:build", "kwargs": {"max_seq_len": 16}},
-               "inputs": {"batch_size": 1, "seq_len": 2}}
-GRID = [(REFERENCE_BASE, field, ["rope"] if "rope" in field else ["future-token"] if "tolerance" in field
-         else ["shape-ledger"]) for field in NUMBER_FIELDS if field[-1] != "max_positions"] + \
-    [(PYTHON_BASE, ("model", key), ["shape-ledger"]) for key in ("vocab_size", "max_positions")] + \
-    [(PYTHON_BASE, ("model", "kwargs", key), ["shape-ledger"]) for key in ("vocab_size", "d_model", "n_layers")]
+REFERENCE_BASE = {
+    "model": {"source": "reference", "max_seq_len": 16, "rope": {"base": 10000.0}},
+    "inputs": {"batch_size": 1, "seq_len": 2},
+}
+PYTHON_BASE = {
+    "model": {"source": "python", "factory": "fwdcheck.reference:build", "kwargs": {"max_seq_len": 16}},
+    "inputs": {"batch_size": 1, "seq_len": 2},
+}
+GRID = (
+    [
+        (
+            REFERENCE_BASE,
+            field,
+            ["rope"] if "rope" in field else ["future-token"] if "tolerance" in field else ["shape-ledger"],
+        )
+        for field in NUMBER_FIELDS
+        if field[-1] != "max_positions"
+    ]
+    + [(PYTHON_BASE, ("model", key), ["shape-ledger"]) for key in ("vocab_size", "max_positions")]
+    + [(PYTHON_BASE, ("model", "kwargs", key), ["shape-ledger"]) for key in ("vocab_size", "d_model", "n_layers")]
+)
 
 
-@pytest.mark.parametrize(("base", "field", "checks"), GRID,
-                         ids=[f"{b['model']['source']}:{'.'.join(f)}" for b, f, _ in GRID])
+@pytest.mark.parametrize(
+    ("base", "field", "checks"), GRID, ids=[f"{b['model']['source']}:{'.'.join(f)}" for b, f, _ in GRID]
+)
 def test_number_field_extremes(base, field, checks, tmp_path):
     """Each value either validates and runs, or is one clear line; never an internal error, never a hang: the one
     size that would build forever (n_layers beyond int64: a loop of 10**20 layers) is not tried."""
@@ -409,14 +568,22 @@ def test_number_field_extremes(base, field, checks, tmp_path):
 # (c) The document's structure: depth and aliases, written as text (yaml.safe_dump itself recurses once per level)
 
 # transformers builds an inline config at its own defaults for what it does not say: a 7-billion-parameter Llama.
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-              "num_hidden_layers": 1, "num_attention_heads": 2}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
 PLACES = {  # where the deep value goes: (text before it, text after it)
     "top": ("model: {source: reference}\nextra: ", "\n"),
     "inputs": ("model: {source: reference}\ninputs: ", "\n"),
-    "kwargs": ("model:\n  source: python\n  factory: \"fwdcheck.reference:build\"\n  kwargs: {x: ", "}\n"),
-    "hf-inline": ("model:\n  source: hf\n  config: {" + ", ".join(f"{k}: {v}" for k, v in TINY_LLAMA.items()) +
-                  ", extra: ", "}\ninputs: {batch_size: 1, seq_len: 4}\nchecks: [shape-ledger]\n"),
+    "kwargs": ('model:\n  source: python\n  factory: "fwdcheck.reference:build"\n  kwargs: {x: ', "}\n"),
+    "hf-inline": (
+        "model:\n  source: hf\n  config: {" + ", ".join(f"{k}: {v}" for k, v in TINY_LLAMA.items()) + ", extra: ",
+        "}\ninputs: {batch_size: 1, seq_len: 4}\nchecks: [shape-ledger]\n",
+    ),
 }
 
 
@@ -431,12 +598,20 @@ def deep_texts(draw) -> str:
     elif style == "flow-map":
         value = "{a: " * depth + leaf + "}" * depth
     elif style == "mixed":
-        value = "".join("[" if i % 2 else "{a: " for i in range(depth)) + leaf + \
-            "".join("]" if i % 2 else "}" for i in reversed(range(depth)))
+        value = (
+            "".join("[" if i % 2 else "{a: " for i in range(depth))
+            + leaf
+            + "".join("]" if i % 2 else "}" for i in reversed(range(depth)))
+        )
     else:  # compact block sequences on a line of their own, `- - - 1`, under a block mapping
-        head = draw(st.sampled_from(["model: {source: reference}\nextra:\n  ",
-                                     "model:\n  source: python\n  factory: \"fwdcheck.reference:build\"\n  kwargs:\n"
-                                     "    x:\n      "]))
+        head = draw(
+            st.sampled_from(
+                [
+                    "model: {source: reference}\nextra:\n  ",
+                    'model:\n  source: python\n  factory: "fwdcheck.reference:build"\n  kwargs:\n    x:\n      ',
+                ]
+            )
+        )
         return head + "- " * depth + leaf + "\n"
     return before + value + after
 
@@ -476,18 +651,32 @@ def test_deep_and_aliased_yaml_documents():
 
 TOY = REPO / "sample_configs" / "toy.yaml"
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64), st.sampled_from([math.nan, math.inf, 0.5, -0.0]),
-              text, st.sampled_from(["B", "T", "V", "h", "d_h", "logits", "input_ids", "float32"])),
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.one_of(text, st.sampled_from(
-        ["entries", "dims", "name", "shape", "dtype", "fwdcheck_ledger"])), inner, max_size=5)),
-    max_leaves=20)
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 2**64),
+        st.sampled_from([math.nan, math.inf, 0.5, -0.0]),
+        text,
+        st.sampled_from(["B", "T", "V", "h", "d_h", "logits", "input_ids", "float32"]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(
+            st.one_of(text, st.sampled_from(["entries", "dims", "name", "shape", "dtype", "fwdcheck_ledger"])),
+            inner,
+            max_size=5,
+        ),
+    ),
+    max_leaves=20,
+)
 
 
 @pytest.fixture(scope="module")
 def saved_ledger(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("ledger") / "saved.json"
-    result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--save-ledger", str(path)],
-                           catch_exceptions=False)
+    result = runner.invoke(
+        app, ["run", str(TOY), "--check", "shape-ledger", "--save-ledger", str(path)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     return json.loads(path.read_text())
 
@@ -529,8 +718,21 @@ def test_expected_ledgers(saved_ledger):
         @given(text_=st.one_of(json_values.map(json.dumps), mutated_ledgers(saved_ledger)))
         def check(text_):
             ledger.write_text(text_, encoding="utf-8")
-            result = runner.invoke(app, ["run", str(TOY), "--check", "shape-ledger", "--format", "json", "--in-process",
-                                         "--expect-ledger", str(ledger)], catch_exceptions=False)
+            result = runner.invoke(
+                app,
+                [
+                    "run",
+                    str(TOY),
+                    "--check",
+                    "shape-ledger",
+                    "--format",
+                    "json",
+                    "--in-process",
+                    "--expect-ledger",
+                    str(ledger),
+                ],
+                catch_exceptions=False,
+            )
             everything = result.stdout + result.stderr
             outcomes[result.exit_code] += 1
             assert result.exit_code in (0, 1, 2), f"exit {result.exit_code} for:\n{text_[:2000]}\n---\n{everything}"
@@ -551,17 +753,23 @@ def test_expected_ledgers(saved_ledger):
 # ---------------------------------------------------------------------------------------------------------------------
 # Not random: the rotary settings a Hugging Face config declares, at their extremes
 
-HF_ROPE = [("rope_theta", v) for v in (1.0, 0, -1, 0.5, math.nan, math.inf, "abc", True, None, [1], 2**64)] + \
-    [("partial_rotary_factor", v) for v in (0, -1, 0.5, 2, math.nan, "half", [1])] + \
-    [("head_dim", v) for v in (0, -8, 3)]
+HF_ROPE = (
+    [("rope_theta", v) for v in (1.0, 0, -1, 0.5, math.nan, math.inf, "abc", True, None, [1], 2**64)]
+    + [("partial_rotary_factor", v) for v in (0, -1, 0.5, 2, math.nan, "half", [1])]
+    + [("head_dim", v) for v in (0, -8, 3)]
+)
 
 
 @pytest.mark.parametrize(("key", "value"), HF_ROPE, ids=[f"{k}={v!r}" for k, v in HF_ROPE])
 def test_hf_rope_settings_extremes(key, value, tmp_path):
     pytest.importorskip("transformers")
     config = {**TINY_LLAMA, key: value}
-    doc = {"model": {"source": "hf", "config": config}, "inputs": {"batch_size": 1, "seq_len": 4}, "checks": ["rope"],
-           "paths": {"enabled": False}}
+    doc = {
+        "model": {"source": "hf", "config": config},
+        "inputs": {"batch_size": 1, "seq_len": 4},
+        "checks": ["rope"],
+        "paths": {"enabled": False},
+    }
     run_and_judge(tmp_path / "hf.yaml", yaml.safe_dump(doc, sort_keys=False), "json", Counter())
 
 

@@ -29,8 +29,10 @@ def switches() -> dict:
         "cudnn benchmark": backends.cudnn.benchmark,
         "cudnn deterministic": backends.cudnn.deterministic,
         "threads": torch.get_num_threads(),
-        "deterministic": (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
         "flash sdp": backends.cuda.flash_sdp_enabled(),
         "math sdp": backends.cuda.math_sdp_enabled(),
         "grad": torch.is_grad_enabled(),
@@ -72,9 +74,14 @@ def test_switches_a_forward_flips_are_put_back():
     assert report.exit_code == 0, report.results[0].summary
     assert switches() == before
     notes = " ".join(report.notes)
-    for name in ("torch.backends.cudnn.benchmark", "torch.get_num_threads()", "torch.get_float32_matmul_precision()",
-                 "torch.backends.cuda.flash_sdp_enabled()", "torch.are_deterministic_algorithms_enabled()",
-                 "torch.nn.modules.module._global_forward_hooks"):
+    for name in (
+        "torch.backends.cudnn.benchmark",
+        "torch.get_num_threads()",
+        "torch.get_float32_matmul_precision()",
+        "torch.backends.cuda.flash_sdp_enabled()",
+        "torch.are_deterministic_algorithms_enabled()",
+        "torch.nn.modules.module._global_forward_hooks",
+    ):
         assert name in notes, (name, report.notes)
 
 

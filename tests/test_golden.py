@@ -68,8 +68,10 @@ def test_rope_2d_identity(m, n, seed):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, 1, 1, 1, 2, generator=g, dtype=torch.float64)
     for pairing in ("half", "interleaved"):
+
         def rotate(x, p):
             return apply_rope(x, torch.tensor([p]), 10000.0, pairing, 2).double()  # noqa: B023 -- this iteration's
+
         lhs = (rotate(q, m) * rotate(k, n)).sum()
         rhs = (q * rotate(k, n - m)).sum() if n >= m else (rotate(q, m - n) * k).sum()
         assert float(lhs) == pytest.approx(float(rhs), abs=1e-4)

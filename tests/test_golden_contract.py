@@ -30,14 +30,23 @@ runner = CliRunner()
 CLEAN = {"source": "reference", "vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2}
 INPUTS = {"batch_size": 2, "seq_len": 8, "seed": 0}
 # 8 layers, wide enough that the kernels of another CPU round differently (tolerances.py's measurement)
-EIGHT_LAYERS = {"source": "reference", "vocab_size": 512, "d_model": 128, "n_heads": 4, "n_layers": 8, "d_ff": 512,
-                "max_seq_len": 128}
+EIGHT_LAYERS = {
+    "source": "reference",
+    "vocab_size": 512,
+    "d_model": 128,
+    "n_heads": 4,
+    "n_layers": 8,
+    "d_ff": 512,
+    "max_seq_len": 128,
+}
 
 
 def golden_run(model: dict, expected: dict | None = None, dtype: str = "float32", inputs: dict = INPUTS):
     """The golden check's result on the model a config dict describes, compared with `expected` when given."""
-    run = Run.build(config_from_dict({"model": model, "inputs": inputs, "dtype": dtype}),
-                    Overrides(checks=["golden"], expect_golden=expected))
+    run = Run.build(
+        config_from_dict({"model": model, "inputs": inputs, "dtype": dtype}),
+        Overrides(checks=["golden"], expect_golden=expected),
+    )
     return run.check(run.load()).result("golden")
 
 
@@ -109,8 +118,11 @@ PLANTED = {  # change -> (model fields, the first module output that moved, whet
 @pytest.mark.parametrize("change", list(PLANTED))
 def test_planted_change_fails_naming_the_first_module(change):
     fields, first, parameters_moved = PLANTED[change]
-    base = {**CLEAN, "attention": fields.get("attention", "sdpa"), **({"init_std": 0.02} if "init_std" in fields
-                                                                      else {})}
+    base = {
+        **CLEAN,
+        "attention": fields.get("attention", "sdpa"),
+        **({"init_std": 0.02} if "init_std" in fields else {}),
+    }
     result = golden_run({**base, **fields}, saved(base))
     assert result.status.value == "fail"
     by_code = {f.code: f for f in result.findings}
@@ -137,10 +149,14 @@ def test_post_norm_also_names_the_parameters_it_removed():
 def test_a_shape_change_is_a_shape_contract_difference_not_a_numeric_one():
     result = golden_run({**CLEAN, "d_ff": 64}, saved(CLEAN))
     outputs, parameters = [f.message for f in result.findings if f.code == "FWD965"]
-    assert outputs.startswith("module outputs changed shape or dtype (a shape contract difference, not compared "
-                              "numerically): layers.0.mlp.up: [2, 8, 32] float32 -> [2, 8, 64] float32")
-    assert parameters.startswith("parameters changed shape or dtype (a shape contract difference, not compared "
-                                 "numerically): layers.0.mlp.up.weight: [32, 16] float32 -> [64, 16] float32")
+    assert outputs.startswith(
+        "module outputs changed shape or dtype (a shape contract difference, not compared "
+        "numerically): layers.0.mlp.up: [2, 8, 32] float32 -> [2, 8, 64] float32"
+    )
+    assert parameters.startswith(
+        "parameters changed shape or dtype (a shape contract difference, not compared "
+        "numerically): layers.0.mlp.up.weight: [32, 16] float32 -> [64, 16] float32"
+    )
     assert "layers.0.mlp.up" not in [m["name"] for m in result.data["comparison"]["moved"]]
     moved = next(f for f in result.findings if f.code == "FWD961")
     assert moved.where == "layers.0.mlp.down"  # the same shape, other values: compared, and moved
@@ -149,8 +165,9 @@ def test_a_shape_change_is_a_shape_contract_difference_not_a_numeric_one():
 def test_a_block_removed_is_named():
     result = golden_run({**CLEAN, "n_layers": 1}, saved(CLEAN))
     gone = [f.message for f in result.findings if f.code == "FWD963"]
-    assert gone[0].startswith("module outputs added or removed: gone layers.1.ln_1, layers.1.attn.q_proj, "
-                              "layers.1.attn.k_proj and ")
+    assert gone[0].startswith(
+        "module outputs added or removed: gone layers.1.ln_1, layers.1.attn.q_proj, layers.1.attn.k_proj and "
+    )
     assert gone[1].startswith("parameters added or removed: gone layers.1.ln_1.weight")
 
 
@@ -205,8 +222,14 @@ def test_a_planted_change_fails_through_the_file(tmp_path):
 
 
 def _fwdcheck(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fwdcheck", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200", **env}, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "fwdcheck", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200", **env},
+        cwd=REPO,
+    )
 
 
 @pytest.mark.slow
@@ -218,8 +241,11 @@ def test_another_process_thread_count_and_cpu_kernels_pass(tmp_path, elsewhere):
     golden = tmp_path / "golden.json"
     saving = _fwdcheck(["run", str(config), "--save-golden", str(golden), "-q"], OMP_NUM_THREADS="1")
     assert saving.returncode == 0, saving.stdout + saving.stderr
-    env = {"OMP_NUM_THREADS": "2"} if elsewhere == "two-threads" else \
-        {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    env = (
+        {"OMP_NUM_THREADS": "2"}
+        if elsewhere == "two-threads"
+        else {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    )
     expecting = _fwdcheck(["run", str(config), "--expect-golden", str(golden), "--format", "json"], **env)
     assert expecting.returncode == 0, expecting.stdout[-3000:] + expecting.stderr
     result = next(c for c in json.loads(expecting.stdout)["checks"] if c["name"] == "golden")
@@ -243,13 +269,19 @@ BAD_FILES = {
     "a-list": ("[]", "not a golden file written by --save-golden (a JSON object with 'fwdcheck_golden')"),
     "another-version": (lambda d: {**d, "fwdcheck_golden": 2}, "golden file format 2; this fwdcheck reads format 1"),
     "nan": (lambda d: json.dumps(d).replace('"absmax": ', '"absmax": NaN, "x": ', 1), "NaN is not JSON"),
-    "mean-a-string": (lambda d: {**d, "outputs": [{**d["outputs"][0], "mean": "0.1"}]},
-                      "outputs[0].mean: Input should be a valid number"),
+    "mean-a-string": (
+        lambda d: {**d, "outputs": [{**d["outputs"][0], "mean": "0.1"}]},
+        "outputs[0].mean: Input should be a valid number",
+    ),
     "no-run": (lambda d: {k: v for k, v in d.items() if k != "run"}, "run: required key is missing"),
-    "listed-twice": (lambda d: {**d, "parameters": d["parameters"] + d["parameters"][:1]},
-                     "'wte.weight' is listed twice (first as parameters[0])"),
-    "negative-tolerance": (lambda d: {**d, "tolerance": {"rtol": -1, "atol": 0}},
-                           "tolerance.rtol: Input should be greater than or equal to 0"),
+    "listed-twice": (
+        lambda d: {**d, "parameters": d["parameters"] + d["parameters"][:1]},
+        "'wte.weight' is listed twice (first as parameters[0])",
+    ),
+    "negative-tolerance": (
+        lambda d: {**d, "tolerance": {"rtol": -1, "atol": 0}},
+        "tolerance.rtol: Input should be greater than or equal to 0",
+    ),
 }
 
 
@@ -265,23 +297,31 @@ def test_a_file_that_is_not_a_golden_file_is_one_line(tmp_path, saved_file, case
 
 def test_a_missing_file_or_a_directory_is_one_line(tmp_path, saved_file):
     config, _ = saved_file
-    usage_error(invoke("run", config, "--expect-golden", tmp_path / "nowhere.json"),
-                "nowhere.json: no such file (write one with --save-golden)")
+    usage_error(
+        invoke("run", config, "--expect-golden", tmp_path / "nowhere.json"),
+        "nowhere.json: no such file (write one with --save-golden)",
+    )
     usage_error(invoke("run", config, "--expect-golden", tmp_path), f"--expect-golden {tmp_path}: is a directory")
 
 
-@pytest.mark.parametrize("other, said", [
-    ({"inputs": {**INPUTS, "seed": 7}}, "seed 0 (this run: 7)"),
-    ({"inputs": {**INPUTS, "batch_size": 3, "seq_len": 6}}, "batch_size 2 (this run: 3), seq_len 8 (this run: 6)"),
-    ({"dtype": "bfloat16"}, "dtype float32 (this run: bfloat16)"),
-])
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        ({"inputs": {**INPUTS, "seed": 7}}, "seed 0 (this run: 7)"),
+        ({"inputs": {**INPUTS, "batch_size": 3, "seq_len": 6}}, "batch_size 2 (this run: 3), seq_len 8 (this run: 6)"),
+        ({"dtype": "bfloat16"}, "dtype float32 (this run: bfloat16)"),
+    ],
+)
 def test_a_golden_file_of_another_config_is_a_usage_error(tmp_path, saved_file, other, said):
     _, document = saved_file
     golden = tmp_path / "golden.json"
     golden.write_text(json.dumps(document))
     config = write_config(tmp_path, CLEAN, **other)
-    usage_error(invoke("run", config, "--expect-golden", golden), f"--expect-golden {golden}: made with another "
-                f"config: {said}; a golden file is compared at the inputs and dtype it was made with")
+    usage_error(
+        invoke("run", config, "--expect-golden", golden),
+        f"--expect-golden {golden}: made with another "
+        f"config: {said}; a golden file is compared at the inputs and dtype it was made with",
+    )
 
 
 def test_seed_on_the_command_line_counts_as_another_config(tmp_path, saved_file):
@@ -295,12 +335,18 @@ def test_save_golden_refuses_what_it_cannot_write(tmp_path, saved_file):
     config, document = saved_file
     golden = tmp_path / "golden.json"
     golden.write_text(json.dumps(document))
-    usage_error(invoke("run", config, "--expect-golden", golden, "--save-golden", golden),
-                f"--save-golden {golden} is the --expect-golden file; fwdcheck does not write a report over a file")
-    usage_error(invoke("run", config, config, "--save-golden", tmp_path / "g.json"),
-                "--save-golden and --expect-golden take one config")
-    usage_error(invoke("run", config, "--save-golden", tmp_path / "g.json", "--meta"),
-                "--save-golden and --expect-golden need values")
+    usage_error(
+        invoke("run", config, "--expect-golden", golden, "--save-golden", golden),
+        f"--save-golden {golden} is the --expect-golden file; fwdcheck does not write a report over a file",
+    )
+    usage_error(
+        invoke("run", config, config, "--save-golden", tmp_path / "g.json"),
+        "--save-golden and --expect-golden take one config",
+    )
+    usage_error(
+        invoke("run", config, "--save-golden", tmp_path / "g.json", "--meta"),
+        "--save-golden and --expect-golden need values",
+    )
     assert not (tmp_path / "g.json").exists()
 
 

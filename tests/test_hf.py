@@ -79,11 +79,14 @@ def test_directory_without_weights_is_random_and_seeded(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first.module.parameters(), second.module.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("model, message", [
-    ({"source": "hf", "path": "/no/such/dir"}, "no such directory"),
-    ({"source": "hf", "config": {"model_type": "llama"}, "class": "NoSuchModel"}, "has no class 'NoSuchModel'"),
-    ({"source": "hf", "config": {"model_type": "not-a-model"}}, "inline config"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"source": "hf", "path": "/no/such/dir"}, "no such directory"),
+        ({"source": "hf", "config": {"model_type": "llama"}, "class": "NoSuchModel"}, "has no class 'NoSuchModel'"),
+        ({"source": "hf", "config": {"model_type": "not-a-model"}}, "inline config"),
+    ],
+)
 def test_load_errors_are_one_line(model, message):
     with pytest.raises(ModelLoadError, match=message) as error:
         load_model(config_from_dict({"model": model}))
@@ -122,18 +125,36 @@ def test_trust_remote_code_is_said_in_the_report():
 
 def test_rescaled_rope_declares_no_base():
     """llama3 / yarn rescale the frequencies: the base alone no longer describes them, so it is not compared."""
-    spec = compat.hf("llama", num_key_value_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                     rope_theta=500000.0, **compat.LLAMA_LIKE)
+    spec = compat.hf(
+        "llama",
+        num_key_value_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+        **compat.LLAMA_LIKE,
+    )
     model = load_model(config_from_dict({"model": spec}))
     assert model.rope.base is None and model.rope.pairing == "half"
     report = run_checks(spec, ["rope"])
     assert report.result("rope").status.value == "pass"
 
 
-LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-              "max_position_embeddings": 131072, "rope_theta": 500000.0}
+LLAMA_3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+}
 
 
 @pytest.mark.slow
@@ -150,7 +171,7 @@ def test_meta_ledger_of_an_8b_config_stays_under_a_gigabyte(tmp_path):
         from fwdcheck.cli import app
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # the high-water mark restarts from what is resident now
-        result = CliRunner().invoke(app, ["run", {str(tmp_path / 'check.yaml')!r}, "--meta", "--format", "json",
+        result = CliRunner().invoke(app, ["run", {str(tmp_path / "check.yaml")!r}, "--meta", "--format", "json",
                                           "--in-process"])
         report = json.loads(result.stdout)
         peak_kib = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
@@ -193,19 +214,29 @@ def test_sliding_window_wider_than_the_naming_pass_is_named_right():
 
 def test_longrope_attention_factor_is_divided_out():
     """Phi-3 longrope scales cos and sin by an attention factor: a uniform scale, not a broken rotation."""
-    spec = compat.hf("phi3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=64,
-                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                     rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
-                                   "long_factor": [2.0, 2.1, 2.2, 2.3]})
+    spec = compat.hf(
+        "phi3",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.1, 2.2, 2.3]},
+    )
     result = run_checks(spec, ["rope"]).result("rope")
     assert result.status.value == "pass", result.findings
     assert result.data["component_scale"] == pytest.approx(1.2247, rel=1e-3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", sorted((compat.README.parent / "sample_configs" / "hf").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "config", sorted((compat.README.parent / "sample_configs" / "hf").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_hf_sample_configs_pass(config):
     from typer.testing import CliRunner
 

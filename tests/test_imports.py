@@ -77,8 +77,9 @@ print(" ".join(failed))
 @pytest.mark.slow
 def test_every_module_imports_alone():
     names = [m for m in modules() if m not in NOT_IMPORTED_ALONE]
-    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_ALONE, *names], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_ALONE, *names], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [], proc.stderr
     assert {"fwdcheck.sources.hf", "fwdcheck.report.terminal", "fwdcheck.checks.rope"} <= set(names)
@@ -89,8 +90,11 @@ def imported(name: str, known: set[str]) -> set[str]:
     those never run). An import of a.b.c imports the packages a.b and a first, unless they are name's own."""
     with open(importlib.util.find_spec(name).origin, encoding="utf-8") as file:
         tree = ast.parse(file.read())
-    type_checking = [branch for branch in ast.walk(tree)
-                     if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")]
+    type_checking = [
+        branch
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")
+    ]
     skipped = {id(node) for branch in type_checking for stmt in branch.body for node in ast.walk(stmt)}
     targets: set[str] = set()
     for node in ast.walk(tree):
@@ -120,7 +124,7 @@ def test_no_import_cycles_even_inside_functions():
         state[name] = "open"
         for target in sorted(graph[name]):
             if state.get(target) == "open":
-                return [*path[path.index(target):], target]
+                return [*path[path.index(target) :], target]
             if target not in state and (found := cycle_from(target, [*path, target])):
                 return found
         state[name] = "done"

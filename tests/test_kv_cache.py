@@ -41,8 +41,18 @@ def clean_pass(res) -> None:
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("variant", [{}, {"mask": "float"}, {"mask": "is_causal"}, {"n_kv_heads": 1},
-                                     {"positional": "learned"}, {"norm": "post"}, {"rope": {"pairing": "interleaved"}}])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"mask": "float"},
+        {"mask": "is_causal"},
+        {"n_kv_heads": 1},
+        {"positional": "learned"},
+        {"norm": "post"},
+        {"rope": {"pairing": "interleaved"}},
+    ],
+)
 def test_reference_passes(reference, attention, variant):
     res = result(reference(attention=attention, **variant))
     clean_pass(res)
@@ -110,12 +120,14 @@ def test_reference_cache_leaves_the_plain_forward_alone():
 
 def hf_model(model_type: str, attn: str, **fields):
     transformers = pytest.importorskip("transformers")
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     if model_type == "gpt2":
         sizes = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)
-    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, max_position_embeddings=128,
-                                               **{**sizes, **fields})
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=64, max_position_embeddings=128, **{**sizes, **fields}
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
@@ -126,8 +138,9 @@ def hf_result(model, seq_len: int = 8, **kw):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_type, fields", [("llama", {}), ("gpt2", {}), ("mistral", {"sliding_window": 64}),
-                                                ("qwen2", {})])
+@pytest.mark.parametrize(
+    "model_type, fields", [("llama", {}), ("gpt2", {}), ("mistral", {"sliding_window": 64}), ("qwen2", {})]
+)
 def test_hf_models_pass(model_type, fields, attn):
     res = hf_result(hf_model(model_type, attn, **fields))
     clean_pass(res)
@@ -157,14 +170,21 @@ def test_hf_rope_restarted_for_decoded_tokens_fails():
 # =====================================================================================================================
 # Declared caches: gpt-fast and litgpt (input_pos), Hugging Face style python models (past_key_values)
 
-GPT_FAST = {"source": "python", "factory": "tests.corpus.gpt_fast:transformer",
-            "forward": "tests.corpus.gpt_fast:prefill", "cache": {"style": "gpt-fast"}}
+GPT_FAST = {
+    "source": "python",
+    "factory": "tests.corpus.gpt_fast:transformer",
+    "forward": "tests.corpus.gpt_fast:prefill",
+    "cache": {"style": "gpt-fast"},
+}
 
 
 def litgpt(name: str) -> dict:
     pytest.importorskip("litgpt")
-    return {"source": "python", "factory": f"tests.corpus.litgpt_models:{name}",
-            "cache": {"style": "gpt-fast", "setup": "set_kv_cache"}}
+    return {
+        "source": "python",
+        "factory": f"tests.corpus.litgpt_models:{name}",
+        "cache": {"style": "gpt-fast", "setup": "set_kv_cache"},
+    }
 
 
 def gpt_fast_mask_rows_by_length():
@@ -174,7 +194,7 @@ def gpt_fast_mask_rows_by_length():
 
     class MaskRowsByLength(gpt_fast.Transformer):
         def forward(self, idx, input_pos):
-            mask = self.causal_mask[None, None, :idx.shape[1]]  # (1, 1, T, S): the first T rows
+            mask = self.causal_mask[None, None, : idx.shape[1]]  # (1, 1, T, S): the first T rows
             freqs_cis = self.freqs_cis.to(idx.device)[input_pos]
             x = self.tok_embeddings(idx)
             for layer in self.layers:
@@ -216,8 +236,12 @@ def test_litgpt_sliding_window_ring_buffer_fails_in_chunks():
 
 
 def test_python_model_with_declared_hf_style_cache():
-    model = {"source": "python", "factory": "fwdcheck.reference:build", "kwargs": {"vocab_size": 32},
-             "cache": {"style": "hf"}}
+    model = {
+        "source": "python",
+        "factory": "fwdcheck.reference:build",
+        "kwargs": {"vocab_size": 32},
+        "cache": {"style": "hf"},
+    }
     clean_pass(result(model))
     bad = {**model, "kwargs": {"vocab_size": 32, "bugs": ["kv-cache-rope-restart"]}}
     assert failing(result(bad)) == {"FWD501"}
@@ -237,12 +261,18 @@ def test_reference_through_the_python_api():
 # Skips, errors, registration, config
 
 
-@pytest.mark.parametrize("model, seq_len, reason", [
-    ({"source": "python", "factory": "tests.models:nanogpt"}, 8, "no KV-cache path fwdcheck knows how to drive"),
-    ({"source": "reference"}, 3, "seq_len 3 is too short"),
-    ({"source": "python", "factory": "fwdcheck.reference:build", "causal": False, "cache": {"style": "hf"}}, 8,
-     "bidirectional"),
-])
+@pytest.mark.parametrize(
+    "model, seq_len, reason",
+    [
+        ({"source": "python", "factory": "tests.models:nanogpt"}, 8, "no KV-cache path fwdcheck knows how to drive"),
+        ({"source": "reference"}, 3, "seq_len 3 is too short"),
+        (
+            {"source": "python", "factory": "fwdcheck.reference:build", "causal": False, "cache": {"style": "hf"}},
+            8,
+            "bidirectional",
+        ),
+    ],
+)
 def test_skips_with_a_reason(model, seq_len, reason):
     res = result(model, seq_len=seq_len)
     assert res.status.value == "skip" and reason in res.summary, res.summary

@@ -54,8 +54,13 @@ def every_position(model: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch
 
 
 def nanogpt_spec(factory: str = "nanogpt", **kwargs) -> dict:
-    return {"source": "python", "factory": f"tests.test_label_shift:{factory}", "kwargs": kwargs,
-            "forward": "tests.test_label_shift:every_position", "loss": NANOGPT_LOSS}
+    return {
+        "source": "python",
+        "factory": f"tests.test_label_shift:{factory}",
+        "kwargs": kwargs,
+        "forward": "tests.test_label_shift:every_position",
+        "loss": NANOGPT_LOSS,
+    }
 
 
 def result(model: dict, **top):
@@ -147,8 +152,9 @@ class MeanOverAll(NanoGPT):
 
     def forward(self, idx, targets=None):
         logits, _ = super().forward(idx, targets)
-        per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                                    reduction="none")
+        per_token = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="none"
+        )
         return logits, per_token.sum() / targets.numel()  # should be / (targets != -1).sum()
 
 

@@ -10,8 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "fwdcheck" / "sources"
 # The core and the checks: every module but the sources' own.
-OUTSIDE_SOURCES = sorted(p for folder in (ROOT / "fwdcheck", ROOT / "checks") for p in folder.rglob("*.py")
-                         if SOURCES not in p.parents)
+OUTSIDE_SOURCES = sorted(
+    p for folder in (ROOT / "fwdcheck", ROOT / "checks") for p in folder.rglob("*.py") if SOURCES not in p.parents
+)
 SOURCE_NAMES = {"reference", "python", "checkpoint", "hf"}
 # The command line's dispatch into the sources' package: `fwdcheck shrink` is each source's rules for its config.
 DISPATCH = {("cli.py", "fwdcheck.sources.shrink")}
@@ -23,20 +24,28 @@ def named_sources(tree: ast.AST, file: str = "") -> list[str]:
     isinstance test against the reference transformer's class."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fwdcheck.sources.") \
-                and (file, node.module) not in DISPATCH:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("fwdcheck.sources.")
+            and (file, node.module) not in DISPATCH
+        ):
             found.append(f"line {node.lineno}: imports {node.module}")
         elif isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: imports {a.name}" for a in node.names
-                      if a.name.startswith("fwdcheck.sources.")]
+            found += [
+                f"line {node.lineno}: imports {a.name}" for a in node.names if a.name.startswith("fwdcheck.sources.")
+            ]
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             reads_source = any(isinstance(s, ast.Attribute) and s.attr == "source" for s in sides)
             names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in SOURCE_NAMES]
             if reads_source and names:
                 found.append(f"line {node.lineno}: compares .source with {names[0]!r}")
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2 \
-                and "ReferenceTransformer" in ast.unparse(node.args[1]):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "isinstance"
+            and len(node.args) == 2
+            and "ReferenceTransformer" in ast.unparse(node.args[1])
+        ):
             found.append(f"line {node.lineno}: isinstance(..., ReferenceTransformer)")
     return found
 
@@ -48,10 +57,15 @@ def test_nothing_outside_the_sources_names_a_source(path):
 
 def test_checks_never_read_which_source_built_the_model():
     """`model.source` is for the report; a check asks what the model can do."""
-    readers = [f"{p.name}:{node.lineno}" for p in sorted((ROOT / "checks").glob("*.py"))
-               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
-               if isinstance(node, ast.Attribute) and node.attr == "source"
-               and isinstance(node.value, ast.Name) and node.value.id == "model"]
+    readers = [
+        f"{p.name}:{node.lineno}"
+        for p in sorted((ROOT / "checks").glob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "source"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "model"
+    ]
     assert readers == []
 
 
@@ -66,5 +80,9 @@ from fwdcheck.sources import load_model
 if model.source == other: pass
 """
     assert [line.split(": ", 1)[1] for line in named_sources(ast.parse(planted))] == [
-        "imports fwdcheck.sources.hf", "imports fwdcheck.sources.python", "compares .source with 'hf'",
-        "compares .source with 'reference'", "isinstance(..., ReferenceTransformer)"]
+        "imports fwdcheck.sources.hf",
+        "imports fwdcheck.sources.python",
+        "compares .source with 'hf'",
+        "compares .source with 'reference'",
+        "isinstance(..., ReferenceTransformer)",
+    ]

@@ -33,8 +33,11 @@ def ledger(model: dict, inputs: dict | None = None, expect: dict | None = None):
 
 def saved(result) -> dict:
     """The ledger as --save-ledger writes it."""
-    return {"fwdcheck_ledger": 1, "dims": result.data["dims"],
-            "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in result.data["entries"]]}
+    return {
+        "fwdcheck_ledger": 1,
+        "dims": result.data["dims"],
+        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in result.data["entries"]],
+    }
 
 
 def dims_of(result) -> dict[str, list[str]]:
@@ -97,8 +100,11 @@ CHANGES = {
     "d=d_ff, d_ff changes": ({"d_ff": 24}, {"d_ff": 72}, {"dimension d_ff: 24 -> 72"}),
     "d=V, V changes": ({"vocab_size": 24}, {"vocab_size": 72}, {"dimension V: 24 -> 72"}),
     "h=h_kv, grouped-query after": ({}, {"n_kv_heads": 2}, {"dimension h_kv: 4 -> 2"}),
-    "h=d_h, heads change": ({"d_model": 16, "n_kv_heads": 1}, {"d_model": 16, "n_heads": 2, "n_kv_heads": 1},
-                            {"dimension h: 4 -> 2", "dimension d_h: 4 -> 8"}),
+    "h=d_h, heads change": (
+        {"d_model": 16, "n_kv_heads": 1},
+        {"d_model": 16, "n_heads": 2, "n_kv_heads": 1},
+        {"dimension h: 4 -> 2", "dimension d_h: 4 -> 8"},
+    ),
 }
 
 
@@ -121,13 +127,29 @@ def test_sequence_length_equal_to_the_head_size_changes_nothing_saved():
 
 def test_hugging_face_llama_with_the_vocabulary_as_wide_as_the_mlp():
     pytest.importorskip("transformers")
-    config = config_from_dict({"model": {"source": "hf", "config": {
-        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}},
-        "inputs": {"batch_size": 3, "seq_len": 12}})
+    config = config_from_dict(
+        {
+            "model": {
+                "source": "hf",
+                "config": {
+                    "model_type": "llama",
+                    "vocab_size": 64,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 128,
+                },
+            },
+            "inputs": {"batch_size": 3, "seq_len": 12},
+        }
+    )
     result = run_model(load_model(config), Settings.from_config(config), select(["shape-ledger"]))
     names = dims_of(result.result("shape-ledger"))
     assert names["logits"] == ["B", "T", "V"]
     feed_forward = {name: dims for name, dims in names.items() if dims[-1] == "d_ff"}
-    assert feed_forward == {"model.layers.0.mlp.gate_proj output": ["B", "T", "d_ff"],
-                            "model.layers.0.mlp.up_proj output": ["B", "T", "d_ff"]}
+    assert feed_forward == {
+        "model.layers.0.mlp.gate_proj output": ["B", "T", "d_ff"],
+        "model.layers.0.mlp.up_proj output": ["B", "T", "d_ff"],
+    }

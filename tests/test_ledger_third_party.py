@@ -97,13 +97,16 @@ class Block(nn.Module):
 class TextbookGPT(nn.Module):
     """A GPT as tutorials write it: hyperparameters as constructor arguments, no config object to read."""
 
-    def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_layer=LAYERS, block_size=BLOCK, d_ff=4 * WIDTH,
-                 **attn):
+    def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_layer=LAYERS, block_size=BLOCK, d_ff=4 * WIDTH, **attn):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(block_size, d),
-            h=nn.ModuleList(Block(d, d_ff, EagerAttention(d, n_head, block_size, **attn)) for _ in range(n_layer)),
-            ln_f=nn.LayerNorm(d)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, d),
+                wpe=nn.Embedding(block_size, d),
+                h=nn.ModuleList(Block(d, d_ff, EagerAttention(d, n_head, block_size, **attn)) for _ in range(n_layer)),
+                ln_f=nn.LayerNorm(d),
+            )
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
@@ -158,8 +161,7 @@ class HeadModuleGPT(nn.Module):
 class EncoderAsDecoder(nn.Module):
     """nn.TransformerEncoder with a causal mask, as the PyTorch word-language-model tutorial builds a decoder."""
 
-    def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_layer=LAYERS, block_size=BLOCK, d_ff=64,
-                 batch_first=True):
+    def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_layer=LAYERS, block_size=BLOCK, d_ff=64, batch_first=True):
         super().__init__()
         self.batch_first = batch_first
         self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(block_size, d)
@@ -180,8 +182,9 @@ def x_transformers_decoder(**attn_kwargs) -> nn.Module:
     from x_transformers import Decoder, TransformerWrapper
 
     torch.manual_seed(0)
-    return TransformerWrapper(num_tokens=VOCAB, max_seq_len=BLOCK,
-                              attn_layers=Decoder(dim=WIDTH, depth=LAYERS, heads=HEADS, **attn_kwargs))
+    return TransformerWrapper(
+        num_tokens=VOCAB, max_seq_len=BLOCK, attn_layers=Decoder(dim=WIDTH, depth=LAYERS, heads=HEADS, **attn_kwargs)
+    )
 
 
 class FusedGQA(nn.Module):
@@ -212,8 +215,9 @@ class SDPAModel(nn.Module):
     """A decoder around any attention module taking and returning [B, T, C]; value embeddings optional (an
     nn.Embedding of the ids of another width, mixed into the residual through a projection)."""
 
-    def __init__(self, attn_factory, vocab=VOCAB, d=WIDTH, n_layer=LAYERS, d_ff=4 * WIDTH, value_embed=0,
-                 padded_vocab=None):
+    def __init__(
+        self, attn_factory, vocab=VOCAB, d=WIDTH, n_layer=LAYERS, d_ff=4 * WIDTH, value_embed=0, padded_vocab=None
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.value_embeds = nn.Embedding(vocab, value_embed) if value_embed else None
@@ -296,8 +300,20 @@ class GptFast(nn.Module):
     8, so T = 8 queries read S = 32 key slots. generate=True runs forward as generation does: a prefill of the first
     half, then one token at a time through the cache, the logits of every step concatenated to [B, T, V]."""
 
-    def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_kv=2, hs=WIDTH // HEADS, n_layer=LAYERS,
-                 d_ff=4 * WIDTH, max_new_tokens=20, prompt=8, generate=False, eager=False):
+    def __init__(
+        self,
+        vocab=VOCAB,
+        d=WIDTH,
+        n_head=HEADS,
+        n_kv=2,
+        hs=WIDTH // HEADS,
+        n_layer=LAYERS,
+        d_ff=4 * WIDTH,
+        max_new_tokens=20,
+        prompt=8,
+        generate=False,
+        eager=False,
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(CachedBlock(d, n_head, n_kv, hs, d_ff, eager) for _ in range(n_layer))
@@ -311,7 +327,8 @@ class GptFast(nn.Module):
         self.max_batch_size = max_batch_size
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, self.n_kv, self.max_seq_length, self.hs).to(
-                self.output.weight.device)
+                self.output.weight.device
+            )
         S = self.max_seq_length
         self.causal_mask = torch.tril(torch.ones(S, S, dtype=torch.bool, device=self.output.weight.device))
 
@@ -331,7 +348,7 @@ class GptFast(nn.Module):
         prefill = T // 2
         logits = [self.step(idx[:, :prefill], torch.arange(prefill, device=idx.device))]  # (B, T/2, V)
         for t in range(prefill, T):
-            logits.append(self.step(idx[:, t:t + 1], torch.tensor([t], device=idx.device)))  # (B, 1, V)
+            logits.append(self.step(idx[:, t : t + 1], torch.tensor([t], device=idx.device)))  # (B, 1, V)
         return torch.cat(logits, dim=1)  # (B, T, V)
 
 
@@ -382,10 +399,10 @@ class MetaLlamaAttention(nn.Module):
         xq = self.wq(x).view(B, T, self.n_head, self.hs)  # (B, T, nh, hs)
         xk = self.wk(x).view(B, T, self.n_head, self.hs)
         xv = self.wv(x).view(B, T, self.n_head, self.hs)
-        self.cache_k[:B, start_pos:start_pos + T] = xk  # fails for B > max_batch: the cache fixes the batch
-        self.cache_v[:B, start_pos:start_pos + T] = xv
-        keys = self.cache_k[:B, :start_pos + T]  # (B, S, nh, hs)
-        values = self.cache_v[:B, :start_pos + T]
+        self.cache_k[:B, start_pos : start_pos + T] = xk  # fails for B > max_batch: the cache fixes the batch
+        self.cache_v[:B, start_pos : start_pos + T] = xv
+        keys = self.cache_k[:B, : start_pos + T]  # (B, S, nh, hs)
+        values = self.cache_v[:B, : start_pos + T]
         if self.transpose:
             xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # (B, nh, ., hs)
         y = F.scaled_dot_product_attention(xq, keys, values, is_causal=T > 1)
@@ -398,9 +415,17 @@ class MetaLlama(nn.Module):
     def __init__(self, vocab=VOCAB, d=WIDTH, n_head=HEADS, n_layer=LAYERS, max_batch=2, max_seq=BLOCK, **attn):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(nn.ModuleDict(dict(
-            attention_norm=nn.LayerNorm(d), attention=MetaLlamaAttention(d, n_head, max_batch, max_seq, **attn),
-            ffn_norm=nn.LayerNorm(d), feed_forward=MLP(d, 4 * d))) for _ in range(n_layer))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    attention_norm=nn.LayerNorm(d),
+                    attention=MetaLlamaAttention(d, n_head, max_batch, max_seq, **attn),
+                    ffn_norm=nn.LayerNorm(d),
+                    feed_forward=MLP(d, 4 * d),
+                )
+            )
+            for _ in range(n_layer)
+        )
         self.output = nn.Linear(d, vocab, bias=False)
 
     def forward(self, tokens, start_pos: int = 0):
@@ -519,8 +544,12 @@ def test_kv_cache_with_eager_attention():
     if "weights" not in by_role:
         pytest.skip("the observation does not recognise non-square eager scores")
     assert_clean(result)
-    assert by_role == {"scores_q": ["B", "h", "T", "d_h"], "scores_k": ["B", "h", "d_h", "S"],
-                       "weights": ["B", "h", "T", "S"], "scores_v": ["B", "h", "S", "d_h"]}
+    assert by_role == {
+        "scores_q": ["B", "h", "T", "d_h"],
+        "scores_k": ["B", "h", "d_h", "S"],
+        "weights": ["B", "h", "T", "S"],
+        "scores_v": ["B", "h", "S", "d_h"],
+    }
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
@@ -548,8 +577,11 @@ def test_padded_vocabulary_is_a_note():
 
 def test_shared_sizes_are_named_by_position():
     """V == d_ff, h == d_h, h_kv == B, S == d: each axis by its place in the layout, not by the collision."""
-    result = ledger(SDPAModel(lambda: FusedGQA(16, 4, 2, 4, repeat=False), vocab=128, d=16, d_ff=128),
-                    vocab_size=128, dims={"d_ff": 128})
+    result = ledger(
+        SDPAModel(lambda: FusedGQA(16, 4, 2, 4, repeat=False), vocab=128, d=16, d_ff=128),
+        vocab_size=128,
+        dims={"d_ff": 128},
+    )
     assert_clean(result)
     entries = rows(result)
     assert entries["logits"]["dims"] == ["B", "T", "V"]

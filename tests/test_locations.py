@@ -50,8 +50,10 @@ def parsed(source: str | None) -> tuple[Path, int]:
 
 
 # The line each attention path of the reference model makes its call on.
-CALL_LINE = {"sdpa": line_with(REFERENCE, "F.scaled_dot_product_attention("),
-             "eager": line_with(REFERENCE, "F.softmax(")}
+CALL_LINE = {
+    "sdpa": line_with(REFERENCE, "F.scaled_dot_product_attention("),
+    "eager": line_with(REFERENCE, "F.softmax("),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +75,7 @@ def test_planted_mask_bug_points_at_the_attention_call(bug, attention):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_every_report_shows_the_call_line(attention):
-    report = run_checks({"source": "reference", "bugs": ["inverted-bool-mask"], "attention": attention},
-                        ["mask-audit"])
+    report = run_checks({"source": "reference", "bugs": ["inverted-bool-mask"], "attention": attention}, ["mask-audit"])
     line = CALL_LINE[attention]
     finding = report.to_dict()["checks"][0]["findings"][0]
     assert finding["source"] == f"fwdcheck/reference.py:{line}"
@@ -82,28 +83,41 @@ def test_every_report_shows_the_call_line(attention):
     assert f"`fwdcheck/reference.py:{line}`" in to_markdown(report)
 
 
-@pytest.mark.parametrize("attention, call", [("sdpa", "F.scaled_dot_product_attention("),
-                                             ("eager", "F.dropout(weights")])
+@pytest.mark.parametrize(
+    "attention, call", [("sdpa", "F.scaled_dot_product_attention("), ("eager", "F.dropout(weights")]
+)
 def test_dropout_live_in_eval_points_at_the_call_that_applies_it(attention, call):
-    report = run_checks({"source": "reference", "bugs": ["sdpa-dropout-in-eval"], "attention": attention,
-                         "dropout": 0.1}, ["mask-audit"])
+    report = run_checks(
+        {"source": "reference", "bugs": ["sdpa-dropout-in-eval"], "attention": attention, "dropout": 0.1},
+        ["mask-audit"],
+    )
     live = [f for f in report.result("mask-audit").findings if f.code == "FWD207"]
     assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
 
 
-@pytest.mark.parametrize("attention, call", [("sdpa", "F.scaled_dot_product_attention("),
-                                             ("eager", "F.dropout(weights")])
+@pytest.mark.parametrize(
+    "attention, call", [("sdpa", "F.scaled_dot_product_attention("), ("eager", "F.dropout(weights")]
+)
 def test_future_token_names_the_line_of_live_dropout(attention, call):
-    report = run_checks({"source": "reference", "bugs": ["sdpa-dropout-in-eval"], "attention": attention,
-                         "dropout": 0.1}, ["future-token"])
+    report = run_checks(
+        {"source": "reference", "bugs": ["sdpa-dropout-in-eval"], "attention": attention, "dropout": 0.1},
+        ["future-token"],
+    )
     live = [f for f in report.result("future-token").findings if f.code == "FWD103"]
     assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
 
 
 def test_third_party_finding_points_into_the_library_at_its_attention_call():
     """x-transformers with its causal flag off: the eager softmax is made in x_transformers/attend.py."""
-    report = run_checks({"source": "python", "factory": "tests.corpus.xtransformers_models:rotary_with",
-                         "kwargs": {"bug": "no-mask"}, "path": [str(REPO)]}, ["mask-audit"])
+    report = run_checks(
+        {
+            "source": "python",
+            "factory": "tests.corpus.xtransformers_models:rotary_with",
+            "kwargs": {"bug": "no-mask"},
+            "path": [str(REPO)],
+        },
+        ["mask-audit"],
+    )
     findings = report.result("mask-audit").findings
     assert {f.code for f in findings} == {"FWD201"}
     attend = x_transformers.attend.__file__

@@ -71,8 +71,9 @@ class GptFast(nn.Module):
     prefill: tokens run in the first forward call; the rest follow one at a time through the cache (generate-style).
     chunk: prefill in chunks of this many tokens (chunked prefill)."""
 
-    def __init__(self, bug: str = "none", prefill: int | None = None, chunk: int | None = None,
-                 positions_as: str = "input_pos"):
+    def __init__(
+        self, bug: str = "none", prefill: int | None = None, chunk: int | None = None, positions_as: str = "input_pos"
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.bug, self.prefill, self.chunk, self.positions_as = bug, prefill, chunk, positions_as
@@ -99,8 +100,9 @@ class GptFast(nn.Module):
         first = self.prefill or T
         bounds = list(range(0, first, self.chunk or first)) + list(range(first, T))
         ends = bounds[1:] + [T]
-        return torch.cat([self.step(input_ids[:, s:e], torch.arange(s, e))
-                          for s, e in zip(bounds, ends, strict=True)], dim=1)
+        return torch.cat(
+            [self.step(input_ids[:, s:e], torch.arange(s, e)) for s, e in zip(bounds, ends, strict=True)], dim=1
+        )
 
 
 def test_cache_longer_than_the_prompt_is_judged_by_input_pos():
@@ -108,7 +110,8 @@ def test_cache_longer_than_the_prompt_is_judged_by_input_pos():
     clean_pass(result)
     calls = result.data["calls"]
     assert {(c["queries"], c["keys"], c["positions_from"], c["pattern"]) for c in calls} == {
-        (8, SLOTS, "input_pos", "causal")}
+        (8, SLOTS, "input_pos", "causal")
+    }
     assert calls[0]["query_positions"] == list(range(8))
     assert result.metrics["judged_calls"] == LAYERS
 
@@ -133,7 +136,12 @@ def test_generate_style_forward_is_observed_and_judged():
     calls = result.data["calls"]
     assert len(calls) == LAYERS * 5 and all(c["judged"] for c in calls)
     assert sorted({(c["queries"], tuple(c["query_positions"])) for c in calls}) == [
-        (1, (4,)), (1, (5,)), (1, (6,)), (1, (7,)), (4, (0, 1, 2, 3))]
+        (1, (4,)),
+        (1, (5,)),
+        (1, (6,)),
+        (1, (7,)),
+        (4, (0, 1, 2, 3)),
+    ]
 
 
 def test_chunked_prefill_is_judged():
@@ -224,8 +232,7 @@ def test_growing_cache_is_judged_bottom_right():
     result = audit(EinsumChunked())
     clean_pass(result)
     calls = result.data["calls"]
-    assert {(c["queries"], c["keys"], c["positions_from"]) for c in calls} == {(4, 4, "square"),
-                                                                              (4, 8, "bottom-right")}
+    assert {(c["queries"], c["keys"], c["positions_from"]) for c in calls} == {(4, 4, "square"), (4, 8, "bottom-right")}
     assert {c["pattern"] for c in calls} == {"causal"}
 
 
@@ -236,8 +243,10 @@ def test_token_by_token_decode_over_a_growing_cache_is_judged():
     assert len(result.data["calls"]) == LAYERS * 6
 
 
-@pytest.mark.parametrize("bug, code, pattern", [("off-by-one", "FWD204", "leaky: some future keys"),
-                                               ("square-only", "FWD201", "bidirectional: every key")])
+@pytest.mark.parametrize(
+    "bug, code, pattern",
+    [("off-by-one", "FWD204", "leaky: some future keys"), ("square-only", "FWD201", "bidirectional: every key")],
+)
 def test_einsum_mask_bugs_over_the_cache_fail(bug, code, pattern):
     result = audit(EinsumChunked(bug=bug))
     assert result.status.value == "fail" and code in codes(result), result.findings
@@ -271,8 +280,9 @@ def test_score_products_in_every_form_are_recognised(form):
         elif form == "list":
             scores = torch.einsum("bhid,bhjd->bhij", [q, k])
         elif form == "baddbmm":  # BLOOM: ALiBi bias + scale * q @ k^T in one call
-            scores = torch.baddbmm(torch.zeros(8, 3, 5), q.reshape(8, 3, 8), k.reshape(8, 5, 8).transpose(1, 2),
-                                   beta=1.0, alpha=0.5)
+            scores = torch.baddbmm(
+                torch.zeros(8, 3, 5), q.reshape(8, 3, 8), k.reshape(8, 5, 8).transpose(1, 2), beta=1.0, alpha=0.5
+            )
         else:
             scores = torch.bmm(q.reshape(8, 3, 8), k.reshape(8, 5, 8).transpose(1, 2))
         F.softmax(scores / 2, dim=-1)
@@ -357,7 +367,8 @@ def test_cross_attention_is_reported_not_judged(memory):
     clean_pass(result)
     cross = [c for c in result.data["calls"] if not c["judged"]]
     assert len(cross) == LAYERS and {c["pattern"] for c in cross} == {
-        "cross-attention: keys from another sequence, not judged for causality"}
+        "cross-attention: keys from another sequence, not judged for causality"
+    }
     assert f"{LAYERS} not judged: cross-attention" in result.summary
     assert {c["pattern"] for c in result.data["calls"] if c["judged"]} == {"causal"}
 
@@ -402,7 +413,7 @@ class ContextAttention(EinsumAttention):
             return super().forward(x)
         B, n, C = x.shape
         q = self.to_qkv(x)[..., :C].view(B, n, HEADS, -1).transpose(1, 2)  # (B, nh, n, hs)
-        k = self.to_qkv(context)[..., C:2 * C].view(B, -1, HEADS, C // HEADS).transpose(1, 2)  # (B, nh, m, hs)
+        k = self.to_qkv(context)[..., C : 2 * C].view(B, -1, HEADS, C // HEADS).transpose(1, 2)  # (B, nh, m, hs)
         y = F.scaled_dot_product_attention(q, k, k)  # every context token, by design
         return self.to_out(y.transpose(1, 2).reshape(B, n, C))
 
@@ -413,7 +424,7 @@ def test_sdpa_cross_attention_named_by_its_context_argument():
     context = torch.randn(1, 8, WIDTH)
 
     def forward(input_ids):
-        x = model.emb(input_ids) + model.pos.weight[:input_ids.shape[1]]
+        x = model.emb(input_ids) + model.pos.weight[: input_ids.shape[1]]
         for layer, cross in zip(model.layers, model.cross, strict=True):
             layer.cache = None
             x = x + layer(x)
@@ -439,7 +450,7 @@ class SingleSequenceShortcut(EinsumChunked):
     def forward(self, input_ids):
         if input_ids.shape[0] > 1:
             return super().forward(input_ids)
-        x = self.emb(input_ids) + self.pos.weight[:input_ids.shape[1]]
+        x = self.emb(input_ids) + self.pos.weight[: input_ids.shape[1]]
         for layer in self.layers:
             q, k, v = (t.view(1, -1, HEADS, WIDTH // HEADS).transpose(1, 2) for t in layer.to_qkv(x).chunk(3, -1))
             y = F.scaled_dot_product_attention(q, k, v)  # is_causal forgotten
@@ -541,7 +552,7 @@ def test_hugging_face_decode_steps_are_judged(implementation):
         out = module(input_ids[:, :4], use_cache=True)
         logits, cache = [out.logits], out.cache
         for t in range(4, input_ids.shape[1]):
-            out = module(input_ids[:, t:t + 1], cache=cache, use_cache=True)
+            out = module(input_ids[:, t : t + 1], cache=cache, use_cache=True)
             logits.append(out.logits)
             cache = out.cache
         return torch.cat(logits, dim=1)  # (B, T, V)
@@ -551,4 +562,5 @@ def test_hugging_face_decode_steps_are_judged(implementation):
     calls = result.data["calls"]
     assert len(calls) == 2 * 5 and all(c["judged"] for c in calls)
     assert {(c["queries"], c["keys"], c["positions_from"]) for c in calls if c["queries"] == 1} == {
-        (1, S, "bottom-right") for S in range(5, 9)}
+        (1, S, "bottom-right") for S in range(5, 9)
+    }

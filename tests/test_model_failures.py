@@ -75,11 +75,13 @@ def every_check_errors(*fragments: str, code: str = "FWD002", where: str | None 
                 assert fragment in check["summary"], (fragment, check["summary"])
             if where is not None:
                 assert (finding["where"] or "").endswith(where), finding
+
     return expect
 
 
 def nonfinite(where: str | None = None) -> Callable[[dict], None]:
     """NaN or Inf is never a pass: future-token fails FWD104; the checks that read only shapes or masks may pass."""
+
     def expect(report: dict) -> None:
         s = statuses(report)
         assert s["future-token"] == "fail", s
@@ -88,14 +90,19 @@ def nonfinite(where: str | None = None) -> Callable[[dict], None]:
         if where is not None:
             assert where in nan[0]["where"], nan[0]
         assert report["status"] == "fail"
+
     return expect
 
 
 def one_check_timed_out(report: dict) -> None:
     """Only future-token's batched forward (rows of the full length, other than the inputs' own) hangs: that check
     ends as an error after the limit, and the checks before and after it still run to their own verdicts."""
-    assert statuses(report) == {"shape-ledger": "pass", "future-token": "error", "mask-audit": "pass",
-                                "rope": "skip"}, statuses(report)
+    assert statuses(report) == {
+        "shape-ledger": "pass",
+        "future-token": "error",
+        "mask-audit": "pass",
+        "rope": "skip",
+    }, statuses(report)
     (finding,) = findings(report, "future-token")
     assert finding["code"] == "FWD004"
     assert "timed out after 1 s" in finding["message"]
@@ -139,32 +146,48 @@ class Mode:
 
 
 MODES = [
-    Mode("raises-in-forward", "build_raises_in_forward",
-         every_check_errors("ValueError: mix expects 3 dims, got 4", where=f"{SOURCE.name}:{RAISE_LINE} in _mix")),
+    Mode(
+        "raises-in-forward",
+        "build_raises_in_forward",
+        every_check_errors("ValueError: mix expects 3 dims, got 4", where=f"{SOURCE.name}:{RAISE_LINE} in _mix"),
+    ),
     Mode("exits-in-forward", "build_exits_in_forward", every_check_errors("the model raised SystemExit: 0")),
     Mode("raises-midway", "build_raises_midway", raised_midway, kwargs={"after": 4}),
     Mode("returns-string", "build_returns_string", every_check_errors("forward returned str; fwdcheck needs logits")),
     Mode("returns-none", "build_returns_none", every_check_errors("forward returned NoneType")),
-    Mode("logits-[B,V]", "build_last_position_squeezed",
-         every_check_errors("fwdcheck needs logits [B, T, V] for every position", "no positions axis",
-                            "name a `forward:` adapter")),
-    Mode("logits-[B,1,V]", "build_last_position_kept",
-         every_check_errors("positions of", "name a `forward:` adapter")),
+    Mode(
+        "logits-[B,V]",
+        "build_last_position_squeezed",
+        every_check_errors(
+            "fwdcheck needs logits [B, T, V] for every position", "no positions axis", "name a `forward:` adapter"
+        ),
+    ),
+    Mode("logits-[B,1,V]", "build_last_position_kept", every_check_errors("positions of", "name a `forward:` adapter")),
     Mode("nan-logits", "build_nan_logits", nonfinite()),
     Mode("nan-at-one-position", "build_nan_at_last_position", nonfinite(where="(0, 3), (1, 3)")),
     Mode("nan-when-future-changes", "build_nan_on_new_inputs", nonfinite(where="when tokens >=")),
     Mode("inf-logits", "build_inf_logits", nonfinite()),
     Mode("hangs", "build_hangs", one_check_timed_out, kwargs={"rows": 2}, top={"timeout_s": 1}),
     Mode("ctrl-c", "build_interrupts", interrupted, exit_code=130, kwargs={"after": 3}),
-    Mode("rotary-function-raises", "build_clean", rotary_raised,
-         model={"rotary_function": f"{MODULE}:rotary_raises", "rope": {"base": 10000.0, "rotary_dim": 4}}),
+    Mode(
+        "rotary-function-raises",
+        "build_clean",
+        rotary_raised,
+        model={"rotary_function": f"{MODULE}:rotary_raises", "rope": {"base": 10000.0, "rotary_dim": 4}},
+    ),
 ]
 
 
 def document(mode: Mode) -> dict:
     return {
-        "model": {"source": "python", "factory": f"{MODULE}:{mode.factory}", "path": [str(MODELS)],
-                  "vocab_size": 16, "kwargs": dict(mode.kwargs), **mode.model},
+        "model": {
+            "source": "python",
+            "factory": f"{MODULE}:{mode.factory}",
+            "path": [str(MODELS)],
+            "vocab_size": 16,
+            "kwargs": dict(mode.kwargs),
+            **mode.model,
+        },
         "inputs": {"batch_size": 2, "seq_len": 4, "seed": 0},
         **mode.top,
     }
@@ -228,8 +251,10 @@ def process_state() -> dict:
         "inference_mode": torch.is_inference_mode_enabled(),
         "function_mode": torch._C._is_torch_function_mode_enabled(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "global_hooks": [len(h) for h in (modules._global_forward_hooks, modules._global_forward_pre_hooks,
-                                          modules._global_backward_hooks)],
+        "global_hooks": [
+            len(h)
+            for h in (modules._global_forward_hooks, modules._global_forward_pre_hooks, modules._global_backward_hooks)
+        ],
         "sys_path": list(sys.path),
         "sigalrm": signal.getsignal(signal.SIGALRM),
         "sigint": signal.getsignal(signal.SIGINT),
@@ -275,12 +300,16 @@ def test_sigint_ends_with_130_and_the_report_so_far(tmp_path):
     """SIGINT to `fwdcheck run --format json` hung in future-token's forward: exit 130, and a whole JSON report on
     stdout holding the check that finished and the ones interrupted."""
     marker = tmp_path / "hanging"
-    mode = Mode("sigint", "build_hangs", interrupted, kwargs={"rows": 2, "marker": str(marker)},
-                top={"timeout_s": 600})
+    mode = Mode("sigint", "build_hangs", interrupted, kwargs={"rows": 2, "marker": str(marker)}, top={"timeout_s": 600})
     config = tmp_path / "hang.yaml"
     config.write_text(yaml.safe_dump(document(mode), sort_keys=False))
-    proc = subprocess.Popen([sys.executable, "-m", "fwdcheck", "run", str(config), "--format", "json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fwdcheck", "run", str(config), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -307,12 +336,15 @@ def test_sigint_ends_with_130_and_the_report_so_far(tmp_path):
 
 def test_rotary_function_without_a_known_head_size_is_not_an_internal_error(tmp_path):
     """The head size then comes from the attention calls the probe saw; the raising function is the model's error."""
-    mode = Mode("rotary-no-head-size", "build_clean", rotary_raised,
-                model={"rotary_function": f"{MODULE}:rotary_raises", "rope": {"base": 10000.0}})
+    mode = Mode(
+        "rotary-no-head-size",
+        "build_clean",
+        rotary_raised,
+        model={"rotary_function": f"{MODULE}:rotary_raises", "rope": {"base": 10000.0}},
+    )
     config = tmp_path / "rotary.yaml"
     config.write_text(yaml.safe_dump(document(mode), sort_keys=False))
-    result = runner.invoke(app, ["run", str(config), "--format", "json", "--check", "rope"],
-                           catch_exceptions=False)
+    result = runner.invoke(app, ["run", str(config), "--format", "json", "--check", "rope"], catch_exceptions=False)
     assert result.exit_code in (1, 2), result.output
 
 
@@ -332,12 +364,18 @@ def test_reliability_counts_line():
     from tests.test_fuzz import ARBITRARY, MUTATIONS
 
     counts = counts_module.counts()
-    assert counts == {"bad_configs": len(CASES), "fuzzed_documents": ARBITRARY.max_examples + MUTATIONS.max_examples,
-                      "model_failure_modes": len(MODES)}
+    assert counts == {
+        "bad_configs": len(CASES),
+        "fuzzed_documents": ARBITRARY.max_examples + MUTATIONS.max_examples,
+        "model_failure_modes": len(MODES),
+    }
     assert counts["bad_configs"] >= 40 and counts["fuzzed_documents"] >= 300 and counts["model_failure_modes"] >= 10
     line = counts_module.line(counts)
-    assert re.fullmatch(r"\d+ bad configs, \d+ fuzzed documents, \d+ model-failure modes, model bitwise unchanged in "
-                        r"all", line), line
+    assert re.fullmatch(
+        r"\d+ bad configs, \d+ fuzzed documents, \d+ model-failure modes, model bitwise unchanged in "
+        r"all",
+        line,
+    ), line
     print(f"\n{line}")
     # Once the line is in the README, it must stay true.
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

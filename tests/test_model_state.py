@@ -21,12 +21,17 @@ def snapshot(module: nn.Module) -> dict:
         "dtypes": {k: v.dtype for k, v in module.state_dict().items()},
         "training": {n: m.training for n, m in module.named_modules()},
         "dropout": {n: m.p for n, m in module.named_modules() if isinstance(m, nn.Dropout)},
-        "attention_dropout": {n: m.dropout for n, m in module.named_modules() if hasattr(m, "dropout")
-                              and isinstance(m.dropout, float)},
+        "attention_dropout": {
+            n: m.dropout for n, m in module.named_modules() if hasattr(m, "dropout") and isinstance(m.dropout, float)
+        },
         "requires_grad": {n: p.requires_grad for n, p in module.named_parameters()},
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()},
-        "hooks": {(n, kind): list(hooks) for n, m in module.named_modules() for kind, hooks in vars(m).items()
-                  if "_hooks" in kind and isinstance(hooks, dict)},
+        "hooks": {
+            (n, kind): list(hooks)
+            for n, m in module.named_modules()
+            for kind, hooks in vars(m).items()
+            if "_hooks" in kind and isinstance(hooks, dict)
+        },
         "attributes": {n: set(vars(m)) for n, m in module.named_modules()},
     }
 
@@ -35,8 +40,16 @@ def assert_same(before: dict, after: dict) -> None:
     assert before["tensors"].keys() == after["tensors"].keys()
     for name, tensor in before["tensors"].items():
         assert torch.equal(tensor, after["tensors"][name]), name  # bitwise for floats of equal dtype
-    for key in ("storage", "dtypes", "training", "dropout", "attention_dropout", "requires_grad", "hooks",
-                "attributes"):
+    for key in (
+        "storage",
+        "dtypes",
+        "training",
+        "dropout",
+        "attention_dropout",
+        "requires_grad",
+        "hooks",
+        "attributes",
+    ):
         assert before[key] == after[key], key
     for name, grad in before["grads"].items():
         assert (grad is None) == (after["grads"][name] is None), name
@@ -45,8 +58,9 @@ def assert_same(before: dict, after: dict) -> None:
 
 
 def reference_model(**fields) -> tuple[ModelUnderTest, Settings]:
-    config = config_from_dict({"model": {"source": "reference", "dropout": 0.2, **fields},
-                               "inputs": {"batch_size": 2, "seq_len": 8}})
+    config = config_from_dict(
+        {"model": {"source": "reference", "dropout": 0.2, **fields}, "inputs": {"batch_size": 2, "seq_len": 8}}
+    )
     return load_model(config), Settings.from_config(config)
 
 
@@ -190,15 +204,19 @@ def test_a_clean_model_has_its_weights_watched_without_a_finding():
     assert not [f for r in report.results for f in r.findings if f.code == "FWD006"]
 
 
-@pytest.mark.parametrize("tensor", [
-    torch.randn(7, 11),  # 77 float32: not a whole number of 64-bit words, read byte by byte
-    torch.randn(600, 8),  # words in blocks and a rest
-    torch.randn(3, 5, dtype=torch.bfloat16),
-    torch.randint(0, 9, (7,)),
-    torch.rand(4, 4) > 0.5,
-    torch.randn(64, 64).t(),  # not contiguous
-    torch.tensor([float("nan"), float("inf"), 1.0, 2.0]),
-], ids=["odd-size", "blocks", "bfloat16", "int64", "bool", "transposed", "nan"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(7, 11),  # 77 float32: not a whole number of 64-bit words, read byte by byte
+        torch.randn(600, 8),  # words in blocks and a rest
+        torch.randn(3, 5, dtype=torch.bfloat16),
+        torch.randint(0, 9, (7,)),
+        torch.rand(4, 4) > 0.5,
+        torch.randn(64, 64).t(),  # not contiguous
+        torch.tensor([float("nan"), float("inf"), 1.0, 2.0]),
+    ],
+    ids=["odd-size", "blocks", "bfloat16", "int64", "bool", "transposed", "nan"],
+)
 def test_fingerprint_changes_with_any_write(tensor):
     from fwdcheck.model_state import fingerprint
 
@@ -233,8 +251,13 @@ class Unprintable(Exception):
         raise ValueError("__str__ of Unprintable")
 
 
-@pytest.mark.parametrize("exc, shown", [(ModelAbort("rotary cache exhausted"), "ModelAbort: rotary cache exhausted"),
-                                        (Unprintable(), "Unprintable: <its message cannot be shown")])
+@pytest.mark.parametrize(
+    "exc, shown",
+    [
+        (ModelAbort("rotary cache exhausted"), "ModelAbort: rotary cache exhausted"),
+        (Unprintable(), "Unprintable: <its message cannot be shown"),
+    ],
+)
 def test_rotary_function_failures_are_the_models_error(exc, shown):
     from dataclasses import replace
 
@@ -274,10 +297,12 @@ def test_hf_model_comes_back_without_the_hooks_it_installed(capfd):
     assert not hasattr(module, "_output_capturing_hooks_installed")
     second = fwdcheck.check_model(module)
     assert_same(before, snapshot(module))
-    assert [(r.name, r.status, r.summary) for r in first.results] == \
-        [(r.name, r.status, r.summary) for r in second.results]
+    assert [(r.name, r.status, r.summary) for r in first.results] == [
+        (r.name, r.status, r.summary) for r in second.results
+    ]
     assert {r.status.value for r in first.results} == {"pass"}
     # transformers' own log lines are the report's notes, not lines on stderr
     assert "[transformers]" not in capfd.readouterr().err
-    assert any(n.startswith("transformers: `sdpa` attention does not support `output_attentions=True`")
-               for n in first.notes), first.notes
+    assert any(
+        n.startswith("transformers: `sdpa` attention does not support `output_attentions=True`") for n in first.notes
+    ), first.notes

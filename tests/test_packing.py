@@ -27,8 +27,17 @@ def codes_of(got) -> set[str]:
     return {f.code for f in got.findings}
 
 
-@pytest.mark.parametrize("variant", [{}, {"positional": "learned"}, {"mask": "is_causal"}, {"mask": "float"},
-                                     {"attention": "eager"}, {"n_kv_heads": 1}])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"positional": "learned"},
+        {"mask": "is_causal"},
+        {"mask": "float"},
+        {"attention": "eager"},
+        {"n_kv_heads": 1},
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_packed_path_passes(reference, variant, dtype):
     got = result(reference(**variant), dtype=dtype, inputs={"batch_size": 2, "seq_len": 16})
@@ -62,8 +71,10 @@ def test_packing_bugs_leave_the_unpacked_path_alone(reference):
         assert {r.status.value for r in report.results} <= {"pass", "skip"}, bug
 
 
-@pytest.mark.parametrize("name", ["GPT-2", "Llama (GQA)", "Mistral (sliding window 4)", "Qwen2", "Gemma (MQA)",
-                                  "GPT-J (interleaved rotary)", "OPT"])
+@pytest.mark.parametrize(
+    "name",
+    ["GPT-2", "Llama (GQA)", "Mistral (sliding window 4)", "Qwen2", "Gemma (MQA)", "GPT-J (interleaved rotary)", "OPT"],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hugging_face_causal_lms_pass(name, dtype):
     pytest.importorskip("transformers")
@@ -130,8 +141,12 @@ def packed_gpt(forget_mask: bool = False) -> nn.Module:
 
 
 def declared(**kwargs) -> dict:
-    return {"source": "python", "factory": "tests.test_packing:packed_gpt", "kwargs": kwargs,
-            "packing": {"argument": "doc_mask", "form": "mask", "position_ids": True}}
+    return {
+        "source": "python",
+        "factory": "tests.test_packing:packed_gpt",
+        "kwargs": kwargs,
+        "packing": {"argument": "doc_mask", "form": "mask", "position_ids": True},
+    }
 
 
 def test_declared_document_mask_passes():

@@ -14,8 +14,12 @@ def failing_paths(report, check: str) -> set[str]:
 
 
 def run_path_bug(bug: str):
-    return run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": bug}}, CHECKS,
-                      code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
+    return run_checks(
+        {"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": bug}},
+        CHECKS,
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 8},
+    )
 
 
 def test_matrix_covers_masks_weights_and_batch_sizes():
@@ -82,15 +86,20 @@ def test_a_cell_with_other_logits_runs_its_own_comparisons():
     report = run_path_bug("eager-rescaled")
     rows = report.result("future-token").data["paths"]
     assert {r["status"] for r in rows} == {"pass"} and report.exit_code == 0
-    first, eager = "default attention, mask absent, output_attentions=False, B=2", \
-        "default attention, mask absent, output_attentions=True, B=2"
+    first, eager = (
+        "default attention, mask absent, output_attentions=False, B=2",
+        "default attention, mask absent, output_attentions=True, B=2",
+    )
     assert ran_in_full(rows) == [first, eager]
     for row in rows:
         if row["path"] not in (first, eager):  # an eager cell takes an eager cell's verdict, the others the first's
             by_logits = row["shares"]["by"] == "logits"
             source = eager if "output_attentions=True" in row["path"] else first
-            assert row["shares"]["cell"] == source if by_logits else \
-                ("output_attentions=True" in row["shares"]["cell"]) == ("output_attentions=True" in row["path"]), row
+            assert (
+                row["shares"]["cell"] == source
+                if by_logits
+                else ("output_attentions=True" in row["shares"]["cell"]) == ("output_attentions=True" in row["path"])
+            ), row
 
 
 def test_a_failure_is_never_shared_by_logits():
@@ -104,8 +113,12 @@ def test_a_model_whose_path_changes_under_the_observer_shares_nothing():
     """torch's own nn.MultiheadAttention takes a fast path that steps aside under a torch function mode (the
     observer): a cell's observed logits need not be what its untouched forwards compute, so no cell takes another's
     verdict, and each runs its comparisons on untouched forwards."""
-    report = run_checks({"source": "python", "factory": "tests.models:torch_mha"}, CHECKS,
-                        code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 8})
+    report = run_checks(
+        {"source": "python", "factory": "tests.models:torch_mha"},
+        CHECKS,
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 8},
+    )
     rows = report.result("future-token").data["paths"]
     assert len(rows) == 2 and ran_in_full(rows) == [r["path"] for r in rows]
     assert ran_in_full(report.result("mask-audit").data["paths"]) == [r["path"] for r in rows]
@@ -115,11 +128,15 @@ def test_a_model_whose_path_changes_under_the_observer_shares_nothing():
 def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
     assert "paths" not in default.result("future-token").data
-    narrowed = run_checks({"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": "mask-ignored"}},
-                          CHECKS, code_paths={"enabled": True, "attention_mask": ["ones"], "batch_size": [2]})
+    narrowed = run_checks(
+        {"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": "mask-ignored"}},
+        CHECKS,
+        code_paths={"enabled": True, "attention_mask": ["ones"], "batch_size": [2]},
+    )
     assert [r["path"] for r in narrowed.result("future-token").data["paths"]] == [
         "default attention, mask ones, output_attentions=False, B=2",
-        "default attention, mask ones, output_attentions=True, B=2"]
+        "default attention, mask ones, output_attentions=True, B=2",
+    ]
     assert narrowed.exit_code == 0  # the bug needs padding to show, and the narrowed matrix has none
 
 

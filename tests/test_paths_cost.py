@@ -34,9 +34,18 @@ class CellProbe(Check):
         before = session.forward_tokens
         session.observation()
         B, T = session.inputs.shape
-        return CheckResult(self.name, Status.PASS, f"B={B}, T={T}", metrics={
-            "rows": B, "length": T, "observation_tokens": session.forward_tokens - before,
-            "padding": model.padding, "shortest": session.min_seq_len})
+        return CheckResult(
+            self.name,
+            Status.PASS,
+            f"B={B}, T={T}",
+            metrics={
+                "rows": B,
+                "length": T,
+                "observation_tokens": session.forward_tokens - before,
+                "padding": model.padding,
+                "shortest": session.min_seq_len,
+            },
+        )
 
 
 class OnceProbe(CellProbe):
@@ -69,8 +78,14 @@ def long_only() -> torch.nn.Module:
 
 
 def setup(model: dict, seq_len: int = 32, **top):
-    config = config_from_dict({"model": model, "inputs": {"batch_size": 2, "seq_len": seq_len},
-                               "code_paths": {"enabled": True, **top.pop("code_paths", {})}, **top})
+    config = config_from_dict(
+        {
+            "model": model,
+            "inputs": {"batch_size": 2, "seq_len": seq_len},
+            "code_paths": {"enabled": True, **top.pop("code_paths", {})},
+            **top,
+        }
+    )
     return load_model(config), Settings.from_config(config)
 
 
@@ -82,8 +97,12 @@ def test_the_checks_say_whether_they_run_per_code_path():
 
 
 def test_a_plugin_check_runs_over_the_matrix_when_it_declares_so():
-    report = run_checks(PATH_BUG, [PROBE, "tests.test_paths_cost:OnceProbe"], code_paths={"enabled": True},
-                        inputs={"batch_size": 2, "seq_len": 32})
+    report = run_checks(
+        PATH_BUG,
+        [PROBE, "tests.test_paths_cost:OnceProbe"],
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 32},
+    )
     rows = report.result("cell-probe").data["paths"]
     assert len(rows) == 12 and {r["status"] for r in rows} == {"pass"}
     assert {r["summary"] for r in rows} == {f"B=1, T={CELL_LENGTH}", f"B=2, T={CELL_LENGTH}"}
@@ -106,12 +125,15 @@ def test_one_session_per_cell_shared_by_its_checks():
     assert alone.results[0].metrics["padding"] == 3  # the left-pad view
 
 
-@pytest.mark.parametrize("top, declared, expected", [
-    ({}, {}, CELL_LENGTH),
-    ({"code_paths": {"seq_len": 12}}, {}, 12),  # the config widens the cells
-    ({"code_paths": {"seq_len": 64}}, {}, 32),  # never beyond inputs.seq_len
-    ({}, {"min_seq_len": 12}, 12),  # never below what the model accepts
-])
+@pytest.mark.parametrize(
+    "top, declared, expected",
+    [
+        ({}, {}, CELL_LENGTH),
+        ({"code_paths": {"seq_len": 12}}, {}, 12),  # the config widens the cells
+        ({"code_paths": {"seq_len": 64}}, {}, 32),  # never beyond inputs.seq_len
+        ({}, {"min_seq_len": 12}, 12),  # never below what the model accepts
+    ],
+)
 def test_cell_length(top, declared, expected):
     config = config_from_dict({"model": PATH_BUG, "inputs": {"batch_size": 2, "seq_len": 32, **declared}, **top})
     model, settings = load_model(config), Settings.from_config(config)
@@ -121,8 +143,9 @@ def test_cell_length(top, declared, expected):
 
 def test_cells_keep_the_left_padding_within_the_models_positions():
     model, settings = setup({**PATH_BUG, "max_positions": 10}, seq_len=10, code_paths={"seq_len": 10})
-    lengths = {cell.attention_mask: cell_length(settings, model, cell)
-               for cell in path_cells(model, settings.code_paths, 2)}
+    lengths = {
+        cell.attention_mask: cell_length(settings, model, cell) for cell in path_cells(model, settings.code_paths, 2)
+    }
     assert lengths == {"absent": 10, "ones": 10, "left-pad": 7}
     run = run_cell(CodePath(None, False, "left-pad", 2), [*select(["future-token"])], model, settings)
     assert run.seq_len == 7 and run.results[0].status == Status.PASS
@@ -152,8 +175,12 @@ def test_what_a_cell_runs_does_not_grow_with_the_inputs():
 
 
 def test_ctrl_c_during_the_matrix_keeps_the_default_results():
-    report = run_checks(PATH_BUG, ["future-token", "tests.test_paths_cost:InterruptedInCells"],
-                        code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 32})
+    report = run_checks(
+        PATH_BUG,
+        ["future-token", "tests.test_paths_cost:InterruptedInCells"],
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 32},
+    )
     assert report.interrupted
     assert [r.status for r in report.results] == [Status.PASS, Status.PASS]
     assert "paths" not in report.result("future-token").data
@@ -161,9 +188,12 @@ def test_ctrl_c_during_the_matrix_keeps_the_default_results():
 
 
 def test_a_cell_the_model_refuses_at_the_short_length_runs_at_the_full_one():
-    report = run_checks({"source": "python", "factory": "tests.test_paths_cost:long_only"},
-                        ["future-token", "mask-audit"], code_paths={"enabled": True},
-                        inputs={"batch_size": 2, "seq_len": 32})
+    report = run_checks(
+        {"source": "python", "factory": "tests.test_paths_cost:long_only"},
+        ["future-token", "mask-audit"],
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 32},
+    )
     for check in ("future-token", "mask-audit"):
         rows = report.result(check).data["paths"]
         assert {r["status"] for r in rows} == {"pass"}, rows
@@ -175,8 +205,12 @@ def test_a_cell_the_model_refuses_at_the_short_length_runs_at_the_full_one():
 @pytest.mark.parametrize("bug, check, code, fails_on", PATH_BUG_CELLS)
 def test_short_cells_of_a_long_run_fail_exactly_on_their_paths(bug, check, code, fails_on):
     """inputs.seq_len 64, cells of 8 tokens: every path bug still fails on exactly its cells."""
-    report = run_checks({**PATH_BUG, "kwargs": {"bug": bug}}, ["future-token", "mask-audit"],
-                        code_paths={"enabled": True}, inputs={"batch_size": 2, "seq_len": 64})
+    report = run_checks(
+        {**PATH_BUG, "kwargs": {"bug": bug}},
+        ["future-token", "mask-audit"],
+        code_paths={"enabled": True},
+        inputs={"batch_size": 2, "seq_len": 64},
+    )
     rows = report.result(check).data["paths"]
     assert {r["seq_len"] for r in rows} == {CELL_LENGTH}
     assert {r["path"] for r in rows if code in r["codes"]} == {r["path"] for r in rows if fails_on(r["path"])}

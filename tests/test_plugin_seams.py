@@ -13,7 +13,7 @@ from tests.test_plugins import config, invoke, toy, write_dist_info
 
 # The plugin's torch-free face: its options, the record its data holds, and its view (read by the command line and
 # the report, which never import the check itself).
-FACE = '''
+FACE = """
 from typing import TypedDict
 
 from pydantic import Field
@@ -34,9 +34,9 @@ class Bound(TypedDict):
 def bound_view(result):
     data: Bound = result.data["bound"]
     return Text(f"acme view: largest |logit| {data['largest']:.3g}, limit {data['limit']:g}")
-'''
+"""
 
-CHECK = '''
+CHECK = """
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from acme_bound_face import Bound
 
@@ -57,9 +57,9 @@ class LogitBound(Check):
         data: Bound = {"largest": largest, "limit": limit}
         findings = [Finding("ACME101", Status.FAIL, f"|logit| {largest:.3g} over {limit:g}")] if largest > limit else []
         return CheckResult.from_findings(self.name, findings, f"largest |logit| {largest:.3g}", data={"bound": data})
-'''
+"""
 
-STEALS_A_CODE = '''
+STEALS_A_CODE = """
 from fwdcheck.result import Check, CheckResult, Status
 
 
@@ -72,7 +72,7 @@ class Thief(Check):
 
     def run(self, model, session):
         return CheckResult(self.name, Status.PASS, "ran")
-'''
+"""
 
 
 @pytest.fixture
@@ -115,9 +115,11 @@ def test_a_plugins_view_flag_and_codes_are_the_command_lines(plugin, tmp_path):
 
 
 def test_a_wrong_plugin_option_is_one_line_naming_it(plugin, tmp_path):
-    for options, said in [({"limt": 3}, "options.acme-bound.limt: unknown key; did you mean 'limit'?"),
-                          ({"limit": -1}, "options.acme-bound.limit: Input should be greater than 0"),
-                          ({"limit": "x"}, "options.acme-bound.limit: Input should be a valid number")]:
+    for options, said in [
+        ({"limt": 3}, "options.acme-bound.limt: unknown key; did you mean 'limit'?"),
+        ({"limit": -1}, "options.acme-bound.limit: Input should be greater than 0"),
+        ({"limit": "x"}, "options.acme-bound.limit: Input should be a valid number"),
+    ]:
         path = config(tmp_path / "wrong.yaml", **toy(checks=["acme-bound"], options={"acme-bound": options}))
         result = invoke("run", path)
         assert result.exit_code == 2 and said in result.output, result.output
@@ -126,8 +128,10 @@ def test_a_wrong_plugin_option_is_one_line_naming_it(plugin, tmp_path):
     assert result.exit_code == 2 and "options.acme-bound.limit: Input should be greater than 0" in result.output
 
 
-@pytest.mark.parametrize("code, why", [("FWD101", "the FWD prefix is fwdcheck's own"),
-                                       ("ACME101", "which acme-bound[acme-bound] already declares")])
+@pytest.mark.parametrize(
+    "code, why",
+    [("FWD101", "the FWD prefix is fwdcheck's own"), ("ACME101", "which acme-bound[acme-bound] already declares")],
+)
 def test_a_plugin_cannot_take_another_checks_code(plugin, tmp_path, monkeypatch, code, why):
     site = tmp_path / "thief"
     write_dist_info(site, "acme-thief", {"acme-thief": "acme_thief:Thief"})
@@ -152,6 +156,7 @@ def test_the_former_exhaustive_key_still_turns_on_each_checks_thorough_variant(t
 
     config_ = config_from_dict({"model": {"source": "reference"}, "exhaustive": True})
     assert config_.options == {"future-token": {"exhaustive": True}, "backends": {"flex": True}}
-    kept = config_from_dict({"model": {"source": "reference"}, "exhaustive": True,
-                             "options": {"future-token": {"exhaustive": False}}})
+    kept = config_from_dict(
+        {"model": {"source": "reference"}, "exhaustive": True, "options": {"future-token": {"exhaustive": False}}}
+    )
     assert kept.options["future-token"] == {"exhaustive": False}  # the check's own section wins

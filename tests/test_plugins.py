@@ -67,8 +67,14 @@ class Environment:
     work: Path
 
     def fwdcheck(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([self.python, "-m", "fwdcheck", *map(str, args)], capture_output=True, text=True,
-                              timeout=TIMEOUT, env=self.env, cwd=cwd or self.work)
+        return subprocess.run(
+            [self.python, "-m", "fwdcheck", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=self.env,
+            cwd=cwd or self.work,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +83,35 @@ def installed(tmp_path_factory) -> Environment:
     work = tmp_path_factory.mktemp("plugin")
     source = work / "fwdcheck-logit-bound"
     # a copy: pip builds in the source tree (build/, *.egg-info), which must not land in the checkout
-    shutil.copytree(PLUGIN, source,
-                    ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info", ".pytest_cache"))
+    shutil.copytree(
+        PLUGIN, source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info", ".pytest_cache")
+    )
     env = {**os.environ, "COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)
     venv = work / "venv"
     python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                       check=True, capture_output=True, timeout=TIMEOUT)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+            check=True,
+            capture_output=True,
+            timeout=TIMEOUT,
+        )
         # --system-site-packages reaches the base interpreter's packages; when these tests run from a virtual
         # environment, fwdcheck and torch are in its site-packages instead, which the new one adds (with their .pth
         # files, an editable install's among them).
         site_dir = next(venv.glob("lib/python*/site-packages"), None) or venv / "Lib" / "site-packages"
         (site_dir / "fwdcheck_test_parent.pth").write_text(
-            "".join(f"import site; site.addsitedir({path!r})\n" for path in getsitepackages()))
-        subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                        str(source)], check=True, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+            "".join(f"import site; site.addsitedir({path!r})\n" for path in getsitepackages())
+        )
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(source)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=env,
+        )
         return Environment(str(python), env, "venv", work)
     except (subprocess.CalledProcessError, OSError) as exc:  # no setuptools/pip visible there: register by hand
         detail = getattr(exc, "stderr", "") or str(exc)
@@ -127,7 +145,7 @@ def test_installed_plugin_is_listed(installed):
     assert row[1] == LABEL
     assert "finite" in " ".join(row[2:])
     named = [r[0] for r in rows[1:] if len(r) > 1 and "[" in r[1]]  # rows that start a check (name, label, ...)
-    assert named[:len(BUILTINS)] == BUILTINS  # the default built-ins first, in their order
+    assert named[: len(BUILTINS)] == BUILTINS  # the default built-ins first, in their order
     builtins = [r[0] for r in rows[1:] if len(r) > 1 and r[1].startswith("fwdcheck[")]
     assert named.index("logit-bound") == len(builtins)  # a plugin after every built-in
 
@@ -147,8 +165,12 @@ def test_installed_plugin_runs_and_passes_on_the_toy_model(installed):
 @pytest.mark.slow
 def test_installed_plugin_fails_a_model_with_huge_logits(installed):
     (installed.work / "huge_logits.py").write_text(HUGE_LOGITS)
-    path = config(installed.work / "huge.yaml", model={"source": "python", "factory": "huge_logits:build"},
-                  inputs={"batch_size": 2, "seq_len": 8}, checks=["shape-ledger", "logit-bound"])
+    path = config(
+        installed.work / "huge.yaml",
+        model={"source": "python", "factory": "huge_logits:build"},
+        inputs={"batch_size": 2, "seq_len": 8},
+        checks=["shape-ledger", "logit-bound"],
+    )
     proc = installed.fwdcheck("run", path, "--format", "json")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
@@ -160,8 +182,9 @@ def test_installed_plugin_fails_a_model_with_huge_logits(installed):
 
 def test_example_plugin_own_tests_pass(pytester):
     """The tests shipped with the plugin (one model it must pass, one per code it must flag) pass as shipped."""
-    result = pytester.runpytest(str(PLUGIN / "tests"), "-p", "no:cacheprovider", f"--rootdir={PLUGIN}",
-                                "-c", str(PLUGIN / "pyproject.toml"))
+    result = pytester.runpytest(
+        str(PLUGIN / "tests"), "-p", "no:cacheprovider", f"--rootdir={PLUGIN}", "-c", str(PLUGIN / "pyproject.toml")
+    )
     result.assert_outcomes(passed=7, skipped=1)  # skipped: the entry point, when the plugin is not installed here
 
 
@@ -237,8 +260,9 @@ def test_direct_class_that_does_not_import_is_an_error_naming_it(project):
 def test_a_check_whose_run_returns_none_is_its_own_internal_error(project):
     """A plugin's run() that forgets its return value: that check errors (FWD003, exit 3: a bug in check code, not in
     the model) and the checks before and after it still run and are reported."""
-    (project / "acme_none.py").write_text(DIRECT_CHECK.replace("        return CheckResult.from_findings(",
-                                                               "        CheckResult.from_findings("))
+    (project / "acme_none.py").write_text(
+        DIRECT_CHECK.replace("        return CheckResult.from_findings(", "        CheckResult.from_findings(")
+    )
     path = config(project / "none.yaml", **toy(checks=["shape-ledger", "acme_none:VocabularyUsed", "rope"]))
     try:
         result = invoke("run", path, "--format", "json")
@@ -267,9 +291,15 @@ def test_malformed_direct_reference_is_a_usage_error(project, reference):
 def broken_plugins(tmp_path, monkeypatch):
     """Three plugins that cannot load: a missing module, a module raising at import, one calling sys.exit()."""
     site = tmp_path / "site"
-    write_dist_info(site, "acme-broken", {"acme-missing": "acme_missing_module:Check",
-                                          "acme-raises": "acme_raises:Check",
-                                          "acme-exits": "acme_exits:Check"})
+    write_dist_info(
+        site,
+        "acme-broken",
+        {
+            "acme-missing": "acme_missing_module:Check",
+            "acme-raises": "acme_raises:Check",
+            "acme-exits": "acme_exits:Check",
+        },
+    )
     (site / "acme_raises.py").write_text("raise RuntimeError('plugin bug at import time')\n")
     (site / "acme_exits.py").write_text("import sys\nsys.exit('no GPU, giving up')\n")
     monkeypatch.syspath_prepend(str(site))
@@ -285,9 +315,11 @@ def test_broken_plugins_error_by_name_and_the_rest_runs(broken_plugins, tmp_path
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     for name in BUILTINS:
         assert checks[name]["status"] == "pass", checks[name]["summary"]
-    expected = {"acme-missing": "No module named 'acme_missing_module'",
-                "acme-raises": "RuntimeError: plugin bug at import time",
-                "acme-exits": "no GPU, giving up"}  # sys.exit() in a plugin ends only that plugin
+    expected = {
+        "acme-missing": "No module named 'acme_missing_module'",
+        "acme-raises": "RuntimeError: plugin bug at import time",
+        "acme-exits": "no GPU, giving up",
+    }  # sys.exit() in a plugin ends only that plugin
     for name, reason in expected.items():
         failed = checks[name]
         assert failed["status"] == "error"
@@ -315,7 +347,7 @@ def test_a_plugin_cannot_replace_a_builtin(tmp_path, monkeypatch):
     assert available()["rope"].label == "fwdcheck[rope]"
 
 
-OPT_IN_CHECK = '''
+OPT_IN_CHECK = """
 from fwdcheck.result import Check, CheckResult, Status
 
 
@@ -328,7 +360,7 @@ class Expensive(Check):
 
     def run(self, model, session):
         return CheckResult(self.name, Status.PASS, "ran")
-'''
+"""
 
 
 @pytest.fixture

@@ -26,8 +26,9 @@ def test_entry_point_registered(pytestconfig):
     """pytest found the plugin through its pytest11 entry point (so this very session has the fixture and option)."""
     import fwdcheck.pytest_plugin
 
-    assert pytestconfig.pluginmanager.get_plugin("fwdcheck") is fwdcheck.pytest_plugin, \
+    assert pytestconfig.pluginmanager.get_plugin("fwdcheck") is fwdcheck.pytest_plugin, (
         "the pytest11 entry point `fwdcheck` is missing: reinstall fwdcheck (pip install -e .)"
+    )
 
 
 WARN_CHECK = """\
@@ -68,12 +69,15 @@ def test_planted_bug(fwdcheck):
 def tester(pytester: pytest.Pytester) -> pytest.Pytester:
     """A directory with sample_configs/, a config whose model cannot be built, one naming a check class directly
     (module:Class, beside it), and a model repo's test file using the fixture."""
-    shutil.copytree(REPO / "sample_configs", pytester.path / "sample_configs",
-                    ignore=shutil.ignore_patterns("checkpoint"))
+    shutil.copytree(
+        REPO / "sample_configs", pytester.path / "sample_configs", ignore=shutil.ignore_patterns("checkpoint")
+    )
     pytester.path.joinpath("noload.yaml").write_text(
-        "model: {source: python, factory: 'no_such_module_xyz:build'}\nchecks: [shape-ledger, rope]\n")
+        "model: {source: python, factory: 'no_such_module_xyz:build'}\nchecks: [shape-ledger, rope]\n"
+    )
     pytester.path.joinpath("warn.yaml").write_text(
-        "model: {source: reference}\ninputs: {seq_len: 4}\nchecks: [mask-audit, 'acme_checks:AlwaysWarns']\n")
+        "model: {source: reference}\ninputs: {seq_len: 4}\nchecks: [mask-audit, 'acme_checks:AlwaysWarns']\n"
+    )
     pytester.path.joinpath("acme_checks.py").write_text(WARN_CHECK)
     pytester.path.joinpath("test_my_model.py").write_text(MODEL_TESTS)
     return pytester
@@ -98,7 +102,7 @@ def section(result: pytest.RunResult, title: str) -> str:
     lines = result.stdout.lines
     start = next(i for i, line in enumerate(lines) if re.match(rf"^_+ {re.escape(title)} _+$", line))
     end = next((i for i in range(start + 1, len(lines)) if re.match(r"^(_{3,} |={3,} )", lines[i])), len(lines))
-    return "\n".join(lines[start + 1:end])
+    return "\n".join(lines[start + 1 : end])
 
 
 def test_configs_become_items(tester, monkeypatch):
@@ -108,13 +112,29 @@ def test_configs_become_items(tester, monkeypatch):
     loads, runs = [], []
     load_model, run_model = fwdcheck.runner.load_model, fwdcheck.runner.run_model
     monkeypatch.setattr(fwdcheck.runner, "load_model", lambda config: loads.append(config) or load_model(config))
-    monkeypatch.setattr(fwdcheck.runner, "run_model",
-                        lambda model, settings, entries, **kw: (kw.get("config_path") and runs.append(
-                            [e.name for e in entries])) or run_model(model, settings, entries, **kw))
-    configs = ["sample_configs/toy.yaml", "sample_configs/broken/no-causal-mask.yaml",
-               "sample_configs/reference-learned.yaml", "noload.yaml", "warn.yaml"]
-    result = run(tester, *(a for c in configs for a in ("--fwdcheck", c)), "test_my_model.py", "-v", "-rfs",
-                 "--junitxml=report.xml")
+    monkeypatch.setattr(
+        fwdcheck.runner,
+        "run_model",
+        lambda model, settings, entries, **kw: (
+            (kw.get("config_path") and runs.append([e.name for e in entries]))
+            or run_model(model, settings, entries, **kw)
+        ),
+    )
+    configs = [
+        "sample_configs/toy.yaml",
+        "sample_configs/broken/no-causal-mask.yaml",
+        "sample_configs/reference-learned.yaml",
+        "noload.yaml",
+        "warn.yaml",
+    ]
+    result = run(
+        tester,
+        *(a for c in configs for a in ("--fwdcheck", c)),
+        "test_my_model.py",
+        "-v",
+        "-rfs",
+        "--junitxml=report.xml",
+    )
     result.assert_outcomes(passed=13, failed=5, skipped=1, warnings=1)
     assert result.ret == 1
     out = result.stdout.str()
@@ -127,7 +147,11 @@ def test_configs_become_items(tester, monkeypatch):
     # a planted bug: the two checks that catch it fail with their findings as the failure text
     broken = "sample_configs/broken/no-causal-mask.yaml"
     assert {n: seen[f"{broken}::{n}"] for n in CHECKS} == {
-        "shape-ledger": "PASSED", "future-token": "FAILED", "mask-audit": "FAILED", "rope": "PASSED"}
+        "shape-ledger": "PASSED",
+        "future-token": "FAILED",
+        "mask-audit": "FAILED",
+        "rope": "PASSED",
+    }
     text = section(result, f"future-token in {broken}")
     assert text.startswith(f"fwdcheck future-token on {broken}: fail - ")
     assert "\n  FWD101 fail: earlier logits moved" in text
@@ -135,8 +159,9 @@ def test_configs_become_items(tester, monkeypatch):
     text = section(result, f"mask-audit in {broken}")
     assert "\n  FWD201 fail: no causal restriction" in text and "\n      at layers.0.attn" in text
     assert "Traceback" not in text and "pytest_plugin.py" not in text  # the findings, not the plugin's frames
-    result.stdout.fnmatch_lines([f"FAILED {broken}::future-token - fail: FWD101*",
-                                 f"FAILED {broken}::mask-audit - fail: FWD201*"])
+    result.stdout.fnmatch_lines(
+        [f"FAILED {broken}::future-token - fail: FWD101*", f"FAILED {broken}::mask-audit - fail: FWD201*"]
+    )
 
     # a check that does not apply skips with its reason
     assert seen["sample_configs/reference-learned.yaml::rope"] == "SKIPPED"
@@ -146,17 +171,22 @@ def test_configs_become_items(tester, monkeypatch):
     assert seen["noload.yaml::shape-ledger"] == seen["noload.yaml::rope"] == "FAILED"
     assert section(result, "rope in noload.yaml") == (
         "fwdcheck: noload.yaml: factory 'no_such_module_xyz:build': cannot import 'no_such_module_xyz': "
-        "No module named 'no_such_module_xyz'")
+        "No module named 'no_such_module_xyz'"
+    )
 
     # a check named module:Class in the config, imported from beside it; its warning passes, as a pytest warning
     assert seen["warn.yaml::acme_checks:AlwaysWarns"] == "PASSED"
     result.stdout.fnmatch_lines(["*FwdcheckWarning: warn.yaml::acme_checks:AlwaysWarns: warn: ACME901*"])
 
     # the fixture, in the same session as the configs
-    assert [seen[f"test_my_model.py::{t}"] for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")] \
-        == ["PASSED", "PASSED", "FAILED"]
-    result.stdout.fnmatch_lines(["E*ChecksFailed: fwdcheck: exit 1", "E*future-token: fail: *",
-                                 "E*mask-audit: fail: *"])
+    assert [seen[f"test_my_model.py::{t}"] for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")] == [
+        "PASSED",
+        "PASSED",
+        "FAILED",
+    ]
+    result.stdout.fnmatch_lines(
+        ["E*ChecksFailed: fwdcheck: exit 1", "E*future-token: fail: *", "E*mask-audit: fail: *"]
+    )
 
     # one model build and one run per config, whatever the number of its items
     assert len(loads) == len(configs) and len(runs) == len(configs) - 1  # noload never got to run
@@ -174,11 +204,26 @@ def test_subset_and_fail_on_warn(tester, monkeypatch):
 
     runs = []
     run_model = fwdcheck.runner.run_model
-    monkeypatch.setattr(fwdcheck.runner, "run_model",
-                        lambda model, settings, entries, **kw: runs.append([e.name for e in entries])
-                        or run_model(model, settings, entries, **kw))
-    result = run(tester, "-m", "fwdcheck", "--fwdcheck", "sample_configs/toy.yaml", "--fwdcheck", "warn.yaml", "-k",
-                 "rope or mask or AlwaysWarns", "--fwdcheck-fail-on", "warn")
+    monkeypatch.setattr(
+        fwdcheck.runner,
+        "run_model",
+        lambda model, settings, entries, **kw: (
+            runs.append([e.name for e in entries]) or run_model(model, settings, entries, **kw)
+        ),
+    )
+    result = run(
+        tester,
+        "-m",
+        "fwdcheck",
+        "--fwdcheck",
+        "sample_configs/toy.yaml",
+        "--fwdcheck",
+        "warn.yaml",
+        "-k",
+        "rope or mask or AlwaysWarns",
+        "--fwdcheck-fail-on",
+        "warn",
+    )
     result.assert_outcomes(passed=3, failed=1, deselected=2)  # toy's shape-ledger and future-token
     # a -k subset runs only its checks, as `fwdcheck run --check` would
     assert runs == [["mask-audit", "rope"], ["mask-audit", "acme_checks:AlwaysWarns"]]
@@ -197,11 +242,13 @@ def test_collection_errors_and_what_a_directory_holds(tester):
     (root / "half-written.yaml").write_text("model:\n  source: reference\n  d_model: [8\n")  # a config, broken
     tester.path.joinpath("bad.yaml").write_text("model:\n  source: reference\n  n_head: 2\n")
     tester.path.joinpath("typo.yaml").write_text("model: {source: reference}\nchecks: [future-tokens]\n")
-    result = run(tester, "--fwdcheck", "configs", "--fwdcheck", "bad.yaml", "--fwdcheck", "typo.yaml",
-                 "--collect-only", "-q")
+    result = run(
+        tester, "--fwdcheck", "configs", "--fwdcheck", "bad.yaml", "--fwdcheck", "typo.yaml", "--collect-only", "-q"
+    )
     collected = [line for line in result.stdout.lines if line.startswith("configs/") and "::" in line]
-    assert collected == [f"configs/nested/learned.yml::{n}" for n in CHECKS] + [f"configs/toy.yaml::{n}"
-                                                                               for n in CHECKS]
+    assert collected == [f"configs/nested/learned.yml::{n}" for n in CHECKS] + [
+        f"configs/toy.yaml::{n}" for n in CHECKS
+    ]
     result.assert_outcomes(errors=3)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     for title, line in [
@@ -219,7 +266,8 @@ def test_collection_errors_and_what_a_directory_holds(tester):
 def test_without_the_option_nothing_is_collected(tester):
     result = run(tester, "--collect-only", "-q")  # sample_configs/ and the configs are right there, and ignored
     assert [line for line in result.stdout.lines if "::" in line] == [
-        f"test_my_model.py::{t}" for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")]
+        f"test_my_model.py::{t}" for t in ("test_fixture_is_the_api", "test_clean", "test_planted_bug")
+    ]
     assert "fwdcheck:" not in result.stdout.str()
 
 
@@ -255,14 +303,16 @@ def test_missing_path_is_a_usage_error(tester):
 
 def test_startup_imports_no_torch(pytester):
     """A fresh interpreter: with the plugin loaded but no --fwdcheck, torch stays unimported."""
-    pytester.makeconftest(textwrap.dedent("""
+    pytester.makeconftest(
+        textwrap.dedent("""
         import sys
 
 
         def pytest_collection_finish(session):
             print("fwdcheck plugin loaded:", session.config.pluginmanager.has_plugin("fwdcheck"))
             print("torch imported:", "torch" in sys.modules)
-    """))
+    """)
+    )
     pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
@@ -289,8 +339,10 @@ def test_a_golden_file_beside_a_config_is_checked(tester):
 
     (root / "toy.yaml").write_text(toy.replace("attention: sdpa", "attention: sdpa\n  bugs: [heads-swapped]"))
     result = run(tester, "--fwdcheck", "configs", "-v")
-    assert outcomes(result) == {**{f"configs/toy.yaml::{n}": "PASSED" for n in CHECKS},
-                                "configs/toy.yaml::golden": "FAILED"}
+    assert outcomes(result) == {
+        **{f"configs/toy.yaml::{n}": "PASSED" for n in CHECKS},
+        "configs/toy.yaml::golden": "FAILED",
+    }
     text = section(result, "golden in configs/toy.yaml")
     assert "\n  FWD961 fail: layers.0.attn.o_proj: output moved by " in text
     assert "rerun:   fwdcheck run configs/toy.yaml --expect-golden configs/toy.golden.json" in text

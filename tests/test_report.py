@@ -33,8 +33,12 @@ def rendered(report, verbosity: Verbosity = Verbosity.VERBOSE, **options) -> str
 
 
 def test_exhaustive_leak_map_is_a_full_upper_triangle():
-    report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]}, ["future-token"], exhaustive=True,
-                        inputs={"batch_size": 2, "seq_len": 5})
+    report = run_checks(
+        {"source": "reference", "bugs": ["no-causal-mask"]},
+        ["future-token"],
+        exhaustive=True,
+        inputs={"batch_size": 2, "seq_len": 5},
+    )
     text = rendered(report)
     rows = {int(m.group(1)): m.group(2).strip() for m in re.finditer(r"│\s+(\d)  (.*?)│", text)}
     assert rows == {0: "####", 1: "###", 2: "##", 3: "#"}, rows
@@ -42,8 +46,12 @@ def test_exhaustive_leak_map_is_a_full_upper_triangle():
 
 
 def test_long_sequences_bin_the_leak_map():
-    report = run_checks({"source": "reference", "max_seq_len": 256}, ["future-token"], exhaustive=True,
-                        inputs={"batch_size": 1, "seq_len": 150})
+    report = run_checks(
+        {"source": "reference", "max_seq_len": 256},
+        ["future-token"],
+        exhaustive=True,
+        inputs={"batch_size": 1, "seq_len": 150},
+    )
     text = rendered(report)
     assert "3 positions per char" in text
     leak_map = text.split("query\\k")[1].split("# moved beyond")[0]
@@ -52,8 +60,17 @@ def test_long_sequences_bin_the_leak_map():
 
 def test_every_section_renders_for_a_clean_model():
     text = rendered(run_checks({"source": "reference", "attention": "eager", "n_kv_heads": 1}))
-    for expected in ("shape-ledger", "[B,h,T,d_h]", "conventions", "True = may attend", "True = masked out",
-                     "may-read set", "probe q", "declared: pairing half", "passed (exit 0)"):
+    for expected in (
+        "shape-ledger",
+        "[B,h,T,d_h]",
+        "conventions",
+        "True = may attend",
+        "True = masked out",
+        "may-read set",
+        "probe q",
+        "declared: pairing half",
+        "passed (exit 0)",
+    ):
         assert expected in text, expected
 
 
@@ -96,8 +113,12 @@ def plain(text: str) -> str:
 def grid_spans(call: dict) -> list[str]:
     """The style of each key slot the grid draws as readable, row by row."""
     caption, *lines = may_read_grid(call).renderables
-    return [next((span.style for span in line.spans if span.start <= i < span.end), None)
-            for line in lines for i, char in enumerate(line.plain) if char == "■"]
+    return [
+        next((span.style for span in line.spans if span.start <= i < span.end), None)
+        for line in lines
+        for i, char in enumerate(line.plain)
+        if char == "■"
+    ]
 
 
 def gpt_fast_generate(bug: str | None = None, checks: list[str] | None = None):
@@ -162,8 +183,12 @@ def test_a_mask_that_opens_later_slots_is_red_from_the_query_position_on():
 
 
 def test_refused_passes_and_the_single_row_are_said_under_the_leak_map():
-    report = fwdcheck.check_model(modded.gpt_with("smear-roll", min_two_tokens=True), ["shape-ledger", "future-token"],
-                                  vocab_size=VOCAB, dims=modded.DIMS)
+    report = fwdcheck.check_model(
+        modded.gpt_with("smear-roll", min_two_tokens=True),
+        ["shape-ledger", "future-token"],
+        vocab_size=VOCAB,
+        dims=modded.DIMS,
+    )
     text = styled(report)
     future = plain(panel(text, "future-token"))
     assert "prefix pass at k=1 skipped: the model raised AssertionError at T=1" in future
@@ -191,11 +216,18 @@ def test_the_single_row_note_says_why_it_did_not_run():
 def test_a_long_cache_is_drawn_as_a_window_around_the_query_position():
     """100 slots would wrap the grid; the window drawn holds the query's position and the slot it wrongly reads."""
     row = [int(j <= 80 or j == 90) for j in range(100)]
-    call = {"module": "layers.0.attention", "may_read": [row], "judged": True, "query_positions": [80],
-            "positions_from": "input_pos", "pattern": "leaky: some future keys"}
+    call = {
+        "module": "layers.0.attention",
+        "may_read": [row],
+        "judged": True,
+        "query_positions": [80],
+        "positions_from": "input_pos",
+        "pattern": "leaky: some future keys",
+    }
     caption, line = may_read_grid(call).renderables
-    assert caption.plain == ("may-read set of layers.0.attention (rows: queries at 80 (input_pos); columns: 100 key "
-                             "slots, 45..92 shown)")
+    assert caption.plain == (
+        "may-read set of layers.0.attention (rows: queries at 80 (input_pos); columns: 100 key slots, 45..92 shown)"
+    )
     assert line.plain.split() == ["■"] * 36 + ["·"] * 9 + ["■", "·", "·"]
     assert grid_spans(call) == ["green"] * 36 + ["red"]
 
@@ -241,8 +273,9 @@ def test_quiet_is_one_line_with_what_decided_the_exit_code():
     assert line.startswith("fwdcheck: failed (exit 1) — future-token FWD101 FWD105, mask-audit FWD201 · "), line
     assert re.search(r" · \d+\.\d s$", line.rstrip())
     passing = rendered(reference_run(positional="learned"), Verbosity.QUIET)
-    assert passing.startswith("fwdcheck: passed (exit 0) — 3 checks (shape-ledger, future-token, mask-audit); "
-                              "skipped: rope · "), passing
+    assert passing.startswith(
+        "fwdcheck: passed (exit 0) — 3 checks (shape-ledger, future-token, mask-audit); skipped: rope · "
+    ), passing
     nothing = reference_run(positional="learned", checks=("rope",))
     assert rendered(nothing, Verbosity.QUIET).startswith("fwdcheck: nothing ran (exit 5) — 0 checks; skipped: rope")
 
@@ -282,14 +315,16 @@ def test_dropout_live_in_eval_is_the_key_number_when_nothing_moved():
 def test_a_pass_shows_the_largest_change_of_every_comparison():
     result = reference_run().result("future-token")
     m = result.metrics
-    compared = [m[name] for name in ("max_change_before_cut", "batch_max_change", "prefix_max_change",
-                                     "single_row_max_change")]
+    compared = [
+        m[name] for name in ("max_change_before_cut", "batch_max_change", "prefix_max_change", "single_row_max_change")
+    ]
     assert m["max_change"] == max(compared) <= m["threshold"]
     assert key_number(result) == f"{max(compared):.2g} / {m['threshold']:.2g}"
     # the first forward (cuts 7 and 1) vouched alone: the summary counts the cuts that ran
     assert m["cuts"] == [1, 7]
-    assert result.summary == (f"2 cuts + batch + prefix + single row: max change {max(compared):.2g} vs threshold "
-                              f"{m['threshold']:.2g}")
+    assert result.summary == (
+        f"2 cuts + batch + prefix + single row: max change {max(compared):.2g} vs threshold {m['threshold']:.2g}"
+    )
 
 
 def test_a_model_declared_not_causal_is_summarised_by_what_was_judged():
@@ -297,8 +332,10 @@ def test_a_model_declared_not_causal_is_summarised_by_what_was_judged():
     result = fwdcheck.check_model(model, ["future-token"], causal=False, vocab_size=16).result("future-token")
     m = result.metrics
     assert result.status == Status.PASS and "max_change_before_cut" not in m
-    assert result.summary == (f"batch: max change {m['batch_max_change']:.2g} vs threshold {m['threshold']:.2g}; "
-                              "part (a) skipped: model.causal is false")
+    assert result.summary == (
+        f"batch: max change {m['batch_max_change']:.2g} vs threshold {m['threshold']:.2g}; "
+        "part (a) skipped: model.causal is false"
+    )
 
 
 def test_a_skipped_check_shows_no_number():
@@ -315,8 +352,11 @@ REASON = "known; fixed in #12"
 
 
 def test_ignored_findings_are_marked_in_every_report():
-    report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]}, ["mask-audit"],
-                        ignore=[{"code": "FWD201", "reason": REASON}])
+    report = run_checks(
+        {"source": "reference", "bugs": ["no-causal-mask"]},
+        ["mask-audit"],
+        ignore=[{"code": "FWD201", "reason": REASON}],
+    )
     assert report.exit_code == 0 and report.result("mask-audit").findings[0].ignored == REASON
 
     for verbosity in (Verbosity.DEFAULT, Verbosity.VERBOSE):
@@ -332,16 +372,18 @@ def test_ignored_findings_are_marked_in_every_report():
     assert junit.find("failure") is None and f"(ignored: {REASON})" in junit.find("system-out").text
     github = to_github(report)
     assert "::error" not in github
-    assert re.search(rf"^::notice [^:]*title=fwdcheck mask-audit FWD201 \(ignored\)::.*\(ignored: {REASON}\)$",
-                     github, re.MULTILINE), github
+    assert re.search(
+        rf"^::notice [^:]*title=fwdcheck mask-audit FWD201 \(ignored\)::.*\(ignored: {REASON}\)$", github, re.MULTILINE
+    ), github
 
 
 # -- the README's examples are real runs -------------------------------------------------------------------------------
 
 
 def test_readme_example_is_what_a_run_prints():
-    assert readme_example.readme_example() == readme_example.example(), \
+    assert readme_example.readme_example() == readme_example.example(), (
         "run `python -m tests.readme_example --write` and commit the README"
+    )
 
 
 NUMBER = re.compile(r"(?<![\w.#])(?<!exit )-?\d+(\.\d+)?(e[+-]?\d+)?(?![\w.])")
@@ -356,5 +398,6 @@ def masked(text: str) -> str:
 def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
     """The numeric contract's and fwdcheck diff's examples, their numbers masked (tests/readme_example.py says
     why)."""
-    assert masked(readme_example.readme_example(name)) == masked(readme_example.EXAMPLES[name]()), \
+    assert masked(readme_example.readme_example(name)) == masked(readme_example.EXAMPLES[name]()), (
         "run `python -m tests.readme_example --write` and commit the README"
+    )

@@ -59,8 +59,9 @@ def test_positions_are_capped_at_the_model_maximum(reference):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_hf_rotary_passes(model_type, dtype):
     """transformers computes position_ids.float() * inv_freq.float() with autocast off: no finding in any dtype."""
-    r = result(run_checks(hf_spec(model_type, num_key_value_heads=2), [CHECK], code_paths={"enabled": False},
-                          dtype=dtype))
+    r = result(
+        run_checks(hf_spec(model_type, num_key_value_heads=2), [CHECK], code_paths={"enabled": False}, dtype=dtype)
+    )
     assert r.status.value == "pass", r.findings
     if dtype != "float32":  # the run cast inv_freq with the model: listed, not judged
         assert any("inv_freq" in b for b in r.data["buffers"])

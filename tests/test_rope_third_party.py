@@ -213,8 +213,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm_1, self.norm_2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg, rotary)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model,
-                                                                                                 cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
 
     def forward(self, x, positions, mask, given):
         x = x + self.attn(self.norm_1(x), positions, mask, given)
@@ -349,8 +350,9 @@ class TextbookBlock(nn.Module):
 
 
 class GPTLanguageModel(nn.Module):
-    def __init__(self, vocab_size=32, n_embd=32, n_head=4, n_layer=2, block_size=32, rotary=False, bug=None,
-                 attend_module=False):
+    def __init__(
+        self, vocab_size=32, n_embd=32, n_head=4, n_layer=2, block_size=32, rotary=False, bug=None, attend_module=False
+    ):
         super().__init__()
         self.token_embedding_table = nn.Embedding(vocab_size, n_embd)
         self.position_embedding_table = None if rotary else nn.Embedding(block_size, n_embd)
@@ -415,8 +417,7 @@ def inline(cls=Inline, **kw) -> Inline:
 
 # -- the verdicts ---------------------------------------------------------------------------------------------------
 
-KINDS = ["half", "interleaved", "complex", "partial", "rotary-embedding-torch", "x-transformers", "torchtune",
-         "litgpt"]
+KINDS = ["half", "interleaved", "complex", "partial", "rotary-embedding-torch", "x-transformers", "torchtune", "litgpt"]
 PAIRING = {kind: "half" if kind in HALF_FAMILY else "interleaved" for kind in KINDS}
 CACHE = dict(cache=True, max_seq_len=28)  # 28 positions: the cache holds 32 slots, as gpt-fast rounds up to 8
 SHAPES = {  # name -> (model class, TinyConfig fields)
@@ -514,8 +515,9 @@ def test_planted_rotary_bug_fails_its_code(bug, kind, shape, code):
 
 
 def test_opposite_rotation_names_the_sign():
-    result = rope_result(build(GptFastLM, rotary="half", bug="opposite", smear=True),
-                         rope={"base": 10000.0, "pairing": "half"})
+    result = rope_result(
+        build(GptFastLM, rotary="half", bug="opposite", smear=True), rope={"base": 10000.0, "pairing": "half"}
+    )
     (finding,) = [f for f in result.findings if f.code == "FWD302"]
     assert "opposite directions" in finding.message
 
@@ -523,22 +525,27 @@ def test_opposite_rotation_names_the_sign():
 # -- no rotary embedding: a skip with the reason, or FWD307 when rope is declared --------------------------------------
 
 
-@pytest.mark.parametrize("model, found", [
-    (lambda: build(rotary=None, absolute="learned"), "learned table ('wpe'"),
-    (lambda: build(GptFastLM, rotary=None, absolute="learned", **CACHE), "learned table ('wpe'"),
-    (lambda: textbook(), "learned table ('position_embedding_table'"),
-    (lambda: build(rotary=None, absolute="sinusoidal"), "varies with position"),
-    (lambda: build(GptFastLM, rotary=None, smear=True), "varies with position"),
-    (lambda: build(rotary=None), "no position encoding reaches q and k"),
-], ids=["learned", "learned-cache", "textbook-gpt", "sinusoidal", "smear", "nope"])
+@pytest.mark.parametrize(
+    "model, found",
+    [
+        (lambda: build(rotary=None, absolute="learned"), "learned table ('wpe'"),
+        (lambda: build(GptFastLM, rotary=None, absolute="learned", **CACHE), "learned table ('wpe'"),
+        (lambda: textbook(), "learned table ('position_embedding_table'"),
+        (lambda: build(rotary=None, absolute="sinusoidal"), "varies with position"),
+        (lambda: build(GptFastLM, rotary=None, smear=True), "varies with position"),
+        (lambda: build(rotary=None), "no position encoding reaches q and k"),
+    ],
+    ids=["learned", "learned-cache", "textbook-gpt", "sinusoidal", "smear", "nope"],
+)
 def test_absolute_positions_are_not_rope(model, found):
     result = rope_result(model())
     assert result.status.value == "skip", summary(result)
     assert result.summary.startswith("no rotary embedding") and found in result.summary, result.summary
 
 
-@pytest.mark.parametrize("model", [lambda: build(rotary=None, absolute="learned"), lambda: textbook()],
-                         ids=["learned", "textbook-gpt"])
+@pytest.mark.parametrize(
+    "model", [lambda: build(rotary=None, absolute="learned"), lambda: textbook()], ids=["learned", "textbook-gpt"]
+)
 def test_declared_rope_on_absolute_positions_fails_saying_what_was_found(model):
     result = rope_result(model(), rope={"base": 10000.0, "pairing": "half"})
     assert result.status.value == "fail", summary(result)
@@ -604,7 +611,7 @@ def generate(model: TinyLM, input_ids: torch.Tensor, **_) -> torch.Tensor:
     prompt = T // 2
     steps = [model(input_ids[:, :prompt])]
     for t in range(prompt, T):
-        steps.append(model(input_ids[:, t:t + 1], torch.tensor([t], device=input_ids.device)))
+        steps.append(model(input_ids[:, t : t + 1], torch.tensor([t], device=input_ids.device)))
     return torch.cat(steps, dim=1)
 
 
@@ -619,8 +626,16 @@ def test_prefill_then_decode_steps_are_one_measurement(kind):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("kind, shape", [("interleaved", "plain"), ("complex", "cache-gqa"),
-                                         ("x-transformers", "plain"), ("torchtune", "gpt-fast"), ("half", "smear")])
+@pytest.mark.parametrize(
+    "kind, shape",
+    [
+        ("interleaved", "plain"),
+        ("complex", "cache-gqa"),
+        ("x-transformers", "plain"),
+        ("torchtune", "gpt-fast"),
+        ("half", "smear"),
+    ],
+)
 def test_low_precision_correct_models_pass(dtype, kind, shape):
     """A slow pair of small magnitude stays below the rounding on one side only: no frequency mismatch for that."""
     cls, fields = SHAPES[shape]
@@ -630,8 +645,17 @@ def test_low_precision_correct_models_pass(dtype, kind, shape):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("bug, code", [("q-only", "FWD301"), ("pairing", "FWD302"), ("opposite", "FWD302"),
-                                       ("frequency", "FWD302"), ("wrap", "FWD303"), ("offset", "FWD304")])
+@pytest.mark.parametrize(
+    "bug, code",
+    [
+        ("q-only", "FWD301"),
+        ("pairing", "FWD302"),
+        ("opposite", "FWD302"),
+        ("frequency", "FWD302"),
+        ("wrap", "FWD303"),
+        ("offset", "FWD304"),
+    ],
+)
 def test_low_precision_bugs_fail_their_code(dtype, bug, code):
     cls, fields = SHAPES["cache-gqa"]
     result = rope_result(build(cls, rotary="complex", bug=bug, **fields), dtype=dtype)
@@ -645,7 +669,7 @@ class XPosAttention(Attention):
         from x_transformers.x_transformers import apply_rotary_pos_emb
 
         freqs, scale = self.rotary.library(positions)
-        return apply_rotary_pos_emb(q, freqs, scale), apply_rotary_pos_emb(k, freqs, scale ** -1)
+        return apply_rotary_pos_emb(q, freqs, scale), apply_rotary_pos_emb(k, freqs, scale**-1)
 
 
 def test_scaled_rotation_is_no_finding():
@@ -669,8 +693,10 @@ def test_eager_attention_on_a_long_cache():
         probe(torch.zeros(1, 16, dtype=torch.long))
     recorded = any(mm.kind == "scores" for mm in seen.matmuls)
     for bug in (None, "pairing"):
-        result = rope_result(build(GptFastLM, rotary="complex", attention="eager", bug=bug, **CACHE),
-                             rope={"base": 10000.0, "pairing": "interleaved"})
+        result = rope_result(
+            build(GptFastLM, rotary="complex", attention="eager", bug=bug, **CACHE),
+            rope={"base": 10000.0, "pairing": "interleaved"},
+        )
         if not recorded:
             assert result.status.value == "skip" and "not measured" in result.summary, summary(result)
         elif bug is None:

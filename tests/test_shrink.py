@@ -33,32 +33,79 @@ REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
 }
 MISTRAL_7B = {
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-    "max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096, "bos_token_id": 1,
-    "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
 }
 GPTJ_6B = {
-    "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28,
-    "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400, "bos_token_id": 50256, "eos_token_id": 50256,
+    "architectures": ["GPTJForCausalLM"],
+    "model_type": "gptj",
+    "n_embd": 4096,
+    "n_head": 16,
+    "n_layer": 28,
+    "n_positions": 2048,
+    "rotary_dim": 64,
+    "vocab_size": 50400,
+    "bos_token_id": 50256,
+    "eos_token_id": 50256,
     "tie_word_embeddings": False,
 }
 GPT2 = {
-    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12,
-    "n_positions": 1024, "n_ctx": 1024, "vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256,
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "n_ctx": 1024,
+    "vocab_size": 50257,
+    "bos_token_id": 50256,
+    "eos_token_id": 50256,
 }
 # Fewer code paths than the default matrix: each check still runs, on eager and sdpa, with and without padding.
-FEW_PATHS = {"attn_implementation": ["eager", "sdpa"], "output_attentions": [False],
-             "attention_mask": ["absent", "left-pad"], "batch_size": [2]}
+FEW_PATHS = {
+    "attn_implementation": ["eager", "sdpa"],
+    "output_attentions": [False],
+    "attention_mask": ["absent", "left-pad"],
+    "batch_size": [2],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -199,14 +246,31 @@ def test_gpt2_caps_learned_positions(tmp_path):
 @pytest.mark.slow
 def test_inline_config_with_one_kv_head_keeps_multi_query_and_the_other_keys(tmp_path):
     config = tmp_path / "inline.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"source": "hf", "class": "LlamaForCausalLM",
-                  "config": {"model_type": "llama", "hidden_size": 1024, "num_attention_heads": 8,
-                             "num_key_value_heads": 1, "num_hidden_layers": 12, "intermediate_size": 2816,
-                             "vocab_size": 32000}},
-        "inputs": {"batch_size": 1, "seq_len": 6, "seed": 3},
-        "checks": ["shape-ledger"], "dtype": "float32", "tolerance": {"noise_factor": 20.0},
-    }, sort_keys=False), encoding="utf-8")
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "source": "hf",
+                    "class": "LlamaForCausalLM",
+                    "config": {
+                        "model_type": "llama",
+                        "hidden_size": 1024,
+                        "num_attention_heads": 8,
+                        "num_key_value_heads": 1,
+                        "num_hidden_layers": 12,
+                        "intermediate_size": 2816,
+                        "vocab_size": 32000,
+                    },
+                },
+                "inputs": {"batch_size": 1, "seq_len": 6, "seed": 3},
+                "checks": ["shape-ledger"],
+                "dtype": "float32",
+                "tolerance": {"noise_factor": 20.0},
+            },
+            sort_keys=False,
+        ),
+        encoding="utf-8",
+    )
     out = tmp_path / "elsewhere.yaml"
     result = invoke("shrink", config, "-o", out)
     assert result.exit_code == 0, result.output
@@ -255,19 +319,44 @@ def test_python_kwargs_shrink_by_name_and_the_copy_finds_the_factory_from_the_wo
     (project / "src").mkdir(parents=True)
     (project / "src" / "mymodel.py").write_text(FACTORY_MODULE, encoding="utf-8")
     config = project / "big.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"source": "python", "factory": "mymodel:make", "path": ["src"],
-                  "kwargs": {"vocab_size": 128256, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8, "n_layers": 32,
-                             "d_ff": 14336, "max_seq_len": 8192},
-                  "vocab_size": 128256, "dims": {"d": 4096, "h": 32, "h_kv": 8, "d_h": 128, "V": 128256},
-                  "rope": {"base": 10000, "rotary_dim": 128}},
-        "meta": True,
-    }, sort_keys=False), encoding="utf-8")
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "source": "python",
+                    "factory": "mymodel:make",
+                    "path": ["src"],
+                    "kwargs": {
+                        "vocab_size": 128256,
+                        "d_model": 4096,
+                        "n_heads": 32,
+                        "n_kv_heads": 8,
+                        "n_layers": 32,
+                        "d_ff": 14336,
+                        "max_seq_len": 8192,
+                    },
+                    "vocab_size": 128256,
+                    "dims": {"d": 4096, "h": 32, "h_kv": 8, "d_h": 128, "V": 128256},
+                    "rope": {"base": 10000, "rotary_dim": 128},
+                },
+                "meta": True,
+            },
+            sort_keys=False,
+        ),
+        encoding="utf-8",
+    )
     out, document, printed = shrink(config)
 
     model = document["model"]
-    assert model["kwargs"] == {"vocab_size": 512, "d_model": 128, "n_heads": 8, "n_kv_heads": 2, "n_layers": 2,
-                               "d_ff": 448, "max_seq_len": 8192}  # 4 query heads per kv head, head size 16
+    assert model["kwargs"] == {
+        "vocab_size": 512,
+        "d_model": 128,
+        "n_heads": 8,
+        "n_kv_heads": 2,
+        "n_layers": 2,
+        "d_ff": 448,
+        "max_seq_len": 8192,
+    }  # 4 query heads per kv head, head size 16
     assert model["vocab_size"] == 512 and model["dims"] == {"d": 128, "h": 8, "h_kv": 2, "d_h": 16, "V": 512}
     assert model["rope"] == {"base": 10000, "rotary_dim": 16}  # the whole head, as before
     assert model["path"] == [str(project / "src"), str(project)]  # the module, from here
@@ -319,13 +408,28 @@ def test_reference_toy_is_already_small_and_still_runs(tmp_path):
 
 def test_reference_big_config_keeps_ratio_rope_and_planted_bugs(tmp_path):
     config = tmp_path / "big.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"source": "reference", "vocab_size": 128256, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8,
-                  "n_layers": 32, "d_ff": 14336, "max_seq_len": 8192, "attention": "eager", "mask": "float",
-                  "rope": {"base": 500000, "pairing": "interleaved", "rotary_dim": 64},
-                  "bugs": ["no-causal-mask"]},
-        "meta": True,
-    }), encoding="utf-8")
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "source": "reference",
+                    "vocab_size": 128256,
+                    "d_model": 4096,
+                    "n_heads": 32,
+                    "n_kv_heads": 8,
+                    "n_layers": 32,
+                    "d_ff": 14336,
+                    "max_seq_len": 8192,
+                    "attention": "eager",
+                    "mask": "float",
+                    "rope": {"base": 500000, "pairing": "interleaved", "rotary_dim": 64},
+                    "bugs": ["no-causal-mask"],
+                },
+                "meta": True,
+            }
+        ),
+        encoding="utf-8",
+    )
     out, document, printed = shrink(config)
 
     model = document["model"]
@@ -344,14 +448,17 @@ def test_reference_big_config_keeps_ratio_rope_and_planted_bugs(tmp_path):
 # The rules on their own.
 
 
-@pytest.mark.parametrize(("heads", "kv", "expected"), [
-    (32, 8, (8, 2)),  # Llama 3 8B: 4 query heads per kv head
-    (32, 32, (2, 2)),  # multi-head
-    (64, 8, (16, 2)),  # 8 per kv head: two groups fill the cap
-    (48, 4, (12, 1)),  # 12 per kv head: two groups would pass 16, one keeps the ratio
-    (71, 1, (16, 1)),  # Falcon 7B, multi-query: stays multi-query, capped
-    (12, 1, (12, 1)),
-])
+@pytest.mark.parametrize(
+    ("heads", "kv", "expected"),
+    [
+        (32, 8, (8, 2)),  # Llama 3 8B: 4 query heads per kv head
+        (32, 32, (2, 2)),  # multi-head
+        (64, 8, (16, 2)),  # 8 per kv head: two groups fill the cap
+        (48, 4, (12, 1)),  # 12 per kv head: two groups would pass 16, one keeps the ratio
+        (71, 1, (16, 1)),  # Falcon 7B, multi-query: stays multi-query, capped
+        (12, 1, (12, 1)),
+    ],
+)
 def test_heads_keep_their_grouping(heads, kv, expected):
     assert shrink_heads(heads, kv) == expected
 
@@ -378,9 +485,16 @@ def test_small_rules():
 def test_partial_rotary_and_longrope_factors_follow_the_head_size():
     AutoConfig = transformers.AutoConfig
     factors = [1.0 + i / 10 for i in range(48)]
-    phi3 = AutoConfig.for_model("phi3", max_position_embeddings=131072, rope_scaling={
-        "rope_type": "longrope", "short_factor": factors, "long_factor": factors,
-        "original_max_position_embeddings": 4096}).to_dict()
+    phi3 = AutoConfig.for_model(
+        "phi3",
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": factors,
+            "long_factor": factors,
+            "original_max_position_embeddings": 4096,
+        },
+    ).to_dict()
     shrink_hf_dict(phi3)
     assert len(phi3["rope_parameters"]["long_factor"]) == 8  # one per rotary pair of a 16-wide head
     assert phi3["rope_parameters"]["long_factor"][0] == 1.0 and phi3["rope_parameters"]["long_factor"][-1] == 5.7
@@ -396,11 +510,27 @@ def test_factory_kwargs_in_the_spellings_models_use():
     shrink_sizes(nanogpt, KWARG_KEYS)
     assert nanogpt == {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 512, "block_size": 1024, "bias": False}
 
-    litgpt = {"n_layer": 32, "n_head": 32, "n_query_groups": 8, "n_embd": 4096, "head_size": 128,
-              "intermediate_size": 14336, "padded_vocab_size": 128256, "rotary_percentage": 1.0}
+    litgpt = {
+        "n_layer": 32,
+        "n_head": 32,
+        "n_query_groups": 8,
+        "n_embd": 4096,
+        "head_size": 128,
+        "intermediate_size": 14336,
+        "padded_vocab_size": 128256,
+        "rotary_percentage": 1.0,
+    }
     edits = shrink_sizes(litgpt, KWARG_KEYS)
-    assert litgpt == {"n_layer": 2, "n_head": 8, "n_query_groups": 2, "n_embd": 128, "head_size": 16,
-                      "intermediate_size": 448, "padded_vocab_size": 512, "rotary_percentage": 1.0}
+    assert litgpt == {
+        "n_layer": 2,
+        "n_head": 8,
+        "n_query_groups": 2,
+        "n_embd": 128,
+        "head_size": 16,
+        "intermediate_size": 448,
+        "padded_vocab_size": 512,
+        "rotary_percentage": 1.0,
+    }
     assert len(edits.changes) == 7
 
     width_in_code = {"n_layers": 24, "d_model": 1024}  # no heads: the width cannot be cut safely

@@ -138,18 +138,21 @@ def config(tmp_path):
 
     def write(factory: str, timeout_s: float = 120) -> Path:
         path = tmp_path / f"{factory}.yaml"
-        path.write_text(textwrap.dedent(f"""\
+        path.write_text(
+            textwrap.dedent(f"""\
             model: {{source: python, factory: "supervised_models:{factory}", path: ["."], vocab_size: 16}}
             timeout_s: {timeout_s}
-            """))
+            """)
+        )
         return path
 
     return write
 
 
 def fwdcheck(*args, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fwdcheck", "run", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @dataclass
@@ -193,8 +196,9 @@ def assert_died_during_a_check(report: dict, how: str, code: str = "FWD005") -> 
 def assert_model_left_its_mark(report: dict, name: str) -> None:
     """What each misbehaving model below must leave in its report, in a new interpreter or a forked worker."""
     if name in ("exit_0", "segfault", "oom_killed"):
-        assert_died_during_a_check(report, {"exit_0": "exited with code 0", "segfault": "SIGSEGV",
-                                            "oom_killed": "SIGKILL"}[name])
+        assert_died_during_a_check(
+            report, {"exit_0": "exited with code 0", "segfault": "SIGSEGV", "oom_killed": "SIGKILL"}[name]
+        )
     elif name == "hang_forever":
         assert_died_during_a_check(report, "timeout_s (4 s)", code="FWD004")
     elif name == "leaky_with_exit_hook":
@@ -234,8 +238,9 @@ def test_forward_that_swallows_the_timeout_is_killed_by_the_supervisor(config):
 
 @pytest.mark.slow
 def test_exit_hook_of_the_model_does_not_decide_the_exit_code(config):
-    assert_model_left_its_mark(run_one(config, "leaky_with_exit_hook", "--check", "future-token"),
-                               "leaky_with_exit_hook")
+    assert_model_left_its_mark(
+        run_one(config, "leaky_with_exit_hook", "--check", "future-token"), "leaky_with_exit_hook"
+    )
 
 
 @pytest.mark.slow
@@ -248,8 +253,15 @@ def test_each_misbehaviour_in_a_forked_worker_leaves_the_same_report(config):
     """One command, several configs: the first model runs in a new interpreter, every later one in a worker forked
     from the fork server. Each misbehaving model leaves what it leaves in a new interpreter, and the command's
     exit code and its report on stdout are its own."""
-    names = ["exit_0", "segfault", "oom_killed", "hang_forever", "leaky_with_exit_hook", "exits_while_loading",
-             "chatty"]
+    names = [
+        "exit_0",
+        "segfault",
+        "oom_killed",
+        "hang_forever",
+        "leaky_with_exit_hook",
+        "exits_while_loading",
+        "chatty",
+    ]
     paths = [config(name, timeout_s=4 if name == "hang_forever" else 120) for name in names]
     proc = fwdcheck(config("correct"), *paths, "--format", "json")
     assert proc.returncode == 1, proc.stderr
@@ -283,10 +295,24 @@ def test_signal_writes_the_partial_report(config, worker, tmp_path, signum, exit
     """A CI runner cancelling the job (SIGTERM) or a Ctrl-C: the worker is ended, the report files are written with
     what finished, and the exit code says which signal."""
     report_path = tmp_path / "report.json"
-    args = [sys.executable, "-m", "fwdcheck", "run", *worker(config("hang_saying_where")), "--json", report_path,
-            "--format", "junit"]
-    proc = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HANGING_PIDS": str(tmp_path / "pids")})
+    args = [
+        sys.executable,
+        "-m",
+        "fwdcheck",
+        "run",
+        *worker(config("hang_saying_where")),
+        "--json",
+        report_path,
+        "--format",
+        "junit",
+    ]
+    proc = subprocess.Popen(
+        [str(a) for a in args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HANGING_PIDS": str(tmp_path / "pids")},
+    )
     hanging_pid, _ = wait_for_the_hang(tmp_path / "pids")
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
@@ -305,8 +331,12 @@ def test_a_supervisor_killed_with_sigkill_leaves_no_process_behind(config, worke
     """SIGKILL gives the supervisor no chance to end its worker: the kernel does (the worker, and a fork server with
     its worker, die with their parent)."""
     args = [sys.executable, "-m", "fwdcheck", "run", *worker(config("hang_saying_where")), "-q"]
-    proc = subprocess.Popen([str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "HANGING_PIDS": str(tmp_path / "pids")})
+    proc = subprocess.Popen(
+        [str(a) for a in args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HANGING_PIDS": str(tmp_path / "pids")},
+    )
     hanging_pid, parent_pid = wait_for_the_hang(tmp_path / "pids")
     assert (parent_pid != proc.pid) == worker.forked  # a forked worker's parent is the fork server
     proc.kill()

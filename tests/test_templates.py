@@ -70,7 +70,7 @@ def test_each_commented_key_validates_once_uncommented(tmp_path, source):
     for i in commented:
         if source == "hf" and lines[i].lstrip().startswith("# path:"):  # a directory in place of `config:`
             continue
-        edited = [*lines[:i], COMMENTED_KEY.sub(r"\1\2", lines[i]), *lines[i + 1:]]
+        edited = [*lines[:i], COMMENTED_KEY.sub(r"\1\2", lines[i]), *lines[i + 1 :]]
         load_config(write(tmp_path, source, "\n".join(edited) + "\n"))
 
 

@@ -75,8 +75,7 @@ def test_every_sample_config_fits_the_width(config, width):
 
 
 def test_the_mask_shape_gives_way_first_at_80_columns():
-    text = rendered(report_of(ROOT / "sample_configs" / "broken" / "sdpa-dropout-in-eval.yaml"), 80,
-                    Verbosity.DEFAULT)
+    text = rendered(report_of(ROOT / "sample_configs" / "broken" / "sdpa-dropout-in-eval.yaml"), 80, Verbosity.DEFAULT)
     assert "shape: left out to fit the width" in text
     assert re.search(r"layers\.0\.attn\s+sdpa\s+bool\s+True on \d+%\s+dropout_p=0\.1\s+9 x 9\s+causal", text), text
 

@@ -46,76 +46,147 @@ def correct(**overrides) -> dict:
 
 CASES = [
     # 1. nn.TransformerEncoder as a decoder; both with the nested-tensor fast path allowed (default) and disabled.
-    *[Case(f"encoder-{mask}-{'nested' if nested else 'nonested'}", "torch_encoder",
-           {"mask": mask, "enable_nested_tensor": nested}, correct())
-      for mask in ("float", "bool", "is_causal") for nested in (True, False)],
-    *[Case(f"encoder-none-{'nested' if nested else 'nonested'}", "torch_encoder",
-           {"mask": "none", "enable_nested_tensor": nested},
-           correct(**{"future-token": ("fail", {"FWD101", "FWD105"}), "mask-audit": ("fail", {"FWD201"})}),
-           truth="leaks") for nested in (True, False)],
+    *[
+        Case(
+            f"encoder-{mask}-{'nested' if nested else 'nonested'}",
+            "torch_encoder",
+            {"mask": mask, "enable_nested_tensor": nested},
+            correct(),
+        )
+        for mask in ("float", "bool", "is_causal")
+        for nested in (True, False)
+    ],
+    *[
+        Case(
+            f"encoder-none-{'nested' if nested else 'nonested'}",
+            "torch_encoder",
+            {"mask": "none", "enable_nested_tensor": nested},
+            correct(**{"future-token": ("fail", {"FWD101", "FWD105"}), "mask-audit": ("fail", {"FWD201"})}),
+            truth="leaks",
+        )
+        for nested in (True, False)
+    ],
     # SDPA's convention handed to MultiheadAttention: the last query has no key left -> NaN, which future-token
     # reports (FWD104) before it compares anything.
-    *[Case(f"encoder-tril_bool-{'nested' if nested else 'nonested'}", "torch_encoder",
-           {"mask": "tril_bool", "enable_nested_tensor": nested},
-           correct(**{"future-token": ("fail", {"FWD104"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
-           truth="nan") for nested in (True, False)],
+    *[
+        Case(
+            f"encoder-tril_bool-{'nested' if nested else 'nonested'}",
+            "torch_encoder",
+            {"mask": "tril_bool", "enable_nested_tensor": nested},
+            correct(**{"future-token": ("fail", {"FWD104"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
+            truth="nan",
+        )
+        for nested in (True, False)
+    ],
     # nn.MultiheadAttention called directly: same conventions, same conversion to float.
     Case("mha-bool", "torch_mha", {"mask": "bool"}, correct()),
-    Case("mha-tril_bool", "torch_mha", {"mask": "tril_bool"},
-         correct(**{"future-token": ("fail", {"FWD104"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
-         truth="nan"),
+    Case(
+        "mha-tril_bool",
+        "torch_mha",
+        {"mask": "tril_bool"},
+        correct(**{"future-token": ("fail", {"FWD104"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
+        truth="nan",
+    ),
     # The mirror image, MultiheadAttention's mask handed to SDPA: SDPA sees the bool itself, FWD202 fires.
-    Case("nanogpt-mha-mask-to-sdpa", "nanogpt_mha_mask_to_sdpa", {},
-         correct(**{"future-token": ("fail", {"FWD101", "FWD105"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
-         truth="leaks"),
+    Case(
+        "nanogpt-mha-mask-to-sdpa",
+        "nanogpt_mha_mask_to_sdpa",
+        {},
+        correct(**{"future-token": ("fail", {"FWD101", "FWD105"}), "mask-audit": ("fail", {"FWD202", "FWD205"})}),
+        truth="leaks",
+    ),
     # 2. nanoGPT.
     Case("nanogpt", "nanogpt", {}, correct()),
     # 3. Missing transpose(1, 2): SDPA attends over the heads of one position; no position reads another, so
     #    future-token rightly passes; only the ledger sees it.
-    Case("nanogpt-missing-transpose", "nanogpt_missing_transpose", {},
-         correct(**{"shape-ledger": ("fail", {"FWD402", "FWD401"})}), truth="causal"),
+    Case(
+        "nanogpt-missing-transpose",
+        "nanogpt_missing_transpose",
+        {},
+        correct(**{"shape-ledger": ("fail", {"FWD402", "FWD401"})}),
+        truth="causal",
+    ),
     # 4. softmax(dim=-2) with a correct masked_fill.
-    Case("eager-softmax-dim-2", "eager_softmax_over_queries", {},
-         correct(**{"shape-ledger": ("fail", {"FWD403"}), "future-token": ("fail", {"FWD101", "FWD105"})}),
-         truth="leaks"),
+    Case(
+        "eager-softmax-dim-2",
+        "eager_softmax_over_queries",
+        {},
+        correct(**{"shape-ledger": ("fail", {"FWD403"}), "future-token": ("fail", {"FWD101", "FWD105"})}),
+        truth="leaks",
+    ),
     # 5. Llama by hand (rotate_half, base 5e5, GQA) and GPT-J style interleaved rotary.
     Case("llama-half-5e5", "llama", {"pairing": "half", "rope_theta": 500000.0}, correct(rope=PASS)),
-    Case("llama-half-5e5-declared", "llama", {"pairing": "half", "rope_theta": 500000.0}, correct(rope=PASS),
-         model={"rope": {"base": 500000.0, "pairing": "half"}}),
-    Case("llama-half-declared-interleaved", "llama", {"pairing": "half", "rope_theta": 500000.0},
-         correct(rope=("fail", {"FWD305"})), model={"rope": {"base": 500000.0, "pairing": "interleaved"}}),
+    Case(
+        "llama-half-5e5-declared",
+        "llama",
+        {"pairing": "half", "rope_theta": 500000.0},
+        correct(rope=PASS),
+        model={"rope": {"base": 500000.0, "pairing": "half"}},
+    ),
+    Case(
+        "llama-half-declared-interleaved",
+        "llama",
+        {"pairing": "half", "rope_theta": 500000.0},
+        correct(rope=("fail", {"FWD305"})),
+        model={"rope": {"base": 500000.0, "pairing": "interleaved"}},
+    ),
     Case("gptj-interleaved-1e4", "llama", {"pairing": "interleaved", "rope_theta": 10000.0}, correct(rope=PASS)),
-    Case("gptj-interleaved-1e4-declared", "llama", {"pairing": "interleaved", "rope_theta": 10000.0},
-         correct(rope=PASS), model={"rope": {"base": 10000.0, "pairing": "interleaved"}}),
+    Case(
+        "gptj-interleaved-1e4-declared",
+        "llama",
+        {"pairing": "interleaved", "rope_theta": 10000.0},
+        correct(rope=PASS),
+        model={"rope": {"base": 10000.0, "pairing": "interleaved"}},
+    ),
     Case("gptj-interleaved-5e5", "llama", {"pairing": "interleaved", "rope_theta": 500000.0}, correct(rope=PASS)),
-    Case("gptj-interleaved-5e5-d_h16-declared", "llama",
-         {"pairing": "interleaved", "rope_theta": 500000.0, "num_attention_heads": 2, "num_key_value_heads": 1},
-         correct(rope=PASS), model={"rope": {"base": 500000.0, "pairing": "interleaved"}}),
+    Case(
+        "gptj-interleaved-5e5-d_h16-declared",
+        "llama",
+        {"pairing": "interleaved", "rope_theta": 500000.0, "num_attention_heads": 2, "num_key_value_heads": 1},
+        correct(rope=PASS),
+        model={"rope": {"base": 500000.0, "pairing": "interleaved"}},
+    ),
     # 6. Sliding window (Mistral), bool mask for SDPA.
     Case("sliding-window-3", "sliding_window", {}, correct()),
     # 7. ALiBi bias with -inf on the future, as SDPA's float mask.
     Case("alibi", "alibi", {}, correct()),
     # 8. Bidirectional encoders declared `causal: false`.
-    *[Case(f"encoder-bidirectional-{'nested' if nested else 'nonested'}", "torch_encoder",
-           {"mask": "none", "enable_nested_tensor": nested, "key_padding": True}, correct(),
-           truth="bidirectional", model={"causal": False}) for nested in (True, False)],
+    *[
+        Case(
+            f"encoder-bidirectional-{'nested' if nested else 'nonested'}",
+            "torch_encoder",
+            {"mask": "none", "enable_nested_tensor": nested, "key_padding": True},
+            correct(),
+            truth="bidirectional",
+            model={"causal": False},
+        )
+        for nested in (True, False)
+    ],
     Case("bert-bidirectional", "bert", {}, correct(), truth="bidirectional", model={"causal": False}),
     # 9. Hugging Face 4-D mask with finfo.min, into SDPA and added by hand (eager).
     Case("hf-finfo-min-sdpa", "hf_finfo_mask", {"eager": False}, correct()),
     Case("hf-finfo-min-eager", "hf_finfo_mask", {"eager": True}, correct()),
     # 10. Batch statistic inside a block.
-    Case("batch-mean-leak", "batch_mean_leak", {}, correct(**{"future-token": ("fail", {"FWD102"})}),
-         truth="mixes-batch"),
+    Case(
+        "batch-mean-leak", "batch_mean_leak", {}, correct(**{"future-token": ("fail", {"FWD102"})}), truth="mixes-batch"
+    ),
 ]
 BY_ID = {c.id: c for c in CASES}
 
 
 def config(case: Case, **inputs):
-    return config_from_dict({
-        "model": {"source": "python", "factory": f"tests.models:{case.factory}", "kwargs": case.kwargs,
-                  "path": [str(REPO)], **case.model},
-        "inputs": {"batch_size": 2, "seq_len": 8, "seed": 0, **inputs},
-    })
+    return config_from_dict(
+        {
+            "model": {
+                "source": "python",
+                "factory": f"tests.models:{case.factory}",
+                "kwargs": case.kwargs,
+                "path": [str(REPO)],
+                **case.model,
+            },
+            "inputs": {"batch_size": 2, "seq_len": 8, "seed": 0, **inputs},
+        }
+    )
 
 
 @functools.cache
@@ -145,7 +216,8 @@ def test_verdict(case_id, check):
     status, codes = BY_ID[case_id].expect[check]
     r = result(case_id, check)
     assert (r.status.value, problems(r)) == (status, codes), f"{r.summary}\n" + "\n".join(
-        f"  {f.code} {f.status.value}: {f.message} [{f.where}]" for f in r.findings)
+        f"  {f.code} {f.status.value}: {f.message} [{f.where}]" for f in r.findings
+    )
 
 
 # -- the ground truth, measured with plain torch (no fwdcheck) ---------------------------------------------------------
@@ -191,11 +263,14 @@ def test_ground_truth(case_id):
 # -- what the checks report beyond the status --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case_id, pairing, base", [
-    ("llama-half-5e5", "half", 500000.0),
-    ("gptj-interleaved-1e4", "interleaved", 10000.0),
-    ("gptj-interleaved-5e5", "interleaved", 500000.0),
-])
+@pytest.mark.parametrize(
+    "case_id, pairing, base",
+    [
+        ("llama-half-5e5", "half", 500000.0),
+        ("gptj-interleaved-1e4", "interleaved", 10000.0),
+        ("gptj-interleaved-5e5", "interleaved", 500000.0),
+    ],
+)
 def test_rope_measures_pairing_and_base(case_id, pairing, base):
     r = result(case_id, "rope")
     assert r.metrics["pairing"] == pairing
@@ -205,8 +280,11 @@ def test_rope_measures_pairing_and_base(case_id, pairing, base):
 
 def test_rope_interleaved_head16_base5e5_metrics():
     """Slow pairs of an interleaved layout barely turn within the probe; they still count toward the rotary dim."""
-    case = Case("gptj-interleaved-5e5-d_h16", "llama", {"pairing": "interleaved", "rope_theta": 500000.0,
-                                                          "num_attention_heads": 2, "num_key_value_heads": 1})
+    case = Case(
+        "gptj-interleaved-5e5-d_h16",
+        "llama",
+        {"pairing": "interleaved", "rope_theta": 500000.0, "num_attention_heads": 2, "num_key_value_heads": 1},
+    )
     cfg = config(case)
     r = run_model(load_model(cfg), Settings.from_config(cfg), select(["rope"])).results[0]
     assert r.status.value == "pass"
@@ -228,8 +306,9 @@ def test_additive_masks_read_as_causal(case_id):
     assert {c["pattern"] for c in calls} == {"causal"}
 
 
-@pytest.mark.parametrize("case_id", ["encoder-bidirectional-nested", "encoder-bidirectional-nonested",
-                                     "bert-bidirectional"])
+@pytest.mark.parametrize(
+    "case_id", ["encoder-bidirectional-nested", "encoder-bidirectional-nonested", "bert-bidirectional"]
+)
 def test_bidirectional_skips_causal_part(case_id):
     r = result(case_id, "future-token")
     assert r.data.get("note") == "model.causal is false: part (a) skipped"
@@ -237,9 +316,16 @@ def test_bidirectional_skips_causal_part(case_id):
     assert {c["pattern"] for c in result(case_id, "mask-audit").data["calls"]} == {"bidirectional: every key"}
 
 
-@pytest.mark.parametrize("case_id, kind", [("encoder-float-nested", "float"), ("encoder-bool-nested", "float"),
-                                           ("encoder-is_causal-nested", "is_causal"),
-                                           ("encoder-tril_bool-nested", "float"), ("mha-tril_bool", "float")])
+@pytest.mark.parametrize(
+    "case_id, kind",
+    [
+        ("encoder-float-nested", "float"),
+        ("encoder-bool-nested", "float"),
+        ("encoder-is_causal-nested", "is_causal"),
+        ("encoder-tril_bool-nested", "float"),
+        ("mha-tril_bool", "float"),
+    ],
+)
 def test_multihead_attention_masks_arrive_as_float(case_id, kind):
     """Documents the cause of the FWD202 miss: whatever the model passes, the observer sees the canonical mask."""
     calls = result(case_id, "mask-audit").data["calls"]

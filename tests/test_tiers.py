@@ -55,8 +55,9 @@ def test_bad_input_cases_that_launch_ranks_are_slow():
     from tests import test_bad_inputs
 
     assert test_bad_inputs.LAUNCHES_RANKS <= {c.id for c in test_bad_inputs.CASES}, "a case named there was renamed"
-    (parametrize,) = [m for m in test_bad_inputs.test_bad_input_gets_one_clear_line.pytestmark
-                      if m.name == "parametrize"]
+    (parametrize,) = [
+        m for m in test_bad_inputs.test_bad_input_gets_one_clear_line.pytestmark if m.name == "parametrize"
+    ]
     marked = {p.id for p in parametrize.args[1] if any(m.name == "slow" for m in p.marks)}
     assert test_bad_inputs.LAUNCHES_RANKS <= marked
 
@@ -74,12 +75,15 @@ def test_the_rule_reads_marks_as_they_are_written(tmp_path):
         assert module_marks(tmp_path / "test_x.py") == marks, source
 
 
-@pytest.mark.parametrize("source, launches", [
-    ('launch(tmp_path, config, "--nproc", "2")', True),
-    ('config = {"distributed": {"nproc": 2}}', True),
-    ('factory = "tests.distributed_models:gpt"', True),
-    ('import torch.distributed as dist', False),
-])
+@pytest.mark.parametrize(
+    "source, launches",
+    [
+        ('launch(tmp_path, config, "--nproc", "2")', True),
+        ('config = {"distributed": {"nproc": 2}}', True),
+        ('factory = "tests.distributed_models:gpt"', True),
+        ("import torch.distributed as dist", False),
+    ],
+)
 def test_the_rule_finds_a_launch(tmp_path, source, launches):
     (tmp_path / "test_x.py").write_text(source + "\n")
     assert launches_ranks(tmp_path / "test_x.py") is launches

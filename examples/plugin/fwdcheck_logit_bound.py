@@ -79,12 +79,19 @@ a subclass."""
         finite = logits.isfinite()
         if not bool(finite.all()):
             bad = (~finite.all(-1)).nonzero().tolist()
-            shown = ", ".join(f"row {b} pos {t}" for b, t in bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4
-                                                                          else "")
-            message = (f"logits hold NaN or Inf at {len(bad)} of {B * T} positions "
-                       f"({int((logits != logits).sum())} NaN, {int(logits.isinf().sum())} Inf)")
-            return CheckResult.from_findings(self.name, [Finding("LOGIT101", Status.FAIL, message, shown)],
-                                             summary=message, metrics={"nonfinite_positions": len(bad)})
+            shown = ", ".join(f"row {b} pos {t}" for b, t in bad[:4]) + (
+                f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            )
+            message = (
+                f"logits hold NaN or Inf at {len(bad)} of {B * T} positions "
+                f"({int((logits != logits).sum())} NaN, {int(logits.isinf().sum())} Inf)"
+            )
+            return CheckResult.from_findings(
+                self.name,
+                [Finding("LOGIT101", Status.FAIL, message, shown)],
+                summary=message,
+                metrics={"nonfinite_positions": len(bad)},
+            )
 
         magnitude = logits.abs()
         max_abs = float(magnitude.max())
@@ -100,24 +107,42 @@ a subclass."""
 
         findings = []
         if max_abs > bound:
-            findings.append(Finding(
-                "LOGIT102", Status.FAIL,
-                f"max |logit| {max_abs:.3g} exceeds the bound {bound:g} (std over the vocabulary {mean_std:.3g}); "
-                f"loss on random targets {loss:.3g} vs ln V {ln_v:.3g}: tied embeddings left at nn.Embedding's "
-                "N(0, 1) init, a missing final norm, or an output projection initialised with std 1?",
-                f"row {b} pos {t} token {v}"))
+            findings.append(
+                Finding(
+                    "LOGIT102",
+                    Status.FAIL,
+                    f"max |logit| {max_abs:.3g} exceeds the bound {bound:g} (std over the vocabulary {mean_std:.3g}); "
+                    f"loss on random targets {loss:.3g} vs ln V {ln_v:.3g}: tied embeddings left at nn.Embedding's "
+                    "N(0, 1) init, a missing final norm, or an output projection initialised with std 1?",
+                    f"row {b} pos {t} token {v}",
+                )
+            )
         if float(std.max()) < min_std:
-            findings.append(Finding(
-                "LOGIT103", Status.WARN,
-                f"logits do not vary over the vocabulary (std {float(std.max()):.3g} < {min_std:g} at every position): "
-                "a zero-initialised read-out (deliberate in some recipes) or a collapsed final norm",
-                "every position"))
+            findings.append(
+                Finding(
+                    "LOGIT103",
+                    Status.WARN,
+                    f"logits do not vary over the vocabulary (std {float(std.max()):.3g} < {min_std:g} at every "
+                    "position): a zero-initialised read-out (deliberate in some recipes) or a collapsed final norm",
+                    "every position",
+                )
+            )
         if findings:
             summary = findings[0].message.split(":")[0]
         else:
-            summary = f"max |logit| {max_abs:.3g} (bound {bound:g}), std {mean_std:.3g}; loss on random targets " \
-                      f"{loss:.3g} vs ln V {ln_v:.3g}"
+            summary = (
+                f"max |logit| {max_abs:.3g} (bound {bound:g}), std {mean_std:.3g}; loss on random targets "
+                f"{loss:.3g} vs ln V {ln_v:.3g}"
+            )
         return CheckResult.from_findings(
-            self.name, findings, summary,
-            metrics={"max_abs_logit": max_abs, "bound": bound, "mean_std": mean_std, "random_target_loss": loss,
-                     "ln_vocab": ln_v})
+            self.name,
+            findings,
+            summary,
+            metrics={
+                "max_abs_logit": max_abs,
+                "bound": bound,
+                "mean_std": mean_std,
+                "random_target_loss": loss,
+                "ln_vocab": ln_v,
+            },
+        )

@@ -70,19 +70,33 @@ class Report:
     def raise_for_failures(self) -> None:
         """Raise ChecksFailed listing each failing check's first finding, unless the report is ok."""
         if not self.ok:
-            lines = [f"{r.name}: {r.status.value}: {r.findings[0].message if r.findings else r.summary}"
-                     for r in self.results if r.status in (Status.FAIL, Status.ERROR) or
-                     (self.fail_on == "warn" and r.status == Status.WARN)]
+            lines = [
+                f"{r.name}: {r.status.value}: {r.findings[0].message if r.findings else r.summary}"
+                for r in self.results
+                if r.status in (Status.FAIL, Status.ERROR) or (self.fail_on == "warn" and r.status == Status.WARN)
+            ]
             raise ChecksFailed(f"fwdcheck: exit {self.exit_code}\n" + "\n".join(lines), self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, internal_errors: list[bool] | None = None, fail_on: str = "fail",
-                  interrupted: bool = False) -> Report:
+    def from_dict(
+        cls,
+        d: dict[str, Any],
+        *,
+        internal_errors: list[bool] | None = None,
+        fail_on: str = "fail",
+        interrupted: bool = False,
+    ) -> Report:
         """The inverse of to_dict, given what the JSON report leaves out (which errors were fwdcheck's own)."""
         flags = internal_errors or [False] * len(d["checks"])
-        return cls(results=[CheckResult.from_dict(c, flag) for c, flag in zip(d["checks"], flags, strict=False)],
-                   model=d.get("model", {}), environment=d.get("environment", {}), notes=d.get("notes", []),
-                   config_path=d.get("config"), fail_on=fail_on, interrupted=interrupted)
+        return cls(
+            results=[CheckResult.from_dict(c, flag) for c, flag in zip(d["checks"], flags, strict=False)],
+            model=d.get("model", {}),
+            environment=d.get("environment", {}),
+            notes=d.get("notes", []),
+            config_path=d.get("config"),
+            fail_on=fail_on,
+            interrupted=interrupted,
+        )
 
     def to_json(self, **dump_options) -> str:
         import json

@@ -23,22 +23,34 @@ def testsuite(report: Report) -> ET.Element:
     name = report.config_path or report.model.get("label", "fwdcheck")
     cases = []
     for result in report.results:
-        cases.append(_case(result.name, result.name, result.status, result.summary, result.findings,
-                           result.duration_s))
+        cases.append(_case(result.name, result.name, result.status, result.summary, result.findings, result.duration_s))
         for row in result.data.get("paths", []):  # each cell of the code-path matrix is a test of its own
             findings = [f for f in result.findings if f.code in row.get("codes", [])]
-            cases.append(_case(result.name, f"{result.name} [{row['path']}]", Status(row["status"]), row["summary"],
-                               findings, 0.0))
-    suite = ET.Element("testsuite", name=str(name), tests=str(len(cases)),
-                       failures=str(sum(c.find("failure") is not None for c in cases)),
-                       errors=str(sum(c.find("error") is not None for c in cases)),
-                       skipped=str(sum(c.find("skipped") is not None for c in cases)),
-                       time=f"{sum(r.duration_s for r in report.results):.3f}")
+            cases.append(
+                _case(
+                    result.name, f"{result.name} [{row['path']}]", Status(row["status"]), row["summary"], findings, 0.0
+                )
+            )
+    suite = ET.Element(
+        "testsuite",
+        name=str(name),
+        tests=str(len(cases)),
+        failures=str(sum(c.find("failure") is not None for c in cases)),
+        errors=str(sum(c.find("error") is not None for c in cases)),
+        skipped=str(sum(c.find("skipped") is not None for c in cases)),
+        time=f"{sum(r.duration_s for r in report.results):.3f}",
+    )
     properties = ET.SubElement(suite, "properties")
     env = report.environment
-    for key, value in (("fwdcheck", __version__), ("torch", env.get("torch")), ("python", env.get("python")),
-                       ("device", env.get("device")), ("dtype", env.get("dtype")), ("seed", env.get("seed")),
-                       ("model", report.model.get("label"))):
+    for key, value in (
+        ("fwdcheck", __version__),
+        ("torch", env.get("torch")),
+        ("python", env.get("python")),
+        ("device", env.get("device")),
+        ("dtype", env.get("dtype")),
+        ("seed", env.get("seed")),
+        ("model", report.model.get("label")),
+    ):
         ET.SubElement(properties, "property", name=key, value=str(value))
     suite.extend(cases)
     return suite
@@ -50,8 +62,9 @@ def _case(check: str, name: str, status: Status, summary: str, findings: list[Fi
     if outcome:
         counted = [f for f in findings if f.status == status and f.ignored is None] or findings
         codes = ", ".join(sorted({f.code for f in counted}))
-        element = ET.SubElement(case, outcome, message=f"{codes}: {summary}" if codes else summary,
-                                type=codes or status.value)
+        element = ET.SubElement(
+            case, outcome, message=f"{codes}: {summary}" if codes else summary, type=codes or status.value
+        )
         if outcome != "skipped":
             element.text = "\n".join(_line(f) for f in findings)
     ignored = [f for f in findings if f.ignored]

@@ -42,11 +42,22 @@ class FitTable:
             kept.remove(min(giving_way, key=lambda i: self.columns[i].give_way or 0))  # None: not in giving_way
         widths = self._widths(kept, self._room(console, options, kept))
         # A whole column narrowed below its longest cell (the last resort) folds like the others rather than crop.
-        table = Table(*(Column(self.columns[i].header, justify=self.columns[i].justify, style=self.columns[i].style,
-                               no_wrap=self.columns[i].whole and width >= self._least(i), overflow="fold",
-                               width=width)
-                        for i, width in zip(kept, widths, strict=True)),
-                      title=self.title, title_justify="left", **self.options)
+        table = Table(
+            *(
+                Column(
+                    self.columns[i].header,
+                    justify=self.columns[i].justify,
+                    style=self.columns[i].style,
+                    no_wrap=self.columns[i].whole and width >= self._least(i),
+                    overflow="fold",
+                    width=width,
+                )
+                for i, width in zip(kept, widths, strict=True)
+            ),
+            title=self.title,
+            title_justify="left",
+            **self.options,
+        )
         for row in self.rows:
             table.add_row(*(row[i] for i in kept))
         yield table
@@ -61,8 +72,14 @@ class FitTable:
 
     def _widths(self, kept: list[int], room: int) -> list[int]:
         least = [self._least(i) for i in kept]
-        most = [max(self._least(i), _longest_line(Text(self.columns[i].header)),
-                    *(_longest_line(row[i]) for row in self.rows)) for i in kept]
+        most = [
+            max(
+                self._least(i),
+                _longest_line(Text(self.columns[i].header)),
+                *(_longest_line(row[i]) for row in self.rows),
+            )
+            for i in kept
+        ]
         if sum(most) <= room:
             return most
         widths = list(least)
@@ -86,9 +103,16 @@ class FitTable:
         nothing."""
         column = self.columns[i]
         cells = [row[i] for row in self.rows]
-        return max([_longest_line(Text(column.header)),
-                    *((_longest_line(c) if column.whole else _longest_word(c)) for c in cells
-                      if not (c.no_wrap and c.overflow == "ellipsis"))])
+        return max(
+            [
+                _longest_line(Text(column.header)),
+                *(
+                    (_longest_line(c) if column.whole else _longest_word(c))
+                    for c in cells
+                    if not (c.no_wrap and c.overflow == "ellipsis")
+                ),
+            ]
+        )
 
 
 def _longest_word(text: Text) -> int:

@@ -14,10 +14,15 @@ def _cell(text: str) -> str:
 
 def to_markdown(report: Report) -> str:
     env = report.environment
-    lines = [f"### fwdcheck {report.verdict}: {_cell(report.model.get('label', ''))}", "",
-             f"{env.get('device')} · {env.get('dtype')} · B={env.get('batch_size')} T={env.get('seq_len')} · "
-             f"seed {env.get('seed')} · torch {env.get('torch')}", "",
-             "| check | status | summary |", "| --- | --- | --- |"]
+    lines = [
+        f"### fwdcheck {report.verdict}: {_cell(report.model.get('label', ''))}",
+        "",
+        f"{env.get('device')} · {env.get('dtype')} · B={env.get('batch_size')} T={env.get('seq_len')} · "
+        f"seed {env.get('seed')} · torch {env.get('torch')}",
+        "",
+        "| check | status | summary |",
+        "| --- | --- | --- |",
+    ]
     for r in report.results:
         lines.append(f"| {r.name} | {ICON[r.status]} {r.status.value} | {_cell(r.summary)} |")
     findings = [(r.name, f) for r in report.results for f in r.findings if f.status not in (Status.PASS,)]

@@ -11,9 +11,12 @@ FINDING = {
     "type": "object",
     "required": ["code", "status", "message", "where"],
     "properties": {
-        "code": {"type": "string", "description": "stable id: FWD1xx future-token, FWD2xx mask-audit, FWD3xx rope, "
-                 "FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins use "
-                 "their own prefixes"},
+        "code": {
+            "type": "string",
+            "description": "stable id: FWD1xx future-token, FWD2xx mask-audit, FWD3xx rope, "
+            "FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins use "
+            "their own prefixes",
+        },
         "status": STATUS,
         "message": {"type": "string"},
         "where": {"type": ["string", "null"], "description": "module path, positions, code paths"},
@@ -31,12 +34,18 @@ CHECK = {
         "summary": {"type": "string"},
         "findings": {"type": "array", "items": FINDING},
         "metrics": {"type": "object", "description": "numbers: thresholds, measured changes, counts"},
-        "data": {"type": "object", "description": "structured detail; shape-ledger: entries [{name, shape, dims}], "
-                 "future-token: leak_map, mask-audit: calls, code-path checks: paths [{path, status, summary, "
-                 "codes}]"},
+        "data": {
+            "type": "object",
+            "description": "structured detail; shape-ledger: entries [{name, shape, dims}], "
+            "future-token: leak_map, mask-audit: calls, code-path checks: paths [{path, status, summary, "
+            "codes}]",
+        },
         "duration_s": {"type": "number"},
-        "key_number": {"type": "string", "description": "the measurement the verdict rests on, as the terminal "
-                       "summary shows it; empty when the check names none"},
+        "key_number": {
+            "type": "string",
+            "description": "the measurement the verdict rests on, as the terminal "
+            "summary shows it; empty when the check names none",
+        },
     },
 }
 
@@ -55,9 +64,15 @@ JSON_REPORT_SCHEMA = {
         "environment": {
             "type": "object",
             "required": ["torch", "python", "device", "dtype", "seed"],
-            "properties": {"torch": {"type": "string"}, "python": {"type": "string"}, "device": {"type": "string"},
-                           "dtype": {"type": "string"}, "seed": {"type": "integer"},
-                           "batch_size": {"type": "integer"}, "seq_len": {"type": "integer"}},
+            "properties": {
+                "torch": {"type": "string"},
+                "python": {"type": "string"},
+                "device": {"type": "string"},
+                "dtype": {"type": "string"},
+                "seed": {"type": "integer"},
+                "batch_size": {"type": "integer"},
+                "seq_len": {"type": "integer"},
+            },
         },
         "notes": {"type": "array", "items": {"type": "string"}},
         "checks": {"type": "array", "items": CHECK},

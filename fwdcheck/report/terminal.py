@@ -24,11 +24,22 @@ from fwdcheck.report import Report
 from fwdcheck.report.layout import FitColumn, FitTable
 from fwdcheck.result import CheckResult, Finding, Status
 
-STYLE = {Status.PASS: "bold green", Status.WARN: "bold yellow", Status.FAIL: "bold red", Status.SKIP: "dim",
-         Status.ERROR: "bold magenta"}
+STYLE = {
+    Status.PASS: "bold green",
+    Status.WARN: "bold yellow",
+    Status.FAIL: "bold red",
+    Status.SKIP: "dim",
+    Status.ERROR: "bold magenta",
+}
 IGNORED = "dim"  # an ignored finding is shown, never in its status's colour: it does not count
-VERDICT_STYLE = {"passed": "bold green", "failed": "bold red", "internal error": "bold magenta",
-                 "nothing ran": "dim", "interrupted": "bold red", "terminated": "bold red"}
+VERDICT_STYLE = {
+    "passed": "bold green",
+    "failed": "bold red",
+    "internal error": "bold magenta",
+    "nothing ran": "dim",
+    "interrupted": "bold red",
+    "terminated": "bold red",
+}
 
 
 class Verbosity(str, Enum):
@@ -37,8 +48,13 @@ class Verbosity(str, Enum):
     VERBOSE = "verbose"  # the summary table and every check's detail
 
 
-def render(report: Report, console: Console, debug: bool = False, verbosity: Verbosity | str = Verbosity.DEFAULT,
-           durations: bool = True) -> None:
+def render(
+    report: Report,
+    console: Console,
+    debug: bool = False,
+    verbosity: Verbosity | str = Verbosity.DEFAULT,
+    durations: bool = True,
+) -> None:
     """The report on `console`, laid out for its width. `durations` False leaves every time out, for text that must
     not change from run to run (documentation, comparisons)."""
     verbosity = Verbosity(verbosity)
@@ -46,9 +62,14 @@ def render(report: Report, console: Console, debug: bool = False, verbosity: Ver
         console.print(one_line(report, durations), soft_wrap=True)  # one line, however narrow: the terminal wraps it
         return
     env = report.environment
-    console.print(Text.assemble(("fwdcheck ", "bold"), f"· {report.model.get('label', '?')} · ",
-                                f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
-                                f"T={env.get('seq_len')} seed={env.get('seed')}"))
+    console.print(
+        Text.assemble(
+            ("fwdcheck ", "bold"),
+            f"· {report.model.get('label', '?')} · ",
+            f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
+            f"T={env.get('seq_len')} seed={env.get('seed')}",
+        )
+    )
     for note in report.notes:
         console.print(Text(f"note: {note}", style="dim"))
     console.print(summary_table(report, verbosity, durations))
@@ -58,8 +79,12 @@ def render(report: Report, console: Console, debug: bool = False, verbosity: Ver
         else:  # no panel to show them in: an ignored finding still shows, marked, on a line of its own
             for f in result.findings:
                 if f.ignored:
-                    console.print(Text(f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})",
-                                       style=IGNORED))
+                    console.print(
+                        Text(
+                            f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})",
+                            style=IGNORED,
+                        )
+                    )
     word, style = verdict(report)
     console.print(Text.assemble((word, style), f" (exit {report.exit_code})"))
 
@@ -80,16 +105,20 @@ def one_line(report: Report, durations: bool) -> Text:
     """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · 2.1 s': what decided the exit
     code, then what else a reader should know (warnings that did not count, skipped and ignored checks)."""
     word, style = verdict(report)
-    counted = [r for r in report.results if r.status in (Status.FAIL, Status.ERROR)
-               or (r.status == Status.WARN and report.fail_on == "warn")]
+    counted = [
+        r
+        for r in report.results
+        if r.status in (Status.FAIL, Status.ERROR) or (r.status == Status.WARN and report.fail_on == "warn")
+    ]
     ran = [r.name for r in report.results if r.status != Status.SKIP]
     if counted:
         what = ", ".join(" ".join([r.name, *(_counted_codes(r) or [r.status.value])]) for r in counted)
     else:
         what = f"{len(ran)} check{'s' if len(ran) != 1 else ''}" + (f" ({', '.join(ran)})" if ran else "")
     line = Text.assemble("fwdcheck: ", (word, style), f" (exit {report.exit_code}) — {what}")
-    warned = [" ".join([r.name, *_counted_codes(r)]) for r in report.results
-              if r.status == Status.WARN and r not in counted]
+    warned = [
+        " ".join([r.name, *_counted_codes(r)]) for r in report.results if r.status == Status.WARN and r not in counted
+    ]
     skipped = [r.name for r in report.results if r.status == Status.SKIP]
     ignored = list(dict.fromkeys(f"{r.name} {f.code}" for r in report.results for f in r.findings if f.ignored))
     for label, names in (("warn", warned), ("skipped", skipped), ("ignored", ignored)):
@@ -108,8 +137,11 @@ def _counted_codes(r: CheckResult) -> list[str]:
 def summary_table(report: Report, verbosity: Verbosity = Verbosity.DEFAULT, durations: bool = True) -> RenderableType:
     """One row per check. In the default view a passing check's summary is one line, cut to the width: its detail is
     a -v away, while a check that did not pass is the one to read in full."""
-    columns = [FitColumn("check", style="bold", whole=True), FitColumn("status", whole=True),
-               FitColumn("key number", justify="right", whole=True)]
+    columns = [
+        FitColumn("check", style="bold", whole=True),
+        FitColumn("status", whole=True),
+        FitColumn("key number", justify="right", whole=True),
+    ]
     columns += [FitColumn("time", justify="right", whole=True)] if durations else []
     columns += [FitColumn("summary")]
     rows = []
@@ -178,17 +210,34 @@ def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
         style = "bold red" if p["parts"] else "green"
         shape = str(p["shape"]) if p["shape"] == p["shape_b"] else f"{p['shape']} vs {p['shape_b']}"
         mark = "◀ first" if first is not None and p["a"] == first["a"] else ""
-        rows.append([Text(f"{number}" + ("" if p["by_name"] else "*")), Text(p["a"]),
-                     Text("" if p["b"] == p["a"] else p["b"]), Text(shape), Text(_number(p["max_diff"]), style),
-                     Text(f"{p['tolerance']:.2g}"), Text(mark, "bold red")])
-    columns = [FitColumn("#", justify="right", whole=True), FitColumn("module (A)", whole=True),
-               FitColumn("in B", whole=True, give_way=2), FitColumn("shape", whole=True, give_way=1),
-               FitColumn("max diff", justify="right", whole=True),  # max |a - b|
-               FitColumn("tol", justify="right", whole=True), FitColumn("", whole=True)]  # the line under: what tol is
+        rows.append(
+            [
+                Text(f"{number}" + ("" if p["by_name"] else "*")),
+                Text(p["a"]),
+                Text("" if p["b"] == p["a"] else p["b"]),
+                Text(shape),
+                Text(_number(p["max_diff"]), style),
+                Text(f"{p['tolerance']:.2g}"),
+                Text(mark, "bold red"),
+            ]
+        )
+    columns = [
+        FitColumn("#", justify="right", whole=True),
+        FitColumn("module (A)", whole=True),
+        FitColumn("in B", whole=True, give_way=2),
+        FitColumn("shape", whole=True, give_way=1),
+        FitColumn("max diff", justify="right", whole=True),  # max |a - b|
+        FitColumn("tol", justify="right", whole=True),
+        FitColumn("", whole=True),
+    ]  # the line under: what tol is
     console.print(FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False))
     if not all(p["by_name"] for p in pairs):
-        console.print(Text("* paired by order: no name in common, the same shape, between the same two pairs paired "
-                           "by name", style="dim"))
+        console.print(
+            Text(
+                "* paired by order: no name in common, the same shape, between the same two pairs paired by name",
+                style="dim",
+            )
+        )
     if plot and pairs:
         console.print(difference_plot(pairs, max(console.width - 8, 10)))
     for side in ("a", "b"):
@@ -200,21 +249,43 @@ def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
         console.print(Text(f"note: {note}", style="dim"))
     earliest = diff["first_difference"]
     if earliest is not None and (first is None or earliest["a"] != first["a"]):
-        ratio = "" if earliest["max_diff"] is None else \
-            f", {earliest['max_diff'] / earliest['tolerance']:.2g} of its tolerance"
-        console.print(Text(f"the first pair that differs at all: A {earliest['a']} (max |a - b| "
-                           f"{_number(earliest['max_diff'])}{ratio})", style="yellow" if first else "dim"))
+        ratio = (
+            ""
+            if earliest["max_diff"] is None
+            else f", {earliest['max_diff'] / earliest['tolerance']:.2g} of its tolerance"
+        )
+        console.print(
+            Text(
+                f"the first pair that differs at all: A {earliest['a']} (max |a - b| "
+                f"{_number(earliest['max_diff'])}{ratio})",
+                style="yellow" if first else "dim",
+            )
+        )
     tolerance = diff["tolerance"]
-    console.print(Text(f"max diff: the largest |a - b| over an output's elements; tol: atol {tolerance['atol']:g} + "
-                       f"rtol {tolerance['rtol']:g} x A's largest |value| of it", style="dim"))
+    console.print(
+        Text(
+            f"max diff: the largest |a - b| over an output's elements; tol: atol {tolerance['atol']:g} + "
+            f"rtol {tolerance['rtol']:g} x A's largest |value| of it",
+            style="dim",
+        )
+    )
     if first is None:
-        console.print(Text.assemble(("equal", "bold green"), f" within tolerance over {len(pairs)} pairs of modules "
-                                    f"(exit {diff['exit_code']})"))
+        console.print(
+            Text.assemble(
+                ("equal", "bold green"),
+                f" within tolerance over {len(pairs)} pairs of modules (exit {diff['exit_code']})",
+            )
+        )
     else:
         by = _number(first["max_diff"])
         b = "" if first["b"] == first["a"] else f" / B {first['b']}"
-        console.print(Text.assemble(("they part", "bold red"), f" at A {first['a']}{b}: max |a - b| {by} "
-                                    f"(tolerance {first['tolerance']:.2g}) (exit {diff['exit_code']})"))
+        console.print(
+            Text.assemble(
+                ("they part", "bold red"),
+                f" at A {first['a']}{b}: max |a - b| {by} "
+                f"(tolerance {first['tolerance']:.2g}) (exit {diff['exit_code']})",
+            )
+        )
 
 
 def _number(value: float | None) -> str:
@@ -228,10 +299,16 @@ def difference_plot(pairs: list[dict], width: int) -> Text:
     """Each pair's max |a - b| over its tolerance, by depth (A's order of execution, left to right), as bars on a
     log scale, one row a decade: a bar reaching the `tol x1` row parts. Wider than `width` pairs share columns (the
     largest shown). Under the bars, a caret at the first pair that parts."""
-    ratios = [math.inf if p["max_diff"] is None else p["max_diff"] / p["tolerance"] if p["tolerance"] else
-              (0.0 if p["max_diff"] == 0 else math.inf) for p in pairs]
+    ratios = [
+        math.inf
+        if p["max_diff"] is None
+        else p["max_diff"] / p["tolerance"]
+        if p["tolerance"]
+        else (0.0 if p["max_diff"] == 0 else math.inf)
+        for p in pairs
+    ]
     step = math.ceil(len(ratios) / width)
-    columns = [max(ratios[i:i + step]) for i in range(0, len(ratios), step)]
+    columns = [max(ratios[i : i + step]) for i in range(0, len(ratios), step)]
     finite = [r for r in columns if 0 < r < math.inf]
     # rows from the decade of the largest finite ratio (one more for an infinite one) down to that of the smallest
     top = max(0, math.floor(math.log10(max(finite)))) if finite else 0
@@ -243,7 +320,7 @@ def difference_plot(pairs: list[dict], width: int) -> Text:
         label = "tol x1 " if decade == 0 else f"1e{decade:+d} ".rjust(7)
         text.append(label, style="dim")
         for r in columns:
-            text.append("█" if r >= 10.0 ** decade else "·" if decade == 0 else " ", "red" if decade >= 0 else "green")
+            text.append("█" if r >= 10.0**decade else "·" if decade == 0 else " ", "red" if decade >= 0 else "green")
         text.append("\n")
     first = next((i for i, p in enumerate(pairs) if p["parts"]), None)
     if first is not None:
@@ -258,11 +335,24 @@ def code_paths(rows: list[dict]) -> RenderableType:
     bad = [row for row in rows if row["status"] != "pass"]
     if not bad:
         return Text(f"all {len(rows)} code paths pass", style="green")
-    cells = [[Text(row["path"]), Text(row["status"], STYLE[Status(row["status"])]),
-              Text(", ".join(row.get("codes", []))), Text(row["summary"])] for row in bad]
+    cells = [
+        [
+            Text(row["path"]),
+            Text(row["status"], STYLE[Status(row["status"])]),
+            Text(", ".join(row.get("codes", []))),
+            Text(row["summary"]),
+        ]
+        for row in bad
+    ]
     columns = [FitColumn("path"), FitColumn("status", whole=True), FitColumn("codes"), FitColumn("summary")]
-    return FitTable(columns, cells, title=f"code paths: {len(bad)} of {len(rows)} not passing", box=box.SIMPLE,
-                    pad_edge=False, show_edge=False)
+    return FitTable(
+        columns,
+        cells,
+        title=f"code paths: {len(bad)} of {len(rows)} not passing",
+        box=box.SIMPLE,
+        pad_edge=False,
+        show_edge=False,
+    )
 
 
 @functools.cache

@@ -44,14 +44,22 @@ LOADERS = {
 def load_model(config: Config) -> ModelUnderTest:
     """Build the model the config names. Raises ModelLoadError (exit 2) when it cannot be built at all."""
     import torch
+
     with torch.random.fork_rng(devices=[]):  # the user's RNG state is not ours to advance
         torch.manual_seed(config.inputs.seed)
         return pkgutil.resolve_name(LOADERS[config.model.source])(config.model, config)
 
 
-def from_module(module: nn.Module, *, vocab_size: int | None = None, max_positions: int | None = None,
-                causal: bool = True, rope: dict[str, Any] | None = None, dims: dict[str, int] | None = None,
-                forward: Callable[..., Any] | None = None) -> ModelUnderTest:
+def from_module(
+    module: nn.Module,
+    *,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+    causal: bool = True,
+    rope: dict[str, Any] | None = None,
+    dims: dict[str, int] | None = None,
+    forward: Callable[..., Any] | None = None,
+) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly (fwdcheck.check_model): a transformers model keeps its
     config's description unless a forward adapter drives it; any other module is read as a factory's would be."""
     from fwdcheck.sources.factory import FactoryParts, model_from_module
@@ -60,10 +68,15 @@ def from_module(module: nn.Module, *, vocab_size: int | None = None, max_positio
     declared_rope = RopeSpec(**rope) if rope else None
     if forward is None and is_transformers_model(module):
         hf_config: Any = module.config  # a transformers PretrainedConfig
-        hf_spec = HFModel(source="hf", config={"model_type": hf_config.model_type}, causal=causal,
-                          rope=declared_rope)
+        hf_spec = HFModel(source="hf", config={"model_type": hf_config.model_type}, causal=causal, rope=declared_rope)
         return hf_model_under_test(module, hf_spec, notes=[])
-    spec = FactoryModel(factory="api:check_model", vocab_size=vocab_size, max_positions=max_positions, causal=causal,
-                        rope=declared_rope, dims=Dims(**dims) if dims else None)
+    spec = FactoryModel(
+        factory="api:check_model",
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        causal=causal,
+        rope=declared_rope,
+        dims=Dims(**dims) if dims else None,
+    )
     parts = FactoryParts(factory=lambda: module, forward=forward, rotary=None)
     return model_from_module(module, spec, parts, source="python", label=type(module).__name__)

@@ -79,22 +79,32 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
         why: list[str] = []
         if stored:
             one = len(stored) == 1
-            why.append(f"{_names(stored)} {'is' if one else 'are'} not stored in checkpoints "
-                       f"({'a non-persistent buffer' if one else 'non-persistent buffers'} computed in __init__)")
+            why.append(
+                f"{_names(stored)} {'is' if one else 'are'} not stored in checkpoints "
+                f"({'a non-persistent buffer' if one else 'non-persistent buffers'} computed in __init__)"
+            )
         if match.missing:
             why.append("keys are missing from the checkpoint")
-        notes.append(f"built the model on the CPU, not the meta device: {'; '.join(why)}; "
-                     "the checkpoint was copied into it")
+        notes.append(
+            f"built the model on the CPU, not the meta device: {'; '.join(why)}; the checkpoint was copied into it"
+        )
         model_state = module.state_dict()
-        cast = Counter(f"{_dtype(t)} -> {_dtype(model_state[k])}" for k, t in state_dict.items()
-                       if isinstance(t, torch.Tensor) and k in model_state and t.dtype != model_state[k].dtype)
+        cast = Counter(
+            f"{_dtype(t)} -> {_dtype(model_state[k])}"
+            for k, t in state_dict.items()
+            if isinstance(t, torch.Tensor) and k in model_state and t.dtype != model_state[k].dtype
+        )
         if cast:
-            notes.append("copying converted the checkpoint's tensors to the dtype the factory built: "
-                         + ", ".join(f"{n} {edit}" for edit, n in cast.items()))
+            notes.append(
+                "copying converted the checkpoint's tensors to the dtype the factory built: "
+                + ", ".join(f"{n} {edit}" for edit, n in cast.items())
+            )
         still = _meta_tensors(module)
         if still:
-            raise ModelLoadError(f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
-                                 "built normally; fwdcheck cannot run it")
+            raise ModelLoadError(
+                f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
+                "built normally; fwdcheck cannot run it"
+            )
 
     loaded = model_from_module(module, spec, parts, source="checkpoint", label=f"{spec.factory} <- {path.name}")
     dtypes = Counter(_dtype(t) for t in state_dict.values() if isinstance(t, torch.Tensor))
@@ -137,15 +147,19 @@ def checkpoint_kind(path: Path) -> str:
 def _directory_hint(path: Path) -> str:
     if (path / "config.json").is_file():
         return " (it holds a config.json: for a Hugging Face model directory use `source: hf`)"
-    files = sorted(p.name for p in path.iterdir() if p.is_file() and (p.suffix.lower() in SAFETENSORS + TORCH
-                                                                       or p.name.endswith(".index.json")))
+    files = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.is_file() and (p.suffix.lower() in SAFETENSORS + TORCH or p.name.endswith(".index.json"))
+    )
     if files:
         return f" (point model.path at one of: {', '.join(files[:SHOWN])})"
     return ""
 
 
-def read_checkpoint(path: Path, kind: str, *, trust: bool, search: list[Path],
-                    notes: list[str]) -> tuple[dict[str, Any], str]:
+def read_checkpoint(
+    path: Path, kind: str, *, trust: bool, search: list[Path], notes: list[str]
+) -> tuple[dict[str, Any], str]:
     """The state dict in the file (unwrapped), and a name for its format."""
     try:
         size = path.stat().st_size
@@ -166,9 +180,11 @@ def read_checkpoint(path: Path, kind: str, *, trust: bool, search: list[Path],
     state_dict = unwrap_state_dict(obj, path, notes)
     empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_meta]
     if empty:  # loading would fail on the first one, as "Cannot copy out of meta tensor", or leave it without values
-        raise ModelLoadError(f"checkpoint {path}: {_names(empty)} {'holds' if len(empty) == 1 else 'hold'} no data "
-                             "(meta tensors: saved from a model built on the meta device, before its weights were "
-                             "loaded)")
+        raise ModelLoadError(
+            f"checkpoint {path}: {_names(empty)} {'holds' if len(empty) == 1 else 'hold'} no data "
+            "(meta tensors: saved from a model built on the meta device, before its weights were "
+            "loaded)"
+        )
     return state_dict, "torch zip" if head.startswith(_ZIP_MAGIC) else "torch legacy pickle"
 
 
@@ -177,18 +193,23 @@ def _read_safetensors(path: Path, head: bytes) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
     except ImportError:
-        raise ModelLoadError(f"checkpoint {path}: reading .safetensors needs the safetensors package "
-                             "(pip install safetensors, or fwdcheck[hf])") from None
+        raise ModelLoadError(
+            f"checkpoint {path}: reading .safetensors needs the safetensors package "
+            "(pip install safetensors, or fwdcheck[hf])"
+        ) from None
     duplicated = _duplicate_header_keys(path)
     if duplicated:
-        raise ModelLoadError(f"checkpoint {path}: the safetensors header names {_names(duplicated)} more than once; "
-                             "which tensor the file means is ambiguous (the reader would keep the last silently)")
+        raise ModelLoadError(
+            f"checkpoint {path}: the safetensors header names {_names(duplicated)} more than once; "
+            "which tensor the file means is ambiguous (the reader would keep the last silently)"
+        )
     try:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         hint = " (it starts like a torch.save zip archive: name it .pt)" if head.startswith(_ZIP_MAGIC) else ""
-        raise ModelLoadError(f"checkpoint {path}: not a readable safetensors file, corrupt or truncated "
-                             f"({_one_line(exc)}){hint}") from None
+        raise ModelLoadError(
+            f"checkpoint {path}: not a readable safetensors file, corrupt or truncated ({_one_line(exc)}){hint}"
+        ) from None
 
 
 def _duplicate_header_keys(path: Path) -> list[str]:
@@ -220,8 +241,10 @@ def _read_torch(path: Path, head: bytes, *, trust: bool, search: list[Path], not
     is_pickle = head[:1] == b"\x80"  # the PROTO opcode a legacy torch.save starts with
     if not (is_zip or is_pickle):
         hint = " (it starts like a safetensors file: name it .safetensors)" if _looks_safetensors(head) else ""
-        raise ModelLoadError(f"checkpoint {path}: not a torch.save file (neither a zip archive nor a pickle), "
-                             f"corrupt or another format{hint}")
+        raise ModelLoadError(
+            f"checkpoint {path}: not a torch.save file (neither a zip archive nor a pickle), "
+            f"corrupt or another format{hint}"
+        )
     try:
         return _torch_load(path, weights_only=True, mmap=is_zip, notes=notes)
     except _Refused as exc:
@@ -249,8 +272,10 @@ def _read_torch(path: Path, head: bytes, *, trust: bool, search: list[Path], not
         with on_sys_path(search):  # the pickled classes import from the user's code
             obj = _torch_load(path, weights_only=False, mmap=is_zip, notes=notes)
     except (ModuleNotFoundError, AttributeError, ImportError) as exc:
-        raise ModelLoadError(f"checkpoint {path}: unpickling needs code that cannot be imported ({_one_line(exc)}); "
-                             "add its directory to model.python_path") from None
+        raise ModelLoadError(
+            f"checkpoint {path}: unpickling needs code that cannot be imported ({_one_line(exc)}); "
+            "add its directory to model.python_path"
+        ) from None
     except Exception as exc:
         raise ModelLoadError(f"checkpoint {path}: unpickling raised {type(exc).__name__}: {_one_line(exc)}") from None
     why = f"the file pickles {refusal.needs}" if not refusal.opcode else refusal.needs
@@ -311,16 +336,20 @@ def _refusal(path: Path, exc: Exception, caught: list[warnings.WarningMessage]) 
         protocol = next((m.group(1) for w in caught if (m := _PROTOCOL.search(str(w.message)))), None)
         written = f"written with pickle protocol {protocol}" if protocol else "written with an old pickle protocol"
         return _Refused(written, opcode=_OPCODES.get(code, repr(code)))
-    return ModelLoadError(f"checkpoint {path}: not a readable torch checkpoint, corrupt or truncated "
-                          f"({_unpickling_problem(exc)})")
+    return ModelLoadError(
+        f"checkpoint {path}: not a readable torch checkpoint, corrupt or truncated ({_unpickling_problem(exc)})"
+    )
 
 
 def _unpickling_problem(exc: Exception) -> str:
     """The line of a weights_only failure that says what went wrong: torch leads with a paragraph on the change of
     its default, and puts the reason after it."""
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
-    reasons = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation",
-                                                               "Please file an issue"))]
+    reasons = [
+        line
+        for line in lines
+        if not line.startswith(("Weights only load failed", "Check the documentation", "Please file an issue"))
+    ]
     return (reasons[0] if reasons else _one_line(exc)).removeprefix("WeightsUnpickler error: ")
 
 
@@ -335,8 +364,9 @@ def _read_sharded(path: Path, *, trust: bool, search: list[Path], notes: list[st
     except (ValueError, AttributeError, UnicodeDecodeError):
         weight_map = None
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ModelLoadError(f"checkpoint {path}: not a shard index (a JSON object with a non-empty "
-                             "'weight_map' of key -> shard file)")
+        raise ModelLoadError(
+            f"checkpoint {path}: not a shard index (a JSON object with a non-empty 'weight_map' of key -> shard file)"
+        )
     merged: dict[str, Any] = {}
     for shard_name in sorted(set(weight_map.values())):
         shard = path.parent / shard_name
@@ -346,8 +376,9 @@ def _read_sharded(path: Path, *, trust: bool, search: list[Path], notes: list[st
                 raise ModelLoadError(f"checkpoint {shard}: is itself an index")
             merged.update(read_checkpoint(shard, shard_kind, trust=trust, search=search, notes=notes)[0])
         except ModelLoadError as exc:
-            raise ModelLoadError(f"checkpoint {path}: shard {shard_name}: "
-                                 f"{str(exc).removeprefix(f'checkpoint {shard}: ')}") from None
+            raise ModelLoadError(
+                f"checkpoint {path}: shard {shard_name}: {str(exc).removeprefix(f'checkpoint {shard}: ')}"
+            ) from None
     absent = [k for k in weight_map if k not in merged]
     if absent:
         raise ModelLoadError(f"checkpoint {path}: the index maps {_names(absent)} to shards that do not hold them")
@@ -362,8 +393,9 @@ def unwrap_state_dict(obj: Any, path: Path, notes: list[str], depth: int = 0) ->
         notes.append(f"the file pickles a whole {type(obj).__name__}; its state_dict() was loaded")
         return obj.state_dict()
     if not isinstance(obj, Mapping):
-        raise ModelLoadError(f"checkpoint {path}: holds no tensors (it holds a {type(obj).__name__}, not a mapping "
-                             "of names to tensors)")
+        raise ModelLoadError(
+            f"checkpoint {path}: holds no tensors (it holds a {type(obj).__name__}, not a mapping of names to tensors)"
+        )
     tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     if tensors and len(tensors) == len(obj):
         return dict(obj)
@@ -377,8 +409,9 @@ def unwrap_state_dict(obj: Any, path: Path, notes: list[str], depth: int = 0) ->
                 return unwrap_state_dict(inner, path, notes, depth + 1)
     if tensors:
         ignored_keys = [str(k) for k in obj if k not in tensors]
-        notes.append(f"loaded the {len(tensors)} top-level tensors; ignored non-tensor entries: "
-                     f"{', '.join(ignored_keys[:8])}")
+        notes.append(
+            f"loaded the {len(tensors)} top-level tensors; ignored non-tensor entries: {', '.join(ignored_keys[:8])}"
+        )
         return tensors
     keys = ", ".join(str(k) for k in list(obj)[:8]) or "none"
     raise ModelLoadError(f"checkpoint {path}: holds no tensors (a {type(obj).__name__} with keys: {keys})")
@@ -392,8 +425,9 @@ def _holds_tensors(mapping: Mapping) -> bool:
 # Building and loading
 
 
-def _build_on_meta(spec: CheckpointModel, parts: FactoryParts, search: list[Path],
-                   notes: list[str]) -> nn.Module | None:
+def _build_on_meta(
+    spec: CheckpointModel, parts: FactoryParts, search: list[Path], notes: list[str]
+) -> nn.Module | None:
     """The factory's module on the meta device, or None (with a note) when the factory cannot run there."""
     try:
         with torch.device("meta"):
@@ -474,22 +508,28 @@ def _strip_wrapper_prefixes(state_dict: dict[str, Any], model_keys: set[str], no
         changed = False
         for prefix in WRAPPER_PREFIXES:
             if all(k.startswith(prefix) for k in state_dict) and not any(k.startswith(prefix) for k in model_keys):
-                state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+                state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
                 stripped.append(prefix)
                 changed = True
     if stripped:
-        notes.append(f"stripped the prefix '{''.join(stripped)}' from every checkpoint key "
-                     "(saved from a DistributedDataParallel or torch.compile wrapper)")
+        notes.append(
+            f"stripped the prefix '{''.join(stripped)}' from every checkpoint key "
+            "(saved from a DistributedDataParallel or torch.compile wrapper)"
+        )
     return state_dict
 
 
 _COPY_FAILED = re.compile(r'While copying the parameter named "([^"]+)".*an exception occurred : \((.*)\)\.?$')
 
 
-def _shape_error(exc: RuntimeError, state_dict: dict[str, Any], expected: dict[str, tuple],
-                 spec: CheckpointModel, path: Path) -> str:
-    mismatched = [k for k, shape in expected.items()  # in the model's order: the first layer first
-                  if isinstance(state_dict.get(k), torch.Tensor) and tuple(state_dict[k].shape) != shape]
+def _shape_error(
+    exc: RuntimeError, state_dict: dict[str, Any], expected: dict[str, tuple], spec: CheckpointModel, path: Path
+) -> str:
+    mismatched = [
+        k
+        for k, shape in expected.items()  # in the model's order: the first layer first
+        if isinstance(state_dict.get(k), torch.Tensor) and tuple(state_dict[k].shape) != shape
+    ]
     if not mismatched:
         # torch says "Error(s) in loading state_dict for X:", then one line per problem, each naming its key (the
         # point of the message): all of them are kept, joined; copies that raised become the key and the reason.
@@ -498,22 +538,27 @@ def _shape_error(exc: RuntimeError, state_dict: dict[str, Any], expected: dict[s
         if copies:
             key, reason = copies[0].group(1), copies[0].group(2).strip(" ,'\"")  # torch shows the args: ('why',)
             more = f" (and {len(copies) - 1} more keys)" if len(copies) > 1 else ""
-            return (f"checkpoint {path.name}: loading '{key}' into the model '{spec.factory}' builds raised "
-                    f"RuntimeError: {reason}{more}")
+            return (
+                f"checkpoint {path.name}: loading '{key}' into the model '{spec.factory}' builds raised "
+                f"RuntimeError: {reason}{more}"
+            )
         return f"checkpoint {path.name}: loading it into '{spec.factory}' raised RuntimeError: {' '.join(lines)}"
     key = mismatched[0]
     more = f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""
-    return (f"checkpoint {path.name}: '{key}' has shape {list(state_dict[key].shape)} in the checkpoint but "
-            f"{list(expected[key])} in the model '{spec.factory}' builds{more}; were the factory kwargs the ones it "
-            "was trained with?")
+    return (
+        f"checkpoint {path.name}: '{key}' has shape {list(state_dict[key].shape)} in the checkpoint but "
+        f"{list(expected[key])} in the model '{spec.factory}' builds{more}; were the factory kwargs the ones it "
+        "was trained with?"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Describing the match
 
 
-def _renames(missing: list[str], unexpected: list[str], expected: dict[str, tuple],
-             shapes: dict[str, tuple]) -> dict[str, str]:
+def _renames(
+    missing: list[str], unexpected: list[str], expected: dict[str, tuple], shapes: dict[str, tuple]
+) -> dict[str, str]:
     """checkpoint key -> model key, for pairs of the same shape whose names differ by a prefix or one component."""
     candidates = []
     for new in unexpected:
@@ -541,7 +586,7 @@ def _rename_score(a: str, b: str) -> float | None:
             return 1.0 + SequenceMatcher(None, pa[i], pb[i]).ratio()
         return None
     short, long = sorted((pa, pb), key=len)
-    if long[-len(short):] == short:
+    if long[-len(short) :] == short:
         return 3.0  # one name is the other with a prefix in front: 'model.layers.0.w' vs 'layers.0.w'
     tail = 0
     while tail < len(short) and short[-1 - tail] == long[-1 - tail]:
@@ -560,8 +605,13 @@ def _rename_lines(renamed: dict[str, str]) -> list[str]:
         new, old = pairs[0]
         line = f"key '{new}' in the checkpoint looks renamed from '{old}'"
         if len(pairs) > 1:
-            edit = (f"'{now}.' in front of the model's names" if not was else
-                    f"the model's leading '{was}.' dropped" if not now else f"'{was}' -> '{now}'")
+            edit = (
+                f"'{now}.' in front of the model's names"
+                if not was
+                else f"the model's leading '{was}.' dropped"
+                if not now
+                else f"'{was}' -> '{now}'"
+            )
             line = f"{len(pairs)} keys in the checkpoint look renamed the same way, {edit} (e.g. {line})"
         lines.append(line)
     return lines
@@ -576,7 +626,7 @@ def _rename_edit(new: str, old: str) -> tuple[str, str]:
     tail = 0
     while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
         tail += 1
-    return ".".join(a[head:len(a) - tail]) or "", ".".join(b[head:len(b) - tail]) or ""
+    return ".".join(a[head : len(a) - tail]) or "", ".".join(b[head : len(b) - tail]) or ""
 
 
 def _describe_match(match: Match, config: Config, notes: list[str]) -> None:
@@ -586,17 +636,23 @@ def _describe_match(match: Match, config: Config, notes: list[str]) -> None:
         notes.append(f"and {len(lines) - SHOWN} more renames")
     if match.missing:
         n = len(match.missing)
-        notes.append(f"{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
-                     f"{'keeps its' if n == 1 else 'keep their'} fresh initialisation (seed {config.inputs.seed}): "
-                     f"{_names(match.missing)}")
+        notes.append(
+            f"{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
+            f"{'keeps its' if n == 1 else 'keep their'} fresh initialisation (seed {config.inputs.seed}): "
+            f"{_names(match.missing)}"
+        )
     if match.unexpected:
         n = len(match.unexpected)
-        notes.append(f"{n} checkpoint {'key' if n == 1 else 'keys'} the model does not have "
-                     f"{'was' if n == 1 else 'were'} ignored: {_names(match.unexpected)}")
+        notes.append(
+            f"{n} checkpoint {'key' if n == 1 else 'keys'} the model does not have "
+            f"{'was' if n == 1 else 'were'} ignored: {_names(match.unexpected)}"
+        )
     if match.tied:
         one = len(match.tied) == 1
-        notes.append(f"{_names(match.tied)} {'is' if one else 'are'} not stored in the checkpoint; "
-                     f"{'it is' if one else 'they are'} tied to a parameter that is, and loaded through it")
+        notes.append(
+            f"{_names(match.tied)} {'is' if one else 'are'} not stored in the checkpoint; "
+            f"{'it is' if one else 'they are'} tied to a parameter that is, and loaded through it"
+        )
 
 
 def _check_strict(match: Match, spec: CheckpointModel, path: Path) -> None:
@@ -611,8 +667,9 @@ def _check_strict(match: Match, spec: CheckpointModel, path: Path) -> None:
     parts += lines[:SHOWN]
     if len(lines) > SHOWN:
         parts.append(f"and {len(lines) - SHOWN} more renames")
-    raise ModelLoadError(f"checkpoint {path.name} does not match the model '{spec.factory}' builds (strict: true): "
-                         + "; ".join(parts))
+    raise ModelLoadError(
+        f"checkpoint {path.name} does not match the model '{spec.factory}' builds (strict: true): " + "; ".join(parts)
+    )
 
 
 def _dtype(tensor: torch.Tensor) -> str:

@@ -20,8 +20,15 @@ from fwdcheck.sources.detect import detect_capabilities
 # Where the `config` of a factory's module keeps its sizes (nanoGPT's GPTConfig, gpt-fast's ModelArgs, litgpt's Config,
 # a Hugging Face config): the shared spellings, those of nanoGPT and gpt-fast (block_size, n_local_heads) and litgpt
 # (n_query_groups, head_size), and a few more (embed_dim, n_kv_head, hidden_dim, n_vocab).
-MODULE_CONFIG_KEYS = extended(CONFIG_KEYS, d=("embed_dim",), h_kv=("n_local_heads", "n_kv_head", "n_query_groups"),
-                              d_h=("head_size",), d_ff=("hidden_dim",), V=("n_vocab",), max_positions=("block_size",))
+MODULE_CONFIG_KEYS = extended(
+    CONFIG_KEYS,
+    d=("embed_dim",),
+    h_kv=("n_local_heads", "n_kv_head", "n_query_groups"),
+    d_h=("head_size",),
+    d_ff=("hidden_dim",),
+    V=("n_vocab",),
+    max_positions=("block_size",),
+)
 # The dims read off a config object, in the order a model's dims list them.
 READ_DIMS = ("d", "h", "h_kv", "d_ff", "V", "L")
 
@@ -59,8 +66,9 @@ def call_factory(spec: FactoryModel, parts: FactoryParts, search: list[Path]) ->
     return module
 
 
-def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts, source: str,
-                      label: str | None = None) -> ModelUnderTest:
+def model_from_module(
+    module: nn.Module, spec: FactoryModel, parts: FactoryParts, source: str, label: str | None = None
+) -> ModelUnderTest:
     """Wrap a module built from a factory, reading what its own config (if any) declares."""
     dims = _dims_from_config(getattr(module, "config", None))
     if spec.dims is not None:  # what the user declares wins over what a config object says
@@ -80,23 +88,28 @@ def model_from_module(module: nn.Module, spec: FactoryModel, parts: FactoryParts
     max_positions = spec.max_positions or (int(from_config) if from_config is not None else None)
     origins = {}
     if dims:
-        origins["dims"] = "declared in the config (model.dims)" if spec.dims is not None else \
-            f"read off {type(module).__name__}.config"
+        origins["dims"] = (
+            "declared in the config (model.dims)"
+            if spec.dims is not None
+            else f"read off {type(module).__name__}.config"
+        )
     if spec.rope is not None:
         origins["rope"] = "declared in the config (model.rope)"
-    return detect_capabilities(ModelUnderTest(
-        module=module,
-        label=label or spec.factory,
-        source=source,
-        vocab_size=vocab,
-        max_positions=max_positions,
-        causal=spec.causal,
-        dims=dims,
-        rope=spec.rope,
-        rotary=parts.rotary,
-        forward_adapter=parts.forward,
-        origins=origins,
-    ))
+    return detect_capabilities(
+        ModelUnderTest(
+            module=module,
+            label=label or spec.factory,
+            source=source,
+            vocab_size=vocab,
+            max_positions=max_positions,
+            causal=spec.causal,
+            dims=dims,
+            rope=spec.rope,
+            rotary=parts.rotary,
+            forward_adapter=parts.forward,
+            origins=origins,
+        )
+    )
 
 
 def _first_int(model_config: Any, names: tuple[str, ...]) -> int | None:

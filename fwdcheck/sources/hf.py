@@ -101,15 +101,18 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         except ModelLoadError:
             raise
         except Exception as exc:
-            raise ModelLoadError(f"transformers could not build {cls.__name__} from "
-                                 f"{spec.path or 'the inline config'}: {type(exc).__name__}: {exc}") from exc
+            raise ModelLoadError(
+                f"transformers could not build {cls.__name__} from "
+                f"{spec.path or 'the inline config'}: {type(exc).__name__}: {exc}"
+            ) from exc
     if not isinstance(module, nn.Module):  # pragma: no cover - transformers always returns modules
         raise ModelLoadError(f"{cls.__name__} did not build an nn.Module")
     return hf_model_under_test(module, spec, notes, weights_at_init=not has_weights and not config.meta)
 
 
-def hf_model_under_test(module: nn.Module, spec: HFModel, notes: list[str],
-                        weights_at_init: bool = False) -> ModelUnderTest:
+def hf_model_under_test(
+    module: nn.Module, spec: HFModel, notes: list[str], weights_at_init: bool = False
+) -> ModelUnderTest:
     cfg: Any = module.config  # a transformers PretrainedConfig
     # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
     # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
@@ -189,8 +192,9 @@ def _hf_config(spec: HFModel, transformers) -> Any:
         raise ModelLoadError(f"{config_json}: not valid JSON ({exc})") from None
     # transformers copies and compares configs recursively; one nested past any real config's depth is refused here.
     if nesting_depth(document) > MAX_DEPTH:
-        raise ModelLoadError(f"{config_json}: nested more than {MAX_DEPTH} levels deep; a model config is a few "
-                             "levels deep")
+        raise ModelLoadError(
+            f"{config_json}: nested more than {MAX_DEPTH} levels deep; a model config is a few levels deep"
+        )
     if not isinstance(document, dict):
         raise ModelLoadError(f"{config_json}: holds a JSON {type(document).__name__}, not an object of settings")
     try:
@@ -224,12 +228,17 @@ def refuse_oversized(cls, hf_config, spec: HFModel) -> None:
     limit = f"over the limit of {MAX_RANDOM_PARAMETERS / 1e9:g}B for random weights"
     shrink = "run `fwdcheck shrink` on this config (the same architecture at small widths)"
     if spec.config is not None and not any(
-            key in spec.config or hf_config.attribute_map.get(key) in spec.config for key in SIZE_KEYS):
-        raise ModelLoadError(f"model.config gives no sizes: transformers' default {hf_config.model_type} would build a "
-                             f"{size}, {limit}; give {', '.join(SIZE_KEYS)}, or {shrink}")
+        key in spec.config or hf_config.attribute_map.get(key) in spec.config for key in SIZE_KEYS
+    ):
+        raise ModelLoadError(
+            f"model.config gives no sizes: transformers' default {hf_config.model_type} would build a "
+            f"{size}, {limit}; give {', '.join(SIZE_KEYS)}, or {shrink}"
+        )
     where = "model.config" if spec.config is not None else f"{cast(Path, spec.path) / 'config.json'}"
-    raise ModelLoadError(f"{where} would build a {size} with random weights (no weights file beside it), {limit}; "
-                         f"{shrink}, or check its shapes alone with `--meta`")
+    raise ModelLoadError(
+        f"{where} would build a {size} with random weights (no weights file beside it), {limit}; "
+        f"{shrink}, or check its shapes alone with `--meta`"
+    )
 
 
 def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
@@ -240,10 +249,18 @@ def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if not isinstance(params, dict):
         params = {}
-    theta_key, theta = next(((k, v) for k, v in (("rope_theta", params.get("rope_theta")),
-                                                 ("rope_theta", getattr(cfg, "rope_theta", None)),
-                                                 ("rotary_emb_base", getattr(cfg, "rotary_emb_base", None)))
-                             if v is not None), ("rope_theta", None))
+    theta_key, theta = next(
+        (
+            (k, v)
+            for k, v in (
+                ("rope_theta", params.get("rope_theta")),
+                ("rope_theta", getattr(cfg, "rope_theta", None)),
+                ("rotary_emb_base", getattr(cfg, "rotary_emb_base", None)),
+            )
+            if v is not None
+        ),
+        ("rope_theta", None),
+    )
     rotary_dim = getattr(cfg, "rotary_dim", None)
     if theta is None and rotary_dim is None:
         return None  # learned or sinusoidal absolute positions, ALiBi, ...
@@ -252,22 +269,30 @@ def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
     rope_type = params.get("rope_type", params.get("type", "default"))
     try:
         head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-        partial = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or \
-            getattr(cfg, "rotary_pct", None)
+        partial = (
+            params.get("partial_rotary_factor")
+            or getattr(cfg, "partial_rotary_factor", None)
+            or getattr(cfg, "rotary_pct", None)
+        )
         if rotary_dim is None and partial and head_dim:
             rotary_dim = int(head_dim * partial)
         # rescaled frequencies (llama3, yarn, ...) have no single base to compare
         base = (10000.0 if theta is None else float(theta)) if rope_type == "default" else None
-        return RopeSpec(base=base, pairing="interleaved" if cfg.model_type in INTERLEAVED else "half",
-                        rotary_dim=rotary_dim)
+        return RopeSpec(
+            base=base, pairing="interleaved" if cfg.model_type in INTERLEAVED else "half", rotary_dim=rotary_dim
+        )
     except ValidationError as exc:
         problem = describe_validation_error(exc)
         key = {"base": theta_key}.get(problem.split(":")[0], problem.split(":")[0])
-        raise ModelLoadError(f"{where}: {key}: {problem.split(': ', 1)[-1]}; not a usable rotary embedding "
-                             "(set `rope:` in the config to declare its settings yourself)") from None
+        raise ModelLoadError(
+            f"{where}: {key}: {problem.split(': ', 1)[-1]}; not a usable rotary embedding "
+            "(set `rope:` in the config to declare its settings yourself)"
+        ) from None
     except (TypeError, ValueError, ArithmeticError) as exc:
-        raise ModelLoadError(f"{where}: its rotary settings cannot be read ({type(exc).__name__}: {exc}); set "
-                             "`rope:` in the config to declare them yourself") from None
+        raise ModelLoadError(
+            f"{where}: its rotary settings cannot be read ({type(exc).__name__}: {exc}); set "
+            "`rope:` in the config to declare them yourself"
+        ) from None
 
 
 def find_rotary(module: nn.Module):
@@ -306,8 +331,9 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
     model.attention = AttentionSwitch.on(module)
     model.matrix_by_default = True  # attention implementation, output_attentions and attention_mask pick its path
     model.library_loggers = LOGGERS
-    model.cache = Cache("past_key_values", origin="transformers' generate (a DynamicCache made up front)",
-                        new_cache=dynamic_cache)
+    model.cache = Cache(
+        "past_key_values", origin="transformers' generate (a DynamicCache made up front)", new_cache=dynamic_cache
+    )
     model.tensor_parallel = tensor_parallel
     if not is_causal_lm(module):
         reason = f"{type(module).__name__} is not one of transformers' causal language models"
@@ -316,17 +342,27 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
         return
     model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
     if mask_builder_reads_positions(module):
-        model.packing = Packing("positions", "position_ids restarting per document, no attention_mask, "
-                                "use_cache=False (transformers finds the documents from the positions)",
-                                position_ids=True, fixed=(("use_cache", False),))
+        model.packing = Packing(
+            "positions",
+            "position_ids restarting per document, no attention_mask, "
+            "use_cache=False (transformers finds the documents from the positions)",
+            position_ids=True,
+            fixed=(("use_cache", False),),
+        )
         return
     window = windowed(module.config)
     if window:
-        model.unavailable["packing"] = (f"{type(module).__name__} does not find packed documents from position_ids, "
-                                        f"and one 4-D attention_mask cannot carry its own attention pattern ({window})")
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} does not find packed documents from position_ids, "
+            f"and one 4-D attention_mask cannot carry its own attention pattern ({window})"
+        )
         return
-    model.packing = Packing("additive-mask", "a 4-D block-diagonal causal attention_mask (additive) with "
-                            "position_ids restarting per document", argument="attention_mask", position_ids=True)
+    model.packing = Packing(
+        "additive-mask",
+        "a 4-D block-diagonal causal attention_mask (additive) with position_ids restarting per document",
+        argument="attention_mask",
+        position_ids=True,
+    )
 
 
 def is_causal_lm(module: nn.Module) -> bool:
@@ -365,10 +401,15 @@ def mask_builder_reads_positions(module: nn.Module) -> bool:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
     except (OSError, TypeError, SyntaxError):
         return False
-    holding_positions = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                         and isinstance(node.value, ast.Dict)
-                         and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
-                         for target in node.targets if isinstance(target, ast.Name)}
+    holding_positions = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -403,17 +444,22 @@ def tensor_parallel(module: nn.Module, world: int) -> tuple[nn.Module, str]:
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:
-        raise UsageError("this transformers has no tensor-parallel plans (transformers.distributed); name a "
-                         "distributed.parallelize function") from None
+        raise UsageError(
+            "this transformers has no tensor-parallel plans (transformers.distributed); name a "
+            "distributed.parallelize function"
+        ) from None
     plan = getattr(module, "tp_plan", None) or {}
     if not plan:
-        raise UsageError(f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize "
-                         "function")
+        raise UsageError(
+            f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize function"
+        )
     cls: Any = type(module)  # a transformers PreTrainedModel class
     try:
         config, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
         return cls.maybe_distribute_model(module, config, meshes), f"its tensor-parallel plan ({len(plan)} rules)"
     except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
-        raise ModelLoadError(f"transformers could not apply {cls.__name__}'s tensor-parallel plan over {world} ranks: "
-                             f"{type(exc).__name__}: {first_line(exc)}; name a distributed.parallelize function "
-                             "instead") from exc
+        raise ModelLoadError(
+            f"transformers could not apply {cls.__name__}'s tensor-parallel plan over {world} ranks: "
+            f"{type(exc).__name__}: {first_line(exc)}; name a distributed.parallelize function "
+            "instead"
+        ) from exc

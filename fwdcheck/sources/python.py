@@ -29,13 +29,21 @@ def declare_interfaces(model: ModelUnderTest, spec: PythonModel) -> None:
     """What the config declares for the checks that drive forward in ways of its own; it wins over what was
     detected on the module."""
     if spec.cache is not None:  # how the kv-cache check decodes through the model
-        style: Literal["input_pos", "past_key_values"] = \
+        style: Literal["input_pos", "past_key_values"] = (
             "input_pos" if spec.cache.style == "gpt-fast" else "past_key_values"
-        model.cache = Cache(style, origin="declared in the config (model.cache)",
-                            setup=spec.cache.setup if style == "input_pos" else None)
+        )
+        model.cache = Cache(
+            style,
+            origin="declared in the config (model.cache)",
+            setup=spec.cache.setup if style == "input_pos" else None,
+        )
     if spec.loss is not None:  # how the label-shift check asks forward for its loss
         model.loss = Loss(**spec.loss.model_dump(), origin="declared in the config (model.loss)")
     if spec.packing is not None:  # how the packing check hands forward its documents
         declared = spec.packing
-        model.packing = Packing(declared.form, f"{declared.argument}= ({declared.form}, declared in the config)",
-                                argument=declared.argument, position_ids=declared.position_ids)
+        model.packing = Packing(
+            declared.form,
+            f"{declared.argument}= ({declared.form}, declared in the config)",
+            argument=declared.argument,
+            position_ids=declared.position_ids,
+        )

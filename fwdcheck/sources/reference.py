@@ -29,8 +29,9 @@ def _build(spec: ReferenceModel) -> ModelUnderTest:
         module = ReferenceTransformer(cfg)
     except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
         first = first_line(exc)
-        raise ModelLoadError(f"the reference model cannot be built with these sizes: {type(exc).__name__}: "
-                             f"{first}") from exc
+        raise ModelLoadError(
+            f"the reference model cannot be built with these sizes: {type(exc).__name__}: {first}"
+        ) from exc
     rope = rotary = None
     if cfg.positional == "rope":
         rope = RopeSpec(base=cfg.rope.base, pairing=cfg.rope.pairing, rotary_dim=cfg.rotary_dim)
@@ -43,8 +44,15 @@ def _build(spec: ReferenceModel) -> ModelUnderTest:
         source="reference",
         vocab_size=cfg.vocab_size,
         max_positions=cfg.max_seq_len,
-        dims=dict(d=cfg.d_model, h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.head_dim, V=cfg.vocab_size,
-                  d_ff=cfg.d_ff, L=cfg.n_layers),
+        dims=dict(
+            d=cfg.d_model,
+            h=cfg.n_heads,
+            h_kv=cfg.n_kv_heads,
+            d_h=cfg.head_dim,
+            V=cfg.vocab_size,
+            d_ff=cfg.d_ff,
+            L=cfg.n_layers,
+        ),
         rope=rope,
         rotary=rotary,
         weights_at_init=True,
@@ -62,8 +70,7 @@ def add_reference_capabilities(model: ModelUnderTest) -> None:
     module = cast(ReferenceTransformer, model.module)  # the callers' check
     model.cache = Cache("past_key_values", origin="the reference model's (past_key_values, use_cache=True)")
     model.loss = Loss("labels", "model", 1, -100, "the reference model's (labels = input ids, (logits, loss))")
-    model.packing = Packing("document_ids", "document_ids (the reference model's packed path)",
-                            argument="document_ids")
+    model.packing = Packing("document_ids", "document_ids (the reference model's packed path)", argument="document_ids")
     model.attention = AttentionSwitch.on(module)
     if module.config.positional == "rope":
         model.rotary_in_layers = module.rotary  # in the layers' precision, planted bugs included

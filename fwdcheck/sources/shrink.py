@@ -58,17 +58,41 @@ LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary o
 # A Hugging Face config's sizes, by what they mean (fwdcheck/config_keys.py; the first present one is the model's):
 # the shared spellings, and those of encoder-decoder models (encoder_layers, num_decoder_layers, encoder_ffn_dim, ...),
 # T5 (d_kv), ChatGLM (multi_query_group_num, ffn_hidden_size) and mixtures of experts.
-HF_KEYS = extended(CONFIG_KEYS, L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
-                   h_kv=("multi_query_group_num",), d_h=("d_kv",),
-                   d_ff=("ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                         "encoder_ffn_dim", "decoder_ffn_dim"))
+HF_KEYS = extended(
+    CONFIG_KEYS,
+    L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
+    h_kv=("multi_query_group_num",),
+    d_h=("d_kv",),
+    d_ff=(
+        "ffn_hidden_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+    ),
+)
 EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
-ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor",
-               "rotary_emb_base")
+ROTARY_KEYS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "rotary_dim",
+    "rotary_pct",
+    "partial_rotary_factor",
+    "rotary_emb_base",
+)
 # Bookkeeping that says where the config came from, not what the model is; quantization needs real weights.
-DROPPED_KEYS = ("_name_or_path", "_commit_hash", "transformers_version", "architectures", "_attn_implementation",
-                "_attn_implementation_autoset", "torch_dtype", "quantization_config")
+DROPPED_KEYS = (
+    "_name_or_path",
+    "_commit_hash",
+    "transformers_version",
+    "architectures",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "torch_dtype",
+    "quantization_config",
+)
 
 
 @dataclass
@@ -142,15 +166,18 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
         inputs["seq_len"] = 2 * window
         document["inputs"] = inputs
         changes.append(("inputs.seq_len", _seq_len(raw), 2 * window))
-        notes.append(f"inputs.seq_len raised to {2 * window} so the test sequence reaches past the sliding window "
-                     f"of {window}")
+        notes.append(
+            f"inputs.seq_len raised to {2 * window} so the test sequence reaches past the sliding window of {window}"
+        )
     try:
         config_from_dict(copy.deepcopy(document), origin=output)
     except ConfigError as exc:  # pragma: no cover - the rules above keep every field valid
         raise UsageError(f"the shrunk config does not validate ({exc}); nothing written") from None
-    header = (f"# Shrunk by `fwdcheck shrink` from {config_path.name}: the same architecture with {LAYERS} layers and "
-              "small widths,\n# randomly initialised, so that every check runs in seconds. "
-              f"Run it with `fwdcheck run {output.name}`.\n")
+    header = (
+        f"# Shrunk by `fwdcheck shrink` from {config_path.name}: the same architecture with {LAYERS} layers and "
+        "small widths,\n# randomly initialised, so that every check runs in seconds. "
+        f"Run it with `fwdcheck run {output.name}`.\n"
+    )
     text = header + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
     return Shrunk(document, text, changes, notes)
 
@@ -159,8 +186,12 @@ class _Dumper(yaml.SafeDumper):
     """Block style for mappings, one line for a list of scalars (layer_types, token ids, checks)."""
 
 
-_Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence(
-    "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(v, (dict, list)) for v in data)))
+_Dumper.add_representer(
+    list,
+    lambda dumper, data: dumper.represent_sequence(
+        "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(v, (dict, list)) for v in data)
+    ),
+)
 
 
 def _seq_len(raw: dict) -> int:
@@ -223,9 +254,9 @@ def keep_layers(layer_types: list | None, count: int) -> list[int]:
     if not layer_types:
         return list(range(count))
     firsts = list(dict.fromkeys(layer_types))  # types in order of first appearance
-    chosen = [layer_types.index(t) for t in firsts][:max(count, len(firsts))]
+    chosen = [layer_types.index(t) for t in firsts][: max(count, len(firsts))]
     rest = [i for i in range(len(layer_types)) if i not in chosen]
-    return sorted(chosen + rest[:max(0, count - len(chosen))])
+    return sorted(chosen + rest[: max(0, count - len(chosen))])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -342,8 +373,10 @@ def _resample_factors(params: dict, old_head: int, new_head: int, partial: float
 
 def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict, Edits]:
     if spec.trust_remote_code:
-        raise UsageError(f"{spec.path or 'the inline config'}: shrink does not run a model's own code "
-                         "(trust_remote_code); copy the directory and lower its config.json by hand")
+        raise UsageError(
+            f"{spec.path or 'the inline config'}: shrink does not run a model's own code "
+            "(trust_remote_code); copy the directory and lower its config.json by hand"
+        )
     hf_config = load_hf_config(spec)
     data = {k: v for k, v in hf_config.to_dict().items() if k not in DROPPED_KEYS}
     listed = set(hf_config.to_diff_dict())  # what the config sets apart from the library's defaults
@@ -351,8 +384,9 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
     edits = shrink_hf_dict(data, seq_len)
     # The written config: the keys the original set, plus every key the rules changed; model_type first.
     config = {"model_type": data["model_type"]}
-    config.update({k: v for k, v in data.items()
-                   if k != "model_type" and (k in listed or k not in original or v != original[k])})
+    config.update(
+        {k: v for k, v in data.items() if k != "model_type" and (k in listed or k not in original or v != original[k])}
+    )
     block: dict[str, Any] = {"source": "hf"}
     for key in ("class", "causal"):
         if key in raw_model:
@@ -369,8 +403,7 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
     block["config"] = config
     verify_hf(config, spec.model_class)
     if spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
-        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly "
-                           "initialised")
+        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly initialised")
     return block, edits
 
 
@@ -406,9 +439,11 @@ def verify_hf(config: dict, model_class: str | None) -> None:
             with torch.device("meta"):
                 cls.from_config(hf_config) if hasattr(cls, "from_config") else cls(hf_config)
     except Exception as exc:
-        raise UsageError(f"transformers {transformers.__version__} cannot build the shrunk {model_type} config "
-                         f"({type(exc).__name__}: {exc}); nothing written — lower the original's sizes by hand "
-                         "instead") from None
+        raise UsageError(
+            f"transformers {transformers.__version__} cannot build the shrunk {model_type} config "
+            f"({type(exc).__name__}: {exc}); nothing written — lower the original's sizes by hand "
+            "instead"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,9 +495,11 @@ def _shrink_reference_block(raw_model: dict) -> tuple[dict, Edits]:
 # A factory's keyword arguments, by the symbols of fwdcheck/config_keys.py and two of shrink's own (rotary_dim,
 # windows): the Hugging Face spellings, plus gpt-fast's n_local_heads and litgpt's n_query_groups, head_size and
 # padded_vocab_size.
-KWARG_KEYS: Spellings = {**extended(HF_KEYS, h_kv=("n_local_heads", "n_query_groups"), d_h=("head_size",),
-                                    V=("padded_vocab_size",)),
-                         "rotary_dim": ("rotary_dim",), "windows": WINDOW_KEYS}
+KWARG_KEYS: Spellings = {
+    **extended(HF_KEYS, h_kv=("n_local_heads", "n_query_groups"), d_h=("head_size",), V=("padded_vocab_size",)),
+    "rotary_dim": ("rotary_dim",),
+    "windows": WINDOW_KEYS,
+}
 # Position limits (block_size, max_seq_len) are kept: once the width is cut a position table costs little, and a
 # rotary cache may be sized by them.
 del KWARG_KEYS["max_positions"]
@@ -521,18 +558,20 @@ def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = 
     return e
 
 
-def _shrink_factory_block(raw_model: dict, spec: PythonModel | CheckpointModel, config_path: Path,
-                          output: Path) -> tuple[dict, Edits]:
+def _shrink_factory_block(
+    raw_model: dict, spec: PythonModel | CheckpointModel, config_path: Path, output: Path
+) -> tuple[dict, Edits]:
     """A python (or checkpoint) model block with its factory's size kwargs shrunk, as a `source: python` block."""
     known = [key for key in spec.kwargs if any(key in names for names in KWARG_KEYS.values())]
     if not known:
         given = f"its kwargs ({', '.join(spec.kwargs)}) name" if spec.kwargs else "it has no `kwargs:`, so it names"
-        raise UsageError(f"{config_path}: cannot shrink this `source: {spec.source}` config: {given} no size "
-                         f"(n_layers, d_model, n_heads, vocab_size, d_ff, ...); give the factory its sizes as "
-                         "`kwargs:`, or lower them in its code")
+        raise UsageError(
+            f"{config_path}: cannot shrink this `source: {spec.source}` config: {given} no size "
+            f"(n_layers, d_model, n_heads, vocab_size, d_ff, ...); give the factory its sizes as "
+            "`kwargs:`, or lower them in its code"
+        )
     kwargs = copy.deepcopy(raw_model["kwargs"])
-    partial = next((kwargs[k] for k in PARTIAL_ROTARY_KEYS if isinstance(kwargs.get(k), float) and kwargs[k] < 1),
-                   None)
+    partial = next((kwargs[k] for k in PARTIAL_ROTARY_KEYS if isinstance(kwargs.get(k), float) and kwargs[k] < 1), None)
     block = {key: value for key, value in raw_model.items() if key not in REWRITTEN_KEYS}
     block["source"] = "python"
     block["kwargs"] = kwargs
@@ -540,8 +579,10 @@ def _shrink_factory_block(raw_model: dict, spec: PythonModel | CheckpointModel, 
     edits.changes = [(f"kwargs.{key}", old, new) for key, old, new in shrink_sizes(kwargs, KWARG_KEYS, partial).changes]
     if isinstance(spec, CheckpointModel):
         edits.changes.append(("source", "checkpoint", "python"))
-        edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is the factory's, "
-                           "randomly initialised (source: python)")
+        edits.notes.append(
+            f"the weights in {spec.path} are not carried over: the shrunk model is the factory's, "
+            "randomly initialised (source: python)"
+        )
     # The declarations that describe the model's sizes follow them.
     if spec.vocab_size is not None:
         edits.set("vocab_size", min(spec.vocab_size, VOCAB))

@@ -73,10 +73,13 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """x (B, T, h, d_h); freqs_cis (T, d_h/2, 2). Pairs (2i, 2i+1) multiplied by e^(i m theta_i)."""
     xshaped = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, h, d_h/2, 2)
     freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
-    x_out2 = torch.stack([
-        xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
-        xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
-    ], -1)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
     return x_out2.flatten(3).type_as(x)  # (B, T, h, d_h)
 
 
@@ -87,8 +90,12 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, total_head_dim, bias=False)  # key, query, value projections for all heads
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
-        self.n_head, self.head_dim, self.n_local_heads, self.dim = (config.n_head, config.head_dim,
-                                                                    config.n_local_heads, config.dim)
+        self.n_head, self.head_dim, self.n_local_heads, self.dim = (
+            config.n_head,
+            config.head_dim,
+            config.n_local_heads,
+            config.dim,
+        )
 
     def rotate(self, q, k, freqs_cis):
         return apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
@@ -172,13 +179,23 @@ class Transformer(nn.Module):
         max_seq_length = find_multiple(max_seq_length, 8)
         weight = self.output.weight
         current = self.layers[0].attention.kv_cache
-        if (self.max_seq_length, self.max_batch_size) == (max_seq_length, max_batch_size) and current is not None \
-                and current.k_cache.dtype == weight.dtype and current.k_cache.device == weight.device:
+        if (
+            (self.max_seq_length, self.max_batch_size) == (max_seq_length, max_batch_size)
+            and current is not None
+            and current.k_cache.dtype == weight.dtype
+            and current.k_cache.device == weight.device
+        ):
             return
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for b in self.layers:
-            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
-                                           self.config.head_dim, weight.dtype, weight.device)
+            b.attention.kv_cache = KVCache(
+                max_batch_size,
+                max_seq_length,
+                self.config.n_local_heads,
+                self.config.head_dim,
+                weight.dtype,
+                weight.device,
+            )
         self.causal_mask = self.make_causal_mask(max_seq_length, weight.device)
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -206,7 +223,7 @@ def generate(model: Transformer, input_ids: torch.Tensor, **_) -> torch.Tensor:
     prompt = max(1, T // 2)
     steps = [model(input_ids[:, :prompt], torch.arange(prompt, device=input_ids.device))]  # (B, prompt, V)
     for t in range(prompt, T):
-        steps.append(model(input_ids[:, t:t + 1], torch.tensor([t], device=input_ids.device)))  # (B, 1, V)
+        steps.append(model(input_ids[:, t : t + 1], torch.tensor([t], device=input_ids.device)))  # (B, 1, V)
     return torch.cat(steps, dim=1)  # (B, T, V)
 
 
@@ -243,9 +260,9 @@ def _rotate_k_half(self, q, k, freqs_cis):
 
 def transformer_with(bug: str) -> Transformer:
     """gpt-fast with one planted bug:
-      inverted-bool-mask  the [S, S] causal mask built with triu(ones, 1) and sliced by input_pos as usual
-      gqa-batch-mix       the grouped-query repeat tiles the batch instead of the heads
-      rope-pairing        k rotated with rotate_half's pairing, q with gpt-fast's
+    inverted-bool-mask  the [S, S] causal mask built with triu(ones, 1) and sliced by input_pos as usual
+    gqa-batch-mix       the grouped-query repeat tiles the batch instead of the heads
+    rope-pairing        k rotated with rotate_half's pairing, q with gpt-fast's
     """
     model = transformer()
     if bug == "inverted-bool-mask":

@@ -28,8 +28,15 @@ from tests.corpus import FF, HEADS, KV_HEADS, LAYERS, MAX_POSITIONS, VOCAB, WIDT
 
 
 def _build(name: str, **fields) -> GPT:
-    config = Config(name=name, block_size=MAX_POSITIONS, vocab_size=VOCAB, padding_multiple=64, n_layer=LAYERS,
-                    n_head=HEADS, **fields)
+    config = Config(
+        name=name,
+        block_size=MAX_POSITIONS,
+        vocab_size=VOCAB,
+        padding_multiple=64,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        **fields,
+    )
     torch.manual_seed(0)
     return GPT(config)
 
@@ -43,24 +50,53 @@ def pythia() -> GPT:
 
 def llama() -> GPT:
     """Llama 2/3: RMSNorm, SwiGLU, no biases, grouped-query attention (4 query heads share 2 kv heads), base 5e5."""
-    return _build("tiny-llama", n_embd=WIDTH, n_query_groups=KV_HEADS, rotary_percentage=1.0, parallel_residual=False,
-                  bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=FF,
-                  rope_base=500000)
+    return _build(
+        "tiny-llama",
+        n_embd=WIDTH,
+        n_query_groups=KV_HEADS,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=FF,
+        rope_base=500000,
+    )
 
 
 def mistral() -> GPT:
     """Mistral: the Llama layout with a sliding window of 4 in every layer (litgpt builds it as a float mask)."""
-    return _build("tiny-mistral", n_embd=WIDTH, n_query_groups=KV_HEADS, rotary_percentage=1.0,
-                  parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                  intermediate_size=FF, sliding_window_size=4)
+    return _build(
+        "tiny-mistral",
+        n_embd=WIDTH,
+        n_query_groups=KV_HEADS,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=FF,
+        sliding_window_size=4,
+    )
 
 
 def gemma() -> GPT:
     """Gemma: multi-query (1 kv head), heads of 16 whose concatenation (64) is wider than the model (32), embeddings
     scaled by sqrt(d), GeGLU, RMSNorm with the unit offset (litgpt turns it on for names containing 'Gemma')."""
-    return _build("tiny-Gemma", n_embd=WIDTH, n_query_groups=1, head_size=16, rotary_percentage=1.0,
-                  parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="GemmaMLP",
-                  gelu_approximate="tanh", intermediate_size=FF, scale_embeddings=True)
+    return _build(
+        "tiny-Gemma",
+        n_embd=WIDTH,
+        n_query_groups=1,
+        head_size=16,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="GemmaMLP",
+        gelu_approximate="tanh",
+        intermediate_size=FF,
+        scale_embeddings=True,
+    )
 
 
 # -- through the KV cache, as litgpt.generate runs it ------------------------------------------------------------------
@@ -93,7 +129,7 @@ def generate(model: GPT, input_ids: torch.Tensor, **_) -> torch.Tensor:
     prompt = max(1, T // 2)
     steps = [model(input_ids[:, :prompt], input_pos=torch.arange(prompt, device=input_ids.device))]
     for t in range(prompt, T):
-        steps.append(model(input_ids[:, t:t + 1], input_pos=torch.tensor([t], device=input_ids.device)))
+        steps.append(model(input_ids[:, t : t + 1], input_pos=torch.tensor([t], device=input_ids.device)))
     return torch.cat(steps, dim=1)  # (B, T, 128)
 
 
@@ -136,10 +172,10 @@ def _rope_every_two(x, cos, sin):
 
 def llama_with(bug: str) -> GPT:
     """The Llama-style model with one planted bug:
-      no-mask             SDPA gets neither a mask nor is_causal
-      inverted-bool-mask  triu(ones, 1).bool() (True = masked, MultiheadAttention's convention) handed to SDPA
-      rope-q-only         apply_rope rotates q; k goes through unrotated
-      rope-pairing        q rotated with litgpt's rotate_half, k with GPT-J's rotate_every_two at the same frequencies
+    no-mask             SDPA gets neither a mask nor is_causal
+    inverted-bool-mask  triu(ones, 1).bool() (True = masked, MultiheadAttention's convention) handed to SDPA
+    rope-q-only         apply_rope rotates q; k goes through unrotated
+    rope-pairing        q rotated with litgpt's rotate_half, k with GPT-J's rotate_every_two at the same frequencies
     """
     model = llama()
     if bug in ("no-mask", "inverted-bool-mask"):

@@ -47,7 +47,7 @@ class Rotary(nn.Module):
 
     def forward(self, x_BTHD: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
         assert self.cos.size(0) >= x_BTHD.size(-3)
-        cos, sin = self.cos[None, :x_BTHD.size(-3), None, :], sign * self.sin[None, :x_BTHD.size(-3), None, :]
+        cos, sin = self.cos[None, : x_BTHD.size(-3), None, :], sign * self.sin[None, : x_BTHD.size(-3), None, :]
         x1, x2 = x_BTHD.to(dtype=torch.float32).chunk(2, dim=-1)  # (B, T, h, d_h/2) each
         y1 = x1 * cos + x2 * sin
         y2 = x1 * (-sin) + x2 * cos
@@ -105,14 +105,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, num_layers: int, model_dim: int, max_seq_len: int, value_embeds: bool,
-                 smear: bool, min_two_tokens: bool):
+    def __init__(
+        self,
+        vocab_size: int,
+        num_layers: int,
+        model_dim: int,
+        max_seq_len: int,
+        value_embeds: bool,
+        smear: bool,
+        min_two_tokens: bool,
+    ):
         super().__init__()
         self.min_two_tokens = min_two_tokens
         self.embed = nn.Embedding(vocab_size, model_dim)
         # value embeddings: one table per layer, as wide as the values (h_kv * d_h), not as the model
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, KV_HEADS * HEAD_DIM) for _ in range(num_layers)) \
-            if value_embeds else None
+        self.value_embeds = (
+            nn.ModuleList(nn.Embedding(vocab_size, KV_HEADS * HEAD_DIM) for _ in range(num_layers))
+            if value_embeds
+            else None
+        )
         self.smear_gate = nn.Linear(12, 1, bias=False) if smear else None
         self.blocks = nn.ModuleList(Block(model_dim, max_seq_len) for _ in range(num_layers))
         self.lm_head = nn.Linear(model_dim, next_multiple_of_n(vocab_size, n=128), bias=False)
@@ -126,8 +137,11 @@ class GPT(nn.Module):
         B, T = input_seq.shape
         if self.min_two_tokens:
             assert T > 1, "a training sequence needs at least two tokens"
-        ve = [value_embed(input_seq) for value_embed in self.value_embeds] if self.value_embeds is not None \
-            else [None] * len(self.blocks)  # (B, T, h_kv * d_h) per layer
+        ve = (
+            [value_embed(input_seq) for value_embed in self.value_embeds]
+            if self.value_embeds is not None
+            else [None] * len(self.blocks)
+        )  # (B, T, h_kv * d_h) per layer
         x = self.embed(input_seq)  # (B, T, C)
         if self.smear_gate is not None:
             x = self.smear(x)
@@ -139,8 +153,9 @@ class GPT(nn.Module):
 
 def gpt(value_embeds: bool = False, smear: bool = False, min_two_tokens: bool = False) -> GPT:
     torch.manual_seed(0)
-    return GPT(VOCAB, LAYERS, WIDTH, MAX_POSITIONS, value_embeds=value_embeds, smear=smear,
-               min_two_tokens=min_two_tokens)
+    return GPT(
+        VOCAB, LAYERS, WIDTH, MAX_POSITIONS, value_embeds=value_embeds, smear=smear, min_two_tokens=min_two_tokens
+    )
 
 
 # -- planted bugs, each on the built instance --------------------------------------------------------------------------

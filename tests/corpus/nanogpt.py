@@ -96,20 +96,23 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         rows = config.padded_vocab_size or config.vocab_size
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(rows, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(rows, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         b, t = idx.size()
-        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only " \
-                                            f"{self.config.block_size}"
+        assert t <= self.config.block_size, (
+            f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
+        )
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # (t,)
         tok_emb = self.transformer.wte(idx)  # (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos)  # (t, n_embd)
@@ -152,9 +155,9 @@ def _single_sequence_fast_path(self, q, k, v):
 
 def gpt_with(bug: str) -> GPT:
     """nanoGPT with one planted bug:
-      no-mask      the mask buffer registered as torch.ones (the tril forgotten): masked_fill masks nothing
-      block-leak   the buffer built as tril(ones, diagonal=1): position i also reads i + 1
-      batch1-leak  batch size 1 takes a 'fast path' without the causal mask
+    no-mask      the mask buffer registered as torch.ones (the tril forgotten): masked_fill masks nothing
+    block-leak   the buffer built as tril(ones, diagonal=1): position i also reads i + 1
+    batch1-leak  batch size 1 takes a 'fast path' without the causal mask
     """
     model = gpt()
     for block in model.transformer.h:

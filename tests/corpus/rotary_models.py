@@ -112,8 +112,9 @@ def _rotate_heads(self, q, k, offset):
 
 def gpt_with(bug: str) -> RotaryGPT:
     """The model with one planted bug: rope-q-only, rope-pairing (k rotate_half), rope-heads-axis (wrong seq_dim)."""
-    rotate = {"rope-q-only": _rotate_q_only, "rope-pairing": _rotate_k_other_pairing,
-              "rope-heads-axis": _rotate_heads}[bug]
+    rotate = {"rope-q-only": _rotate_q_only, "rope-pairing": _rotate_k_other_pairing, "rope-heads-axis": _rotate_heads}[
+        bug
+    ]
     model = gpt()
     for block in model.h:
         block.attn.rotate = MethodType(rotate, block.attn)

@@ -41,8 +41,9 @@ class Seq2SeqDecoderLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         if full:
-            self.transformer = nn.Transformer(cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.num_layers, cfg.d_ff,
-                                              dropout=0.1, batch_first=True)
+            self.transformer = nn.Transformer(
+                cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.num_layers, cfg.d_ff, dropout=0.1, batch_first=True
+            )
         else:
             layer = nn.TransformerDecoderLayer(cfg.d_model, cfg.num_heads, cfg.d_ff, dropout=0.1, batch_first=True)
             self.decoder = nn.TransformerDecoder(layer, cfg.num_layers)

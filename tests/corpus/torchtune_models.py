@@ -23,14 +23,29 @@ LLAMA3_BASE = 500_000
 
 def llama3() -> TransformerDecoder:
     torch.manual_seed(0)
-    return build_llama3(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=WIDTH,
-                        max_seq_len=MAX_POSITIONS, intermediate_dim=FF, rope_base=LLAMA3_BASE)
+    return build_llama3(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        embed_dim=WIDTH,
+        max_seq_len=MAX_POSITIONS,
+        intermediate_dim=FF,
+        rope_base=LLAMA3_BASE,
+    )
 
 
 def qwen2() -> TransformerDecoder:
     torch.manual_seed(0)
-    return build_qwen2(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=WIDTH,
-                       intermediate_dim=FF, max_seq_len=MAX_POSITIONS)
+    return build_qwen2(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        embed_dim=WIDTH,
+        intermediate_dim=FF,
+        max_seq_len=MAX_POSITIONS,
+    )
 
 
 # -- planted bugs, each on the Llama 3 instance ------------------------------------------------------------------------
@@ -62,10 +77,10 @@ class SplitRotary(nn.Module):
 
 def llama3_with(bug: str) -> TransformerDecoder:
     """The Llama 3 model with one planted bug:
-      no-mask             is_causal switched off on every attention layer, no mask given: SDPA attends everywhere
-      inverted-bool-mask  triu(ones, 1).bool() handed to SDPA (True = masked is MultiheadAttention's convention)
-      rope-q-only         q rotated, k left as it was
-      rope-pairing        q rotated by Llama 3's interleaved RoPE, k by Qwen 2's rotate_half at the same base
+    no-mask             is_causal switched off on every attention layer, no mask given: SDPA attends everywhere
+    inverted-bool-mask  triu(ones, 1).bool() handed to SDPA (True = masked is MultiheadAttention's convention)
+    rope-q-only         q rotated, k left as it was
+    rope-pairing        q rotated by Llama 3's interleaved RoPE, k by Qwen 2's rotate_half at the same base
     """
     model = llama3()
     for layer in model.layers:

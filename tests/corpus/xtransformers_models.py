@@ -34,9 +34,14 @@ ROTARY_DIM = HEAD_DIM // 2  # x-transformers' default rotary_emb_dim: half of ea
 
 def _wrapper(layers: type, use_abs_pos_emb: bool = True, **attention) -> TransformerWrapper:
     torch.manual_seed(0)
-    return TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_POSITIONS, use_abs_pos_emb=use_abs_pos_emb,
-                              attn_layers=layers(dim=WIDTH, depth=LAYERS, heads=HEADS, attn_dim_head=HEAD_DIM,
-                                                 ff_mult=2, verbose=False, **attention))
+    return TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=MAX_POSITIONS,
+        use_abs_pos_emb=use_abs_pos_emb,
+        attn_layers=layers(
+            dim=WIDTH, depth=LAYERS, heads=HEADS, attn_dim_head=HEAD_DIM, ff_mult=2, verbose=False, **attention
+        ),
+    )
 
 
 def rotary(flash: bool = False, shift_tokens: int = 0) -> TransformerWrapper:
@@ -110,12 +115,12 @@ def _roll(t, amount, mask=None):
 
 def rotary_with(bug: str) -> TransformerWrapper:
     """The eager rotary decoder with one planted bug:
-      no-mask          every attention layer's causal flag off (as if Encoder layers were used)
-      block-leak       the causal mask of every layer lets position i read i + 1
-      rope-q-only      apply_rotary_pos_emb rotates q; k goes through unrotated
-      rope-pairing     q rotated with x-transformers' interleaved pairs, k with rotate_half at the same frequencies
-      gqa-batch-mix    the grouped-query repeat tiles the batch instead of the heads
-      shift-roll       (with shift_tokens=1) the token shift done by torch.roll: position 0 reads the last token
+    no-mask          every attention layer's causal flag off (as if Encoder layers were used)
+    block-leak       the causal mask of every layer lets position i read i + 1
+    rope-q-only      apply_rotary_pos_emb rotates q; k goes through unrotated
+    rope-pairing     q rotated with x-transformers' interleaved pairs, k with rotate_half at the same frequencies
+    gqa-batch-mix    the grouped-query repeat tiles the batch instead of the heads
+    shift-roll       (with shift_tokens=1) the token shift done by torch.roll: position 0 reads the last token
     """
     model = rotary(shift_tokens=1 if bug == "shift-roll" else 0)
     if bug == "no-mask":
@@ -124,8 +129,9 @@ def rotary_with(bug: str) -> TransformerWrapper:
     elif bug == "block-leak":
         for attention in _attention_modules(model):
             # x-transformers' create_causal_mask is True where masked; triu(j - i + 1) is causal, + 2 lets i read i + 1
-            attention.attend.create_causal_mask = \
-                lambda i, j, device: torch.ones((i, j), device=device, dtype=torch.bool).triu(j - i + 2)
+            attention.attend.create_causal_mask = lambda i, j, device: torch.ones(
+                (i, j), device=device, dtype=torch.bool
+            ).triu(j - i + 2)
     elif bug in ("rope-q-only", "rope-pairing"):
         keys = _keys_unrotated if bug == "rope-q-only" else _keys_rotate_half
         # every Attention calls apply_rotary_pos_emb for q, then for k

@@ -34,8 +34,10 @@ def build_not_module():
 
 def build_multiline_error():
     """Errors from torch's C++ core carry their stack in the message; the error line keeps the first line."""
-    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nException raised from malloc at alloc.cpp:84\n"
-                       "frame #0: c10::Error::Error(...)\nframe #1: ...")
+    raise RuntimeError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB\nException raised from malloc at alloc.cpp:84\n"
+        "frame #0: c10::Error::Error(...)\nframe #1: ..."
+    )
 
 
 def build_exits():

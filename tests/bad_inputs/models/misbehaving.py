@@ -103,7 +103,8 @@ class Hangs(Base):
         if self.seen is None:
             self.seen = input_ids.clone()
         new = input_ids.shape[1] == self.seen.shape[1] and not bool(
-            (input_ids[:, None, :] == self.seen[None, :, :]).all(-1).any(-1).all())
+            (input_ids[:, None, :] == self.seen[None, :, :]).all(-1).any(-1).all()
+        )
         if new and input_ids.shape[0] >= self.rows:
             if self.marker:
                 Path(self.marker).touch()
@@ -184,8 +185,11 @@ class NaNOnNewInputs(Base):
         if self.seen is None:
             self.seen = input_ids.clone()
             return logits
-        known = (input_ids[:, None, :] == self.seen[None, :, :]).all(-1).any(-1) \
-            if input_ids.shape[1] == self.seen.shape[1] else torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        known = (
+            (input_ids[:, None, :] == self.seen[None, :, :]).all(-1).any(-1)
+            if input_ids.shape[1] == self.seen.shape[1]
+            else torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        )
         return torch.where(known[:, None, None], logits, torch.full_like(logits, float("nan")))
 
 
