@@ -32,7 +32,7 @@ from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, e
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
     from fwdcheck.config import Config
-    from fwdcheck.worker import Job
+    from fwdcheck.events import Job
 
 EXIT_CODES = """\b
 Exit codes:
@@ -437,11 +437,11 @@ class Expected:
 def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_for
+    from fwdcheck.events import Job
     from fwdcheck.golden import CHECK as GOLDEN
     from fwdcheck.golden import refuse_other_run
     from fwdcheck.overrides import Overrides
     from fwdcheck.registry import DIRECT, check_options, select, selected
-    from fwdcheck.worker import Job
 
     config = config_for(path, o.model)
     selection = o.checks if o.checks else config.checks

@@ -57,6 +57,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import ExitCode, FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
+from fwdcheck.events import CheckDone, Event, ModelLoaded, Progress, decode, encode
 from fwdcheck.heard import Heard, WorkerError
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
@@ -310,17 +311,16 @@ def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> N
     with connection:
         while True:
             try:
-                event = connection.recv()
+                event = decode(connection.recv())
             except (EOFError, OSError):
                 return
             heard.hear(event, None)
-            kind = event["event"]
-            if kind == "progress" and progress:
-                progress(event["description"])
-            elif kind == "model" and on_model:
-                on_model(event["model"])
-            elif kind == "result" and on_result:
-                on_result(heard.results[event["result"]["name"]])
+            if isinstance(event, Progress) and progress:
+                progress(event.description)
+            elif isinstance(event, ModelLoaded) and on_model:
+                on_model(event.model)
+            elif isinstance(event, CheckDone) and on_result:
+                on_result(heard.results[event.result["name"]])
 
 
 def _free_port() -> int:
@@ -491,9 +491,9 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     events = Client(address, authkey=authkey) if rank == 0 else None
 
-    def send(event: str, **fields) -> None:
+    def send(event: Event) -> None:
         if events is not None:
-            events.send({"event": event, **fields})
+            events.send(encode(event))
 
     try:
         with about_config(Path(job["config"]) if job["config"] is not None else None):  # the error names the file
@@ -515,13 +515,13 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         raise RankCannotRun(
             json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})
         ) from exc
-    send("model", model=model_summary(model))
+    send(ModelLoaded(model_summary(model)))
     settings = run.settings.model_copy(update={"device": str(device)})
     entries = sorted(run.entries, key=lambda e: e.name != SHARDING)  # the sharding check first
     finished: list[CheckResult] = []
 
     def on_result(result: CheckResult) -> None:
-        send("result", result=result.to_dict(), internal_error=result.internal_error)
+        send(CheckDone(result.to_dict(), result.internal_error))
         finished.append(result)
         # The model raised outside the forward the ranks share (a forward that raised on every rank at once keeps
         # them in step: its error is the model's, as on one process), a check ran past timeout_s (a rank waiting for
@@ -541,7 +541,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             model,
             settings,
             entries,
-            progress=lambda description: send("progress", description=description),
+            progress=lambda description: send(Progress(description)),
             on_result=on_result,
         )
     except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
@@ -554,7 +554,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             for e in entries[len(finished) :]
         ]
         for result in rest:
-            send("result", result=result.to_dict(), internal_error=False)
+            send(CheckDone(result.to_dict()))
         report = Report(
             results=finished + rest,
             model=model_summary(model),

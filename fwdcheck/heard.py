@@ -4,14 +4,11 @@ rank 0, from which the report of a run that did not finish is made."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fwdcheck.errors import FwdcheckError
+from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status
-
-if TYPE_CHECKING:
-    from fwdcheck.worker import Job
 
 GRACE_S = 10.0  # at most, past timeout_s, before a silent worker is killed; for a signalled worker to report
 # At least this long for the worker's start and the model's load (importing torch and the model's code, building it):
@@ -45,31 +42,30 @@ class Heard:
         self.error: WorkerError | None = None
         self.environment: dict | None = None  # the report's, where the listener knows it before the worker ends
 
-    def hear(self, event: dict, progress: Callable[[str], None] | None) -> None:
-        kind = event.get("event")
-        if kind == "plan":
-            self.checks, self.per_code_path = event["checks"], event["per_code_path"]
-        elif kind == "model":
-            self.model = event["model"]
-        elif kind == "progress":
-            description = event["description"]  # a check's name, or "code path 3/24: <cell>"
+    def hear(self, event: Event, progress: Callable[[str], None] | None) -> None:
+        if isinstance(event, Plan):
+            self.checks, self.per_code_path = event.checks, event.per_code_path
+        elif isinstance(event, ModelLoaded):
+            self.model = event.model
+        elif isinstance(event, Progress):
+            description = event.description  # a check's name, or "code path 3/24: <cell>"
             self.current = description if description in self.checks else "code paths"
             if progress and description in self.checks:
                 progress(f"check {self.checks.index(description) + 1}/{len(self.checks)}: {description}")
             elif progress:
                 progress(description)
-        elif kind == "result":
-            result = CheckResult.from_dict(event["result"], event.get("internal_error", False))
+        elif isinstance(event, CheckDone):
+            result = CheckResult.from_dict(event.result, event.internal_error)
             self.results[result.name] = result
-        elif kind == "report":
+        elif isinstance(event, Finished):
             self.report = Report.from_dict(
-                event["report"],
-                internal_errors=event["internal_errors"],
+                event.report,
+                internal_errors=event.internal_errors,
                 fail_on=self.job.overrides.fail_on,
-                interrupted=event["interrupted"],
+                interrupted=event.interrupted,
             )
-        elif kind == "error":
-            self.error = WorkerError(event["message"], event["exit_code"], event.get("detail", ""), event.get("notes"))
+        elif isinstance(event, RunError):
+            self.error = WorkerError(event.message, event.exit_code, event.detail, event.notes)
 
     def step_limit(self, timeout_s: float) -> float:
         """How long the worker may stay silent: each check, and each code-path cell's checks, run under timeout_s

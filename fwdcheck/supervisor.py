@@ -30,10 +30,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict
 
 from fwdcheck.errors import ExitCode
+from fwdcheck.events import Job, decode
 from fwdcheck.forkserver import ForkedWorker, start_worker
 from fwdcheck.heard import GRACE_S, Heard
 from fwdcheck.report import Report
-from fwdcheck.worker import Job
 
 EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
 
@@ -123,7 +123,7 @@ def supervise(
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
-                    run.hear(json.loads(line), progress)
+                    run.hear(decode(json.loads(line)), progress)
                 if timeout_s:
                     deadline = time.monotonic() + run.step_limit(timeout_s)
         if run.report is not None or run.error is not None:

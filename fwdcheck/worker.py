@@ -1,15 +1,8 @@
 """The process the model runs in: `fwdcheck run` starts it and supervises it (fwdcheck/supervisor.py).
 
 Model code can print, exit, hang, crash or swallow signals here without ending the run, deciding its exit code or
-spoiling a report on stdout: the supervisor owns all three. The worker reads one job (JSON) on stdin and writes its
-events, one JSON object a line, on the descriptor named on its command line:
-
-    {"event": "plan", "checks": [...], "per_code_path": [...]}    the checks, in order, before the model loads
-    {"event": "model", "model": {...}}                              the model loaded (the report's `model` section)
-    {"event": "progress", "description": "..."}                      a check or a code-path cell begins
-    {"event": "result", "result": {...}, "internal_error": false}    a check's default-path result
-    {"event": "report", "report": {...}, ...}                        the whole report: the last event of a run
-    {"event": "error", "exit_code": 2, "message": "...", ...}        the run could not be made (a usage error)
+spoiling a report on stdout: the supervisor owns all three. The worker reads one job (JSON, events.Job) on stdin and
+writes its events (fwdcheck/events.py), one JSON object a line, on the descriptor named on its command line.
 
 Its stdout is its stderr: whatever model code prints never reaches the supervisor's stdout.
 """
@@ -23,32 +16,11 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
+from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, encode
 from fwdcheck.lifetime import die_with_parent
-from fwdcheck.overrides import Overrides
-
-
-@dataclass
-class Job:
-    """What to run: the command line's choices once the supervisor has validated them."""
-
-    config: str | None  # the config file, or None with `factory`
-    factory: str | None  # --model pkg.module:factory
-    overrides: Overrides  # the command line's flags, its check selection validated
-    sys_path: list[str] = field(default_factory=list)  # the supervisor's import path, so modules resolve alike
-
-    def __post_init__(self):
-        if isinstance(self.overrides, dict):  # as it arrives on the worker's stdin
-            self.overrides = Overrides(**self.overrides)
-
-    @property
-    def label(self) -> str:
-        """What the model is called before it has loaded (a partial report of a run that died early)."""
-        return self.factory or Path(self.config or "model").stem
 
 
 def execute(
@@ -105,8 +77,8 @@ class Events:
         self.stream = os.fdopen(fd, "w", encoding="utf-8", buffering=1)
         self.lock = threading.Lock()
 
-    def send(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, **fields}, default=str)
+    def send(self, event: Event) -> None:
+        line = json.dumps(encode(event), default=str)
         with self.lock:
             try:
                 self.stream.write(line + "\n")
@@ -132,38 +104,28 @@ def main(argv: list[str]) -> None:
         from fwdcheck.runner import per_code_path
 
         entries = select(job.overrides.checks)
-        events.send(
-            "plan", checks=[e.name for e in entries], per_code_path=[e.name for e in entries if per_code_path(e)]
-        )
+        events.send(Plan([e.name for e in entries], [e.name for e in entries if per_code_path(e)]))
         report = execute(
             job,
-            progress=lambda description: events.send("progress", description=description),
-            on_model=lambda model: events.send("model", model=model),
-            on_result=lambda r: events.send("result", result=r.to_dict(), internal_error=r.internal_error),
+            progress=lambda description: events.send(Progress(description)),
+            on_model=lambda model: events.send(ModelLoaded(model)),
+            on_result=lambda r: events.send(CheckDone(r.to_dict(), r.internal_error)),
         )
-        events.send(
-            "report",
-            report=report.to_dict(),
-            internal_errors=[r.internal_error for r in report.results],
-            interrupted=report.interrupted,
-        )
+        events.send(Finished(report.to_dict(), [r.internal_error for r in report.results], report.interrupted))
     except FwdcheckError as exc:
         events.send(
-            "error",
-            exit_code=exc.exit_code,
-            message=exception_text(exc),
-            detail=traceback.format_exc(),
-            notes=getattr(exc, "warning_notes", []),
+            RunError(exc.exit_code, exception_text(exc), traceback.format_exc(), getattr(exc, "warning_notes", []))
         )
     except KeyboardInterrupt:  # while the model loaded: the supervisor sent it, and reports what it has
-        events.send("error", exit_code=ExitCode.INTERRUPTED, message="interrupted", detail="", notes=[])
+        events.send(RunError(ExitCode.INTERRUPTED, "interrupted"))
     except BaseException as exc:  # a bug of fwdcheck's; the supervisor prints it as one
         events.send(
-            "error",
-            exit_code=ExitCode.INTERNAL,
-            message=f"{type(exc).__name__}: {exception_text(exc)}",
-            detail=traceback.format_exc(),
-            notes=getattr(exc, "warning_notes", []),
+            RunError(
+                ExitCode.INTERNAL,
+                f"{type(exc).__name__}: {exception_text(exc)}",
+                traceback.format_exc(),
+                getattr(exc, "warning_notes", []),
+            )
         )
     # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
     sys.stderr.flush()
