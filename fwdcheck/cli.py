@@ -7,14 +7,11 @@ Expected problems print one red line and exit with their documented code; a trac
 from __future__ import annotations
 
 import difflib
-import errno
 import io
 import json
 import os
 import re
-import stat
 import sys
-import tempfile
 import traceback
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
@@ -29,6 +26,8 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
+from fwdcheck.outputs import check_outputs, isatty, silence_stdout, why_not, write_stdout, write_whole
+from fwdcheck.prose import paragraphs
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
     from fwdcheck.config import Config
@@ -379,9 +378,11 @@ def _run(o: RunOptions) -> int:
         golden=read_golden(o.expect_golden) if o.expect_golden else None,
     )
     plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
-    check_outputs(o, [i for p in plans for i in run_inputs(o, p.path, p.config)])  # an unwritable report: now
+    outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
+    inputs = [i for p in plans for i in run_inputs(o, p.path, p.config)]
+    check_outputs(outputs, inputs, to_stdout=o.output is None)  # an unwritable report: now, not after the run
     outcome = Outcome(several=len(plans) > 1)
-    with progress_display(enabled=o.format == Format.rich and o.output is None and _isatty(sys.stdout)) as progress:
+    with progress_display(enabled=o.format == Format.rich and o.output is None and isatty(sys.stdout)) as progress:
         for planned in plans:
             try:
                 report = run_job(
@@ -631,7 +632,7 @@ class StdoutConsole(Console):
 
 def report_width(stream) -> int | None:
     """A terminal's own width; elsewhere COLUMNS when set (rich reads it), else 120 (a CI log is wide)."""
-    return None if _isatty(stream) or os.environ.get("COLUMNS", "").isdigit() else 120
+    return None if isatty(stream) or os.environ.get("COLUMNS", "").isdigit() else 120
 
 
 def render_terminal(outcome: Outcome, console: Console, verbosity: Verbosity, debug: bool) -> None:
@@ -763,14 +764,6 @@ def one_line(message: str) -> str:
     return f"{lines[0]} [{len(lines) - 1} more line{'s' if len(lines) > 2 else ''}: --debug shows them]"
 
 
-def why_not(exc: OSError | ValueError) -> str:
-    """Why a write failed, in words: the OS's reason, 'disk full' said plainly."""
-    reason = getattr(exc, "strerror", None) or exception_text(exc)
-    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        return f"disk full: {reason}"
-    return reason
-
-
 # The outputs a run writes, as (option, RunOptions field): checked before the model loads, written after the run.
 OUTPUTS = (
     ("--output", "output"),
@@ -784,54 +777,6 @@ OUTPUTS = (
 )
 
 
-@dataclass
-class Target:
-    """Where an output's bytes go. `path`: the file itself, with symbolic links followed (the link stays, its target
-    is replaced). `direct`: written in place, not through a temporary file: a device (/dev/null, /dev/full), a FIFO,
-    or one of the process's own streams (/dev/stdout, /dev/fd/N); replacing one of those would put a regular file
-    where it was, or leave the reader of the stream with nothing."""
-
-    path: Path
-    direct: bool
-
-
-_OWN_STREAM = re.compile(r"^/(dev|proc/[^/]+)/fd/\d+$|^/dev/std(out|err)$")
-
-
-def _own_stream(path: Path) -> bool:
-    """Whether the path reaches its file through /proc's descriptor links (/dev/stdout -> /proc/self/fd/1): the
-    file behind them is whatever the shell opened, which only a write through the link itself reaches."""
-    current = os.path.abspath(path)
-    for _ in range(40):  # the kernel's own limit on links followed
-        if _OWN_STREAM.match(current):
-            return True
-        if not os.path.islink(current):
-            return False
-        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
-    return False
-
-
-def output_target(path: Path, label: str) -> Target:
-    """Where `path` writes, or one UsageError line saying why nothing can be written there."""
-    path = Path(path)
-    if _own_stream(path):
-        return Target(path, direct=True)
-    try:
-        mode = os.stat(path).st_mode  # follows links
-    except FileNotFoundError:
-        mode = None  # a new file, or a link to one
-    except OSError as exc:  # a file where a directory should be, a loop of links, no permission to look
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    if mode is not None and stat.S_ISDIR(mode):
-        raise UsageError(f"{label} is a directory")
-    if mode is not None and not stat.S_ISREG(mode):
-        return Target(path, direct=True)
-    real = Path(os.path.realpath(path))
-    if not real.parent.is_dir():
-        raise UsageError(f"{label}: directory {real.parent} does not exist")
-    return Target(real, direct=False)
-
-
 def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[str, Path]]:
     """The files a run reads, named as an error would name them: no output may be written over one."""
     inputs: list[tuple[str, Path]] = []
@@ -842,128 +787,6 @@ def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[st
     if o.expect_golden is not None:
         inputs.append(("the --expect-golden file", Path(o.expect_golden)))
     return inputs + config.model.files_read()
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except (OSError, ValueError):  # one of them does not exist: not the same file
-        return False
-
-
-def check_outputs(o: RunOptions, inputs: list[tuple[str, Path]]) -> None:
-    """Before the model loads: each output can be written, none is a file the run reads, no two are one file.
-    Found at the end instead, an unwritable output would fail after the whole run, and an output naming the config
-    would have replaced it with the report."""
-    if o.output is None and sys.stdout is None:
-        raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
-    seen: list[tuple[str, Target]] = []
-    for option, attribute in OUTPUTS:
-        path = getattr(o, attribute)
-        if path is None:
-            continue
-        label = f"{option} {path}"
-        target = output_target(path, label)
-        for name, input_path in inputs:
-            if _same_file(target.path, input_path):
-                raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
-        for other, earlier in seen:
-            if (earlier.path == target.path or _same_file(earlier.path, target.path)) and not (
-                target.direct and earlier.direct
-            ):  # two reports into one stream (/dev/null) is fine
-                raise UsageError(f"{label} is also the file of {other}; give each report its own file")
-        seen.append((option, target))
-        if target.direct:
-            if not os.path.exists(target.path):  # /dev/fd/N of a descriptor this process does not have open
-                raise UsageError(f"{label}: cannot write there (no such file or open descriptor)")
-            if not os.access(target.path, os.W_OK):
-                raise UsageError(f"{label}: cannot write there (permission denied)")
-        else:
-            probe_directory(target.path.parent, label)
-
-
-def probe_directory(directory: Path, label: str) -> None:
-    """Create and remove a temporary file where the output will be written: the one test that holds for every
-    reason a write can fail (permissions, a read-only file system, root or not)."""
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fwdcheck-probe.", suffix=".tmp")
-    except OSError as exc:
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    os.close(fd)
-    Path(probe).unlink(missing_ok=True)
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream is not None and stream.isatty()
-    except (OSError, ValueError):  # a closed stream
-        return False
-
-
-def write_stdout(write) -> None:
-    """write(stream) with the report, then a flush: a closed stdout, a reader gone (a broken pipe) or a full disk
-    becomes one UsageError line, not a traceback after the run."""
-    stream = sys.stdout
-    if stream is None:  # Python's stand-in for a closed descriptor 1
-        raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
-    try:
-        write(stream)
-        stream.flush()
-    except BrokenPipeError:  # the reader had what it wanted (`| head`): not an error, the exit code stands
-        silence_stdout()
-    except (OSError, ValueError) as exc:  # ValueError: a closed file object
-        silence_stdout()
-        raise UsageError(f"cannot write the report to stdout ({why_not(exc)}); give --output FILE") from None
-
-
-def silence_stdout() -> None:
-    """Point descriptor 1 at /dev/null once a write to it failed: Python flushes stdout again on the way out, and
-    would print its own traceback for the same failure."""
-    try:
-        fd = sys.stdout.fileno()
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, fd)
-        os.close(null)
-    except (AttributeError, OSError, ValueError):  # no descriptor behind it (a test runner's buffer)
-        pass
-
-
-def write_whole(path: Path, text: str, what: str = "--output") -> None:
-    """Write a report where `path` says, whole or not at all.
-
-    A regular file (new, or the target of a symbolic link, which stays a link) is written to a temporary file beside
-    it and renamed over it. A device, a FIFO or one of the process's own streams is written directly (see Target).
-    `what` names the target in error messages ("--output PATH", or the bare path for `init`). A target that cannot
-    be written is a usage error, exit 2."""
-    path = Path(path)
-    label = f"{what} {path}" if what else str(path)
-    target = output_target(path, label)
-    if target.direct:
-        try:
-            # append: never truncate what the shell set up (`>> log` behind /dev/stdout); devices and FIFOs ignore it
-            with open(target.path, "a", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as exc:
-            raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-        return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        # mkstemp creates the file 0600; give it the mode an ordinary open() would (umask), or the replaced file's.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, target.path.stat().st_mode & 0o7777 if target.path.exists() else 0o666 & ~umask)
-        os.replace(tmp, target.path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @app.command("list")
@@ -1065,33 +888,6 @@ def explain(
         console.print(paragraphs(info(entry).explain), highlight=False, markup=False)
 
     raise typer.Exit(_guarded(action, False))
-
-
-WRAPPED_AT = 100  # a source line at least this long was wrapped by its author: the next line goes on with it
-STARTS_ITEM = re.compile(r"^([-*•]\s|\(\w\)\s|\d+[.)]\s|[A-Z][\w ,()/'-]{0,40}:\s)")  # - x, (a) x, 1. x, Label: x
-
-
-def paragraphs(text: str) -> str:
-    """Text its author wrapped at the source's width (an explain text), unwrapped so that the terminal wraps it at
-    its own: a line goes on with the one before when it is indented deeper (a hanging continuation) or the one
-    before was wrapped; blank lines, list items and `Label:` paragraphs keep their break."""
-    out: list[str] = []
-    item_indent, previous = 0, ""
-    for line in text.strip("\n").splitlines():
-        indent = len(line) - len(line.lstrip())
-        goes_on = (
-            previous.strip()
-            and line.strip()
-            and not STARTS_ITEM.match(line.lstrip())
-            and (indent > item_indent or (indent == item_indent and len(previous) >= WRAPPED_AT))
-        )
-        if goes_on:
-            out[-1] = out[-1].rstrip() + " " + line.strip()
-        else:
-            out.append(line)
-            item_indent = indent
-        previous = line
-    return "\n".join(out)
 
 
 @app.command()
@@ -1265,7 +1061,7 @@ def diff_command(
         else:
             write_stdout(
                 lambda stream: render_diff(
-                    result.to_dict(), StdoutConsole(file=stream, width=report_width(stream)), plot=_isatty(stream)
+                    result.to_dict(), StdoutConsole(file=stream, width=report_width(stream)), plot=isatty(stream)
                 )
             )
         return result.exit_code

@@ -45,7 +45,6 @@ class CheckEntry:
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
         from fwdcheck.callables import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
-        from fwdcheck.result import Check
 
         # A direct reference may name a module beside the user's files, as `python -m` would find it.
         is_direct = self.distribution == DIRECT
@@ -57,7 +56,7 @@ class CheckEntry:
         except (Exception, SystemExit) as exc:  # SystemExit: a plugin calling sys.exit() at import breaks only itself
             reason = exc if not isinstance(exc, SystemExit) else f"SystemExit({exc.code!r}) while importing"
             raise CheckLoadError(f"check {self.label} failed to load: {reason}") from exc
-        if not isinstance(check, Check) and not callable(getattr(check, "run", None)):
+        if not callable(getattr(check, "run", None)):  # a Check subclass, or any object that runs like one
             raise CheckLoadError(f"check {self.label} ({self.value}) has no run(model, session) method")
         collision = code_collision(self, dict(getattr(check, "codes", {})))
         if collision:
