@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, extract_logits, model_failure, model_frame
+from fwdcheck.model import extract_logits, model_code, model_frame
 from fwdcheck.observe import ZeroAttentionDropout, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 
@@ -85,17 +85,15 @@ class Plan:
 
 def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
-    try:
+    with model_code(f"{what} raised", frame=_model_line):
         return fn(*args, **kwargs)
-    except ModelRaised:
-        raise
-    except BaseException as exc:
-        if not model_failure(exc):
-            raise
-        frame = model_frame(exc)
-        if frame is not None and frame[0].startswith(__file__):
-            frame = None  # raised by the call itself (an argument forward does not take): no line of the model's
-        raise ModelRaised(f"{what} raised {describe(exc)}", frame=frame) from exc
+
+
+def _model_line(exc: BaseException) -> tuple[str, int, str] | None:
+    """The line of model code that raised (model_frame); None when the call itself raised (an argument forward does
+    not take): that is no line of the model's."""
+    frame = model_frame(exc)
+    return None if frame is not None and frame[0].startswith(__file__) else frame
 
 
 def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:

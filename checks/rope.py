@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, model_failure, model_frame
+from fwdcheck.model import model_code
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.tolerances import TOLERANCES
@@ -731,12 +731,9 @@ or correct the declaration."""
         positions = torch.arange(P, device=session.device)
 
         def rotate(x):  # the same vector at every position: (P, D) of R(m) x
-            try:  # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+            # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+            with model_code("the rotary function raised"):
                 rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
-            except BaseException as exc:
-                if not model_failure(exc):  # Ctrl-C, a time limit, fwdcheck's own errors
-                    raise
-                raise ModelRaised(f"the rotary function raised {describe(exc)}", frame=model_frame(exc)) from exc
             return rotated[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)

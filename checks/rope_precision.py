@@ -21,7 +21,7 @@ import torch
 
 from fwdcheck.checks.rope import analyze, pair_indices
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, model_failure, model_frame
+from fwdcheck.model import model_code
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
 
@@ -104,12 +104,8 @@ is the reference (a float32 run then skips)."""
         def rotate(x: torch.Tensor, at: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             """x (D,) turned to every position of `at` by the model's function in `dtype`: (len(at), D) float64."""
             batch = x.to(session.device, dtype).expand(1, 1, len(at), D).contiguous()  # (1, 1, T, D)
-            try:  # the model's code: what it raises is the model's error
+            with model_code("the rotary function raised"):  # the model's code: what it raises is the model's error
                 out = rotary(batch, at.to(session.device))
-            except BaseException as exc:
-                if not model_failure(exc):
-                    raise
-                raise ModelRaised(f"the rotary function raised {describe(exc)}", frame=model_frame(exc)) from exc
             return out[0, 0].double().cpu()
 
         try:
