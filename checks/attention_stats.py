@@ -28,7 +28,7 @@ import torch.nn as nn
 from fwdcheck.checks.backends import RecordSdpa
 from fwdcheck.errors import SkipCheck
 from fwdcheck.observe import MASKED_BELOW
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.tolerances import TOLERANCES
 
 SATURATED = 0.99  # a row whose largest weight exceeds this reads one key
@@ -158,7 +158,7 @@ is learned, not a bug. Skips when no call's scale could be measured."""
                         worst["module"],
                     )
                 )
-        findings = first_per_code(findings)
+        findings = first_per_code(findings, more=_more_calls)
         data = {"calls": rows, "not_measured": unmeasured, "at_initialisation": at_init, "declared": sorted(declared)}
         metrics = {
             "scale_ratio": max((r["scale_ratio"] for r in measured_rows), key=lambda x: abs(math.log(x))),
@@ -368,14 +368,6 @@ def _attention_module(model, name: str):
         return None
 
 
-def first_per_code(findings: list[Finding]) -> list[Finding]:
-    """The same scale repeats in every layer: keep each code's first call, saying how many share it."""
-    first: dict[str, Finding] = {}
-    count: dict[str, int] = {}
-    for f in findings:
-        first.setdefault(f.code, f)
-        count[f.code] = count.get(f.code, 0) + 1
-    for code, f in first.items():
-        if count[code] > 1:
-            f.where = f"{f.where} and {count[code] - 1} more calls"
-    return list(first.values())
+def _more_calls(first: Finding, more: int) -> None:
+    """The same scale repeats in every layer: a code's first call stands for it, saying how many share it."""
+    first.where = f"{first.where} and {more} more calls"

@@ -22,7 +22,7 @@ from fwdcheck.capabilities import Loss
 from fwdcheck.compare import logit_scale
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model import extract_logits
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 
 SHIFTS = (0, 1, 2)  # how far ahead of its position each position's logits are scored; 1 is right
 # Tokens per row of the calls, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does
@@ -305,10 +305,7 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
                             where=where,
                         )
                     )
-        first_per_code: dict[str, Finding] = {}
-        for f in findings:
-            first_per_code.setdefault(f.code, f)
-        findings = list(first_per_code.values())  # one per code, the first
+        findings = first_per_code(findings)
         metrics["matched"] = verdicts[-1]
         data["told_apart"] = sorted(told)
         if findings:

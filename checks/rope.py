@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from fwdcheck.compare import logit_scale, position_change
+from fwdcheck.compare import logit_scale, position_change, relative_error
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import model_code
 from fwdcheck.observe import Observation, first_tensor
-from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.tolerances import TOLERANCES
 
 # Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
@@ -81,7 +81,7 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float
                 continue
             i, j = pair_indices(pairing, rotary_dim)
             radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
-            drift = float((radius - radius[0]).abs().amax(0).max() / (radius.max() + 1e-30))
+            drift = relative_error(radius, radius[0], relative_to=radius)
             candidates.append((drift, pairing, rotary_dim))
     valid = [c for c in candidates if c[0] <= tol]
     if not valid:
@@ -115,6 +115,7 @@ def toeplitz_error(scores: torch.Tensor) -> float:
     for offset in range(-P + 1, P):
         diagonal = torch.diagonal(scores, offset)
         worst = max(worst, float(diagonal.max() - diagonal.min()))
+    # The spread along each diagonal, not a difference of two tensors: no compare.relative_error.
     return worst / (float(scores.abs().max()) + 1e-30)
 
 
@@ -249,6 +250,8 @@ class Hold:
                 given = own
                 if self.replay is not None and name in self.replay:
                     given = self.replay[name]
+                    # Not compare.relative_error: its inf for a NaN row would read as positions entering absolutely,
+                    # which skips the logits shift.
                     self.moved[name] = max(
                         [0.0]
                         + [
@@ -271,7 +274,7 @@ class Hold:
 def relative_spread(x: torch.Tensor) -> float:
     """How far a hidden state x (B, P, width) is from being the same at every position, relative to its largest
     entry."""
-    return float((x - x[:, :1]).abs().max()) / (float(x.abs().max()) + 1e-30)
+    return relative_error(x, x[:, :1], relative_to=x)
 
 
 class Rope(Check):
@@ -631,7 +634,8 @@ or correct the declaration."""
                 continue
             # Held calls were given the same rows; a call judged by its block's input may have been given another
             # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
-            # rotation can come from different content.
+            # rotation can come from different content. Not compare.relative_error, whose inf for a NaN row would skip
+            # the call as different content: a row that cannot be compared is no reason to judge less.
             if len(before.rows) != len(after.rows) or any(
                 float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
                 for a, b in zip(before.rows, after.rows, strict=True)
@@ -641,12 +645,11 @@ or correct the declaration."""
             q, k, q2, k2 = before.q, before.k, after.q, after.k
             assert q is not None and k is not None and q2 is not None and k2 is not None  # kept for judged calls
             scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
-            change = float((shifted_scores - scores).abs().max()) / (float(scores.abs().max()) + 1e-30)
+            change = relative_error(shifted_scores, scores)
             worst = max(worst, change)
             data["probe_shift"] = {"offset": offset, "score_change": worst, "calls": compared}
             if change > tol:
-                q_moved = float((q2 - q).abs().max()) > tol * float(q.abs().max())
-                k_moved = float((k2 - k).abs().max()) > tol * float(k.abs().max())
+                q_moved, k_moved = relative_error(q2, q) > tol, relative_error(k2, k) > tol
                 who = (
                     "q moved and k did not"
                     if q_moved and not k_moved
@@ -749,9 +752,9 @@ or correct the declaration."""
         for m in range(P):
             for n in range(P):
                 rhs[m, n] = Rq[0] @ Rk[n - m] if n >= m else Rq[m - n] @ Rk[0]
-        identity = float((lhs - rhs).abs().max()) / (float(lhs.abs().max()) + 1e-30)
-        norms = float((Rq.norm(dim=-1) - q.double().norm()).abs().max()) / float(q.double().norm())
-        origin = float((Rq[0] - q.double()).abs().max()) / float(q.double().abs().max())
+        identity = relative_error(rhs, lhs)
+        norms = relative_error(Rq.norm(dim=-1), q.double().norm())
+        origin = relative_error(Rq[0], q.double())
         rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
         data["component"] = {
             "identity_error": identity,
@@ -971,6 +974,7 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
     weights = []
     angles = []
     for X in (q_seen.double(), k_seen.double()):
+        # A tensor of weights, not one number: no compare.relative_error.
         weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
         angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
     difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
@@ -979,9 +983,8 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
 
 def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:
     """The same rotary bug repeats in every layer: keep its first occurrence and say how many calls share it."""
-    kept = []
-    for first, members in grouped(findings, key=lambda f: f.code):
-        if len(members) > 1:
-            first.where = f"{first.where} and {len(members) - 1} more of {calls} calls"
-        kept.append(first)
-    return kept
+
+    def more(first: Finding, others: int) -> None:
+        first.where = f"{first.where} and {others} more of {calls} calls"
+
+    return first_per_code(findings, more)

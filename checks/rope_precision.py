@@ -20,9 +20,10 @@ import math
 import torch
 
 from fwdcheck.checks.rope import analyze, pair_indices
+from fwdcheck.compare import relative_error
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import model_code
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.tolerances import TOLERANCES
 
 POSITIONS = (1024, 8192, 32768, 131072)  # the long positions measured, capped at the model's maximum
@@ -159,8 +160,7 @@ is the reference (a float32 run then skips)."""
             ahead = q_short[0] @ k_short.T  # (W,): <q, R(d)k>
             behind = q_short @ k_short[0]  # (W,): <R(d)q, k>
             expected = torch.where(distance >= 0, ahead[distance.clamp(min=0)], behind[(-distance).clamp(min=0)])
-            identity = float((scores - expected).abs().max() / expected.abs().max())
-            identity = float("inf") if math.isnan(identity) else identity  # NaN never passes
+            identity = relative_error(scores, expected)  # inf for NaN: it never passes
             angle = float(angle_error[i].max())
             angle = float("inf") if math.isnan(angle) else angle
             bar = angle_bar(position)
@@ -197,7 +197,7 @@ is the reference (a float32 run then skips)."""
                         "rotary embedding",
                     )
                 )
-        findings = first_per_code(findings)
+        findings = first_per_code(findings, more=_longer_positions)
         data = {
             "positions": rows,
             "pairing": turn.pairing,
@@ -226,17 +226,9 @@ is the reference (a float32 run then skips)."""
         return f"{value:.2g} rad" if value is not None else ""
 
 
-def first_per_code(findings: list[Finding]) -> list[Finding]:
-    """The first (shortest) position failing each code, with how many positions fail it."""
-    first: dict[str, Finding] = {}
-    count: dict[str, int] = {}
-    for f in findings:
-        first.setdefault(f.code, f)
-        count[f.code] = count.get(f.code, 0) + 1
-    for code, f in first.items():
-        if count[code] > 1:
-            f.message += f"; {count[code] - 1} longer position(s) fail too"
-    return list(first.values())
+def _longer_positions(first: Finding, more: int) -> None:
+    """The first (shortest) position failing a code stands for it, saying how many longer positions fail too."""
+    first.message += f"; {more} longer position(s) fail too"
 
 
 def half_buffers(model) -> list[str]:
