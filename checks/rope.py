@@ -29,9 +29,10 @@ import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, position_change, relative_error
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import model_code
+from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.observe import Observation, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
 
 # Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
@@ -338,7 +339,7 @@ or correct the declaration."""
             return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
         return f"base {m['base']:.4g}" if m.get("base") else ""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         tol = TOLERANCES[session.dtype].rotation
         self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
         declared = model.rope
@@ -347,18 +348,39 @@ or correct the declaration."""
         data: dict = {"declared": declared.model_dump() if declared else None}
 
         probe = self._probe(model, session, tol, findings, data)
-        component = None
-        if model.rotary is not None:
-            try:
-                component = self._component(model, session, tol, findings, data)
-            except Exception as exc:
-                if not model.rotary_discovered:
-                    raise  # a rotary_function the config names must work
-                # found by naming convention only: a modeling file with another signature is no finding
-                data["component"] = None
-                data["component_note"] = f"rotary function found by convention could not be called: {exc}"
+        component = self._rotary_alone(model, session, tol, findings, data)
+        self._judge_presence(model, probe, component, findings)
+        measured = probe.q if probe.rotates else component
+        if declared is not None and measured is not None and measured.pairing:
+            findings += self._against_declared(declared, measured, model)
+        shift_measured = self._logits_shift_if_sound(model, session, probe, findings, metrics, data)
+        return self._summarise(probe, component, measured, shift_measured, findings, metrics, data)
+
+    def _rotary_alone(
+        self, model: ModelUnderTest, session: Session, tol: float, findings: list[Finding], data: dict
+    ) -> Rotation | None:
+        """The rotary function tested alone (_component), when the model has one to call; None when it has none,
+        or one found by convention cannot be called."""
+        if model.rotary is None:
+            return None
+        try:
+            return self._component(model, session, tol, findings, data)
+        except Exception as exc:
+            if not model.rotary_discovered:
+                raise  # a rotary_function the config names must work
+            # found by naming convention only: a modeling file with another signature is no finding
+            data["component"] = None
+            data["component_note"] = f"rotary function found by convention could not be called: {exc}"
+            return None
+
+    @staticmethod
+    def _judge_presence(
+        model: ModelUnderTest, probe: Probe, component: Rotation | None, findings: list[Finding]
+    ) -> None:
+        """A model whose q and k do not turn: FWD307 when it claims a rotary embedding, else SkipCheck (no rotary
+        embedding, or nothing measured), unless another finding already fails it."""
         # Naming a rotary function is a declaration too; one found by convention in a modeling file is not.
-        claims_rope = declared is not None or (model.rotary is not None and not model.rotary_discovered)
+        claims_rope = model.rope is not None or (model.rotary is not None and not model.rotary_discovered)
         failing = any(f.status != Status.PASS for f in findings)
         if probe.judged and not probe.rotates:
             if claims_rope:
@@ -379,10 +401,18 @@ or correct the declaration."""
                 )
         if not probe.judged and not claims_rope and component is None and not failing:
             raise SkipCheck(f"not measured: {probe.why_unjudged()}, and the model declares no rotary embedding")
-        measured = probe.q if probe.rotates else component
-        if declared is not None and measured is not None and measured.pairing:
-            findings += self._against_declared(declared, measured, model)
-        shift_measured = False
+
+    def _logits_shift_if_sound(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        probe: Probe,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> bool:
+        """The logits shift (_logits_shift), unless it cannot say anything here (no position_ids, positions that
+        also enter absolutely, a KV cache longer than the input): whether it was measured."""
         if not model.accepts_position_ids:
             data["logits_shift"] = "skipped: forward takes no position_ids"
         elif data.get("absolute_positions"):
@@ -397,7 +427,21 @@ or correct the declaration."""
             )
         else:
             findings += self._logits_shift(model, session, metrics, data)
-            shift_measured = "logits_shift_change" in metrics
+            return "logits_shift_change" in metrics
+        return False
+
+    def _summarise(
+        self,
+        probe: Probe,
+        component: Rotation | None,
+        measured: Rotation | None,
+        shift_measured: bool,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> CheckResult:
+        """The measured pairing, rotary dim and base; the first failing code, or what holds. SkipCheck when at most
+        the rotary function alone was tested: how the model uses it was not measured."""
         if measured is not None:
             metrics.update(
                 pairing=measured.pairing,
@@ -409,7 +453,6 @@ or correct the declaration."""
         if bad:
             summary = f"{self.codes[bad[0].code]}"
         elif not probe.judged and not shift_measured:
-            # At most the rotary function alone was tested: how the model uses it was not measured.
             shift = data.get("logits_shift") or "shift skipped: no positions left to shift to"
             alone = "; the rotary function alone satisfies the identity" if component is not None else ""
             raise SkipCheck(f"not measured in the model: {probe.why_unjudged()}; logits {shift}{alone}")
