@@ -142,24 +142,12 @@ its kernel on first use (tens of seconds on CPU); it runs only with `options: {b
 --exhaustive). Fully masked query rows (pad queries) are not compared: kernels legitimately differ there.
 Options (`options: {backends: {...}}`): flex."""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings: list[Finding] = []
         data: dict = {}
         metrics: dict = {}
-        implementations, no_switch = switchable(model)
+        implementations = self._offered(model, session, data)
         recorder = RecordSdpa()
-        flex_note = None
-        if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
-            implementations = [i for i in implementations if i != FLEX]
-            if self.options_in(session).flex and no_switch is None:
-                implementations.append(FLEX)
-            else:
-                flex_note = (
-                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
-                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
-                )
-        if flex_note:
-            data["flex_attention"] = flex_note
         padded = (
             model.accepts("attention_mask")
             and model.accepts("position_ids")
@@ -168,18 +156,46 @@ Options (`options: {backends: {...}}`): flex."""
         compared: list[str] = []
         if len(implementations) >= 2:
             compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
-        else:
-            data["implementations"] = no_switch or f"only {implementations[0]} is offered"
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
             with recorder:
                 session.logits(session.inputs[:1])
         kernels = self._kernels(recorder.calls, session, findings, data, metrics)
+        return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
+
+    def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:
+        """The attention implementations to compare, the one the model runs now first: flex_attention only when
+        asked for (data["flex_attention"] says so otherwise); data["implementations"] says why there are not two."""
+        implementations, no_switch = switchable(model)
+        if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
+            implementations = [i for i in implementations if i != FLEX]
+            if self.options_in(session).flex and no_switch is None:
+                implementations.append(FLEX)
+            else:
+                data["flex_attention"] = (
+                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
+                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
+                )
+        if len(implementations) < 2:
+            data["implementations"] = no_switch or f"only {implementations[0]} is offered"
+        return implementations
+
+    def _summarise(
+        self,
+        compared: list[str],
+        kernels: dict[str, int],
+        sdpa_calls: int,
+        findings: list[Finding],
+        data: dict,
+        metrics: dict,
+    ) -> CheckResult:
+        """What was compared and how far apart, the first failing code first; SkipCheck when neither two
+        implementations nor two SDPA kernels ran."""
         ran = [k for k, n in kernels.items() if n]
         if len(compared) < 2 and len(ran) < 2:
             why = data["implementations"] if len(compared) < 2 else ""
             kernel_why = (
                 "no scaled_dot_product_attention call"
-                if not recorder.calls
+                if not sdpa_calls
                 else f"only the {', '.join(ran) or 'no'} kernel runs here"
             )
             raise SkipCheck(f"nothing to compare: {why}; {kernel_why}".lstrip("; "))
@@ -195,8 +211,7 @@ Options (`options: {backends: {...}}`): flex."""
             said.append(f"implementations not compared: {data['implementations']}")
         if len(ran) >= 2:
             said.append(
-                f"SDPA kernels {' vs '.join(ran)} on {len(recorder.calls)} calls: max change "
-                f"{metrics['kernel_change']:.3g}"
+                f"SDPA kernels {' vs '.join(ran)} on {sdpa_calls} calls: max change {metrics['kernel_change']:.3g}"
             )
         summary = (self.codes[bad[0].code] + "; " if bad else "") + "; ".join(said)
         data["kernels_ran"] = kernels

@@ -27,6 +27,7 @@ from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.session import Session
 
 CONVENTIONS = [
     {
@@ -212,29 +213,41 @@ the attention module's forward as input_pos or cache_position."""
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['attention_calls']} calls" if "attention_calls" in result.metrics else ""
 
-    def run(self, model, session) -> CheckResult:
-        B = session.inputs.shape[0]
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings, rows = self.audit(session.observation(), model)
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
+        B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
-        # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
-        # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
-        batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B))
-        if batch1:
-            length = session.short_length
-            try:
-                single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
-            except ModelRaised as exc:  # what the full batch showed stands
-                data["batch1"] = f"the pass at B=1 was skipped: {exc}"
-            else:
-                for f in single_findings:
-                    f.where = f"{f.where} at B=1"
-                findings += single_findings
-                # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
-                seen = {_kind_of_call(r) for r in rows}
-                rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
-                data["batch1"] = "observed"
-                data["batch1_length"] = length
+        # observe one row alone too, unless the code-path matrix runs batch size 1 itself.
+        if B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B)):
+            self._batch_size_one(model, session, findings, rows, data)
+        return self._summarise(findings, rows, data)
+
+    def _batch_size_one(
+        self, model: ModelUnderTest, session: Session, findings: list[Finding], rows: list[dict], data: MaskAuditData
+    ) -> None:
+        """The first row observed alone: its findings (said "at B=1") added to `findings`, the calls that differ
+        there to `rows` (which data["calls"] holds); what the full batch showed stands when the model refuses the
+        pass. Such a shortcut shows at any length of two tokens or more, so the row is the session's short length
+        (16 tokens), not the full sequence."""
+        length = session.short_length
+        try:
+            single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
+        except ModelRaised as exc:  # what the full batch showed stands
+            data["batch1"] = f"the pass at B=1 was skipped: {exc}"
+            return
+        for f in single_findings:
+            f.where = f"{f.where} at B=1"
+        findings += single_findings
+        # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
+        seen = {_kind_of_call(r) for r in rows}
+        rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
+        data["batch1"] = "observed"
+        data["batch1_length"] = length
+
+    def _summarise(self, findings: list[Finding], rows: list[dict], data: MaskAuditData) -> CheckResult:
+        """One finding per code, message and line of model code; the first failing code, or the patterns the calls
+        showed. SkipCheck when no call was observed, or none could be judged and nothing failed."""
         if not rows and not findings:
             raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
         findings = _group(findings)
