@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.nn as nn
 
-from fwdcheck.checks.backends import RecordSdpa
+from fwdcheck.checks.backends import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
-from fwdcheck.observe import MASKED_BELOW
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.observe import MASKED_BELOW, Observation
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
 
 SATURATED = 0.99  # a row whose largest weight exceeds this reads one key
@@ -38,6 +41,17 @@ QUERY_PROJECTIONS = {"q_proj", "query", "q_lin", "wq", "to_q", "q"}
 
 # Tokens of the one row observed: enough key positions for the statistics, a fraction of a forward of long inputs.
 LENGTH = 64
+
+
+@dataclass
+class Calls:
+    """What the attention calls of the observed forward showed: a row of numbers per call measured (data.calls), the
+    scale findings, why the other calls were not measured, and the scales the model's config declares."""
+
+    rows: list[dict] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)
+    declared: list[str] = field(default_factory=list)
 
 
 class AttentionStats(Check):
@@ -77,8 +91,20 @@ as not measured; nn.MultiheadAttention's q and k are projected inside torch, and
 statistics of a trained model are reported, not judged: concentrated attention (induction heads, attention sinks)
 is learned, not a bug. Skips when no call's scale could be measured."""
 
-    def run(self, model, session) -> CheckResult:
-        recorder = RecordSdpa()  # SDPA's own arguments (scale, mask), in the order the observer sees the calls
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        seen, sdpa, projections = self._observe(model, session)
+        calls = self._calls(model, session, seen, sdpa, projections)
+        if not any(row["scale"] is not None for row in calls.rows):
+            why = "; ".join(calls.unmeasured[:3]) or "no attention call with q and k was observed"
+            raise SkipCheck(f"no attention call's scale could be measured: {why}")
+        findings = calls.findings + (self._saturation(calls.rows) if model.weights_at_init else [])
+        return self._summarise(model, seen, calls, first_per_code(findings, more=_more_calls))
+
+    @staticmethod
+    def _observe(model: ModelUnderTest, session: Session) -> tuple[Observation, list[SdpaCall], dict]:
+        """One observed forward of the first row with q and k kept: the observation, SDPA's own arguments (scale,
+        mask) in the order the observer sees the calls, and the size of each query projection's output."""
+        recorder = RecordSdpa()
         projections: dict[str, tuple[float, int]] = {}  # query projection -> (sum of squares of its output, numel)
         handles = [
             m.register_forward_hook(partial(keep_size, projections, name))
@@ -94,29 +120,40 @@ is learned, not a bug. Skips when no call's scale could be measured."""
         finally:
             for handle in handles:
                 handle.remove()
-        sdpa = iter(recorder.calls)
+        return seen, recorder.calls, projections
+
+    def _calls(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        seen: Observation,
+        sdpa_calls: list[SdpaCall],
+        projections: dict[str, tuple[float, int]],
+    ) -> Calls:
+        """Each attention call's scale, measured with its statistics, and judged against 1/sqrt(d_h) and the scales
+        the model's config declares; why the others were not measured."""
+        sdpa = iter(sdpa_calls)
         declared = declared_scales(model)
-        at_init = model.weights_at_init  # the reference model, or random weights a source built: no checkpoint
-        rows, findings, unmeasured = [], [], []
+        calls = Calls(declared=sorted(declared))
         for call in seen.attention:
             if call.api == "sdpa":
+                assert call.query is not None  # an SDPA call's q is kept when the observation keeps tensors
                 recorded = next(sdpa, None)
                 if recorded is None or recorded.arguments["query"].shape != call.query.shape:
-                    unmeasured.append(f"{call.module}: its SDPA arguments were not recorded")
+                    calls.unmeasured.append(f"{call.module}: its SDPA arguments were not recorded")
                     continue
                 measured = self._sdpa(recorded.arguments)
             elif call.api == "softmax" and call.matmul is not None:
                 measured = self._eager(seen, call, session)
             else:
-                unmeasured.append(f"{call.module or 'model'}: {call.api} computes q and k inside torch")
+                calls.unmeasured.append(f"{call.module or 'model'}: {call.api} computes q and k inside torch")
                 continue
             if measured is None:
-                unmeasured.append(f"{call.module}: q, k or the weights were not kept")
+                calls.unmeasured.append(f"{call.module}: q, k or the weights were not kept")
                 continue
             raw, weights, allowed, scale_used, how, d_h, q = measured
             layer = layer_index(model, call.module)
             expected = {"1/sqrt(d_h)": d_h**-0.5, **{name: f(d_h, layer) for name, f in declared.items()}}
-            stats = statistics(raw, weights, allowed, d_h, scale_used)
             row = {
                 "module": call.module,
                 "api": call.api,
@@ -124,42 +161,54 @@ is learned, not a bug. Skips when no call's scale could be measured."""
                 "scale": scale_used,
                 "measured_by": how,
                 "scale_ratio": scale_used * math.sqrt(d_h) if scale_used else None,
-                **stats,
+                **statistics(raw, weights, allowed, d_h, scale_used),
             }
-            rows.append(row)
+            calls.rows.append(row)
             if scale_used is None:
-                unmeasured.append(f"{call.module}: {how}")
-                continue
-            if not matches(scale_used, expected):
+                calls.unmeasured.append(f"{call.module}: {how}")
+            elif not matches(scale_used, expected):
                 # q multiplied by the scale before the call (OPT, BART: q_proj(x) * scaling, then scale 1): the
                 # call's q is that factor times its projection's output, whose norm a hook kept
                 before = prescaled(q, call.module, projections)
                 if before is not None and matches(scale_used * before, expected):
                     row["q_scaled_before_call"] = before
                     row["scale_ratio"] = scale_used * before * math.sqrt(d_h)  # what q . k is scaled by in all
-                    continue
-                findings.append(judge_scale(scale_used, d_h, expected, call.module, model))
+                else:
+                    calls.findings.append(judge_scale(scale_used, d_h, expected, call.module, model))
+        return calls
+
+    @staticmethod
+    def _saturation(rows: list[dict]) -> list[Finding]:
+        """At initialisation (FWD954): most rows of some call putting nearly all their weight on one key."""
+        saturated = [r for r in rows if r["saturated_share"] is not None and r["saturated_share"] > SATURATED_SHARE]
+        if not saturated:
+            return []
+        worst = max(saturated, key=lambda r: r["saturated_share"])
+        finding = Finding(
+            "FWD954",
+            Status.WARN,
+            f"at initialisation {worst['saturated_share']:.0%} of "
+            f"the attention rows put more than {SATURATED} of their weight on one key "
+            f"(in {len(saturated)} of {len(rows)} calls; scaled score std "
+            f"{worst['score_std']:.3g})",
+            worst["module"],
+        )
+        return [finding]
+
+    def _summarise(
+        self, model: ModelUnderTest, seen: Observation, calls: Calls, findings: list[Finding]
+    ) -> CheckResult:
+        """Every call's numbers in the data; the scale furthest from 1/sqrt(d_h) and the extreme statistics in the
+        metrics and the summary."""
+        rows = calls.rows
         measured_rows = [r for r in rows if r["scale"] is not None]
-        if not measured_rows:
-            why = "; ".join(unmeasured[:3]) or "no attention call with q and k was observed"
-            raise SkipCheck(f"no attention call's scale could be measured: {why}")
-        if at_init:
-            saturated = [r for r in rows if r["saturated_share"] is not None and r["saturated_share"] > SATURATED_SHARE]
-            if saturated:
-                worst = max(saturated, key=lambda r: r["saturated_share"])
-                findings.append(
-                    Finding(
-                        "FWD954",
-                        Status.WARN,
-                        f"at initialisation {worst['saturated_share']:.0%} of "
-                        f"the attention rows put more than {SATURATED} of their weight on one key "
-                        f"(in {len(saturated)} of {len(rows)} calls; scaled score std "
-                        f"{worst['score_std']:.3g})",
-                        worst["module"],
-                    )
-                )
-        findings = first_per_code(findings)
-        data = {"calls": rows, "not_measured": unmeasured, "at_initialisation": at_init, "declared": sorted(declared)}
+        at_init = model.weights_at_init  # the reference model, or random weights a source built: no checkpoint
+        data = {
+            "calls": rows,
+            "not_measured": calls.unmeasured,
+            "at_initialisation": at_init,
+            "declared": calls.declared,
+        }
         metrics = {
             "scale_ratio": max((r["scale_ratio"] for r in measured_rows), key=lambda x: abs(math.log(x))),
             "score_std": max(r["score_std"] for r in rows),
@@ -368,14 +417,6 @@ def _attention_module(model, name: str):
         return None
 
 
-def first_per_code(findings: list[Finding]) -> list[Finding]:
-    """The same scale repeats in every layer: keep each code's first call, saying how many share it."""
-    first: dict[str, Finding] = {}
-    count: dict[str, int] = {}
-    for f in findings:
-        first.setdefault(f.code, f)
-        count[f.code] = count.get(f.code, 0) + 1
-    for code, f in first.items():
-        if count[code] > 1:
-            f.where = f"{f.where} and {count[code] - 1} more calls"
-    return list(first.values())
+def _more_calls(first: Finding, more: int) -> None:
+    """The same scale repeats in every layer: a code's first call stands for it, saying how many share it."""
+    first.where = f"{first.where} and {more} more calls"

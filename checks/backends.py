@@ -31,8 +31,10 @@ from torch.overrides import TorchFunctionMode
 from fwdcheck.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.errors import SkipCheck
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import _SDPA_SIGNATURE, MASKED_BELOW, code_location
 from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
 
 # The SDPA kernels compared with the math kernel, by the names reports use.
@@ -56,7 +58,7 @@ class SdpaCall:
 class RecordSdpa(TorchFunctionMode):
     """Keeps the arguments of every scaled_dot_product_attention call, and changes nothing of what runs."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.calls: list[SdpaCall] = []
 
@@ -140,24 +142,12 @@ its kernel on first use (tens of seconds on CPU); it runs only with `options: {b
 --exhaustive). Fully masked query rows (pad queries) are not compared: kernels legitimately differ there.
 Options (`options: {backends: {...}}`): flex."""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings: list[Finding] = []
         data: dict = {}
         metrics: dict = {}
-        implementations, no_switch = switchable(model)
+        implementations = self._offered(model, session, data)
         recorder = RecordSdpa()
-        flex_note = None
-        if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
-            implementations = [i for i in implementations if i != FLEX]
-            if self.options_in(session).flex and no_switch is None:
-                implementations.append(FLEX)
-            else:
-                flex_note = (
-                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
-                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
-                )
-        if flex_note:
-            data["flex_attention"] = flex_note
         padded = (
             model.accepts("attention_mask")
             and model.accepts("position_ids")
@@ -166,18 +156,46 @@ Options (`options: {backends: {...}}`): flex."""
         compared: list[str] = []
         if len(implementations) >= 2:
             compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
-        else:
-            data["implementations"] = no_switch or f"only {implementations[0]} is offered"
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
             with recorder:
                 session.logits(session.inputs[:1])
         kernels = self._kernels(recorder.calls, session, findings, data, metrics)
+        return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
+
+    def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:
+        """The attention implementations to compare, the one the model runs now first: flex_attention only when
+        asked for (data["flex_attention"] says so otherwise); data["implementations"] says why there are not two."""
+        implementations, no_switch = switchable(model)
+        if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
+            implementations = [i for i in implementations if i != FLEX]
+            if self.options_in(session).flex and no_switch is None:
+                implementations.append(FLEX)
+            else:
+                data["flex_attention"] = (
+                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
+                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
+                )
+        if len(implementations) < 2:
+            data["implementations"] = no_switch or f"only {implementations[0]} is offered"
+        return implementations
+
+    def _summarise(
+        self,
+        compared: list[str],
+        kernels: dict[str, int],
+        sdpa_calls: int,
+        findings: list[Finding],
+        data: dict,
+        metrics: dict,
+    ) -> CheckResult:
+        """What was compared and how far apart, the first failing code first; SkipCheck when neither two
+        implementations nor two SDPA kernels ran."""
         ran = [k for k, n in kernels.items() if n]
         if len(compared) < 2 and len(ran) < 2:
             why = data["implementations"] if len(compared) < 2 else ""
             kernel_why = (
                 "no scaled_dot_product_attention call"
-                if not recorder.calls
+                if not sdpa_calls
                 else f"only the {', '.join(ran) or 'no'} kernel runs here"
             )
             raise SkipCheck(f"nothing to compare: {why}; {kernel_why}".lstrip("; "))
@@ -193,8 +211,7 @@ Options (`options: {backends: {...}}`): flex."""
             said.append(f"implementations not compared: {data['implementations']}")
         if len(ran) >= 2:
             said.append(
-                f"SDPA kernels {' vs '.join(ran)} on {len(recorder.calls)} calls: max change "
-                f"{metrics['kernel_change']:.3g}"
+                f"SDPA kernels {' vs '.join(ran)} on {sdpa_calls} calls: max change {metrics['kernel_change']:.3g}"
             )
         summary = (self.codes[bad[0].code] + "; " if bad else "") + "; ".join(said)
         data["kernels_ran"] = kernels
@@ -215,14 +232,54 @@ Options (`options: {backends: {...}}`): flex."""
         # The default implementation's logits: the observation pass's while every implementation agrees with them
         # within the bar (they cost no forward), the untouched baseline's once one does not (session.reference()).
         base = session.reference()  # (B, T, V)
+        plain, pads = self._run_each(model, session, implementations, padded, recorder, base, data)
+        ran = list(plain)
+        rtol, atol = TOLERANCES[session.dtype].backends
         scale = logit_scale(base)
+        changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
+        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not session.reference_untouched:
+            base = plain[default] = session.baseline()  # judged against the untouched model
+            scale = logit_scale(base)
+            changes = {i: position_change(plain[i], base) for i in ran if i != default}
+        pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
+        largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
+        needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
+        noise = session.repeat_change() if needs_noise else 0.0
+        bar = tolerance(session, scale, noise)
+        metrics.update(implementation_change=largest, implementation_bar=bar)
+        data["implementations"] = {
+            "default": default,
+            "compared": ran,
+            "left_padding": LEFT_PADDING
+            if padded
+            else "not compared: forward takes no attention_mask and position_ids",
+        }
+        data["changes"] = {i: float(c.max()) for i, c in changes.items()}
+        data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
+        findings += _implementations_apart(default, changes, pad_changes, bar, data)
+        return ran
+
+    @staticmethod
+    def _run_each(
+        model: ModelUnderTest,
+        session: Session,
+        implementations: list[str],
+        padded: bool,
+        recorder: RecordSdpa,
+        base: torch.Tensor,
+        data: dict,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The logits of every implementation: of the session's inputs (the default's are `base`), and, when
+        `padded`, of the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels. An
+        implementation that cannot run here (flex_attention without a compiler) is noted in data["not_run"]."""
+        default = implementations[0]
         # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
         # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.code_paths), and a
         # short row keeps this comparison a small fraction of a forward.
         view = path_view(model, CodePath(None, None, "left-pad", 1)) if padded else None
         T = session.inputs.shape[1]
         real = min(T - LEFT_PADDING, max(CELL_LENGTH, session.min_seq_len - LEFT_PADDING))
-        row = session.inputs[:1, :real] if padded else None
+        row = session.inputs[:1, :real]  # run only when padded
         plain: dict[str, torch.Tensor] = {default: base}
         pads: dict[str, torch.Tensor] = {}
         skipped = {}
@@ -244,59 +301,7 @@ Options (`options: {backends: {...}}`): flex."""
                 pads.pop(implementation, None)
         if skipped:
             data["not_run"] = skipped
-        ran = list(plain)
-        rtol, atol = TOLERANCES[session.dtype].backends
-        changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
-        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not session.reference_untouched:
-            base = plain[default] = session.baseline()  # judged against the untouched model
-            scale = logit_scale(base)
-            changes = {i: position_change(plain[i], base) for i in ran if i != default}
-        pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
-        largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
-        needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
-        noise = session.repeat_change() if needs_noise else 0.0
-        bar = tolerance(session, scale, noise)
-        metrics.update(implementation_change=largest, implementation_bar=bar)
-        data["implementations"] = {
-            "default": default,
-            "compared": ran,
-            "left_padding": LEFT_PADDING
-            if padded
-            else "not compared: forward takes no attention_mask and position_ids",
-        }
-        data["changes"] = {i: float(c.max()) for i, c in changes.items()}
-        data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
-        for implementation, change in changes.items():
-            if float(change.max()) > bar:
-                findings.append(
-                    Finding(
-                        "FWD801",
-                        Status.FAIL,
-                        _message(default, implementation, change, bar, "the session's inputs"),
-                        _where(change, bar),
-                    )
-                )
-        for implementation, change in pad_changes.items():
-            if float(change.max()) > bar and not any(
-                f.code == "FWD801" and implementation in f.message for f in findings
-            ):
-                findings.append(
-                    Finding(
-                        "FWD802",
-                        Status.FAIL,
-                        _message(
-                            default,
-                            implementation,
-                            change,
-                            bar,
-                            f"the real tokens of a row left-padded by {LEFT_PADDING}",
-                        ),
-                        _where(change, bar, "real token"),
-                    )
-                )
-            elif float(change.max()) > bar:
-                data["padded_also_differs"] = True
-        return ran
+        return plain, pads
 
     # -- SDPA kernels ----------------------------------------------------------------------------------------------
 
@@ -374,6 +379,44 @@ def _mask_kind(arguments: dict) -> str:
     if mask is None:
         return "is_causal" if arguments.get("is_causal") else "none"
     return f"{str(mask.dtype).removeprefix('torch.')} {list(mask.shape)}"
+
+
+def _implementations_apart(
+    default: str, changes: dict[str, torch.Tensor], pad_changes: dict[str, torch.Tensor], bar: float, data: dict
+) -> list[Finding]:
+    """FWD801 for an implementation whose logits of the session's inputs differ from the default's beyond the bar;
+    FWD802 for one that differs only on the real tokens of the left-padded row (data["padded_also_differs"] when
+    both do)."""
+    findings = []
+    for implementation, change in changes.items():
+        if float(change.max()) > bar:
+            findings.append(
+                Finding(
+                    "FWD801",
+                    Status.FAIL,
+                    _message(default, implementation, change, bar, "the session's inputs"),
+                    _where(change, bar),
+                )
+            )
+    for implementation, change in pad_changes.items():
+        if float(change.max()) > bar and not any(f.code == "FWD801" and implementation in f.message for f in findings):
+            findings.append(
+                Finding(
+                    "FWD802",
+                    Status.FAIL,
+                    _message(
+                        default,
+                        implementation,
+                        change,
+                        bar,
+                        f"the real tokens of a row left-padded by {LEFT_PADDING}",
+                    ),
+                    _where(change, bar, "real token"),
+                )
+            )
+        elif float(change.max()) > bar:
+            data["padded_also_differs"] = True
+    return findings
 
 
 def _message(default: str, other: str, change: torch.Tensor, bar: float, inputs: str) -> str:

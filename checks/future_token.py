@@ -50,8 +50,9 @@ from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
 from fwdcheck.code_paths import path_cells
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, first_line
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.session import prefix_lengths
+from fwdcheck.session import Session, prefix_lengths
 
 # The comparisons judged against the threshold: the metric holding each one's largest change, and how a summary names
 # it. A comparison that ran but was not judged (the cuts of a model declared not causal) has no metric.
@@ -83,6 +84,171 @@ def span(positions: list[int]) -> str:
             parts.append(f"{start}" if start == p else f"{start}-{p}")
             start = None
     return ", ".join(parts)
+
+
+@dataclass
+class Judged:
+    """What one comparison concluded: its findings, and the numbers and detail it adds to the result."""
+
+    findings: list[Finding] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+
+    def add(self, part: Judged) -> None:
+        """Another comparison's conclusions after these: its findings last, its numbers and detail merged in."""
+        self.findings += part.findings
+        self.metrics.update(part.metrics)
+        self.data.update(part.data)
+
+
+class Plan:
+    """The rows the comparisons run, drawn once from the session's generator, so that comparing again against
+    another reference runs exactly the same tokens.
+
+    Per cut position k, one row keeps a sample's tokens < k and replaces the rest (with --exhaustive, the token at k
+    alone). The control row is sample 0 unchanged, beside companions that differ from the baseline's in most
+    tokens. With --exhaustive it sits second, sharing its forward with the row that changes token 1 of sample 0
+    (beside sample 1 in the baseline); otherwise it runs last, beside the row cut at T/2 (sample 0 again with a
+    B of 2), or beside a row of the session's inputs other than its own companions."""
+
+    def __init__(self, model, session, exhaustive: bool):
+        B, T = session.inputs.shape
+        self.causal = model.causal
+        self.exhaustive = exhaustive
+        self.cuts = list(range(1, T)) if self.exhaustive else default_cuts(T)
+        rows, sources = [], []
+        for i, k in enumerate(self.cuts):
+            sample = i % B
+            row = session.inputs[sample].clone()
+            if self.exhaustive:  # one token at a time: the map's cell (i, k) is exactly "position i reads token k"
+                row[k] = session.random_ids((1,), differ_from=row[k : k + 1])[0]
+            else:
+                row[k:] = session.random_ids((T - k,), differ_from=row[k:])
+            rows.append(row)
+            sources.append(sample)
+        self.control = min(1, len(rows)) if self.exhaustive else len(rows)
+        rows.insert(self.control, session.inputs[0].clone())  # unchanged, beside other companions than in the baseline
+        sources.insert(self.control, 0)
+        self.rows, self.sources = rows, sources
+        cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order the cuts were drawn
+        self.cut_of = dict(zip(cut_rows, self.cuts, strict=True))  # row -> its cut k
+        self.cut_rows = sorted(cut_rows, key=lambda row: self.cut_of[row])  # in the order of k
+        self.cuts = sorted(self.cuts)
+        self.session = session
+        self._single: dict[int, torch.Tensor] = {}
+        self.single_row_skipped = None  # why the single-row pass does not run, or None
+        if B == 1:
+            self.single_row_skipped = "not needed: the comparisons above already ran one row beside several"
+        elif any(cell.batch_size == 1 for cell in path_cells(model, session.settings.code_paths, B)):
+            self.single_row_skipped = "left to the code-path matrix, whose batch-size-1 cells are named as such"
+
+    @property
+    def single_row_wanted(self) -> bool:
+        return self.single_row_skipped is None
+
+    def screen(self, per_forward: int) -> int:
+        """How many rows, from the first, run before the rest is decided on: the first forward's, when the rows
+        need more than one and those rows vouch alone (see the module's docstring); else every row."""
+        if self.exhaustive or len(self.rows) <= per_forward or per_forward < 2:
+            return len(self.rows)
+        return per_forward
+
+    def largest_before_cut(self, changes: torch.Tensor) -> float:
+        """The largest change of the rows in `changes` (the first rows of the plan) at the positions they compare:
+        each cut row's before its cut, the control row's everywhere. inf for NaN."""
+        compared = [changes[i, : self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
+        return float(torch.cat(compared).max())
+
+    def single_row(self, length: int) -> torch.Tensor:
+        """Sample 0's first `length` tokens with the later half replaced; drawn once per length."""
+        if length not in self._single:
+            row = self.session.inputs[0, :length].clone()
+            cut = length // 2
+            row[cut:] = self.session.random_ids((length - cut,), differ_from=row[cut:])
+            self._single[length] = row
+        return self._single[length]
+
+
+@dataclass
+class Prefix:
+    ran: list[int] = field(default_factory=list)  # the lengths k that ran
+    changes: list[torch.Tensor] = field(default_factory=list)  # (k,) per length that ran
+    longest: torch.Tensor | None = None  # logits (1, L, V) of the longest prefix of two or more tokens
+
+
+@dataclass
+class SingleRow:
+    length: int
+    cut: int
+    against: str  # prefix | baseline
+    change: torch.Tensor  # (cut,)
+
+
+@dataclass
+class Measured:
+    """What the comparisons measured against one reference, as per-position changes."""
+
+    cuts: torch.Tensor | None = None  # (rows, T): the plan's first rows that ran (all of them, or its screen)
+    prefix: Prefix = field(default_factory=Prefix)
+    single: SingleRow | None = None
+    padding: torch.Tensor | None = None  # (B, T)
+
+    def ran(self, row: int) -> bool:
+        return self.cuts is not None and row < len(self.cuts)
+
+    def anything(self) -> bool:
+        return self.cuts is not None or bool(self.prefix.ran) or self.single is not None or self.padding is not None
+
+    def largest(self, plan: Plan) -> float:
+        """The largest change at a position whose tokens, and the tokens before it, were not changed: what the
+        noise floor and the untouched baseline are needed for when it is beyond the tolerance. inf for NaN."""
+        seen = [torch.zeros(1)]
+        if self.cuts is not None:
+            seen.append(torch.tensor([plan.largest_before_cut(self.cuts)]))
+        seen += self.prefix.changes
+        if self.single is not None:
+            seen.append(self.single.change)
+        if self.padding is not None:
+            seen.append(self.padding.flatten())
+        return float(torch.cat([c.flatten().cpu() for c in seen]).max())
+
+
+class Refusals:
+    """The passes the model could not run. Each is a note; the findings already made stand; a check that could
+    measure nothing at all re-raises the first refusal, and ends as an error."""
+
+    def __init__(self):
+        self.notes: list[str] = []
+        self.first: ModelRaised | None = None
+
+    def attempt(self, compute, what: str, size: str):
+        """compute(), or None after noting `what` and why: the model raised, at this size."""
+        try:
+            return compute()
+        except ModelRaised as exc:
+            self.first = self.first or exc
+            self.notes.append(f"{what}: {_reason(exc, size)}")
+            return None
+
+
+@dataclass
+class Evidence:
+    """What the comparisons measured against the logits the verdict rests on: the observation pass's, or the
+    untouched baseline's once something moved beyond the tolerance (FutureToken._gather)."""
+
+    measured: Measured
+    refusals: Refusals
+    size: tuple[int, int]  # (B, T) of the reference
+    scale: float  # the reference's largest |logit|
+    noise: float | None = None  # the noise floor; None: not measured
+    noise_refused: bool = False  # the noise floor was asked for and refused: no change can be judged
+    reference_note: str | None = None  # why every comparison was made again against the untouched baseline
+    broken_baseline: torch.Tensor | None = None  # the untouched baseline, when it holds NaN or Inf
+
+    @property
+    def measured_nothing(self) -> bool:
+        """Nothing can be judged: every comparison was refused, or the noise floor the judging needs."""
+        return self.noise_refused or not self.measured.anything()
 
 
 class FutureToken(Check):
@@ -153,8 +319,27 @@ only when the model refused every comparison."""
             return f"{m['max_change']:.2g} / {m['threshold']:.2g}"
         return ""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         live_dropout = self._observe_dropout(session)
+        findings = self._live_dropout(live_dropout)
+        broken = self._broken_reference(session)
+        if broken is not None:
+            return self._nonfinite_baseline(findings, broken)
+        # From here on every forward is a pass the model may refuse (a length, a row count): a refusal is a note,
+        # the findings already made stand, and only a check that measured nothing at all ends as an error.
+        plan = Plan(model, session, exhaustive=self.options_in(session).exhaustive)
+        evidence = self._gather(plan, session)
+        if evidence.broken_baseline is not None:
+            return self._nonfinite_baseline(findings, evidence.broken_baseline)
+        if evidence.measured_nothing:
+            return self._measured_nothing(findings, evidence.refusals)
+        judged = self._judge(model, session, plan, evidence, live_dropout)
+        return self._summarise(model, plan, findings + judged.findings, judged, evidence.refusals)
+
+    @staticmethod
+    def _broken_reference(session: Session) -> torch.Tensor | None:
+        """The logits the comparisons would start from when they hold NaN or Inf, which is a verdict in itself, on
+        the untouched model: observed logits that hold them give way to the baseline. None when they are finite."""
         # The observation pass's logits stand in for the baseline until a comparison moves (session.reference()); if
         # the session's own inputs cannot run, nothing can be measured.
         reference = session.reference()  # (B, T, V)
@@ -162,144 +347,99 @@ only when the model refused every comparison."""
         if broken and not session.reference_untouched:
             reference = session.baseline()  # NaN or Inf is a verdict on the untouched model
             broken = nonfinite_positions(reference)
-        B, T, _ = reference.shape
-        findings: list[Finding] = []
-        if live_dropout:
-            spots = [spot for spot, _ in live_dropout]
-            findings.append(
-                Finding(
-                    "FWD103",
-                    Status.FAIL,
-                    f"dropout is live in eval mode at {len(live_dropout)} "
-                    "call(s); forced to zero for the comparisons below",
-                    where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
-                    source=live_dropout[0][1],
-                )
-            )  # the first live call's line
-        if broken:
-            return self._nonfinite_baseline(findings, reference)
+        return reference if broken else None
 
-        # From here on every forward is a pass the model may refuse (a length, a row count): a refusal is a note,
-        # the findings already made stand, and only a check that measured nothing at all ends as an error.
-        plan = Plan(model, session, exhaustive=self.options_in(session).exhaustive)
+    def _gather(self, plan: Plan, session: Session) -> Evidence:
+        """Every comparison, first against the observation pass's logits (session.reference()) with no noise floor.
+        When something moves beyond what can pass unexamined, it is judged against the untouched model, with the
+        noise floor measured: the observed logits stand when the untouched baseline is bitwise the same (the
+        observer changed no code path); otherwise every comparison is made again against the baseline."""
+        reference = session.reference()  # (B, T, V)
+        B, T, _ = reference.shape
         refusals = Refusals()
         measured = self._measure(plan, session, reference, refusals)
-        scale = logit_scale(reference)
-        noise = None
-        data: dict = {}
-        if session.noise_matters(measured.largest(plan), scale):
-            # Something moved beyond what can pass unexamined: judge it against the untouched model, with the
-            # noise floor measured. The observed logits stand when the untouched baseline is bitwise the same (the
-            # observer changed no code path); otherwise every comparison is made again against the baseline.
-            if not session.reference_untouched:
-                observed, reference = reference, session.baseline()
-                if not torch.equal(observed, reference):
-                    if nonfinite_positions(reference):
-                        return self._nonfinite_baseline(findings, reference)
-                    data["reference"] = (
-                        "the observation pass's logits differ from the untouched baseline's: "
-                        "every comparison was made again against the baseline"
-                    )
-                    scale, refusals = logit_scale(reference), Refusals()
-                    measured = self._measure(plan, session, reference, refusals)
-                del observed
-            noise = refusals.attempt(session.repeat_change, "noise floor not measured", f"B={B}, T={T}")
-            if noise is None:  # without the noise floor no change can be judged
-                return self._measured_nothing(findings, refusals)
-        if not measured.anything():
-            return self._measured_nothing(findings, refusals)
+        evidence = Evidence(measured, refusals, (B, T), logit_scale(reference))
+        if not session.noise_matters(measured.largest(plan), evidence.scale):
+            return evidence
+        if not session.reference_untouched:
+            observed, reference = reference, session.baseline()
+            if not torch.equal(observed, reference):
+                if nonfinite_positions(reference):
+                    evidence.broken_baseline = reference
+                    return evidence
+                refusals = Refusals()
+                evidence = Evidence(
+                    self._measure(plan, session, reference, refusals),
+                    refusals,
+                    (B, T),
+                    logit_scale(reference),
+                    reference_note="the observation pass's logits differ from the untouched baseline's: "
+                    "every comparison was made again against the baseline",
+                )
+            del observed  # not held beside the noise floor's forwards
+        evidence.noise = evidence.refusals.attempt(session.repeat_change, "noise floor not measured", f"B={B}, T={T}")
+        evidence.noise_refused = evidence.noise is None  # without the noise floor no change can be judged
+        return evidence
 
+    def _judge(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        plan: Plan,
+        evidence: Evidence,
+        live_dropout: list[tuple[str, str | None]],
+    ) -> Judged:
+        """Every comparison judged against one threshold, max(tolerance, noise_factor x the noise floor): the noise
+        floor's own findings, left padding, samples reading each other, and, for a causal model, the leaks."""
+        scale, noise, measured = evidence.scale, evidence.noise, evidence.measured
         tolerance = session.tolerance(scale)
         threshold = session.threshold(scale, noise or 0.0)
-        metrics = {"logit_scale": scale, "tolerance": tolerance, "threshold": threshold}
+        judged = Judged(metrics={"logit_scale": scale, "tolerance": tolerance, "threshold": threshold})
+        if evidence.reference_note is not None:
+            judged.data["reference"] = evidence.reference_note
         if live_dropout:
-            metrics["live_dropout_calls"] = len(live_dropout)
-        if noise is None:
-            data["noise_floor"] = (
-                "not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"
-            )
-        else:
-            metrics["noise_floor"] = noise
-            if noise > tolerance:
-                findings.append(
-                    Finding(
-                        "FWD103",
-                        Status.FAIL,
-                        f"two identical eval-mode forwards differ by "
-                        f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                        "in eval mode",
-                    )
-                )
-            if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
-                findings.append(
-                    Finding(
-                        "FWD106",
-                        Status.WARN,
-                        f"noise floor {noise:.3g} is over 10x the dtype "
-                        f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen",
-                    )
-                )
+            judged.metrics["live_dropout_calls"] = len(live_dropout)
+        judged.add(self._noise(session, noise, tolerance, threshold))
         if measured.padding is not None:
-            metrics["padding_max_change"] = float(measured.padding.max())
-            findings += self._padding(measured.padding, threshold)
-
-        causal = model.causal
-        alone = False  # the causal comparisons ran one row at a time
-        cut_changes, prefix = measured.cuts, measured.prefix
-        if cut_changes is not None:
-            # The control row's every position, or, when the first forward vouched alone, the first row's before its
-            # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
-            control = plan.control if measured.ran(plan.control) else 0
-            control_change = cut_changes[control, : plan.cut_of.get(control, T)].tolist()
-            batch_moved = [p for p, c in enumerate(control_change) if c > threshold]
-            metrics["batch_max_change"] = max(control_change)
-            if batch_moved:
-                findings.append(
-                    Finding(
-                        "FWD102",
-                        Status.FAIL,
-                        f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
-                        f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read "
-                        "each other",
-                        where=f"sample 0, positions {span(batch_moved)}",
-                    )
-                )
-            if batch_moved and causal:  # mixing contaminates every batched row: judge causality one row at a time
-                rerun = refusals.attempt(
+            judged.add(self._padding(measured.padding, threshold))
+        cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, model.causal
+        if cuts is not None:
+            batch = self._batch(plan, cuts, threshold)
+            judged.add(batch)
+            if batch.findings and causal:  # mixing contaminates every batched row: judge causality one row at a time
+                rerun = evidence.refusals.attempt(
                     lambda: self._one_row_at_a_time(plan, session),
                     "causal comparisons skipped: samples read each other and the rows cannot run one at a time",
-                    f"B=1, T={T}",
+                    f"B=1, T={evidence.size[1]}",
                 )
                 if rerun is None:
                     causal = False
                 else:
-                    (cut_changes, prefix), alone = rerun, True
-                    data["note"] = "samples read each other: the causal comparisons ran one row at a time"
-
+                    (cuts, prefix), alone = rerun, True
+                    judged.data["note"] = "samples read each other: the causal comparisons ran one row at a time"
         if causal:
-            cuts = self._causal(plan, cut_changes, threshold) if cut_changes is not None else Judged()
-            prefixes = self._prefix(prefix, threshold)
-            single = self._single_row(measured.single, plan, alone, threshold)
-            for part in (cuts, prefixes, single):
-                metrics.update(part.metrics)
-                data.update(part.data)
-            findings += _with_single_row(
-                cuts.findings + prefixes.findings, single.findings, single.metrics.get("single_row_max_change")
-            )
+            judged.add(self._leaks(plan, cuts, prefix, measured.single, alone, threshold))
         elif not model.causal:
-            data["note"] = "model.causal is false: part (a) skipped"
+            judged.data["note"] = "model.causal is false: part (a) skipped"
+        return judged
 
+    def _summarise(
+        self, model: ModelUnderTest, plan: Plan, findings: list[Finding], judged: Judged, refusals: Refusals
+    ) -> CheckResult:
+        """The result: the notes of the passes refused, the largest change and what the verdict rests on, and a
+        summary naming what failed, or what ran and how far it moved."""
+        metrics, data, threshold = judged.metrics, judged.data, judged.metrics["threshold"]
         if refusals.notes:
             data["notes"] = refusals.notes
         leaks = [f for f in findings if f.status in (Status.FAIL, Status.WARN)]
-        judged = [name for name in JUDGED if name in metrics]
-        metrics["max_change"] = max(metrics[name] for name in judged) if judged else 0.0
+        judged_names = [name for name in JUDGED if name in metrics]
+        metrics["max_change"] = max(metrics[name] for name in judged_names) if judged_names else 0.0
         metrics["decided_by"] = _decided_by(leaks, metrics)
         if leaks:
             summary = "; ".join(sorted({self.codes[f.code].split(":")[0] for f in leaks}))
         else:
             n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
-            ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged]
+            ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged_names]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             if not model.causal:
                 summary += "; part (a) skipped: model.causal is false"
@@ -307,6 +447,102 @@ only when the model refused every comparison."""
             more = len(refusals.notes) - 1
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    @staticmethod
+    def _live_dropout(live_dropout: list[tuple[str, str | None]]) -> list[Finding]:
+        """Dropout live in eval mode (_observe_dropout) is a finding in itself; the comparisons run with it forced
+        to zero."""
+        if not live_dropout:
+            return []
+        spots = [spot for spot, _ in live_dropout]
+        return [
+            Finding(
+                "FWD103",
+                Status.FAIL,
+                f"dropout is live in eval mode at {len(live_dropout)} "
+                "call(s); forced to zero for the comparisons below",
+                where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
+                source=live_dropout[0][1],  # the first live call's line
+            )
+        ]
+
+    @staticmethod
+    def _noise(session: Session, noise: float | None, tolerance: float, threshold: float) -> Judged:
+        """The noise floor's own findings: identical forwards that differ in eval mode, and a floor so high that
+        the comparisons are coarse. None: not measured, since nothing moved beyond the tolerance."""
+        if noise is None:
+            return Judged(
+                data={
+                    "noise_floor": "not measured: nothing moved beyond the tolerance, where no noise floor can "
+                    "change the verdict"
+                }
+            )
+        findings = []
+        if noise > tolerance:
+            findings.append(
+                Finding(
+                    "FWD103",
+                    Status.FAIL,
+                    f"two identical eval-mode forwards differ by "
+                    f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
+                    "in eval mode",
+                )
+            )
+        if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
+            findings.append(
+                Finding(
+                    "FWD106",
+                    Status.WARN,
+                    f"noise floor {noise:.3g} is over 10x the dtype "
+                    f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen",
+                )
+            )
+        return Judged(findings, {"noise_floor": noise})
+
+    @staticmethod
+    def _batch(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
+        """Part (b), samples reading each other: sample 0, unchanged, must keep its logits beside other companions.
+        changes: (rows, T), each row's change from its sample's reference."""
+        # The control row's every position, or, when the first forward vouched alone, the first row's before its
+        # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
+        control = plan.control if plan.control < len(changes) else 0
+        control_change = changes[control, : plan.cut_of.get(control, changes.shape[1])].tolist()
+        moved = [p for p, c in enumerate(control_change) if c > threshold]
+        metrics = {"batch_max_change": max(control_change)}
+        if not moved:
+            return Judged(metrics=metrics)
+        finding = Finding(
+            "FWD102",
+            Status.FAIL,
+            f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
+            f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read "
+            "each other",
+            where=f"sample 0, positions {span(moved)}",
+        )
+        return Judged([finding], metrics)
+
+    def _leaks(
+        self,
+        plan: Plan,
+        cuts: torch.Tensor | None,
+        prefix: Prefix,
+        single: SingleRow | None,
+        alone: bool,
+        threshold: float,
+    ) -> Judged:
+        """Part (a), the model reading the future: the cut rows, the prefix ladder and the single row, a leak that
+        both the batched cuts and the single row show reported once."""
+        by_cut = self._causal(plan, cuts, threshold) if cuts is not None else Judged()
+        by_prefix = self._prefix(prefix, threshold)
+        by_row = self._single_row(single, plan, alone, threshold)
+        leaks = Judged()
+        for part in (by_cut, by_prefix, by_row):
+            leaks.metrics.update(part.metrics)
+            leaks.data.update(part.data)
+        leaks.findings = _with_single_row(
+            by_cut.findings + by_prefix.findings, by_row.findings, by_row.metrics.get("single_row_max_change")
+        )
+        return leaks
 
     def _measure(self, plan: Plan, session, reference: torch.Tensor, refusals: Refusals) -> Measured:
         """Every comparison of the default run, against `reference`, reduced to per-position changes as it comes
@@ -406,21 +642,21 @@ only when the model refused every comparison."""
         return changes
 
     @staticmethod
-    def _padding(change: torch.Tensor, threshold: float) -> list[Finding]:
+    def _padding(change: torch.Tensor, threshold: float) -> Judged:
         """change: (B, T) of the left-padded real tokens from the same tokens run without padding."""
+        metrics = {"padding_max_change": float(change.max())}
         if not bool((change > threshold).any()):
-            return []
+            return Judged(metrics=metrics)
         moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
-        return [
-            Finding(
-                "FWD107",
-                Status.FAIL,
-                f"left padding moves the real tokens' logits by up to "
-                f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
-                "the positions count them",
-                where=f"real positions {span(moved)}",
-            )
-        ]
+        finding = Finding(
+            "FWD107",
+            Status.FAIL,
+            f"left padding moves the real tokens' logits by up to "
+            f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
+            "the positions count them",
+            where=f"real positions {span(moved)}",
+        )
+        return Judged([finding], metrics)
 
     @staticmethod
     def _observe_dropout(session) -> list[tuple[str, str | None]]:
@@ -593,145 +829,6 @@ only when the model refused every comparison."""
             )
         shown: SingleRowShown = {"length": L, "cut": cut, "against": single.against, "change": change}
         return Judged(findings, {"single_row_max_change": largest}, {"single_row": shown})
-
-
-@dataclass
-class Judged:
-    """What one comparison concluded: its findings, and the numbers and detail it adds to the result."""
-
-    findings: list[Finding] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)
-
-
-class Plan:
-    """The rows the comparisons run, drawn once from the session's generator, so that comparing again against
-    another reference runs exactly the same tokens.
-
-    Per cut position k, one row keeps a sample's tokens < k and replaces the rest (with --exhaustive, the token at k
-    alone). The control row is sample 0 unchanged, beside companions that differ from the baseline's in most
-    tokens. With --exhaustive it sits second, sharing its forward with the row that changes token 1 of sample 0
-    (beside sample 1 in the baseline); otherwise it runs last, beside the row cut at T/2 (sample 0 again with a
-    B of 2), or beside a row of the session's inputs other than its own companions."""
-
-    def __init__(self, model, session, exhaustive: bool):
-        B, T = session.inputs.shape
-        self.causal = model.causal
-        self.exhaustive = exhaustive
-        self.cuts = list(range(1, T)) if self.exhaustive else default_cuts(T)
-        rows, sources = [], []
-        for i, k in enumerate(self.cuts):
-            sample = i % B
-            row = session.inputs[sample].clone()
-            if self.exhaustive:  # one token at a time: the map's cell (i, k) is exactly "position i reads token k"
-                row[k] = session.random_ids((1,), differ_from=row[k : k + 1])[0]
-            else:
-                row[k:] = session.random_ids((T - k,), differ_from=row[k:])
-            rows.append(row)
-            sources.append(sample)
-        self.control = min(1, len(rows)) if self.exhaustive else len(rows)
-        rows.insert(self.control, session.inputs[0].clone())  # unchanged, beside other companions than in the baseline
-        sources.insert(self.control, 0)
-        self.rows, self.sources = rows, sources
-        cut_rows = [i for i in range(len(rows)) if i != self.control]  # in the order the cuts were drawn
-        self.cut_of = dict(zip(cut_rows, self.cuts, strict=True))  # row -> its cut k
-        self.cut_rows = sorted(cut_rows, key=lambda row: self.cut_of[row])  # in the order of k
-        self.cuts = sorted(self.cuts)
-        self.session = session
-        self._single: dict[int, torch.Tensor] = {}
-        self.single_row_skipped = None  # why the single-row pass does not run, or None
-        if B == 1:
-            self.single_row_skipped = "not needed: the comparisons above already ran one row beside several"
-        elif any(cell.batch_size == 1 for cell in path_cells(model, session.settings.code_paths, B)):
-            self.single_row_skipped = "left to the code-path matrix, whose batch-size-1 cells are named as such"
-
-    @property
-    def single_row_wanted(self) -> bool:
-        return self.single_row_skipped is None
-
-    def screen(self, per_forward: int) -> int:
-        """How many rows, from the first, run before the rest is decided on: the first forward's, when the rows
-        need more than one and those rows vouch alone (see the module's docstring); else every row."""
-        if self.exhaustive or len(self.rows) <= per_forward or per_forward < 2:
-            return len(self.rows)
-        return per_forward
-
-    def largest_before_cut(self, changes: torch.Tensor) -> float:
-        """The largest change of the rows in `changes` (the first rows of the plan) at the positions they compare:
-        each cut row's before its cut, the control row's everywhere. inf for NaN."""
-        compared = [changes[i, : self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
-        return float(torch.cat(compared).max())
-
-    def single_row(self, length: int) -> torch.Tensor:
-        """Sample 0's first `length` tokens with the later half replaced; drawn once per length."""
-        if length not in self._single:
-            row = self.session.inputs[0, :length].clone()
-            cut = length // 2
-            row[cut:] = self.session.random_ids((length - cut,), differ_from=row[cut:])
-            self._single[length] = row
-        return self._single[length]
-
-
-@dataclass
-class Prefix:
-    ran: list[int] = field(default_factory=list)  # the lengths k that ran
-    changes: list[torch.Tensor] = field(default_factory=list)  # (k,) per length that ran
-    longest: torch.Tensor | None = None  # logits (1, L, V) of the longest prefix of two or more tokens
-
-
-@dataclass
-class SingleRow:
-    length: int
-    cut: int
-    against: str  # prefix | baseline
-    change: torch.Tensor  # (cut,)
-
-
-@dataclass
-class Measured:
-    """What the comparisons measured against one reference, as per-position changes."""
-
-    cuts: torch.Tensor | None = None  # (rows, T): the plan's first rows that ran (all of them, or its screen)
-    prefix: Prefix = field(default_factory=Prefix)
-    single: SingleRow | None = None
-    padding: torch.Tensor | None = None  # (B, T)
-
-    def ran(self, row: int) -> bool:
-        return self.cuts is not None and row < len(self.cuts)
-
-    def anything(self) -> bool:
-        return self.cuts is not None or bool(self.prefix.ran) or self.single is not None or self.padding is not None
-
-    def largest(self, plan: Plan) -> float:
-        """The largest change at a position whose tokens, and the tokens before it, were not changed: what the
-        noise floor and the untouched baseline are needed for when it is beyond the tolerance. inf for NaN."""
-        seen = [torch.zeros(1)]
-        if self.cuts is not None:
-            seen.append(torch.tensor([plan.largest_before_cut(self.cuts)]))
-        seen += self.prefix.changes
-        if self.single is not None:
-            seen.append(self.single.change)
-        if self.padding is not None:
-            seen.append(self.padding.flatten())
-        return float(torch.cat([c.flatten().cpu() for c in seen]).max())
-
-
-class Refusals:
-    """The passes the model could not run. Each is a note; the findings already made stand; a check that could
-    measure nothing at all re-raises the first refusal, and ends as an error."""
-
-    def __init__(self):
-        self.notes: list[str] = []
-        self.first: ModelRaised | None = None
-
-    def attempt(self, compute, what: str, size: str):
-        """compute(), or None after noting `what` and why: the model raised, at this size."""
-        try:
-            return compute()
-        except ModelRaised as exc:
-            self.first = self.first or exc
-            self.notes.append(f"{what}: {_reason(exc, size)}")
-            return None
 
 
 def _with_single_row(findings: list[Finding], single: list[Finding], single_change: float | None) -> list[Finding]:

@@ -281,33 +281,7 @@ def judge(outputs: Comparison, parameters: Comparison, tolerance: dict) -> list[
             )
         )
     for kind, diff in (("module outputs", outputs), ("parameters", parameters)):
-        if diff.nonfinite:
-            findings.append(
-                Finding(
-                    "FWD964",
-                    Status.FAIL,
-                    f"NaN or Inf where the golden file has finite values, first in {_listed('', diff.nonfinite)}",
-                    where=diff.nonfinite[0].split(":")[0],
-                    module=_module(diff.nonfinite[0].split(":")[0]),
-                )
-            )
-        if diff.reshaped:
-            findings.append(
-                Finding(
-                    "FWD965",
-                    Status.FAIL,
-                    f"{kind} changed shape or dtype (a shape contract "
-                    f"difference, not compared numerically): {_listed('', diff.reshaped)}",
-                    where=diff.reshaped[0].split(":")[0],
-                )
-            )
-        if diff.added or diff.removed:
-            said = "; ".join(part for part in (_listed("new", diff.added), _listed("gone", diff.removed)) if part)
-            findings.append(
-                Finding(
-                    "FWD963", Status.FAIL, f"{kind} added or removed: {said}", where=(diff.added or diff.removed)[0]
-                )
-            )
+        findings += _not_compared(kind, diff)
     if not findings:
         findings.append(
             Finding(
@@ -315,6 +289,38 @@ def judge(outputs: Comparison, parameters: Comparison, tolerance: dict) -> list[
                 Status.PASS,
                 f"every output and parameter within tolerance (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g})",
             )
+        )
+    return findings
+
+
+def _not_compared(kind: str, diff: Comparison) -> list[Finding]:
+    """What one comparison could not compare numerically: NaN or Inf that appeared (FWD964), tensors reshaped or
+    recast (FWD965), tensors added or removed (FWD963)."""
+    findings = []
+    if diff.nonfinite:
+        findings.append(
+            Finding(
+                "FWD964",
+                Status.FAIL,
+                f"NaN or Inf where the golden file has finite values, first in {_listed('', diff.nonfinite)}",
+                where=diff.nonfinite[0].split(":")[0],
+                module=_module(diff.nonfinite[0].split(":")[0]),
+            )
+        )
+    if diff.reshaped:
+        findings.append(
+            Finding(
+                "FWD965",
+                Status.FAIL,
+                f"{kind} changed shape or dtype (a shape contract "
+                f"difference, not compared numerically): {_listed('', diff.reshaped)}",
+                where=diff.reshaped[0].split(":")[0],
+            )
+        )
+    if diff.added or diff.removed:
+        said = "; ".join(part for part in (_listed("new", diff.added), _listed("gone", diff.removed)) if part)
+        findings.append(
+            Finding("FWD963", Status.FAIL, f"{kind} added or removed: {said}", where=(diff.added or diff.removed)[0])
         )
     return findings
 

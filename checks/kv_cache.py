@@ -29,9 +29,10 @@ import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, extract_logits, model_failure, model_frame
+from fwdcheck.model import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe import ZeroAttentionDropout, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.session import Session
 
 # Calls bound the cost: each costs about a forward while the weights, not the tokens, dominate (short sequences, one
 # token per call). A prefill, two one-token steps (the second reads what the first cached) and two chunks of two (the
@@ -85,17 +86,15 @@ class Plan:
 
 def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
-    try:
+    with model_code(f"{what} raised", frame=_model_line):
         return fn(*args, **kwargs)
-    except ModelRaised:
-        raise
-    except BaseException as exc:
-        if not model_failure(exc):
-            raise
-        frame = model_frame(exc)
-        if frame is not None and frame[0].startswith(__file__):
-            frame = None  # raised by the call itself (an argument forward does not take): no line of the model's
-        raise ModelRaised(f"{what} raised {describe(exc)}", frame=frame) from exc
+
+
+def _model_line(exc: BaseException) -> tuple[str, int, str] | None:
+    """The line of model code that raised (model_frame); None when the call itself raised (an argument forward does
+    not take): that is no line of the model's."""
+    frame = model_frame(exc)
+    return None if frame is not None and frame[0].startswith(__file__) else frame
 
 
 def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
@@ -287,6 +286,18 @@ class Changes:
         return max(float(c.max()) for c in self.parts.values())
 
 
+@dataclass
+class Compared:
+    """The cached run and its changes from the full forward's logits, with the threshold they are judged by."""
+
+    decoded: Decoded
+    changes: Changes
+    scale: float  # the full forward's largest |logit|
+    noise: float | None  # the noise floor; None: not measured, since nothing moved beyond the tolerance
+    tolerance: float
+    threshold: float
+
+
 class KVCache(Check):
     name = "kv-cache"
     default = False
@@ -340,10 +351,25 @@ Limits: skips models with no cache path it knows (declare `cache:`), bidirection
 paths share is not its to see (future-token, rope). Decoding starts from one prefill length, in the session's batch
 (rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled ones."""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
             raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
         decoder = decoder_for(model)
+        plan = self._plan(session)
+        compared = self._compare(decoder, model, session, plan)
+        findings = self._findings(compared.decoded, compared.changes, plan, compared.threshold)
+        failing = [f for f in findings if f.status == Status.FAIL]
+        if failing:
+            layer = self._first_layer(decoder, model, session, plan, compared.changes, compared.threshold)
+            if layer:
+                for finding in failing:
+                    finding.where = f"{finding.where}; {layer}"
+        return self._summarise(decoder, plan, compared, findings)
+
+    @staticmethod
+    def _plan(session: Session) -> Plan:
+        """The prefill and the decoding steps at the session's length; SkipCheck when the sequence is too short, or
+        the model refuses one-token forwards."""
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
             raise SkipCheck(
@@ -355,7 +381,12 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
                 f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
                 "decoding steps cannot run"
             )
+        return plan
 
+    def _compare(self, decoder: Decoder, model: ModelUnderTest, session: Session, plan: Plan) -> Compared:
+        """The cached run against the full forward's logits: the observation pass's, the untouched baseline's once
+        a change goes beyond the tolerance, with the noise floor where it can change the verdict. SkipCheck when
+        the full forward's logits hold NaN or Inf."""
         reference = session.reference()  # (B, T, V)
         if nonfinite_positions(reference) and not session.reference_untouched:
             reference = session.baseline()
@@ -372,29 +403,26 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             scale = logit_scale(reference)
             changes = Changes.of(decoded, reference, plan)
         noise = session.repeat_change() if session.noise_matters(changes.largest(), scale) else None
-        tolerance = session.tolerance(scale)
-        threshold = session.threshold(scale, noise or 0.0)
+        return Compared(
+            decoded, changes, scale, noise, session.tolerance(scale), session.threshold(scale, noise or 0.0)
+        )
 
-        findings = self._findings(decoded, changes, plan, threshold)
-        failing = [f for f in findings if f.status == Status.FAIL]
-        if failing:
-            layer = self._first_layer(decoder, model, session, plan, changes, threshold)
-            if layer:
-                for finding in failing:
-                    finding.where = f"{finding.where}; {layer}"
-        largest = {name: float(c.max()) for name, c in changes.parts.items()}
+    def _summarise(self, decoder: Decoder, plan: Plan, compared: Compared, findings: list[Finding]) -> CheckResult:
+        """Each part's largest change and the run's size in the metrics; the failing codes, or what matched."""
+        threshold, noise = compared.threshold, compared.noise
+        largest = {name: float(c.max()) for name, c in compared.changes.parts.items()}
         metrics = {
             "max_change": max(largest.values()),
             "threshold": threshold,
-            "tolerance": tolerance,
-            "logit_scale": scale,
+            "tolerance": compared.tolerance,
+            "logit_scale": compared.scale,
             "prefill_max_change": largest["prefill"],
             "token_max_change": largest["token-by-token"],
             "chunked_max_change": largest["chunked"],
             "prefill": plan.prefill,
             "decoded": sum(plan.chunks),
             "calls": plan.calls,
-            "tokens_run": decoded.tokens,
+            "tokens_run": compared.decoded.tokens,
         }
         if noise is not None:
             metrics["noise_floor"] = noise
@@ -406,6 +434,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             if noise is not None
             else ("not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"),
         }
+        failing = [f for f in findings if f.status == Status.FAIL]
         if failing:
             summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
         else:
@@ -475,7 +504,6 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         logits = {"prefill": decoded.prefill, "token-by-token": decoded.token, "chunked": decoded.chunked}
         offsets = {"prefill": 0, "token-by-token": plan.prefill, "chunked": plan.prefill}
         parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
-        chunks = "+".join(map(str, plan.chunks))
         for name in ("prefill", "token-by-token", "chunked"):
             parting = parted[name]
             if parting is None or (name == "chunked" and parted["token-by-token"] is not None):
@@ -502,40 +530,10 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
                 f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
                 f"{threshold:.3g}); {moved} of {change.shape[1]} positions part"
             )
-            if name == "prefill":
-                code, message = (
-                    "FWD503",
-                    (
-                        f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how "
-                        "the prompt is computed (or the full forward reads future tokens: see future-token)"
-                    ),
-                )
-            elif name == "token-by-token":
-                also = (
-                    f"in chunks of {chunks} from position {plan.prefill + parted['chunked'][1]} too"
-                    if parted["chunked"] is not None
-                    else f"in chunks of {chunks} they agree"
-                )
-                code, message = (
-                    "FWD501",
-                    (
-                        f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
-                        "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
-                        "rotary embedding) and what the cache hands back"
-                    ),
-                )
-            else:
-                code, message = (
-                    "FWD502",
-                    (
-                        f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
-                        "a time agrees: the mask of several new queries over the cached keys is likely aligned "
-                        "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
-                        "cache) instead of bottom-right"
-                    ),
-                )
+            code, message = _parted(name, base, plan, parted["chunked"])
             findings.append(Finding(code, Status.FAIL, message, f"{name}, sample {row}, position {position}"))
         if not findings:
+            chunks = "+".join(map(str, plan.chunks))
             findings.append(
                 Finding(
                     "FWD501",
@@ -617,6 +615,37 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             for handle in handles:
                 handle.remove()
         return seen
+
+
+def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None) -> tuple[str, str]:
+    """(code, message) of a part of the cached run whose logits part from the full forward's: `base` says where and
+    by how much; `chunked`, where the chunks part (None: they agree), for the token-by-token part's message."""
+    chunks = "+".join(map(str, plan.chunks))
+    if name == "prefill":
+        return (
+            "FWD503",
+            f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how "
+            "the prompt is computed (or the full forward reads future tokens: see future-token)",
+        )
+    if name == "token-by-token":
+        also = (
+            f"in chunks of {chunks} from position {plan.prefill + chunked[1]} too"
+            if chunked is not None
+            else f"in chunks of {chunks} they agree"
+        )
+        return (
+            "FWD501",
+            f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
+            "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
+            "rotary embedding) and what the cache hands back",
+        )
+    return (
+        "FWD502",
+        f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
+        "a time agrees: the mask of several new queries over the cached keys is likely aligned "
+        "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
+        "cache) instead of bottom-right",
+    )
 
 
 def first_parting(change: torch.Tensor, threshold: float) -> tuple[int, int] | None:

@@ -21,8 +21,9 @@ import torch
 from fwdcheck.capabilities import Loss
 from fwdcheck.compare import logit_scale
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model import extract_logits
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.model import ModelUnderTest, extract_logits
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.session import Session
 
 SHIFTS = (0, 1, 2)  # how far ahead of its position each position's logits are scored; 1 is right
 # Tokens per row of the calls, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does
@@ -146,6 +147,34 @@ class Look:
         return matched, apart
 
 
+@dataclass
+class Rows:
+    """The rows every call runs: input ids [N, T], and the labels drawn for them in the model's convention."""
+
+    input_ids: torch.Tensor  # (N, T)
+    labels: torch.Tensor  # (N, T)
+
+
+@dataclass
+class Measured:
+    """What the calls with labels returned: a Look per labelling, the loss of the rows rolled by one, and the
+    threshold they are judged against."""
+
+    looks: list[Look]  # the drawn labels first; then labels chosen from the logits, when drawn ones told too little
+    rolled_loss: float
+    threshold: float
+
+    @property
+    def loss(self) -> float:
+        """The loss forward returned for the drawn labels."""
+        return self.looks[0].loss
+
+    @property
+    def order_change(self) -> float:
+        """How far the loss moved when the rows ran in another order."""
+        return abs(self.rolled_loss - self.loss)
+
+
 class NonFinite(Exception):
     """A call with labels returned NaN or Inf: nothing to compare, and a finding of its own (FWD706)."""
 
@@ -200,8 +229,17 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             finding = Finding("FWD706", Status.FAIL, str(exc), where=f"forward({convention(model).argument}=...)")
             return CheckResult.from_findings(self.name, [finding], finding.message)
 
-    def _run(self, model, session) -> CheckResult:
+    def _run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         way = convention(model)
+        rows = self._rows(model, session, way)
+        measured = self._measure(session, way, rows)
+        findings, told, matched = self._judge(measured, where=f"forward({way.argument}=...)")
+        return self._summarise(session, way, rows, measured, findings, told, matched)
+
+    @staticmethod
+    def _rows(model: ModelUnderTest, session: Session, way: Loss) -> Rows:
+        """Rows of random tokens, drawn from the check's own generator, with labels in the model's convention and
+        one column of ignore_index; SkipCheck when too short, or the vocabulary too small, to tell the shifts apart."""
         T = min(session.inputs.shape[1], max(LENGTH, session.min_seq_len))
         if T < 4:
             raise SkipCheck(f"seq_len {T} is too short: shifts 0-2 need at least 4 tokens to be told apart")
@@ -214,8 +252,13 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
         input_ids = tokens[:, :T]  # (N, T)
         labels = (tokens[:, 1:] if way.caller_shifts else input_ids).clone()  # (N, T)
         labels[:, T // 2] = way.ignore_index  # a counted column in every candidate, the same in every row
-        where = f"forward({way.argument}=...)"
+        return Rows(input_ids, labels)
 
+    def _measure(self, session: Session, way: Loss, rows: Rows) -> Measured:
+        """The calls with labels: the drawn labels, the same rows rolled by one, and, when the drawn labels leave
+        some shift too close to call, labels chosen from the logits; the threshold, with the noise floor measured
+        where it can change the verdict."""
+        input_ids, labels = rows.input_ids, rows.labels
         loss, logits = self._forward(session, way, input_ids, labels)
         looks = [Look("drawn", loss, candidate_losses(logits, labels, way.ignore_index, way.caller_shifts))]
         # The same rows rolled by one: each row gets another neighbour; the mean over per-row terms stays the same.
@@ -236,25 +279,15 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             scale = max(scale, abs(chosen_loss), logit_scale(chosen_logits))
         largest = max([order_change] + [abs(look.loss - look.candidates[RIGHT]) for look in looks])
         noise = session.repeat_change() if session.noise_matters(largest, scale) else 0.0  # bounds the loss's too
-        threshold = session.threshold(scale, noise)
+        return Measured(looks, rolled_loss, session.threshold(scale, noise))
 
-        metrics = {
-            "loss": loss,
-            "shift_1": looks[0].candidates[RIGHT],
-            "loss_vs_shift_1": max(abs(look.loss - look.candidates[RIGHT]) for look in looks),
-            "threshold": threshold,
-            "rolled_rows_loss": rolled_loss,
-        }
-        data = {
-            "convention": way.origin,
-            "argument": way.argument,
-            "shifted_by": way.shifted_by,
-            "rows": N,
-            "seq_len": T,
-            "looks": [{"labels": look.labels, "loss": look.loss, "candidates": look.candidates} for look in looks],
-        }
+    @staticmethod
+    def _judge(measured: Measured, where: str) -> tuple[list[Finding], set[str], str]:
+        """(one finding per code, the wrong candidates told apart from shift 1, what the last call's loss matched):
+        the loss must not change with the rows' order, and must equal shift 1's cross-entropy."""
+        threshold, loss, rolled_loss = measured.threshold, measured.loss, measured.rolled_loss
         findings = []
-        if order_change > threshold:
+        if measured.order_change > threshold:
             findings.append(
                 Finding(
                     "FWD703",
@@ -266,10 +299,9 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
                 )
             )
         told: set[str] = set()
-        verdicts = []
-        for look in looks:
+        matched = RIGHT
+        for look in measured.looks:
             matched, apart = look.verdict(threshold)
-            verdicts.append(matched)
             right = look.candidates[RIGHT]
             if matched == RIGHT:
                 told |= apart
@@ -305,12 +337,39 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
                             where=where,
                         )
                     )
-        first_per_code: dict[str, Finding] = {}
-        for f in findings:
-            first_per_code.setdefault(f.code, f)
-        findings = list(first_per_code.values())  # one per code, the first
-        metrics["matched"] = verdicts[-1]
-        data["told_apart"] = sorted(told)
+        return first_per_code(findings), told, matched
+
+    def _summarise(
+        self,
+        session: Session,
+        way: Loss,
+        rows: Rows,
+        measured: Measured,
+        findings: list[Finding],
+        told: set[str],
+        matched: str,
+    ) -> CheckResult:
+        """The result: the first failing finding's message, or what the loss equals and which candidates were told
+        apart; SkipCheck when none could be."""
+        looks, threshold = measured.looks, measured.threshold
+        N, T = rows.input_ids.shape
+        metrics = {
+            "loss": measured.loss,
+            "shift_1": looks[0].candidates[RIGHT],
+            "loss_vs_shift_1": max(abs(look.loss - look.candidates[RIGHT]) for look in looks),
+            "threshold": threshold,
+            "rolled_rows_loss": measured.rolled_loss,
+            "matched": matched,
+        }
+        data = {
+            "convention": way.origin,
+            "argument": way.argument,
+            "shifted_by": way.shifted_by,
+            "rows": N,
+            "seq_len": T,
+            "looks": [{"labels": look.labels, "loss": look.loss, "candidates": look.candidates} for look in looks],
+            "told_apart": sorted(told),
+        }
         if findings:
             bad = next((f for f in findings if f.status == Status.FAIL), findings[0])
             return CheckResult.from_findings(self.name, findings, bad.message, metrics=metrics, data=data)
@@ -321,7 +380,7 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             )
         untold = sorted(set(WRONG) - told)
         summary = (
-            f"loss {loss:.4g} = shift 1 cross-entropy {looks[0].candidates[RIGHT]:.4g} (threshold "
+            f"loss {measured.loss:.4g} = shift 1 cross-entropy {looks[0].candidates[RIGHT]:.4g} (threshold "
             f"{threshold:.2g}); rows in any order"
         )
         if untold:

@@ -24,8 +24,10 @@ import torch
 from fwdcheck.checks.mask_audit_view import CallRow, MaskAuditData
 from fwdcheck.code_paths import path_cells
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.observe import AttentionCall
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.observe import AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.session import Session
 
 CONVENTIONS = [
     {
@@ -117,6 +119,45 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
     return None
 
 
+def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
+    """A self-attention call of a left-padded path as its real tokens see it: the queries and keys after the `pad`
+    padding tokens, at positions from 0; and whether real tokens may read the padding keys."""
+    reads_padding = bool(call.allowed[pad:, :pad].any())
+    real = dataclasses.replace(
+        call,
+        allowed=call.allowed[pad:, pad:],
+        empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
+        query_positions=torch.arange(call.query_len - pad),
+    )
+    return real, reads_padding
+
+
+def _row(call: AttentionCall, reason: NotJudged | None, shape: MayRead | None) -> CallRow:
+    """The table row of one attention call: its mask as handed over, what it lets each query read, and whether it
+    was judged (why not, when not)."""
+    positions = call.query_positions
+    L, S = call.allowed.shape
+    return {
+        "module": call.module or "model",
+        "api": call.api,
+        "mask": call.mask_kind,
+        "mask_shape": list(call.mask_shape) if call.mask_shape else None,
+        "values": call.mask_values,
+        "is_causal": call.is_causal,
+        "dropout_p": call.dropout_p,
+        "pattern": reason.reason if reason else cast(MayRead, shape).value,
+        "judged": reason is None,
+        "reads_future": shape is not None and shape.reads_future,
+        "not_judged": reason.kind if reason else None,
+        "queries": L,
+        "keys": S,
+        "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
+        "positions_from": call.positions_from or None,
+        "source": call.source,
+        "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None,
+    }
+
+
 class MaskAudit(Check):
     name = "mask-audit"
     per_code_path = True  # its bugs hide on paths a default run never takes: run on every cell of the matrix
@@ -172,29 +213,41 @@ the attention module's forward as input_pos or cache_position."""
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['attention_calls']} calls" if "attention_calls" in result.metrics else ""
 
-    def run(self, model, session) -> CheckResult:
-        B = session.inputs.shape[0]
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings, rows = self.audit(session.observation(), model)
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
+        B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
-        # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Such a shortcut shows at any
-        # length of two tokens or more, so the row is the session's short length (16 tokens), not the full sequence.
-        batch1 = B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B))
-        if batch1:
-            length = session.short_length
-            try:
-                single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
-            except ModelRaised as exc:  # what the full batch showed stands
-                data["batch1"] = f"the pass at B=1 was skipped: {exc}"
-            else:
-                for f in single_findings:
-                    f.where = f"{f.where} at B=1"
-                findings += single_findings
-                # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
-                seen = {_kind_of_call(r) for r in rows}
-                rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
-                data["batch1"] = "observed"
-                data["batch1_length"] = length
+        # observe one row alone too, unless the code-path matrix runs batch size 1 itself.
+        if B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B)):
+            self._batch_size_one(model, session, findings, rows, data)
+        return self._summarise(findings, rows, data)
+
+    def _batch_size_one(
+        self, model: ModelUnderTest, session: Session, findings: list[Finding], rows: list[dict], data: MaskAuditData
+    ) -> None:
+        """The first row observed alone: its findings (said "at B=1") added to `findings`, the calls that differ
+        there to `rows` (which data["calls"] holds); what the full batch showed stands when the model refuses the
+        pass. Such a shortcut shows at any length of two tokens or more, so the row is the session's short length
+        (16 tokens), not the full sequence."""
+        length = session.short_length
+        try:
+            single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
+        except ModelRaised as exc:  # what the full batch showed stands
+            data["batch1"] = f"the pass at B=1 was skipped: {exc}"
+            return
+        for f in single_findings:
+            f.where = f"{f.where} at B=1"
+        findings += single_findings
+        # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
+        seen = {_kind_of_call(r) for r in rows}
+        rows += [dict(r, batch_size=1) for r in single_rows if _kind_of_call(r) not in seen]
+        data["batch1"] = "observed"
+        data["batch1_length"] = length
+
+    def _summarise(self, findings: list[Finding], rows: list[dict], data: MaskAuditData) -> CheckResult:
+        """One finding per code, message and line of model code; the first failing code, or the patterns the calls
+        showed. SkipCheck when no call was observed, or none could be judged and nothing failed."""
         if not rows and not findings:
             raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
         findings = _group(findings)
@@ -215,7 +268,7 @@ the attention module's forward as input_pos or cache_position."""
             self.name, findings, summary, data=data, metrics={"attention_calls": len(rows), "judged_calls": len(judged)}
         )
 
-    def audit(self, observation, model) -> tuple[list[Finding], list[dict]]:
+    def audit(self, observation: Observation, model: ModelUnderTest) -> tuple[list[Finding], list[dict]]:
         """Findings and one table row per attention call of one observation pass."""
         findings: list[Finding] = []
         rows: list[CallRow] = []
@@ -223,13 +276,7 @@ the attention module's forward as input_pos or cache_position."""
         input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
             if pad and call.self_attention:
-                reads_padding = bool(call.allowed[pad:, :pad].any())
-                call = dataclasses.replace(
-                    call,
-                    allowed=call.allowed[pad:, pad:],
-                    empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
-                    query_positions=torch.arange(call.query_len - pad),
-                )
+                call, reads_padding = _real_tokens(call, pad)
                 if reads_padding:
                     findings.append(
                         Finding(
@@ -242,29 +289,8 @@ the attention module's forward as input_pos or cache_position."""
                         )
                     )
             reason = not_judged(call, input_followed)
-            positions = call.query_positions
-            shape, future_pairs = (None, []) if reason else pattern(call.allowed, positions)
-            L, S = call.allowed.shape
-            row: CallRow = {
-                "module": call.module or "model",
-                "api": call.api,
-                "mask": call.mask_kind,
-                "mask_shape": list(call.mask_shape) if call.mask_shape else None,
-                "values": call.mask_values,
-                "is_causal": call.is_causal,
-                "dropout_p": call.dropout_p,
-                "pattern": reason.reason if reason else cast(MayRead, shape).value,
-                "judged": reason is None,
-                "reads_future": shape is not None and shape.reads_future,
-                "not_judged": reason.kind if reason else None,
-                "queries": L,
-                "keys": S,
-                "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
-                "positions_from": call.positions_from or None,
-                "source": call.source,
-                "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None,
-            }
-            rows.append(row)
+            shape, future_pairs = (None, []) if reason else pattern(call.allowed, call.query_positions)
+            rows.append(_row(call, reason, shape))
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.causal)
         findings += [
@@ -283,6 +309,8 @@ the attention module's forward as input_pos or cache_position."""
 
     @staticmethod
     def judge(call: AttentionCall, shape: MayRead, future_pairs, causal: bool) -> list[Finding]:
+        """The findings of one judged attention call: its mask against causal (for a causal model), empty rows, a
+        mask beside is_causal, dropout in eval mode. Each points at the line of model code that made the call."""
         where = f"{call.module or 'model'} ({call.api})"
         api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention", "softmax": "eager softmax"}[
             call.api
@@ -299,61 +327,7 @@ the attention module's forward as input_pos or cache_position."""
                 )
             )
         elif causal and future_pairs:
-            L, S = call.allowed.shape
-            if shape is MayRead.BIDIRECTIONAL:
-                how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
-                    call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing"
-                )
-                every = (
-                    f"every query of {L} reads every key"
-                    if L == S
-                    else f"each of {L} queries reads all {S} key slots, those after its own position included"
-                )
-                findings.append(Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where))
-            elif shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
-                convention = (
-                    "True = may attend, but this mask is True on the future (nn.MultiheadAttention's convention)"
-                    if call.api == "sdpa"
-                    else "True = masked out, but this mask is True on the past (SDPA's convention)"
-                )
-                findings.append(
-                    Finding(
-                        "FWD202",
-                        Status.FAIL,
-                        f"boolean mask in the other convention: for {api} {convention}; pass ~mask",
-                        where,
-                    )
-                )
-            elif shape is MayRead.INVERTED and call.mask_kind.startswith("float"):
-                # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
-                # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
-                findings.append(
-                    Finding(
-                        "FWD202",
-                        Status.FAIL,
-                        f"the mask handed to {api} blocks the past and opens "
-                        "the future: a mask built for the other convention (e.g. tril(...).bool(), "
-                        "SDPA's 'True = may attend', where True means masked out); pass ~mask",
-                        where,
-                    )
-                )
-            else:
-                shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
-                # Over a cache, a slot after the query's own position holds a future token or nothing written yet:
-                # a correct mask closes both, so both are read here as the future.
-                what = (
-                    "future keys"
-                    if call.self_attention
-                    else "key slots after their own position (future tokens, or cache slots not yet written)"
-                )
-                findings.append(
-                    Finding(
-                        "FWD204",
-                        Status.FAIL,
-                        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
-                        where,
-                    )
-                )
+            findings.append(_reads_future(call, shape, future_pairs, api, where))
         if call.empty_rows:
             findings.append(
                 Finding(
@@ -385,6 +359,56 @@ the attention module's forward as input_pos or cache_position."""
         for f in findings:  # each is about this call: it points at the line of model code that made it
             f.source, f.module = call.source, call.module
         return findings
+
+
+def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, where: str) -> Finding:
+    """What lets a call of a causal model read the future, said by the shape of its may-read set: no restriction at
+    all (FWD201), a mask in the other API's convention (FWD202), or some future keys (FWD204)."""
+    L, S = call.allowed.shape
+    if shape is MayRead.BIDIRECTIONAL:
+        how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
+            call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing"
+        )
+        every = (
+            f"every query of {L} reads every key"
+            if L == S
+            else f"each of {L} queries reads all {S} key slots, those after its own position included"
+        )
+        return Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where)
+    if shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
+        convention = (
+            "True = may attend, but this mask is True on the future (nn.MultiheadAttention's convention)"
+            if call.api == "sdpa"
+            else "True = masked out, but this mask is True on the past (SDPA's convention)"
+        )
+        return Finding(
+            "FWD202", Status.FAIL, f"boolean mask in the other convention: for {api} {convention}; pass ~mask", where
+        )
+    if shape is MayRead.INVERTED and call.mask_kind.startswith("float"):
+        # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
+        # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
+        return Finding(
+            "FWD202",
+            Status.FAIL,
+            f"the mask handed to {api} blocks the past and opens "
+            "the future: a mask built for the other convention (e.g. tril(...).bool(), "
+            "SDPA's 'True = may attend', where True means masked out); pass ~mask",
+            where,
+        )
+    shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
+    # Over a cache, a slot after the query's own position holds a future token or nothing written yet:
+    # a correct mask closes both, so both are read here as the future.
+    what = (
+        "future keys"
+        if call.self_attention
+        else "key slots after their own position (future tokens, or cache slots not yet written)"
+    )
+    return Finding(
+        "FWD204",
+        Status.FAIL,
+        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
+        where,
+    )
 
 
 def _kind_of_call(row: dict) -> tuple:

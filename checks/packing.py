@@ -30,8 +30,9 @@ import torch
 
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model import extract_logits
+from fwdcheck.model import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.session import Session
 
 Kwargs = Callable[[torch.Tensor], dict[str, Any]]  # document ids [N, T] -> forward's keyword arguments
 
@@ -97,6 +98,17 @@ def isolation(model, session) -> Way:
     return Way(offered.description, kwargs)
 
 
+@dataclass
+class Packed:
+    """The two packed rows: three documents each, the second row's document 1 changed in every token."""
+
+    ids: torch.Tensor  # (2, T)
+    document_ids: torch.Tensor  # (2, T): 0, 1, 2 per document
+    spans: dict[str, tuple[int, int]]  # document -> its positions [start, end) in the row
+    documents: list[torch.Tensor]  # the first row's documents, in order
+    alone_rows: dict[str, int]  # document -> the session row whose prefix it is
+
+
 class Packing(Check):
     name = "packing"
     default = False
@@ -137,28 +149,13 @@ Limits: with a rotary (relative) position encoding, positions that do not restar
 documents are isolated: not a finding, and not visible. A model that offers no isolation skips: restarting
 position_ids alone leave a causal model reading the earlier documents, by design."""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         way = isolation(model, session)
-        B, T = session.inputs.shape
-        if T < 5:
-            raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
-        b = (T - 1) // 2
-        a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
-        spans = {"document 1": (0, a), "document 2": (a, a + b), "document 3": (a + b, T)}
-        other = 1 % B  # the session's second row, or the first again for batch size 1
-        X = session.inputs
-        generator = torch.Generator().manual_seed(session.settings.inputs.seed)  # own draws: the shared ones stay put
-        changed = X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator)
-        changed = (changed % model.vocab_size).to(X.device)  # every token of document 1 differs
-        rows = torch.stack(
-            [torch.cat([X[0, :a], X[other, :b], X[0, :b]]), torch.cat([changed, X[other, :b], X[0, :b]])]
-        )  # (2, T)
-        document_ids = torch.tensor([0] * a + [1] * b + [2] * b, device=X.device).expand(2, T)  # (2, T)
-
-        packed = extract_logits(session.output(rows, **way.kwargs(document_ids))).float()  # (2, T, V)
-        if tuple(packed.shape[:2]) != (2, T):
-            raise SkipCheck(f"the packed forward returned logits {list(packed.shape)} for {[2, T]} ids")
-        data = {"way": way.name, "documents": {name: list(span) for name, span in spans.items()}}
+        rows = self._pack(model, session)
+        packed = extract_logits(session.output(rows.ids, **way.kwargs(rows.document_ids))).float()  # (2, T, V)
+        if tuple(packed.shape[:2]) != tuple(rows.ids.shape):
+            raise SkipCheck(f"the packed forward returned logits {list(packed.shape)} for {list(rows.ids.shape)} ids")
+        data = {"way": way.name, "documents": {name: list(span) for name, span in rows.spans.items()}}
         broken = nonfinite_positions(packed)
         if broken:
             finding = Finding(
@@ -168,17 +165,53 @@ position_ids alone leave a causal model reading the earlier documents, by design
                 where=f"row {broken[0][0]} pos {broken[0][1]}",
             )
             return CheckResult.from_findings(self.name, [finding], finding.message, data=data)
+        measured, threshold = self._measure(session, rows, packed)
+        metrics = {
+            "leak": measured["leak"],
+            "threshold": threshold,
+            **{f"{name.replace(' ', '_')}_vs_alone": measured[name] for name in rows.spans},
+        }
+        findings = self._judge(session, way, rows, packed, measured, threshold, metrics, data)
+        return self._summarise(way, measured, threshold, findings, metrics, data)
 
-        reference = session.reference()  # (B, T, V): each document alone is a prefix of a session row
-        alone_rows = {"document 1": 0, "document 2": other, "document 3": 0}
+    @staticmethod
+    def _pack(model: ModelUnderTest, session: Session) -> Packed:
+        """Two rows of three documents from the session's rows, the second with every token of document 1
+        changed; SkipCheck when seq_len is too short for three."""
+        B, T = session.inputs.shape
+        if T < 5:
+            raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
+        b = (T - 1) // 2
+        a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
+        other = 1 % B  # the session's second row, or the first again for batch size 1
+        X = session.inputs
+        generator = torch.Generator().manual_seed(session.settings.inputs.seed)  # own draws: the shared ones stay put
+        changed = X[0, :a].cpu() + torch.randint(1, max(model.vocab_size, 2), (a,), generator=generator)
+        changed = (changed % model.vocab_size).to(X.device)  # every token of document 1 differs
+        documents = [X[0, :a], X[other, :b], X[0, :b]]
+        ids = torch.stack([torch.cat(documents), torch.cat([changed, *documents[1:]])])  # (2, T)
+        document_ids = torch.tensor([0] * a + [1] * b + [2] * b, device=X.device).expand(2, T)  # (2, T)
+        spans = {"document 1": (0, a), "document 2": (a, a + b), "document 3": (a + b, T)}
+        return Packed(
+            ids, document_ids, spans, documents, alone_rows={"document 1": 0, "document 2": other, "document 3": 0}
+        )
+
+    @staticmethod
+    def _measure(session: Session, rows: Packed, packed: torch.Tensor) -> tuple[dict[str, float], float]:
+        """(the largest change of each comparison, the threshold): documents 2 and 3 of the two rows against each
+        other (the leak), and each document against the prefix of the session's row it came from, first against
+        session.reference(); against the untouched baseline, with the noise floor, when something moved beyond
+        the tolerance."""
+        a = rows.spans["document 2"][0]
 
         def changes(reference: torch.Tensor) -> dict[str, float]:
             found = {"leak": float(position_change(packed[1, a:], packed[0, a:]).max())}
-            for name, (start, end) in spans.items():
-                alone = reference[alone_rows[name], : end - start]
+            for name, (start, end) in rows.spans.items():
+                alone = reference[rows.alone_rows[name], : end - start]
                 found[name] = float(position_change(packed[0, start:end], alone).max())
             return found
 
+        reference = session.reference()  # (B, T, V): each document alone is a prefix of a session row
         measured = changes(reference)
         scale = logit_scale(reference)
         noise = 0.0
@@ -187,15 +220,25 @@ position_ids alone leave a causal model reading the earlier documents, by design
                 reference = session.baseline()
                 measured, scale = changes(reference), logit_scale(reference)
             noise = session.repeat_change()
-        threshold = session.threshold(scale, noise)
-        metrics = {
-            "leak": measured["leak"],
-            "threshold": threshold,
-            **{f"{name.replace(' ', '_')}_vs_alone": measured[name] for name in spans},
-        }
+        return measured, session.threshold(scale, noise)
 
+    def _judge(
+        self,
+        session: Session,
+        way: Way,
+        rows: Packed,
+        packed: torch.Tensor,
+        measured: dict[str, float],
+        threshold: float,
+        metrics: dict,
+        data: dict,
+    ) -> list[Finding]:
+        """FWD601 for a leak; FWD603 and FWD602 for documents that differ from their tokens run alone, confirmed
+        by running them alone (which adds to the metrics and data)."""
         findings = []
+        spans = rows.spans
         if measured["leak"] > threshold:
+            a, T = spans["document 2"][0], spans["document 3"][1]
             findings.append(
                 Finding(
                     "FWD601",
@@ -209,15 +252,7 @@ position_ids alone leave a causal model reading the earlier documents, by design
         # A leak explains later documents that differ from their runs alone; without one, a difference is positions.
         differ = [name for name in spans if measured[name] > threshold and (name == "document 1" or not findings)]
         if differ:
-            # The unpacked rows' prefixes stand for the documents alone only in a causal model: run them alone.
-            confirmed = self._run_alone(session, packed, spans, [X[0, :a], X[other, :b], X[0, :b]], differ)
-            metrics.update({f"{name.replace(' ', '_')}_vs_run_alone": value for name, value in confirmed.items()})
-            if len([name for name in differ if confirmed[name] <= threshold]):
-                data["prefixes"] = (
-                    "the unpacked rows' prefixes differ from the same tokens run alone (the model "
-                    "is not causal): those documents were judged against their runs alone"
-                )
-            differ = [name for name in differ if confirmed[name] > threshold]
+            differ, confirmed = self._confirm(session, rows, packed, differ, threshold, metrics, data)
         for name in differ:
             start, end = spans[name]
             where = f"positions {start}..{end - 1}"
@@ -244,11 +279,40 @@ position_ids alone leave a causal model reading the earlier documents, by design
                         where=where,
                     )
                 )
+        return findings
+
+    def _confirm(
+        self,
+        session: Session,
+        rows: Packed,
+        packed: torch.Tensor,
+        differ: list[str],
+        threshold: float,
+        metrics: dict,
+        data: dict,
+    ) -> tuple[list[str], dict[str, float]]:
+        """The documents that differ from the prefixes of the session's rows, run alone: the unpacked rows'
+        prefixes stand for the documents alone only in a causal model. (Those that still differ, each one's change
+        from its run alone), the changes added to the metrics."""
+        confirmed = self._run_alone(session, packed, rows.spans, rows.documents, differ)
+        metrics.update({f"{name.replace(' ', '_')}_vs_run_alone": value for name, value in confirmed.items()})
+        if len([name for name in differ if confirmed[name] <= threshold]):
+            data["prefixes"] = (
+                "the unpacked rows' prefixes differ from the same tokens run alone (the model "
+                "is not causal): those documents were judged against their runs alone"
+            )
+        return [name for name in differ if confirmed[name] > threshold], confirmed
+
+    def _summarise(
+        self, way: Way, measured: dict[str, float], threshold: float, findings: list[Finding], metrics: dict, data: dict
+    ) -> CheckResult:
+        """The first finding's message, or the leak and the largest change from a document alone."""
         if findings:
             return CheckResult.from_findings(self.name, findings, findings[0].message, metrics=metrics, data=data)
+        alone = max(value for name, value in measured.items() if name != "leak")
         summary = (
             f"3 documents in a row via {way.name.split(' (')[0]}: leak {measured['leak']:.2g}, each vs alone "
-            f"<= {max(measured[name] for name in spans):.2g} (threshold {threshold:.2g})"
+            f"<= {alone:.2g} (threshold {threshold:.2g})"
         )
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 

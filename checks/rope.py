@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from fwdcheck.compare import logit_scale, position_change
+from fwdcheck.compare import logit_scale, position_change, relative_error
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, model_failure, model_frame
+from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.observe import Observation, first_tensor
-from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
 
 # Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
@@ -81,7 +82,7 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float
                 continue
             i, j = pair_indices(pairing, rotary_dim)
             radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
-            drift = float((radius - radius[0]).abs().amax(0).max() / (radius.max() + 1e-30))
+            drift = relative_error(radius, radius[0], relative_to=radius)
             candidates.append((drift, pairing, rotary_dim))
     valid = [c for c in candidates if c[0] <= tol]
     if not valid:
@@ -115,6 +116,7 @@ def toeplitz_error(scores: torch.Tensor) -> float:
     for offset in range(-P + 1, P):
         diagonal = torch.diagonal(scores, offset)
         worst = max(worst, float(diagonal.max() - diagonal.min()))
+    # The spread along each diagonal, not a difference of two tensors: no compare.relative_error.
     return worst / (float(scores.abs().max()) + 1e-30)
 
 
@@ -249,6 +251,8 @@ class Hold:
                 given = own
                 if self.replay is not None and name in self.replay:
                     given = self.replay[name]
+                    # Not compare.relative_error: its inf for a NaN row would read as positions entering absolutely,
+                    # which skips the logits shift.
                     self.moved[name] = max(
                         [0.0]
                         + [
@@ -271,7 +275,7 @@ class Hold:
 def relative_spread(x: torch.Tensor) -> float:
     """How far a hidden state x (B, P, width) is from being the same at every position, relative to its largest
     entry."""
-    return float((x - x[:, :1]).abs().max()) / (float(x.abs().max()) + 1e-30)
+    return relative_error(x, x[:, :1], relative_to=x)
 
 
 class Rope(Check):
@@ -335,7 +339,7 @@ or correct the declaration."""
             return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
         return f"base {m['base']:.4g}" if m.get("base") else ""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         tol = TOLERANCES[session.dtype].rotation
         self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
         declared = model.rope
@@ -344,18 +348,39 @@ or correct the declaration."""
         data: dict = {"declared": declared.model_dump() if declared else None}
 
         probe = self._probe(model, session, tol, findings, data)
-        component = None
-        if model.rotary is not None:
-            try:
-                component = self._component(model, session, tol, findings, data)
-            except Exception as exc:
-                if not model.rotary_discovered:
-                    raise  # a rotary_function the config names must work
-                # found by naming convention only: a modeling file with another signature is no finding
-                data["component"] = None
-                data["component_note"] = f"rotary function found by convention could not be called: {exc}"
+        component = self._rotary_alone(model, session, tol, findings, data)
+        self._judge_presence(model, probe, component, findings)
+        measured = probe.q if probe.rotates else component
+        if declared is not None and measured is not None and measured.pairing:
+            findings += self._against_declared(declared, measured, model)
+        shift_measured = self._logits_shift_if_sound(model, session, probe, findings, metrics, data)
+        return self._summarise(probe, component, measured, shift_measured, findings, metrics, data)
+
+    def _rotary_alone(
+        self, model: ModelUnderTest, session: Session, tol: float, findings: list[Finding], data: dict
+    ) -> Rotation | None:
+        """The rotary function tested alone (_component), when the model has one to call; None when it has none,
+        or one found by convention cannot be called."""
+        if model.rotary is None:
+            return None
+        try:
+            return self._component(model, session, tol, findings, data)
+        except Exception as exc:
+            if not model.rotary_discovered:
+                raise  # a rotary_function the config names must work
+            # found by naming convention only: a modeling file with another signature is no finding
+            data["component"] = None
+            data["component_note"] = f"rotary function found by convention could not be called: {exc}"
+            return None
+
+    @staticmethod
+    def _judge_presence(
+        model: ModelUnderTest, probe: Probe, component: Rotation | None, findings: list[Finding]
+    ) -> None:
+        """A model whose q and k do not turn: FWD307 when it claims a rotary embedding, else SkipCheck (no rotary
+        embedding, or nothing measured), unless another finding already fails it."""
         # Naming a rotary function is a declaration too; one found by convention in a modeling file is not.
-        claims_rope = declared is not None or (model.rotary is not None and not model.rotary_discovered)
+        claims_rope = model.rope is not None or (model.rotary is not None and not model.rotary_discovered)
         failing = any(f.status != Status.PASS for f in findings)
         if probe.judged and not probe.rotates:
             if claims_rope:
@@ -376,10 +401,18 @@ or correct the declaration."""
                 )
         if not probe.judged and not claims_rope and component is None and not failing:
             raise SkipCheck(f"not measured: {probe.why_unjudged()}, and the model declares no rotary embedding")
-        measured = probe.q if probe.rotates else component
-        if declared is not None and measured is not None and measured.pairing:
-            findings += self._against_declared(declared, measured, model)
-        shift_measured = False
+
+    def _logits_shift_if_sound(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        probe: Probe,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> bool:
+        """The logits shift (_logits_shift), unless it cannot say anything here (no position_ids, positions that
+        also enter absolutely, a KV cache longer than the input): whether it was measured."""
         if not model.accepts_position_ids:
             data["logits_shift"] = "skipped: forward takes no position_ids"
         elif data.get("absolute_positions"):
@@ -394,7 +427,21 @@ or correct the declaration."""
             )
         else:
             findings += self._logits_shift(model, session, metrics, data)
-            shift_measured = "logits_shift_change" in metrics
+            return "logits_shift_change" in metrics
+        return False
+
+    def _summarise(
+        self,
+        probe: Probe,
+        component: Rotation | None,
+        measured: Rotation | None,
+        shift_measured: bool,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> CheckResult:
+        """The measured pairing, rotary dim and base; the first failing code, or what holds. SkipCheck when at most
+        the rotary function alone was tested: how the model uses it was not measured."""
         if measured is not None:
             metrics.update(
                 pairing=measured.pairing,
@@ -406,7 +453,6 @@ or correct the declaration."""
         if bad:
             summary = f"{self.codes[bad[0].code]}"
         elif not probe.judged and not shift_measured:
-            # At most the rotary function alone was tested: how the model uses it was not measured.
             shift = data.get("logits_shift") or "shift skipped: no positions left to shift to"
             alone = "; the rotary function alone satisfies the identity" if component is not None else ""
             raise SkipCheck(f"not measured in the model: {probe.why_unjudged()}; logits {shift}{alone}")
@@ -631,7 +677,8 @@ or correct the declaration."""
                 continue
             # Held calls were given the same rows; a call judged by its block's input may have been given another
             # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
-            # rotation can come from different content.
+            # rotation can come from different content. Not compare.relative_error, whose inf for a NaN row would skip
+            # the call as different content: a row that cannot be compared is no reason to judge less.
             if len(before.rows) != len(after.rows) or any(
                 float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
                 for a, b in zip(before.rows, after.rows, strict=True)
@@ -641,12 +688,11 @@ or correct the declaration."""
             q, k, q2, k2 = before.q, before.k, after.q, after.k
             assert q is not None and k is not None and q2 is not None and k2 is not None  # kept for judged calls
             scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
-            change = float((shifted_scores - scores).abs().max()) / (float(scores.abs().max()) + 1e-30)
+            change = relative_error(shifted_scores, scores)
             worst = max(worst, change)
             data["probe_shift"] = {"offset": offset, "score_change": worst, "calls": compared}
             if change > tol:
-                q_moved = float((q2 - q).abs().max()) > tol * float(q.abs().max())
-                k_moved = float((k2 - k).abs().max()) > tol * float(k.abs().max())
+                q_moved, k_moved = relative_error(q2, q) > tol, relative_error(k2, k) > tol
                 who = (
                     "q moved and k did not"
                     if q_moved and not k_moved
@@ -731,12 +777,9 @@ or correct the declaration."""
         positions = torch.arange(P, device=session.device)
 
         def rotate(x):  # the same vector at every position: (P, D) of R(m) x
-            try:  # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+            # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+            with model_code("the rotary function raised"):
                 rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
-            except BaseException as exc:
-                if not model_failure(exc):  # Ctrl-C, a time limit, fwdcheck's own errors
-                    raise
-                raise ModelRaised(f"the rotary function raised {describe(exc)}", frame=model_frame(exc)) from exc
             return rotated[0, 0].double()
 
         Rq, Rk = rotate(q), rotate(k)
@@ -752,9 +795,9 @@ or correct the declaration."""
         for m in range(P):
             for n in range(P):
                 rhs[m, n] = Rq[0] @ Rk[n - m] if n >= m else Rq[m - n] @ Rk[0]
-        identity = float((lhs - rhs).abs().max()) / (float(lhs.abs().max()) + 1e-30)
-        norms = float((Rq.norm(dim=-1) - q.double().norm()).abs().max()) / float(q.double().norm())
-        origin = float((Rq[0] - q.double()).abs().max()) / float(q.double().abs().max())
+        identity = relative_error(rhs, lhs)
+        norms = relative_error(Rq.norm(dim=-1), q.double().norm())
+        origin = relative_error(Rq[0], q.double())
         rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
         data["component"] = {
             "identity_error": identity,
@@ -974,6 +1017,7 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
     weights = []
     angles = []
     for X in (q_seen.double(), k_seen.double()):
+        # A tensor of weights, not one number: no compare.relative_error.
         weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
         angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
     difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
@@ -982,9 +1026,8 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
 
 def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:
     """The same rotary bug repeats in every layer: keep its first occurrence and say how many calls share it."""
-    kept = []
-    for first, members in grouped(findings, key=lambda f: f.code):
-        if len(members) > 1:
-            first.where = f"{first.where} and {len(members) - 1} more of {calls} calls"
-        kept.append(first)
-    return kept
+
+    def more(first: Finding, others: int) -> None:
+        first.where = f"{first.where} and {others} more of {calls} calls"
+
+    return first_per_code(findings, more)

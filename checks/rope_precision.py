@@ -16,13 +16,16 @@ purpose (as transformers does, autocast disabled) is the same in both.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from fwdcheck.checks.rope import analyze, pair_indices
+from fwdcheck.checks.rope import Rotation, analyze, pair_indices
+from fwdcheck.compare import relative_error
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model import describe, model_failure, model_frame
-from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.model import ModelUnderTest, Rotary, model_code
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.session import Session
 from fwdcheck.tolerances import TOLERANCES
 
 POSITIONS = (1024, 8192, 32768, 131072)  # the long positions measured, capped at the model's maximum
@@ -43,6 +46,32 @@ def angle_bar(position: int) -> float:
 def wrapped(angle: torch.Tensor) -> torch.Tensor:
     """Angles brought into [-pi, pi): the difference of two angles, whatever turn each is on."""
     return torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
+
+
+def long_positions(cap: int | None) -> list[int]:
+    """The long positions measured: POSITIONS capped at the model's maximum, each with a window of positions before
+    it; SkipCheck when the cap leaves none."""
+    positions = sorted({min(p, cap - 1) for p in POSITIONS} if cap else set(POSITIONS))
+    positions = [p for p in positions if p >= WINDOW]
+    if not positions:
+        raise SkipCheck(f"the model's maximum positions ({cap}) leave no long position to measure")
+    return positions
+
+
+@dataclass
+class RotaryAlone:
+    """The model's rotary function, called on its own on the session's device."""
+
+    function: Rotary
+    head_size: int  # D
+    device: torch.device
+
+    def rotate(self, x: torch.Tensor, at: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x (D,) turned to every position of `at` by the model's function in `dtype`: (len(at), D) float64."""
+        batch = x.to(self.device, dtype).expand(1, 1, len(at), self.head_size).contiguous()  # (1, 1, T, D)
+        with model_code("the rotary function raised"):  # the model's code: what it raises is the model's error
+            out = self.function(batch, at.to(self.device))
+        return out[0, 0].double().cpu()
 
 
 class RopePrecision(Check):
@@ -77,7 +106,21 @@ casts Hugging Face's inv_freq; from_pretrained(dtype=...) keeps it float32) is t
 identity's relative error do not depend on their scale. When the rotary function cannot run in float64, float32
 is the reference (a float32 run then skips)."""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        rotary = self._rotary_alone(model, session)
+        positions = long_positions(model.max_positions)
+        g = torch.Generator().manual_seed(session.settings.inputs.seed)
+        q, k = torch.randn(2, rotary.head_size, generator=g, dtype=torch.float64)
+        reference_dtype = self._reference_dtype(rotary, model, session, q)
+        turn = self._pairing(rotary, model, q, reference_dtype)
+        rows = self._measure(rotary, turn, (q, k), positions, session.dtype, reference_dtype)
+        findings = self._judge(rows, session.dtype)
+        return self._summarise(model, session, rows, findings, turn, reference_dtype)
+
+    @staticmethod
+    def _rotary_alone(model: ModelUnderTest, session: Session) -> RotaryAlone:
+        """The rotary function to run alone, with the head size it turns; SkipCheck when there is none, or the size
+        is unknown."""
         # The rotation as the layers apply it, in their precision, where the model exposes it; else its function.
         rotary = model.rotary_in_layers or model.rotary
         if rotary is None:
@@ -90,30 +133,15 @@ is the reference (a float32 run then skips)."""
         D = model.dims.get("d_h") or (model.rope.rotary_dim if model.rope else None)
         if not D:
             raise SkipCheck("the head size is unknown: the rotary function cannot be run alone")
-        cap = model.max_positions
-        positions = sorted({min(p, cap - 1) for p in POSITIONS} if cap else set(POSITIONS))
-        positions = [p for p in positions if p >= WINDOW]
-        if not positions:
-            raise SkipCheck(f"the model's maximum positions ({cap}) leave no long position to measure")
+        return RotaryAlone(rotary, D, session.device)
 
-        g = torch.Generator().manual_seed(session.settings.inputs.seed)
-        q, k = torch.randn(2, D, generator=g, dtype=torch.float64)
+    @staticmethod
+    def _reference_dtype(rotary: RotaryAlone, model: ModelUnderTest, session: Session, q: torch.Tensor) -> torch.dtype:
+        """float64, or float32 when the rotary function cannot run in float64; SkipCheck when a function found by
+        convention cannot be called at all, or a float32 run has no more precise reference."""
         short = torch.arange(SHORT)
-        windows = torch.cat([torch.arange(p - WINDOW + 1, p + 1) for p in positions])  # (len(positions) * WINDOW,)
-
-        def rotate(x: torch.Tensor, at: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            """x (D,) turned to every position of `at` by the model's function in `dtype`: (len(at), D) float64."""
-            batch = x.to(session.device, dtype).expand(1, 1, len(at), D).contiguous()  # (1, 1, T, D)
-            try:  # the model's code: what it raises is the model's error
-                out = rotary(batch, at.to(session.device))
-            except BaseException as exc:
-                if not model_failure(exc):
-                    raise
-                raise ModelRaised(f"the rotary function raised {describe(exc)}", frame=model_frame(exc)) from exc
-            return out[0, 0].double().cpu()
-
         try:
-            rotate(q, short[:2], session.dtype)
+            rotary.rotate(q, short[:2], session.dtype)
         except ModelRaised as exc:
             if not model.rotary_discovered:
                 raise  # a rotary function the config names must run
@@ -122,86 +150,128 @@ is the reference (a float32 run then skips)."""
                 f"the rotary function found by convention cannot be called alone ({exc}); name one "
                 "with `rotary_function:` in the config"
             ) from None
-        reference_dtype = torch.float64
         try:
-            rotate(q, short[:2], torch.float64)
+            rotary.rotate(q, short[:2], torch.float64)
         except ModelRaised as exc:
             if session.dtype == torch.float32:
                 raise SkipCheck(
                     f"the rotary function does not run in float64 ({exc}); a float32 run has no more precise reference"
                 ) from None
-            reference_dtype = torch.float32
-        # Which dims rotate, paired how: from q turned through the short positions at the reference precision.
+            return torch.float32
+        return torch.float64
+
+    @staticmethod
+    def _pairing(rotary: RotaryAlone, model: ModelUnderTest, q: torch.Tensor, reference_dtype: torch.dtype) -> Rotation:
+        """Which dims rotate, paired how: from q turned through the short positions at the reference precision.
+        SkipCheck when the function alone does not rotate pairs of dims."""
         tol = TOLERANCES[torch.float32].rotation
-        turn = analyze(rotate(q, short, reference_dtype), tol, model.rope.pairing if model.rope else None)
+        turn = analyze(
+            rotary.rotate(q, torch.arange(SHORT), reference_dtype), tol, model.rope.pairing if model.rope else None
+        )
         if not turn.rotates or turn.pairing is None:
             raise SkipCheck(
                 "the rotary function alone does not rotate pairs of dims at positions 0..31"
                 + ("" if not turn.rotates else f" (pair norms drift by {turn.norm_error:.3g})")
             )
+        return turn
+
+    @staticmethod
+    def _measure(
+        rotary: RotaryAlone,
+        turn: Rotation,
+        qk: tuple[torch.Tensor, torch.Tensor],
+        positions: list[int],
+        dtype: torch.dtype,
+        reference_dtype: torch.dtype,
+    ) -> list[dict]:
+        """Per long position, in the run's dtype against the reference one: the largest angle error over the pairs
+        and the relative identity's error over the window ending there, NaN as inf (it never passes), each with the
+        bar it is judged against (data.positions)."""
+        q, k = qk
+        short = torch.arange(SHORT)
+        windows = torch.cat([torch.arange(p - WINDOW + 1, p + 1) for p in positions])  # (len(positions) * WINDOW,)
+        assert turn.pairing is not None  # _pairing skips a rotation without one
         first, second = pair_indices(turn.pairing, turn.rotary_dim)
-        probe = torch.zeros(D, dtype=torch.float64)
+        probe = torch.zeros(rotary.head_size, dtype=torch.float64)
         probe[first] = 1.0  # each pair (1, 0): turned, it reads (cos, sin) of the pair's angle
 
         def angles(dtype: torch.dtype) -> torch.Tensor:
-            turned = rotate(probe, windows, dtype)  # (N, D)
+            turned = rotary.rotate(probe, windows, dtype)  # (N, D)
             return torch.atan2(turned[:, second], turned[:, first])  # (N, r/2)
 
-        low, exact = angles(session.dtype), angles(reference_dtype)
+        low, exact = angles(dtype), angles(reference_dtype)
         angle_error = wrapped(low - exact).abs().amax(-1).view(len(positions), WINDOW)  # (positions, WINDOW)
         # The relative identity over each window, against float64 at short distances (n - m in 0..WINDOW-1).
-        q_low, k_low = rotate(q, windows, session.dtype), rotate(k, windows, session.dtype)  # (N, D) each
-        q_short, k_short = rotate(q, short[:WINDOW], reference_dtype), rotate(k, short[:WINDOW], reference_dtype)
+        q_low, k_low = rotary.rotate(q, windows, dtype), rotary.rotate(k, windows, dtype)  # (N, D) each
+        q_short, k_short = (
+            rotary.rotate(q, short[:WINDOW], reference_dtype),
+            rotary.rotate(k, short[:WINDOW], reference_dtype),
+        )
         offsets = torch.arange(WINDOW)
+        distance = offsets[None, :] - offsets[:, None]  # (W, W): n - m
+        # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
+        ahead = q_short[0] @ k_short.T  # (W,): <q, R(d)k>
+        behind = q_short @ k_short[0]  # (W,): <R(d)q, k>
+        expected = torch.where(distance >= 0, ahead[distance.clamp(min=0)], behind[(-distance).clamp(min=0)])
         rows = []
-        findings = []
         for i, position in enumerate(positions):
-            span = slice(i * WINDOW, (i + 1) * WINDOW)
-            scores = q_low[span] @ k_low[span].T  # (W, W): <R(m)q, R(n)k>
-            distance = offsets[None, :] - offsets[:, None]  # (W, W): n - m
-            # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
-            ahead = q_short[0] @ k_short.T  # (W,): <q, R(d)k>
-            behind = q_short @ k_short[0]  # (W,): <R(d)q, k>
-            expected = torch.where(distance >= 0, ahead[distance.clamp(min=0)], behind[(-distance).clamp(min=0)])
-            identity = float((scores - expected).abs().max() / expected.abs().max())
-            identity = float("inf") if math.isnan(identity) else identity  # NaN never passes
+            window = slice(i * WINDOW, (i + 1) * WINDOW)
+            scores = q_low[window] @ k_low[window].T  # (W, W): <R(m)q, R(n)k>
+            identity = relative_error(scores, expected)  # inf for NaN: it never passes
             angle = float(angle_error[i].max())
             angle = float("inf") if math.isnan(angle) else angle
             bar = angle_bar(position)
-            identity_bar = TOLERANCES[session.dtype].rotation + 2 * bar
             rows.append(
                 {
                     "position": position,
                     "angle_error": angle,
                     "angle_bar": bar,
                     "identity_error": identity,
-                    "identity_bar": identity_bar,
+                    "identity_bar": TOLERANCES[dtype].rotation + 2 * bar,
                 }
             )
-            dtype = str(session.dtype).removeprefix("torch.")
+        return rows
+
+    def _judge(self, rows: list[dict], dtype: torch.dtype) -> list[Finding]:
+        """FWD901 and FWD902 at the first (shortest) position failing each, saying how many longer ones fail too."""
+        findings = []
+        name = str(dtype).removeprefix("torch.")
+        for row in rows:
+            position, angle, bar = row["position"], row["angle_error"], row["angle_bar"]
             if angle > bar:
                 findings.append(
                     Finding(
                         "FWD901",
                         Status.FAIL,
-                        f"at position {position} the rotary angles in {dtype} "
+                        f"at position {position} the rotary angles in {name} "
                         f"are off by up to {angle:.3g} rad from float64 (bar {bar:.3g}): inv_freq or "
                         "position * inv_freq is computed in low precision",
                         "rotary embedding",
                     )
                 )
-            if identity > identity_bar:
+            if row["identity_error"] > row["identity_bar"]:
                 findings.append(
                     Finding(
                         "FWD902",
                         Status.FAIL,
                         f"at positions {position - WINDOW + 1}..{position} "
-                        f"<R(m)q, R(n)k> differs from <q, R(n-m)k> by {identity:.3g} of its scale in "
-                        f"{dtype} (bar {identity_bar:.3g})",
+                        f"<R(m)q, R(n)k> differs from <q, R(n-m)k> by {row['identity_error']:.3g} of its scale in "
+                        f"{name} (bar {row['identity_bar']:.3g})",
                         "rotary embedding",
                     )
                 )
-        findings = first_per_code(findings)
+        return first_per_code(findings, more=_longer_positions)
+
+    def _summarise(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        rows: list[dict],
+        findings: list[Finding],
+        turn: Rotation,
+        reference_dtype: torch.dtype,
+    ) -> CheckResult:
+        """Every position's errors in the data, the worst angle in the metrics and the summary."""
         data = {
             "positions": rows,
             "pairing": turn.pairing,
@@ -217,7 +287,7 @@ is the reference (a float32 run then skips)."""
         }
         summary = (
             f"angles off by up to {worst['angle_error']:.3g} rad at position {worst['position']} "
-            f"(bar {worst['angle_bar']:.3g}); positions {', '.join(str(p) for p in positions)} in "
+            f"(bar {worst['angle_bar']:.3g}); positions {', '.join(str(r['position']) for r in rows)} in "
             f"{str(session.dtype).removeprefix('torch.')} vs {data['reference_dtype']}"
         )
         if findings:
@@ -230,17 +300,9 @@ is the reference (a float32 run then skips)."""
         return f"{value:.2g} rad" if value is not None else ""
 
 
-def first_per_code(findings: list[Finding]) -> list[Finding]:
-    """The first (shortest) position failing each code, with how many positions fail it."""
-    first: dict[str, Finding] = {}
-    count: dict[str, int] = {}
-    for f in findings:
-        first.setdefault(f.code, f)
-        count[f.code] = count.get(f.code, 0) + 1
-    for code, f in first.items():
-        if count[code] > 1:
-            f.message += f"; {count[code] - 1} longer position(s) fail too"
-    return list(first.values())
+def _longer_positions(first: Finding, more: int) -> None:
+    """The first (shortest) position failing a code stands for it, saying how many longer positions fail too."""
+    first.message += f"; {more} longer position(s) fail too"
 
 
 def half_buffers(model) -> list[str]:

@@ -51,12 +51,20 @@ class RopeData(TypedDict, total=False):
 
 
 def rope_numbers(r: CheckResult) -> RenderableType:
+    """The rotation each view measured (the probe's q and k, the rotary function alone), what the model declares,
+    the relative errors each view found, and what was not judged."""
     probe = r.data.get("probe")
     rows = []
     if isinstance(probe, dict):
         rows += [("probe q", probe["q"]), ("probe k", probe["k"])]
     if r.data.get("component"):
         rows.append(("rotary function", r.data["component"]))
+    lines: list[RenderableType] = [_rotations(rows)] if rows else []  # headers over nothing say less than the notes
+    return Group(*lines, *_errors(r, probe), *notes(_ropenotes(r.data)))
+
+
+def _rotations(rows: list[tuple[str, Rotation]]) -> FitTable:
+    """A row per view: whether it rotates, the pairing, rotary dim and base, and the first frequencies."""
     cells = []
     for view, rot in rows:
         thetas = ", ".join(f"{t:.4g}" for t in rot.get("thetas", [])[:4])
@@ -83,9 +91,14 @@ def rope_numbers(r: CheckResult) -> RenderableType:
         FitColumn("base", whole=True),
         FitColumn("first frequencies (rad/position)"),
     ]
-    table = FitTable(columns, cells, box=box.SIMPLE, pad_edge=False, show_edge=False)
+    return FitTable(columns, cells, box=box.SIMPLE, pad_edge=False, show_edge=False)
+
+
+def _errors(r: CheckResult, probe: Any) -> list[Text]:
+    """What the model declares, and the relative errors each view measured: off the diagonals of q_m . k_n, the
+    rotary function's identity, norms and R(0), the logits with every position shifted."""
+    lines = []
     declared = r.data.get("declared")
-    lines: list[RenderableType] = [table] if rows else []  # headers over nothing say less than the notes below
     if declared:
         base = f"{declared['base']:g}" if declared.get("base") else "rescaled"
         lines.append(
@@ -117,7 +130,7 @@ def rope_numbers(r: CheckResult) -> RenderableType:
                 style="dim",
             )
         )
-    return Group(*lines, *notes(_ropenotes(r.data)))
+    return lines
 
 
 def _ropenotes(data: dict) -> list[str]:

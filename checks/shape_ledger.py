@@ -22,8 +22,10 @@ from typing import Any
 
 from fwdcheck.checks.shape_ledger_view import LedgerData
 from fwdcheck.errors import ModelRaised, first_line
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.observe import ModuleCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.session import Session
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
 NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
@@ -128,7 +130,7 @@ If a size is named wrongly because the model's config says something else, decla
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['tensors']} tensors" if "tensors" in result.metrics else ""
 
-    def run(self, model, session) -> CheckResult:
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         first = session.observation()
         B, T = session.inputs.shape
         blocks = model.layer_stack
@@ -137,8 +139,32 @@ If a size is named wrongly because the model's config says something else, decla
 
         (B2, T2), ran, notes = naming_pass(session, entries, blocks, known, model.max_positions)
         namer = Namer((B, T), (B2, T2) if ran else None, known)
+        rows, findings = self._judge(entries, namer)
+        notes += namer.notes(rows)
+        dims_seen = namer.dims()
+        expected_ledger = session.settings.expect_ledger
+        diff = compare_ledgers(expected_ledger, rows, dims_seen) if expected_ledger else None
+        if diff:
+            findings += diff
+        data: LedgerData = {
+            "entries": rows,
+            "dims": dims_seen,
+            "probe": {"batch_size": B2, "seq_len": T2},
+            "softmax": sorted({_direction(e) for e in entries if e.role == "weights"})
+            or ["no attention weights observed"],
+            "notes": notes,
+        }
+        if expected_ledger is not None:
+            data["ledger_diff"] = [f.message for f in diff or []]
+        return self._summarise(entries, findings, diff, data)
+
+    @staticmethod
+    def _judge(entries: list[Entry], namer: Namer) -> tuple[list[dict], list[Finding]]:
+        """Each entry named and judged against the layouts its role allows: its ledger row, and the findings, one
+        per bug however many layers repeat it."""
         named = namer.name_all(entries)
-        findings, rows = [], []
+        findings: list[Finding] = []
+        rows: list[dict] = []
         for e in entries:
             dims, layout = named[e.name]
             expected = TEMPLATES.get(e.role)
@@ -158,25 +184,15 @@ If a size is named wrongly because the model's config says something else, decla
                 }
             )
             findings += judge(e, dims, ok, expected, namer)
-        findings = _merge_layers(findings)
-        notes += namer.notes(rows)
-        dims_seen = namer.dims()
-        expected_ledger = session.settings.expect_ledger
-        diff = compare_ledgers(expected_ledger, rows, dims_seen) if expected_ledger else None
-        if diff:
-            findings += diff
+        return rows, _merge_layers(findings)
 
-        attention = [e for e in entries if e.role in ("q", "weights", "mha_in", "scores_q")]
-        directions = sorted({_direction(e) for e in entries if e.role == "weights"})
-        data: LedgerData = {
-            "entries": rows,
-            "dims": dims_seen,
-            "probe": {"batch_size": B2, "seq_len": T2},
-            "softmax": directions or ["no attention weights observed"],
-            "notes": notes,
-        }
-        if expected_ledger is not None:
-            data["ledger_diff"] = [f.message for f in diff or []]
+    def _summarise(
+        self, entries: list[Entry], findings: list[Finding], diff: list[Finding] | None, data: LedgerData
+    ) -> CheckResult:
+        """The first difference from the expected ledger, or the first layout problem, or what was named; and what
+        the ledger could not show."""
+        rows, notes = data["entries"], data["notes"]
+        weights_seen = any(e.role == "weights" for e in entries)  # data["softmax"] then says which way
         bad = [f for f in findings if f.status != Status.PASS]
         if diff:
             summary = f"{len(diff)} difference(s) from the expected ledger; first: {diff[0].message}"
@@ -184,18 +200,19 @@ If a size is named wrongly because the model's config says something else, decla
             summary = f"{len(bad)} layout problem(s): {bad[0].message}"
         else:
             summary = (
-                f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in dims_seen.items())}); "
-                f"softmax {directions[0] if directions else 'not observed'}"
+                f"{len(rows)} tensors named ({', '.join(f'{k}={v}' for k, v in data['dims'].items())}); "
+                f"softmax {data['softmax'][0] if weights_seen else 'not observed'}"
             )
-        if not attention:
+        if not any(e.role in ("q", "weights", "mha_in", "scores_q") for e in entries):
             summary += "; no attention call observed (custom kernel?): q/k/v not in the ledger"
         if notes:
             summary += "; note: " + "; ".join(notes)
+        probe = data["probe"]
         return CheckResult.from_findings(
             self.name,
             findings,
             summary,
-            metrics={"tensors": len(rows), "probe_batch": B2, "probe_seq_len": T2},
+            metrics={"tensors": len(rows), "probe_batch": probe["batch_size"], "probe_seq_len": probe["seq_len"]},
             data=data,
         )
 
@@ -251,13 +268,32 @@ def first_logits_shape(observation: Observation) -> tuple[int, ...] | None:
 def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known: dict[str, int]) -> list[Entry]:
     """The ledger's entries in forward order, named so the same tensor gets the same name in both passes."""
     entries = [Entry("input_ids", "ids", tuple(ids_shape), dtype="int64")]
+    entries += _module_entries(obs, ids_shape[0], blocks, known)
+    attention, calls_at = _attention_entries(obs)
+    entries += attention
+    entries += _matmul_entries(obs, calls_at)
+    entries.sort(key=lambda e: e.seq)
+    if logits_shape:
+        # The logits the checks read are [B, T, width]: the model's face verified B and T, also where a forward
+        # adapter calls the model several times (a prefill, then decode steps) and joins the pieces.
+        root = next((m for m in obs.modules if m.name == ""), None)
+        entries.append(
+            Entry("logits", "logits", (*ids_shape, logits_shape[-1]), dtype=root.output_dtype if root else "")
+        )
+    return entries
+
+
+def _module_entries(obs: Observation, batch: int, blocks: str | None, known: dict[str, int]) -> list[Entry]:
+    """The outputs of the modules whose role the ledger knows: the embeddings of the ids, each block of the layer
+    stack, and the first block's feed-forward hidden layers."""
+    entries: list[Entry] = []
     attending = {c.module for c in obs.attention if c.module} | {m.module for m in obs.matmuls if m.module}
-    token = _token_embedding(obs, ids_shape[0], known.get("d"))
+    token = _token_embedding(obs, batch, known.get("d"))
     calls: dict[str, int] = {}  # a module run more than once per forward (decode steps, shared layers): #1, #2, ...
     for i, call in enumerate(obs.modules):
         if call.output_shape is None or not call.name:
             continue
-        if _embeds_ids(call, ids_shape[0]):
+        if _embeds_ids(call, batch):
             role, label = "embedding", f"{'token embedding' if call.name == token else 'embedding'} ({call.name})"
         elif (
             blocks
@@ -291,9 +327,15 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
                 dtype=call.output_dtype,
             )
         )
+    return entries
 
+
+def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
+    """Each attention call's q, k and v as SDPA takes them (nn.MultiheadAttention's input), and its weights; with
+    each call's name, by its index."""
+    entries: list[Entry] = []
     per_module: dict[str, int] = {}
-    calls_at: list[str] = []  # each attention call's name, by its index
+    calls_at: list[str] = []
     for attn in obs.attention:
         n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
@@ -320,14 +362,21 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
                 **at,
             )
         )
+    return entries, calls_at
+
+
+def _matmul_entries(obs: Observation, calls_at: list[str]) -> list[Entry]:
+    """Eager attention's operands: q @ k^T makes the scores, weights @ v reads the values. calls_at: each attention
+    call's name, by its index, which the products of that call share."""
+    entries: list[Entry] = []
     per_kind: dict[tuple[str, str], int] = {}
-    for mm in obs.matmuls:  # eager attention: q @ k^T makes the scores, weights @ v reads the values
+    for mm in obs.matmuls:
         n = per_kind[(mm.module, mm.kind)] = per_kind.get((mm.module, mm.kind), -1) + 1
         where = f"{mm.module or 'model'}" + (f"#{n}" if n else "")
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
         index = mm.call if mm.call is not None and mm.call < len(calls_at) else None
         where = calls_at[index] if index is not None else where
-        at = dict(
+        at: dict[str, Any] = dict(
             module=mm.module, seq=mm.seq, group=where, source=obs.attention[index].source if index is not None else None
         )
         if mm.kind == "scores":
@@ -337,14 +386,6 @@ def collect(obs: Observation, ids_shape, logits_shape, blocks: str | None, known
             ]
         else:
             entries.append(Entry(f"{where} v (weights @ v)", "scores_v", mm.b_shape, **at))
-    entries.sort(key=lambda e: e.seq)
-    if logits_shape:
-        # The logits the checks read are [B, T, width]: the model's face verified B and T, also where a forward
-        # adapter calls the model several times (a prefill, then decode steps) and joins the pieces.
-        root = next((m for m in obs.modules if m.name == ""), None)
-        entries.append(
-            Entry("logits", "logits", (*ids_shape, logits_shape[-1]), dtype=root.output_dtype if root else "")
-        )
     return entries
 
 

@@ -154,8 +154,9 @@ output."""
     # -- rank 0 ------------------------------------------------------------------------------------------------------
 
     def _judge(self, context, session, model, blocks, sharded, raised, disagreement, split) -> dict:
-        findings: list[Finding] = []
-        metrics: dict = {}
+        """Rank 0's verdict, as the dict the broadcast carries: the unsharded model runs the same inputs, and the
+        sharded model's logits and block outputs, the context-parallel logits and every rank's are compared with
+        its own."""
         data: dict = {
             "parallelized_by": context.parallelized_by,
             "ranks": context.world,
@@ -174,87 +175,116 @@ output."""
             message = f"the unsharded model raises where the sharded one runs: {exc}"
             return CheckResult(self.name, Status.ERROR, message, [Finding("FWD002", Status.ERROR, message)]).to_dict()
         if raised is not None:
-            where = raised.where or ""
-            findings.append(
-                Finding(
-                    UNSHARDED_RAISES,
-                    Status.FAIL,
-                    f"the sharded model raises where the unsharded "
-                    f"one runs: {first_line(raised)} ({context.parallelized_by} over "
-                    f"{context.world} ranks)",
-                    where=where or None,
-                    source=code_location(raised.frame[0], raised.frame[1]) if raised.frame else None,
-                )
-            )
-            summary = f"the sharded model raises where the unsharded one runs: {first_line(raised)}"
-            return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data).to_dict()
+            return self._sharded_raises(context, raised, data).to_dict()
 
         logits, block_outputs = sharded
         reference_logits, reference_blocks = reference
         scale = logit_scale(reference_logits)
         bar = _bar(session, scale)
-        change = position_change(logits, reference_logits)  # (B, T)
-        metrics.update(max_change=float(change.max()), bar=bar, logit_scale=scale, rank_max_change=max(disagreement))
+        change = float(position_change(logits, reference_logits).max())
+        metrics: dict = {"max_change": change, "bar": bar, "logit_scale": scale, "rank_max_change": max(disagreement)}
         data["rank_changes"] = disagreement
-        layers = _layer_changes(block_outputs, reference_blocks, session)
-        data["layers"] = layers
-        if float(change.max()) > bar:
-            first = next((row for row in layers if row["change"] > row["bar"]), None)
-            at = (
-                f"first parts at {model.layer_stack}.{first['block']} (output changed by {first['change']:.3g})"
-                if first
-                else "no block output parts beyond its bar: the head or the final norm"
-            )
-            findings.append(
-                Finding(
-                    "FWD981",
-                    Status.FAIL,
-                    f"the sharded model's logits differ from the unsharded "
-                    f"model's by {float(change.max()):.3g} (bar {bar:.3g}); {at}",
-                    where=f"{model.layer_stack}.{first['block']}" if first else None,
-                    module=f"{model.layer_stack}.{first['block']}" if first else None,
-                )
-            )
-        if isinstance(split, str):
-            data["context_parallel"] = f"not run: {split}"
-        elif split is not None:
-            split_change = float(position_change(split, reference_logits).max())
-            metrics["context_parallel_max_change"] = split_change
-            data["context_parallel"] = f"the sequence split across {context.world} ranks: max change {split_change:.3g}"
-            if not split_change <= bar:
-                findings.append(
-                    Finding(
-                        "FWD984",
-                        Status.FAIL,
-                        f"with the sequence split across {context.world} ranks "
-                        f"(context_parallel) the logits differ from the whole sequence's by "
-                        f"{split_change:.3g} (bar {bar:.3g}): the attention of a rank's chunk is "
-                        "masked or positioned as if it were the whole sequence",
-                    )
-                )
-        apart = [rank for rank, c in enumerate(disagreement) if not c <= bar]
-        if apart:
-            who = f"rank {apart[0]} returns" if len(apart) == 1 else f"ranks {', '.join(map(str, apart))} return"
-            findings.append(
-                Finding(
-                    "FWD982",
-                    Status.FAIL,
-                    f"{who} other logits than rank 0 (by up to "
-                    f"{max(disagreement):.3g}, bar {bar:.3g}): an output that should be replicated is "
-                    "partial or sharded (a reduction or a gather missing)",
-                    where=", ".join(f"rank {rank}" for rank in apart),
-                )
-            )
+        data["layers"] = _layer_changes(block_outputs, reference_blocks, session)
+        findings = _logits_differ(model, change, bar, data["layers"])
+        findings += _split_sequence_differs(context, split, reference_logits, bar, metrics, data)
+        findings += _ranks_apart(disagreement, bar)
+        return self._summarise(context, findings, change, bar, metrics, data).to_dict()
+
+    def _sharded_raises(self, context, raised: ModelRaised, data: dict) -> CheckResult:
+        """FWD983: the sharded model raises where the unsharded one runs, which is the sharding's doing."""
+        where = raised.where or ""
+        finding = Finding(
+            UNSHARDED_RAISES,
+            Status.FAIL,
+            f"the sharded model raises where the unsharded "
+            f"one runs: {first_line(raised)} ({context.parallelized_by} over "
+            f"{context.world} ranks)",
+            where=where or None,
+            source=code_location(raised.frame[0], raised.frame[1]) if raised.frame else None,
+        )
+        summary = f"the sharded model raises where the unsharded one runs: {first_line(raised)}"
+        return CheckResult.from_findings(self.name, [finding], summary, metrics={}, data=data)
+
+    def _summarise(
+        self, context, findings: list[Finding], change: float, bar: float, metrics: dict, data: dict
+    ) -> CheckResult:
+        """The codes that failed, or how far the ranks are from the unsharded logits and how the parameters lie."""
         if findings:
             summary = "; ".join(self.codes[f.code] for f in findings)
         else:
             summary = (
                 f"{context.world} ranks ({context.parallelized_by}) give the unsharded logits: max change "
-                f"{float(change.max()):.2g} vs bar {bar:.2g}; {data['placements']['summary']}"
+                f"{change:.2g} vs bar {bar:.2g}; {data['placements']['summary']}"
             )
             if "context_parallel" in data:
                 summary += f"; context parallelism: {data['context_parallel']}"
-        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data).to_dict()
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+
+def _logits_differ(model, change: float, bar: float, layers: list[dict]) -> list[Finding]:
+    """FWD981: the sharded model's logits beyond the bar, saying at which block the outputs first part."""
+    if not change > bar:
+        return []
+    first = next((row for row in layers if row["change"] > row["bar"]), None)
+    at = (
+        f"first parts at {model.layer_stack}.{first['block']} (output changed by {first['change']:.3g})"
+        if first
+        else "no block output parts beyond its bar: the head or the final norm"
+    )
+    return [
+        Finding(
+            "FWD981",
+            Status.FAIL,
+            f"the sharded model's logits differ from the unsharded model's by {change:.3g} (bar {bar:.3g}); {at}",
+            where=f"{model.layer_stack}.{first['block']}" if first else None,
+            module=f"{model.layer_stack}.{first['block']}" if first else None,
+        )
+    ]
+
+
+def _split_sequence_differs(
+    context, split: torch.Tensor | str | None, reference: torch.Tensor, bar: float, metrics: dict, data: dict
+) -> list[Finding]:
+    """FWD984: with the sequence split across the ranks (context parallelism), logits beyond the bar; split is
+    those logits, why they could not be computed, or None when context parallelism was not asked for."""
+    if isinstance(split, str):
+        data["context_parallel"] = f"not run: {split}"
+        return []
+    if split is None:
+        return []
+    split_change = float(position_change(split, reference).max())
+    metrics["context_parallel_max_change"] = split_change
+    data["context_parallel"] = f"the sequence split across {context.world} ranks: max change {split_change:.3g}"
+    if split_change <= bar:
+        return []
+    return [
+        Finding(
+            "FWD984",
+            Status.FAIL,
+            f"with the sequence split across {context.world} ranks "
+            f"(context_parallel) the logits differ from the whole sequence's by "
+            f"{split_change:.3g} (bar {bar:.3g}): the attention of a rank's chunk is "
+            "masked or positioned as if it were the whole sequence",
+        )
+    ]
+
+
+def _ranks_apart(disagreement: list[float], bar: float) -> list[Finding]:
+    """FWD982: ranks whose logits differ from rank 0's beyond the bar, where they should be replicated."""
+    apart = [rank for rank, c in enumerate(disagreement) if not c <= bar]
+    if not apart:
+        return []
+    who = f"rank {apart[0]} returns" if len(apart) == 1 else f"ranks {', '.join(map(str, apart))} return"
+    return [
+        Finding(
+            "FWD982",
+            Status.FAIL,
+            f"{who} other logits than rank 0 (by up to "
+            f"{max(disagreement):.3g}, bar {bar:.3g}): an output that should be replicated is "
+            "partial or sharded (a reduction or a gather missing)",
+            where=", ".join(f"rank {rank}" for rank in apart),
+        )
+    ]
 
 
 def _bar(session, scale: float) -> float:

@@ -39,11 +39,14 @@ def logit_scale(logits: torch.Tensor) -> float:
     return max(abs(float(logits.amax())), abs(float(logits.amin())))
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor, relative_to: torch.Tensor | None = None) -> float:
     """max |a - b| over max |b|: how far apart two tensors are relative to the size of `b` (the reference); inf when
-    either holds NaN or Inf (no comparison may pass them), and the absolute difference when `b` is all zeros."""
+    either holds NaN or Inf (no comparison may pass them), and the absolute difference when `b` is all zeros.
+
+    `relative_to`, when given, is the tensor whose size counts instead of b's: a stack of vectors compared with its
+    first, relative to the whole stack."""
     difference = float((a - b).abs().max())
     if difference != difference or difference == float("inf"):
         return float("inf")
-    scale = float(b.abs().max())
+    scale = float((b if relative_to is None else relative_to).abs().max())
     return difference / scale if scale > 0 else difference

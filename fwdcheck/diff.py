@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,7 +189,41 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
     buffers each keeps. A UsageError (exit 2) when the names do not match one to one or a shape fits no rule."""
     params_a = dict(a.named_parameters(remove_duplicate=False))  # tied weights under each of their names
     params_b = dict(b.named_parameters(remove_duplicate=False))
-    source: dict[str, str] = {}  # B's name -> A's
+    source = _counterparts(params_a, params_b, rules, path_b)  # B's name -> A's
+    modules_a, modules_b = dict(a.named_modules()), dict(b.named_modules())
+
+    def classes(name_b: str) -> tuple[str, str]:
+        owner_a, owner_b = source[name_b].rpartition(".")[0], name_b.rpartition(".")[0]
+        return type(modules_a[owner_a]).__name__, type(modules_b[owner_b]).__name__
+
+    values, transposed = _laid_out(params_a, params_b, source, classes)
+    _refuse_broken_ties(params_b, values, source)
+    with torch.no_grad():
+        for name_b, param_b in params_b.items():
+            param_b.copy_(values[name_b])
+    notes = []
+    if transposed:
+        pairs = sorted({f"{ca} -> {cb}" for ca, cb in map(classes, transposed)})
+        notes.append(
+            f"{len(transposed)} weights transposed ({', '.join(pairs)}: one holds [in, out] where the other "
+            f"holds [out, in]; square ones as the others of their modules' classes): {_listed(transposed)}"
+        )
+    buffers_a, buffers_b = [n for n, _ in a.named_buffers()], [n for n, _ in b.named_buffers()]
+    if buffers_a or buffers_b:
+        notes.append(
+            "buffers are each model's own, not transferred (a causal mask, a rotary cache: copying A's "
+            f"would hide a wrong one in B): A {_listed(buffers_a) or 'none'}; "
+            f"B {_listed(buffers_b) or 'none'}"
+        )
+    return notes
+
+
+def _counterparts(
+    params_a: dict[str, nn.Parameter], params_b: dict[str, nn.Parameter], rules: list[Rule], path_b: Path | None
+) -> dict[str, str]:
+    """B's name -> A's, for every parameter, A's renamed by the rules; a UsageError when they do not match one to
+    one."""
+    source: dict[str, str] = {}
     for name in params_a:
         target = renamed(name, rules)
         if target in source:
@@ -215,12 +250,17 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
             f"(`diff: {{rename: ['PATTERN -> REPLACEMENT']}}` in {path_b or 'the second config'}, or "
             "--rename)"
         )
-    modules_a, modules_b = dict(a.named_modules()), dict(b.named_modules())
+    return source
 
-    def classes(name_b: str) -> tuple[str, str]:
-        owner_a, owner_b = source[name_b].rpartition(".")[0], name_b.rpartition(".")[0]
-        return type(modules_a[owner_a]).__name__, type(modules_b[owner_b]).__name__
 
+def _laid_out(
+    params_a: dict[str, nn.Parameter],
+    params_b: dict[str, nn.Parameter],
+    source: dict[str, str],
+    classes: Callable[[str], tuple[str, str]],
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A's value for each of B's parameters, transposed where B holds it [out, in] and A [in, out]; and the names of
+    those transposed. A UsageError for a shape that is neither."""
     # What each pair of module classes does with its non-square 2-D weights decides its square ones.
     layouts: dict[tuple[str, str], set[bool]] = defaultdict(set)
     for name_b, param_b in params_b.items():
@@ -228,7 +268,7 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
         if len(shape_a) == 2 and shape_a[0] != shape_a[1] and shape_b in (shape_a, shape_a[::-1]):
             layouts[classes(name_b)].add(shape_b != shape_a)
     values: dict[str, torch.Tensor] = {}
-    transposed = []
+    transposed: list[str] = []
     for name_b, param_b in params_b.items():
         value = params_a[source[name_b]].detach()
         square = value.dim() == 2 and value.shape[0] == value.shape[1]
@@ -245,25 +285,7 @@ def transfer(a: nn.Module, b: nn.Module, rules: list[Rule], path_b: Path | None)
                 "in shape (not a transpose either): the two models are not the same architecture"
             )
         values[name_b] = value
-    _refuse_broken_ties(params_b, values, source)
-    with torch.no_grad():
-        for name_b, param_b in params_b.items():
-            param_b.copy_(values[name_b])
-    notes = []
-    if transposed:
-        pairs = sorted({f"{ca} -> {cb}" for ca, cb in map(classes, transposed)})
-        notes.append(
-            f"{len(transposed)} weights transposed ({', '.join(pairs)}: one holds [in, out] where the other "
-            f"holds [out, in]; square ones as the others of their modules' classes): {_listed(transposed)}"
-        )
-    buffers_a, buffers_b = [n for n, _ in a.named_buffers()], [n for n, _ in b.named_buffers()]
-    if buffers_a or buffers_b:
-        notes.append(
-            "buffers are each model's own, not transferred (a causal mask, a rotary cache: copying A's "
-            f"would hide a wrong one in B): A {_listed(buffers_a) or 'none'}; "
-            f"B {_listed(buffers_b) or 'none'}"
-        )
-    return notes
+    return values, transposed
 
 
 def _refuse_broken_ties(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import builtins
 import inspect
 import traceback
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,29 +106,17 @@ class ModelUnderTest:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
         """The model's raw output; any exception becomes ModelRaised naming the model-code frame it came from."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        try:
+        with model_code("the model raised"):
             if self.forward_adapter is not None:
                 return self.forward_adapter(self.module, input_ids, **kwargs)
             return self.module(input_ids, **kwargs)
-        except ModelRaised:
-            raise
-        except BaseException as exc:
-            if not model_failure(exc):
-                raise
-            raise ModelRaised(f"the model raised {describe(exc)}", frame=model_frame(exc)) from exc
 
     def call(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The module's own forward with keyword arguments of its own (labels, document ids, a 4-D mask): the raw
         output, exceptions as forward() reports them. The `forward:` adapter is not used: it turns a call into
         logits, and these calls ask forward for something else beside them."""
-        try:
+        with model_code("the model raised"):
             return self.module(input_ids, **kwargs)
-        except ModelRaised:
-            raise
-        except BaseException as exc:
-            if not model_failure(exc):
-                raise
-            raise ModelRaised(f"the model raised {describe(exc)}", frame=model_frame(exc)) from exc
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""
@@ -200,6 +188,25 @@ def model_failure(exc: BaseException) -> bool:
     return True
 
 
+@contextmanager
+def model_code(
+    what: str, frame: Callable[[BaseException], tuple[str, int, str] | None] | None = None
+) -> Iterator[None]:
+    """Runs model code: what it raises is the model's failure, ModelRaised(f"{what} {describe(exc)}") naming the
+    line of model code that raised (model_frame, or `frame` where a caller knows better); a ModelRaised from within,
+    Ctrl-C and fwdcheck's own exceptions (model_failure) pass through untouched.
+
+        with model_code("the rotary function raised"):  # "the rotary function raised ValueError: ..."
+            out = model.rotary(x, positions)
+    """
+    try:
+        yield
+    except BaseException as exc:
+        if not model_failure(exc):
+            raise
+        raise ModelRaised(f"{what} {describe(exc)}", frame=(frame or model_frame)(exc)) from exc
+
+
 def describe(exc: BaseException) -> str:
     """'TypeName: message' of an exception from model code, even one whose __str__ raises."""
     try:
@@ -214,17 +221,8 @@ def extract_logits(output: Any) -> torch.Tensor:
 
     Reading the output runs model code too (a `.logits` property, a mapping's `get`): what it raises is the model's
     error (ModelRaised), like an exception from forward itself."""
-    try:
+    with model_code(f"reading the logits from what forward returned ({type(output).__name__}) raised"):
         return _extract_logits(output)
-    except ModelRaised:
-        raise
-    except BaseException as exc:
-        if not model_failure(exc):
-            raise
-        raise ModelRaised(
-            f"reading the logits from what forward returned ({type(output).__name__}) raised {describe(exc)}",
-            frame=model_frame(exc),
-        ) from exc
 
 
 def _extract_logits(output: Any) -> torch.Tensor:

@@ -67,6 +67,18 @@ def grouped(findings: list[Finding], key: Callable[[Finding], Hashable]) -> list
     return [(members[0], members) for members in groups.values()]
 
 
+def first_per_code(findings: list[Finding], more: Callable[[Finding, int], None] | None = None) -> list[Finding]:
+    """Each code's first finding, in the order first seen: a bug in shared code repeats (in every layer, at every
+    position), and one finding says it. `more(first, n)`, when given, is told of the n > 0 others of first's code, to
+    say so on it (where, or in its message)."""
+    kept = []
+    for first, members in grouped(findings, key=lambda f: f.code):
+        if more is not None and len(members) > 1:
+            more(first, len(members) - 1)
+        kept.append(first)
+    return kept
+
+
 @dataclass
 class CheckResult:
     name: str

@@ -24,7 +24,7 @@ import torch.nn as nn
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change  # noqa: F401
 from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes
-from fwdcheck.model import ModelUnderTest, describe, model_failure, model_frame
+from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import GlobalState, ModelState
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
 from fwdcheck.settings import DTYPES, Settings, resolve_device
@@ -83,14 +83,9 @@ class Session:
             stack.callback(lambda: self.notes.extend(process.restore()))
             stack.callback(lambda: self._restore(state))
             stack.enter_context(kept_as_notes(self.model.library_loggers, self.notes))
-            try:  # eval() runs model code too (an overridden train()): what it raises is the model's error
+            # eval() runs model code too (an overridden train()): what it raises is the model's error
+            with model_code("the model cannot be put in eval mode:"):
                 module.eval()
-            except BaseException as exc:
-                if not model_failure(exc):
-                    raise
-                raise ModelRaised(
-                    f"the model cannot be put in eval mode: {describe(exc)}", frame=model_frame(exc)
-                ) from exc
             for dropout in state.dropout_p:
                 dropout.p = 0.0
             self._place(module)

@@ -203,8 +203,24 @@ def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
     A's order of execution, the first that parts marked; with `plot`, the difference by depth; then what was not
     paired, the notes and the verdict."""
     pairs = diff["pairs"]
-    first = diff["first_parting"]
     console.print(Text.assemble(("fwdcheck diff ", "bold"), f"· A {diff['a']} · B {diff['b']} · {diff['dtype']}"))
+    console.print(_pairs_table(pairs, diff["first_parting"]))
+    if not all(p["by_name"] for p in pairs):
+        console.print(
+            Text(
+                "* paired by order: no name in common, the same shape, between the same two pairs paired by name",
+                style="dim",
+            )
+        )
+    if plot and pairs:
+        console.print(difference_plot(pairs, max(console.width - 8, 10)))
+    for line in (*_diff_notes(diff), *_diff_verdict(diff)):
+        console.print(line)
+
+
+def _pairs_table(pairs: list[dict], first: dict | None) -> FitTable:
+    """A row per pair of modules: its number (* when paired by order), the names in A and B, the shape, the largest
+    difference against its tolerance, the first that parts marked."""
     rows = []
     for number, p in enumerate(pairs, 1):
         style = "bold red" if p["parts"] else "green"
@@ -230,62 +246,61 @@ def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
         FitColumn("tol", justify="right", whole=True),
         FitColumn("", whole=True),
     ]  # the line under: what tol is
-    console.print(FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False))
-    if not all(p["by_name"] for p in pairs):
-        console.print(
-            Text(
-                "* paired by order: no name in common, the same shape, between the same two pairs paired by name",
-                style="dim",
-            )
-        )
-    if plot and pairs:
-        console.print(difference_plot(pairs, max(console.width - 8, 10)))
+    return FitTable(columns, rows, box=box.SIMPLE, pad_edge=False, show_edge=False)
+
+
+def _diff_notes(diff: dict) -> list[Text]:
+    """What was not paired, the notes, and the first pair that differs at all when it is not the first that parts."""
+    lines = []
     for side in ("a", "b"):
         unpaired = diff[f"unpaired_{side}"]
         if unpaired:
             shown = ", ".join(unpaired[:6]) + (f" and {len(unpaired) - 6} more" if len(unpaired) > 6 else "")
-            console.print(Text(f"not paired in {side.upper()}: {shown}", style="dim"))
+            lines.append(Text(f"not paired in {side.upper()}: {shown}", style="dim"))
     for note in diff["notes"]:
-        console.print(Text(f"note: {note}", style="dim"))
-    earliest = diff["first_difference"]
+        lines.append(Text(f"note: {note}", style="dim"))
+    first, earliest = diff["first_parting"], diff["first_difference"]
     if earliest is not None and (first is None or earliest["a"] != first["a"]):
         ratio = (
             ""
             if earliest["max_diff"] is None
             else f", {earliest['max_diff'] / earliest['tolerance']:.2g} of its tolerance"
         )
-        console.print(
+        lines.append(
             Text(
                 f"the first pair that differs at all: A {earliest['a']} (max |a - b| "
                 f"{_number(earliest['max_diff'])}{ratio})",
                 style="yellow" if first else "dim",
             )
         )
-    tolerance = diff["tolerance"]
-    console.print(
-        Text(
-            f"max diff: the largest |a - b| over an output's elements; tol: atol {tolerance['atol']:g} + "
-            f"rtol {tolerance['rtol']:g} x A's largest |value| of it",
-            style="dim",
-        )
+    return lines
+
+
+def _diff_verdict(diff: dict) -> list[Text]:
+    """What the columns mean, then the verdict: equal within tolerance, or where the two models part."""
+    tolerance, first = diff["tolerance"], diff["first_parting"]
+    legend = Text(
+        f"max diff: the largest |a - b| over an output's elements; tol: atol {tolerance['atol']:g} + "
+        f"rtol {tolerance['rtol']:g} x A's largest |value| of it",
+        style="dim",
     )
     if first is None:
-        console.print(
+        return [
+            legend,
             Text.assemble(
                 ("equal", "bold green"),
-                f" within tolerance over {len(pairs)} pairs of modules (exit {diff['exit_code']})",
-            )
-        )
-    else:
-        by = _number(first["max_diff"])
-        b = "" if first["b"] == first["a"] else f" / B {first['b']}"
-        console.print(
-            Text.assemble(
-                ("they part", "bold red"),
-                f" at A {first['a']}{b}: max |a - b| {by} "
-                f"(tolerance {first['tolerance']:.2g}) (exit {diff['exit_code']})",
-            )
-        )
+                f" within tolerance over {len(diff['pairs'])} pairs of modules (exit {diff['exit_code']})",
+            ),
+        ]
+    by = _number(first["max_diff"])
+    b = "" if first["b"] == first["a"] else f" / B {first['b']}"
+    return [
+        legend,
+        Text.assemble(
+            ("they part", "bold red"),
+            f" at A {first['a']}{b}: max |a - b| {by} (tolerance {first['tolerance']:.2g}) (exit {diff['exit_code']})",
+        ),
+    ]
 
 
 def _number(value: float | None) -> str:

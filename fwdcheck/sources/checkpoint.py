@@ -71,40 +71,8 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
 
     leftover = _meta_tensors(module) if built_on == "meta" else []
     if leftover:
-        torch.set_rng_state(rng)
-        module = call_factory(spec, parts, search)
-        _load(module, state_dict, spec, path, assign=False)
+        module = _rebuilt_on_cpu(spec, parts, search, state_dict, match, leftover, rng, notes)
         built_on = "cpu"
-        stored = [n for n in leftover if n not in match.missing]
-        why: list[str] = []
-        if stored:
-            one = len(stored) == 1
-            why.append(
-                f"{_names(stored)} {'is' if one else 'are'} not stored in checkpoints "
-                f"({'a non-persistent buffer' if one else 'non-persistent buffers'} computed in __init__)"
-            )
-        if match.missing:
-            why.append("keys are missing from the checkpoint")
-        notes.append(
-            f"built the model on the CPU, not the meta device: {'; '.join(why)}; the checkpoint was copied into it"
-        )
-        model_state = module.state_dict()
-        cast = Counter(
-            f"{_dtype(t)} -> {_dtype(model_state[k])}"
-            for k, t in state_dict.items()
-            if isinstance(t, torch.Tensor) and k in model_state and t.dtype != model_state[k].dtype
-        )
-        if cast:
-            notes.append(
-                "copying converted the checkpoint's tensors to the dtype the factory built: "
-                + ", ".join(f"{n} {edit}" for edit, n in cast.items())
-            )
-        still = _meta_tensors(module)
-        if still:
-            raise ModelLoadError(
-                f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
-                "built normally; fwdcheck cannot run it"
-            )
 
     loaded = model_from_module(module, spec, parts, source="checkpoint", label=f"{spec.factory} <- {path.name}")
     dtypes = Counter(_dtype(t) for t in state_dict.values() if isinstance(t, torch.Tensor))
@@ -120,6 +88,56 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
         notes=notes,
     )
     return loaded
+
+
+def _rebuilt_on_cpu(
+    spec: CheckpointModel,
+    parts: FactoryParts,
+    search: list[Path],
+    state_dict: dict[str, Any],
+    match: Match,
+    leftover: list[str],
+    rng: torch.Tensor,
+    notes: list[str],
+) -> nn.Module:
+    """The model built on the CPU (from the RNG state `rng`) and the checkpoint copied into it, for a model that
+    built on the meta device leaves `leftover` tensors there; notes say why, and what copying converted.
+    ModelLoadError when even the CPU build leaves tensors on the meta device."""
+    path = spec.path
+    torch.set_rng_state(rng)  # initialised as `source: python` would be with the same seed
+    module = call_factory(spec, parts, search)
+    _load(module, state_dict, spec, path, assign=False)
+    stored = [n for n in leftover if n not in match.missing]
+    why: list[str] = []
+    if stored:
+        one = len(stored) == 1
+        why.append(
+            f"{_names(stored)} {'is' if one else 'are'} not stored in checkpoints "
+            f"({'a non-persistent buffer' if one else 'non-persistent buffers'} computed in __init__)"
+        )
+    if match.missing:
+        why.append("keys are missing from the checkpoint")
+    notes.append(
+        f"built the model on the CPU, not the meta device: {'; '.join(why)}; the checkpoint was copied into it"
+    )
+    model_state = module.state_dict()
+    cast = Counter(
+        f"{_dtype(t)} -> {_dtype(model_state[k])}"
+        for k, t in state_dict.items()
+        if isinstance(t, torch.Tensor) and k in model_state and t.dtype != model_state[k].dtype
+    )
+    if cast:
+        notes.append(
+            "copying converted the checkpoint's tensors to the dtype the factory built: "
+            + ", ".join(f"{n} {edit}" for edit, n in cast.items())
+        )
+    still = _meta_tensors(module)
+    if still:
+        raise ModelLoadError(
+            f"factory '{spec.factory}' leaves {_names(still)} on the meta device even when "
+            "built normally; fwdcheck cannot run it"
+        )
+    return module
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -266,47 +266,12 @@ def keep_layers(layer_types: list | None, count: int) -> list[int]:
 def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     """Shrink a Hugging Face config dictionary in place (the keys as config.json spells them), rule by rule."""
     e = Edits(data)
-    # Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
-    # layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more.
-    layer_key = e.first(HF_KEYS["L"])
-    if layer_key:
-        old_layers = data[layer_key]
-        types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
-        kept = keep_layers(types, min(old_layers, LAYERS))
-        for key in HF_KEYS["L"]:
-            if isinstance(data.get(key), int):
-                e.set(key, min(data[key], len(kept)))
-        for key, value in list(data.items()):
-            if isinstance(value, list) and len(value) == old_layers and old_layers > len(kept):
-                e.set(key, [value[i] for i in kept])
-
-    # Heads: at most 2 kv heads, the query heads per kv head kept (MQA stays MQA), at most 16 heads.
-    head_key, kv_key, hidden_key = e.first(HF_KEYS["h"]), e.first(HF_KEYS["h_kv"]), e.first(HF_KEYS["d"])
+    _fewer_layers(e)
+    head_key, hidden_key = e.first(HF_KEYS["h"]), e.first(HF_KEYS["d"])
     old_hidden = data.get(hidden_key) if hidden_key else None
-    old_head = None
-    if head_key:
-        heads = data[head_key]
-        old_head = data.get("head_dim") or data.get("d_kv") or (old_hidden // heads if old_hidden else None)
-        multi_query = data.get("multi_query") and not data.get("new_decoder_architecture")  # Falcon, GPT-BigCode
-        kv = 1 if multi_query else (data[kv_key] if kv_key else heads)
-        new_heads, new_kv = shrink_heads(heads, kv)
-        e.set(head_key, new_heads)
-        if kv_key:
-            e.set(kv_key, new_heads if multi_query else new_kv)  # Falcon ignores num_kv_heads under multi_query
-
-    # Head size 16 (a smaller one is kept); a partial rotary factor must still leave an even number of rotary dims.
-    # Set explicitly when the config names it; the hidden size is heads x head size.
+    old_head = _fewer_heads(e, head_key, old_hidden)
     partial = _partial_rotary(data)
-    new_head = old_head
-    if old_head:
-        new_head = shrunk_head_size(old_head, partial)
-        for key in HF_KEYS["d_h"]:
-            if data.get(key) is not None:
-                e.set(key, new_head)
-        if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
-            e.set("query_pre_attn_scalar", new_head)
-        if hidden_key and head_key:  # (a head size is read only with a head count)
-            e.set(hidden_key, data[head_key] * new_head)
+    new_head = _smaller_heads(e, old_head, partial, head_key, hidden_key)
 
     # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8).
     if old_hidden and hidden_key:
@@ -324,6 +289,71 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
             if isinstance(params, dict):
                 e.set(key, _resample_factors(params, old_head, new_head, partial))
 
+    _fewer_tokens_and_positions(e, seq_len)
+    # Tied embeddings, activations, norms, biases, dropout, soft-capping: unchanged. Values in float32.
+    e.set("dtype", "float32")
+    return e
+
+
+def _fewer_layers(e: Edits) -> None:
+    """Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
+    layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more."""
+    data = e.data
+    layer_key = e.first(HF_KEYS["L"])
+    if not layer_key:
+        return
+    old_layers = data[layer_key]
+    types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
+    kept = keep_layers(types, min(old_layers, LAYERS))
+    for key in HF_KEYS["L"]:
+        if isinstance(data.get(key), int):
+            e.set(key, min(data[key], len(kept)))
+    for key, value in list(data.items()):
+        if isinstance(value, list) and len(value) == old_layers and old_layers > len(kept):
+            e.set(key, [value[i] for i in kept])
+
+
+def _fewer_heads(e: Edits, head_key: str | None, old_hidden: int | None) -> int | None:
+    """Heads: at most 2 kv heads, the query heads per kv head kept (MQA stays MQA), at most 16 heads. Returns the
+    head size before (None without a head count, or a head size to read)."""
+    data = e.data
+    if not head_key:
+        return None
+    kv_key = e.first(HF_KEYS["h_kv"])
+    heads = data[head_key]
+    old_head = data.get("head_dim") or data.get("d_kv") or (old_hidden // heads if old_hidden else None)
+    multi_query = data.get("multi_query") and not data.get("new_decoder_architecture")  # Falcon, GPT-BigCode
+    kv = 1 if multi_query else (data[kv_key] if kv_key else heads)
+    new_heads, new_kv = shrink_heads(heads, kv)
+    e.set(head_key, new_heads)
+    if kv_key:
+        e.set(kv_key, new_heads if multi_query else new_kv)  # Falcon ignores num_kv_heads under multi_query
+    return old_head
+
+
+def _smaller_heads(
+    e: Edits, old_head: int | None, partial: float | None, head_key: str | None, hidden_key: str | None
+) -> int | None:
+    """Head size 16 (a smaller one is kept); a partial rotary factor must still leave an even number of rotary dims.
+    Set explicitly when the config names it; the hidden size is heads x head size. Returns the new head size."""
+    data = e.data
+    if not old_head:
+        return old_head
+    new_head = shrunk_head_size(old_head, partial)
+    for key in HF_KEYS["d_h"]:
+        if data.get(key) is not None:
+            e.set(key, new_head)
+    if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
+        e.set("query_pre_attn_scalar", new_head)
+    if hidden_key and head_key:  # (a head size is read only with a head count)
+        e.set(hidden_key, data[head_key] * new_head)
+    return new_head
+
+
+def _fewer_tokens_and_positions(e: Edits, seq_len: int) -> None:
+    """The vocabulary, the attention window and a learned position table, each small, the test sequence still
+    reaching past the window and fitting the table."""
+    data = e.data
     # Vocabulary at most 512; special token ids past it are clamped to the last id.
     if isinstance(data.get("vocab_size"), int):
         e.set("vocab_size", min(data["vocab_size"], VOCAB))
@@ -341,10 +371,6 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
         for key in HF_KEYS["max_positions"]:
             if isinstance(data.get(key), int):
                 e.set(key, min(data[key], max(LEARNED_POSITIONS, seq_len)))
-
-    # Tied embeddings, activations, norms, biases, dropout, soft-capping: unchanged. Values in float32.
-    e.set("dtype", "float32")
-    return e
 
 
 def _partial_rotary(data: dict) -> float | None:
