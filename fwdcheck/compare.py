@@ -41,7 +41,8 @@ def logit_scale(logits: torch.Tensor) -> float:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, relative_to: torch.Tensor | None = None) -> float:
     """max |a - b| over max |b|: how far apart two tensors are relative to the size of `b` (the reference); inf when
-    either holds NaN or Inf (no comparison may pass them), and the absolute difference when `b` is all zeros.
+    either holds NaN or Inf (no comparison may pass them). Against an all-zero `b` two equal tensors are 0 apart and
+    any difference is infinitely large, as the checks' former `difference / (scale + 1e-30)` made it.
 
     `relative_to`, when given, is the tensor whose size counts instead of b's: a stack of vectors compared with its
     first, relative to the whole stack."""
@@ -49,4 +50,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, relative_to: torch.Tensor |
     if difference != difference or difference == float("inf"):
         return float("inf")
     scale = float((b if relative_to is None else relative_to).abs().max())
-    return difference / scale if scale > 0 else difference
+    if scale == 0:
+        return 0.0 if difference == 0 else float("inf")
+    return difference / scale
