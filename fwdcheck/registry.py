@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import sys
 from contextlib import suppress
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -192,11 +193,30 @@ def available() -> dict[str, CheckEntry]:
 
 
 def _registered() -> list[CheckEntry]:
-    """An entry for each entry point of the group, in the order importlib.metadata lists them (nothing imported)."""
-    return [
+    """An entry for each entry point of the group, in the order importlib.metadata lists them (nothing imported).
+    Read once per state of the import path: scanning every distribution's metadata costs some 15 ms, and a run asks
+    for the registered checks several times (the selection, each check's options)."""
+    return list(_entries_on(_import_path_state()))
+
+
+def _import_path_state() -> tuple[tuple[str, int | None], ...]:
+    """sys.path, and when each of its directories last changed: a distribution installed or a dist-info directory
+    added on the path changes one or the other."""
+    state: list[tuple[str, int | None]] = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:  # not there (yet): its appearance changes the state
+            state.append((entry, None))
+    return tuple(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _entries_on(path_state: tuple) -> tuple[CheckEntry, ...]:
+    return tuple(
         CheckEntry(ep.name, ep.value, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown")
         for ep in entry_points(group=GROUP)
-    ]
+    )
 
 
 def _order(entry: CheckEntry) -> int:
