@@ -439,12 +439,41 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_for
     from fwdcheck.events import Job
-    from fwdcheck.golden import CHECK as GOLDEN
-    from fwdcheck.golden import refuse_other_run
     from fwdcheck.overrides import Overrides
-    from fwdcheck.registry import DIRECT, check_options, select, selected
+    from fwdcheck.registry import check_options
 
     config = config_for(path, o.model)
+    entries = planned_checks(o, path, config)
+    overrides = Overrides(
+        checks=[e.name for e in entries],
+        device=o.device.value if o.device else None,
+        dtype=o.dtype.value if o.dtype else None,
+        seed=o.seed,
+        options=o.check_flags,
+        meta=o.meta,
+        expect_ledger=expected.ledger,
+        expect_golden=expected.golden,
+        fail_on=o.fail_on.value,
+        nproc=o.nproc,
+    )
+    refuse_impossible_runs(o, overrides.applied(config), [e.name for e in entries], expected)
+    with about_config(path, ""):  # each check's options, before any model loads
+        check_options(overrides.applied(config).options, o.check_flags, entries)
+    job = Job(
+        config=str(path) if path is not None else None,
+        factory=o.model,
+        overrides=overrides,
+        sys_path=[p for p in sys.path if p],
+    )
+    return Planned(path, config, job)
+
+
+def planned_checks(o: RunOptions, path: Path | None, config) -> list:
+    """The checks one config runs: --check narrows the config's own selection (a name outside it is refused), a
+    distributed run starts with the sharding check, and the golden file's flags select the golden check."""
+    from fwdcheck.golden import CHECK as GOLDEN
+    from fwdcheck.registry import DIRECT, select, selected
+
     selection = o.checks if o.checks else config.checks
     # an unknown name is reported as unknown (with the known ones), not as outside the config
     named = select(o.checks) if o.checks else []
@@ -469,38 +498,28 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
     golden = o.save_golden is not None or o.expect_golden is not None
     if golden and GOLDEN not in [e.name for e in entries]:  # the flags are the selection: no config need name it
         entries += select([GOLDEN])
-    overrides = Overrides(
-        checks=[e.name for e in entries],
-        device=o.device.value if o.device else None,
-        dtype=o.dtype.value if o.dtype else None,
-        seed=o.seed,
-        options=o.check_flags,
-        meta=o.meta,
-        expect_ledger=expected.ledger,
-        expect_golden=expected.golden,
-        fail_on=o.fail_on.value,
-        nproc=o.nproc,
-    )
-    if nproc > 1 and (golden or GOLDEN in [e.name for e in entries]):  # each rank's modules hold their shards
+    return entries
+
+
+def refuse_impossible_runs(o: RunOptions, run_config, checks: list[str], expected: Expected) -> None:
+    """The combinations no run can make, each one line: the golden check on several processes, the meta device
+    sharded or fingerprinted, a golden file made at other inputs than this run's (`run_config`, overrides in)."""
+    from fwdcheck.golden import CHECK as GOLDEN
+    from fwdcheck.golden import refuse_other_run
+
+    golden = o.save_golden is not None or o.expect_golden is not None
+    nproc = run_config.distributed.nproc
+    if nproc > 1 and (golden or GOLDEN in checks):  # each rank's modules hold their shards
         raise UsageError(
             "the golden check and --save-golden / --expect-golden run on one process: a golden file "
             "records the unsharded model, and the sharding check compares the sharded one with it"
         )
-    if nproc > 1 and overrides.applied(config).meta:
+    if nproc > 1 and run_config.meta:
         raise UsageError("--meta and a distributed run do not go together: sharding needs the weights' values")
-    if golden and overrides.applied(config).meta:
+    if golden and run_config.meta:
         raise UsageError("--save-golden and --expect-golden need values; on the meta device only shapes exist")
     if expected.golden is not None:
-        refuse_other_run(expected.golden, overrides.applied(config), f"--expect-golden {o.expect_golden}")
-    with about_config(path, ""):  # each check's options, before any model loads
-        check_options(overrides.applied(config).options, o.check_flags, entries)
-    job = Job(
-        config=str(path) if path is not None else None,
-        factory=o.model,
-        overrides=overrides,
-        sys_path=[p for p in sys.path if p],
-    )
-    return Planned(path, config, job)
+        refuse_other_run(expected.golden, run_config, f"--expect-golden {o.expect_golden}")
 
 
 # Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
@@ -840,7 +859,7 @@ def explain(
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import available, info, options_model, select
+        from fwdcheck.registry import available, info, select
 
         console = Console()
         if FINDING_CODE.match(what) and what not in available():
@@ -856,20 +875,9 @@ def explain(
         for code, meaning in about.codes.items():
             table.add_row(escape(code), escape(meaning))
         console.print(table)
-        model = options_model(entry)
-        if model is not None and model.model_fields:
-            flags = {option: flag for flag, option in about.flags.items()}
+        options = options_table(entry, about.flags)
+        if options is not None:
             console.print(f"\n[bold]options[/bold] (`options: {{{escape(entry.name)}: {{...}}}}` in a config)")
-            options = Table(box=None, pad_edge=False)
-            for column in ("option", "default", "flag", "meaning"):
-                options.add_column(column, no_wrap=column != "meaning")
-            for name, field_info in model.model_fields.items():
-                options.add_row(
-                    escape(name),
-                    escape(repr(field_info.default)),
-                    escape(flags.get(name, "")),
-                    escape(field_info.description or ""),
-                )
             console.print(options)
         return 0
 
@@ -888,6 +896,29 @@ def explain(
         console.print(paragraphs(info(entry).explain), highlight=False, markup=False)
 
     raise typer.Exit(_guarded(action, False))
+
+
+def options_table(entry, flags: dict[str, str]):
+    """A check's options as `explain` lists them (name, default, flag, meaning); None for a check without any."""
+    from rich.table import Table
+
+    from fwdcheck.registry import options_model
+
+    model = options_model(entry)
+    if model is None or not model.model_fields:
+        return None
+    flag_of = {option: flag for flag, option in flags.items()}
+    table = Table(box=None, pad_edge=False)
+    for column in ("option", "default", "flag", "meaning"):
+        table.add_column(column, no_wrap=column != "meaning")
+    for name, field_info in model.model_fields.items():
+        table.add_row(
+            escape(name),
+            escape(repr(field_info.default)),
+            escape(flag_of.get(name, "")),
+            escape(field_info.description or ""),
+        )
+    return table
 
 
 @app.command()
