@@ -393,7 +393,7 @@ class RunConfig(Strict):
         "`default` and `all` may be listed beside check names",
     )
     tolerance: Tolerance = Field(default_factory=Tolerance)
-    options: dict[str, Any] = Field(
+    options: dict[str, dict[str, Any] | None] = Field(
         default_factory=dict,
         description="each check's own options, under its name "
         "(`fwdcheck explain CHECK` lists them), e.g. {future-token: {exhaustive: true}}",

@@ -17,7 +17,7 @@ import sys
 from contextlib import suppress
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fwdcheck.errors import CheckLoadError, UsageError
 
@@ -321,7 +321,7 @@ def options_model(entry: CheckEntry) -> type[BaseModel] | None:
 
 
 def check_options(
-    configured: dict[str, dict], flagged: dict[str, dict], entries: list[CheckEntry]
+    configured: dict[str, dict[str, Any] | None], flagged: dict[str, dict], entries: list[CheckEntry]
 ) -> dict[str, BaseModel]:
     """Each check's options, validated: the config's `options:` section under the check's name, the command line's
     flags on top. Every selected check that has an options model gets one (its defaults when nothing is said); a
@@ -350,8 +350,6 @@ def check_options(
             if given:
                 raise UsageError(f"options.{name}: the check {entry.label} takes no options")
             continue
-        if not isinstance(configured.get(name, {}), dict):
-            raise UsageError(f"options.{name}: a mapping of the check's options, not {type(configured[name]).__name__}")
         try:
             validated[name] = model.model_validate(given)
         except ValidationError as exc:

@@ -151,6 +151,13 @@ def test_an_options_section_for_no_such_check_is_refused_with_a_did_you_mean(tmp
     assert result.exit_code == 2 and "options.future-tokn: no such check; did you mean 'future-token'?" in result.output
 
 
+@pytest.mark.parametrize("section", [3, "fast", [1]])
+def test_a_check_section_that_is_not_a_mapping_is_one_line(tmp_path, section):
+    result = invoke("run", config(tmp_path / "s.yaml", **toy(options={"future-token": section})))
+    assert result.exit_code == 2 and "options.future-token: Input should be a valid dictionary" in result.output
+    assert "Traceback" not in result.output and "internal error" not in result.output
+
+
 def test_the_former_exhaustive_key_still_turns_on_each_checks_thorough_variant(tmp_path):
     from fwdcheck.config import config_from_dict
 
