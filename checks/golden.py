@@ -105,7 +105,7 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
         parameter_diff = compare(expected["parameters"], parameters, tolerance)
         findings = judge(output_diff, parameter_diff, tolerance)
         for finding in findings:
-            finding.module = model_code(model.module, finding.module)
+            finding.module = module_of_model_code(model.module, finding.module)
         data: GoldenData = {
             "golden": document,
             "comparison": {
@@ -325,7 +325,7 @@ def _not_compared(kind: str, diff: Comparison) -> list[Finding]:
     return findings
 
 
-def model_code(module: torch.nn.Module, name: str | None) -> str | None:
+def module_of_model_code(module: torch.nn.Module, name: str | None) -> str | None:
     """The innermost module around `name` (itself included) whose class is the model's code, not torch's: what a
     finding points at. An nn.Linear's output moved because its parent's forward handed it another input, and that
     forward is the code to read."""
