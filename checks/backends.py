@@ -107,6 +107,7 @@ class Backends(Check):
     order = 60  # after the default built-ins, before plugins
     options = "fwdcheck.checks.backends_view:Options"
     flags = {"--exhaustive": "flex"}
+    former_keys = {"exhaustive": "flex"}  # a former release's top-level `exhaustive: true`
     description = "attention implementations (eager, sdpa) and SDPA's kernels give the same logits"
     codes = {
         "FWD801": "attention implementations give different logits on the same inputs",

@@ -304,6 +304,7 @@ only when the model refused every comparison."""
     detail_view = "fwdcheck.checks.future_token_view:leak_map"
     options = "fwdcheck.checks.future_token_view:Options"
     flags = {"--exhaustive": "exhaustive"}
+    former_keys = {"exhaustive": "exhaustive"}  # a former release's top-level `exhaustive: true`
 
     def key_number(self, result: CheckResult) -> str:
         """The measurement the verdict rests on (metrics['decided_by'])."""

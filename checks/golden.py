@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from fwdcheck.activations import LOGITS, fingerprint, recorded_forward
+from fwdcheck.checks.golden_file import VERSION
 from fwdcheck.checks.golden_view import GoldenData
-from fwdcheck.golden import VERSION
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
 
@@ -72,6 +72,24 @@ How to fix: if the change was meant (a new init, a fix), save the golden file ag
 Otherwise read the named module's code: its inputs are unchanged (the modules before it did not move), so the
 difference is in it. Dropout left alive in eval is recorded with the seed's dice (mask-audit names it)."""
     detail_view = "fwdcheck.checks.golden_view:golden"
+    files = {
+        "--save-golden": {
+            "writes": "fwdcheck.checks.golden_file:golden_text",
+            "help": "write the numeric contract (JSON: every module's output and parameter fingerprinted) here; runs "
+            "the golden check.",
+            "selects": True,
+        },
+        "--expect-golden": {
+            "reads": "fwdcheck.checks.golden_file:read_golden",
+            "fits": "fwdcheck.checks.golden_file:refuse_other_run",
+            "help": "fail (FWD961-965) naming the first module whose output moved from this golden file; runs the "
+            "golden check.",
+            "selects": True,
+            "beside": ".golden.json",  # the pytest plugin's: gpt.golden.json beside gpt.yaml
+        },
+    }
+    # each rank's modules hold their shards
+    one_process = "a golden file records the unsharded model, and the sharding check compares the sharded one with it"
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -83,7 +101,7 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
         document = record(model, session)
         outputs, parameters = document["outputs"], document["parameters"]
         metrics: dict[str, Any] = {"outputs": len(outputs), "parameters": len(parameters)}
-        expected = session.settings.expect_golden
+        expected = self.expected_in(session)
         if expected is None:
             return CheckResult(
                 self.name,

@@ -28,7 +28,7 @@ class Comparison(TypedDict, total=False):
 
 
 class GoldenData(TypedDict, total=False):
-    golden: dict[str, Any]  # the fingerprints (fwdcheck.golden's document)
+    golden: dict[str, Any]  # the fingerprints (fwdcheck.checks.golden_file's document)
     comparison: Comparison  # with a golden file to compare with
 
 

@@ -126,6 +126,16 @@ If a size is named wrongly because the model's config says something else, decla
 
     order = 10  # first: its observation pass is the one the other checks share
     detail_view = "fwdcheck.checks.shape_ledger_view:ledger"
+    files = {
+        "--save-ledger": {
+            "writes": "fwdcheck.checks.ledger_file:ledger_text",
+            "help": "write the shape ledger (JSON) here, to pin the architecture in review.",
+        },
+        "--expect-ledger": {
+            "reads": "fwdcheck.checks.ledger_file:read_ledger",
+            "help": "fail (FWD405-407) when the ledger differs from this saved one.",
+        },
+    }
 
     def key_number(self, result: CheckResult) -> str:
         return f"{result.metrics['tensors']} tensors" if "tensors" in result.metrics else ""
@@ -142,7 +152,7 @@ If a size is named wrongly because the model's config says something else, decla
         rows, findings = self._judge(entries, namer)
         notes += namer.notes(rows)
         dims_seen = namer.dims()
-        expected_ledger = session.settings.expect_ledger
+        expected_ledger = self.expected_in(session)
         diff = compare_ledgers(expected_ledger, rows, dims_seen) if expected_ledger else None
         if diff:
             findings += diff

@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.distributed import UNSHARDED_RAISES, full, rank_context
-from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model import extract_logits, layer_stack_of, model_failure
+from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
+from fwdcheck.model import extract_logits, layer_stack_of
 from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
@@ -44,6 +44,7 @@ class Sharding(Check):
     name = "sharding"
     default = False  # a distributed run adds it, first; elsewhere there is nothing to shard
     order = 95  # after the other built-ins; a distributed run puts it first (registry.selected)
+    opens_distributed_runs = True
     description = "the model sharded across processes gives the unsharded model's logits, on every rank"
     codes = {
         "FWD981": "the sharded model's logits differ from the unsharded model's",

@@ -36,6 +36,7 @@ def check_model(
     dims: dict[str, int] | None = None,
     forward: Any = None,
     exhaustive: bool = False,
+    options: dict[str, dict[str, Any]] | None = None,
     code_paths: dict[str, Any] | None = None,
     fail_on: str = "fail",
     paths: dict[str, Any] | None = None,
@@ -48,8 +49,9 @@ def check_model(
     (model, input_ids, **kw) -> logits for unusual call conventions. `dims` declares sizes fwdcheck cannot read off
     a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models
     get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
-    turns it off; `paths` is its former name, still taken). The arguments are validated as a config file's keys
-    are: a wrong one is a UsageError naming it.
+    turns it off; `paths` is its former name, still taken). `options` are the checks' own, as a config's `options:`
+    section ({"future-token": {"exhaustive": True}}, which `exhaustive=True` still sets). The arguments are
+    validated as a config file's keys are: a wrong one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
@@ -62,8 +64,9 @@ def check_model(
             inputs=inputs,
             device=device,
             dtype=dtype,
-            exhaustive=exhaustive,
+            options=options or {},
             code_paths=CodePaths(**(code_paths or paths or {})),
+            **({"exhaustive": True} if exhaustive else {}),  # the former key: each check's thorough variant
         )
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None

@@ -12,14 +12,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from fwdcheck.config import Config
-from fwdcheck.errors import ModelLoadError
-from fwdcheck.model import model_failure
+from fwdcheck.errors import ModelLoadError, model_failure
 
 
-def search_dirs(extra: list[Path], config: Config) -> list[Path]:
+def search_dirs(extra: list[Path], config_path: Path | None) -> list[Path]:
     """sys.path additions: the configured directories, then the config file's folder (or the working directory)."""
-    return [*extra, config.source_path.parent.resolve() if config.source_path is not None else Path.cwd()]
+    return [*extra, config_path.parent.resolve() if config_path is not None else Path.cwd()]
 
 
 _DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")  # what pkgutil.resolve_name accepts before the colon

@@ -114,15 +114,17 @@ class RunCommand(TyperCommand):
     (Check.flags, as pytest's addoption), read from the registry only when the help is shown."""
 
     def format_epilog(self, ctx, formatter) -> None:
-        from fwdcheck.registry import command_line_flags
+        from fwdcheck.registry import command_line_flags, file_flags
 
         try:
-            flags = command_line_flags()
+            flags, files = command_line_flags(), list(file_flags().values())
         except FwdcheckError:  # no check registered: `run` says so itself
-            flags = []
-        if flags:
+            flags, files = [], []
+        rows = [(f.flag if f.annotation is bool else f"{f.flag} VALUE", f.help) for f in flags]
+        rows += [(f"{f.flag} PATH", f"{f.check}: {f.help}") for f in files]
+        if rows:
             with formatter.section("Options the checks add"):
-                formatter.write_dl([(f.flag if f.annotation is bool else f"{f.flag} VALUE", f.help) for f in flags])
+                formatter.write_dl(rows)
         super().format_epilog(ctx, formatter)
 
 
@@ -133,39 +135,52 @@ def _own_options() -> list[str]:
     return [name for param in run_command.params for name in getattr(param, "opts", []) if name.startswith("--")]
 
 
-def split_check_flags(items: list[str]) -> tuple[list[Path], dict[str, dict]]:
-    """The configs, and check name -> the options the checks' flags set. `run` takes options it does not know as
-    arguments (click's ignore_unknown_options) and hands them here: a flag a check declares sets its option (a value
-    flag takes the next argument, or `--flag=value`; pydantic types it when the options are validated), any other
-    is an unknown option, named with a did-you-mean."""
+@dataclass
+class CheckFlags:
+    """What `run`'s arguments hold beside its own options: the configs, and what the checks' flags say."""
+
+    configs: list[Path] = field(default_factory=list)
+    options: dict[str, dict] = field(default_factory=dict)  # check name -> the options its flags set (Check.flags)
+    files: dict[str, Path] = field(default_factory=dict)  # file flag (Check.files) -> the path given
+
+
+def split_check_flags(items: list[str]) -> CheckFlags:
+    """The configs and the checks' flags. `run` takes options it does not know as arguments (click's
+    ignore_unknown_options) and hands them here: a flag a check declares sets its option (a value flag takes the
+    next argument, or `--flag=value`; pydantic types it when the options are validated), a file flag takes a path,
+    any other is an unknown option, named with a did-you-mean."""
+    found = CheckFlags()
     if not any(item.startswith("-") for item in items):
-        return [Path(item) for item in items], {}
-    from fwdcheck.registry import command_line_flags
+        found.configs = [Path(item) for item in items]
+        return found
+    from fwdcheck.registry import command_line_flags, file_flags
 
     declared = {flag.flag: flag for flag in command_line_flags()}
-    configs: list[Path] = []
-    options: dict[str, dict] = {}
+    files = file_flags()
     rest = iter(items)
     for item in rest:
         if not item.startswith("-") or item == "-":
-            configs.append(Path(item))
+            found.configs.append(Path(item))
             continue
         name, equals, value = item.partition("=")
         flag = declared.get(name)
-        if flag is None:
-            close = difflib.get_close_matches(name, [*declared, *_own_options()], n=1)
+        if flag is None and name not in files:
+            close = difflib.get_close_matches(name, [*declared, *files, *_own_options()], n=1)
             raise UsageError(f"no such option: {name}" + (f" (did you mean {close[0]}?)" if close else ""))
-        if flag.annotation is bool:
+        if flag is not None and flag.annotation is bool:
             if equals:
                 raise UsageError(f"{name} takes no value")
             given: object = True
         else:
             given = value if equals else next(rest, None)
-            if given is None:
+            if given is None or (flag is None and not given):
                 raise UsageError(f"{name} needs a value")
+        if flag is None:
+            found.files[name] = Path(str(given))
+            continue
         for check, option in flag.targets:
-            options.setdefault(check, {})[option] = given
-    return configs, options
+            found.options.setdefault(check, {})[option] = given
+    return found
 
 
 @app.command(
@@ -225,40 +240,6 @@ def run(
     svg_path: Annotated[
         Path | None, typer.Option("--svg", metavar="PATH", help="Also export the terminal report (every panel) as SVG.")
     ] = None,
-    save_ledger: Annotated[
-        Path | None,
-        typer.Option(
-            "--save-ledger",
-            metavar="PATH",
-            help="Write the shape ledger (JSON) here, to pin the architecture in review.",
-        ),
-    ] = None,
-    expect_ledger: Annotated[
-        Path | None,
-        typer.Option(
-            "--expect-ledger", metavar="PATH", help="Fail (FWD405-407) when the ledger differs from this saved one."
-        ),
-    ] = None,
-    save_golden: Annotated[
-        Path | None,
-        typer.Option(
-            "--save-golden",
-            metavar="PATH",
-            help="Write the numeric "
-            "contract (JSON: every module's output and parameter "
-            "fingerprinted) here; runs the golden check.",
-        ),
-    ] = None,
-    expect_golden: Annotated[
-        Path | None,
-        typer.Option(
-            "--expect-golden",
-            metavar="PATH",
-            help="Fail (FWD961-965) "
-            "naming the first module whose output moved from this "
-            "golden file; runs the golden check.",
-        ),
-    ] = None,
     fail_on: Annotated[FailOn, typer.Option(help="Lowest status that makes the exit code 1.")] = FailOn.fail,
     meta: Annotated[
         bool,
@@ -307,12 +288,9 @@ def run(
         markdown=markdown_path,
         html=html_path,
         svg=svg_path,
-        save_ledger=save_ledger,
-        expect_ledger=expect_ledger,
-        save_golden=save_golden,
-        expect_golden=expect_golden,
         fail_on=fail_on,
         check_flags={},
+        check_files={},
         meta=meta,
         nproc=nproc,
         verbosity=Verbosity.quiet if quiet else Verbosity.verbose if verbose else Verbosity.default,
@@ -337,12 +315,9 @@ class RunOptions:
     markdown: Path | None
     html: Path | None
     svg: Path | None
-    save_ledger: Path | None
-    expect_ledger: Path | None
-    save_golden: Path | None
-    expect_golden: Path | None
     fail_on: FailOn
     check_flags: dict[str, dict]  # check name -> the options its flags set (RunCommand)
+    check_files: dict[str, Path]  # a check's file flag (Check.files: --save-golden) -> the path given
     meta: bool
     nproc: int | None
     verbosity: Verbosity
@@ -360,25 +335,21 @@ class Planned:
 
 
 def _run(o: RunOptions) -> int:
-    from fwdcheck.golden import read_golden
-    from fwdcheck.ledger import read_ledger
-
-    o.configs, o.check_flags = split_check_flags([str(path) for path in o.configs])
+    flags = split_check_flags([str(path) for path in o.configs])
+    o.configs, o.check_flags, o.check_files = flags.configs, flags.options, flags.files
     if o.configs and o.model is not None:
         raise UsageError("give either a config file or --model, not both")
     paths: list[Path | None] = list(o.configs) or ([None] if o.model is not None else [default_config()])
-    if len(paths) > 1 and (o.save_ledger or o.expect_ledger):
-        raise UsageError("--save-ledger and --expect-ledger take one config; give one")
-    if len(paths) > 1 and (o.save_golden or o.expect_golden):
-        raise UsageError("--save-golden and --expect-golden take one config; give one")
+    if len(paths) > 1 and o.check_files:  # a saved contract is one model's
+        raise UsageError(
+            f"{' and '.join(o.check_files)} take{'s' if len(o.check_files) == 1 else ''} one config; give one"
+        )
     if o.seed is not None and not SEED_RANGE[0] <= o.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed {o.seed}: out of range; a seed is between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
-    expected = Expected(
-        ledger=read_ledger(o.expect_ledger) if o.expect_ledger else None,
-        golden=read_golden(o.expect_golden) if o.expect_golden else None,
-    )
+    expected = read_expected(o.check_files)
     plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
     outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
+    outputs += [(flag, path) for flag, path in o.check_files.items() if file_flag(flag).writes]
     inputs = [i for p in plans for i in run_inputs(o, p.path, p.config)]
     check_outputs(outputs, inputs, to_stdout=o.output is None)  # an unwritable report: now, not after the run
     outcome = Outcome(several=len(plans) > 1)
@@ -427,15 +398,24 @@ def default_config() -> Path:
     return DEFAULT_CONFIG
 
 
-@dataclass
-class Expected:
-    """The saved contracts a run compares with, read and validated before any config is planned."""
+def file_flag(flag: str):
+    """The check's file flag (registry.FileFlag) of this name."""
+    from fwdcheck.registry import file_flags
 
-    ledger: dict | None = None  # --expect-ledger
-    golden: dict | None = None  # --expect-golden
+    return file_flags()[flag]
 
 
-def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
+def read_expected(files: dict[str, Path]) -> dict[str, dict]:
+    """The files the checks' reading flags name (--expect-golden), each read and validated before any config is
+    planned: flag -> the document the check compares with."""
+    return {
+        flag: file_flag(flag).call("reads", path, f"{flag} {path}")
+        for flag, path in files.items()
+        if file_flag(flag).reads
+    }
+
+
+def plan(o: RunOptions, path: Path | None, expected: dict[str, dict]) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
     from fwdcheck.config import config_for
     from fwdcheck.events import Job
@@ -451,12 +431,11 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
         seed=o.seed,
         options=o.check_flags,
         meta=o.meta,
-        expect_ledger=expected.ledger,
-        expect_golden=expected.golden,
+        expected=expected,
         fail_on=o.fail_on.value,
         nproc=o.nproc,
     )
-    refuse_impossible_runs(o, overrides.applied(config), [e.name for e in entries], expected)
+    refuse_impossible_runs(o, overrides.applied(config), entries, expected)
     with about_config(path, ""):  # each check's options, before any model loads
         check_options(overrides.applied(config).options, o.check_flags, entries)
     job = Job(
@@ -470,8 +449,8 @@ def plan(o: RunOptions, path: Path | None, expected: Expected) -> Planned:
 
 def planned_checks(o: RunOptions, path: Path | None, config) -> list:
     """The checks one config runs: --check narrows the config's own selection (a name outside it is refused), a
-    distributed run starts with the sharding check, and the golden file's flags select the golden check."""
-    from fwdcheck.golden import CHECK as GOLDEN
+    distributed run starts with the checks that open one (the sharding check), and a check's file flag selects its
+    check when it says so (--save-golden) or needs it selected (--save-ledger)."""
     from fwdcheck.registry import DIRECT, select, selected
 
     selection = o.checks if o.checks else config.checks
@@ -493,33 +472,34 @@ def planned_checks(o: RunOptions, path: Path | None, config) -> list:
             f"{path or o.model}: distributed.parallelize is needed to run a {config.model.source} "
             "model on several processes: name a function (model, device_mesh) -> model that shards it"
         )
-    if (o.save_ledger or o.expect_ledger) and "shape-ledger" not in [e.name for e in entries]:
-        raise UsageError("--save-ledger and --expect-ledger need the shape-ledger check in the selection")
-    golden = o.save_golden is not None or o.expect_golden is not None
-    if golden and GOLDEN not in [e.name for e in entries]:  # the flags are the selection: no config need name it
-        entries += select([GOLDEN])
+    for flag in o.check_files:
+        does = file_flag(flag)
+        if does.check in [e.name for e in entries]:
+            continue
+        if not does.selects:
+            raise UsageError(f"{flag} needs the {does.check} check in the selection")
+        entries += select([does.check])  # the flag is the selection: no config need name it
     return entries
 
 
-def refuse_impossible_runs(o: RunOptions, run_config, checks: list[str], expected: Expected) -> None:
-    """The combinations no run can make, each one line: the golden check on several processes, the meta device
-    sharded or fingerprinted, a golden file made at other inputs than this run's (`run_config`, overrides in)."""
-    from fwdcheck.golden import CHECK as GOLDEN
-    from fwdcheck.golden import refuse_other_run
+def refuse_impossible_runs(o: RunOptions, run_config, entries: list, expected: dict[str, dict]) -> None:
+    """The combinations no run can make, each one line: a check that runs on one process in a distributed run, the
+    meta device sharded, a file flag of a check that needs values on the meta device, a file made for another run
+    than this one (`run_config`, overrides in: a golden file made at other inputs)."""
+    from fwdcheck.registry import info
 
-    golden = o.save_golden is not None or o.expect_golden is not None
     nproc = run_config.distributed.nproc
-    if nproc > 1 and (golden or GOLDEN in checks):  # each rank's modules hold their shards
-        raise UsageError(
-            "the golden check and --save-golden / --expect-golden run on one process: a golden file "
-            "records the unsharded model, and the sharding check compares the sharded one with it"
-        )
+    for entry in entries if nproc > 1 else []:
+        why = info(entry).one_process
+        if why:
+            raise UsageError(f"the {entry.name} check runs on one process: {why}")
     if nproc > 1 and run_config.meta:
         raise UsageError("--meta and a distributed run do not go together: sharding needs the weights' values")
-    if golden and run_config.meta:
-        raise UsageError("--save-golden and --expect-golden need values; on the meta device only shapes exist")
-    if expected.golden is not None:
-        refuse_other_run(expected.golden, run_config, f"--expect-golden {o.expect_golden}")
+    for flag in o.check_files:
+        if run_config.meta and file_flag(flag).needs_values:
+            raise UsageError(f"{flag} needs values; on the meta device only shapes exist")
+    for flag, document in expected.items():
+        file_flag(flag).call("fits", document, run_config, f"{flag} {o.check_files[flag]}")
 
 
 # Which exit code wins when several configs ran: an interruption, then fwdcheck's own bug, then a config that could
@@ -613,10 +593,9 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
             attempt(write_whole, o.html, console.export_html(clear=False), what="--html")
         if o.svg is not None:
             attempt(write_whole, o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
-    if o.save_ledger is not None:
-        attempt(save_ledger, outcome.reports[0], o.save_ledger)
-    if o.save_golden is not None:
-        attempt(save_golden, outcome.reports[0], o.save_golden)
+    for flag, path in o.check_files.items():
+        if file_flag(flag).writes:
+            attempt(save_check_file, outcome.reports[0] if outcome.reports else None, flag, path)
     if o.format == Format.github:
         for report in outcome.reports:
             append_job_summary(report)
@@ -628,16 +607,16 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
         )
 
 
-def save_ledger(report, path: Path) -> None:
-    from fwdcheck.ledger import ledger_text
-
-    write_whole(path, ledger_text(report, path), what="--save-ledger")
-
-
-def save_golden(report, path: Path) -> None:
-    from fwdcheck.golden import golden_text
-
-    write_whole(path, golden_text(report, path), what="--save-golden")
+def save_check_file(report, flag: str, path: Path) -> None:
+    """The file a check's writing flag asks for (--save-golden), from the check's result; a UsageError when the
+    check did not run."""
+    does = file_flag(flag)
+    result = next((r for r in report.results if r.name == does.check), None) if report else None
+    text = does.call("writes", result, report) if result is not None else None
+    if text is None:
+        why = result.summary if result is not None else "not selected"
+        raise UsageError(f"{flag} {path}: the {does.check} check did not run ({why})")
+    write_whole(path, text, what=flag)
 
 
 class StdoutConsole(Console):
@@ -791,8 +770,6 @@ OUTPUTS = (
     ("--markdown", "markdown"),
     ("--html", "html"),
     ("--svg", "svg"),
-    ("--save-ledger", "save_ledger"),
-    ("--save-golden", "save_golden"),
 )
 
 
@@ -801,10 +778,7 @@ def run_inputs(o: RunOptions, config_path: Path | None, config) -> list[tuple[st
     inputs: list[tuple[str, Path]] = []
     if config_path is not None:
         inputs.append(("the config file", Path(config_path)))
-    if o.expect_ledger is not None:
-        inputs.append(("the --expect-ledger file", Path(o.expect_ledger)))
-    if o.expect_golden is not None:
-        inputs.append(("the --expect-golden file", Path(o.expect_golden)))
+    inputs += [(f"the {flag} file", path) for flag, path in o.check_files.items() if file_flag(flag).reads]
     return inputs + config.model.files_read()
 
 

@@ -23,7 +23,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -376,10 +375,6 @@ class Ignore(Strict):
     reason: str = Field(min_length=1, description="why: required, and shown beside the ignored finding")
 
 
-# What the former top-level `exhaustive:` key turns on: each check's thorough variant, as (check, option).
-FORMER_EXHAUSTIVE = (("future-token", "exhaustive"), ("backends", "flex"))
-
-
 class RunConfig(Strict):
     """How to check a model, whatever the model: every key of a config but `model:`. The Python API builds one from
     its keyword arguments, so a wrong value is refused there as it is in a YAML file."""
@@ -408,22 +403,26 @@ class RunConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _former_spellings(cls, data: Any) -> Any:
-        """Keys that became checks' own options, still read: `exhaustive: true` turns on each check's thorough
-        variant (FORMER_EXHAUSTIVE), unless the check's own section says otherwise."""
-        if not isinstance(data, dict) or "exhaustive" not in data:
+        """Top-level keys of former releases that became checks' own options, still read (Check.former_keys:
+        `exhaustive: true` turns on each check's thorough variant), unless the check's own section says otherwise."""
+        known = {*cls.model_fields, "paths"}  # `paths`: code_paths' former name, an alias
+        if not isinstance(data, dict) or all(key in known for key in data):
             return data
+        from fwdcheck.registry import former_keys
+
+        former = former_keys()
         data = dict(data)
-        try:
-            exhaustive = TypeAdapter(bool).validate_python(data.pop("exhaustive"))
-        except ValidationError as exc:
-            raise ValueError(f"exhaustive: {exc.errors()[0]['msg']}") from None
-        options = data.get("options", {})
-        if exhaustive and isinstance(options, dict):
+        options = data.get("options") or {}
+        for key in [key for key in data if key in former]:
+            given = data.pop(key)
+            if not isinstance(options, dict):
+                continue  # `options:` itself is refused, naming it
             options = dict(options)
-            for check, option in FORMER_EXHAUSTIVE:
+            for check, option in former[key]:
                 section = options.get(check) or {}
                 if isinstance(section, dict):
-                    options[check] = {option: True, **section}
+                    options[check] = {option: given, **section}
+        if options:
             data["options"] = options
         return data
 

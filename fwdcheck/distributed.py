@@ -56,18 +56,27 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 
 from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config import Config, Distributed, config_for
-from fwdcheck.errors import ExitCode, FwdcheckError, ModelLoadError, ModelRaised, UsageError, about_config, first_line
+from fwdcheck.errors import (
+    ExitCode,
+    FwdcheckError,
+    ModelLoadError,
+    ModelRaised,
+    UsageError,
+    about_config,
+    first_line,
+    model_failure,
+)
 from fwdcheck.events import CheckDone, Event, ModelLoaded, Progress, decode, encode
 from fwdcheck.heard import Heard, WorkerError
 from fwdcheck.lifetime import die_with_parent
-from fwdcheck.model import ModelUnderTest, describe, extract_logits, model_failure
+from fwdcheck.model import ModelUnderTest, describe, extract_logits
 from fwdcheck.overrides import Overrides
+from fwdcheck.registry import distributed_openers
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.runner import Run, environment_summary, model_summary, run_model
 from fwdcheck.settings import DTYPES
 
-SHARDING = "sharding"  # the check every distributed run starts with
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
 UNSHARDED_RAISES = "FWD983"  # the sharding check's code for a sharded model that raises where the unsharded one runs
 
@@ -517,7 +526,8 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         ) from exc
     send(ModelLoaded(model_summary(model)))
     settings = run.settings.model_copy(update={"device": str(device)})
-    entries = sorted(run.entries, key=lambda e: e.name != SHARDING)  # the sharding check first
+    opening = distributed_openers()
+    entries = sorted(run.entries, key=lambda e: e not in opening)  # the sharding check first
     finished: list[CheckResult] = []
 
     def on_result(result: CheckResult) -> None:
@@ -648,7 +658,7 @@ def parallelize_function(config: Config) -> Callable:
     then the config's folder."""
     assert config.distributed.parallelize is not None  # asked only of a config that names one
     code = getattr(config.model, "path", None) or getattr(config.model, "python_path", None) or []
-    with on_sys_path(search_dirs(list(code), config)):
+    with on_sys_path(search_dirs(list(code), config.source_path)):
         return resolve_callable(config.distributed.parallelize, what="parallelize function")
 
 

@@ -6,6 +6,7 @@ it is being checked makes that check `error` (exit 1); anything else escaping fr
 
 from __future__ import annotations
 
+import builtins
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -123,3 +124,20 @@ def about_config(path: Path | None, key: str = ""):
         if path is not None and not str(exc).startswith(f"{path}:"):
             exc.args = (f"{path}: {key}{exc}", *exc.args[1:])
         raise
+
+
+_EXCEPTION_GROUP = getattr(builtins, "BaseExceptionGroup", ())  # Python 3.11 on
+
+
+# BaseExceptions that are no reason to end a run when model code raises them: sys.exit() (SystemExit), a generator
+# or coroutine closed inside forward (GeneratorExit, asyncio's CancelledError), a model's own BaseException subclass.
+# Ctrl-C (KeyboardInterrupt) and fwdcheck's own (the runner's time limit) always pass: they stop the run on purpose.
+def model_failure(exc: BaseException) -> bool:
+    """Whether an exception raised inside model code is the model's failure, to be reported, not propagated."""
+    if isinstance(exc, Exception):
+        return not isinstance(exc, ModelRaised)
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__module__.split(".")[0] == "fwdcheck":
+        return False
+    if isinstance(exc, _EXCEPTION_GROUP):  # a group holding a Ctrl-C or a time limit is that, not a failure
+        return all(model_failure(inner) for inner in exc.exceptions)
+    return True

@@ -7,7 +7,6 @@ module knows none of them.
 
 from __future__ import annotations
 
-import builtins
 import inspect
 import traceback
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ import torch.nn as nn
 
 from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
 from fwdcheck.config import RopeSpec
-from fwdcheck.errors import ModelRaised, UsageError
+from fwdcheck.errors import ModelRaised, UsageError, model_failure
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
 
@@ -169,23 +168,6 @@ def _unusable(logits: torch.Tensor, input_ids: torch.Tensor) -> str | None:
     if logits.is_complex():
         return f"of dtype {str(logits.dtype).removeprefix('torch.')}; logits are real numbers"
     return None
-
-
-_EXCEPTION_GROUP = getattr(builtins, "BaseExceptionGroup", ())  # Python 3.11 on
-
-
-# BaseExceptions that are no reason to end a run when model code raises them: sys.exit() (SystemExit), a generator
-# or coroutine closed inside forward (GeneratorExit, asyncio's CancelledError), a model's own BaseException subclass.
-# Ctrl-C (KeyboardInterrupt) and fwdcheck's own (the runner's time limit) always pass: they stop the run on purpose.
-def model_failure(exc: BaseException) -> bool:
-    """Whether an exception raised inside model code is the model's failure, to be reported, not propagated."""
-    if isinstance(exc, Exception):
-        return not isinstance(exc, ModelRaised)
-    if isinstance(exc, KeyboardInterrupt) or type(exc).__module__.split(".")[0] == "fwdcheck":
-        return False
-    if isinstance(exc, _EXCEPTION_GROUP):  # a group holding a Ctrl-C or a time limit is that, not a failure
-        return all(model_failure(inner) for inner in exc.exceptions)
-    return True
 
 
 @contextmanager

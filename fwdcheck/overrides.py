@@ -24,8 +24,8 @@ class Overrides:
     seed: int | None = None
     options: dict[str, dict[str, Any]] | None = None  # check name -> its options set by the command line's flags
     meta: bool = False  # True turns it on; a config's `meta: true` is not turned off
-    expect_ledger: dict | None = None  # a saved shape ledger (ledger_from_dict) the shape-ledger check compares with
-    expect_golden: dict | None = None  # a golden file (golden_from_dict) the golden check compares with
+    # a check's reading flag (Check.files: --expect-golden) -> the file's document, read and validated
+    expected: dict[str, Any] | None = None
     fail_on: str = "fail"  # fail | warn: the lowest status that fails the run
     nproc: int | None = None  # ranks of a distributed run, instead of the config's distributed.nproc
 

@@ -193,18 +193,19 @@ class ConfigFile(pytest.File):
     def collect(self):
         from fwdcheck.config import load_config
         from fwdcheck.errors import FwdcheckError
-        from fwdcheck.golden import CHECK as GOLDEN
         from fwdcheck.registry import select
 
         self.shown = _shown(Path(os.path.abspath(self.path)), self.config.invocation_params.dir)
         try:
             self.fwd_config = load_config(self.path)
             self.entries = select(self.fwd_config.checks)
-            self.expected_golden = self._golden_beside()
+            self.expected = self._expected_beside()
         except FwdcheckError as exc:
             raise self.CollectError(self.message(exc)) from None
-        if self.expected_golden is not None and GOLDEN not in [e.name for e in self.entries]:
-            self.entries += select([GOLDEN])
+        for flag in self.expected:  # a file beside the config selects its check, as its flag does
+            check = self.beside[flag][0]
+            if check not in [e.name for e in self.entries]:
+                self.entries += select([check])
         self._outcome: Any = None
         for entry in self.entries:
             yield CheckItem.from_parent(self, name=entry.name, entry=entry)
@@ -218,17 +219,22 @@ class ConfigFile(pytest.File):
             device=options.fwdcheck_device, dtype=options.fwdcheck_dtype, fail_on=options.fwdcheck_fail_on, **fields
         )
 
-    def _golden_beside(self) -> dict | None:
-        """The golden file beside the config, read and checked against the run it is for; None when there is none."""
-        from fwdcheck.golden import beside, read_golden, refuse_other_run
+    def _expected_beside(self) -> dict[str, dict]:
+        """The files beside the config that checks compare with (Check.files' `beside`: gpt.golden.json beside
+        gpt.yaml, as --expect-golden), each read and checked against the run it is for: flag -> document."""
+        from fwdcheck.registry import file_flags
 
-        path = beside(Path(self.path))
-        if not path.exists():
-            return None
-        self.golden_shown = _shown(Path(os.path.abspath(path)), self.config.invocation_params.dir)
-        document = read_golden(path, label=self.golden_shown)
-        refuse_other_run(document, self.overrides().applied(self.fwd_config), self.golden_shown)
-        return document
+        self.beside: dict[str, tuple[str, str]] = {}  # flag -> (its check, the file as shown)
+        expected = {}
+        for flag, does in file_flags().items():
+            path = Path(self.path).with_suffix(does.beside) if does.beside and does.reads else None
+            if path is None or not path.exists():
+                continue
+            shown = _shown(Path(os.path.abspath(path)), self.config.invocation_params.dir)
+            expected[flag] = does.call("reads", path, shown)
+            does.call("fits", expected[flag], self.overrides().applied(self.fwd_config), shown)
+            self.beside[flag] = (does.check, shown)
+        return expected
 
     def line_of(self, check: str) -> int:
         """0-based line naming the check in the config's `checks:`, or of `checks:` / the top (0) when not named."""
@@ -267,9 +273,7 @@ class ConfigFile(pytest.File):
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
-        run = Run.build(
-            self.fwd_config, self.overrides(checks=[e.name for e in entries], expect_golden=self.expected_golden)
-        )
+        run = Run.build(self.fwd_config, self.overrides(checks=[e.name for e in entries], expected=self.expected))
         report = run.check(run.load(), config_path=self.shown)
         return report, dict(zip((e.name for e in entries), report.results, strict=False))
 
@@ -312,11 +316,11 @@ class CheckItem(pytest.Item):
         self.add_marker(MARKER)
 
     @property
-    def expected_golden(self) -> bool:
-        """Whether this item compares with the golden file beside its config."""
-        from fwdcheck.golden import CHECK
-
-        return self.name == CHECK and self.file.expected_golden is not None
+    def rerun_flags(self) -> str:
+        """How `fwdcheck run` reruns this item: the flags of the files beside the config its check compares with, or
+        --check NAME."""
+        beside = [f"{flag} {shown}" for flag, (check, shown) in self.file.beside.items() if check == self.name]
+        return " ".join(beside) or f"--check {self.name}"
 
     @property
     def file(self) -> ConfigFile:
@@ -372,8 +376,7 @@ class CheckItem(pytest.Item):
             f"config:  {self.file.shown}",
             f"model:   {report.model.get('label', '?')} · {env.get('device')} {env.get('dtype')} · "
             f"B={env.get('batch_size')} T={env.get('seq_len')} seed={env.get('seed')}",
-            f"rerun:   fwdcheck run {self.file.shown} "
-            + (f"--expect-golden {self.file.golden_shown}" if self.expected_golden else f"--check {self.name}"),
+            f"rerun:   fwdcheck run {self.file.shown} {self.rerun_flags}",
         ]
         if self.entry.distribution != "direct":
             lines.append(f"explain: fwdcheck explain {self.name}")

@@ -77,6 +77,11 @@ class CheckInfo:
     detail_view: str | None = None  # "module:function" drawing its data in the terminal
     options: str | None = None  # "module:Class" of its options model (pydantic, torch-free)
     flags: dict[str, str] = field(default_factory=dict)  # command-line flag -> the option it sets
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # command-line flag -> the file it reads or writes
+    needs_values: bool = True  # False: runs on the meta device
+    one_process: str | None = None  # why a distributed run cannot run it
+    opens_distributed_runs: bool = False  # a distributed run starts with it
+    former_keys: dict[str, str] = field(default_factory=dict)  # former top-level config key -> the option it sets
 
 
 def info(entry: CheckEntry) -> CheckInfo:
@@ -96,6 +101,11 @@ def info(entry: CheckEntry) -> CheckInfo:
         getattr(check, "detail_view", None),
         getattr(check, "options", None),
         dict(getattr(check, "flags", {})),
+        dict(getattr(check, "files", {})),
+        bool(getattr(check, "needs_values", True)),
+        getattr(check, "one_process", None),
+        bool(getattr(check, "opens_distributed_runs", False)),
+        dict(getattr(check, "former_keys", {})),
     )
 
 
@@ -159,6 +169,12 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
             and isinstance(values.get("detail_view", ""), (str, type(None)))
             and isinstance(values.get("options", ""), (str, type(None)))
             and isinstance(values.get("flags", {}), dict)
+            and isinstance(values.get("files", {}), dict)
+            and all(isinstance(does, dict) for does in values.get("files", {}).values())
+            and isinstance(values.get("needs_values", True), bool)
+            and isinstance(values.get("one_process", ""), (str, type(None)))
+            and isinstance(values.get("opens_distributed_runs", False), bool)
+            and isinstance(values.get("former_keys", {}), dict)
         )
         if literal:
             found.setdefault(
@@ -172,6 +188,11 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
                     values.get("detail_view"),
                     values.get("options"),
                     values.get("flags", {}),
+                    values.get("files", {}),
+                    values.get("needs_values", True),
+                    values.get("one_process"),
+                    values.get("opens_distributed_runs", False),
+                    values.get("former_keys", {}),
                 ),
             )
     return found
@@ -266,16 +287,37 @@ def in_default_selection(entry: CheckEntry) -> bool:
 DEFAULT, ALL = "default", "all"
 
 
-SHARDING = "sharding"  # the check a distributed run starts with
-
-
 def selected(names: list[str] | None, nproc: int = 1) -> list[CheckEntry]:
-    """select(names), and in a distributed run (nproc > 1) the sharding check first, named or not: a sharded model
-    is first of all compared with the unsharded one."""
+    """select(names), and in a distributed run (nproc > 1) the checks that open one (Check.opens_distributed_runs:
+    the sharding check, as a sharded model is first of all compared with the unsharded one) first, named or not."""
     entries = select(names)
     if nproc > 1:
-        entries = [*select([SHARDING]), *(e for e in entries if e.name != SHARDING)]
+        opening = distributed_openers()
+        entries = [*opening, *(e for e in entries if e not in opening)]
     return entries
+
+
+def distributed_openers() -> list[CheckEntry]:
+    """The registered checks a distributed run starts with (Check.opens_distributed_runs)."""
+    return [entry for entry in available().values() if _declared(entry, "opens_distributed_runs", False)]
+
+
+def former_keys() -> dict[str, list[tuple[str, str]]]:
+    """Each top-level config key of a former release that registered checks still read (Check.former_keys) -> the
+    (check, option) pairs it sets."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for entry in available().values():
+        for key, option in _declared(entry, "former_keys", {}).items():
+            found.setdefault(key, []).append((entry.name, option))
+    return found
+
+
+def _declared(entry: CheckEntry, attribute: str, otherwise: Any) -> Any:
+    """One declaration of a check, or `otherwise` when its declarations do not load (its error shows when it runs)."""
+    try:
+        return getattr(info(entry), attribute)
+    except CheckLoadError:
+        return otherwise
 
 
 def select(names: list[str] | None) -> list[CheckEntry]:
@@ -408,6 +450,55 @@ def command_line_flags() -> list[Flag]:
             else:
                 found[flag] = Flag(flag, ((entry.name, option),), field_info.annotation, said)
     return list(found.values())
+
+
+@dataclass(frozen=True)
+class FileFlag:
+    """A `fwdcheck run` flag through which a check reads or writes a file (Check.files): `--expect-golden PATH`
+    reads a golden file before any model loads, `--save-golden PATH` writes one from the report after the run."""
+
+    flag: str
+    check: str  # the declaring check's name
+    help: str
+    reads: str | None = None  # "module:function" (path, label) -> document
+    fits: str | None = None  # "module:function" (document, run_config, label): refuses a file made for another run
+    writes: str | None = None  # "module:function" (result, report) -> text, or None
+    selects: bool = False  # True: the flag adds the check to the selection; False: the check must be in it
+    beside: str | None = None  # the suffix of a reading flag's file beside a config (gpt.golden.json for gpt.yaml)
+    needs_values: bool = True  # the check's: refused on the meta device
+
+    def call(self, role: str, *args: Any) -> Any:
+        """Call the function the flag names for `role` ("reads", "fits", "writes"); None when it names none."""
+        import pkgutil
+
+        reference = getattr(self, role)
+        return pkgutil.resolve_name(reference)(*args) if reference else None
+
+
+def file_flags() -> dict[str, FileFlag]:
+    """The file flags every registered check declares, in check order; a flag two checks declare is the first
+    one's (built-ins before plugins), and a check whose declarations do not load contributes none."""
+    found: dict[str, FileFlag] = {}
+    for entry in available().values():
+        try:
+            about = info(entry)
+        except CheckLoadError:
+            continue
+        for flag, does in about.files.items():
+            if flag in found or not isinstance(flag, str) or not flag.startswith("--"):
+                continue
+            found[flag] = FileFlag(
+                flag,
+                entry.name,
+                str(does.get("help", "")),
+                does.get("reads"),
+                does.get("fits"),
+                does.get("writes"),
+                bool(does.get("selects", False)),
+                does.get("beside"),
+                about.needs_values,
+            )
+    return found
 
 
 OWN_PREFIX = "FWD"  # fwdcheck's own finding codes and its built-in checks'

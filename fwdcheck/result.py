@@ -157,6 +157,22 @@ class Check:
     # Command-line flags it contributes to `fwdcheck run`: flag -> the option it sets (typed and helped from the
     # options model; a bool option is a switch). Several checks may declare one flag: it then sets each one's.
     flags: ClassVar[dict[str, str]] = {}
+    # Files it reads or writes, each behind a `fwdcheck run` flag that takes a path: flag -> what the flag does, as
+    # literals (read without importing the check), each function a "module:function" in a module free of torch:
+    #   {"reads": f}   f(path, label) -> document: the file read and validated before any model loads; the check
+    #                  gets the document from expected_in(session)
+    #   {"fits": f}    f(document, run_config, label): refuses (UsageError) a file made for another run
+    #   {"writes": f}  f(result, report) -> text, or None when the result holds nothing to write; written after
+    #                  the run, whole or not at all
+    #   {"help": "...", "selects": True}   its help; True: the flag adds the check to the run's selection (else the
+    #                  check must be in it)
+    #   {"beside": ".suffix"}   a reading flag's file the pytest plugin finds beside a config (gpt.golden.json)
+    # A flag takes one config; a check that needs values refuses its flags on the meta device.
+    files: ClassVar[dict[str, dict[str, Any]]] = {}
+    one_process: ClassVar[str | None] = None  # why a distributed run cannot run it; None: it can
+    opens_distributed_runs: ClassVar[bool] = False  # True: a distributed run starts with it, named or not
+    # Top-level config keys of former releases that now set one of its options: key -> option (`exhaustive:`)
+    former_keys: ClassVar[dict[str, str]] = {}
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError
@@ -171,6 +187,12 @@ class Check:
 
             chosen = pkgutil.resolve_name(self.options)()
         return chosen
+
+    def expected_in(self, session: Session, flag: str | None = None) -> Any:
+        """The document of the file given to this check's reading flag (Check.files; `flag` when it declares several),
+        read and validated before the model loaded; None when no file was given."""
+        flags = [flag] if flag is not None else [f for f, does in self.files.items() if "reads" in does]
+        return next((session.settings.expected[f] for f in flags if f in session.settings.expected), None)
 
     def key_number(self, result: CheckResult) -> str:
         """The number the verdict rests on, in a few characters, for the summary table (e.g. "0.18 / 1.2e-05",

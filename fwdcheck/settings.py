@@ -20,8 +20,7 @@ class Settings(RunConfig):
     run knows. The command line's worker, the pytest plugin and the Python API build it the same way
     (fwdcheck.runner.Run); a cell of the code-path matrix derives its own from it (code_paths.cell_settings)."""
 
-    expect_ledger: dict | None = None  # a saved shape ledger the shape-ledger check compares with
-    expect_golden: dict | None = None  # a golden file the golden check compares with
+    expected: dict[str, Any] = {}  # a check's reading flag -> the file's document (Check.expected_in)
     max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
     check_options: dict[str, Any] = {}  # check name -> its options, validated (Check.options_in)
 
@@ -32,8 +31,7 @@ class Settings(RunConfig):
         entries = selected(run.checks, run.distributed.nproc)
         return cls(
             **{name: getattr(run, name) for name in RunConfig.model_fields},
-            expect_ledger=overrides.expect_ledger,
-            expect_golden=overrides.expect_golden,
+            expected=overrides.expected or {},
             check_options=check_options(run.options, overrides.options or {}, entries),
         )
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fwdcheck.checks.golden_file import golden_text, read_golden
 from fwdcheck.config import load_config
-from fwdcheck.golden import golden_text, read_golden
 from fwdcheck.overrides import Overrides
 from fwdcheck.registry import select
 from fwdcheck.report.terminal import render, render_diff
@@ -74,14 +74,14 @@ def golden_example() -> str:
         config = load_config(ROOT / GOLDEN_MAIN)
         run = Run.build(config, Overrides(checks=[*config.checks, "golden"]))
         saved = run.check(run.load(), config_path=GOLDEN_MAIN)
-        path.write_text(golden_text(saved, path))
+        path.write_text(golden_text(saved.result("golden"), saved))
         size = path.stat().st_size
-        expected = read_golden(path)
+        expected = read_golden(path, f"--expect-golden {path}")
     console = _console()
     render(saved, console, durations=False, verbosity="quiet")
     saving = _lines(console)
     config = load_config(ROOT / GOLDEN_BRANCH)
-    run = Run.build(config, Overrides(checks=[*config.checks, "golden"], expect_golden=expected))
+    run = Run.build(config, Overrides(checks=[*config.checks, "golden"], expected={"--expect-golden": expected}))
     console = _console()
     render(run.check(run.load(), config_path=GOLDEN_BRANCH), console, durations=False)
     lines = _lines(console)

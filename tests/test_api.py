@@ -71,6 +71,18 @@ def test_checks_subset_and_options():
         fwdcheck.check_model(small(), ["future-tokens"])
 
 
+def test_the_checks_options_are_a_config_s_options_section():
+    def leak_map_kind(**kwargs) -> str:
+        report = fwdcheck.check_model(small(), ["future-token"], seq_len=6, **kwargs)
+        return report.result("future-token").data["leak_map"]["kind"]
+
+    # exhaustive: one token changed at a time; by default, every token from a cut on
+    assert leak_map_kind(options={"future-token": {"exhaustive": True}}) == leak_map_kind(exhaustive=True) == "token"
+    assert leak_map_kind() == "cut"
+    with pytest.raises(UsageError, match="options.future-token.exhaustiv: unknown key; did you mean 'exhaustive'"):
+        fwdcheck.check_model(small(), ["future-token"], options={"future-token": {"exhaustiv": True}})
+
+
 @pytest.mark.parametrize("not_a_module", [lambda ids: ids, object(), "gpt2", None])
 def test_non_module_is_a_usage_error(not_a_module):
     with pytest.raises(UsageError, match="needs a torch.nn.Module"):

@@ -385,9 +385,9 @@ def test_a_check_failing_on_one_rank_ends_the_launch_instead_of_hanging(tmp_path
 
 def test_golden_and_meta_runs_are_made_on_one_process(tmp_path):
     code, _, stderr = launch(tmp_path, gpt_config("tensor_parallel"), "--save-golden", str(tmp_path / "golden.json"))
-    assert code == 2 and "run on one process" in stderr and "Traceback" not in stderr
+    assert code == 2 and "golden check runs on one process" in stderr and "Traceback" not in stderr
     code, _, stderr = launch(tmp_path, {**gpt_config("tensor_parallel"), "checks": ["default", "golden"]})
-    assert code == 2 and "run on one process" in stderr
+    assert code == 2 and "golden check runs on one process" in stderr
     assert not (tmp_path / "golden.json").exists()
     code, _, stderr = launch(tmp_path, gpt_config("tensor_parallel"), "--meta")
     assert code == 2 and "--meta and a distributed run" in stderr

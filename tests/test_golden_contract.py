@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fwdcheck.checks.golden_file import golden_from_dict
 from fwdcheck.cli import app
 from fwdcheck.config import config_from_dict
-from fwdcheck.golden import golden_from_dict
 from fwdcheck.overrides import Overrides
 from fwdcheck.runner import Run
 from tests.test_cli import plain, usage_error
@@ -45,7 +45,7 @@ def golden_run(model: dict, expected: dict | None = None, dtype: str = "float32"
     """The golden check's result on the model a config dict describes, compared with `expected` when given."""
     run = Run.build(
         config_from_dict({"model": model, "inputs": inputs, "dtype": dtype}),
-        Overrides(checks=["golden"], expect_golden=expected),
+        Overrides(checks=["golden"], expected={"--expect-golden": expected} if expected is not None else None),
     )
     return run.check(run.load()).result("golden")
 
@@ -341,11 +341,11 @@ def test_save_golden_refuses_what_it_cannot_write(tmp_path, saved_file):
     )
     usage_error(
         invoke("run", config, config, "--save-golden", tmp_path / "g.json"),
-        "--save-golden and --expect-golden take one config",
+        "--save-golden takes one config",
     )
     usage_error(
         invoke("run", config, "--save-golden", tmp_path / "g.json", "--meta"),
-        "--save-golden and --expect-golden need values",
+        "--save-golden needs values; on the meta device only shapes exist",
     )
     assert not (tmp_path / "g.json").exists()
 

@@ -86,3 +86,67 @@ if model.source == other: pass
         "compares .source with 'reference'",
         "isinstance(..., ReferenceTransformer)",
     ]
+
+
+# The core: every module but the checks' own and the sources' (which say what a model offers, in words that may be a
+# check's too: packing).
+CORE = sorted(p for p in (ROOT / "fwdcheck").rglob("*.py") if SOURCES not in p.parents)
+# Words of the config's own vocabulary that are also a check's name: `positional: rope` is the model's scheme.
+VOCABULARY = {"rope"}
+
+
+def builtin_check_names() -> set[str]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    return set(project["project"]["entry-points"]["fwdcheck.checks"]) - VOCABULARY
+
+
+def named_checks(tree: ast.AST, names: set[str]) -> list[str]:
+    """Where a module names a check: an import of a check's module, or a string that is a check's name (docstrings
+    aside: prose may name them)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        modules = (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        found += [f"line {node.lineno}: imports {m}" for m in modules if m.startswith("fwdcheck.checks")]
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings:
+            found.append(f"line {node.lineno}: names the check {node.value!r}")
+    return found
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_core_names_no_check(path):
+    """What the core knows of a check, the check declares (its options, flags, files, views, codes, the runs it opens
+    or refuses): the core treats every check as it treats a plugin's."""
+    assert named_checks(ast.parse(path.read_text(encoding="utf-8")), builtin_check_names()) == []
+
+
+def test_the_rule_finds_each_way_of_naming_a_check():
+    planted = '''
+"""The golden check's module docstring may name it: golden."""
+from fwdcheck.checks.golden_file import read_golden
+import fwdcheck.checks.golden
+if name == "golden": pass
+entries = select(["sharding"])
+positional = "rope"
+'''
+    assert [line.split(": ", 1)[1] for line in named_checks(ast.parse(planted), builtin_check_names())] == [
+        "imports fwdcheck.checks.golden_file",
+        "imports fwdcheck.checks.golden",
+        "names the check 'golden'",
+        "names the check 'sharding'",
+    ]

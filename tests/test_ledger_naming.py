@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from fwdcheck.checks.ledger_file import ledger_from_dict
 from fwdcheck.config import config_from_dict
-from fwdcheck.ledger import ledger_from_dict
 from fwdcheck.registry import select
 from fwdcheck.runner import run_model
 from fwdcheck.settings import Settings
@@ -27,7 +27,7 @@ def ledger(model: dict, inputs: dict | None = None, expect: dict | None = None):
     """The shape-ledger result of the reference model with these fields changed, compared with `expect` if given."""
     config = config_from_dict({"model": {**REFERENCE, **model}, "inputs": {**INPUTS, **(inputs or {})}})
     settings = Settings.from_config(config)
-    settings.expect_ledger = ledger_from_dict(expect, "the saved ledger") if expect is not None else None
+    settings.expected = {"--expect-ledger": ledger_from_dict(expect, "the saved ledger")} if expect is not None else {}
     return run_model(load_model(config), settings, select(["shape-ledger"])).result("shape-ledger")
 
 

@@ -1,6 +1,7 @@
 """A plugin gets every seam a built-in check has, with no edit outside its own files: its own section of the config
-(`options:`), its own command-line flag, its own terminal view with a typed record, its own finding codes, which
-`fwdcheck explain CODE` finds; and a plugin's codes cannot be mistaken for another check's."""
+(`options:`), its own command-line flag, its own files to save and compare with (as --save-golden/--expect-golden),
+its own terminal view with a typed record, its own finding codes, which `fwdcheck explain CODE` finds, a former
+top-level key of its own; and a plugin's codes cannot be mistaken for another check's."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from tests.test_plugins import config, invoke, toy, write_dist_info
 # The plugin's torch-free face: its options, the record its data holds, and its view (read by the command line and
 # the report, which never import the check itself).
 FACE = """
+import json
 from typing import TypedDict
 
 from pydantic import Field
 from rich.text import Text
 
 from fwdcheck.config import CheckOptions
+from fwdcheck.errors import UsageError
 
 
 class Options(CheckOptions):
@@ -34,6 +37,26 @@ class Bound(TypedDict):
 def bound_view(result):
     data: Bound = result.data["bound"]
     return Text(f"acme view: largest |logit| {data['largest']:.3g}, limit {data['limit']:g}")
+
+
+def bound_text(result, report):
+    # --save-bound: the largest |logit| and the seed it was measured at
+    data = result.data.get("bound")
+    return None if data is None else json.dumps({"largest": data["largest"], "seed": report.environment["seed"]})
+
+
+def read_bound(path, label):
+    # --expect-bound: a file --save-bound wrote, or one line naming what is wrong
+    try:
+        document = json.loads(path.read_text())
+        return {"largest": float(document["largest"]), "seed": int(document["seed"])}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{label}: not a bound file ({exc})") from None
+
+
+def same_seed(document, run, label):
+    if document["seed"] != run.inputs.seed:
+        raise UsageError(f"{label}: measured at seed {document['seed']} (this run: {run.inputs.seed})")
 """
 
 CHECK = """
@@ -45,10 +68,21 @@ class LogitBound(Check):
     name = "acme-bound"
     description = "logits stay under a limit"
     explain = "Every logit of the baseline forward stays under options.acme-bound.limit."
-    codes = {"ACME101": "a logit's magnitude is over the limit"}
+    codes = {"ACME101": "a logit's magnitude is over the limit", "ACME102": "the largest |logit| moved"}
     default = False
     options = "acme_bound_face:Options"
     flags = {"--acme-limit": "limit"}
+    former_keys = {"bound_limit": "limit"}
+    files = {
+        "--save-bound": {"writes": "acme_bound_face:bound_text", "help": "write the largest |logit| here"},
+        "--expect-bound": {
+            "reads": "acme_bound_face:read_bound",
+            "fits": "acme_bound_face:same_seed",
+            "help": "fail when the largest |logit| moved from this file",
+            "selects": True,
+            "beside": ".bound.json",
+        },
+    }
     detail_view = "acme_bound_face:bound_view"
 
     def run(self, model, session):
@@ -56,6 +90,10 @@ class LogitBound(Check):
         largest = float(session.baseline().abs().max())
         data: Bound = {"largest": largest, "limit": limit}
         findings = [Finding("ACME101", Status.FAIL, f"|logit| {largest:.3g} over {limit:g}")] if largest > limit else []
+        expected = self.expected_in(session)
+        if expected is not None and abs(expected["largest"] - largest) > 1e-4 * abs(largest):
+            was = expected["largest"]
+            findings.append(Finding("ACME102", Status.FAIL, f"largest |logit| {largest:.6g}, was {was:.6g}"))
         return CheckResult.from_findings(self.name, findings, f"largest |logit| {largest:.3g}", data={"bound": data})
 """
 
@@ -167,3 +205,49 @@ def test_the_former_exhaustive_key_still_turns_on_each_checks_thorough_variant(t
         {"model": {"source": "reference"}, "exhaustive": True, "options": {"future-token": {"exhaustive": False}}}
     )
     assert kept.options["future-token"] == {"exhaustive": False}  # the check's own section wins
+
+
+def test_a_plugins_files_are_saved_compared_validated_and_protected(plugin, tmp_path):
+    clean = config(tmp_path / "clean.yaml", **toy(checks=["acme-bound"]))
+    saved = tmp_path / "bound.json"
+    assert invoke("run", clean, "--save-bound", saved).exit_code == 0
+    assert json.loads(saved.read_text())["seed"] == 0
+    result, checks = run_json(clean, "--expect-bound", saved)
+    assert result.exit_code == 0 and checks["acme-bound"]["findings"] == []
+    # The same file against another model: the check compares, and fails naming what moved.
+    other = config(tmp_path / "other.yaml", **toy(checks=["acme-bound"], inputs={"seed": 0, "batch_size": 3}))
+    moved = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**moved, "largest": moved["largest"] * 2}))
+    result, checks = run_json(other, "--expect-bound", saved)
+    assert result.exit_code == 1 and [f["code"] for f in checks["acme-bound"]["findings"]] == ["ACME102"]
+    # The flag selects its check: a config that does not name it still runs it.
+    unnamed = config(tmp_path / "unnamed.yaml", **toy(checks=["shape-ledger"]))
+    assert "acme-bound" in run_json(unnamed, "--expect-bound", saved)[1]
+    # Refused before any model loads, one line each: a broken file, a file made for another run, several configs,
+    # an output over the file it reads.
+    (tmp_path / "broken.json").write_text("{")
+    for args, said in [
+        (("--expect-bound", tmp_path / "broken.json"), "not a bound file"),
+        (("--expect-bound", saved, "--seed", "3"), "measured at seed 0 (this run: 3)"),
+        ((clean, "--save-bound", tmp_path / "b.json"), "--save-bound takes one config"),
+        (("--expect-bound", saved, "--save-bound", saved), "is the --expect-bound file"),
+        (("--expect-bound",), "--expect-bound needs a value"),
+    ]:
+        result = invoke("run", clean, *args)
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "b.json").exists()
+    assert "--expect-bound PATH" in invoke("run", "--help").stdout
+
+
+def test_a_plugins_file_flag_without_its_check_selected_is_refused(plugin, tmp_path):
+    result = invoke(
+        "run", config(tmp_path / "c.yaml", **toy(checks=["shape-ledger"])), "--save-bound", tmp_path / "b.json"
+    )
+    assert result.exit_code == 2 and "--save-bound needs the acme-bound check in the selection" in result.output
+
+
+def test_a_plugins_former_top_level_key_sets_its_option(plugin, tmp_path):
+    from fwdcheck.config import config_from_dict
+
+    config_ = config_from_dict({"model": {"source": "reference"}, "bound_limit": 3.0})
+    assert config_.options == {"acme-bound": {"limit": 3.0}}

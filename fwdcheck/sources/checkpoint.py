@@ -51,7 +51,7 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
     """Build spec.factory's model and load spec.path into it. ModelLoadError (exit 2) when that cannot be done."""
     path = spec.path
     kind = checkpoint_kind(path)
-    search = search_dirs(spec.python_path, config)
+    search = search_dirs(spec.python_path, config.source_path)
     parts = import_factory_parts(spec, search)
     notes: list[str] = []
     # Read the file first: a corrupt or refused checkpoint fails before the factory runs at all.

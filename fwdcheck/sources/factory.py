@@ -13,8 +13,8 @@ import torch.nn as nn
 from fwdcheck.callables import on_sys_path, resolve_callable
 from fwdcheck.config import FactoryModel
 from fwdcheck.config_keys import CONFIG_KEYS, extended
-from fwdcheck.errors import ModelLoadError
-from fwdcheck.model import ModelUnderTest, Rotary, describe, model_failure
+from fwdcheck.errors import ModelLoadError, model_failure
+from fwdcheck.model import ModelUnderTest, Rotary, describe
 from fwdcheck.sources.detect import detect_capabilities
 
 # Where the `config` of a factory's module keeps its sizes (nanoGPT's GPTConfig, gpt-fast's ModelArgs, litgpt's Config,

@@ -1,4 +1,5 @@
-"""The saved shape ledger: the JSON file `--save-ledger` writes and `--expect-ledger` reads, written and read here.
+"""The saved shape ledger: the JSON file `--save-ledger` writes and `--expect-ledger` reads, written and read here
+(the shape-ledger check's `files`).
 
 The shape-ledger check (checks/shape_ledger.py) makes the ledger and compares it with an expected one; this module
 turns a report's ledger into the file's text, and a file back into a ledger, refusing (one UsageError line, exit 2)
@@ -56,24 +57,22 @@ class Ledger(BaseModel):
         return self
 
 
-def ledger_text(report, path: Path) -> str:
-    """The --save-ledger file for a report: its shape ledger as JSON; a UsageError when the ledger did not run."""
-    ledger = next((r for r in report.results if r.name == "shape-ledger"), None) if report else None
-    if ledger is None or "entries" not in ledger.data:
-        why = ledger.summary if ledger is not None else "not selected"
-        raise UsageError(f"--save-ledger {path}: the shape ledger did not run ({why})")
+def ledger_text(result, report) -> str | None:
+    """The --save-ledger file: the shape ledger as JSON; None when the result holds none (the check skipped or
+    erred)."""
+    if "entries" not in result.data:
+        return None
     document = {
         "fwdcheck_ledger": 1,
         "model": report.model.get("label"),
-        "dims": ledger.data.get("dims", {}),
-        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in ledger.data["entries"]],
+        "dims": result.data.get("dims", {}),
+        "entries": [{k: e[k] for k in ("name", "shape", "dims", "dtype")} for e in result.data["entries"]],
     }
     return json.dumps(document, indent=2) + "\n"
 
 
-def read_ledger(path: Path) -> dict:
+def read_ledger(path: Path, label: str) -> dict:
     """The --expect-ledger file, read and validated: the ledger as a plain dict."""
-    label = f"--expect-ledger {path}"
     # NaN and Infinity are no JSON; Python's reader accepts them unless told not to. The ledger check refuses them by
     # type (a size is an integer), which names the key.
     return ledger_from_dict(read_json_file(path, label, "ledger", "--save-ledger"), label)
