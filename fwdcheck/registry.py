@@ -70,8 +70,8 @@ class CheckInfo:
     """What `fwdcheck list` and `explain` show of a check."""
 
     description: str
-    explain: str
-    codes: dict[str, str]
+    explain: str = ""
+    codes: dict[str, str] = field(default_factory=dict)
     default: bool = True  # in the default selection (a config without `checks:`)
     order: int = LAST
     detail_view: str | None = None  # "module:function" drawing its data in the terminal
@@ -146,56 +146,58 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
         return {}
     found: dict[str, CheckInfo] = {}
     for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        values = {}
-        for statement in node.body:
-            targets = (
-                statement.targets
-                if isinstance(statement, ast.Assign)
-                else [statement.target]
-                if isinstance(statement, ast.AnnAssign) and statement.value
-                else []
-            )
-            if len(targets) == 1 and isinstance(targets[0], ast.Name):
-                assert isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value is not None  # targets
-                with suppress(ValueError):  # ValueError: computed, not a literal
-                    values[targets[0].id] = ast.literal_eval(statement.value)
-        literal = (
-            isinstance(values.get("description"), str)
-            and isinstance(values.get("codes", {}), dict)
-            and isinstance(values.get("default", True), bool)
-            and isinstance(values.get("order", 0), int)
-            and isinstance(values.get("detail_view", ""), (str, type(None)))
-            and isinstance(values.get("options", ""), (str, type(None)))
-            and isinstance(values.get("flags", {}), dict)
-            and isinstance(values.get("files", {}), dict)
-            and all(isinstance(does, dict) for does in values.get("files", {}).values())
-            and isinstance(values.get("needs_values", True), bool)
-            and isinstance(values.get("one_process", ""), (str, type(None)))
-            and isinstance(values.get("opens_distributed_runs", False), bool)
-            and isinstance(values.get("former_keys", {}), dict)
-        )
-        if literal:
-            found.setdefault(
-                node.name,
-                CheckInfo(
-                    values["description"],
-                    values.get("explain", ""),
-                    values.get("codes", {}),
-                    values.get("default", True),
-                    values.get("order", LAST),
-                    values.get("detail_view"),
-                    values.get("options"),
-                    values.get("flags", {}),
-                    values.get("files", {}),
-                    values.get("needs_values", True),
-                    values.get("one_process"),
-                    values.get("opens_distributed_runs", False),
-                    values.get("former_keys", {}),
-                ),
-            )
+        if isinstance(node, ast.ClassDef):
+            values = _literal_attributes(node)
+            if _declares_literally(values):
+                fields = {name: values[name] for name in _INFO_FIELDS if name in values}
+                found.setdefault(node.name, CheckInfo(**fields))
     return found
+
+
+# What CheckInfo reads off a class body, and the type each literal must have.
+_INFO_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "description": str,
+    "explain": str,
+    "codes": dict,
+    "default": bool,
+    "order": int,
+    "detail_view": (str, type(None)),
+    "options": (str, type(None)),
+    "flags": dict,
+    "files": dict,
+    "needs_values": bool,
+    "one_process": (str, type(None)),
+    "opens_distributed_runs": bool,
+    "former_keys": dict,
+}
+
+
+def _literal_attributes(node) -> dict[str, Any]:
+    """The class attributes assigned a literal (`name = ...` or `name: T = ...`); a computed one is left out."""
+    import ast
+
+    values = {}
+    for statement in node.body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target, value = statement.targets[0], statement.value
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            target, value = statement.target, statement.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            with suppress(ValueError):  # ValueError: computed, not a literal
+                values[target.id] = ast.literal_eval(value)
+    return values
+
+
+def _declares_literally(values: dict[str, Any]) -> bool:
+    """Whether a class's literals make a whole CheckInfo: a description, and every other field it gives well typed
+    (a file flag's declaration a mapping)."""
+    return (
+        isinstance(values.get("description"), str)
+        and all(isinstance(values[name], kind) for name, kind in _INFO_FIELDS.items() if name in values)
+        and all(isinstance(does, dict) for does in values.get("files", {}).values())
+    )
 
 
 def available() -> dict[str, CheckEntry]:
