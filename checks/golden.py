@@ -255,7 +255,7 @@ def largest_change(then: dict, now: dict, tolerance: dict) -> tuple[float, float
     pairs += [
         (f"{key}[{i}]", a, b)
         for key in ("values", "digest")
-        for i, (a, b) in enumerate(zip(then[key], now[key], strict=False))
+        for i, (a, b) in enumerate(zip(then[key], now[key], strict=True))  # one shape: one count (golden_file)
     ]
     largest, what = 0.0, "no change"
     for label, a, b in pairs:

@@ -30,6 +30,7 @@ the same machine writes the same bytes.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -41,6 +42,12 @@ from fwdcheck.errors import UsageError
 VERSION = 1
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Size = Annotated[int, Field(ge=0)]
+# What fwdcheck.activations.fingerprint writes (it imports torch; this module must not): values at SAMPLED fixed
+# indices (fewer in a smaller tensor), DIGEST_ROWS digest numbers, and the logits' entry among the outputs.
+# tests/test_golden_contract.py holds them equal to activations'.
+SAMPLED = 4
+DIGEST_ROWS = 4
+LOGITS = "(logits)"
 
 
 class Fingerprint(BaseModel):
@@ -58,6 +65,22 @@ class Fingerprint(BaseModel):
     values: list[Finite | None]  # None: the element there is NaN or Inf
     digest: list[Finite]
     nonfinite: Size = 0
+
+    @model_validator(mode="after")
+    def _whole(self) -> Fingerprint:
+        """As many numbers as a fingerprint of this shape holds: a file with values or digest cut short would
+        compare fewer numbers (a model with its rows swapped could pass), so it is not a golden file."""
+        elements = math.prod(self.shape)
+        if len(self.digest) != DIGEST_ROWS:
+            raise ValueError(f"'{self.name}': digest holds {len(self.digest)} numbers, not {DIGEST_ROWS}")
+        if len(self.values) != min(SAMPLED, elements):
+            raise ValueError(
+                f"'{self.name}': values holds {len(self.values)} numbers; a tensor of shape {self.shape} has "
+                f"{min(SAMPLED, elements)}"
+            )
+        if self.nonfinite > elements or sum(v is None for v in self.values) > self.nonfinite:
+            raise ValueError(f"'{self.name}': more NaN or Inf than the tensor's {elements} elements, or than nonfinite")
+        return self
 
 
 class RunRecord(BaseModel):
@@ -96,6 +119,8 @@ class Golden(BaseModel):
 
     @model_validator(mode="after")
     def _names_once(self) -> Golden:
+        if LOGITS not in [entry.name for entry in self.outputs]:
+            raise ValueError(f"outputs: no '{LOGITS}' entry; every golden file records the logits")
         for key in ("outputs", "parameters"):
             first: dict[str, int] = {}
             for i, entry in enumerate(getattr(self, key)):

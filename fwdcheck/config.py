@@ -12,6 +12,7 @@ import json
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
@@ -542,7 +543,11 @@ def read_json_file(path: Path, label: str, what: str, written_by: str, parse_con
     line starting with `label` and naming the flag that writes one (`written_by`)."""
     regular_file(Path(path), label, UsageError, what=what)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=parse_constant)
+        text = Path(path).read_text(encoding="utf-8")
+        return json.loads(text, parse_constant=parse_constant, object_pairs_hook=_once_each)
+    except DuplicateKey as exc:
+        where = duplicate_key(text)
+        raise UsageError(f"{label}: {where or exc}; not a {what} written by {written_by}") from None
     except FileNotFoundError:
         raise UsageError(f"{label}: no such file (write one with {written_by})") from None
     except IsADirectoryError:
@@ -553,45 +558,111 @@ def read_json_file(path: Path, label: str, what: str, written_by: str, parse_con
         raise UsageError(f"{label}: not a readable JSON {what} ({exc})") from None
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each named once (json.loads keeps the last of a key given twice, silently)."""
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise DuplicateKey(f"the key '{key}' is given twice in one object")
+        document[key] = value
+    return document
+
+
 def check_yaml_structure(text: str, name: str) -> None:
     """Refuse a YAML document nested deeper than MAX_DEPTH, one whose aliases expand to more than MAX_VALUES values
-    (the 'billion laughs'), and an alias inside the node it names (a cycle), before anything builds it.
+    (the 'billion laughs'), an alias inside the node it names (a cycle), and a key given twice in one mapping (a
+    YAML reader keeps the last silently: `checks:` twice would run fewer checks), before anything builds it.
 
     It reads the parser's event stream, which needs no recursion, and stops at the first problem: the composer and
     the constructor that safe_load runs recurse once per level, and pydantic walks every alias anew."""
-    open_nodes: list[list] = []  # [anchor, values so far] of each collection being read, outermost first
+    open_nodes: list[_Open] = []  # each collection being read, outermost first
     sizes: dict[str, int] = {}  # anchor -> the values its node holds, aliases expanded
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         at = f"at line {event.start_mark.line + 1}, column {event.start_mark.column + 1}" if event.start_mark else ""
+        if isinstance(event, yaml.NodeEvent) and open_nodes:  # a scalar, an alias or a collection's start
+            try:
+                open_nodes[-1].child(event)
+            except DuplicateKey as exc:
+                raise ConfigError(f"{name}: {exc}") from None
         if isinstance(event, yaml.CollectionStartEvent):
-            open_nodes.append([event.anchor, 1])
+            open_nodes.append(_Open(event.anchor, {} if isinstance(event, yaml.MappingStartEvent) else None))
             if len(open_nodes) > MAX_DEPTH:
                 raise ConfigError(
                     f"{name}: nested more than {MAX_DEPTH} levels deep {at}; a config is a few levels deep"
                 )
             continue
         if isinstance(event, yaml.CollectionEndEvent):
-            anchor, count = open_nodes.pop()
-            if anchor is not None:
-                sizes[anchor] = count
+            closed = open_nodes.pop()
+            count = closed.values
+            if closed.anchor is not None:
+                sizes[closed.anchor] = count
         elif isinstance(event, yaml.ScalarEvent):
             count = 1
             if event.anchor is not None:
                 sizes[event.anchor] = 1
         elif isinstance(event, yaml.AliasEvent):
-            if any(anchor == event.anchor for anchor, _ in open_nodes):
+            if any(node.anchor == event.anchor for node in open_nodes):
                 raise ConfigError(f"{name}: the alias *{event.anchor} {at} refers to a node that holds it (a cycle)")
             count = sizes.get(event.anchor, 1)  # an undefined anchor: the composer names it
         else:
             continue
         if open_nodes:
-            open_nodes[-1][1] += count
-            count = open_nodes[-1][1]
+            open_nodes[-1].values += count
+            count = open_nodes[-1].values
         if count > MAX_VALUES:
             raise ConfigError(
                 f"{name}: its aliases expand to more than {MAX_VALUES} values (by the alias {at}); a "
                 "config holds a few hundred"
             )
+
+
+class DuplicateKey(ValueError):
+    """A mapping names one key twice."""
+
+
+@dataclass
+class _Open:
+    """A collection being read from YAML's event stream: the values it holds so far, and for a mapping the line of
+    each key it named and whether its next child is a key."""
+
+    anchor: str | None
+    keys: dict[str, int] | None  # None: a sequence
+    values: int = 1
+    next_is_key: bool = True
+
+    def child(self, event) -> None:
+        """Note a child node's start; a key this mapping already named raises DuplicateKey naming both lines."""
+        if self.keys is None:
+            return
+        is_key, self.next_is_key = self.next_is_key, not self.next_is_key
+        if not is_key or not isinstance(event, yaml.ScalarEvent) or event.value == "<<":  # <<: a merge, not a key
+            return
+        line = event.start_mark.line + 1
+        if event.value in self.keys:
+            raise DuplicateKey(
+                f"the key '{event.value}' is given twice, at line {self.keys[event.value]} and at line {line} "
+                "(a reader would keep the last one silently); give it once"
+            )
+        self.keys[event.value] = line
+
+
+def duplicate_key(text: str) -> str | None:
+    """Where a JSON (or YAML) text names a key twice in one object, both lines named; None when it does not (or when
+    the text does not parse as YAML, a superset of the JSON fwdcheck writes)."""
+    open_nodes: list[_Open] = []
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.NodeEvent) and open_nodes:
+                open_nodes[-1].child(event)
+            if isinstance(event, yaml.CollectionStartEvent):
+                open_nodes.append(_Open(event.anchor, {} if isinstance(event, yaml.MappingStartEvent) else None))
+            elif isinstance(event, yaml.CollectionEndEvent):
+                open_nodes.pop()
+    except DuplicateKey as exc:
+        return str(exc)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return None
+    return None
 
 
 def nesting_depth(document: Any, limit: int = MAX_DEPTH) -> int:

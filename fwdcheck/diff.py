@@ -54,6 +54,8 @@ class Pair:
     max_diff: float
     tolerance: float
     by_name: bool  # paired by name (after renaming); False: by order among outputs of its shape
+    # which side holds values no comparison can vouch for ("A", "B", "A and B"): NaN anywhere, Inf in the logits
+    nonfinite: str = ""
 
     @property
     def parts(self) -> bool:
@@ -69,6 +71,7 @@ class Pair:
             "tolerance": self.tolerance,
             "by_name": self.by_name,
             "parts": self.parts,
+            "nonfinite": self.nonfinite,
         }
 
 
@@ -353,16 +356,9 @@ def pair(
         j = matched.get(i, by_order.get(i))
         if j is not None:
             name_b, tensor_b = outputs_b[j]
-            pairs.append(
-                Pair(
-                    name,
-                    name_b,
-                    list(tensor.shape),
-                    list(tensor_b.shape),
-                    *difference(tensor, tensor_b, rtol, atol),
-                    by_name=i in matched,
-                )
-            )
+            max_diff, tolerance, nonfinite = difference(tensor, tensor_b, rtol, atol, logits=name == LOGITS)
+            shapes = list(tensor.shape), list(tensor_b.shape)
+            pairs.append(Pair(name, name_b, *shapes, max_diff, tolerance, by_name=i in matched, nonfinite=nonfinite))
     unpaired_a = [name for i, (name, _) in enumerate(outputs_a) if i not in matched and i not in by_order]
     partnered = set(matched.values()) | set(by_order.values())
     unpaired_b = [name for j, (name, _) in enumerate(outputs_b) if j not in partnered]
@@ -374,20 +370,30 @@ def _before(anchors: list[int], position: int) -> int:
     return sum(1 for anchor in anchors if anchor < position)
 
 
-def difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, float]:
-    """(largest |a - b|, the tolerance: atol + rtol x A's largest finite |value|), in float64. Shapes that differ
-    only by axes of size 1 ([1, T, d] positions against [T, d]) hold the same elements and are compared as such;
-    others are an infinite difference. Elements equal in both (the same Inf, NaN in both) do not differ; NaN or Inf
-    in one only is an infinite difference."""
+def difference(
+    a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, logits: bool = False
+) -> tuple[float, float, str]:
+    """(largest |a - b|, the tolerance: atol + rtol x A's largest finite |value|, the sides holding what no
+    comparison vouches for), in float64. Shapes that differ only by axes of size 1 ([1, T, d] positions against
+    [T, d]) hold the same elements and are compared as such; others are an infinite difference.
+
+    NaN is never equal to anything, NaN included: two models that both give NaN are not shown to compute the same
+    thing, so a NaN on either side is an infinite difference. An Inf equal in both is equal (a float mask's -inf
+    is an exact value) except in the logits, where NaN or Inf on either side is an infinite difference: the verdict
+    "equal" is never given over logits that hold no numbers."""
     a64, b64 = a.double(), b.double()
     finite = a64[a64.isfinite()]
     tolerance = atol + rtol * (float(finite.abs().max()) if finite.numel() else 0.0)
+    unverifiable = (lambda t: ~t.isfinite()) if logits else (lambda t: t.isnan())
+    sides = " and ".join(side for side, t in (("A", a64), ("B", b64)) if bool(unverifiable(t).any()))
     if a64.shape != b64.shape:
         if [s for s in a64.shape if s != 1] != [s for s in b64.shape if s != 1]:
-            return math.inf, tolerance
+            return math.inf, tolerance, sides
         b64 = b64.reshape(a64.shape)
+    if sides:
+        return math.inf, tolerance, sides
     if not a64.numel():
-        return 0.0, tolerance
-    same = (a64 == b64) | (a64.isnan() & b64.isnan())
+        return 0.0, tolerance, ""
+    same = a64 == b64  # the same Inf in both is the same value
     change = torch.where(same, 0.0, (a64 - b64).abs().nan_to_num(nan=math.inf))
-    return float(change.max()), tolerance
+    return float(change.max()), tolerance, ""

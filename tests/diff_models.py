@@ -34,3 +34,37 @@ class DropoutThenFunctionalGelu(GeluModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(input_ids)
         return self.head(x + self.proj(F.gelu(self.drop(self.fc(x)))))
+
+
+class NaNOut(GeluModule):
+    """A model whose weights are NaN from the first layer on: every output after the embedding is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.fc.weight.fill_(float("nan"))
+
+
+class MaskedScores(GeluModule):
+    """A float causal mask (0 / -inf) as a module output, the same in any two copies: an Inf that is a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask = CausalMask()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)  # (B, T, D)
+        scores = x @ x.transpose(1, 2) + self.mask(input_ids.shape[1])  # (B, T, T)
+        return self.head(x + self.proj(self.act(self.fc(scores.softmax(-1) @ x))))
+
+
+class CausalMask(nn.Module):
+    def forward(self, length: int) -> torch.Tensor:
+        return torch.full((length, length), float("-inf")).triu(1)  # (T, T)
+
+
+class InfLogits(GeluModule):
+    """Logits of +Inf everywhere, in any copy."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * float("inf")

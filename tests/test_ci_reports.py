@@ -145,3 +145,9 @@ def test_ledger_errors_are_usage_errors(tmp_path):
     result = invoke(TOY, "--expect-ledger", tmp_path / "bad.json")
     assert result.exit_code == 2 and "not a ledger" in result.stderr
     assert invoke(TOY, "--check", "rope", "--save-ledger", tmp_path / "x.json").exit_code == 2
+    # A key given twice: json.loads would keep the last (an empty ledger would compare nothing).
+    (tmp_path / "twice.json").write_text(
+        '{\n "entries": [{"name": "logits", "dims": ["B", "T", "V"]}],\n "entries": []\n}'
+    )
+    twice = invoke(TOY, "--expect-ledger", tmp_path / "twice.json")
+    assert twice.exit_code == 2 and "the key 'entries' is given twice, at line 2 and at line 3" in twice.stderr

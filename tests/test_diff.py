@@ -304,3 +304,29 @@ def test_outputs_paired_by_order_that_differ_while_what_follows_agrees_are_not_a
     assert pairs["act"]["b"] == "drop" and pairs["act"]["parts"] and not pairs["act"]["by_name"]
     assert not pairs["proj"]["parts"] and pairs["(logits)"]["max_diff"] == 0
     assert any("act and drop, paired by order" in note and "not counted" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(
+    "factory, parting, sides",
+    [
+        ("NaNOut", "fc", "A and B"),  # NaN in both: nothing shows they compute the same thing
+        ("InfLogits", "(logits)", "A and B"),  # an Inf equal in both is a value, but never in the logits
+    ],
+)
+def test_nan_or_inf_logits_are_never_equal(tmp_path, factory, parting, sides):
+    a = write(tmp_path, "a.yaml", {"source": "python", "path": [str(REPO)], "factory": f"tests.diff_models:{factory}"})
+    code, report, _ = diff(a, a)
+    assert code == 1 and not report["equal"]
+    assert report["first_parting"]["a"] == parting and report["first_parting"]["nonfinite"] == sides
+    shown = plain(runner.invoke(app, ["diff", str(a), str(a)], catch_exceptions=False).stdout)
+    assert f"they part at A {parting}: A and B hold NaN or Inf there" in " ".join(shown.split())
+
+
+def test_an_inf_both_models_hold_in_a_module_output_is_equal(tmp_path):
+    """A float mask's -inf is an exact value: the same in both, it does not part."""
+    a = write(
+        tmp_path, "a.yaml", {"source": "python", "path": [str(REPO)], "factory": "tests.diff_models:MaskedScores"}
+    )
+    code, report, _ = diff(a, a)
+    pairs = {p["a"]: p for p in report["pairs"]}
+    assert code == 0 and report["equal"] and pairs["mask"]["max_diff"] == 0 and pairs["mask"]["nonfinite"] == ""

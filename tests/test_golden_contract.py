@@ -282,6 +282,28 @@ BAD_FILES = {
         lambda d: {**d, "tolerance": {"rtol": -1, "atol": 0}},
         "tolerance.rtol: Input should be greater than or equal to 0",
     ),
+    # Cut short, a file would compare fewer numbers (zip stops at the shorter): a model with rows swapped could pass.
+    "values-emptied": (
+        lambda d: {**d, "outputs": [{**e, "values": []} for e in d["outputs"]]},
+        "values holds 0 numbers; a tensor of shape",
+    ),
+    "digest-emptied": (
+        lambda d: {**d, "parameters": [{**e, "digest": []} for e in d["parameters"]]},
+        "digest holds 0 numbers, not 4",
+    ),
+    "nan-beyond-its-count": (
+        lambda d: {**d, "outputs": [{**e, "values": [None] * len(e["values"])} for e in d["outputs"]]},
+        "more NaN or Inf than the tensor's",
+    ),
+    "no-logits": (
+        lambda d: {**d, "outputs": [e for e in d["outputs"] if e["name"] != "(logits)"]},
+        "outputs: no '(logits)' entry",
+    ),
+    # json.loads keeps the last of a key given twice: an empty `outputs` after the real one would compare nothing.
+    "a-key-twice": (
+        lambda d: json.dumps(d, indent=1).replace('\n "parameters"', '\n "outputs": [],\n "parameters"', 1),
+        "the key 'outputs' is given twice, at line",
+    ),
 }
 
 
@@ -293,6 +315,18 @@ def test_a_file_that_is_not_a_golden_file_is_one_line(tmp_path, saved_file, case
     golden = tmp_path / "golden.json"
     golden.write_text(made if isinstance(made, str) else json.dumps(made))
     usage_error(invoke("run", config, "--expect-golden", golden), f"--expect-golden {golden}: ", fragment)
+
+
+def test_the_file_holds_what_fingerprints_hold():
+    """The torch-free reader's idea of a fingerprint is the fingerprint's own."""
+    from fwdcheck import activations
+    from fwdcheck.checks import golden_file
+
+    assert (golden_file.SAMPLED, golden_file.DIGEST_ROWS, golden_file.LOGITS) == (
+        activations.SAMPLED,
+        activations.DIGEST_ROWS,
+        activations.LOGITS,
+    )
 
 
 def test_a_missing_file_or_a_directory_is_one_line(tmp_path, saved_file):

@@ -292,8 +292,15 @@ def _diff_verdict(diff: dict) -> list[Text]:
                 f" within tolerance over {len(diff['pairs'])} pairs of modules (exit {diff['exit_code']})",
             ),
         ]
-    by = _number(first["max_diff"])
     b = "" if first["b"] == first["a"] else f" / B {first['b']}"
+    if first.get("nonfinite"):  # NaN (or Inf in the logits): nothing to compare, not equal
+        holds = "hold" if " and " in first["nonfinite"] else "holds"
+        by = f"{first['nonfinite']} {holds} NaN or Inf there, which no comparison vouches for"
+        return [
+            legend,
+            Text.assemble(("they part", "bold red"), f" at A {first['a']}{b}: {by} (exit {diff['exit_code']})"),
+        ]
+    by = _number(first["max_diff"])
     return [
         legend,
         Text.assemble(
