@@ -604,7 +604,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             def hook(module, args, output):
                 hidden = first_tensor(output)
                 if hidden is not None and hidden.dim() == 3:
-                    seen[i].append(hidden.detach().float())
+                    seen[i].append(hidden.detach().to(torch.float32, copy=True))  # its own: buffers get reused
 
             return hook
 

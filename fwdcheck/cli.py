@@ -26,7 +26,16 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
-from fwdcheck.outputs import check_outputs, isatty, silence_stdout, why_not, write_stdout, write_whole
+from fwdcheck.outputs import (
+    check_appended,
+    check_outputs,
+    isatty,
+    model_code_files,
+    silence_stdout,
+    why_not,
+    write_stdout,
+    write_whole,
+)
 from fwdcheck.prose import paragraphs
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
@@ -351,7 +360,14 @@ def _run(o: RunOptions) -> int:
     outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
     outputs += [(flag, path) for flag, path in o.check_files.items() if file_flag(flag).writes]
     inputs = [i for p in plans for i in run_inputs(o, p.path, p.config)]
-    check_outputs(outputs, inputs, to_stdout=o.output is None)  # an unwritable report: now, not after the run
+    model_code = [model_code_files(p.config, p.path) for p in plans]
+    inputs += [file for files, _ in model_code for file in files]
+    code_dirs = [directory for _, dirs in model_code for directory in dirs]
+    # an unwritable report, or one over what the run reads: now, not after the run
+    check_outputs(outputs, inputs, to_stdout=o.output is None, code_dirs=code_dirs)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY") if o.format == Format.github else None
+    if summary:  # appended to, after the reports
+        check_appended(f"$GITHUB_STEP_SUMMARY {summary}", Path(summary), outputs, inputs)
     outcome = Outcome(several=len(plans) > 1)
     with progress_display(enabled=o.format == Format.rich and o.output is None and isatty(sys.stdout)) as progress:
         for planned in plans:
@@ -755,7 +771,11 @@ def print_error(exc: FwdcheckError, debug: bool) -> int:
 
 def one_line(message: str) -> str:
     """An error stays one line even when the exception's message does not (torch's C++ errors append their stack,
-    a factory may raise a paragraph): the first line, and how much --debug would add."""
+    a factory may raise a paragraph): the first line, and how much --debug would add; the model's text in it made
+    safe for a terminal (fwdcheck/text.py)."""
+    from fwdcheck.text import clean
+
+    message = clean(message)
     lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
     if len(lines) <= 1:
         return lines[0] if lines else message.strip()

@@ -90,6 +90,15 @@ class ModelSpec(Strict):
         """The files loading this model reads, named as an error names them (no report may overwrite one)."""
         return []
 
+    def code(self) -> list[tuple[str, str]]:
+        """The model code this section names, as (what it is, "module:attribute"): the factory, the forward
+        adapter, the rotary function."""
+        return []
+
+    def code_dirs(self) -> list[Path]:
+        """The directories this section puts on sys.path for the model's code."""
+        return []
+
 
 def _resolve(path: Path, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
@@ -164,6 +173,11 @@ class FactoryModel(ModelSpec):
     dims: Dims | None = Field(
         None, description="declared sizes (d, h, h_kv, d_h, d_ff, V) where no model config object says them"
     )
+
+    def code(self) -> list[tuple[str, str]]:
+        named = [("the factory", self.factory), ("the forward adapter", self.forward)]
+        named.append(("the rotary function", self.rotary_function))
+        return [(what, reference) for what, reference in named if reference]
 
     @field_validator("factory", "forward", "rotary_function")
     @classmethod
@@ -241,13 +255,20 @@ class PythonModel(FactoryModel):
     def resolve_paths(self, base: Path) -> None:
         self.path = [_resolve(p, base) for p in self.path]
 
+    def code_dirs(self) -> list[Path]:
+        return list(self.path)
+
 
 class CheckpointModel(FactoryModel):
     source: Literal["checkpoint"]
     path: Path = Field(description="a .safetensors file, or a .pt/.pth state dict")
     python_path: list[Path] = Field(default_factory=list, description="directories put on sys.path first")
     trust_checkpoint: bool = Field(False, description="allow a pickle that runs code when loaded (weights_only=False)")
-    strict: bool = Field(False, description="missing or unexpected keys are a load error instead of a warning")
+    strict: bool = Field(
+        True,
+        description="missing or unexpected keys are a load error (exit 2), as load_state_dict's default is; false: "
+        "a warning, and missing keys keep their seeded initialisation",
+    )
 
     def resolve_paths(self, base: Path) -> None:
         self.path = _resolve(self.path, base)
@@ -255,6 +276,9 @@ class CheckpointModel(FactoryModel):
 
     def files_read(self) -> list[tuple[str, Path]]:
         return [("the checkpoint", self.path), *(("a checkpoint shard", shard) for shard in shards(self.path))]
+
+    def code_dirs(self) -> list[Path]:
+        return list(self.python_path)
 
 
 # The weights a Hugging Face model directory may hold, as from_pretrained looks for them.

@@ -199,12 +199,16 @@ def describe(exc: BaseException) -> str:
 
 
 def extract_logits(output: Any) -> torch.Tensor:
-    """Logits from what forward returned: a tensor, an object with .logits, a mapping, or a tuple led by them.
+    """Logits from what forward returned (a tensor, an object with .logits, a mapping, or a tuple led by them), as
+    fwdcheck's own copy: a model may return a view of one buffer it reuses (a static cache's output, a CUDA graph's,
+    an `out=` kernel's), which its next forward overwrites, and two forwards compared would then be one tensor
+    compared with itself (`.float()` of float32 logits is no copy).
 
     Reading the output runs model code too (a `.logits` property, a mapping's `get`): what it raises is the model's
     error (ModelRaised), like an exception from forward itself."""
     with model_code(f"reading the logits from what forward returned ({type(output).__name__}) raised"):
-        return _extract_logits(output)
+        logits = _extract_logits(output)
+    return logits.detach().clone()
 
 
 def _extract_logits(output: Any) -> torch.Tensor:

@@ -80,10 +80,15 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]], to_stdout: bool) -> None:
-    """Before the model loads: each output can be written, none is a file the run reads, no two are one file.
-    Found at the end instead, an unwritable output would fail after the whole run, and an output naming the config
-    would have replaced it with the report."""
+def check_outputs(
+    outputs: list[tuple[str, Path]],
+    inputs: list[tuple[str, Path]],
+    to_stdout: bool,
+    code_dirs: list[Path] | tuple[Path, ...] = (),
+) -> None:
+    """Before the model loads: each output can be written, none is a file the run reads (nor Python code in a
+    directory the model's code is imported from), no two are one file. Found at the end instead, an unwritable
+    output would fail after the whole run, and an output naming the config would have replaced it with the report."""
     if to_stdout and sys.stdout is None:
         raise UsageError("stdout is closed: the report has nowhere to go (give --output FILE)")
     seen: list[tuple[str, Target]] = []
@@ -93,6 +98,12 @@ def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]
         for name, input_path in inputs:
             if same_file(target.path, input_path):
                 raise UsageError(f"{label} is {name}; fwdcheck does not write a report over a file the run reads")
+        where = _code_dir_holding(target, code_dirs)
+        if where is not None:
+            raise UsageError(
+                f"{label} is Python code in {where}, where the model's code is imported from; fwdcheck does not "
+                "write a report over a file the run may read"
+            )
         for other, earlier in seen:
             if (earlier.path == target.path or same_file(earlier.path, target.path)) and not (
                 target.direct and earlier.direct
@@ -106,6 +117,65 @@ def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]
                 raise UsageError(f"{label}: cannot write there (permission denied)")
         else:
             probe_directory(target.path.parent, label)
+
+
+def check_appended(label: str, path: Path, outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]]) -> None:
+    """A file the run appends to (GitHub's job summary) is no other output's file and no file the run reads: markdown
+    appended into the JSON report would leave neither whole."""
+    for option, output in outputs:
+        if same_file(path, output) or os.path.realpath(path) == os.path.realpath(output):
+            raise UsageError(f"{label} is also the file of {option}; give each report its own file")
+    for name, input_path in inputs:
+        if same_file(path, input_path):
+            raise UsageError(f"{label} is {name}; fwdcheck does not write into a file the run reads")
+
+
+def _code_dir_holding(target: Target, code_dirs) -> Path | None:
+    """The directory of model code that holds the target, when the target is an existing Python file there (what an
+    import from that directory may read): anything a factory imports is the model's code too."""
+    if target.direct or target.path.suffix not in (".py", ".pyc", ".pyi") or not target.path.exists():
+        return None
+    for directory in code_dirs:
+        if target.path.is_relative_to(os.path.realpath(directory)):
+            return Path(directory)
+    return None
+
+
+def model_code_files(config, config_path: Path | None) -> tuple[list[tuple[str, Path]], list[Path]]:
+    """The Python files of the model's code the config names (the factory's module, the forward adapter's, the rotary
+    function's, the parallelize function's), found as an import would find them but importing nothing; and the
+    directories its imports search (the config's paths, and its folder: with --model, the working directory)."""
+    dirs = [*config.model.code_dirs(), config_path.parent.resolve() if config_path is not None else Path.cwd()]
+    named = [*config.model.code()]
+    if config.distributed.parallelize:
+        named.append(("the parallelize function", config.distributed.parallelize))
+    files = []
+    for what, reference in named:
+        module = reference.partition(":")[0]
+        found = module_file(module, [*map(str, dirs), *(entry or os.getcwd() for entry in sys.path)])
+        if found is not None:
+            files.append((f"the module of {what} ({module})", found))
+    return files, dirs
+
+
+def module_file(name: str, search: list[str]) -> Path | None:
+    """The file `import name` would load from the directories `search`, found by the import system's own finder
+    without importing anything (not even the parent packages, whose __init__ is the model's code)."""
+    from importlib.machinery import PathFinder
+
+    parts = name.split(".")
+    locations: list[str] | None = search
+    spec = None
+    for depth in range(1, len(parts) + 1):
+        if locations is None:
+            return None  # a module is no package: nothing below it
+        spec = PathFinder.find_spec(".".join(parts[:depth]), locations)
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
+    if spec is None or not spec.has_location or not spec.origin:
+        return None
+    return Path(spec.origin)
 
 
 def probe_directory(directory: Path, label: str) -> None:

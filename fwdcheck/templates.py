@@ -76,7 +76,7 @@ model:
   factory: "fwdcheck.reference:build"
   kwargs: {vocab_size: 16, d_model: 8, n_heads: 2, n_layers: 2}   # keyword arguments for the factory
   python_path: []          # directories put on sys.path first, relative to this file (its own folder always is)
-  strict: false            # true: a missing or unexpected key is an error, not a note
+  strict: true             # false: a missing or unexpected key is a warning, not an error
   trust_checkpoint: false  # true allows a pickle that runs code when it is loaded: only for files you trust
 """,
 }

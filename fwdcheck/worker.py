@@ -21,6 +21,7 @@ from pathlib import Path
 from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
 from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, encode
 from fwdcheck.lifetime import die_with_parent
+from fwdcheck.text import clean
 
 
 def execute(
@@ -54,7 +55,7 @@ def execute(
             # on whatever exception escaped, read back with getattr(exc, "warning_notes", [])
             exc.warning_notes = warning_notes(caught)  # type: ignore[attr-defined]
             raise
-    report.notes += [n for n in warning_notes(caught) if n not in report.notes]
+    report.notes += [clean(n) for n in warning_notes(caught) if clean(n) not in report.notes]
     return report
 
 

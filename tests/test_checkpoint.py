@@ -194,9 +194,9 @@ def renamed_state(seed: int = 7) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
+def test_renamed_key_without_strict_is_a_warning_and_the_run_proceeds(tmp_path):
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
-    loaded = load(checkpoint_model(path))
+    loaded = load(checkpoint_model(path, strict=False))
     assert loaded.extra["missing_keys"] == ["layers.0.attn.q_proj.weight"]
     assert loaded.extra["unexpected_keys"] == ["layers.0.attn.query.weight"]
     assert loaded.extra["renamed_keys"] == {"layers.0.attn.query.weight": "layers.0.attn.q_proj.weight"}
@@ -205,6 +205,8 @@ def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
         "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'"
     ) in notes
     assert "missing from the checkpoint" in notes and "ignored" in notes
+    said = [n for n in loaded.extra["notes"] if "keeps its fresh initialisation" in n or "was ignored" in n]
+    assert len(said) == 2 and all(n.startswith("warning: ") for n in said)
     # The missing key cannot be assigned: the model is rebuilt on the CPU, the rest still the file's bits.
     assert loaded.extra["built_on"] == "cpu"
     state = loaded.module.state_dict()
@@ -212,16 +214,18 @@ def test_renamed_key_is_reported_and_the_run_proceeds(tmp_path):
         if key in state:
             assert torch.equal(state[key], tensor), key
     assert not loaded.module.layers[0].attn.q_proj.weight.is_meta
-    result = cli(tmp_path, checkpoint_model(path))
+    result = cli(tmp_path, checkpoint_model(path, strict=False))
     assert result.exit_code == 0, result.output
     assert {c["status"] for c in json.loads(result.stdout)["checks"]} == {"pass"}
 
 
-def test_renamed_key_with_strict_exits_2_naming_it(tmp_path):
+@pytest.mark.parametrize("strict", [{}, {"strict": True}], ids=["by-default", "said"])
+def test_renamed_key_exits_2_naming_it(tmp_path, strict):
+    """As load_state_dict's own default: a 3-layer factory over a 2-layer checkpoint is no model to check."""
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
     one_line_error(
-        cli(tmp_path, checkpoint_model(path, strict=True)),
-        "strict",
+        cli(tmp_path, checkpoint_model(path, **strict)),
+        "`strict: false` loads it anyway",
         "missing 'layers.0.attn.q_proj.weight'",
         "unexpected 'layers.0.attn.query.weight'",
         "key 'layers.0.attn.query.weight' in the checkpoint looks renamed from 'layers.0.attn.q_proj.weight'",
@@ -233,7 +237,7 @@ def test_whole_family_renamed_pairs_each_key_with_its_own(tmp_path):
     for old, new in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
         state[f"layers.1.attn.{new}.weight"] = state.pop(f"layers.1.attn.{old}.weight")
     state["model.ln_f.weight"] = state.pop("ln_f.weight")  # a prefix in front
-    loaded = load(checkpoint_model(save(state, tmp_path / "family.pt")))
+    loaded = load(checkpoint_model(save(state, tmp_path / "family.pt"), strict=False))
     assert loaded.extra["renamed_keys"] == {
         "layers.1.attn.query.weight": "layers.1.attn.q_proj.weight",
         "layers.1.attn.key.weight": "layers.1.attn.k_proj.weight",
@@ -244,7 +248,7 @@ def test_whole_family_renamed_pairs_each_key_with_its_own(tmp_path):
 
 def test_prefix_on_every_key_is_one_rename_line(tmp_path):
     path = save({f"model.{k}": v for k, v in reference_state().items()}, tmp_path / "prefixed.pt")
-    loaded = load(checkpoint_model(path))
+    loaded = load(checkpoint_model(path, strict=False))
     assert len(loaded.extra["renamed_keys"]) == len(loaded.extra["missing_keys"]) == 24
     renames = [note for note in loaded.extra["notes"] if "renamed" in note]
     assert (
@@ -256,10 +260,16 @@ def test_prefix_on_every_key_is_one_rename_line(tmp_path):
 def test_missing_key_without_strict_keeps_seeded_init(tmp_path):
     state = reference_state(seed=7)
     del state["lm_head.weight"]
-    loaded = load(checkpoint_model(save(state, tmp_path / "partial.safetensors")))
+    loaded = load(checkpoint_model(save(state, tmp_path / "partial.safetensors"), strict=False))
     assert loaded.extra["missing_keys"] == ["lm_head.weight"] and loaded.extra["renamed_keys"] == {}
     assert torch.equal(loaded.module.lm_head.weight, reference_state(seed=0)["lm_head.weight"])  # the config's seed
     assert torch.equal(loaded.module.wte.weight, state["wte.weight"])
+
+
+def test_more_layers_than_the_checkpoint_exits_2_by_default(tmp_path):
+    path = save(reference_state(), tmp_path / "two-layers.safetensors")
+    line = one_line_error(cli(tmp_path, checkpoint_model(path, kwargs={**REF, "n_layers": 3})), "missing 'layers.2.")
+    assert "`strict: false` loads it anyway" in line
 
 
 def test_shape_mismatch_exits_2_naming_key_and_shapes(tmp_path):

@@ -8,6 +8,7 @@ from typing import Any
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode
 from fwdcheck.result import CheckResult, Status, worst
+from fwdcheck.text import clean, cleaned
 
 SCHEMA_VERSION = 1
 
@@ -30,6 +31,18 @@ class Report:
     fail_on: str = "fail"  # fail | warn
     interrupted: bool = False  # Ctrl-C or SIGTERM: the report holds what ran
     interrupted_exit: int = ExitCode.INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
+
+    def __post_init__(self) -> None:
+        """The model's text made safe for every format, here where it enters the report (fwdcheck/text.py)."""
+        for result in self.results:
+            result.summary, result.data = clean(result.summary), cleaned(result.data)
+            for finding in result.findings:
+                for name in ("message", "where", "source", "module", "ignored"):
+                    value = getattr(finding, name)
+                    if value is not None:
+                        setattr(finding, name, clean(value))
+        self.model, self.environment, self.notes = cleaned(self.model), cleaned(self.environment), cleaned(self.notes)
+        self.config_path = clean(self.config_path) if self.config_path is not None else None
 
     @property
     def status(self) -> Status:

@@ -6,7 +6,8 @@ file's dtype, with no copy. Two things a file cannot supply make that model unus
 inv_freq caches and the like, computed in __init__) and keys the file lacks. Either one, and the factory is run again
 on the CPU (real, seeded initialisation) and the checkpoint copied into it; missing keys then keep their fresh init.
 
-Nothing about the match is silent. Missing and unexpected keys are listed (strict: true makes them an error), a key
+Nothing about the match is silent. Missing and unexpected keys are an error naming them, as load_state_dict's strict
+default makes them (`strict: false` loads the file anyway, with a warning saying which keys), a key
 that looks renamed says from what, and a shape mismatch names the key and both shapes. A pickle that needs code to
 load is refused, naming the code, unless the config trusts the file; one that calls into os or sys is refused even
 then. Every way a file can be unusable is one ModelLoadError line, and torch's warnings while reading it are notes.
@@ -652,17 +653,18 @@ def _describe_match(match: Match, config: Config, notes: list[str]) -> None:
     notes += lines[:SHOWN]
     if len(lines) > SHOWN:
         notes.append(f"and {len(lines) - SHOWN} more renames")
+    warning = "" if getattr(config.model, "strict", True) else "warning: "  # strict: false loads what does not match
     if match.missing:
         n = len(match.missing)
         notes.append(
-            f"{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
+            f"{warning}{n} model {'key is' if n == 1 else 'keys are'} missing from the checkpoint and "
             f"{'keeps its' if n == 1 else 'keep their'} fresh initialisation (seed {config.inputs.seed}): "
             f"{_names(match.missing)}"
         )
     if match.unexpected:
         n = len(match.unexpected)
         notes.append(
-            f"{n} checkpoint {'key' if n == 1 else 'keys'} the model does not have "
+            f"{warning}{n} checkpoint {'key' if n == 1 else 'keys'} the model does not have "
             f"{'was' if n == 1 else 'were'} ignored: {_names(match.unexpected)}"
         )
     if match.tied:
@@ -686,7 +688,9 @@ def _check_strict(match: Match, spec: CheckpointModel, path: Path) -> None:
     if len(lines) > SHOWN:
         parts.append(f"and {len(lines) - SHOWN} more renames")
     raise ModelLoadError(
-        f"checkpoint {path.name} does not match the model '{spec.factory}' builds (strict: true): " + "; ".join(parts)
+        f"checkpoint {path.name} does not match the model '{spec.factory}' builds: "
+        + "; ".join(parts)
+        + " (`strict: false` loads it anyway, with a warning)"
     )
 
 

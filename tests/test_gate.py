@@ -1,0 +1,148 @@
+"""A gate nothing ordinary can fool: what ordinary projects do must not turn a failing model into a pass.
+
+Each class both ways: a model that returns its logits as a view of one buffer it reuses (static caches, CUDA graphs,
+`out=` kernels) is judged on its numbers, a leak included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fwdcheck
+
+V, D = 32, 16
+
+
+class BufferedLogits(nn.Module):
+    """Logits written into one preallocated buffer and returned as a view of it: every forward's logits are the same
+    memory, as a static cache's or a CUDA graph's outputs are. With `leak`, position i also reads token i + 1."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        self.leak = leak
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+        self.register_buffer("out", torch.zeros(8, 64, V), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        x = self.emb(input_ids)  # (B, T, D)
+        if self.leak:
+            x = x + torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)  # i reads i + 1
+        self.out[:B, :T].copy_(self.head(x))
+        return self.out[:B, :T]  # a view: the next forward overwrites it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_in_a_reused_buffer_are_judged_on_their_numbers(dtype):
+    torch.manual_seed(0)
+    clean = fwdcheck.check_model(BufferedLogits().to(getattr(torch, dtype)), ["future-token"], dtype=dtype)
+    assert clean.result("future-token").status.value == "pass"
+    torch.manual_seed(0)
+    leaky = fwdcheck.check_model(BufferedLogits(leak=True).to(getattr(torch, dtype)), ["future-token"], dtype=dtype)
+    result = leaky.result("future-token")
+    assert result.status.value == "fail" and "FWD101" in {f.code for f in result.findings}, result.summary
+
+
+# -- outputs never harm what the user owns -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A model's code in a package whose __init__ refuses to be imported (the check must find its files without
+    running them), a helper module beside the config, and a forward adapter and a parallelize function elsewhere."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('model code ran in the command line')\n")
+    (tmp_path / "pkg" / "models.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Identity()\n")
+    (tmp_path / "helpers.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "adapters.py").write_text("def forward(model, input_ids):\n    return model(input_ids)\n")
+    (tmp_path / "lib" / "sharding.py").write_text("def parallelize(model, mesh):\n    return model\n")
+    (tmp_path / "m.yaml").write_text(
+        "model:\n  source: python\n  factory: pkg.models:build\n  forward: adapters:forward\n  path: [lib]\n"
+        "distributed:\n  parallelize: sharding:parallelize\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "output, said",
+    [
+        ("pkg/models.py", "is the module of the factory (pkg.models)"),
+        ("lib/adapters.py", "is the module of the forward adapter (adapters)"),
+        ("lib/sharding.py", "is the module of the parallelize function (sharding)"),
+        ("helpers.py", "is Python code in"),  # what a factory may import from the config's folder
+        ("pkg/__init__.py", "is Python code in"),
+    ],
+)
+@pytest.mark.parametrize("option", ["--json", "--junit", "--output", "--save-golden"])
+def test_no_output_is_written_over_the_models_code(project, output, said, option):
+    from tests.test_cli import invoke, usage_error
+
+    before = (project / output).read_bytes()
+    usage_error(invoke("run", "m.yaml", option, output), f"{option} {output} {said}")
+    assert (project / output).read_bytes() == before
+
+
+def test_the_job_summary_is_no_other_outputs_file(project, monkeypatch):
+    from tests.test_cli import invoke, usage_error
+
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(project / "report.json"))
+    usage_error(
+        invoke("run", "m.yaml", "--format", "github", "--json", "report.json"),
+        "$GITHUB_STEP_SUMMARY",
+        "is also the file of --json",
+    )
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(project / "m.yaml"))
+    usage_error(invoke("run", "m.yaml", "--format", "github"), "is the config file")
+    assert not (project / "report.json").exists()
+
+
+# -- every report format writes valid output for any text ---------------------------------------------------------------
+
+NASTY = r"boom \x1b[31mred\x1b[0m \x1b]0;title\x07 bell\x07 nul\x00 c1\x9b caf\udce9 half\ud83d end"
+
+
+@pytest.fixture
+def nasty_model(tmp_path, monkeypatch):
+    """A model whose text holds terminal escapes, characters XML 1.0 forbids and lone surrogates: its exception
+    message, and a note it logs as a warning."""
+    (tmp_path / "nasty.py").write_text(
+        "import warnings\n"
+        "import torch.nn as nn\n\n\n"
+        "class Nasty(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(16, 8)\n\n"
+        "    def forward(self, input_ids):\n"
+        f'        warnings.warn("{NASTY}")\n'
+        f'        raise ValueError("{NASTY}")\n\n\n'
+        "def build():\n"
+        "    return Nasty()\n"
+    )
+    (tmp_path / "m.yaml").write_text("model:\n  source: python\n  factory: nasty:build\n  vocab_size: 16\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_every_report_format_is_valid_for_any_text(nasty_model, in_process):
+    import json
+    import xml.etree.ElementTree as ET
+
+    from tests.test_cli import invoke
+
+    outputs = ["--junit", "r.xml", "--markdown", "r.md", "--html", "r.html", "--json", "r.json", "--svg", "r.svg"]
+    result = invoke("run", "m.yaml", *outputs, *(["--in-process"] if in_process else []))
+    assert result.exit_code == 1, result.output  # the model's error: FWD002, not a usage error or fwdcheck's own
+    assert "error" in result.stdout and "\x1b]0;" not in result.stdout and "\x00" not in result.stdout
+    ET.parse(nasty_model / "r.xml")  # well-formed XML 1.0
+    ET.parse(nasty_model / "r.svg")
+    document = json.loads((nasty_model / "r.json").read_text(encoding="utf-8"))
+    for path in ("r.xml", "r.md", "r.html", "r.json", "r.svg"):
+        text = (nasty_model / path).read_text(encoding="utf-8")  # valid UTF-8, no lone surrogate
+        assert "\x1b" not in text and "\x00" not in text and "\x9b" not in text, path
+    finding = document["checks"][0]["findings"][0]
+    assert finding["code"] == "FWD002" and "boom red  bell" in finding["message"] and "caf\ufffd" in finding["message"]
