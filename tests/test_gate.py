@@ -45,7 +45,7 @@ def test_logits_in_a_reused_buffer_are_judged_on_their_numbers(dtype):
     assert result.status.value == "fail" and "FWD101" in {f.code for f in result.findings}, result.summary
 
 
-# -- outputs never harm what the user owns -----------------------------------------------------------------------------
+# -- outputs never harm what the user owns ---------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_the_job_summary_is_no_other_outputs_file(project, monkeypatch):
     assert not (project / "report.json").exists()
 
 
-# -- every report format writes valid output for any text ---------------------------------------------------------------
+# -- every report format writes valid output for any text ----------------------------------------------------------
 
 NASTY = r"boom \x1b[31mred\x1b[0m \x1b]0;title\x07 bell\x07 nul\x00 c1\x9b caf\udce9 half\ud83d end"
 
