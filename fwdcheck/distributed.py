@@ -66,7 +66,7 @@ from fwdcheck.errors import (
     first_line,
     model_failure,
 )
-from fwdcheck.events import CheckDone, Event, ModelLoaded, Progress, decode, encode
+from fwdcheck.events import CheckDone, Event, ModelLoaded, Progress, decode, encode, sent_by
 from fwdcheck.heard import Heard, WorkerError
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.model import ModelUnderTest, describe, extract_logits
@@ -317,13 +317,18 @@ def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> N
         connection = listener.accept()
     except OSError:  # closed before rank 0 connected: the launch failed first
         return
+    rank_0: int | None = None  # the process that connected: its first event says which
     with connection:
         while True:
             try:
-                event = decode(connection.recv())
+                message = connection.recv()
             except (EOFError, OSError):
                 return
-            heard.hear(event, None)
+            rank_0 = rank_0 if rank_0 is not None else sent_by(message)
+            heard.hear_message(message, rank_0, None)
+            if sent_by(message) != rank_0:
+                continue
+            event = decode(message)
             if isinstance(event, Progress) and progress:
                 progress(event.description)
             elif isinstance(event, ModelLoaded) and on_model:

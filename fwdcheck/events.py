@@ -17,6 +17,7 @@ the dicts. Free of torch and pydantic: the supervisor imports it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -103,8 +104,16 @@ KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Plan, ModelLoaded, Pr
 
 
 def encode(event: Event) -> dict[str, Any]:
-    """The event as it travels: its kind under "event", then its fields."""
-    return {"event": event.kind, **asdict(event)}
+    """The event as it travels: its kind under "event", the process that sent it under "pid", then its fields. The
+    listener hears only the process it started: a process the model forked inside a forward carries on with
+    fwdcheck's run in its copy of the worker, and its events (a clean model's report) are not the run's."""
+    return {"event": event.kind, "pid": os.getpid(), **asdict(event)}
+
+
+def sent_by(message: Any) -> int | None:
+    """The process that sent an encoded event (None: it does not say)."""
+    pid = message.get("pid") if isinstance(message, dict) else None
+    return pid if isinstance(pid, int) else None
 
 
 def decode(message: dict[str, Any]) -> Event:
@@ -113,6 +122,6 @@ def decode(message: dict[str, Any]) -> Event:
     if kind is None:
         raise ValueError(f"not an event of a run: {str(message)[:200]}")
     try:
-        return kind(**{name: value for name, value in message.items() if name != "event"})
+        return kind(**{name: value for name, value in message.items() if name not in ("event", "pid")})
     except TypeError as exc:  # missing or unknown fields
         raise ValueError(f"a malformed {kind.kind} event: {exc}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fwdcheck.errors import FwdcheckError
-from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError
+from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, decode, sent_by
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status
 
@@ -14,6 +14,9 @@ GRACE_S = 10.0  # at most, past timeout_s, before a silent worker is killed; for
 # At least this long for the worker's start and the model's load (importing torch and the model's code, building it):
 # timeout_s limits each check, and a short one (a test's 1 s) must not kill a worker that a busy machine starts slowly.
 LOAD_FLOOR_S = 60.0
+# The report's row for what follows the last check: the model's state compared with what it was (FWD006), the model
+# restored, the report sent, the worker's end. Not a check's name (no check is named in brackets).
+END_OF_RUN = "(end of run)"
 
 
 class WorkerError(FwdcheckError):
@@ -41,6 +44,25 @@ class Heard:
         self.report: Report | None = None
         self.error: WorkerError | None = None
         self.environment: dict | None = None  # the report's, where the listener knows it before the worker ends
+        self.strangers: set[int] = set()  # processes other than the one started that sent events: not heard
+
+    def hear_message(self, message: dict, sender: int | None, progress: Callable[[str], None] | None) -> None:
+        """An encoded event, heard when the process that was started sent it (`sender`), else set aside."""
+        sent = sent_by(message)
+        if sender is not None and sent != sender:
+            self.strangers.add(sent if sent is not None else -1)
+            return
+        self.hear(decode(message), progress)
+
+    def stranger_note(self) -> list[str]:
+        """What the report says of events no started process sent."""
+        if not self.strangers:
+            return []
+        who = ", ".join(str(pid) for pid in sorted(self.strangers) if pid >= 0) or "an unknown process"
+        return [
+            f"events from process {who}, not the model's process, were ignored: a process the model forked (or "
+            "one that forged them) carried on with the run; only the process fwdcheck started reports"
+        ]
 
     def hear(self, event: Event, progress: Callable[[str], None] | None) -> None:
         if isinstance(event, Plan):
@@ -99,6 +121,9 @@ class Heard:
                     "before the model loaded" if self.current is None else "before this check began"
                 )
                 results.append(CheckResult(name, status, message, [Finding(code, status, message)]))
+        if self.checks and self.current != "code paths" and all(name in self.results for name in self.checks):
+            # every check reported, and still no report: the end of the run is part of the run
+            results.append(end_of_run(f"{how}: the model's state was not compared with what it was", code, status))
         job = self.job
         environment = self.environment or {
             "device": job.overrides.device or "config",
@@ -109,10 +134,17 @@ class Heard:
             results=results,
             model=self.model,
             environment=environment,
-            notes=[f"{how}"],
+            notes=[f"{how}", *self.stranger_note()],
             config_path=job.config,
             fail_on=job.overrides.fail_on,
         )
+
+
+def end_of_run(how: str, code: str = "FWD005", status: Status = Status.ERROR) -> CheckResult:
+    """An error on what follows the last check: the results streamed before it are no verdict of a run that did not
+    end cleanly."""
+    message = f"after the last check, {how}"
+    return CheckResult(END_OF_RUN, status, message, [Finding(code, status, message)])
 
 
 def grace(timeout_s: float | None) -> float:

@@ -8,7 +8,9 @@ let model code touch: the exit code, the report, the output files and the clock.
 - SIGINT / SIGTERM here are passed on to the worker as one SIGINT, which ends its run with the model restored and a
   partial report; a worker that does not answer in time is killed and the streamed results are the report (130/143).
 - A worker that dies (any exit code, any signal: a segfault, the out-of-memory killer) without its report is FWD005
-  on the check that was running, the finished ones kept: exit 1.
+  on the check that was running, the finished ones kept: exit 1. After the last check the run is not over: the
+  model's state is compared with what it was (FWD006) and the report sent; a worker that dies or hangs there, or
+  does not end cleanly after its report, is an error on the report's "(end of run)" row, exit 1.
 - The worker is a new interpreter; from the second job of a process on (several configs, a script or test suite
   running the command in one interpreter), a fork of a server that has imported torch already (fwdcheck/forkserver.py).
 
@@ -30,9 +32,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict
 
 from fwdcheck.errors import ExitCode
-from fwdcheck.events import Job, decode
+from fwdcheck.events import Job
 from fwdcheck.forkserver import ForkedWorker, start_worker
-from fwdcheck.heard import GRACE_S, Heard
+from fwdcheck.heard import GRACE_S, Heard, end_of_run
 from fwdcheck.report import Report
 
 EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
@@ -68,9 +70,16 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     os.close(events_read)
     os.close(output_read)
     if run.report is not None:
+        run.report.notes += run.stranger_note()
         if received:  # the worker's partial report, under the signal the supervisor received
             run.report.interrupted = True
             run.report.interrupted_exit = exit_for(received[0])
+        elif ending == "hung":
+            run.report.results.append(
+                end_of_run(f"the model process did not end within {EXIT_WAIT_S:g} s of its report and was killed")
+            )
+        elif worker.returncode:  # the worker ends with os._exit(0) once its report is sent
+            run.report.results.append(end_of_run(f"the model process {ended(worker)} after sending its report"))
         return run.report
     if received:
         report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", "FWD005")
@@ -97,7 +106,8 @@ def supervise(
     progress,
     received: list[int],
 ) -> str:
-    """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout' or 'signal'."""
+    """Relay the worker's output, hear its events, and end it when it must end: 'done', 'timeout', 'signal', or
+    'hung' (killed for not ending after its report)."""
     buffer = b""
     open_fds = [events_fd, output_fd]
     deadline = time.monotonic() + run.step_limit(timeout_s) if timeout_s else None
@@ -123,7 +133,7 @@ def supervise(
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
-                    run.hear(decode(json.loads(line)), progress)
+                    run.hear_message(json.loads(line), worker.pid, progress)
                 if timeout_s:
                     deadline = time.monotonic() + run.step_limit(timeout_s)
         if run.report is not None or run.error is not None:
@@ -132,9 +142,11 @@ def supervise(
             break
     try:
         worker.wait(timeout=EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:  # a model thread or exit hook holding the process: the report is in
+    except subprocess.TimeoutExpired:  # something holds the process past its report (it ends with os._exit)
         _signal(worker, signal.SIGKILL)
         worker.wait()
+        _drain(output_fd)
+        return "signal" if received else "hung"
     _drain(output_fd)
     return "signal" if received else "done"
 

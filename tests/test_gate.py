@@ -146,3 +146,118 @@ def test_every_report_format_is_valid_for_any_text(nasty_model, in_process):
         assert "\x1b" not in text and "\x00" not in text and "\x9b" not in text, path
     finding = document["checks"][0]["findings"][0]
     assert finding["code"] == "FWD002" and "boom red  bell" in finding["message"] and "caf\ufffd" in finding["message"]
+
+
+# -- exit 0 only when the run ended cleanly -----------------------------------------------------------------------------
+
+ENDS_BADLY = """
+import os
+import signal
+import time
+
+import torch.nn as nn
+
+
+class EndsBadly(nn.Module):
+    '''A correct model whose own code ends or holds its process after the last check: when fwdcheck puts back the
+    training mode it found (the model's __setattr__ sees it), as a helper's teardown or a rank exiting late would.'''
+
+    def __init__(self, how):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.how = how
+        self.armed = True
+
+    def __setattr__(self, name, value):
+        if name == "training" and value is True and self.__dict__.get("armed"):
+            if self.how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+        super().__setattr__(name, value)
+
+    def forward(self, input_ids):
+        return self.head(self.emb(input_ids))
+
+
+def build(how):
+    return EndsBadly(how)  # in training mode, as a model is built
+"""
+
+
+@pytest.mark.slow  # a worker process each, one of them held until its time limit
+@pytest.mark.parametrize("how, said", [("killed", "SIGKILL"), ("hangs", "stayed silent past timeout_s")])
+def test_a_run_whose_worker_ends_badly_after_its_last_check_is_no_pass(tmp_path, monkeypatch, how, said):
+    import json
+
+    from tests.test_cli import invoke
+
+    (tmp_path / "ends_badly.py").write_text(ENDS_BADLY)
+    (tmp_path / "m.yaml").write_text(
+        "model:\n  source: python\n  factory: ends_badly:build\n"
+        f"  kwargs: {{how: {how}}}\n  vocab_size: 16\n"
+        "checks: [shape-ledger, future-token]\ntimeout_s: 2\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "m.yaml", "--format", "json")
+    report = json.loads(result.stdout)
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses["shape-ledger"] == statuses["future-token"] == "pass"  # the streamed results stand
+    end = next(c for c in report["checks"] if c["name"] == "(end of run)")
+    assert end["status"] == "error" and said in end["summary"] and "not compared" in end["summary"]
+    assert result.exit_code == 1
+
+
+FORKS_ONCE = """
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+
+class ForksOnce(nn.Module):
+    '''Forks in its first forward. The child, clean, carries on with fwdcheck's run in its copy of the worker and
+    finishes first; the model's own process reads the next token (position i adds token i + 1).'''
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.forked = False
+        self.child = False
+
+    def forward(self, input_ids):
+        if not self.forked:
+            self.forked = True
+            self.child = os.fork() == 0
+            if not self.child:
+                time.sleep(3)  # the child's report comes first
+        x = self.emb(input_ids)
+        if not self.child:
+            x = x + torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+        return self.head(x)
+
+
+def build():
+    return ForksOnce()
+"""
+
+
+@pytest.mark.slow  # a worker process, and a fork of it
+def test_only_the_started_process_reports(tmp_path, monkeypatch):
+    import json
+
+    from tests.test_cli import invoke
+
+    (tmp_path / "forks_once.py").write_text(FORKS_ONCE)
+    (tmp_path / "m.yaml").write_text(
+        "model:\n  source: python\n  factory: forks_once:build\n  vocab_size: 16\nchecks: [future-token]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "m.yaml", "--format", "json")
+    report = json.loads(result.stdout)
+    (future,) = [c for c in report["checks"] if c["name"] == "future-token"]
+    assert future["status"] == "fail" and "FWD101" in {f["code"] for f in future["findings"]}
+    assert result.exit_code == 1
+    assert any("not the model's process, were ignored" in note for note in report["notes"]), report["notes"]
