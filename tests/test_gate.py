@@ -148,7 +148,7 @@ def test_every_report_format_is_valid_for_any_text(nasty_model, in_process):
     assert finding["code"] == "FWD002" and "boom red  bell" in finding["message"] and "caf\ufffd" in finding["message"]
 
 
-# -- exit 0 only when the run ended cleanly -----------------------------------------------------------------------------
+# -- exit 0 only when the run ended cleanly ---------------------------------------------------------------------------
 
 ENDS_BADLY = """
 import os
