@@ -7,7 +7,10 @@ The counts come from the test modules, not from a copy: the bad-input corpus (te
 tests/test_bad_inputs.CASES), the examples each fuzz property runs (the hypothesis settings in tests/test_fuzz.py) and
 the model-failure modes (tests/test_model_failures.MODES, each run through the CLI and in-process with the model
 compared bitwise before and after). A second line counts the fuzzing of a document's structure (depth, aliases) and
-of the expected ledger (`--expect-ledger`), which the first line's fuzzed documents (configs) do not include.
+of the expected ledger (`--expect-ledger`), which the first line's fuzzed documents (configs) do not include. A third
+counts the cases of tests/test_gate.py: what ordinary projects do that could make the gate say pass when it should not
+(a reused logits buffer, a worker that ends badly, a forked child's report, an output over the model's code, text no
+report format can hold), each run where it must pass and where it must fail.
 """
 
 from __future__ import annotations
@@ -17,7 +20,24 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py"]
+TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py", "tests/test_gate.py"]
+GATE = "tests/test_gate.py"
+
+
+def gate_count() -> int:
+    """The test cases of tests/test_gate.py, as pytest collects them (each parametrisation one case)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", GATE],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sum(1 for row in proc.stdout.splitlines() if row.startswith(f"{GATE}::"))
+
+
+def gate_line(n: int | None = None) -> str:
+    return f"and {n if n is not None else gate_count()} cases of an ordinary project that could fool the gate"
 
 
 def structure_counts() -> dict[str, int]:
@@ -66,6 +86,7 @@ def main(argv: list[str]) -> int:
             return proc.returncode
     print(line())
     print(structure_line())
+    print(gate_line())
     return 0
 
 

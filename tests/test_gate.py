@@ -261,3 +261,19 @@ def test_only_the_started_process_reports(tmp_path, monkeypatch):
     assert future["status"] == "fail" and "FWD101" in {f["code"] for f in future["findings"]}
     assert result.exit_code == 1
     assert any("not the model's process, were ignored" in note for note in report["notes"]), report["notes"]
+
+
+def test_the_readme_counts_these_cases():
+    """The README's third counts line (scripts/reliability_counts.py) is what this file collects."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("reliability_counts", repo / "scripts" / "reliability_counts.py")
+    assert spec is not None and spec.loader is not None
+    counts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts)
+    line = counts.gate_line()
+    assert int(re.search(r"\d+", line).group()) >= 20
+    assert line in (repo / "README.md").read_text(), f"the README should say: {line}"
