@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fwdcheck.checks.golden_file import golden_from_dict
@@ -23,6 +24,7 @@ from fwdcheck.cli import app
 from fwdcheck.config import config_from_dict
 from fwdcheck.overrides import Overrides
 from fwdcheck.runner import Run
+from tests import models
 from tests.test_cli import plain, usage_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +139,7 @@ def test_planted_change_fails_naming_the_first_module(change):
         assert "only the computation changed" in moved.message
     # the change really is beyond rounding: the first output moved by more than ten times its tolerance
     assert result.metrics["moved_by"] > 10 * result.metrics["tolerance"]
+    assert result.metrics["logits_moved"] is True and "; logits moved by " in result.summary
 
 
 def test_post_norm_also_names_the_parameters_it_removed():
@@ -178,6 +181,78 @@ def test_nan_where_the_golden_file_is_finite_is_named():
     nan = next(f for f in result.findings if f.code == "FWD964")
     assert nan.where == "layers.0.attn.o_proj", nan.message
     assert nan.message.startswith("NaN or Inf where the golden file has finite values, first in layers.0.attn.o_proj: ")
+
+
+# -- a refactor of structure only is judged by its numbers -------------------------------------------------------------
+
+
+class _GeluModuleMLP(torch.nn.Module):
+    """nanoGPT's MLP with the activation as a module (`self.act = nn.GELU()`) instead of F.gelu: one more module
+    output per block, the same numbers; with `approximate="tanh"` the numbers change too."""
+
+    def __init__(self, cfg, approximate: str = "none"):
+        super().__init__()
+        self.c_fc = torch.nn.Linear(cfg.n_embd, cfg.n_inner)
+        self.act = torch.nn.GELU(approximate=approximate)
+        self.c_proj = torch.nn.Linear(cfg.n_inner, cfg.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))  # (B, T, 4C) inside, (B, T, C) out
+
+
+def nanogpt_gelu(activation: str = "function") -> torch.nn.Module:
+    """tests.models.nanogpt with its MLP's activation as F.gelu ("function"), as an nn.GELU() module ("module"), or
+    as nn.GELU(approximate="tanh") ("tanh module"); the weights are the same in all three."""
+    model = models.nanogpt()
+    if activation != "function":
+        approximate = "tanh" if activation == "tanh module" else "none"
+        for block in model.h:
+            refactored = _GeluModuleMLP(model.config, approximate)
+            refactored.load_state_dict(block.mlp.state_dict())
+            block.mlp = refactored
+    return model
+
+
+def _gelu(activation: str) -> dict:
+    return {
+        "source": "python",
+        "factory": "tests.test_golden_contract:nanogpt_gelu",
+        "kwargs": {"activation": activation},
+    }
+
+
+def test_a_module_that_only_restructures_is_a_note_and_the_logits_are_said_unchanged():
+    """F.gelu become an nn.GELU() module: new module outputs (h.N.mlp.act), every number the same: a pass that names
+    the new modules and says the logits did not move."""
+    result = golden_run(_gelu("module"), saved(_gelu("function")))
+    assert result.status.value == "pass", [f.message for f in result.findings]
+    note = next(f for f in result.findings if f.code == "FWD963")
+    assert note.status.value == "pass"
+    assert note.message.startswith("module outputs added or removed: new h.0.mlp.act, h.1.mlp.act")
+    assert result.summary.startswith("structure only: new h.0.mlp.act, h.1.mlp.act")
+    assert "logits unchanged" in result.summary
+    assert result.metrics["logits_moved"] is False and result.metrics["moved_outputs"] == 0
+    # and back: the module removed again is the same note, said as gone
+    back = golden_run(_gelu("function"), saved(_gelu("module")))
+    assert back.status.value == "pass" and back.summary.startswith("structure only: gone h.0.mlp.act")
+
+
+def test_a_new_module_that_changes_the_numbers_still_fails():
+    """nn.GELU(approximate="tanh"): the same new modules, but the MLP's outputs move (1.2e-4 against 8e-5): a fail,
+    although the logits stay within theirs (0.18 of it), which the summary says."""
+    result = golden_run(_gelu("tanh module"), saved(_gelu("function")))
+    assert result.status.value == "fail"
+    by_code = {f.code: f for f in result.findings}
+    assert by_code["FWD961"].where == "h.0.mlp.c_proj"  # the first output both runs have that moved
+    assert by_code["FWD963"].status.value == "fail"
+    assert result.metrics["logits_moved"] is False and result.summary.endswith(
+        "logits unchanged (0.18 of their tolerance)"
+    )
+
+
+def test_an_unchanged_run_says_the_logits_did_not_move():
+    result = golden_run(CLEAN, saved(CLEAN))
+    assert "logits unchanged" in result.summary and result.metrics["logits_moved"] is False
 
 
 # -- through the file, from the command line ---------------------------------------------------------------------------
