@@ -1,7 +1,9 @@
 """kv-cache: decoding through the model's KV cache gives the logits of the full forward.
 
 The full forward of the session's inputs (the shared baseline) is the truth. The same tokens then run incrementally:
-a prefill of the first P = T - D tokens (D = min(T/2, 4)), then two ways from copies of that prefill's cache:
+a prefill of the first P = T - D tokens (D = min(T/2, 4)), then two ways from that prefill's cache (the first
+from a copy that keeps the model's own modules as they are, or, where no copy can be made, from a prefill of its
+own):
   token-by-token  the next 2 positions, one new token per call, as generation runs;
   chunked         the last D positions, 2-3 new tokens per call (speculative decoding, chunked prefill): the queries
                   are fewer than the keys, where a causal mask aligned top-left instead of bottom-right reads the
@@ -107,6 +109,9 @@ def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
     return logits.float()
 
 
+UNCOPIED = object()  # Decoder.fork's answer for a state that cannot be copied
+
+
 class Decoder:
     """Runs a model incrementally: begin(rows, length) once, prefill, then step() for the tokens that follow."""
 
@@ -123,8 +128,22 @@ class Decoder:
         raise NotImplementedError
 
     def fork(self, state: Any) -> Any:
-        """An independent copy of the state after the prefill, for the second way of decoding."""
-        return copy.deepcopy(state)
+        """An independent copy of the state after the prefill, for another way of decoding from it; UNCOPIED when
+        the state cannot be copied, and the prefill is run again instead.
+
+        The model's own objects (its modules, parameters and buffers) are kept as they are, never copied: a cache
+        keyed by the modules that fill it (OpenAI Whisper's, a dict from each attention's key and value nn.Linear to
+        their tensors) must still find them, and a cache that refers to the model must refer to the model run."""
+        kept: dict[int, Any] = {id(obj): obj for obj in model_objects(self.module)}
+        try:
+            return copy.deepcopy(state, kept)
+        except (TypeError, RuntimeError, copy.Error):  # a lock, a generator, a tensor deepcopy refuses
+            return UNCOPIED
+
+
+def model_objects(module: nn.Module) -> list[Any]:
+    """The module's submodules, parameters and buffers: what a copy of its cache must share, not duplicate."""
+    return [*module.modules(), *module.parameters(), *module.buffers()]
 
 
 class PastKeyValues(Decoder):
@@ -485,8 +504,12 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
         with torch.no_grad(), dropout_off, attributes_restored(model.module):
             decoder.begin(rows.shape[0], plan.length)
             out["prefill"], prefilled = decoder.step(None, rows[:, : plan.prefill], 0)
-            for variant in variants:
-                state, logits = decoder.fork(prefilled), []
+            for i, variant in enumerate(variants):
+                # the last way of decoding takes the prefill's own state; the others a copy, or a prefill of their own
+                state = prefilled if i == len(variants) - 1 else decoder.fork(prefilled)
+                if state is UNCOPIED:
+                    _, state = decoder.step(None, rows[:, : plan.prefill], 0)
+                logits = []
                 for start, n in plan.steps(variant):
                     if until is not None and start > until:
                         break

@@ -6,6 +6,9 @@ Shapes: B (batch), T (sequence), S (key slots).
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -13,7 +16,7 @@ from pydantic import ValidationError
 import fwdcheck
 from fwdcheck.config import PythonModel, config_from_dict
 from fwdcheck.errors import ConfigError
-from fwdcheck.reference import build
+from fwdcheck.reference import KVCache, build
 from fwdcheck.registry import available, info
 from fwdcheck.runner import run_model
 from fwdcheck.settings import Settings
@@ -245,6 +248,40 @@ def test_python_model_with_declared_hf_style_cache():
     clean_pass(result(model))
     bad = {**model, "kwargs": {"vocab_size": 32, "bugs": ["kv-cache-rope-restart"]}}
     assert failing(result(bad)) == {"FWD501"}
+
+
+class LockedCache(KVCache):
+    """The reference's cache with a lock in it, as a cache shared between threads has: no copy of it can be made."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class LockedCacheModel(torch.nn.Module):
+    def __init__(self, bugs: list[str]):
+        super().__init__()
+        self.inner = build(vocab_size=32, d_model=16, n_heads=4, bugs=bugs)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        if use_cache and past_key_values is None:
+            past_key_values = LockedCache()
+        return self.inner(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+
+
+def locked_cache(bugs: list[str] | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LockedCacheModel(bugs or [])
+
+
+def test_a_cache_that_cannot_be_copied_is_decoded_from_a_prefill_of_its_own():
+    """deepcopy refuses the lock: the second way of decoding runs the prefill again instead of copying its cache,
+    and still judges both ways (a rope restarted at the decoded tokens fails at the first of them)."""
+    with pytest.raises(TypeError):
+        copy.deepcopy(LockedCache())
+    model = {"source": "python", "factory": "tests.test_kv_cache:locked_cache", "cache": {"style": "hf"}}
+    clean_pass(result(model))
+    assert failing(result({**model, "kwargs": {"bugs": ["kv-cache-rope-restart"]}})) == {"FWD501"}
 
 
 def test_reference_through_the_python_api():
