@@ -194,6 +194,8 @@ def refuse_other_run(document: dict, config: RunConfig, name: str) -> None:
         "seq_len": config.inputs.seq_len,
         "dtype": config.dtype,
     }
+    if "dtype" not in config.model_fields_set:
+        del now["dtype"]  # none named: the run keeps the model's own, known once it loads (the check compares it)
     differ = [f"{key} {made[key]} (this run: {value})" for key, value in now.items() if made[key] != value]
     if differ:
         raise UsageError(

@@ -340,7 +340,13 @@ or correct the declaration."""
         return f"base {m['base']:.4g}" if m.get("base") else ""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
-        tol = TOLERANCES[session.dtype].rotation
+        # Tables rounded in a less precise dtype than the run's (a model made in bfloat16, run in float32) turn q and
+        # k by angles rounded in that dtype: the rotation is judged at that dtype's tolerance, and the note blames
+        # the tables, not the rotation, for what their rounding moves.
+        tables, rounded_in = rounded_tables(model.module, session.dtype)
+        judged_in = rounded_in or session.dtype
+        self.coarse = TOLERANCES[judged_in].logits if rounded_in else None
+        tol = TOLERANCES[judged_in].rotation
         self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
         declared = model.rope
         findings: list[Finding] = []
@@ -354,6 +360,16 @@ or correct the declaration."""
         if declared is not None and measured is not None and measured.pairing:
             findings += self._against_declared(declared, measured, model)
         shift_measured = self._logits_shift_if_sound(model, session, probe, findings, metrics, data)
+        if rounded_in is not None:
+            dtype = str(rounded_in).removeprefix("torch.")
+            data["rounded_tables"] = {"buffers": tables, "dtype": dtype}
+            shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+            session.notes.append(
+                f"rope: buffers {shown} hold values rounded in {dtype} in a {session.settings.dtype} run (a model "
+                f"made in {dtype}, cast up): the rotation was judged at {dtype}'s tolerance ({tol:g}), and what "
+                "that rounding moves is the tables', not the rotation's (run in the model's own dtype, or build "
+                "the tables in float32)"
+            )
         return self._summarise(probe, component, measured, shift_measured, findings, metrics, data)
 
     def _rotary_alone(
@@ -716,8 +732,7 @@ or correct the declaration."""
 
     # -- logits ------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _logits_shift(model, session, metrics, data) -> list[Finding]:
+    def _logits_shift(self, model, session, metrics, data) -> list[Finding]:
         """The first sample's first session.short_length tokens run alone at positions offset.., against the same
         tokens run alone at 0..: a relative encoding gives the same logits. The unshifted forward is the session's
         shared short prefix (future-token's prefix ladder runs it too), so the shift costs one short row."""
@@ -741,6 +756,9 @@ or correct the declaration."""
         # verdict: below the tolerance nothing is a finding whatever the noise.
         noise = session.repeat_change() if session.noise_matters(change, scale) else 0.0
         threshold = session.threshold(scale, noise)
+        if self.coarse is not None:  # tables rounded in a less precise dtype move the logits by their rounding
+            rtol, atol = self.coarse
+            threshold = max(threshold, atol + rtol * scale)
         metrics["logits_shift_change"] = change
         metrics["logits_shift_threshold"] = threshold
         data["logits_shift_length"] = T
@@ -841,6 +859,28 @@ def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
     slowest_seen = min(abs(t) for t in measured.thetas if t) if any(measured.thetas) else 0.0
     first_missing = declared.base ** (-measured.rotary_dim / wanted_dim)  # theta of pair r/2 under the declaration
     return first_missing < slowest_seen
+
+
+def rounded_tables(module: nn.Module, run_dtype: torch.dtype) -> tuple[list[str], torch.dtype | None]:
+    """The model's floating buffers whose values were all rounded in a dtype less precise than the run's
+    (bfloat16, else float16), and that dtype; ([], None) when there are none. A table counts when it holds values
+    that are not whole numbers and more than a few distinct ones: a mask of 0 and -inf, or positions counted as
+    floats, are exact in every dtype and say nothing of how the model was made."""
+    coarser = [d for d in (torch.bfloat16, torch.float16) if torch.finfo(d).eps > torch.finfo(run_dtype).eps]
+    for dtype in coarser:
+        names = []
+        for name, buffer in module.named_buffers():
+            if not buffer.is_floating_point() or buffer.dtype == dtype or buffer.device.type == "meta":
+                continue
+            values = buffer.detach().flatten()
+            values = values[torch.isfinite(values)]
+            if values.numel() < 8 or bool((values == values.round()).all()):
+                continue
+            if bool((values.to(dtype).to(values.dtype) == values).all()) and values.unique().numel() > 8:
+                names.append(name)
+        if names:
+            return names, dtype
+    return [], None
 
 
 def buffer_versions(module: nn.Module) -> list[int | None]:

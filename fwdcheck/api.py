@@ -27,7 +27,7 @@ def check_model(
     seq_len: int = 8,
     min_seq_len: int | None = None,
     device: str | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
     max_positions: int | None = None,
@@ -45,11 +45,12 @@ def check_model(
     input_ids [B, T] and returns logits [B, T, V] (a tensor, .logits, or a tuple led by them).
 
     The model is left as found: mode, device, dtype, parameters, dropout probabilities, hooks and RNG state.
-    device None means the device the model's parameters are on. `forward` is an optional adapter
-    (model, input_ids, **kw) -> logits for unusual call conventions. `dims` declares sizes fwdcheck cannot read off
-    a config object ({"h": 12, "h_kv": 4}); `min_seq_len` the shortest sequence forward accepts. Hugging Face models
-    get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
-    turns it off; `paths` is its former name, still taken). `options` are the checks' own, as a config's `options:`
+    device None means the device the model's parameters are on; dtype None, the dtype they are in (as the model
+    was handed over). `forward` is an optional adapter (model, input_ids, **kw) -> logits for unusual call
+    conventions. `dims` declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
+    `min_seq_len` the shortest sequence forward accepts. Hugging Face models get the code-path matrix by default,
+    as from the command line; `code_paths` narrows it ({"enabled": False} turns it off; `paths` is its former name,
+    still taken). `options` are the checks' own, as a config's `options:`
     section ({"future-token": {"exhaustive": True}}, which `exhaustive=True` still sets). The arguments are
     validated as a config file's keys are: a wrong one is a UsageError naming it.
     """
@@ -63,10 +64,10 @@ def check_model(
         config = RunConfig(
             inputs=inputs,
             device=device,
-            dtype=dtype,
             options=options or {},
             code_paths=CodePaths(**(code_paths or paths or {})),
             **({"exhaustive": True} if exhaustive else {}),  # the former key: each check's thorough variant
+            **({"dtype": dtype} if dtype is not None else {}),  # none named: the model's own (Settings.in_own_dtype)
         )
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None

@@ -406,7 +406,11 @@ class RunConfig(Strict):
 
     inputs: Inputs = Field(default_factory=Inputs)
     device: str = Field("cpu", description="cpu | cuda | cuda:N | auto (cuda when available)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="omitted: the dtype the model's parameters are in (a model handed over in bfloat16 runs in "
+        "bfloat16), float32 when they are in another",
+    )
     checks: list[str] | None = Field(
         None,
         description="omitted: the checks `fwdcheck list` marks default; "

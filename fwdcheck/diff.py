@@ -157,9 +157,11 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         else []
     )
     notes += transfer(model_a.module, model_b.module, rules, path_b)
-    session_a = Session(model_a, run_a.settings)
+    # both in the config's dtype, float32 unless named: two models compared must run in one dtype
+    session_a = Session(model_a, run_a.settings.model_copy(update={"dtype_declared": True}))
     with about_config(path_b):  # B runs A's inputs: they must fit it
-        session_b = Session(model_b, run_b.settings.model_copy(update={"inputs": run_a.settings.inputs}))
+        settings_b = run_b.settings.model_copy(update={"inputs": run_a.settings.inputs, "dtype_declared": True})
+        session_b = Session(model_b, settings_b)
     with session_a.active(), session_b.active():
         outputs_a = recorded_forward(model_a, session_a.inputs)
         outputs_b = recorded_forward(model_b, session_a.inputs.to(session_b.device))

@@ -40,8 +40,9 @@ class Overrides:
                 "inputs": inputs,
                 "distributed": distributed,
                 "device": self.device or config.device,
-                "dtype": self.dtype or config.dtype,
                 "checks": self.checks if self.checks is not None else config.checks,
                 "meta": self.meta or config.meta,
+                # only a dtype named here counts as named (Settings.dtype_declared): none keeps the model's own
+                **({"dtype": self.dtype} if self.dtype else {}),
             }
         )

@@ -101,7 +101,10 @@ def run_model(
     """Every check on one session, then the per-path checks over the code-path matrix; the model is restored when
     this returns, however it returns. `on_result` is told each check's default-path result as soon as it is known
     (the CLI's worker streams them to its supervisor, which keeps them if the process dies later)."""
+    settings, own_dtype_note = settings.in_own_dtype(model.module)
     session = Session(model, settings)
+    if own_dtype_note:
+        session.notes.append(own_dtype_note)
     cells = path_cells(model, settings.code_paths, settings.inputs.batch_size)
     results: list[CheckResult] = []
     interrupted = False

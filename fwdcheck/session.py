@@ -27,7 +27,7 @@ from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import GlobalState, ModelState
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
-from fwdcheck.settings import DTYPES, Settings, resolve_device
+from fwdcheck.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.tolerances import TOLERANCES
 
 SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_length)
@@ -104,7 +104,10 @@ class Session:
     def _place(self, module: nn.Module) -> None:
         tensors = [*module.parameters(), *module.buffers()]
         needs_move = any(t.device != self.device for t in tensors)
-        needs_cast = any(t.is_floating_point() and t.dtype != self.dtype for t in tensors)
+        # no dtype named: a model in dtypes fwdcheck runs in runs as it was handed over, its float32 buffers (rotary
+        # tables) included (Settings.in_own_dtype chose the tolerances)
+        as_handed_over = not self.settings.dtype_declared and own_dtype(module) is not None
+        needs_cast = not as_handed_over and any(t.is_floating_point() and t.dtype != self.dtype for t in tensors)
         self._moved, self._cast = needs_move, needs_cast
         if not (needs_move or needs_cast):
             return

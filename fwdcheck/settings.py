@@ -23,6 +23,8 @@ class Settings(RunConfig):
     expected: dict[str, Any] = {}  # a check's reading flag -> the file's document (Check.expected_in)
     max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
     check_options: dict[str, Any] = {}  # check name -> its options, validated (Check.options_in)
+    # whether the config or the command line named the dtype; if not, the run keeps the model's own (own_dtype)
+    dtype_declared: bool = True
 
     @classmethod
     def from_config(cls, config: RunConfig, overrides: Overrides | None = None) -> Settings:
@@ -33,12 +35,41 @@ class Settings(RunConfig):
             **{name: getattr(run, name) for name in RunConfig.model_fields},
             expected=overrides.expected or {},
             check_options=check_options(run.options, overrides.options or {}, entries),
+            dtype_declared="dtype" in config.model_fields_set or overrides.dtype is not None,
+        )
+
+    def in_own_dtype(self, module: torch.nn.Module) -> tuple[Settings, str | None]:
+        """These settings in the model's own dtype when no dtype was named, and the note that says so (None when
+        nothing changes): a model handed over in bfloat16 runs in bfloat16, as torchinfo and transformers run it,
+        instead of cast to float32, which would round nothing back but its precomputed tables (rotary cos/sin built
+        in bfloat16 and now compared in float32). With parameters in several dtypes, the least precise one sets the
+        tolerances and nothing is cast."""
+        if self.dtype_declared or self.meta:
+            return self, None
+        own = own_dtype(module)
+        if own is None or own == self.dtype:
+            return self, None
+        return self.model_copy(update={"dtype": own}), (
+            f"no dtype in the config: run in the model's own {own}, as it was handed over (dtype: float32 casts it)"
         )
 
     @property
     def ignored(self) -> dict[str, str]:
         """Finding code -> the config's reason for ignoring it."""
         return {i.code: i.reason for i in self.ignore}
+
+
+def own_dtype(module: torch.nn.Module) -> str | None:
+    """The dtype the model's parameters are in, by its DTYPES name: the least precise of them when they are in
+    several; None when a parameter is in a dtype fwdcheck does not run in (float64), or there is none."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    found = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if not found or not found <= set(names):
+        return None
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # least precise first
+        if dtype in found:
+            return names[dtype]
+    return None
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str | None]:
