@@ -5,10 +5,13 @@ boolean True means "may attend"; nn.MultiheadAttention's boolean True means "mas
 are added to the scores (0 keeps, -inf drops); is_causal means lower-triangular; eager code is read off the scores
 that reach the softmax. That set is compared with causal: query i may read key slot j only if j <= its position p_i.
 A square call is the sequence against itself (p_i = i); a call over a KV cache is judged where the positions are
-known (handed to the model as input_pos / cache_position / position_ids, or a growing cache whose S keys are exactly
-the tokens written, queries last); cross-attention, and an encoder over a source other than the input, are not causal
-by nature. A call that cannot be judged says so, and a run in which none could be judged skips: it measured nothing.
-The first row of the batch is also observed alone, at a short length, where "single sequence" fast paths live.
+known (handed to the model as input_pos / cache_position / position_ids; the L slots of an S-slot cache the call's
+module just wrote, whatever the argument that indexed them is called, as gemma_pytorch's kv_write_indices; or a
+growing cache whose S keys are exactly the tokens written, queries last; slots written twice in one forward, a ring
+buffer past its wrap, say nothing of positions); cross-attention, and an encoder over a source other than the input,
+are not causal by nature. A call that cannot be judged says so, and a run in which none could be judged skips: it
+measured nothing. The first row of the batch is also observed alone, at a short length, where "single sequence" fast
+paths live.
 """
 
 from __future__ import annotations
@@ -114,7 +117,8 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
             "query positions unknown",
             f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key "
             f"slots, {call.written} tokens written; no input_pos / cache_position / position_ids of "
-            f"{call.query_len} positions reached the attention)",
+            f"{call.query_len} positions reached the attention, and no write of {call.query_len} of its "
+            f"{call.key_len} slots, each once, came before it)",
         )
     return None
 

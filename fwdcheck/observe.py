@@ -55,6 +55,9 @@ PRODUCTS = MATMUL | BADDBMM | {torch.einsum}
 # cache_position (Hugging Face) and input_pos (gpt-fast, litgpt, torchtune) index the cache slots; position_ids
 # usually does too, but with left padding it counts real tokens only, so it comes last.
 POSITION_INPUTS = ("cache_position", "input_pos", "position_ids")
+# In-place writes that put keys and values into cache slots, whatever the arguments are called: gemma_pytorch's
+# k_cache.index_copy_(1, kv_write_indices, xk), gpt-fast's k_cache[:, :, input_pos] = k, cache[:, :, :T] = x.
+WRITES = {torch.Tensor.index_copy_, torch.Tensor.__setitem__, torch.Tensor.index_put_}
 # Inputs that hand an attention module the keys' source when it is another sequence (Hugging Face, x-transformers,
 # torchtune, Whisper). A module that has one of these parameters says for itself whether its keys come from elsewhere.
 KEY_SOURCE_INPUTS = ("encoder_hidden_states", "key_value_states", "context", "y", "xa")
@@ -211,6 +214,17 @@ class _Frame:
     name: str
     positions: dict[str, torch.Tensor]  # POSITION_INPUTS name -> (n,) positions shared by every batch row
     cross: bool | None  # keys from another sequence (True), from its own input (False), no such parameter (None)
+    writes: list[_SlotWrite] = field(default_factory=list)  # slot writes made inside this forward, its children's too
+
+
+@dataclass
+class _SlotWrite:
+    """An in-place write of n slots along one axis of a tensor (a cache): which slots, and how many the axis has."""
+
+    slots: torch.Tensor  # (n,) long on the CPU
+    size: int  # slots along the written axis
+    destination: tuple[int, int]  # (storage address, axis): the same cache axis written again
+    overwritten: bool = False  # a later write hit a slot written before: a ring buffer, not one slot per position
 
 
 @dataclass
@@ -304,11 +318,13 @@ class _Observer(TorchFunctionMode):
         self.from_input = from_input  # tensor -> True, for tensors computed from the forward's input ids
         self.written: dict[tuple[str, str], int] = {}  # (module, api) -> query tokens attended with so far
         self.lines: dict[tuple[str, int], str] = {}  # (file, line) of a call site -> its code_location
+        self.slots_written: dict[tuple[int, int], tuple[set[int], list[_SlotWrite]]] = {}  # per cache axis
         # The few functions the observer reads; every other op only passes on what it learned about its inputs.
         self.readers = {
             F.scaled_dot_product_attention: self._on_sdpa,
             F.multi_head_attention_forward: self._on_mha,
             F.dropout: self._on_dropout,
+            **dict.fromkeys(WRITES, self._on_write),
             **dict.fromkeys(PRODUCTS, self._on_product),
             **dict.fromkeys(SOFTMAX, self._on_softmax),
         }
@@ -352,6 +368,20 @@ class _Observer(TorchFunctionMode):
         if self.zero_dropout and training:
             return args[0] if args else kwargs["input"]
         return self._plain(func, args, kwargs)
+
+    def _on_write(self, func, args, kwargs):
+        out = self._plain(func, args, kwargs)
+        write = _slot_write(func, args, kwargs)
+        if write is not None and self.where:
+            written, writes = self.slots_written.setdefault(write.destination, (set(), []))
+            slots = set(write.slots.tolist())
+            if written & slots:  # a slot written twice in one forward: slots do not stand for positions here
+                for earlier in [*writes, write]:
+                    earlier.overwritten = True
+            written |= slots
+            writes.append(write)
+            self.where[-1].writes.append(write)
+        return out
 
     def _on_product(self, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -658,6 +688,10 @@ class _Observer(TorchFunctionMode):
         given = self._given_positions(L, S)
         if given and given[1] != "position_ids":
             return (*given, written, False)
+        # Whatever they are called: the slots this module (or one around it) just wrote, L of the S key slots.
+        slots = self._written_slots(L, S)
+        if slots is not None:
+            return slots, "written slots", written, False
         # A growing cache holds one key per token written; when S is exactly that, the queries are the last L. This
         # goes before position_ids, which count real tokens only when there is left padding, not cache slots.
         if S == written:
@@ -665,6 +699,16 @@ class _Observer(TorchFunctionMode):
         if given:
             return (*given, written, False)
         return None, "", written, False
+
+    def _written_slots(self, L: int, S: int) -> torch.Tensor | None:
+        """The slots of the latest cache write of L slots along an axis of S, made inside a running module
+        (innermost first), when no slot of that axis was written twice: slot j then holds position j, so the slots
+        written for the queries are their positions."""
+        for frame in reversed(self.where):
+            for write in reversed(frame.writes):
+                if write.size == S and len(write.slots) == L and not write.overwritten:
+                    return write.slots
+        return None
 
     def _given_positions(self, L: int, S: int) -> tuple[torch.Tensor, str] | None:
         """The first positions of L queries within the S key slots handed to a running module, innermost first, in
@@ -914,6 +958,46 @@ def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict) -> _Frame:
     return _Frame(name, positions, cross)
 
 
+def _slot_write(func, args, kwargs) -> _SlotWrite | None:
+    """The slots an in-place write puts values into along one axis of its destination: the index of index_copy_,
+    the one integer index tensor or partial slice of a __setitem__ or index_put_ (the other axes whole); None for
+    any other write (a mask filled by a boolean index, several indexed axes, a Python int)."""
+    destination = args[0] if args else None
+    if not isinstance(destination, torch.Tensor) or destination.is_meta:
+        return None
+    if func is torch.Tensor.index_copy_:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        axes: list[tuple[int, Any]] = [(dim, index)] if isinstance(dim, int) else []
+    else:
+        key = args[1] if len(args) > 1 else kwargs.get("indices")
+        key = tuple(key) if isinstance(key, (tuple, list)) else (key,)
+        if any(k is Ellipsis or k is None for k in key):
+            return None
+        axes = [(d, k) for d, k in enumerate(key) if not (isinstance(k, slice) and k == slice(None))]
+    if len(axes) != 1:
+        return None
+    dim, index = axes[0]
+    if not -destination.dim() <= dim < destination.dim():
+        return None
+    size = destination.shape[dim]
+    if isinstance(index, slice):
+        if index.step not in (None, 1):
+            return None
+        slots = torch.arange(size)[index]
+    elif isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+        shared = _shared_positions(index)
+        if shared is None:
+            return None
+        slots = shared % size  # a negative index counts from the end
+    else:
+        return None
+    if not len(slots) or len(set(slots.tolist())) != len(slots):
+        return None
+    storage = destination.untyped_storage().data_ptr()
+    return _SlotWrite(slots, size, (storage, dim % destination.dim()))
+
+
 def _shared_positions(value: Any) -> torch.Tensor | None:
     """(n,) integer positions on the CPU when every batch row has the same ones; None otherwise (or on meta)."""
     if (
@@ -968,7 +1052,9 @@ def module_tracking(
     def post(name):
         def hook(module, args, kwargs, output):
             if where and where[-1].name == name:
-                where.pop()
+                done = where.pop()
+                if where:  # the writes of a child (a cache module's update) are its caller's too
+                    where[-1].writes.extend(done.writes)
             calls = running.get(name)
             if calls:  # the innermost call of this module still waiting for its output
                 call = calls.pop()

@@ -303,8 +303,9 @@ def test_square_calls_sit_at_0_to_T_minus_1_whatever_positions_are_handed():
 
 
 # =====================================================================================================================
-# Calls whose query positions cannot be known: a preallocated cache written at a Python offset. Nothing is judged,
-# so nothing passes.
+# A preallocated cache filled by a slice (cache[:, :, :T] = x) names the slots it wrote: judged. One built by
+# concatenation (torch.cat of the keys and empty slots) names none: its query positions cannot be known, nothing is
+# judged, so nothing passes.
 
 
 class OffsetCacheAttention(nn.Module):
@@ -314,9 +315,10 @@ class OffsetCacheAttention(nn.Module):
 
 
 class OffsetCache(nn.Module):
-    def __init__(self):
+    def __init__(self, fill: str = "cat"):
         super().__init__()
         torch.manual_seed(0)
+        self.fill = fill  # slice: cache[:, :, :T] = x | cat: the keys, then empty slots, concatenated
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.attn = OffsetCacheAttention()
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -324,8 +326,11 @@ class OffsetCache(nn.Module):
     def forward(self, input_ids):
         B, T = input_ids.shape
         x = self.emb(input_ids).view(B, T, HEADS, -1).transpose(1, 2)  # (B, nh, T, hs)
-        cache = torch.zeros(B, HEADS, SLOTS // 2, WIDTH // HEADS)
-        cache[:, :, :T] = x
+        if self.fill == "slice":
+            cache = torch.zeros(B, HEADS, SLOTS // 2, WIDTH // HEADS)  # (B, nh, S, hs)
+            cache[:, :, :T] = x
+        else:
+            cache = torch.cat([x, x.new_zeros(B, HEADS, SLOTS // 2 - T, WIDTH // HEADS)], dim=2)  # (B, nh, S, hs)
         y = self.attn(x, cache, cache, T)
         return self.head(y.transpose(1, 2).reshape(B, T, WIDTH))
 
@@ -334,6 +339,13 @@ def test_calls_that_cannot_be_judged_skip_with_the_reason():
     result = audit(OffsetCache())
     assert result.status.value == "skip"
     assert "not judged: query positions unknown (8 queries over 16 key slots" in result.summary
+
+
+def test_a_cache_filled_by_a_slice_is_judged_by_the_slots_it_wrote():
+    result = audit(OffsetCache(fill="slice"))
+    clean_pass(result)
+    call = result.data["calls"][0]
+    assert (call["positions_from"], call["query_positions"]) == ("written slots", list(range(8)))
 
 
 # =====================================================================================================================
