@@ -6,12 +6,12 @@ are added to the scores (0 keeps, -inf drops); is_causal means lower-triangular;
 that reach the softmax. That set is compared with causal: query i may read key slot j only if j <= its position p_i.
 A square call is the sequence against itself (p_i = i); a call over a KV cache is judged where the positions are
 known (handed to the model as input_pos / cache_position / position_ids; the L slots of an S-slot cache the call's
-module just wrote, whatever the argument that indexed them is called, as gemma_pytorch's kv_write_indices; or a
-growing cache whose S keys are exactly the tokens written, queries last; slots written twice in one forward, a ring
-buffer past its wrap, say nothing of positions); cross-attention, and an encoder over a source other than the input,
-are not causal by nature. A call that cannot be judged says so, and a run in which none could be judged skips: it
-measured nothing. The first row of the batch is also observed alone, at a short length, where "single sequence" fast
-paths live.
+module just wrote, whatever the argument that indexed them is called, as gemma_pytorch's kv_write_indices, and the
+position each slot then holds, which a ring buffer past its wrap writes at positions % window; or a growing cache
+whose S keys are exactly the tokens written, queries last; slots written twice that no argument explains say nothing
+of positions); cross-attention, and an encoder over a source other than the input, are not causal by nature. A call
+that cannot be judged says so, and a run in which none could be judged skips: it measured nothing. The first row of
+the batch is also observed alone, at a short length, where "single sequence" fast paths live.
 """
 
 from __future__ import annotations
@@ -68,14 +68,19 @@ class MayRead(str, Enum):
         return self not in (MayRead.CAUSAL, MayRead.RESTRICTED)
 
 
-def pattern(allowed: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[MayRead, list[tuple[int, int]]]:
+def pattern(
+    allowed: torch.Tensor, positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+) -> tuple[MayRead, list[tuple[int, int]]]:
     """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
 
-    positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i."""
+    positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i.
+    key_positions[j], when given, is the position key slot j holds (a ring buffer past its wrap; -1 for a slot not
+    written yet): causal then reads the slots holding a position <= p_i."""
     L, S = allowed.shape
     positions = torch.arange(L) if positions is None else positions
-    slots = torch.arange(S, device=allowed.device)
-    past_and_self = slots[None, :] <= positions.to(allowed.device)[:, None]  # (L, S)
+    held = torch.arange(S) if key_positions is None else key_positions
+    held = held.to(allowed.device)
+    past_and_self = (held[None, :] >= 0) & (held[None, :] <= positions.to(allowed.device)[:, None])  # (L, S)
     future = allowed & ~past_and_self
     pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
     if not pairs:
@@ -132,6 +137,7 @@ def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
         allowed=call.allowed[pad:, pad:],
         empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
         query_positions=torch.arange(call.query_len - pad),
+        key_positions=None if call.key_positions is None else call.key_positions[pad:] - pad,
     )
     return real, reads_padding
 
@@ -157,6 +163,7 @@ def _row(call: AttentionCall, reason: NotJudged | None, shape: MayRead | None) -
         "keys": S,
         "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
         "positions_from": call.positions_from or None,
+        "key_positions": call.key_positions.tolist() if call.key_positions is not None and S <= 64 else None,
         "source": call.source,
         "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None,
     }
@@ -187,7 +194,11 @@ values, and derives the [L queries, S keys] set of keys each query may read unde
 For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
   square calls (L = S): the sequence against itself, p_i = i.
   KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
-  positions handed to the model's or the attention module's forward (key slot j holds position j); else, when S is
+  positions handed to the model's or the attention module's forward (key slot j holds position j); else from the L
+  slots of S the attention module (or one around it) just wrote in place (index_copy_, scatter_, cache[..., idx] =),
+  their positions the integer tensor it was handed that the slots are, or are modulo S (a ring buffer, Mistral's
+  reference: slot j then holds the position last written there, and causal reads the slots holding positions
+  <= p_i), or the slots themselves while none was written twice; else, when S is
   exactly the number of tokens that attention has been run with in this forward (a cache that grows by concatenation),
   the queries are the last L (bottom-right alignment, as Hugging Face and flash-attention use). Otherwise the call is
   reported "not judged: query positions unknown" - never counted as a pass. A mask that opens cache slots after p_i
@@ -293,7 +304,9 @@ the attention module's forward as input_pos or cache_position."""
                         )
                     )
             reason = not_judged(call, input_followed)
-            shape, future_pairs = (None, []) if reason else pattern(call.allowed, call.query_positions)
+            shape, future_pairs = (
+                (None, []) if reason else pattern(call.allowed, call.query_positions, call.key_positions)
+            )
             rows.append(_row(call, reason, shape))
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.causal)

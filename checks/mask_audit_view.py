@@ -40,6 +40,7 @@ class CallRow(TypedDict, total=False):
     keys: int  # S
     query_positions: list[int] | None
     positions_from: str | None  # where the query positions came from ("square": 0..L-1 over L keys)
+    key_positions: list[int] | None  # the position each key slot holds, when not its index (a ring buffer)
     pattern: str  # the verdict on the may-read set, or why it was not judged
     judged: bool
     not_judged: str | None  # the kind of reason, when not judged

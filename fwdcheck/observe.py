@@ -57,7 +57,8 @@ PRODUCTS = MATMUL | BADDBMM | {torch.einsum}
 POSITION_INPUTS = ("cache_position", "input_pos", "position_ids")
 # In-place writes that put keys and values into cache slots, whatever the arguments are called: gemma_pytorch's
 # k_cache.index_copy_(1, kv_write_indices, xk), gpt-fast's k_cache[:, :, input_pos] = k, cache[:, :, :T] = x.
-WRITES = {torch.Tensor.index_copy_, torch.Tensor.__setitem__, torch.Tensor.index_put_}
+# Mistral's reference implementation: cache_k.scatter_(1, positions % window, xk), a ring buffer.
+WRITES = {torch.Tensor.index_copy_, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.scatter_}
 # Inputs that hand an attention module the keys' source when it is another sequence (Hugging Face, x-transformers,
 # torchtune, Whisper). A module that has one of these parameters says for itself whether its keys come from elsewhere.
 KEY_SOURCE_INPUTS = ("encoder_hidden_states", "key_value_states", "context", "y", "xa")
@@ -121,6 +122,9 @@ class AttentionCall:
     # module's forward) | bottom-right (S is the number of tokens this module has attended with so far: a growing
     # cache, queries last) | "" (unknown, or cross-attention).
     positions_from: str = ""
+    # The position each key slot holds when it is not its index (a ring buffer past its wrap): (S,) long, -1 for a
+    # slot not written yet; None when slot j holds position j.
+    key_positions: torch.Tensor | None = None
     cross: bool = False  # the keys come from another sequence (encoder memory, context): causality does not apply
     written: int = 0  # query tokens this module has attended with in this pass so far, this call's included
     matmul: int | None = None  # eager: index in Observation.matmuls of the q @ k^T product that made the scores
@@ -215,16 +219,23 @@ class _Frame:
     positions: dict[str, torch.Tensor]  # POSITION_INPUTS name -> (n,) positions shared by every batch row
     cross: bool | None  # keys from another sequence (True), from its own input (False), no such parameter (None)
     writes: list[_SlotWrite] = field(default_factory=list)  # slot writes made inside this forward, its children's too
+    # every integer tensor it was handed, whatever its name, shared by every batch row (not the input ids): what may
+    # have indexed a cache write (kv_write_indices; positions, of which a ring buffer writes positions % window)
+    integers: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
 class _SlotWrite:
-    """An in-place write of n slots along one axis of a tensor (a cache): which slots, and how many the axis has."""
+    """An in-place write of n slots along one axis of a tensor (a cache): which slots, how many the axis has, the
+    positions written there when known, and after it, when a slot holds another position than its index (a ring
+    buffer past its wrap), the position each slot holds (-1: none yet)."""
 
     slots: torch.Tensor  # (n,) long on the CPU
     size: int  # slots along the written axis
-    destination: tuple[int, int]  # (storage address, axis): the same cache axis written again
-    overwritten: bool = False  # a later write hit a slot written before: a ring buffer, not one slot per position
+    destination: torch.Tensor  # the tensor written (a view's base): the same cache written again
+    axis: int
+    positions: torch.Tensor | None = None  # (n,)
+    held: torch.Tensor | None = None  # (size,) the position in each slot; None while slot j holds position j
 
 
 @dataclass
@@ -318,7 +329,8 @@ class _Observer(TorchFunctionMode):
         self.from_input = from_input  # tensor -> True, for tensors computed from the forward's input ids
         self.written: dict[tuple[str, str], int] = {}  # (module, api) -> query tokens attended with so far
         self.lines: dict[tuple[str, int], str] = {}  # (file, line) of a call site -> its code_location
-        self.slots_written: dict[tuple[int, int], tuple[set[int], list[_SlotWrite]]] = {}  # per cache axis
+        # per cache (a view's base) -> axis -> the position each slot holds (-1: none), None once unknown
+        self.held = _Identities()
         # The few functions the observer reads; every other op only passes on what it learned about its inputs.
         self.readers = {
             F.scaled_dot_product_attention: self._on_sdpa,
@@ -373,15 +385,52 @@ class _Observer(TorchFunctionMode):
         out = self._plain(func, args, kwargs)
         write = _slot_write(func, args, kwargs)
         if write is not None and self.where:
-            written, writes = self.slots_written.setdefault(write.destination, (set(), []))
-            slots = set(write.slots.tolist())
-            if written & slots:  # a slot written twice in one forward: slots do not stand for positions here
-                for earlier in [*writes, write]:
-                    earlier.overwritten = True
-            written |= slots
-            writes.append(write)
+            self._place(write)
             self.where[-1].writes.append(write)
         return out
+
+    def _place(self, write: _SlotWrite) -> None:
+        """Which positions the write put in its slots, and which position every slot of the axis holds after it.
+        An integer tensor handed to a running module that the slots are (kv_write_indices), or are modulo the axis
+        (a ring buffer's positions % window), names them; without one, slot j holds position j as long as no slot
+        is written twice (a second write to a slot is a ring buffer that nothing here explains)."""
+        tables = self.held.get(write.destination)
+        if tables is None:
+            tables = {}
+            self.held[write.destination] = tables
+        held = tables.get(write.axis, torch.full((write.size,), -1))
+        positions = self._indexing(write)
+        if positions is None and held is not None and not bool((held[write.slots] >= 0).any()):
+            positions = write.slots
+        if positions is None or held is None:
+            tables[write.axis] = None
+            return
+        held = held.clone()
+        held[write.slots] = positions
+        tables[write.axis] = held
+        write.positions = positions
+        filled = held >= 0
+        if not torch.equal(held[filled], torch.arange(write.size)[filled]):
+            write.held = held
+
+    def _indexing(self, write: _SlotWrite) -> torch.Tensor | None:
+        """The positions written, from the integer tensors handed to the running modules (innermost first): the
+        one run of n consecutive values of one of them that the slots are, modulo the axis; None when none is, or
+        several runs are (a loop writing one position at a time out of all of them)."""
+        n, size = len(write.slots), write.size
+        for frame in reversed(self.where):
+            found = {
+                tuple(run.tolist())
+                for values in frame.integers
+                if len(values) >= n
+                for run in values.unfold(0, n, 1)
+                if torch.equal(run % size, write.slots)
+            }
+            if len(found) == 1:
+                return torch.tensor(found.pop())
+            if found:
+                return None
+        return None
 
     def _on_product(self, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -585,7 +634,7 @@ class _Observer(TorchFunctionMode):
             ok_rows = torch.isfinite(sums)
             error = float((sums[ok_rows] - 1).abs().max()) if ok_rows.any() else float("nan")
             nonfinite = int((~torch.isfinite(weights)).any(-1).sum())
-        positions, source, written, cross = self._where_queries("softmax", module, L, S, self._cross())
+        positions, source, written, cross, held = self._where_queries("softmax", module, L, S, self._cross())
         return AttentionCall(
             index=index,
             api="softmax",
@@ -608,6 +657,7 @@ class _Observer(TorchFunctionMode):
             dtype=str(weights.dtype).removeprefix("torch."),
             query_positions=positions,
             positions_from=source,
+            key_positions=held,
             cross=cross,
             written=written,
             matmul=matmul,
@@ -634,7 +684,7 @@ class _Observer(TorchFunctionMode):
         sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
         its keys come from another sequence and whether its queries were computed from the input ids."""
         L, S = mask.allowed.shape[-2:]
-        positions, source, written, cross = self._where_queries(api, module, L, S, cross)
+        positions, source, written, cross, held = self._where_queries(api, module, L, S, cross)
         keep = self.keep_tensors
         return AttentionCall(
             index=len(self.record.attention),
@@ -658,6 +708,7 @@ class _Observer(TorchFunctionMode):
             dtype=str(q.dtype).removeprefix("torch."),
             query_positions=positions,
             positions_from=source,
+            key_positions=held,
             cross=cross,
             written=written,
             reads_input=reads_input,
@@ -677,37 +728,41 @@ class _Observer(TorchFunctionMode):
 
     def _where_queries(
         self, api: str, module: str, L: int, S: int, cross: bool
-    ) -> tuple[torch.Tensor | None, str, int, bool]:
-        """(query positions on the key axis, how they were learned, tokens written so far, cross)."""
+    ) -> tuple[torch.Tensor | None, str, int, bool, torch.Tensor | None]:
+        """(query positions on the key axis, how they were learned, tokens written so far, cross, the position each
+        key slot holds when it is not its index)."""
         written = self.written[(module, api)] = self.written.get((module, api), 0) + L
         if cross:
-            return None, "", written, True
+            return None, "", written, True, None
+        # Whatever they are called: the positions this module (or one around it) just wrote into L of S key slots;
+        # first where the slots are not the positions (a ring buffer past its wrap): nothing else can say so.
+        write = self._latest_write(L, S)
+        if write is not None and write.held is not None:
+            return write.positions, "written slots", written, False, write.held
         if L == S:
-            return torch.arange(L), "square", written, False
+            return torch.arange(L), "square", written, False, None
         # A cache: the slot indices handed to the attention module or to one around it, when they fit this call.
         given = self._given_positions(L, S)
         if given and given[1] != "position_ids":
-            return (*given, written, False)
-        # Whatever they are called: the slots this module (or one around it) just wrote, L of the S key slots.
-        slots = self._written_slots(L, S)
-        if slots is not None:
-            return slots, "written slots", written, False
+            return (*given, written, False, None)
+        if write is not None:
+            return write.positions, "written slots", written, False, None
         # A growing cache holds one key per token written; when S is exactly that, the queries are the last L. This
         # goes before position_ids, which count real tokens only when there is left padding, not cache slots.
         if S == written:
-            return torch.arange(S - L, S), "bottom-right", written, False
+            return torch.arange(S - L, S), "bottom-right", written, False, None
         if given:
-            return (*given, written, False)
-        return None, "", written, False
+            return (*given, written, False, None)
+        return None, "", written, False, None
 
-    def _written_slots(self, L: int, S: int) -> torch.Tensor | None:
-        """The slots of the latest cache write of L slots along an axis of S, made inside a running module
-        (innermost first), when no slot of that axis was written twice: slot j then holds position j, so the slots
-        written for the queries are their positions."""
+    def _latest_write(self, L: int, S: int) -> _SlotWrite | None:
+        """The latest cache write of L slots along an axis of S made inside a running module (innermost first), when
+        it knows the positions it wrote: the queries' positions, and what each of the S slots holds. A latest write
+        of unknown positions (a ring buffer nothing explains) says nothing, and no earlier write speaks for it."""
         for frame in reversed(self.where):
             for write in reversed(frame.writes):
-                if write.size == S and len(write.slots) == L and not write.overwritten:
-                    return write.slots
+                if write.size == S and len(write.slots) == L:
+                    return write if write.positions is not None else None
         return None
 
     def _given_positions(self, L: int, S: int) -> tuple[torch.Tensor, str] | None:
@@ -943,8 +998,17 @@ def _given(name: str, at: int | None, args: tuple, kwargs: dict) -> Any:
     return args[at] if at is not None and at < len(args) else None
 
 
-def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict) -> _Frame:
-    """What this forward call was handed: positions, and whether the keys' source is another sequence."""
+def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict, from_input: _Identities | None = None) -> _Frame:
+    """What this forward call was handed: positions, integer tensors that may index a cache, and whether the keys'
+    source is another sequence."""
+    integers = [
+        p
+        for value in (*args, *kwargs.values())
+        if isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not (from_input is not None and value in from_input)  # token ids are no positions
+        and (p := _shared_positions(value)) is not None
+    ]
     positions = {}
     for n, at in reading.positions:
         p = _shared_positions(_given(n, at, args, kwargs))
@@ -955,7 +1019,7 @@ def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict) -> _Frame:
         keys = _given(*reading.source, args, kwargs)
         own = _given(reading.first, 0, args, kwargs) if reading.first else None
         cross = isinstance(keys, torch.Tensor) and keys is not own  # torchtune passes its input again as y
-    return _Frame(name, positions, cross)
+    return _Frame(name, positions, cross, integers=integers)
 
 
 def _slot_write(func, args, kwargs) -> _SlotWrite | None:
@@ -965,10 +1029,12 @@ def _slot_write(func, args, kwargs) -> _SlotWrite | None:
     destination = args[0] if args else None
     if not isinstance(destination, torch.Tensor) or destination.is_meta:
         return None
-    if func is torch.Tensor.index_copy_:
+    if func in (torch.Tensor.index_copy_, torch.Tensor.scatter_):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         index = kwargs.get("index", args[2] if len(args) > 2 else None)
-        axes: list[tuple[int, Any]] = [(dim, index)] if isinstance(dim, int) else []
+        if func is torch.Tensor.scatter_ and isinstance(dim, int) and isinstance(index, torch.Tensor):
+            index = _along(index, dim)  # the same slot for every element of a row along the other axes
+        axes: list[tuple[int, Any]] = [(dim, index)] if isinstance(dim, int) and index is not None else []
     else:
         key = args[1] if len(args) > 1 else kwargs.get("indices")
         key = tuple(key) if isinstance(key, (tuple, list)) else (key,)
@@ -994,8 +1060,17 @@ def _slot_write(func, args, kwargs) -> _SlotWrite | None:
         return None
     if not len(slots) or len(set(slots.tolist())) != len(slots):
         return None
-    storage = destination.untyped_storage().data_ptr()
-    return _SlotWrite(slots, size, (storage, dim % destination.dim()))
+    base = destination._base if destination._base is not None else destination  # cache_k[:bsz] writes cache_k
+    return _SlotWrite(slots, size, base, dim % destination.dim())
+
+
+def _along(index: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """scatter_'s index as the slots along `dim` (n,), when every element at one step along it goes to one slot
+    (the index repeated over batch, heads and width); None otherwise."""
+    if index.is_meta or not -index.dim() <= dim < index.dim():
+        return None
+    rows = index.movedim(dim, -1).reshape(-1, index.shape[dim])  # (everything else, n)
+    return rows[0] if bool((rows == rows[:1]).all()) else None
 
 
 def _shared_positions(value: Any) -> torch.Tensor | None:
@@ -1036,7 +1111,7 @@ def module_tracking(
                 ids = kwargs.get("input_ids", x)
                 if isinstance(ids, torch.Tensor):
                     from_input[ids] = True
-            where.append(_frame(name, reading, args, kwargs))
+            where.append(_frame(name, reading, args, kwargs, from_input))
             call = ModuleCall(
                 name,
                 type(module).__name__,

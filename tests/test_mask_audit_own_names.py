@@ -177,3 +177,90 @@ def test_a_ring_buffer_written_twice_is_not_read_as_positions():
     assert judged_by == ["square", "bottom-right", "written slots", *[None] * 5]  # the wrap comes at the 4th token
     assert "5 not judged: query positions unknown" in audit.summary
     assert report.result("future-token").status.value == "pass"
+
+
+# =====================================================================================================================
+# A ring buffer, as Mistral's reference implementation keeps one: WINDOW slots written at positions % WINDOW by
+# scatter_, read whole. Past the wrap a slot holds a later position than its index; the positions handed to the
+# attention module say which (the slots are those positions modulo the window), so every call is judged.
+
+RING = 4
+
+
+class RingBufferAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = WIDTH // HEADS
+        self.wq, self.wk, self.wv = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+        self.wo = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.cache_k = self.cache_v = torch.empty(0)
+
+    def forward(self, x, positions, mask):
+        B, T, C = x.shape
+        xq, xk, xv = (w(x).view(B, T, HEADS, self.head_dim) for w in (self.wq, self.wk, self.wv))  # (B, T, nh, hs)
+        # The cache is a rotating buffer
+        scatter_pos = (positions[-RING:] % RING)[None, :, None, None].repeat(B, 1, HEADS, self.head_dim)
+        self.cache_k[:B].scatter_(dim=1, index=scatter_pos, src=xk[:, -RING:])
+        self.cache_v[:B].scatter_(dim=1, index=scatter_pos, src=xv[:, -RING:])
+        q = xq.transpose(1, 2)  # (B, nh, T, hs)
+        k, v = self.cache_k[:B].transpose(1, 2), self.cache_v[:B].transpose(1, 2)  # (B, nh, RING, hs)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim**-0.5 + mask  # (B, nh, T, RING)
+        weights = F.softmax(scores.float(), dim=-1).type_as(q)
+        return self.wo(torch.matmul(weights, v).transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+class RingBufferModel(nn.Module):
+    """Chunks of 2 tokens through a ring buffer of RING slots; the mask is built from the position each slot holds.
+    bug: none | written-slots (the mask opens every slot written so far: a chunk's first query reads its second)."""
+
+    def __init__(self, bug: str = "none"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(RingBufferAttention() for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        for layer in self.layers:
+            layer.cache_k = torch.zeros(B, RING, HEADS, WIDTH // HEADS)  # (B, RING, nh, hs)
+            layer.cache_v = torch.zeros(B, RING, HEADS, WIDTH // HEADS)
+        held = torch.full((RING,), -1)  # the position each slot holds
+        out = []
+        for start in range(0, T, 2):
+            positions = torch.arange(start, min(start + 2, T))
+            held[positions % RING] = positions
+            if self.bug == "written-slots":
+                may = (held >= 0)[None, :].expand(len(positions), RING)
+            else:
+                may = (held >= 0) & (held <= positions[:, None]) & (held > positions[:, None] - RING)  # (T, RING)
+            mask = torch.zeros(len(positions), RING).masked_fill(~may, float("-inf"))
+            x = self.emb(input_ids[:, start : start + 2])  # (B, 2, C)
+            for layer in self.layers:
+                x = x + layer(x, positions, mask)
+            out.append(self.head(x))
+        return torch.cat(out, dim=1)  # (B, T, V)
+
+
+def test_a_ring_buffer_past_its_wrap_is_judged_by_the_positions_its_slots_hold():
+    result = run(RingBufferModel(), ["mask-audit"]).result("mask-audit")
+    assert result.status.value == "pass", (result.summary, result.findings)
+    calls = result.data["calls"]
+    assert result.metrics["judged_calls"] == len(calls) == LAYERS * 4  # every chunk, past the wrap too
+    assert {c["positions_from"] for c in calls} == {"written slots"}
+    past_wrap = [c for c in calls if c["key_positions"] is not None]
+    assert [(c["query_positions"], c["key_positions"]) for c in past_wrap[::LAYERS]] == [
+        ([4, 5], [4, 5, 2, 3]),
+        ([6, 7], [4, 5, 6, 7]),  # the wrap's second round: slot j holds 4 + j
+    ]
+    assert {c["pattern"] for c in calls} == {"causal"}
+
+
+def test_a_ring_buffer_mask_that_reads_a_later_slot_fails_past_the_wrap_too():
+    report = run(RingBufferModel("written-slots"), ["mask-audit", "future-token"])
+    audit = report.result("mask-audit")
+    assert audit.status.value == "fail" and "FWD204" in {f.code for f in audit.findings}
+    leaking = [c for c in audit.data["calls"] if c["reads_future"]]
+    assert len(leaking) == len(audit.data["calls"]) == LAYERS * 4
+    assert report.result("future-token").status.value == "fail"
