@@ -154,6 +154,7 @@ def hf_model_under_test(
         max_positions=max_positions,
         causal=spec.causal,
         dims={k: v for k, v in dims.items() if v},
+        declared_dims=set(),  # all read off the config by fwdcheck
         rope=rope,
         rotary=find_rotary(module),
         rotary_discovered=True,
