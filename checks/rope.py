@@ -117,6 +117,34 @@ def well_measured(theta: float, positions: int, tol: float) -> bool:
     return abs(theta) * (positions - 1) > 20 * tol
 
 
+def one_side_unjudgeable(
+    q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, noise: float
+) -> tuple[str | None, bool]:
+    """Why a call where only one of q and k changes with position is no evidence that the other lacks its rotary
+    embedding (FWD301), or None when it is; and whether position then enters absolutely.
+
+    The changing one must turn as a rotation does: one that changes in a way no rotation does (a causal convolution
+    over the sequence, a scale that grows with the position) is another position mechanism, not a rotary embedding
+    applied to one side. And the still one must hold something in the dims the other rotates: a slice that is exactly
+    zero (as initialised) turns without changing."""
+    moving, still, still_seen = ("q", "k", k_seen) if q.rotates else ("k", "q", q_seen)
+    turning = q if q.rotates else k
+    if turning.pairing is None:
+        return (
+            f"{moving} changes with position in a way no rotation does and {still} does not (a convolution over "
+            "the sequence, a position-dependent scale): no rotary embedding to judge",
+            True,
+        )
+    rotated = still_seen.double()[:, turning.rotary_start : turning.rotary_start + turning.rotary_dim]
+    if float(rotated.abs().max()) <= noise * (float(still_seen.double().abs().max()) + 1e-30):
+        return (
+            f"{still} is zero in the dims {moving} rotates ({turning.rotary_start}..."
+            f"{turning.rotary_start + turning.rotary_dim - 1}): whether it is rotated cannot be seen",
+            False,
+        )
+    return None, False
+
+
 def toeplitz_error(scores: torch.Tensor) -> float:
     """How far scores[m, n] is from depending on n - m alone, relative to the largest |score|."""
     P = scores.shape[0]
@@ -141,6 +169,7 @@ class QK:
     cached: bool = False  # the call read more key slots than it had queries: a KV cache
     held: bool = True  # its input was held (or already) the same at every position
     note: str | None = None  # why it was not judged; None when it was
+    absolute: bool = False  # q or k changes with position in a way no rotation does: position enters absolutely
 
     @property
     def judged(self) -> bool:
@@ -516,6 +545,9 @@ or correct the declaration."""
                 for c in calls
             ]
             data["held"] = {name: round(spread, 6) for name, spread in hold.spread.items()}
+            absolute = next((c for c in calls if c.absolute), None)
+            if absolute is not None:  # the logits are then not expected to stay the same under a shift
+                data["absolute_positions"] = f"at '{absolute.where}' {absolute.note}"
             judged = probe.judged
             if not judged:
                 data["probe"] = probe.why_unjudged()
@@ -568,6 +600,10 @@ or correct the declaration."""
                 # the content of each position (a learned table added before it), no finding either way.
                 c.note = "its input could not be held the same at every position"
                 continue
+            if q.rotates != k.rotates:
+                c.note, c.absolute = one_side_unjudgeable(q, k, c.q[0], c.k[0], self.noise)
+                if c.note:
+                    continue
             error = toeplitz_error(c.q[0].double() @ c.k[0].double().T)  # head 0 of q with kv head 0
             results.append(Measured(c.where, q, k, error, c.q[0], c.k[0]))
         return results

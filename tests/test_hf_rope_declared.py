@@ -150,25 +150,6 @@ def test_a_declared_pairing_the_model_does_not_use_fails():
     assert "pairing interleaved (declared half)" in result.findings[0].message
 
 
-@pytest.fixture
-def rope_on_q_only(monkeypatch):
-    """An architecture's apply_rotary_pos_emb functions rotating q and handing k back unrotated."""
-
-    def plant(family: str):
-        import importlib
-
-        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        for name in [n for n in vars(module) if n.startswith("apply_rotary_pos_emb")]:  # DeepSeek's _interleave too
-            original = getattr(module, name)
-
-            def q_only(q, k, *args, original=original, **kwargs):
-                return original(q, k, *args, **kwargs)[0], k
-
-            monkeypatch.setattr(module, name, q_only)
-
-    return plant
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type, family, fields",
