@@ -50,6 +50,7 @@ class Entry:
     dtype: str = ""
     group: str = ""  # the attention call it belongs to: its q, k, v and weights share head count and head size
     source: str | None = None  # "path:line" of the model code that made that attention call
+    cross: bool = False  # its attention call reads another sequence's keys: its queries or keys may be of any length
 
 
 # Expected symbolic layouts per role; alternatives are equally correct. B and T follow the inputs; S is the keys'
@@ -356,7 +357,9 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
         n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
-        at: dict[str, Any] = dict(module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source)
+        at: dict[str, Any] = dict(
+            module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source, cross=attn.cross
+        )
         if attn.api == "sdpa":
             assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
             entries += [
@@ -392,8 +395,13 @@ def _matmul_entries(obs: Observation, calls_at: list[str]) -> list[Entry]:
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
         index = mm.call if mm.call is not None and mm.call < len(calls_at) else None
         where = calls_at[index] if index is not None else where
+        call = obs.attention[index] if index is not None else None
         at: dict[str, Any] = dict(
-            module=mm.module, seq=mm.seq, group=where, source=obs.attention[index].source if index is not None else None
+            module=mm.module,
+            seq=mm.seq,
+            group=where,
+            source=call.source if call is not None else None,
+            cross=call.cross if call is not None else False,
         )
         if mm.kind == "scores":
             entries += [
@@ -503,6 +511,7 @@ class Namer:
         self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
         self.padded: tuple[int, int | None] | None = None  # (logits width, vocabulary) when the vocabulary is padded
         self.unnamed: list[str] = []  # tensors that fit their role only with sizes other than the config's
+        self.cross = False  # the tensor being named belongs to cross-attention
 
     # -- reading what each axis did -------------------------------------------------------------------------------
 
@@ -559,6 +568,7 @@ class Namer:
     def name(self, e: Entry, scope: ChainMap) -> tuple[list[str], list[str] | None]:
         """The axes' names, and the layout of the tensor's role they fit (None: it fits none)."""
         axes = self.axes(e)
+        self.cross = e.cross
         layouts = TEMPLATES.get(e.role, [])
         if "h_kv" not in self.stated or e.role in ("scores_k", "scores_v"):
             # Keys with as many heads as the queries have h heads: whether fewer kv heads were repeated or there
@@ -611,6 +621,10 @@ class Namer:
 
     def _slot(self, symbol: str, axis: Axis, scope, read: dict, chunk: bool, heads_shown: bool) -> str | None:
         size = axis.size
+        if self.cross and symbol in ("T", "S") and axis.follows != "T" and axis.per_batch is None:
+            # Cross-attention: one side is another sequence (patches read by bytes, bytes by patches), of its own
+            # length, which need not follow the input's: named by its size.
+            return str(size) if axis.follows is None else None
         if symbol in ("B", "T", "B*T"):
             if axis.follows == symbol:
                 return symbol
