@@ -203,8 +203,10 @@ For a causal model, query i may read key slot j only if j <= p_i, its own positi
   the queries are the last L (bottom-right alignment, as Hugging Face and flash-attention use). Otherwise the call is
   reported "not judged: query positions unknown" - never counted as a pass. A mask that opens cache slots after p_i
   fails whether they hold future tokens or were never written (a correct mask closes both).
-  cross-attention (keys from another sequence: nn.MultiheadAttention handed a key other than its query, or an
-  attention module handed context / encoder_hidden_states / key_value_states / y / xa other than its input), and
+  cross-attention (keys from another sequence: within a module handed its hidden state and other tensors of its
+  rank, q computed from its own input and k from the others only, followed op by op; nn.MultiheadAttention handed a
+  key other than its query; or an attention module handed context / encoder_hidden_states / key_value_states / y /
+  xa other than its input), and
   attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
   from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
   still checked.

@@ -53,17 +53,21 @@ class Rotation:
     base: float | None = None
     decay: float | None = None  # theta_p = exp(-decay * p); base = exp(decay * rotary_dim / 2)
     norm_error: float = 0.0  # largest relative drift of a pair's norm across positions, under the best pairing
+    rotary_start: int = 0  # the first rotated dim: 0, or where a head's rotated slice follows an unrotated one (MLA)
 
 
-def pair_indices(pairing: str, rotary_dim: int) -> tuple[list[int], list[int]]:
+def pair_indices(pairing: str, rotary_dim: int, start: int = 0) -> tuple[list[int], list[int]]:
     half = rotary_dim // 2
     if pairing == "half":
-        return list(range(half)), list(range(half, rotary_dim))
-    return list(range(0, rotary_dim, 2)), list(range(1, rotary_dim, 2))
+        return list(range(start, start + half)), list(range(start + half, start + rotary_dim))
+    return list(range(start, start + rotary_dim, 2)), list(range(start + 1, start + rotary_dim, 2))
 
 
 def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float | None = None) -> Rotation:
     """X: (P, D), the same vector rotated to positions 0..P-1. Which dims turn, paired how, how fast.
+
+    The rotated dims are one slice of the head: its start (usually 0; after the unrotated part in multi-head latent
+    attention, whose heads concatenate [no rope | rope]) and its width are measured, not assumed.
 
     tol judges whether pair norms stay constant; noise (default tol) is the relative change below which a dim counts
     as still: set it near the dtype's rounding so that slow pairs, which turn by little within the probe, still count.
@@ -74,23 +78,27 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float
     moving = (X - X[0]).abs().amax(0) > (tol if noise is None else noise) * scale  # (D,)
     if not bool(moving.any()):
         return Rotation(rotates=False)
-    # Every (pairing, rotary dim) that holds every moving dim; a rotation keeps each pair's norm constant.
+    first, last = (int(i) for i in moving.nonzero().flatten()[[0, -1]])
+    # The slice starts at 0 or at the first moving dim (or one before it: an interleaved pair whose first dim holds
+    # nothing); every (pairing, start, rotary dim) that holds every moving dim is a candidate, and a rotation keeps
+    # each pair's norm constant.
     candidates = []
     for pairing in ("half", "interleaved"):
-        for rotary_dim in range(2, D + 1, 2):
-            if bool(moving[rotary_dim:].any()):
-                continue
-            i, j = pair_indices(pairing, rotary_dim)
-            radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
-            drift = relative_error(radius, radius[0], relative_to=radius)
-            candidates.append((drift, pairing, rotary_dim))
+        for start in sorted({0, first, max(first - 1, 0)}):
+            for rotary_dim in range(2, D - start + 1, 2):
+                if start + rotary_dim <= last:
+                    continue
+                i, j = pair_indices(pairing, rotary_dim, start)
+                radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
+                drift = relative_error(radius, radius[0], relative_to=radius)
+                candidates.append((drift, pairing, rotary_dim, start))
     valid = [c for c in candidates if c[0] <= tol]
     if not valid:
-        drift, _, rotary_dim = min(candidates)
-        return Rotation(rotates=True, pairing=None, rotary_dim=rotary_dim, norm_error=drift)
+        drift, _, rotary_dim, start = min(candidates)
+        return Rotation(rotates=True, pairing=None, rotary_dim=rotary_dim, norm_error=drift, rotary_start=start)
     # The smallest rotary dim that works (pairs that never turn are not rotary), the declared pairing on a tie.
-    drift, pairing, rotary_dim = min(valid, key=lambda c: (c[2], c[1] != prefer, c[0]))
-    i, j = pair_indices(pairing, rotary_dim)
+    drift, pairing, rotary_dim, start = min(valid, key=lambda c: (c[2], c[1] != prefer, c[3] != 0, c[0]))
+    i, j = pair_indices(pairing, rotary_dim, start)
     angle = torch.atan2(X[:, j], X[:, i])  # (P, r/2)
     step = torch.remainder(angle[1:] - angle[:-1] + math.pi, 2 * math.pi) - math.pi  # per-position turn, unwrapped
     turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
@@ -101,12 +109,40 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float
     decays = sorted(-math.log(abs(t)) / p for p, t in enumerate(thetas) if p > 0 and well_measured(t, P, tol))
     decay = decays[len(decays) // 2] if decays else None
     base = math.exp(decay * rotary_dim / 2) if decay else None
-    return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift)
+    return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift, rotary_start=start)
 
 
 def well_measured(theta: float, positions: int, tol: float) -> bool:
     """A pair's frequency is trusted when its total turn over the probe is far above the rounding noise."""
     return abs(theta) * (positions - 1) > 20 * tol
+
+
+def one_side_unjudgeable(
+    q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, noise: float
+) -> tuple[str | None, bool]:
+    """Why a call where only one of q and k changes with position is no evidence that the other lacks its rotary
+    embedding (FWD301), or None when it is; and whether position then enters absolutely.
+
+    The changing one must turn as a rotation does: one that changes in a way no rotation does (a causal convolution
+    over the sequence, a scale that grows with the position) is another position mechanism, not a rotary embedding
+    applied to one side. And the still one must hold something in the dims the other rotates: a slice that is exactly
+    zero (as initialised) turns without changing."""
+    moving, still, still_seen = ("q", "k", k_seen) if q.rotates else ("k", "q", q_seen)
+    turning = q if q.rotates else k
+    if turning.pairing is None:
+        return (
+            f"{moving} changes with position in a way no rotation does and {still} does not (a convolution over "
+            "the sequence, a position-dependent scale): no rotary embedding to judge",
+            True,
+        )
+    rotated = still_seen.double()[:, turning.rotary_start : turning.rotary_start + turning.rotary_dim]
+    if float(rotated.abs().max()) <= noise * (float(still_seen.double().abs().max()) + 1e-30):
+        return (
+            f"{still} is zero in the dims {moving} rotates ({turning.rotary_start}..."
+            f"{turning.rotary_start + turning.rotary_dim - 1}): whether it is rotated cannot be seen",
+            False,
+        )
+    return None, False
 
 
 def toeplitz_error(scores: torch.Tensor) -> float:
@@ -133,6 +169,7 @@ class QK:
     cached: bool = False  # the call read more key slots than it had queries: a KV cache
     held: bool = True  # its input was held (or already) the same at every position
     note: str | None = None  # why it was not judged; None when it was
+    absolute: bool = False  # q or k changes with position in a way no rotation does: position enters absolutely
 
     @property
     def judged(self) -> bool:
@@ -351,7 +388,10 @@ or correct the declaration."""
         declared = model.rope
         findings: list[Finding] = []
         metrics: dict = {}
-        data: dict = {"declared": declared.model_dump() if declared else None}
+        data: dict = {
+            "declared": declared.model_dump() if declared else None,
+            "declared_from": model.origins.get("rope"),
+        }
 
         probe = self._probe(model, session, tol, findings, data)
         component = self._rotary_alone(model, session, tol, findings, data)
@@ -406,7 +446,8 @@ or correct the declaration."""
                         Status.FAIL,
                         "the model declares a rotary embedding but q and k "
                         f"do not change with position at any of {len(probe.judged)} attention "
-                        f"calls; found instead: {probe.found}",
+                        f"calls; found instead: {probe.found}"
+                        + (f"; declared by {model.origins['rope']}" if model.origins.get("rope") else ""),
                         "rotary embedding",
                     )
                 )
@@ -479,8 +520,8 @@ or correct the declaration."""
             )
         elif measured is not None and measured.pairing:
             summary = (
-                f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}, "
-                f"base ~{measured.base:.4g}"
+                f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}"
+                f"{_slice(measured)}, base ~{measured.base:.4g}"
                 if measured.base
                 else f"relative identity holds; pairing {measured.pairing}"
             )
@@ -520,6 +561,9 @@ or correct the declaration."""
                 for c in calls
             ]
             data["held"] = {name: round(spread, 6) for name, spread in hold.spread.items()}
+            absolute = next((c for c in calls if c.absolute), None)
+            if absolute is not None:  # the logits are then not expected to stay the same under a shift
+                data["absolute_positions"] = f"at '{absolute.where}' {absolute.note}"
             judged = probe.judged
             if not judged:
                 data["probe"] = probe.why_unjudged()
@@ -572,6 +616,10 @@ or correct the declaration."""
                 # the content of each position (a learned table added before it), no finding either way.
                 c.note = "its input could not be held the same at every position"
                 continue
+            if q.rotates != k.rotates:
+                c.note, c.absolute = one_side_unjudgeable(q, k, c.q[0], c.k[0], self.noise)
+                if c.note:
+                    continue
             error = toeplitz_error(c.q[0].double() @ c.k[0].double().T)  # head 0 of q with kv head 0
             results.append(Measured(c.where, q, k, error, c.q[0], c.k[0]))
         return results
@@ -841,20 +889,32 @@ or correct the declaration."""
         differences = []
         if declared.pairing and measured.rotary_dim > 2 and measured.pairing != declared.pairing:
             differences.append(f"pairing {measured.pairing} (declared {declared.pairing})")
-        if wanted_dim and measured.rotary_dim != wanted_dim and not _undetectable_tail(measured, declared, wanted_dim):
+        tail = bool(wanted_dim) and _undetectable_tail(measured, declared, wanted_dim)
+        if wanted_dim and measured.rotary_dim != wanted_dim and not tail:
             differences.append(f"rotary dim {measured.rotary_dim} (declared {wanted_dim})")
-        base = math.exp(measured.decay * (wanted_dim or measured.rotary_dim) / 2) if measured.decay else None
+        # The base from the frequencies' decay over the rotated pairs: the declared width when only pairs too slow to
+        # see are missing, else the measured one (a rotary dim that differs is its own finding, not the base's).
+        base = math.exp(measured.decay * (wanted_dim if tail else measured.rotary_dim) / 2) if measured.decay else None
         if base and declared.base and abs(math.log(base / declared.base)) > 0.02:
             differences.append(f"base ~{base:.4g} (declared {declared.base:g})")
         if not differences:
             return []
-        return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences), "rotary embedding")]
+        origin = model.origins.get("rope")
+        declared_by = f"; declared by {origin}" if origin else ""
+        return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences) + declared_by, "rotary embedding")]
+
+
+def _slice(measured: Rotation) -> str:
+    """' (dims a..b of the head)' when the rotated slice does not start the head (multi-head latent attention)."""
+    if not measured.rotary_start:
+        return ""
+    return f" (dims {measured.rotary_start}..{measured.rotary_start + measured.rotary_dim - 1} of the head)"
 
 
 def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
     """A measured rotary dim below the declared one is no finding when the declared pairs it lacks turn too slowly
     to be seen within the probe at this precision (low frequencies in bfloat16)."""
-    if measured.rotary_dim > wanted_dim or not measured.thetas:
+    if measured.rotary_dim > wanted_dim or not measured.thetas or not declared.base:
         return False
     slowest_seen = min(abs(t) for t in measured.thetas if t) if any(measured.thetas) else 0.0
     first_missing = declared.base ** (-measured.rotary_dim / wanted_dim)  # theta of pair r/2 under the declaration
@@ -1051,9 +1111,10 @@ def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: to
     one side and count as still there, and angles that are not linear in the position (FWD303's business) fit no
     frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
     smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
-    rotary_dim = max(q.rotary_dim, k.rotary_dim)
+    start = min(q.rotary_start, k.rotary_start)
+    rotary_dim = max(q.rotary_start + q.rotary_dim, k.rotary_start + k.rotary_dim) - start
     assert q.pairing is not None  # the caller took the rotations without a pairing apart (FWD306)
-    i, j = pair_indices(q.pairing, rotary_dim)
+    i, j = pair_indices(q.pairing, rotary_dim, start)
     weights = []
     angles = []
     for X in (q_seen.double(), k_seen.double()):

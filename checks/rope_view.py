@@ -46,6 +46,7 @@ class RopeData(TypedDict, total=False):
     component_note: str
     component_scale: float
     declared: dict[str, Any]
+    declared_from: str | None  # where the declaration came from (ModelUnderTest.origins["rope"])
     absolute_positions: str
     logits_shift: str
 
@@ -100,14 +101,16 @@ def _errors(r: CheckResult, probe: Any) -> list[Text]:
     lines = []
     declared = r.data.get("declared")
     if declared:
-        base = f"{declared['base']:g}" if declared.get("base") else "rescaled"
+        base = f"{declared['base']:g}" if declared.get("base") else "not compared"
         lines.append(
             Text(
-                f"declared: pairing {declared.get('pairing')}, base {base}, rotary dim "
+                f"declared: pairing {declared.get('pairing') or 'not stated'}, base {base}, rotary dim "
                 f"{declared.get('rotary_dim') or 'head size'}",
                 style="dim",
             )
         )
+    if r.data.get("declared_from"):
+        lines.append(Text(f"declaration: {r.data['declared_from']}", style="dim"))
     if isinstance(probe, dict):
         lines.append(Text(f"q_m . k_n off its diagonals: {probe['toeplitz_error']:.2g} of its scale", style="dim"))
     if r.data.get("component_note"):

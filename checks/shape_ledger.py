@@ -29,6 +29,10 @@ from fwdcheck.session import Session
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
 NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
+# Sizes a library's config gives that a tensor may contradict without a bug: its fields mean different things per
+# architecture. V is not among them (logits narrower than the vocabulary cannot score every token), nor B and T.
+FREE_SIZES = frozenset({"d", "d_ff", "h", "h_kv", "d_h", "g"})
+LOOSE: list[str] = ["(sizes of its own)"]  # Namer.name's layout for a tensor that fits only with free sizes
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Entry:
     dtype: str = ""
     group: str = ""  # the attention call it belongs to: its q, k, v and weights share head count and head size
     source: str | None = None  # "path:line" of the model code that made that attention call
+    cross: bool = False  # its attention call reads another sequence's keys: its queries or keys may be of any length
 
 
 # Expected symbolic layouts per role; alternatives are equally correct. B and T follow the inputs; S is the keys'
@@ -148,7 +153,7 @@ If a size is named wrongly because the model's config says something else, decla
         entries = collect(first, session.inputs.shape, first_logits_shape(first), blocks, known)
 
         (B2, T2), ran, notes = naming_pass(session, entries, blocks, known, model.max_positions)
-        namer = Namer((B, T), (B2, T2) if ran else None, known)
+        namer = Namer((B, T), (B2, T2) if ran else None, known, model.declared_dims)
         rows, findings = self._judge(entries, namer)
         notes += namer.notes(rows)
         dims_seen = namer.dims()
@@ -179,6 +184,8 @@ If a size is named wrongly because the model's config says something else, decla
             dims, layout = named[e.name]
             expected = TEMPLATES.get(e.role)
             ok = layout is not None or expected is None
+            if layout is LOOSE:
+                layout = None  # shown against the first layout of its role, by its sizes
             # The layout it fits is what it was expected to be (a repeated v [B,h,S,d_h], not the first of the
             # alternatives, [B,h_kv,S,d_h]); a tensor that fits none is shown against the first.
             rows.append(
@@ -350,7 +357,9 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
         n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
-        at: dict[str, Any] = dict(module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source)
+        at: dict[str, Any] = dict(
+            module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source, cross=attn.cross
+        )
         if attn.api == "sdpa":
             assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
             entries += [
@@ -386,8 +395,13 @@ def _matmul_entries(obs: Observation, calls_at: list[str]) -> list[Entry]:
         # The softmax it belongs to, where the observation links them; else the module's n-th product of its kind.
         index = mm.call if mm.call is not None and mm.call < len(calls_at) else None
         where = calls_at[index] if index is not None else where
+        call = obs.attention[index] if index is not None else None
         at: dict[str, Any] = dict(
-            module=mm.module, seq=mm.seq, group=where, source=obs.attention[index].source if index is not None else None
+            module=mm.module,
+            seq=mm.seq,
+            group=where,
+            source=call.source if call is not None else None,
+            cross=call.cross if call is not None else False,
         )
         if mm.kind == "scores":
             entries += [
@@ -469,8 +483,20 @@ class Axis:
 class Namer:
     """Names every axis by behaviour and position, reading the sizes the model does not state off its tensors."""
 
-    def __init__(self, first: tuple[int, int], second: tuple[int, int] | None, known: dict[str, int]):
+    def __init__(
+        self,
+        first: tuple[int, int],
+        second: tuple[int, int] | None,
+        known: dict[str, int],
+        declared: set[str] | None = None,
+    ):
         (self.B, self.T), self.second = first, second
+        # Sizes the user declared (None: every known one). The others were read off a library's config, whose fields
+        # mean different things per architecture (an MLA config's head_dim is the rotated part only, a per-layer
+        # head count is one number): they name the axes they match, and a tensor that fits its role's layout only
+        # with other sizes there is a number in the ledger, never a finding.
+        self.free = {s for s in FREE_SIZES if declared is not None and s not in declared}
+        self.loosened = False  # fitting with the free sizes ignored
         self.batch_varied = second is not None and second[0] != self.B  # else batch axes are told by position
         self.stated = dict(known)
         # d_h = d / h and h_kv = h are what a config implies when it says no more, not what it states: Gemma's head
@@ -484,6 +510,8 @@ class Namer:
         self.shared: dict[str, int] = {}  # read off tensors outside attention calls (d, from the blocks)
         self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
         self.padded: tuple[int, int | None] | None = None  # (logits width, vocabulary) when the vocabulary is padded
+        self.unnamed: list[str] = []  # tensors that fit their role only with sizes other than the config's
+        self.cross = False  # the tensor being named belongs to cross-attention
 
     # -- reading what each axis did -------------------------------------------------------------------------------
 
@@ -540,6 +568,7 @@ class Namer:
     def name(self, e: Entry, scope: ChainMap) -> tuple[list[str], list[str] | None]:
         """The axes' names, and the layout of the tensor's role they fit (None: it fits none)."""
         axes = self.axes(e)
+        self.cross = e.cross
         layouts = TEMPLATES.get(e.role, [])
         if "h_kv" not in self.stated or e.role in ("scores_k", "scores_v"):
             # Keys with as many heads as the queries have h heads: whether fewer kv heads were repeated or there
@@ -555,7 +584,19 @@ class Namer:
                 if "V_pad" in names:
                     self.padded = (e.shape[names.index("V_pad")], self.value("V", scope))
                 return names, layout
+        if self.free and any(self.fits_loosely(layout, axes) for layout in layouts):
+            self.unnamed.append(e.name)
+            return self.describe(e, axes, scope), LOOSE
         return self.describe(e, axes, scope), None
+
+    def fits_loosely(self, layout: list[str], axes: list[Axis]) -> bool:
+        """Whether the tensor fits the layout with every free size (not declared by the user) allowed any value:
+        its batch and sequence axes sit where its role wants them, only sizes fwdcheck read off a config differ."""
+        self.loosened = True
+        try:
+            return self.fit(layout, axes, ChainMap({})) is not None
+        finally:
+            self.loosened = False
 
     def fit(self, layout: list[str], axes: list[Axis], scope: ChainMap) -> tuple[list[str], dict] | None:
         """The axes' names if the tensor fits this layout, and the sizes it reads off; None if it does not."""
@@ -570,7 +611,9 @@ class Namer:
             if name is None:
                 return None
             names.append(name)
-        if "g" in layout:  # [B, h_kv, g, ...]: the groups times their size must be the query heads
+        if (
+            "g" in layout and not self.loosened
+        ):  # [B, h_kv, g, ...]: the groups times their size must be the query heads
             h, h_kv, g = (read.get(s, self.value(s, scope)) for s in ("h", "h_kv", "g"))
             if h and h_kv and g and h_kv * g != h:
                 return None
@@ -578,6 +621,10 @@ class Namer:
 
     def _slot(self, symbol: str, axis: Axis, scope, read: dict, chunk: bool, heads_shown: bool) -> str | None:
         size = axis.size
+        if self.cross and symbol in ("T", "S") and axis.follows != "T" and axis.per_batch is None:
+            # Cross-attention: one side is another sequence (patches read by bytes, bytes by patches), of its own
+            # length, which need not follow the input's: named by its size.
+            return str(size) if axis.follows is None else None
         if symbol in ("B", "T", "B*T"):
             if axis.follows == symbol:
                 return symbol
@@ -611,6 +658,8 @@ class Namer:
     def _agrees(self, symbol: str, size: int, scope, read: dict, heads_shown: bool) -> bool:
         """Whether the size can be this symbol: it is the size stated or already read, or the symbol is still free
         (then this tensor says what it is)."""
+        if self.loosened and symbol in self.free:
+            return True
         if symbol in read:
             return read[symbol] == size
         if symbol in scope:
@@ -668,6 +717,12 @@ class Namer:
         if self.padded:
             width, vocab = self.padded
             notes.append(f"logits are {width} wide for a vocabulary of {vocab} (V_pad): a padded output vocabulary")
+        if self.unnamed:
+            notes.append(
+                f"{len(self.unnamed)} tensor(s) fit their role only with sizes other than the config's (first: "
+                f"{self.unnamed[0]}; a config field that means something else here, heads that differ per layer); "
+                "shown by their sizes, no finding"
+            )
         unnamed = sorted({int(d) for r in rows if r["ok"] for d in r["dims"] if d.isdigit()})
         if unnamed:
             notes.append(

@@ -57,7 +57,9 @@ class RopeSpec(Strict):
     base: float | None = Field(
         10000.0, gt=1.0, description="None: frequencies rescaled (llama3, yarn, ...); the base is then not compared"
     )
-    pairing: Literal["half", "interleaved"] = "half"
+    pairing: Literal["half", "interleaved"] | None = Field(
+        "half", description="None: not stated (a library's config says nothing of it); measured, not compared"
+    )
     rotary_dim: PositiveInt | None = None
 
 

@@ -40,6 +40,9 @@ class ModelUnderTest:
     max_positions: int | None = None
     causal: bool = True
     dims: dict[str, int] = field(default_factory=dict)  # known symbolic dimensions: d, h, h_kv, d_h, V, d_ff, L
+    # The dims the user declared; None: all of `dims`. The others were read off a library's config: the shape ledger
+    # names axes by them, but a tensor that differs from them is no finding.
+    declared_dims: set[str] | None = None
     rope: RopeSpec | None = None  # what the model declares about its rotary embedding, if anything
     rotary: Rotary | None = None  # the model's rotary function, when it can be called on its own
     forward_adapter: Callable[..., Any] | None = None

@@ -211,6 +211,9 @@ class Observation:
         return spots
 
 
+PROJECTED = "projected"  # a stream mark: made by an op with a parameter since the module was entered
+
+
 @dataclass
 class _Frame:
     """A module whose forward is running, with what it was handed that attention calls inside it may need."""
@@ -222,6 +225,10 @@ class _Frame:
     # every integer tensor it was handed, whatever its name, shared by every batch row (not the input ids): what may
     # have indexed a cache write (kv_write_indices; positions, of which a ring buffer writes positions % window)
     integers: list[torch.Tensor] = field(default_factory=list)
+    # For a module handed its hidden state and other tensors of its rank (a cross-attention's other sequence): the
+    # tensors computed from its own input, and from the others, followed op by op while it runs.
+    own: _Identities | None = None
+    others: _Identities | None = None
 
 
 @dataclass
@@ -247,6 +254,7 @@ class _Product:
     b: torch.Tensor | None
     reads_input: bool | None  # q was computed from the input ids
     recorded: bool = False
+    cross: bool = False  # k was computed from another sequence than q (_Observer._cross)
 
 
 @dataclass
@@ -351,7 +359,29 @@ class _Observer(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.from_input or self.origins:
             self._pass_on(args, kwargs, out)
+        if self.streams:
+            self._follow_streams(args, kwargs, out)
         return out
+
+    @property
+    def streams(self) -> list[_Frame]:
+        """The running modules whose own input and other sequences are being followed."""
+        return [f for f in self.where if f.own is not None]
+
+    def _follow_streams(self, args, kwargs, out) -> None:
+        """Results computed from a tracked module's own input, or from the other sequences it was handed, are
+        marked as such (both, when computed from both); PROJECTED once an op with a parameter (a projection's
+        weight) made them, after the module was entered."""
+        values = (*args, *kwargs.values())
+        projects = any(isinstance(v, nn.Parameter) for v in values)
+        for frame in self.streams:
+            for marks in (frame.own, frame.others):
+                if marks is None or not marks.holds_any(values):
+                    continue
+                found = [marks.get(t) for v in values for t in _tensors(v)]
+                mark = PROJECTED if projects or PROJECTED in found else True
+                for t in _tensors(out):
+                    marks[t] = mark
 
     def _module(self) -> str:
         """The innermost module running."""
@@ -436,11 +466,15 @@ class _Observer(TorchFunctionMode):
         out = func(*args, **kwargs)
         self._product(func, args, kwargs, out, self._module())
         self._mark_input(args, kwargs, out)
+        if self.streams:
+            self._follow_streams(args, kwargs, out)
         return out
 
     def _on_softmax(self, func, args, kwargs):
         out = func(*args, **kwargs)
         self._mark_input(args, kwargs, out)
+        if self.streams:
+            self._follow_streams(args, kwargs, out)
         x = args[0] if args else kwargs["input"]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         origin = self.origins.get(x)
@@ -454,6 +488,8 @@ class _Observer(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.from_input or self.origins:
             self._pass_on(args, kwargs, out)
+        if self.streams:
+            self._follow_streams(args, kwargs, out)
         return out
 
     def _pass_on(self, args, kwargs, out) -> None:
@@ -542,7 +578,7 @@ class _Observer(TorchFunctionMode):
         call = MatmulCall(
             module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=self.record.tick(), op=op
         )
-        self.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input))
+        self.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input, cross=self._cross(q, k_t)))
 
     # -- one reducer per API ----------------------------------------------------------------------------------------
 
@@ -565,7 +601,7 @@ class _Observer(TorchFunctionMode):
             mask=read,
             is_causal=is_causal,
             dropout=float(a.get("dropout_p", 0.0) or 0.0),
-            cross=self._cross(),
+            cross=self._cross(q, k),
             reads_input=self._reads_input(q),
         )
 
@@ -634,7 +670,7 @@ class _Observer(TorchFunctionMode):
             ok_rows = torch.isfinite(sums)
             error = float((sums[ok_rows] - 1).abs().max()) if ok_rows.any() else float("nan")
             nonfinite = int((~torch.isfinite(weights)).any(-1).sum())
-        positions, source, written, cross, held = self._where_queries("softmax", module, L, S, self._cross())
+        positions, source, written, cross, held = self._where_queries("softmax", module, L, S, product.cross)
         return AttentionCall(
             index=index,
             api="softmax",
@@ -721,9 +757,19 @@ class _Observer(TorchFunctionMode):
         """Whether q was computed from the input ids; None while no input has been followed."""
         return q in self.from_input if self.from_input else None
 
-    def _cross(self) -> bool:
-        """Whether the running attention module took its keys from another sequence: the innermost module that has
-        a key-source parameter (context, encoder_hidden_states, ...) says so; without one, self-attention."""
+    def _cross(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the running attention took its keys from another sequence. What k was computed from says so:
+        within the innermost module handed its hidden state and other tensors of its rank, q projected from its own
+        input and k projected from the others only (a module handed q, k and v as they are, an attention kernel,
+        projects nothing and says nothing). Otherwise the innermost module that has a key-source parameter (context,
+        encoder_hidden_states, ...) says so; without one, self-attention."""
+        for frame in reversed(self.where):
+            if frame.own is None or frame.others is None:
+                continue
+            if frame.own.get(q) == PROJECTED and frame.others.get(k) == PROJECTED and k not in frame.own:
+                return True
+            if frame.own.get(q) == PROJECTED and frame.own.get(k) == PROJECTED:
+                return False
         return next((f.cross for f in reversed(self.where) if f.cross is not None), False)
 
     def _where_queries(
@@ -1111,7 +1157,23 @@ def module_tracking(
                 ids = kwargs.get("input_ids", x)
                 if isinstance(ids, torch.Tensor):
                     from_input[ids] = True
-            where.append(_frame(name, reading, args, kwargs, from_input))
+            frame = _frame(name, reading, args, kwargs, from_input)
+            if name and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 3:
+                others = [
+                    t
+                    for t in (*args, *kwargs.values())
+                    if isinstance(t, torch.Tensor)
+                    and t is not x
+                    and t.is_floating_point()
+                    and t.dim() == x.dim()
+                    and t.shape[0] == x.shape[0]
+                ]
+                if others:  # a hidden state and another sequence: follow what each is computed into
+                    frame.own, frame.others = _Identities(), _Identities()
+                    frame.own[x] = True
+                    for t in others:
+                        frame.others[t] = True
+            where.append(frame)
             call = ModuleCall(
                 name,
                 type(module).__name__,

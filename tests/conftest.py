@@ -40,3 +40,22 @@ def reference():
         return {"source": "reference", "vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2, **fields}
 
     return make
+
+
+@pytest.fixture
+def rope_on_q_only(monkeypatch):
+    """An architecture's apply_rotary_pos_emb functions rotating q and handing k back unrotated."""
+
+    def plant(family: str):
+        import importlib
+
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in [n for n in vars(module) if n.startswith("apply_rotary_pos_emb")]:  # DeepSeek's _interleave too
+            original = getattr(module, name)
+
+            def q_only(q, k, *args, original=original, **kwargs):
+                return original(q, k, *args, **kwargs)[0], k
+
+            monkeypatch.setattr(module, name, q_only)
+
+    return plant

@@ -139,7 +139,7 @@ def test_rescaled_rope_declares_no_base():
         **compat.LLAMA_LIKE,
     )
     model = load_model(config_from_dict({"model": spec}))
-    assert model.rope.base is None and model.rope.pairing == "half"
+    assert model.rope.base is None and model.rope.pairing is None  # a config states no pairing
     report = run_checks(spec, ["rope"])
     assert report.result("rope").status.value == "pass"
 

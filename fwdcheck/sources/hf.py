@@ -8,6 +8,7 @@ report says the model's own code ran.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import json
 import os
@@ -37,8 +38,6 @@ from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest
 
-# Architectures whose rotary embedding pairs dim 2i with 2i+1 (GPT-J's rotate_every_two); the rest use rotate_half.
-INTERLEAVED = {"gptj", "codegen"}
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
 # The largest model built with random weights. Random weights check the model's code, and the code is the same at
 # any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
@@ -134,10 +133,19 @@ def hf_model_under_test(
     max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     where = str(spec.path) if spec.path else "inline config"
     config_file = str(spec.path / "config.json") if spec.path else "the inline config"
-    rope = spec.rope or declared_rope(cfg, config_file)
     origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
-    if rope is not None:
-        origins["rope"] = "the config's `rope:`" if spec.rope else f"read off {config_file}"
+    rope, origins["rope"] = (
+        (spec.rope, "the config's `rope:`") if spec.rope else declared_rope(cfg, config_file, settings_read(module))
+    )
+    if rope is not None and not spec.rope and not builds_rotary(module):
+        # transformers gives every config rope settings, also where a setting of the model switches rotary
+        # embeddings off (Granite MoE hybrid's position_embedding_type None, Zamba 2's use_mem_rope False): only a
+        # model that builds one declares one.
+        rope = None
+        origins["rope"] = (
+            f"none declared: {config_file} holds rope settings, but {type(module).__name__} builds no rotary "
+            "embedding (the config switches it off)"
+        )
     model = ModelUnderTest(
         module=module,
         label=f"{cfg.model_type} {type(module).__name__} ({where})",
@@ -146,6 +154,7 @@ def hf_model_under_test(
         max_positions=max_positions,
         causal=spec.causal,
         dims={k: v for k, v in dims.items() if v},
+        declared_dims=set(),  # all read off the config by fwdcheck
         rope=rope,
         rotary=find_rotary(module),
         rotary_discovered=True,
@@ -241,12 +250,23 @@ def refuse_oversized(cls, hf_config, spec: HFModel) -> None:
     )
 
 
-def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
-    """What a Hugging Face config says about its rotary embedding, across the spellings architectures use.
+def declared_rope(cfg, where: str = "the model config", read: set[str] | None = None) -> tuple[RopeSpec | None, str]:
+    """What a Hugging Face config states about its rotary embedding, across the spellings architectures use, and
+    where each value came from (for the report). With `read` (the settings the model's class reads, settings_read),
+    only those count: MiniMax M3's config carries a rotary_dim its modeling code never reads.
+
+    Only what the config states: its base and rotary dim. The pairing is the modeling code's business, never a
+    config's (Cohere's rotate_half pairs neighbours, DeepSeek's rope_interleave reorders the weights before a half
+    rotation), so it is left undeclared: measured and reported, not compared. A base the config does not give is
+    not assumed either.
 
     transformers accepts values no rotary embedding can have (rope_theta 1.0, a rotary_dim of 0, a fraction given as
     text); each is one ModelLoadError line naming the key and the value, `where` naming the config."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+
+    def setting(key: str) -> Any:
+        return getattr(cfg, key, None) if read is None or key in read else None
+
+    params = setting("rope_parameters") or setting("rope_scaling") or {}
     if not isinstance(params, dict):
         params = {}
     theta_key, theta = next(
@@ -254,33 +274,47 @@ def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
             (k, v)
             for k, v in (
                 ("rope_theta", params.get("rope_theta")),
-                ("rope_theta", getattr(cfg, "rope_theta", None)),
-                ("rotary_emb_base", getattr(cfg, "rotary_emb_base", None)),
+                ("rope_theta", setting("rope_theta")),
+                ("rotary_emb_base", setting("rotary_emb_base")),
             )
             if v is not None
         ),
         ("rope_theta", None),
     )
-    rotary_dim = getattr(cfg, "rotary_dim", None)
+    rotary_dim = setting("rotary_dim")
     if theta is None and rotary_dim is None:
-        return None  # learned or sinusoidal absolute positions, ALiBi, ...
+        return None, f"none declared: {where} gives no rope settings"  # learned or sinusoidal positions, ALiBi, ...
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     rope_type = params.get("rope_type", params.get("type", "default"))
     try:
         head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-        partial = (
-            params.get("partial_rotary_factor")
-            or getattr(cfg, "partial_rotary_factor", None)
-            or getattr(cfg, "rotary_pct", None)
+        partial_key, partial = next(
+            (
+                (k, v)
+                for k, v in (
+                    ("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
+                    ("partial_rotary_factor", setting("partial_rotary_factor")),
+                    ("rotary_pct", setting("rotary_pct")),
+                )
+                if v
+            ),
+            (None, None),
         )
+        dim_origin = f"rotary dim {rotary_dim} from rotary_dim" if rotary_dim is not None else "rotary dim: head size"
         if rotary_dim is None and partial and head_dim:
             rotary_dim = int(head_dim * partial)
+            dim_origin = f"rotary dim {rotary_dim} from head size {head_dim} x {partial_key} {partial}"
         # rescaled frequencies (llama3, yarn, ...) have no single base to compare
-        base = (10000.0 if theta is None else float(theta)) if rope_type == "default" else None
-        return RopeSpec(
-            base=base, pairing="interleaved" if cfg.model_type in INTERLEAVED else "half", rotary_dim=rotary_dim
+        base = float(theta) if theta is not None and rope_type == "default" else None
+        base_origin = (
+            f"base {base:g} from {theta_key}"
+            if base is not None
+            else f"base not compared (rope_type {rope_type} rescales the frequencies)"
+            if theta is not None
+            else "base not stated"
         )
+        spec = RopeSpec(base=base, pairing=None, rotary_dim=rotary_dim)
     except ValidationError as exc:
         problem = describe_validation_error(exc)
         key = {"base": theta_key}.get(problem.split(":")[0], problem.split(":")[0])
@@ -293,6 +327,36 @@ def declared_rope(cfg, where: str = "the model config") -> RopeSpec | None:
             f"{where}: its rotary settings cannot be read ({type(exc).__name__}: {exc}); set "
             "`rope:` in the config to declare them yourself"
         ) from None
+    return spec, f"read off {where}: {base_origin}, {dim_origin}; pairing not stated (measured, not compared)"
+
+
+def settings_read(module: nn.Module) -> set[str] | None:
+    """The config settings a transformers model's class reads while it builds itself: the model rebuilt on the meta
+    device (no memory, no values) from a copy of its config that records each attribute read. None when it cannot
+    be rebuilt so (then every setting counts, as before)."""
+    config: Any = module.config
+    read: set[str] = set()
+    base = type(config)
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def __getattribute__(self, name: str) -> Any:
+            read.add(name)
+            return super().__getattribute__(name)
+
+    try:
+        recording = copy.deepcopy(config)
+        recording.__class__ = Recording
+        with torch.device("meta"), kept_as_notes(LOGGERS, []):
+            type(module)(recording)
+    except Exception:
+        return None
+    return read
+
+
+def builds_rotary(module: nn.Module) -> bool:
+    """Whether a transformers model built a rotary embedding: a module whose class names it, as every modeling file
+    that rotates calls it (LlamaRotaryEmbedding, GPTJRotaryEmbedding, ...)."""
+    return any("rotary" in type(m).__name__.lower() for m in module.modules())
 
 
 def find_rotary(module: nn.Module):

@@ -1,0 +1,57 @@
+"""The shape ledger on transformers' architectures whose tensors the config's sizes do not describe: multi-head
+latent attention (head_dim is the rotated part only), heads per layer, n-gram streams, value heads of their own size.
+A size fwdcheck read off a library's config and the tensor contradicts is a number in the ledger, never a failure;
+a layout whose batch or sequence axis is out of place still fails."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.conftest import run_checks  # noqa: E402
+from tests.test_hf_rope_declared import MLA, tiny  # noqa: E402
+
+
+def ledger(spec: dict):
+    return run_checks(spec, ["shape-ledger"]).result("shape-ledger")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("deepseek_v3", MLA),
+        ("deepseek_v32", {}),
+        ("minicpm3", {}),
+        ("glm4_moe_lite", {}),
+        ("glm_moe_dsa", {}),
+        ("kimi_linear", {}),
+        ("laguna", {}),
+        ("prophetnet", {}),
+        ("inkling_text", {}),
+    ],
+)
+def test_sizes_the_config_does_not_describe_are_numbers_not_failures(model_type, fields):
+    result = ledger(tiny(model_type, **fields))
+    assert result.status.value == "pass", result.findings
+    assert any("sizes other than the config's" in note for note in result.data["notes"])
+
+
+@pytest.mark.slow
+def test_a_missing_transpose_in_a_transformers_model_still_fails(monkeypatch):
+    """Llama's eager attention handed q, k, v as [B, T, h, d_h]: attention over the heads of one position."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.eager_attention_forward
+
+    def untransposed(module, query, key, value, attention_mask, **kwargs):
+        out, weights = original(
+            module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, **kwargs
+        )
+        return out.transpose(1, 2), weights
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", untransposed)
+    spec = tiny("llama", attn_implementation="eager")
+    result = ledger(spec)
+    assert "FWD402" in {f.code for f in result.findings if f.status.value == "fail"}, result.findings
