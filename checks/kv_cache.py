@@ -154,7 +154,9 @@ class PastKeyValues(Decoder):
     attention_mask. Other models get no cache on the first call and derive their positions from the cache
     themselves."""
 
-    def __init__(self, module: nn.Module, new_cache: Callable[[nn.Module], Any] | None):
+    def __init__(
+        self, module: nn.Module, new_cache: Callable[[nn.Module], Any] | None, positions_given: bool | None = None
+    ):
         super().__init__(module)
         self.new_cache = new_cache
         transformers = new_cache is not None  # driven as generate drives it: the caller makes the cache up front
@@ -167,7 +169,10 @@ class PastKeyValues(Decoder):
         if transformers and not {"cache", "past_key_values"} & set(params):
             raise SkipCheck(f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through")
         self.label = f"{self.cache_arg}=..., use_cache=True"
-        self.position_ids = transformers and "position_ids" in params
+        # A model counting its own positions (RoBERTa's from padding_idx + 1) learns them from its cache, as under
+        # generate: 0-based position_ids would move it.
+        given = "position_ids" in params if positions_given is None else positions_given
+        self.position_ids = transformers and given
         self.cache_position = transformers and "cache_position" in params
 
     def step(self, state, ids, start):
@@ -237,7 +242,8 @@ def decoder_for(model) -> Decoder:
     if cache is not None:
         if cache.style == "input_pos":
             return InputPos(model.module, cache.setup)
-        return PastKeyValues(model.module, new_cache=cache.new_cache)
+        given = model.positions.given if model.positions is not None else None
+        return PastKeyValues(model.module, new_cache=cache.new_cache, positions_given=given)
     raise SkipCheck(
         f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
         "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "

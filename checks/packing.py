@@ -43,6 +43,7 @@ class Way:
 
     name: str  # for the report
     kwargs: Kwargs
+    carries_state: str | None = None  # the model's layers whose state crosses document boundaries, if known
 
 
 def positions_within(document_ids: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ def isolation(model, session) -> Way:
             given["position_ids"] = positions_within(docs)
         return given
 
-    return Way(offered.description, kwargs)
+    return Way(offered.description, kwargs, offered.carries_state)
 
 
 @dataclass
@@ -245,7 +246,12 @@ position_ids alone leave a causal model reading the earlier documents, by design
                     Status.FAIL,
                     f"changing document 1 moves the logits of the documents "
                     f"after it by {measured['leak']:.3g} (threshold {threshold:.3g}): {way.name} "
-                    "does not isolate them",
+                    "does not isolate them"
+                    + (
+                        f"; the state of its {way.carries_state} runs along the whole row, across the boundary"
+                        if way.carries_state
+                        else ""
+                    ),
                     where=f"positions {a}..{T - 1}",
                 )
             )

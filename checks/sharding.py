@@ -132,7 +132,7 @@ output."""
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-        if not model.accepts("position_ids"):
+        if not model.accepts_position_ids:
             return "forward takes no position_ids: each rank's share of the sequence would start at position 0"
         module = context.unsharded()
         ids = session.inputs.clone()

@@ -109,3 +109,27 @@ class Packing:
     argument: str | None = None  # the keyword taking the ids or the mask; None for `positions`
     position_ids: bool = False  # also pass position_ids restarting at 0 in each document
     fixed: tuple[tuple[str, Any], ...] = ()  # keyword arguments every packed call takes as they are (use_cache=False)
+    # Layers whose state runs along the whole row (a recurrent, linear-attention or convolution mixer), which no mask
+    # or position resets: "linear_attention layers". The report names them when documents are not isolated.
+    carries_state: str | None = None
+
+
+# How the model learns where each token sits:
+#   given  forward takes position_ids counted from 0, and reads them: fwdcheck hands positions over where a check
+#          needs other ones than 0..T-1 (left padding, an offset, documents packed in a row, a cached decode)
+#   own    the model counts its positions itself (from the padding in input_ids, from its cache) in a convention of
+#          its own, or takes none: fwdcheck passes no position_ids and lets it (RoBERTa counts from padding_idx + 1)
+PositionsForm = Literal["given", "own"]
+
+
+@dataclass(frozen=True)
+class Positions:
+    """How forward is told the tokens' positions, and how fwdcheck learnt it (the report's reason when `own`)."""
+
+    form: PositionsForm
+    origin: str
+
+    @property
+    def given(self) -> bool:
+        """Whether fwdcheck may hand the model 0-based position_ids."""
+        return self.form == "given"

@@ -105,7 +105,7 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
         masks = ["absent"]
         if model.accepts("attention_mask"):
             masks.append("ones")
-            if model.accepts("position_ids"):  # left padding is only fair when positions can skip the pads
+            if model.accepts_position_ids:  # left padding is only fair when positions can skip the pads
                 masks.append("left-pad")
     # Larger batches first: a batch-size-1 cell draws the first row of the larger cell's tokens, whose logits are
     # then there to compare with (see the module docstring).
@@ -182,7 +182,7 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
         )
         return extract_logits(output)[:, padding:]  # (B, T, V): the real tokens
 
-    takes = {"position_ids"} if model.accepts("position_ids") else set()
+    takes = {"position_ids"} if model.accepts_position_ids else set()
     return dataclasses.replace(
         model, forward_adapter=forward, padding=padding, forward_kwargs=takes, label=f"{model.label} [{path.label}]"
     )

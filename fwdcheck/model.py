@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
+from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.config import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
 
@@ -59,6 +59,7 @@ class ModelUnderTest:
     cache: Cache | None = None  # decoding through a KV cache
     loss: Loss | None = None  # a training loss from labels
     packing: Packing | None = None  # documents packed into one row, isolated
+    positions: Positions | None = None  # how forward learns positions; None: position_ids when forward takes them
     rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
     weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
     library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
@@ -103,6 +104,10 @@ class ModelUnderTest:
 
     @property
     def accepts_position_ids(self) -> bool:
+        """Whether fwdcheck may hand forward 0-based position_ids: the positions capability when the source learnt
+        it, else whether forward takes the keyword."""
+        if self.positions is not None:
+            return self.positions.given
         return self.accepts("position_ids")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:

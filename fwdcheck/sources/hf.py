@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import textwrap
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
-from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing
+from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.config import (
     HF_WEIGHT_FILES,
     MAX_DEPTH,
@@ -36,7 +37,7 @@ from fwdcheck.config import (
 from fwdcheck.config_keys import CONFIG_KEYS
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes
-from fwdcheck.model import ModelUnderTest
+from fwdcheck.model import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
 # The largest model built with random weights. Random weights check the model's code, and the code is the same at
@@ -45,6 +46,10 @@ LOGGERS = ("transformers",)  # the library's root logger: what it logs while the
 MAX_RANDOM_PARAMETERS = 1_000_000_000
 # The sizes a config gives, by transformers' standard names (the first of each row; attribute_map has each
 # architecture's spelling).
+# 0-based position_ids that move the logits by more than this fraction of their scale are not the model's own count:
+# rounding between two orders of the same arithmetic stays near 1e-7 in float32, a shifted position moves them by
+# far more than 1e-3.
+POSITIONS_MOVE = 1e-4
 SIZE_KEYS = tuple(CONFIG_KEYS[symbol][0] for symbol in ("V", "d", "d_ff", "L", "h"))
 
 
@@ -112,25 +117,37 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
 def hf_model_under_test(
     module: nn.Module, spec: HFModel, notes: list[str], weights_at_init: bool = False
 ) -> ModelUnderTest:
-    cfg: Any = module.config  # a transformers PretrainedConfig
+    top: Any = module.config  # a transformers PretrainedConfig
+    # A multimodal model keeps its language model's settings in a config of their own (text_config); its sizes,
+    # positions and rope are that one's. get_text_config() is the config itself for a text-only model.
+    cfg: Any = text_config(top)
     # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
     # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
-    dims = {"V": cfg.vocab_size}
+    heads = config_size(cfg, "num_attention_heads", "n_head")
+    hidden = config_size(cfg, "hidden_size", "n_embd")
+    vocab_size = config_size(cfg, "vocab_size")
+    if vocab_size is None:
+        raise ModelLoadError(
+            f"{top.model_type}'s config gives no vocabulary size ({type(cfg).__name__}.vocab_size is "
+            f"{getattr(cfg, 'vocab_size', None)!r}); fwdcheck needs it to draw input ids"
+        )
+    dims = {"V": vocab_size}
     if hidden:
         dims["d"] = hidden
     if heads:
         dims["h"] = heads
         dims["h_kv"] = kv_heads(cfg, heads)
-        dims["d_h"] = getattr(cfg, "head_dim", None) or (hidden // heads if hidden else None)
-    d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+        head_dim = config_size(cfg, "head_dim") or (hidden // heads if hidden else None)
+        if head_dim:
+            dims["d_h"] = head_dim
+    d_ff = config_size(cfg, "intermediate_size", "n_inner", "ffn_dim")
     if d_ff:
         dims["d_ff"] = d_ff
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    layers = config_size(cfg, "num_hidden_layers", "n_layer")
     if layers:
         dims["L"] = layers
-    max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    # A sentinel (XLNet's -1: no limit) or an absent field is no limit on the length.
+    max_positions = config_size(cfg, "max_position_embeddings", "n_positions")
     where = str(spec.path) if spec.path else "inline config"
     config_file = str(spec.path / "config.json") if spec.path else "the inline config"
     origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
@@ -148,9 +165,9 @@ def hf_model_under_test(
         )
     model = ModelUnderTest(
         module=module,
-        label=f"{cfg.model_type} {type(module).__name__} ({where})",
+        label=f"{top.model_type} {type(module).__name__} ({where})",
         source="hf",
-        vocab_size=cfg.vocab_size,
+        vocab_size=vocab_size,
         max_positions=max_positions,
         causal=spec.causal,
         dims={k: v for k, v in dims.items() if v},
@@ -161,10 +178,32 @@ def hf_model_under_test(
         forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
         weights_at_init=weights_at_init,
         origins=origins,
-        extra={"notes": notes, "model_type": cfg.model_type},
+        extra={"notes": notes, "model_type": top.model_type},
     )
     add_transformers_capabilities(model)
     return model
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: get_text_config() where transformers offers it (a composite config's
+    text_config, else the config itself)."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # releases whose get_text_config takes no arguments
+        return get()
+
+
+def config_size(cfg: Any, *names: str) -> int | None:
+    """The first of these settings the config gives, as one positive whole number. None when none is given, or the
+    first given is not one: a sentinel (0, -1 for unlimited), a list per layer (Gemma 3n's intermediate_size), a
+    fraction or text. A size fwdcheck cannot read as one number is left unnamed, never guessed."""
+    value = next((v for v in (getattr(cfg, name, None) for name in names) if v is not None), None)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
 
 
 def kv_heads(cfg, heads: int) -> int:
@@ -172,7 +211,7 @@ def kv_heads(cfg, heads: int) -> int:
     GPT-BigCode: one shared head unless the new decoder architecture is on)."""
     if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
         return 1
-    return getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or heads
+    return config_size(cfg, "num_key_value_heads", "num_kv_heads") or heads
 
 
 def _hf_config(spec: HFModel, transformers) -> Any:
@@ -395,30 +434,49 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
     model.attention = AttentionSwitch.on(module)
     model.matrix_by_default = True  # attention implementation, output_attentions and attention_mask pick its path
     model.library_loggers = LOGGERS
-    model.cache = Cache(
-        "past_key_values", origin="transformers' generate (a DynamicCache made up front)", new_cache=dynamic_cache
-    )
+    if own_cache_class(module):  # generate makes no cache for these: the model makes its own on the first call
+        model.cache = Cache("past_key_values", origin="transformers' generate (the model's own cache class)")
+    else:
+        model.cache = Cache(
+            "past_key_values", origin="transformers' generate (a DynamicCache made up front)", new_cache=dynamic_cache
+        )
     model.tensor_parallel = tensor_parallel
+    model.positions = positions_of(module)
     if not is_causal_lm(module):
         reason = f"{type(module).__name__} is not one of transformers' causal language models"
         model.unavailable["loss"] = f"{reason}: its loss (if any) is not next-token cross-entropy"
         model.unavailable["packing"] = f"{reason}: documents packed for causal training do not apply"
         return
     model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    if not model.positions.given:
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} {model.positions.origin}: fwdcheck cannot start each packed document's "
+            "positions at 0"
+        )
+        return
+    carries_state = stateful_layers(module)
     if mask_builder_reads_positions(module):
         model.packing = Packing(
             "positions",
-            "position_ids restarting per document, no attention_mask, "
-            "use_cache=False (transformers finds the documents from the positions)",
+            "position_ids restarting per document, no attention_mask, use_cache=False (transformers' mask "
+            f"builder finds the documents from the positions{' for the attention layers' if carries_state else ''})",
             position_ids=True,
             fixed=(("use_cache", False),),
+            carries_state=carries_state,
         )
         return
-    window = windowed(module.config)
+    window = windowed(text_config(module.config))
     if window:
         model.unavailable["packing"] = (
             f"{type(module).__name__} does not find packed documents from position_ids, "
             f"and one 4-D attention_mask cannot carry its own attention pattern ({window})"
+        )
+        return
+    refused = refuses_4d_mask(module, with_positions=model.positions.given)
+    if refused:
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} takes only 2-D attention masks (a 4-D one {refused}); one 2-D mask cannot keep "
+            "packed documents apart"
         )
         return
     model.packing = Packing(
@@ -426,7 +484,112 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
         "a 4-D block-diagonal causal attention_mask (additive) with position_ids restarting per document",
         argument="attention_mask",
         position_ids=True,
+        carries_state=carries_state,
     )
+
+
+# Layer kinds of transformers' configs that attend (keys and values per token, which a mask or positions separate);
+# every other kind a config names (mamba, linear_attention, conv, ...) keeps a state along the row.
+ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention", "chunked_attention", "global", "local"}
+
+
+def stateful_layers(module: nn.Module) -> str | None:
+    """The model's layers whose state runs along the whole row, as its config names their kinds (layer_types,
+    layers_block_type), e.g. "mamba layers"; for a model with no attention module at all, its layers' class. None
+    for a model that only attends."""
+    config = text_config(module.config)
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds = getattr(config, key, None)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            stateful = sorted({k for k in kinds if k.lower() not in ATTENTION_KINDS})
+            return f"{' and '.join(stateful)} layers ({key})" if stateful else None
+    if any(type(m).__name__.endswith("Attention") for m in module.modules()):
+        return None
+    stack = layer_stack_of(module)
+    blocks = dict(module.named_modules()).get(stack) if stack else None
+    kind = type(blocks[0]).__name__ if isinstance(blocks, nn.ModuleList) and len(blocks) else "layers"
+    return f"{kind} layers (no attention: a recurrent or convolution mixer)"
+
+
+def own_cache_class(module: nn.Module) -> bool:
+    """Whether generate leaves the cache to the model (its own cache class: MiniMax, xLSTM, ...) rather than making
+    a DynamicCache up front, as transformers' _supports_default_dynamic_cache says."""
+    supports = getattr(module, "_supports_default_dynamic_cache", None)
+    try:
+        return callable(supports) and not supports()
+    except Exception:  # a release whose method asks for more: generate's default, a DynamicCache
+        return False
+
+
+def refuses_4d_mask(module: nn.Module, with_positions: bool) -> str | None:
+    """How the model refuses a 4-D additive attention mask of one short row (all keys of the past allowed), with
+    position_ids as packing passes them (OPT counts positions from a 2-D mask when given none), or None when it takes
+    one (or there are no values to run: the meta device)."""
+    vocab = config_size(text_config(module.config), "vocab_size")
+    parameter = next(module.parameters(), None)
+    if parameter is None or parameter.is_meta or vocab is None:
+        return None
+    length = 4
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(parameter.device)
+    lowest = torch.finfo(parameter.dtype if parameter.is_floating_point() else torch.float32).min
+    causal = torch.ones(length, length, dtype=torch.bool, device=parameter.device).tril()
+    mask = torch.zeros(1, 1, length, length, device=parameter.device).masked_fill(~causal, lowest)  # (1, 1, T, T)
+    if parameter.is_floating_point():
+        mask = mask.to(parameter.dtype)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            positions = {"position_ids": torch.arange(length, device=ids.device)[None]} if with_positions else {}
+            module(ids, attention_mask=mask, **positions)
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {first_line(exc)[:120]}"
+    finally:
+        module.train(was_training)
+    return None
+
+
+def positions_of(module: nn.Module) -> Positions:
+    """How a transformers model learns its positions, from what it reads: position_ids named in forward's signature
+    (a name swallowed by **kwargs is not read: the BART-family decoders), then, where the weights have values, the
+    observed effect of 0-based position_ids on the logits of one short row. Positions that move the logits of the
+    model's own count are in another convention (RoBERTa counts from padding_idx + 1): the model keeps its own."""
+    name = type(module).__name__
+    parameters: Mapping[str, inspect.Parameter]
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    taken = parameters.get("position_ids")
+    if taken is None or taken.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+        return Positions("own", "takes no position_ids (forward does not name them, so they cannot be given)")
+    signature = f"{name}.forward names position_ids"
+    vocab = config_size(text_config(module.config), "vocab_size")
+    parameter = next(module.parameters(), None)
+    if parameter is None or parameter.is_meta or vocab is None:
+        return Positions("given", f"{signature} (not run: no values to observe)")
+    length = 6
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(parameter.device)
+    zero_based = torch.arange(length, device=parameter.device)[None]  # (1, T)
+    fixed = {"use_cache": False} if "use_cache" in parameters else {}  # no cache made, none kept
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            own = extract_logits(module(ids, **fixed)).float()
+            given = extract_logits(module(ids, position_ids=zero_based, **fixed)).float()
+    except Exception:  # the checks run the model and report what it raises; here there is nothing to observe
+        return Positions("given", f"{signature} (its forward raised when observed)")
+    finally:
+        module.train(was_training)
+    scale = own.abs().max().clamp_min(1e-6)
+    if torch.isfinite(own).all() and ((own - given).abs().max() / scale) > POSITIONS_MOVE:
+        return Positions(
+            "own",
+            "counts its own positions in another convention (position_ids = 0..T-1 move the logits of its own "
+            f"count by {float((own - given).abs().max() / scale):.1e} of their scale)",
+        )
+    return Positions("given", f"{signature}, and 0-based positions reproduce its own count")
 
 
 def is_causal_lm(module: nn.Module) -> bool:

@@ -1,0 +1,477 @@
+"""Every causal-LM architecture the installed transformers ships, built tiny from its own config class's defaults.
+
+The list is not written by hand: it is transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, and each architecture's config
+is its config class's defaults, shrunk by `fwdcheck shrink`'s rules (fwdcheck/sources/shrink.py), every nested model
+config (a multimodal model's text_config, vision_config, ...) shrunk alike. An architecture that cannot be built that
+way offline is left out with the reason (`left_out`), never dropped silently.
+
+    python -m tests.arch_sweep            # print the README's per-family table
+    python -m tests.arch_sweep --write    # rewrite it between its markers
+    python -m tests.arch_sweep --run      # run the sweep and print each architecture's statuses
+
+tests/test_arch_sweep.py runs the default checks on each (the slow tier) and holds the expectations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fwdcheck.sources.shrink import DROPPED_KEYS, shrink_hf_dict
+
+# A tiny model is at most this many parameters: past it a shrunk default config kept something wide (a vision tower,
+# a byte-level patcher) that the rules do not know how to cut, and the forward passes would cost minutes on a CPU.
+MAX_PARAMETERS = 120_000_000
+SEQ_LEN = 8
+
+
+@functools.cache
+def architectures() -> tuple[str, ...]:
+    """Every model_type transformers' AutoModelForCausalLM can build, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+# Mixtures of experts keep routing (more experts than each token takes) at four experts, two per token.
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk")
+
+
+def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dictionary and every model config nested in it, shrunk by fwdcheck shrink's rules, read through the
+    config class's own spellings (attribute_map), with fewer experts and per-layer settings of the layers kept."""
+    from transformers import CONFIG_MAPPING
+
+    data = {k: v for k, v in data.items() if k not in DROPPED_KEYS}
+    for key, value in data.items():
+        if isinstance(value, dict) and value.get("model_type") in CONFIG_MAPPING:
+            data[key] = _shrunk(value)
+    for key in EXPERT_KEYS:
+        if isinstance(data.get(key), int) and data[key] > 4:
+            data[key] = 4
+    for key in EXPERTS_PER_TOKEN_KEYS:
+        if isinstance(data.get(key), int) and data[key] > 2:
+            data[key] = 2
+    attribute_map = getattr(CONFIG_MAPPING.get(data.get("model_type")), "attribute_map", {}) or {}
+    original = dict(data)
+    # shrink reads the standard names; an architecture spelling them its own way (BART's encoder_attention_heads and
+    # d_model) gets them for the rules, and each of its own spellings that held the same value takes the new one.
+    aliases = {
+        standard: own
+        for standard, own in attribute_map.items()
+        if standard in STANDARD_SIZES and own in data and standard not in data
+    }
+    for standard, own in aliases.items():
+        data[standard] = data[own]
+    shrink_hf_dict(data, SEQ_LEN)
+    for standard, own in aliases.items():
+        value = data.pop(standard)
+        role = STANDARD_SIZES[standard]
+        for key in list(data):
+            if key == own or (role in key and original.get(key) == original[own] and isinstance(data[key], int)):
+                data[key] = value
+    for key in [k for k in data if k.endswith("vocab_size") and k != "vocab_size"]:  # decoder_vocab_size (Marian)
+        if isinstance(data[key], int) and isinstance(data.get("vocab_size"), int):
+            data[key] = min(data[key], data["vocab_size"])
+    # Latent attention (MLA): its head parts and low ranks small, the rotary part as wide as the head it shrank with.
+    for key in [k for k in data if k.endswith("_head_dim") and isinstance(data[k], int)]:
+        data[key] = min(data[key], data["head_dim"] if original.get(key) == original.get("head_dim") else 16)
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        if isinstance(data.get(key), int):
+            data[key] = min(data[key], 32)
+    # Hybrids placing attention every N layers (Jamba): one of the two layers kept is attention.
+    for period, offset in (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset")):
+        if isinstance(data.get(period), int) and isinstance(data.get(offset), int):
+            data[period], data[offset] = 2, 1
+    _per_layer_kept(data)
+    return data
+
+
+# The standard names shrink reads, and the part of an architecture's own spellings that says the same role.
+STANDARD_SIZES = {"num_attention_heads": "attention_heads", "hidden_size": "hidden_size"}
+
+
+def _per_layer_kept(data: dict[str, Any]) -> None:
+    """Settings keyed by layer index (Gemma 4's per_layer_config) keep the layers the shrunk model has."""
+    layers = data.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return
+    for key, value in list(data.items()):
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            data[key] = {k: v for k, v in value.items() if int(k) < layers}
+
+
+@dataclass(frozen=True)
+class Built:
+    """One architecture's tiny inline config, or why it has none."""
+
+    model_type: str
+    config: dict[str, Any] | None
+    parameters: int = 0
+    left_out: str | None = None
+
+
+@functools.cache
+def tiny(model_type: str) -> Built:
+    """The architecture's config class's defaults, shrunk, checked to build on the meta device within
+    MAX_PARAMETERS."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+    from fwdcheck.sources.hf import offline
+
+    with offline(), warnings.catch_warnings(), _quiet():
+        warnings.simplefilter("ignore")
+        try:
+            data = _shrunk(CONFIG_MAPPING[model_type]().to_dict())
+            # The flag that makes an architecture's causal-LM head causal, as a user building one sets it: the
+            # encoder families' is_decoder, XLM's causal.
+            for flag in ("is_decoder", "causal"):
+                if data.get(flag) is False:
+                    data[flag] = True
+            if data.get("default_language") is None and data.get("languages"):  # X-MOD runs one language adapter
+                data["default_language"] = data["languages"][0]
+            rest = {k: v for k, v in data.items() if k != "model_type"}
+            hf_config = AutoConfig.for_model(model_type, **rest)
+            with torch.device("meta"):
+                module = AutoModelForCausalLM.from_config(hf_config)
+        except Exception as exc:
+            return Built(model_type, None, left_out=f"its shrunk default config does not build ({_said(exc)})")
+        parameters = sum(p.numel() for p in module.parameters())
+        if parameters > MAX_PARAMETERS:
+            return Built(
+                model_type,
+                None,
+                parameters,
+                f"{parameters / 1e6:.0f}M parameters after shrinking (over {MAX_PARAMETERS / 1e6:.0f}M): "
+                "a part the shrink rules do not cut",
+            )
+        # The model's own forward on a short row, outside fwdcheck: a shrunk config transformers accepts can still
+        # break a constraint its config class does not check (a head size the rotary part no longer fits).
+        try:
+            torch.manual_seed(0)
+            module = AutoModelForCausalLM.from_config(hf_config).eval()
+            with torch.no_grad():
+                module(torch.randint(0, 8, (2, SEQ_LEN)))
+        except Exception as exc:
+            return Built(
+                model_type,
+                None,
+                parameters,
+                f"its shrunk default config builds a model whose own forward raises ({_said(exc)})",
+            )
+    return Built(model_type, {"model_type": model_type, **rest}, parameters)
+
+
+def _said(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings about the defaults it fills in, off while building."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the sweep, and what it is expected to find
+
+CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
+# The code-path matrix narrowed to what the sweep is about (the matrix has tests of its own): both attention
+# implementations and every attention mask (absent, ones, left padding), one batch size, no attention weights.
+CODE_PATHS = {"output_attentions": [False], "batch_size": [2]}
+
+
+@functools.cache
+def sweep_report(model_type: str):
+    """fwdcheck's default checks on the tiny model, as `fwdcheck run` runs an inline hf config."""
+    from tests.conftest import run_checks
+
+    built = tiny(model_type)
+    assert built.config is not None, built.left_out
+    return run_checks(
+        {"source": "hf", "config": built.config},
+        inputs={"batch_size": 2, "seq_len": SEQ_LEN},
+        code_paths=CODE_PATHS,
+    )
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A failure the sweep expects: the codes it may carry and why."""
+
+    codes: frozenset[str]
+    what: str
+    evidence: Any = None  # for a true finding: () -> bool, the behaviour shown in plain torch
+
+
+def _known(codes: str, what: str) -> Expected:
+    return Expected(frozenset(codes.split()), what)
+
+
+# Failures of correct models that are fwdcheck's own misreading, known and fixed apart from this sweep: a declared
+# rope read with the wrong pairing or over the wrong slice, unusual attention read as broken rope, ledger layouts of
+# latent attention and per-layer head counts. Each may fail with exactly these codes until then, or pass.
+INTERLEAVED_DECLARED_HALF = "rotates interleaved pairs; fwdcheck declares 'half' for it"
+LATENT_LEDGER = "latent attention (MLA): d_h read from head_dim, the rope part only"
+KNOWN: dict[tuple[str, str], Expected] = {
+    **{
+        (name, "rope"): _known("FWD305", INTERLEAVED_DECLARED_HALF)
+        for name in (
+            "cohere",
+            "cohere2",
+            "cohere2_moe",
+            "ernie4_5",
+            "ernie4_5_moe",
+            "glm",
+            "glm4",
+            "helium",
+            "llama4",
+            "llama4_text",
+            "minimax_m3_vl_text",
+        )
+    },
+    **{
+        (name, "shape-ledger"): _known("FWD401", LATENT_LEDGER)
+        for name in ("axk2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "mimo_v2_flash")
+    },
+    **{
+        (name, "shape-ledger"): _known("FWD401", "sparse-attention indexer: value heads of another size")
+        for name in ("deepseek_v32", "glm_moe_dsa")
+    },
+    **{
+        (name, "shape-ledger"): _known("FWD401", "parallel residual streams [B,T,4,d], attention not observed")
+        for name in ("deepseek_v4", "hy_v4")
+    },
+    **{
+        (name, "shape-ledger"): _known("FWD401 FWD402", "attention over a non-sequence axis")
+        for name in ("inkling2_text", "inkling2_loop_text")
+    },
+    ("prophetnet", "shape-ledger"): _known("FWD401", "n-gram streams [B,2,h,T,d_h]"),
+    ("laguna", "shape-ledger"): _known("FWD401", "per-layer head counts"),
+    ("inkling_text", "shape-ledger"): _known("FWD401", "heads of another size than hidden / heads"),
+    ("inkling_text", "rope"): _known("FWD301", "no rotary at all, read as broken rope"),
+    ("zaya", "rope"): _known("FWD301", "a rotary half exactly zero at initialisation, read as q-only rope"),
+    ("deepseek_v4", "rope"): _known("FWD304", "absolute positions by design, read as broken rope"),
+    ("deepseek_v4", "future-token"): _known(
+        "FWD107", "left padding moves its real tokens, though no attention weight reaches the pad: not yet explained"
+    ),
+}
+
+
+def _plain(model_type: str):
+    """The tiny model built by transformers alone, seeded, in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    built = tiny(model_type)
+    assert built.config is not None, built.left_out
+    rest = {k: v for k, v in built.config.items() if k != "model_type"}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **rest)).eval()
+
+
+def future_leak(model_type: str) -> bool:
+    """Whether changing any token of a row moves the logit of an earlier position of the tiny model, measured
+    directly: one forward per changed position and a comparison, no fwdcheck check involved."""
+    import torch
+
+    model = _plain(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        for position in range(1, SEQ_LEN):
+            changed = ids.clone()
+            changed[:, position] = (changed[:, position] + 1) % vocab
+            moved = (model(changed).logits[:, :position] - before[:, :position]).abs().max()
+            if moved > 1e-4 * before.abs().max():
+                return True
+    return False
+
+
+def reads_padding(model_type: str) -> bool:
+    """Whether, with one left pad masked out by attention_mask (and the real tokens' position_ids from 0 where forward
+    takes them), a real token's attention weights give the pad key any weight: transformers' own
+    output_attentions, no fwdcheck check involved."""
+    import inspect
+
+    import torch
+
+    model = _plain(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(1, vocab, (1, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    pad = model.config.get_text_config().pad_token_id or 0
+    padded = torch.cat([torch.full((1, 1), pad), ids], dim=1)  # (1, 1 + T)
+    mask = torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    kwargs = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.arange(SEQ_LEN)[None]], 1)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(padded, attention_mask=mask, output_attentions=True, **kwargs).attentions
+    return any(float(a[..., 1:, 0].max()) > 1e-6 for a in attentions)  # real queries, the pad key
+
+
+# True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
+CPMANT_PREFIX = (
+    "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
+    "a prefix language model, by design"
+)
+PROPHETNET_LEAK = (
+    "ProphetNet's causal LM: changing token 1, 2 or 3 moves the logits of the positions before it (plain torch: "
+    "up to 0.026), and a prefix run alone gives other logits"
+)
+XLM_PADDING = (
+    "XLM with causal=True builds its attention mask from the causal pattern alone: real tokens give attention "
+    "weight to left-padding keys that attention_mask masks out"
+)
+FINDINGS: dict[tuple[str, str], Expected] = {
+    ("cpmant", "future-token"): Expected(frozenset({"FWD101", "FWD105"}), CPMANT_PREFIX, lambda: future_leak("cpmant")),
+    ("cpmant", "mask-audit"): Expected(
+        frozenset({"FWD204", "FWD205", "FWD208"}), CPMANT_PREFIX, lambda: future_leak("cpmant")
+    ),
+    ("prophetnet", "future-token"): Expected(
+        frozenset({"FWD101", "FWD105"}), PROPHETNET_LEAK, lambda: future_leak("prophetnet")
+    ),
+    ("xlm", "future-token"): Expected(frozenset({"FWD107"}), XLM_PADDING, lambda: reads_padding("xlm")),
+    ("xlm", "mask-audit"): Expected(frozenset({"FWD208"}), XLM_PADDING, lambda: reads_padding("xlm")),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The README's section, generated from the runs
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- sweep:start -->", "<!-- sweep:end -->"
+KNOWN_MARK, FINDING_MARK = "†", "‡"
+
+
+def family(model_type: str) -> str:
+    """An architecture's family: its model_type's leading letters (qwen2_moe and qwen3_next are qwen, xlm-roberta is
+    xlm)."""
+    match = re.match(r"[a-z]+", model_type)
+    return match.group(0) if match else model_type
+
+
+def entry(model_type: str, report) -> str:
+    """How the README lists one architecture: its name, and each check that did not pass with its status (a mark
+    for a known failure or a true finding)."""
+    shown = []
+    for check in CHECKS:
+        status = report.result(check).status.value
+        if status == "pass":
+            continue
+        mark = FINDING_MARK if (model_type, check) in FINDINGS else KNOWN_MARK if (model_type, check) in KNOWN else ""
+        shown.append(f"{check} {status}{mark if status in ('fail', 'warn') else ''}")
+    return f"{model_type} ({', '.join(shown)})" if shown else model_type
+
+
+def skip_reason(report, check: str) -> str:
+    """A skip's reason as the README groups it: the summary, the model's class named generically."""
+    cls = (report.model.get("label") or "").split(" ")[1:2]
+    summary = report.result(check).summary.strip()
+    return summary.replace(cls[0], "the model") if cls else summary
+
+
+def section() -> str:
+    import transformers
+
+    names = architectures()
+    built = {name: tiny(name) for name in names}
+    run = {name: sweep_report(name) for name, b in built.items() if b.config is not None}
+    families: dict[str, list[str]] = {}
+    for name in names:
+        if name in run:
+            families.setdefault(family(name), []).append(entry(name, run[name]))
+    skips: dict[tuple[str, str], list[str]] = {}
+    for name, report in run.items():
+        for check in CHECKS:
+            if report.result(check).status.value == "skip":
+                skips.setdefault((check, skip_reason(report, check)), []).append(name)
+    lines = [
+        f"transformers {transformers.__version__}: {len(names)} causal-LM architectures enumerated "
+        f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), {len(run)} built tiny from their config class's defaults and run, "
+        f"{len(names) - len(run)} left out (last table). An architecture listed alone passed every default check; "
+        f"{KNOWN_MARK} marks a known misreading of fwdcheck's being fixed, {FINDING_MARK} a true finding.",
+        "",
+        "| family | architectures |",
+        "| --- | --- |",
+        *(f"| {fam} | {', '.join(entries)} |" for fam, entries in sorted(families.items())),
+        "",
+        "| check | why it skips | architectures |",
+        "| --- | --- | --- |",
+        *(
+            f"| {check} | {reason} | {', '.join(sorted(archs))} |"
+            for (check, reason), archs in sorted(skips.items(), key=lambda item: (item[0][0], -len(item[1])))
+        ),
+        "",
+        "True findings about transformers, each shown by a plain-torch test beside it (`tests/test_arch_sweep.py`):",
+        "",
+        "| architecture | check | codes | what the model does |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {name} | {check} | {' '.join(sorted(e.codes))} | {e.what} |"
+            for (name, check), e in sorted(FINDINGS.items())
+        ),
+        "",
+        f"Known misreadings ({KNOWN_MARK}), allowed to fail with these codes until fixed:",
+        "",
+        "| architectures | check | codes | what fwdcheck misreads |",
+        "| --- | --- | --- | --- |",
+    ]
+    grouped: dict[tuple[str, str, str], list[str]] = {}
+    for (name, check), e in KNOWN.items():
+        grouped.setdefault((check, " ".join(sorted(e.codes)), e.what), []).append(name)
+    lines += [f"| {', '.join(sorted(n))} | {c} | {codes} | {what} |" for (c, codes, what), n in sorted(grouped.items())]
+    lines += ["", "| left out | why |", "| --- | --- |"]
+    lines += [f"| {name} | {b.left_out} |" for name, b in built.items() if b.config is None]
+    return "\n".join(lines)
+
+
+def readme_section() -> str:
+    text = README.read_text(encoding="utf-8")
+    match = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), text, re.S)
+    return match.group(1).rstrip("\n") if match else ""
+
+
+def write() -> None:
+    text = README.read_text(encoding="utf-8")
+    block = f"{START}\n{section()}\n{END}"
+    if START in text:
+        text = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    else:  # the first write: after the third-party corpus
+        text = text.replace(CORPUS_END, f"{CORPUS_END}\n\n{LEAD}\n\n{block}", 1)
+    README.write_text(text, encoding="utf-8")
+
+
+CORPUS_END = "<!-- corpus:end -->"
+LEAD = (
+    "Every causal-LM architecture transformers ships (`tests/test_arch_sweep.py`, `python -m tests.arch_sweep "
+    "--write` regenerates this from the same runs), tiny and with random weights, through the default checks:"
+)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the README's section")
+    if parser.parse_args().write:
+        write()
+    else:
+        print(section())
