@@ -174,8 +174,19 @@ class PastKeyValues(Decoder):
         given = "position_ids" in params if positions_given is None else positions_given
         self.position_ids = transformers and given
         self.cache_position = transformers and "cache_position" in params
+        # transformers 5 prepares every step's inputs in the model's own prepare_inputs_for_generation: which
+        # tokens forward takes (CPM-Ant slices the cached prefix off itself), positions, masks, the cache's name.
+        self.prepare = getattr(module, "prepare_inputs_for_generation", None) if _generate_slices(module) else None
+        self.tokens: torch.Tensor | None = None  # (B, length): the tokens stepped so far, the same on every branch
+        if self.prepare is not None:
+            self.label = "cache=..., use_cache=True; inputs from prepare_inputs_for_generation, as generate"
+
+    def begin(self, rows, length):
+        self.tokens = None
 
     def step(self, state, ids, start):
+        if self.prepare is not None:
+            return self._generate_step(state, ids, start)
         B, n = ids.shape
         kwargs: dict[str, Any] = {"use_cache": True}
         if state is None and self.new_cache is not None:
@@ -197,6 +208,63 @@ class PastKeyValues(Decoder):
                 "tuple); the config's `cache: {style: hf}` says it would"
             )
         return logits_of(output, ids, what), cache if cache is not None else state
+
+    def _generate_step(self, state, ids, start):
+        """One step as generate takes it: the tokens so far and the cache through the model's own
+        prepare_inputs_for_generation, then forward; the new tokens' logits from what it returns."""
+        B, n = ids.shape
+        if self.tokens is None or self.tokens.shape[0] != B:
+            self.tokens = ids.new_zeros(B, start + n)
+        if self.tokens.shape[1] < start + n:
+            self.tokens = torch.cat([self.tokens, ids.new_zeros(B, start + n - self.tokens.shape[1])], dim=1)
+        self.tokens[:, start : start + n] = ids
+        so_far = self.tokens[:, : start + n].clone()  # (B, start + n)
+        if state is None and self.new_cache is not None:
+            state = self.new_cache(self.module)  # None where the model makes its own cache, as generate leaves it
+        what = f"forward({self.label}) at positions {start}-{start + n - 1}"
+        inputs = call_model(
+            f"prepare_inputs_for_generation at positions {start}-{start + n - 1}",
+            self.prepare,
+            so_far,
+            next_sequence_length=n,
+            cache=state,
+            attention_mask=torch.ones_like(so_far),
+            use_cache=True,
+            is_first_iteration=start == 0,
+        )
+        given = inputs.get("input_ids")
+        if given is None or not _suffix_of(given, so_far):
+            raise SkipCheck(
+                f"{type(self.module).__name__}.prepare_inputs_for_generation hands forward tokens that are not the "
+                "sequence's (a mask token appended, as XLM generates): its next token is not read from the last "
+                "token's logits, so there is no cached decoding to compare with the full forward"
+            )
+        output = call_model(what, self.module, **inputs)
+        cache = returned_cache(output)
+        if cache is None and state is None:
+            raise ModelRaised(f"{what} returned no cache and none was made for it: nothing to decode through")
+        logits = extract_logits(output)
+        if logits.dim() == 3 and logits.shape[0] == B and logits.shape[1] >= n:
+            logits = logits[:, -n:]  # the new tokens' (forward may return the prefix's too)
+        return logits_of(logits, ids, what), cache if cache is not None else state
+
+
+def _generate_slices(module: nn.Module) -> bool:
+    """Whether the model's generate is transformers 5's, whose prepare_inputs_for_generation is handed the whole
+    sequence and the new tokens' count (an override may take them in **kwargs)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ == "GenerationMixin" and cls.__module__.startswith("transformers."):
+            try:
+                prepare = cls.__dict__.get("prepare_inputs_for_generation")
+                return prepare is not None and "next_sequence_length" in inspect.signature(prepare).parameters
+            except (AttributeError, TypeError, ValueError):
+                return False
+    return False
+
+
+def _suffix_of(given: torch.Tensor, so_far: torch.Tensor) -> bool:
+    """Whether the ids forward gets are the last tokens of the sequence so far."""
+    return given.dim() == 2 and given.shape[1] <= so_far.shape[1] and torch.equal(given, so_far[:, -given.shape[1] :])
 
 
 def returned_cache(output: Any) -> Any:

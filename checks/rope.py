@@ -571,7 +571,7 @@ or correct the declaration."""
             first = next((r for r in results if r.q.rotates or r.k.rotates), results[0])
             where0, probe.q, probe.k = first.where, first.q, first.k
             if not probe.rotates:
-                probe.found = position_found(seen, hold, points, tables, token, tol)
+                probe.found = position_found(seen, hold, points, tables, tol)
             data["probe"] = {
                 "calls": len(judged),
                 "q": asdict(probe.q),
@@ -637,12 +637,12 @@ or correct the declaration."""
         rows, moved = dict(hold.rows), dict(hold.moved)
         raw = attention_qk(seen)
         written: list[list[int] | None] = [None] * len(raw)
-        if any(k.shape[-2] != q.shape[-2] for _, q, k, _ in raw):
+        if any(k.shape[-2] != q.shape[-2] for _, q, k, *_ in raw):
             other = (token + 1) % model.vocab_size
             hold.start()  # its own rows: replayed ones would make both tokens write the same keys
             again = attention_qk(session.observe(other.expand(1, P).contiguous(), positions, keep_tensors=True))
             if [w for w, *_ in again] == [w for w, *_ in raw]:
-                written = [written_slots(k, k2) for (_, _, k, _), (_, _, k2, _) in zip(raw, again, strict=True)]
+                written = [written_slots(a[2], b[2]) for a, b in zip(raw, again, strict=True)]
         inputs = {m.name: m.input_value for m in seen.modules if m.input_value is not None}
         calls = []
         for where, q, k, query_positions, slots in merge_steps(raw, written, P):
@@ -988,10 +988,10 @@ def hold_points(model, session) -> dict[str, str]:
     return points
 
 
-def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions when known) of every self-attention call
-    whose q and k were kept, in the order they ran. Cross-attention reads keys of another sequence: nothing for RoPE's
-    relative identity to hold between."""
+def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions and its key slots' positions when known)
+    of every self-attention call whose q and k were kept, in the order they ran. Cross-attention reads keys of
+    another sequence: nothing for RoPE's relative identity to hold between."""
     calls = observation.attention
     found = []
     for call in calls:
@@ -1000,7 +1000,7 @@ def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, tor
         q, k = call.query, call.key
         if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
             q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
-        found.append((call.seq, call.module, q, k, getattr(call, "query_positions", None)))
+        found.append((call.seq, call.module, q, k, call.query_positions, call.key_positions))
     for mm in observation.matmuls:
         if mm.kind != "scores" or mm.a is None or mm.b is None or mm.a.dim() < 2:
             continue
@@ -1008,7 +1008,16 @@ def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, tor
         if getattr(call, "cross", False):
             continue
         # Kept in matmul layout whatever the product (an einsum's operands are permuted so): b is k^T (.., d_h, S).
-        found.append((mm.seq, mm.module, mm.a, mm.b.transpose(-1, -2), getattr(call, "query_positions", None)))
+        found.append(
+            (
+                mm.seq,
+                mm.module,
+                mm.a,
+                mm.b.transpose(-1, -2),
+                getattr(call, "query_positions", None),
+                getattr(call, "key_positions", None),
+            )
+        )
     return [f[1:] for f in sorted(found, key=lambda f: f[0])]
 
 
@@ -1017,9 +1026,11 @@ def merge_steps(raw, written, P: int) -> list[tuple]:
 
     A forward that runs attention in steps (a prefill, then one token at a time through a KV cache) calls each
     attention module several times with fewer queries than the probe has positions. Such a module's steps, in order,
-    become one call whose keys are its last step's: by then its cache holds every position."""
+    become one call whose keys are its last step's: by then its cache holds every position. A cache of fewer slots
+    than the probe has positions (a ring buffer past its wrap) holds each position only for a while: its key is read
+    from a step that held it, by the positions the slots held."""
     steps: dict[str, list[int]] = {}
-    for i, (where, q, _, _) in enumerate(raw):
+    for i, (where, q, *_) in enumerate(raw):
         if q.shape[-2] < P:
             steps.setdefault(where, []).append(i)
     groups = {
@@ -1029,15 +1040,35 @@ def merge_steps(raw, written, P: int) -> list[tuple]:
     }
     folded = {i for idx in groups.values() for i in idx[:-1]}
     merged = []
-    for i, (where, q, k, positions) in enumerate(raw):
+    for i, (where, q, k, positions, _) in enumerate(raw):
         if i in folded:
             continue
         if i in groups:
             q = torch.cat([raw[j][1] for j in groups[i]], dim=-2)  # (.., P, d_h): the steps' queries in order
             known = [raw[j][3] for j in groups[i]]
             positions = torch.cat([p.flatten() for p in known]) if all(p is not None for p in known) else None
+            assembled = keys_while_held([raw[j] for j in groups[i]], positions) if k.shape[-2] < P else None
+            k = k if assembled is None else assembled
         merged.append((where, q, k, positions, written[i]))
     return merged
+
+
+def keys_while_held(steps: list[tuple], positions: torch.Tensor | None) -> torch.Tensor | None:
+    """k (.., P, d_h) of every probe position from the steps of one attention module over a cache of fewer slots:
+    each position's key from a step whose slots held it (the step that wrote it, before a later one took its slot).
+    None when a position was held by no step's slots as far as they are known."""
+    if positions is None:
+        return None
+    held = {}
+    for _, _, k, _, slot_positions in steps:
+        slots = torch.arange(k.shape[-2]) if slot_positions is None else slot_positions.flatten().cpu()
+        for slot, position in enumerate(slots.tolist()):
+            if position >= 0:
+                held[position] = k[..., slot, :]  # (.., d_h): a later step holding it again holds the same key
+    wanted = [int(p) for p in positions.tolist()]
+    if not all(p in held for p in wanted):
+        return None
+    return torch.stack([held[p] for p in wanted], dim=-2)  # (.., P, d_h)
 
 
 def written_slots(k: torch.Tensor, k_other: torch.Tensor) -> list[int] | None:
@@ -1066,13 +1097,14 @@ def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: lis
     return None
 
 
-def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], token, tol: float) -> str:
+def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], tol: float) -> str:
     """How position reaches a model whose q and k do not turn: said in the skip or FWD307."""
-    ids = int(token.flatten()[0])
+    # Every token is the same, so a table whose indices vary reads something else: the positions. One whose indices
+    # are all one value (the token embedding; token types, all 0) does not.
     learned = [
         m.name
         for m in seen.modules
-        if m.name in tables and m.input_value is not None and bool((m.input_value != ids).any())
+        if m.name in tables and m.input_value is not None and bool((m.input_value != m.input_value.flatten()[0]).any())
     ]
     if learned:
         return (

@@ -51,6 +51,7 @@ class Entry:
     group: str = ""  # the attention call it belongs to: its q, k, v and weights share head count and head size
     source: str | None = None  # "path:line" of the model code that made that attention call
     cross: bool = False  # its attention call reads another sequence's keys: its queries or keys may be of any length
+    learned_query: bool = False  # its call's queries are not computed from the input (a learned query, expanded)
 
 
 # Expected symbolic layouts per role; alternatives are equally correct. B and T follow the inputs; S is the keys'
@@ -70,7 +71,8 @@ _KEYS = [
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
     "embedding": [["B", "T", "d"], ["T", "B", "d"], ["B", "T", "*"], ["T", "B", "*"]],
-    "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"]],
+    # [B,T,*,d]: parallel residual streams (hyper-connections: DeepSeek V4, Hunyuan V4), each of the model's width
+    "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"], ["B", "T", "*", "d"]],
     "q": _QUERIES,
     "k": _KEYS,
     "v": _KEYS,
@@ -178,12 +180,13 @@ If a size is named wrongly because the model's config says something else, decla
         """Each entry named and judged against the layouts its role allows: its ledger row, and the findings, one
         per bug however many layers repeat it."""
         named = namer.name_all(entries)
+        elsewhere = _learned_queries_elsewhere(entries, namer)
         findings: list[Finding] = []
         rows: list[dict] = []
         for e in entries:
             dims, layout = named[e.name]
             expected = TEMPLATES.get(e.role)
-            ok = layout is not None or expected is None
+            ok = layout is not None or expected is None or e.group in elsewhere
             if layout is LOOSE:
                 layout = None  # shown against the first layout of its role, by its sizes
             # The layout it fits is what it was expected to be (a repeated v [B,h,S,d_h], not the first of the
@@ -358,7 +361,13 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
         at: dict[str, Any] = dict(
-            module=attn.module, seq=attn.seq, dtype=attn.dtype, group=where, source=attn.source, cross=attn.cross
+            module=attn.module,
+            seq=attn.seq,
+            dtype=attn.dtype,
+            group=where,
+            source=attn.source,
+            cross=attn.cross,
+            learned_query=attn.reads_input is False,
         )
         if attn.api == "sdpa":
             assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
@@ -402,6 +411,7 @@ def _matmul_entries(obs: Observation, calls_at: list[str]) -> list[Entry]:
             group=where,
             source=call.source if call is not None else None,
             cross=call.cross if call is not None else False,
+            learned_query=call is not None and call.reads_input is False,
         )
         if mm.kind == "scores":
             entries += [
@@ -511,6 +521,7 @@ class Namer:
         self.groups: dict[str, dict[str, int]] = {}  # read off each attention call's tensors (h, h_kv, d_h, S)
         self.padded: tuple[int, int | None] | None = None  # (logits width, vocabulary) when the vocabulary is padded
         self.unnamed: list[str] = []  # tensors that fit their role only with sizes other than the config's
+        self.elsewhere: list[str] = []  # attention calls over an axis that is not the sequence and has no name
         self.cross = False  # the tensor being named belongs to cross-attention
 
     # -- reading what each axis did -------------------------------------------------------------------------------
@@ -723,6 +734,12 @@ class Namer:
                 f"{self.unnamed[0]}; a config field that means something else here, heads that differ per layer); "
                 "shown by their sizes, no finding"
             )
+        if self.elsewhere:
+            notes.append(
+                f"{len(self.elsewhere)} attention call(s) of learned queries, not computed from the tokens, attend "
+                f"over an axis that is not the sequence (first: {self.elsewhere[0]}; reading across layers or "
+                "blocks): no missing transpose, so shown by their sizes, no finding"
+            )
         unnamed = sorted({int(d) for r in rows if r["ok"] for d in r["dims"] if d.isdigit()})
         if unnamed:
             notes.append(
@@ -788,6 +805,20 @@ def judge(e: Entry, dims: list[str], ok: bool, expected: list[list[str]] | None,
     for f in findings:  # a tensor of an attention call points at the line that made the call
         f.source = e.source
     return findings
+
+
+def _learned_queries_elsewhere(entries: list[Entry], namer: Namer) -> set[str]:
+    """The attention calls whose queries are learned, not computed from the input, and attend over another axis
+    than the sequence: a learned query reading across layers, blocks or experts at every position (Inkling 2's block
+    attention residuals). Nothing there is evidence of a swapped layout, so their tensors are shown by their sizes;
+    queries computed from the tokens that attend over another axis are the missing transpose FWD402 names."""
+    calls = set()
+    for e in entries:
+        queries = e.role in ("q", "scores_q") and e.group and e.learned_query
+        if queries and _sequence_misplaced(e, namer) is not None:
+            calls.add(e.group)
+            namer.elsewhere.append(f"{e.module}'s {e.shape[-2]} queries at every position")
+    return calls
 
 
 def _sequence_misplaced(e: Entry, namer: Namer) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -43,7 +44,9 @@ def architectures() -> tuple[str, ...]:
 
 # Mixtures of experts keep routing (more experts than each token takes) at four experts, two per token.
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk")
+# Experts routed by groups (DeepSeek V3's group-limited routing): two groups, dividing the experts kept.
+EXPERT_GROUP_KEYS = ("n_group", "num_expert_group")
 
 
 def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +64,12 @@ def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
     for key in EXPERTS_PER_TOKEN_KEYS:
         if isinstance(data.get(key), int) and data[key] > 2:
             data[key] = 2
+    experts = next((data[k] for k in EXPERT_KEYS if isinstance(data.get(k), int)), None)
+    for key in EXPERT_GROUP_KEYS:
+        if isinstance(data.get(key), int) and experts and data[key] > 1:
+            data[key] = math.gcd(2, experts)
+            if isinstance(data.get("topk_group"), int):
+                data["topk_group"] = min(data["topk_group"], data[key])
     attribute_map = getattr(CONFIG_MAPPING.get(data.get("model_type")), "attribute_map", {}) or {}
     original = dict(data)
     # shrink reads the standard names; an architecture spelling them its own way (BART's encoder_attention_heads and
@@ -85,6 +94,8 @@ def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
     # Latent attention (MLA): its head parts and low ranks small, the rotary part as wide as the head it shrank with.
     for key in [k for k in data if k.endswith("_head_dim") and isinstance(data[k], int)]:
         data[key] = min(data[key], data["head_dim"] if original.get(key) == original.get("head_dim") else 16)
+    if all(isinstance(data.get(k), int) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
+        data["qk_head_dim"] = data["qk_nope_head_dim"] + data["qk_rope_head_dim"]  # the query-key head: both parts
     for key in ("kv_lora_rank", "q_lora_rank"):
         if isinstance(data.get(key), int):
             data[key] = min(data[key], 32)
@@ -132,12 +143,14 @@ def tiny(model_type: str) -> Built:
     with offline(), warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
         try:
-            data = _shrunk(CONFIG_MAPPING[model_type]().to_dict())
+            data = _shrunk(_stated(CONFIG_MAPPING[model_type]().to_dict()))
             # The flag that makes an architecture's causal-LM head causal, as a user building one sets it: the
-            # encoder families' is_decoder, XLM's causal.
+            # encoder families' is_decoder, XLM's causal, XLNet's unidirectional attention.
             for flag in ("is_decoder", "causal"):
                 if data.get(flag) is False:
                     data[flag] = True
+            if data.get("attn_type") == "bi":
+                data["attn_type"] = "uni"
             if data.get("default_language") is None and data.get("languages"):  # X-MOD runs one language adapter
                 data["default_language"] = data["languages"][0]
             rest = {k: v for k, v in data.items() if k != "model_type"}
@@ -145,6 +158,12 @@ def tiny(model_type: str) -> Built:
             with torch.device("meta"):
                 module = AutoModelForCausalLM.from_config(hf_config)
         except Exception as exc:
+            if not _defaults_build(model_type):
+                return Built(
+                    model_type,
+                    None,
+                    left_out=f"its config class's own defaults do not build a model, unshrunk ({_said(exc)})",
+                )
             return Built(model_type, None, left_out=f"its shrunk default config does not build ({_said(exc)})")
         parameters = sum(p.numel() for p in module.parameters())
         if parameters > MAX_PARAMETERS:
@@ -170,6 +189,33 @@ def tiny(model_type: str) -> Built:
                 f"its shrunk default config builds a model whose own forward raises ({_said(exc)})",
             )
     return Built(model_type, {"model_type": model_type, **rest}, parameters)
+
+
+def _stated(data: dict[str, Any]) -> dict[str, Any]:
+    """Sizes a config class leaves null by default and every released config of it states, as the class derives them
+    when built: the head size (hidden / heads) and the kv heads (one per query head)."""
+    hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+    if "head_dim" in data and data["head_dim"] is None and isinstance(hidden, int) and isinstance(heads, int):
+        data["head_dim"] = hidden // heads
+    if "num_key_value_heads" in data and data["num_key_value_heads"] is None and isinstance(heads, int):
+        data["num_key_value_heads"] = heads
+    routed = any(isinstance(data.get(k), int) for k in EXPERT_KEYS)
+    if routed and "num_experts_per_tok" in data and data["num_experts_per_tok"] is None:  # experts each token takes
+        data["num_experts_per_tok"] = 2
+    return data
+
+
+def _defaults_build(model_type: str) -> bool:
+    """Whether the config class's own defaults, nothing shrunk, build the model (on the meta device)."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())
+    except Exception:
+        return False
+    return True
 
 
 def _said(exc: BaseException) -> str:
@@ -221,58 +267,9 @@ class Expected:
     evidence: Any = None  # for a true finding: () -> bool, the behaviour shown in plain torch
 
 
-def _known(codes: str, what: str) -> Expected:
-    return Expected(frozenset(codes.split()), what)
-
-
-# Failures of correct models that are fwdcheck's own misreading, known and fixed apart from this sweep: a declared
-# rope read with the wrong pairing or over the wrong slice, unusual attention read as broken rope, ledger layouts of
-# latent attention and per-layer head counts. Each may fail with exactly these codes until then, or pass.
-INTERLEAVED_DECLARED_HALF = "rotates interleaved pairs; fwdcheck declares 'half' for it"
-LATENT_LEDGER = "latent attention (MLA): d_h read from head_dim, the rope part only"
-KNOWN: dict[tuple[str, str], Expected] = {
-    **{
-        (name, "rope"): _known("FWD305", INTERLEAVED_DECLARED_HALF)
-        for name in (
-            "cohere",
-            "cohere2",
-            "cohere2_moe",
-            "ernie4_5",
-            "ernie4_5_moe",
-            "glm",
-            "glm4",
-            "helium",
-            "llama4",
-            "llama4_text",
-            "minimax_m3_vl_text",
-        )
-    },
-    **{
-        (name, "shape-ledger"): _known("FWD401", LATENT_LEDGER)
-        for name in ("axk2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "mimo_v2_flash")
-    },
-    **{
-        (name, "shape-ledger"): _known("FWD401", "sparse-attention indexer: value heads of another size")
-        for name in ("deepseek_v32", "glm_moe_dsa")
-    },
-    **{
-        (name, "shape-ledger"): _known("FWD401", "parallel residual streams [B,T,4,d], attention not observed")
-        for name in ("deepseek_v4", "hy_v4")
-    },
-    **{
-        (name, "shape-ledger"): _known("FWD401 FWD402", "attention over a non-sequence axis")
-        for name in ("inkling2_text", "inkling2_loop_text")
-    },
-    ("prophetnet", "shape-ledger"): _known("FWD401", "n-gram streams [B,2,h,T,d_h]"),
-    ("laguna", "shape-ledger"): _known("FWD401", "per-layer head counts"),
-    ("inkling_text", "shape-ledger"): _known("FWD401", "heads of another size than hidden / heads"),
-    ("inkling_text", "rope"): _known("FWD301", "no rotary at all, read as broken rope"),
-    ("zaya", "rope"): _known("FWD301", "a rotary half exactly zero at initialisation, read as q-only rope"),
-    ("deepseek_v4", "rope"): _known("FWD304", "absolute positions by design, read as broken rope"),
-    ("deepseek_v4", "future-token"): _known(
-        "FWD107", "left padding moves its real tokens, though no attention weight reaches the pad: not yet explained"
-    ),
-}
+# Failures of correct models that are fwdcheck's own misreading, known and being fixed apart from this sweep: each
+# may fail with exactly its codes until then, or pass. None is known today: every failure is a true finding below.
+KNOWN: dict[tuple[str, str], Expected] = {}
 
 
 def _plain(model_type: str):
@@ -329,6 +326,44 @@ def reads_padding(model_type: str) -> bool:
     return any(float(a[..., 1:, 0].max()) > 1e-6 for a in attentions)  # real queries, the pad key
 
 
+def left_padding_moves(model_type: str) -> bool:
+    """Whether one left pad, masked out by attention_mask (and the real tokens' position_ids from 0 where forward
+    takes them), moves the logits of the real tokens after it: transformers alone, no fwdcheck check involved."""
+    import inspect
+
+    import torch
+
+    model = _plain(model_type)
+    config = model.config.get_text_config()
+    ids = torch.randint(1, config.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([torch.full((1, 1), config.pad_token_id or 0), ids], dim=1)  # (1, 1 + T)
+    mask = torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    kwargs = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.arange(SEQ_LEN)[None]], 1)
+    with torch.no_grad():
+        alone = model(ids).logits
+        after_pad = model(padded, attention_mask=mask, **kwargs).logits[:, 1:]
+    return bool((after_pad - alone).abs().max() > 1e-4 * alone.abs().max())
+
+
+def raises_with_padding_mask(model_type: str) -> bool:
+    """Whether the tiny model's own forward raises on a batch of two rows given an attention_mask (all ones), while
+    the same rows without it run: transformers alone, no fwdcheck check involved."""
+    import torch
+
+    model = _plain(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+        try:
+            model(ids, attention_mask=torch.ones_like(ids))
+        except RuntimeError:
+            return True
+    return False
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
@@ -342,6 +377,14 @@ XLM_PADDING = (
     "XLM with causal=True builds its attention mask from the causal pattern alone: real tokens give attention "
     "weight to left-padding keys that attention_mask masks out"
 )
+XLNET_UNI_MASK = (
+    "XLNet with attn_type='uni' (its causal attention) raises on any attention_mask over a batch of two rows: the "
+    "causal mask [T,T,1,1] and the padding mask [T,T,B,1] are added in place"
+)
+DEEPSEEK_V4_WINDOWS = (
+    "DeepSeek V4's compressed attention pools every compress_rate tokens into one key from the start of the row, "
+    "attention_mask unread: a left pad shifts the windows and enters the compressed keys, moving the real tokens"
+)
 FINDINGS: dict[tuple[str, str], Expected] = {
     ("cpmant", "future-token"): Expected(frozenset({"FWD101", "FWD105"}), CPMANT_PREFIX, lambda: future_leak("cpmant")),
     ("cpmant", "mask-audit"): Expected(
@@ -352,6 +395,13 @@ FINDINGS: dict[tuple[str, str], Expected] = {
     ),
     ("xlm", "future-token"): Expected(frozenset({"FWD107"}), XLM_PADDING, lambda: reads_padding("xlm")),
     ("xlm", "mask-audit"): Expected(frozenset({"FWD208"}), XLM_PADDING, lambda: reads_padding("xlm")),
+    ("deepseek_v4", "future-token"): Expected(
+        frozenset({"FWD107"}), DEEPSEEK_V4_WINDOWS, lambda: left_padding_moves("deepseek_v4")
+    ),
+    ("xlnet", "future-token"): Expected(
+        frozenset({"FWD002"}), XLNET_UNI_MASK, lambda: raises_with_padding_mask("xlnet")
+    ),
+    ("xlnet", "mask-audit"): Expected(frozenset({"FWD002"}), XLNET_UNI_MASK, lambda: raises_with_padding_mask("xlnet")),
 }
 
 
@@ -379,7 +429,7 @@ def entry(model_type: str, report) -> str:
         if status == "pass":
             continue
         mark = FINDING_MARK if (model_type, check) in FINDINGS else KNOWN_MARK if (model_type, check) in KNOWN else ""
-        shown.append(f"{check} {status}{mark if status in ('fail', 'warn') else ''}")
+        shown.append(f"{check} {status}{mark if status in ('fail', 'warn', 'error') else ''}")
     return f"{model_type} ({', '.join(shown)})" if shown else model_type
 
 
@@ -430,16 +480,23 @@ def section() -> str:
             f"| {name} | {check} | {' '.join(sorted(e.codes))} | {e.what} |"
             for (name, check), e in sorted(FINDINGS.items())
         ),
-        "",
-        f"Known misreadings ({KNOWN_MARK}), allowed to fail with these codes until fixed:",
-        "",
-        "| architectures | check | codes | what fwdcheck misreads |",
-        "| --- | --- | --- | --- |",
     ]
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for (name, check), e in KNOWN.items():
         grouped.setdefault((check, " ".join(sorted(e.codes)), e.what), []).append(name)
-    lines += [f"| {', '.join(sorted(n))} | {c} | {codes} | {what} |" for (c, codes, what), n in sorted(grouped.items())]
+    if grouped:
+        lines += [
+            "",
+            f"Known misreadings ({KNOWN_MARK}), allowed to fail with these codes until fixed:",
+            "",
+            "| architectures | check | codes | what fwdcheck misreads |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {', '.join(sorted(n))} | {c} | {codes} | {what} |" for (c, codes, what), n in sorted(grouped.items())
+        ]
+    else:
+        lines += ["", f"Known misreadings of fwdcheck's ({KNOWN_MARK}): none."]
     lines += ["", "| left out | why |", "| --- | --- |"]
     lines += [f"| {name} | {b.left_out} |" for name, b in built.items() if b.config is None]
     return "\n".join(lines)

@@ -55,3 +55,22 @@ def test_a_missing_transpose_in_a_transformers_model_still_fails(monkeypatch):
     spec = tiny("llama", attn_implementation="eager")
     result = ledger(spec)
     assert "FWD402" in {f.code for f in result.findings if f.status.value == "fail"}, result.findings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_attention_over_blocks_at_every_position_is_no_swapped_layout(model_type):
+    """Inkling 2's block attention residuals: one learned query per position attends over the outputs of earlier
+    blocks ([B,T,1,d] against [B,T,blocks,d]); the sequence is a batch axis there by design."""
+    result = ledger(tiny(model_type))
+    assert result.status.value == "pass", result.findings
+    assert any("of learned queries" in note for note in result.data["notes"]), result.data["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
+def test_parallel_residual_streams_are_a_layout(model_type):
+    """Hyper-connections keep several residual streams of the model's width: each block returns [B,T,streams,d]."""
+    result = ledger(tiny(model_type))
+    assert result.status.value == "pass", result.findings
+    assert any(row["role"] == "hidden" and len(row["dims"]) == 4 and row["ok"] for row in result.data["entries"])

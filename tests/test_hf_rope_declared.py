@@ -179,3 +179,16 @@ def test_the_config_states_no_pairing_and_says_where_each_value_came_from():
     # Keys the model's class does not read declare nothing.
     unread, origin = declared_rope(config, "config.json", read={"head_dim"})
     assert unread is None and "no rope settings" in origin
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, table",
+    [("bert", "bert.embeddings.position_embeddings"), ("roberta", "roberta.embeddings.position_embeddings")],
+)
+def test_the_table_named_is_the_one_indexed_by_position(model_type, table):
+    """BERT and RoBERTa add token-type and position tables: the one whose indices vary over a row of one repeated
+    token is the position table; token types (all 0) read nothing that moves."""
+    result = rope_result(tiny(model_type))
+    assert result.status.value == "skip", result.summary
+    assert f"learned table ('{table}' reads the positions)" in result.summary, result.summary

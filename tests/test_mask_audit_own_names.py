@@ -6,7 +6,8 @@ every other layer. The query positions are the slots the call wrote, whatever th
 
 Both ways: the model as gemma_pytorch writes it passes; a sliding-window mask that lets position i read i+1 fails
 (future-token sees it too). A ring-buffer cache whose slots are written twice in one forward says nothing of positions
-and is not judged by them.
+and is not judged by them; one written a chunk at a time (Mistral's reference) is judged past its wrap, by mask-audit
+and by rope.
 
 Shapes: B (batch), T (sequence), S (cache slots), nh (heads), nkv (key/value heads), hs (head size).
 """
@@ -188,16 +189,27 @@ RING = 4
 
 
 class RingBufferAttention(nn.Module):
-    def __init__(self):
+    """rotary: none | qk (q and k turned at their positions before the cache, as Mistral's reference) | q (q only)
+    | slot (k turned by the slot it lands in, not its position: right until the wrap)."""
+
+    def __init__(self, rotary: str = "none"):
         super().__init__()
         self.head_dim = WIDTH // HEADS
+        self.rotary = rotary
         self.wq, self.wk, self.wv = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
         self.wo = nn.Linear(WIDTH, WIDTH, bias=False)
         self.cache_k = self.cache_v = torch.empty(0)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(self.head_dim, 64), persistent=False)
 
     def forward(self, x, positions, mask):
         B, T, C = x.shape
         xq, xk, xv = (w(x).view(B, T, HEADS, self.head_dim) for w in (self.wq, self.wk, self.wv))  # (B, T, nh, hs)
+        if self.rotary != "none":
+            xq = apply_rotary_emb(xq, self.freqs_cis[positions])
+        if self.rotary == "qk":
+            xk = apply_rotary_emb(xk, self.freqs_cis[positions])
+        if self.rotary == "slot":
+            xk = apply_rotary_emb(xk, self.freqs_cis[positions % RING])
         # The cache is a rotating buffer
         scatter_pos = (positions[-RING:] % RING)[None, :, None, None].repeat(B, 1, HEADS, self.head_dim)
         self.cache_k[:B].scatter_(dim=1, index=scatter_pos, src=xk[:, -RING:])
@@ -213,12 +225,12 @@ class RingBufferModel(nn.Module):
     """Chunks of 2 tokens through a ring buffer of RING slots; the mask is built from the position each slot holds.
     bug: none | written-slots (the mask opens every slot written so far: a chunk's first query reads its second)."""
 
-    def __init__(self, bug: str = "none"):
+    def __init__(self, bug: str = "none", rotary: str = "none"):
         super().__init__()
         torch.manual_seed(0)
         self.bug = bug
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(RingBufferAttention() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(RingBufferAttention(rotary) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, input_ids):
@@ -264,3 +276,26 @@ def test_a_ring_buffer_mask_that_reads_a_later_slot_fails_past_the_wrap_too():
     leaking = [c for c in audit.data["calls"] if c["reads_future"]]
     assert len(leaking) == len(audit.data["calls"]) == LAYERS * 4
     assert report.result("future-token").status.value == "fail"
+
+
+# rope over the same ring: each position's key is read from a step whose slots held it, so the probe's positions are
+# all judged though the cache never holds more than RING of them at once.
+
+
+def test_rope_over_a_ring_buffer_is_judged_past_its_wrap():
+    result = run(RingBufferModel(rotary="qk"), ["rope"]).result("rope")
+    assert result.status.value == "pass", (result.summary, result.findings)
+    assert result.metrics["judged_calls"] == LAYERS
+    assert "pairing half" in result.summary
+
+
+def test_rope_on_q_only_over_a_ring_buffer_fails():
+    result = run(RingBufferModel(rotary="q"), ["rope"]).result("rope")
+    assert "FWD301" in {f.code for f in result.findings if f.status.value == "fail"}, result.summary
+
+
+def test_keys_turned_by_their_slot_not_their_position_fail_rope_alone():
+    """Right until the wrap, then a key's angle is its slot's: no future token is read, only rope can tell."""
+    report = run(RingBufferModel(rotary="slot"), ["rope", "future-token"])
+    assert report.result("future-token").status.value == "pass"
+    assert report.result("rope").status.value == "fail", report.result("rope").summary

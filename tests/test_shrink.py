@@ -473,6 +473,49 @@ def test_gemma3_keeps_one_layer_of_each_type():
     assert {key for key, _, _ in edits.changes} >= {"num_hidden_layers", "layer_types", "sliding_window"}
 
 
+def _builds(model_type: str, data: dict) -> None:
+    """The shrunk config builds its model and runs one forward (the constraints the config class checks, and those
+    only the modelling code does)."""
+    import torch
+
+    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 20_000_000
+    with torch.no_grad():
+        model(torch.randint(0, 8, (1, 8)))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "sizes"),
+    [
+        # heads x head size is the expanded hidden size, and the heads split into the groups evenly
+        (
+            "mamba2",
+            lambda d: (
+                d["num_heads"] * d["head_dim"] == d["expand"] * d["hidden_size"] and not d["num_heads"] % d["n_groups"]
+            ),
+        ),
+        ("bamba", lambda d: d["mamba_n_heads"] * d["mamba_d_head"] == d["mamba_expand"] * d["hidden_size"]),
+        # an inner size stated outright (Falcon-H1's mamba_d_ssm) is what heads x head size must make
+        ("falcon_h1", lambda d: d["mamba_n_heads"] * d["mamba_d_head"] == d["mamba_d_ssm"]),
+        ("xlnet", lambda d: d["d_head"] == d["d_model"] // d["n_head"] == 16),  # XLNet's own spelling of the head size
+        # the layers that do something (indexed attention) renumbered among the layers kept, the kv-source list too
+        ("kolibri1_1", lambda d: d["index_layers"] == [1] and d["kv_source_layers"] == [0, 1]),
+        # a per-layer vocabulary table as small as the vocabulary; shared-cache layers keep their share (none of 2)
+        ("gemma3n_text", lambda d: d["vocab_size_per_layer_input"] == 512 and d["num_kv_shared_layers"] == 0),
+        # a pattern of blocks shorter than the depth: one of each kind kept
+        ("recurrent_gemma", lambda d: d["num_hidden_layers"] == 3),
+    ],
+)
+def test_sizes_that_must_agree_still_agree(model_type, sizes):
+    data = transformers.AutoConfig.for_model(model_type).to_dict()
+    shrink_hf_dict(data)
+    assert sizes(data), {k: v for k, v in data.items() if not isinstance(v, (dict, list)) or "layer" in k}
+    if model_type != "bamba":  # Bamba's defaults have no attention layer, which its own forward refuses
+        _builds(model_type, data)
+
+
 def test_small_rules():
     assert keep_layers(["a", "a", "a", "b", "a", "a"], 2) == [0, 3]
     assert keep_layers(["a", "b", "c", "a"], 2) == [0, 1, 2]  # one of each type beats the layer count

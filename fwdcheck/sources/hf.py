@@ -604,9 +604,13 @@ def is_causal_lm(module: nn.Module) -> bool:
 
 def dynamic_cache(module: nn.Module) -> Any:
     """An empty cache for the first call, as generate makes it: the layer types (sliding window, ...) from the
-    config."""
+    config; None for a model with a cache class of its own (MiniMax, Mamba), which its forward makes, as generate
+    leaves it to."""
     from transformers import DynamicCache
 
+    supports = getattr(module, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return None
     config: Any = module.config  # a transformers PretrainedConfig
     try:
         return DynamicCache(config=config)

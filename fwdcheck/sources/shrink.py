@@ -62,7 +62,7 @@ HF_KEYS = extended(
     CONFIG_KEYS,
     L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
     h_kv=("multi_query_group_num",),
-    d_h=("d_kv",),
+    d_h=("d_kv", "d_head"),
     d_ff=(
         "ffn_hidden_size",
         "moe_intermediate_size",
@@ -289,6 +289,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
             if isinstance(params, dict):
                 e.set(key, _resample_factors(params, old_head, new_head, partial))
 
+    _state_space_heads(e, hidden_key)
     _fewer_tokens_and_positions(e, seq_len)
     # Tied embeddings, activations, norms, biases, dropout, soft-capping: unchanged. Values in float32.
     e.set("dtype", "float32")
@@ -303,14 +304,122 @@ def _fewer_layers(e: Edits) -> None:
     if not layer_key:
         return
     old_layers = data[layer_key]
-    types = data.get("layer_types") if isinstance(data.get("layer_types"), list) else None
-    kept = keep_layers(types, min(old_layers, LAYERS))
+    types = _layer_types(data, old_layers)
+    depth = min(old_layers, LAYERS)
+    pattern = _layer_pattern(data, old_layers)
+    if pattern:  # one of each block in a repeating pattern (Recurrent Gemma: recurrent, recurrent, attention)
+        depth = min(old_layers, max(depth, max(pattern.index(t) for t in pattern) + 1))
+    kept = keep_layers(types, depth)
     for key in HF_KEYS["L"]:
         if isinstance(data.get(key), int):
             e.set(key, min(data[key], len(kept)))
+    if old_layers <= len(kept):
+        return
+    renumbered = {old: new for new, old in enumerate(kept)}
     for key, value in list(data.items()):
-        if isinstance(value, list) and len(value) == old_layers and old_layers > len(kept):
-            e.set(key, [value[i] for i in kept])
+        if not isinstance(value, list):
+            continue
+        if len(value) == old_layers:
+            kept_values = [value[i] for i in kept]
+            # A per-layer list of layer indices (the layer whose kv cache each layer reads) points at kept layers.
+            if _layer_indices(key, value, old_layers) and all(v in renumbered for v in kept_values):
+                kept_values = [renumbered[v] for v in kept_values]
+            e.set(key, kept_values)
+        elif _layer_indices(key, value, old_layers):  # which layers do something (index_layers: [4, 14, 19, 29])
+            e.set(key, [renumbered[i] for i in value if i in renumbered])
+    _layer_counts(e, layer_key, old_layers, len(kept))
+
+
+def _layer_types(data: dict, layers: int) -> list | None:
+    """The kind of each layer, under the names configs keep it: layer_types, or another per-layer list of names
+    (Zamba's layers_block_type)."""
+    candidates = ["layer_types", *(k for k in data if "type" in k and k != "layer_types")]
+    for key in candidates:
+        value = data.get(key)
+        if isinstance(value, list) and len(value) == layers and all(isinstance(v, str) for v in value):
+            return value
+    return None
+
+
+def _layer_pattern(data: dict, layers: int) -> list | None:
+    """A shorter list of block kinds the layers repeat (Recurrent Gemma's block_types)."""
+    for key, value in data.items():
+        if (
+            "type" in key
+            and isinstance(value, list)
+            and 1 < len(value) < layers
+            and all(isinstance(v, str) for v in value)
+            and len(set(value)) > 1
+        ):
+            return value
+    return None
+
+
+def _layer_indices(key: str, value: list, layers: int) -> bool:
+    """A list named for layers whose entries are all layer numbers."""
+    return (
+        "layer" in key
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)
+    )
+
+
+def _layer_counts(e: Edits, layer_key: str, old_layers: int, new_layers: int) -> None:
+    """Counts of layers with a role follow the depth: parts that add up to it (n_input_layers + n_recurrent_layers
+    + n_output_layers) still do, one layer each at least, and a count of layers sharing another's cache keeps its share
+    (rounded down: a layer of each type still computes its own)."""
+    data = e.data
+    counts = [
+        k
+        for k, v in data.items()
+        if k != layer_key
+        and k not in HF_KEYS["L"]
+        and k.endswith("_layers")
+        and isinstance(v, int)
+        and not isinstance(v, bool)
+        and 0 <= v < old_layers
+    ]
+    parts = [k for k in counts if k.startswith("n_")]
+    if len(parts) > 1 and sum(data[k] for k in parts) == old_layers and new_layers >= len(parts):
+        largest = max(parts, key=lambda k: data[k])
+        for key in parts:
+            e.set(key, 1)
+        e.set(largest, new_layers - len(parts) + 1)
+        counts = [k for k in counts if k not in parts]
+    for key in counts:
+        if "shared" in key:
+            e.set(key, data[key] * new_layers // old_layers)
+
+
+# State-space layers (Mamba 2, Bamba, Granite hybrid): heads x head size is the expanded hidden size, whatever the
+# attention heads are; (heads, head size, expansion) under each architecture's spelling.
+STATE_SPACE_HEADS = (  # heads, head size, expansion, groups, and the inner size when a config states it outright
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups", "mamba_d_ssm"),
+    ("num_heads", "head_dim", "expand", "n_groups", None),
+)
+
+
+def _state_space_heads(e: Edits, hidden_key: str | None) -> None:
+    """A state-space mixer's heads x head size equal to its inner size (stated outright, as Falcon-H1's mamba_d_ssm,
+    or the shrunk hidden size x its expansion): the head size at most 16, the head count what that leaves (a
+    multiple of the groups' count when one is set)."""
+    data = e.data
+    hidden = data.get(hidden_key) if hidden_key else None
+    for heads_key, size_key, expand_key, groups_key, inner_key in STATE_SPACE_HEADS:
+        values = [data.get(k) for k in (heads_key, size_key, expand_key)]
+        if not isinstance(hidden, int) or not all(isinstance(v, int) and v > 0 for v in values):
+            continue
+        stated = data.get(inner_key) if inner_key else None
+        inner = stated if isinstance(stated, int) and stated > 0 else data[expand_key] * hidden
+        if data[heads_key] * data[size_key] != inner:
+            size = min(data[size_key], HEAD_DIM)
+            while inner % size:
+                size //= 2
+            e.set(size_key, size)
+            e.set(heads_key, inner // size)
+        groups = data.get(groups_key)
+        if isinstance(groups, int) and groups > 0 and data[heads_key] % groups:  # heads share B and C by groups
+            e.set(groups_key, math.gcd(groups, data[heads_key]))
 
 
 def _fewer_heads(e: Edits, head_key: str | None, old_hidden: int | None) -> int | None:
@@ -357,6 +466,9 @@ def _fewer_tokens_and_positions(e: Edits, seq_len: int) -> None:
     # Vocabulary at most 512; special token ids past it are clamped to the last id.
     if isinstance(data.get("vocab_size"), int):
         e.set("vocab_size", min(data["vocab_size"], VOCAB))
+        # Other tables over the vocabulary (Gemma 3n's per-layer input embeddings) are no larger.
+        for key in [k for k in data if k.startswith("vocab_size_") and isinstance(data[k], int)]:
+            e.set(key, min(data[key], data["vocab_size"]))
         for key in [k for k in data if k.endswith("_token_id") or k.endswith("_token_ids")]:
             e.set(key, clamp_token(data[key], data["vocab_size"]))
 
