@@ -104,8 +104,8 @@ def render(
         for line in lines:
             if terminal:  # one line a finding, cut to the window; the panels above hold the rest
                 console.print(line, no_wrap=True, overflow="ellipsis")
-            else:  # whole, on one line: a log viewer wraps it
-                console.print(line, soft_wrap=True)
+            else:  # whole, wrapped to the width
+                console.print(line)
     word, style = verdict(report)
     console.print(Text.assemble((word, style), f" (exit {report.exit_code})"))
 
