@@ -185,7 +185,7 @@ def test_configs_become_items(tester, monkeypatch):
         "FAILED",
     ]
     result.stdout.fnmatch_lines(
-        ["E*ChecksFailed: fwdcheck: exit 1", "E*future-token: fail: *", "E*mask-audit: fail: *"]
+        ["E*ChecksFailed: fwdcheck: failed (exit 1)", "E*future-token FWD101: *", "E*mask-audit FWD201: *(at *)"]
     )
 
     # one model build and one run per config, whatever the number of its items

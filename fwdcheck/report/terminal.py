@@ -21,6 +21,7 @@ from enum import Enum
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
+from rich.rule import Rule
 from rich.text import Text
 
 from fwdcheck.report import Report
@@ -65,49 +66,58 @@ def render(
     leads the quiet line. `terminal` says whether a person reads it in a window they can widen (the console's own
     idea when None): only there is a text cut short."""
     verbosity = Verbosity(verbosity)
-    terminal = console.is_terminal if terminal is None else terminal
-    raised = shared_model_error(report)
     if verbosity == Verbosity.QUIET:
         console.print(one_line(report, durations, name), soft_wrap=True)  # one line, however narrow: it wraps
         return
+    terminal = console.is_terminal if terminal is None else terminal
+    for part in parts(report, debug, verbosity, durations, terminal):
+        console.print(part)
+
+
+def parts(
+    report: Report,
+    debug: bool = False,
+    verbosity: Verbosity = Verbosity.DEFAULT,
+    durations: bool = True,
+    terminal: bool = True,
+) -> list[RenderableType]:
+    """The report's pieces, top to bottom: the run's line, its notes, the summary table, the panels, the model's
+    shared exception, the short summary and the verdict."""
+    raised = shared_model_error(report)
     env = report.environment
-    console.print(
+    shown: list[RenderableType] = [
         Text.assemble(
             ("fwdcheck ", "bold"),
             f"· {report.model.get('label', '?')} · ",
             f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
             f"T={env.get('seq_len')} seed={env.get('seed')}",
         )
-    )
-    for note in report.notes:
-        console.print(Text(f"note: {note}", style="dim"))
-    shown = [r for r in report.results if raised is None or r.name not in raised.checks]
-    if shown:
-        console.print(summary_table(shown, verbosity, durations, terminal))
-    for result in shown:
+    ]
+    shown += [Text(f"note: {note}", style="dim") for note in report.notes]
+    results = [r for r in report.results if raised is None or r.name not in raised.checks]
+    if results:
+        shown.append(summary_table(results, verbosity, durations, terminal))
+    for result in results:
         if shows_detail(result, verbosity):
-            console.print(detail(result, debug, durations))
+            shown.append(detail(result, debug, durations))
         else:  # no panel to show them in: an ignored finding still shows, marked, on a line of its own
-            for f in result.findings:
-                if f.ignored:
-                    console.print(
-                        Text(
-                            f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})",
-                            style=IGNORED,
-                        )
-                    )
+            shown += [
+                Text(f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})", style=IGNORED)
+                for f in result.findings
+                if f.ignored
+            ]
     if raised is not None:
-        console.print(model_error_panel(raised, report, debug))
+        shown.append(model_error_panel(raised, report, debug))
     lines = short_summary(report, raised)
     if lines:
-        console.rule(Text("short summary", style="bold"), align="left", style="dim")
+        shown.append(Rule(Text("short summary", style="bold"), align="left", style="dim"))
         for line in lines:
             if terminal:  # one line a finding, cut to the window; the panels above hold the rest
-                console.print(line, no_wrap=True, overflow="ellipsis")
-            else:  # whole, wrapped to the width
-                console.print(line)
+                line.no_wrap, line.overflow = True, "ellipsis"
+            shown.append(Group(line))  # as it is: console.print would join a bare Text to others, losing no_wrap
     word, style = verdict(report)
-    console.print(Text.assemble((word, style), f" (exit {report.exit_code})"))
+    shown.append(Text.assemble((word, style), f" (exit {report.exit_code})"))
+    return shown
 
 
 @dataclass
