@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -165,3 +166,15 @@ def test_quiet_with_several_configs_names_each_file(raising):
 def test_quiet_with_one_config_stays_as_it_was():
     line = ANSI.sub("", run("-q", TOY).stdout)
     assert line.startswith("fwdcheck: passed (exit 0)")
+
+
+def test_a_run_starts_without_set_up_noise():
+    """torch warns "Failed to initialize NumPy" at import when numpy is missing: fwdcheck depends on numpy."""
+    from importlib.metadata import requires
+
+    assert any(r.split(">")[0].split("=")[0].strip() == "numpy" for r in requires("fwdcheck") or [])
+    proc = subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", str(TOY), "-q"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "NumPy" not in proc.stderr and "numpy" not in proc.stderr.lower(), proc.stderr
