@@ -650,9 +650,9 @@ def render_stdout(outcome: Outcome, stream, verbosity: Verbosity, debug: bool) -
     if isatty(stream):
         render_terminal(outcome, StdoutConsole(file=stream), verbosity, debug)
         return
-    console = Console(file=io.StringIO(), width=report_width(stream))
-    render_terminal(outcome, console, verbosity, debug, terminal=False)
-    stream.write(without_trailing_spaces(console.file.getvalue()))
+    buffer = io.StringIO()
+    render_terminal(outcome, Console(file=buffer, width=report_width(stream)), verbosity, debug, terminal=False)
+    stream.write(without_trailing_spaces(buffer.getvalue()))
 
 
 def without_trailing_spaces(text: str) -> str:

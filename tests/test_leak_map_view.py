@@ -26,9 +26,7 @@ def drawn(result: CheckResult) -> list[str]:
 
 def token_map(T: int, leaking: set[int]) -> CheckResult:
     """An exhaustive map of T positions where the queries in `leaking` moved when any later token changed."""
-    columns = [
-        {"k": k, "sample": 0, "change": [1.0 if q in leaking else 0.0 for q in range(k)]} for k in range(1, T)
-    ]
+    columns = [{"k": k, "sample": 0, "change": [1.0 if q in leaking else 0.0 for q in range(k)]} for k in range(1, T)]
     data = {"leak_map": {"kind": "token", "threshold": 1e-5, "columns": columns}}
     return CheckResult("future-token", Status.FAIL if leaking else Status.PASS, "", data=data)
 

@@ -362,7 +362,9 @@ def test_a_yaml_of_another_tool_is_left_alone(tester):
     and the ini option fwdcheck_files changes what a config's name is."""
     root = tester.path / "configs"
     root.mkdir()
-    (root / "train.yaml").write_text("defaults: [_self_]\nmodel:\n  _target_: mylib.GPT\n  n_layer: 12\noptim: {lr: 3e-4}\n")
+    (root / "train.yaml").write_text(
+        "defaults: [_self_]\nmodel:\n  _target_: mylib.GPT\n  n_layer: 12\noptim: {lr: 3e-4}\n"
+    )
     shutil.copy(tester.path / "sample_configs" / "toy.yaml", root / "toy.yaml")
     shutil.copy(tester.path / "sample_configs" / "toy.yaml", root / "fwdcheck-gpt.yaml")
     result = run(tester, "--fwdcheck", "configs", "--collect-only", "-q")

@@ -24,7 +24,7 @@ TOY = ROOT / "sample_configs/toy.yaml"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 runner = CliRunner()
 
-RAISES = '''\
+RAISES = """\
 import torch.nn as nn
 
 
@@ -39,7 +39,7 @@ class Raises(nn.Module):
 
 def build():
     return Raises()
-'''
+"""
 
 
 def run(*args, columns: int = 80, **env):

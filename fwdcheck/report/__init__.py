@@ -107,9 +107,9 @@ class Report:
 
         from fwdcheck.report.terminal import render
 
-        console = Console(file=io.StringIO(), width=120, color_system=None)
-        render(self, console, terminal=False)
-        return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+        buffer = io.StringIO()
+        render(self, Console(file=buffer, width=120, color_system=None), terminal=False)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         """The terminal report, for `rich.print(report)` and a notebook's rich display."""

@@ -240,7 +240,9 @@ def one_line(report: Report, durations: bool, name: str | None = None) -> Text:
         what = ", ".join(parts)
     else:
         what = f"{len(ran)} check{'s' if len(ran) != 1 else ''}" + (f" ({', '.join(ran)})" if ran else "")
-    line = Text.assemble(f"fwdcheck{' ' + name if name else ''}: ", (word, style), f" (exit {report.exit_code}) — {what}")
+    line = Text.assemble(
+        f"fwdcheck{' ' + name if name else ''}: ", (word, style), f" (exit {report.exit_code}) — {what}"
+    )
     warned = [
         " ".join([r.name, *_counted_codes(r)]) for r in report.results if r.status == Status.WARN and r not in failing
     ]
