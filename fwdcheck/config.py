@@ -32,6 +32,7 @@ from pydantic import (
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.rename import parse_rule
+from fwdcheck.validation_words import in_plain_words
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
@@ -185,7 +186,9 @@ class FactoryModel(ModelSpec):
     @classmethod
     def _module_colon_callable(cls, value: str | None) -> str | None:
         if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
-            raise ValueError(f"'{value}' is not of the form 'package.module:callable'")
+            module, dot, name = value.rpartition(".")
+            hint = f"; did you mean '{module}:{name}'?" if dot and module and name and ":" not in value else ""
+            raise ValueError(f"'{value}' is not of the form 'package.module:callable'{hint}")
         return value
 
 
@@ -461,8 +464,22 @@ class RunConfig(Strict):
     @classmethod
     def _known_device(cls, value: str) -> str:
         if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
-            raise ValueError("Input should be 'cpu', 'cuda', 'cuda:N' or 'auto'")
+            raise ValueError("expected cpu, cuda, cuda:N or auto")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_spellings(cls, value: Any) -> Any:
+        """bf16, fp16, fp32 and torch's own spellings (torch.bfloat16, half) as the names they stand for."""
+        return DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
+
+
+# The other ways a dtype is written (mixed-precision flags, torch's names), by the name fwdcheck takes
+DTYPE_SPELLINGS = {
+    **{spelling: "float32" for spelling in ("fp32", "f32", "float", "torch.float32", "torch.float")},
+    **{spelling: "bfloat16" for spelling in ("bf16", "torch.bfloat16")},
+    **{spelling: "float16" for spelling in ("fp16", "f16", "half", "torch.float16", "torch.half")},
+}
 
 
 def _rename_rule(rule: str) -> str:
@@ -768,7 +785,11 @@ def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
         return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(MODEL_CLASSES)})"
     got = error.get("input")
     shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
-    text = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "value_error":  # fwdcheck's own words, the value named once
+        text = error["msg"].removeprefix("Value error, ")
+        shown = "" if isinstance(got, str) and got in text else shown
+    else:
+        text = in_plain_words(error)
     return f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
 
 
@@ -798,7 +819,8 @@ def _did_you_mean(loc: tuple, *, name_valid_keys: bool) -> str:
         cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
     if cls is None:
         return ""
-    valid = [name for name in cls.model_fields if name != "source_path"]
+    # each key as a config writes it: `class:`, the alias of a field Python cannot name `class`
+    valid = [field.alias or name for name, field in cls.model_fields.items() if name != "source_path"]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
         return f"; did you mean '{close[0]}'?"
