@@ -31,6 +31,7 @@ from pydantic import (
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
+from fwdcheck.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
 from fwdcheck.rename import parse_rule
 from fwdcheck.validation_words import in_plain_words
 
@@ -300,7 +301,11 @@ class HFModel(ModelSpec):
     shards_itself: ClassVar[bool] = True  # transformers' tp_plan
 
     source: Literal["hf"]
-    path: Path | None = Field(None, description="a directory with config.json (and weights, optionally)")
+    path: Path | None = Field(
+        None,
+        description="a directory with config.json (and weights, optionally), or a hub id (org/name) read from the "
+        "local Hugging Face cache",
+    )
     config: dict[str, Any] | None = Field(None, description="an inline config with model_type, instead of path")
     model_class: str | None = Field(
         None, alias="class", description="e.g. BertForMaskedLM; default AutoModelForCausalLM"
@@ -318,8 +323,22 @@ class HFModel(ModelSpec):
         return self
 
     def resolve_paths(self, base: Path) -> None:
-        if self.path is not None:
-            self.path = _resolve(self.path, base)
+        """A directory relative to the config's, or a hub id (`org/name`) that is no directory here: its snapshot in
+        the local Hugging Face cache, never downloaded."""
+        if self.path is None:
+            return
+        local = _resolve(self.path, base)
+        given = self.path.as_posix()
+        if local.exists() or self.path.is_absolute() or not looks_like_hub_id(given):
+            self.path = local
+            return
+        try:
+            self.path = cached_snapshot(given)
+        except NotCached as exc:
+            raise ConfigError(
+                f"model.path: '{given}' is no directory here ({local}) and {exc}; fwdcheck never downloads: fetch "
+                f"it with `huggingface-cli download {given}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
+            ) from None
 
     def files_read(self) -> list[tuple[str, Path]]:
         if self.path is None:
@@ -748,7 +767,10 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
     except RecursionError:  # pragma: no cover - the depth check above keeps pydantic well inside its limits
         raise ConfigError(f"{name}: nested too deeply to validate") from None
     config.source_path = origin
-    config.model.resolve_paths(origin.parent if origin else Path.cwd())
+    try:
+        config.model.resolve_paths(origin.parent if origin else Path.cwd())
+    except ConfigError as exc:  # a path the file names, not found where it says
+        raise ConfigError(f"{name}: {exc}") from None
     return config
 
 
