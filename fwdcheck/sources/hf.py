@@ -271,8 +271,8 @@ def refuse_unknown_keys(cls: type, inline: dict[str, Any], transformers) -> None
     signature = {
         name
         for klass in (cls, transformers.PretrainedConfig)
-        for name, parameter in inspect.signature(klass.__init__).parameters.items()
-        if parameter.kind is not inspect.Parameter.VAR_KEYWORD and name != "self"
+        for name, parameter in inspect.signature(klass).parameters.items()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
     }
     baseline = cls().to_dict()
     known = signature | set(getattr(cls, "attribute_map", {})) | set(baseline) | ACCEPTED_KEYS
@@ -297,7 +297,7 @@ def _config_code(cls: type) -> str:
     """The source of a config class's module and of the transformers modules every config reads its kwargs in."""
     import transformers.configuration_utils
 
-    modules = [inspect.getmodule(cls), transformers.configuration_utils]
+    modules = [m for m in (inspect.getmodule(cls), transformers.configuration_utils) if m is not None]
     with suppress(ImportError):
         import transformers.modeling_rope_utils
 
