@@ -253,16 +253,36 @@ class PackingSpec(Strict):
 
 class PythonModel(FactoryModel):
     source: Literal["python"]
-    path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
+    python_path: list[Path] = Field(
+        default_factory=list, description="directories put on sys.path before the import (as source checkpoint's)"
+    )
+    # `path:` is python_path's former name, still read with a note: it names the model's files in the other sources
+    # (the weights file of `checkpoint`, the directory of `hf`)
+    path: list[Path] | None = Field(None, description="the former name of python_path, still read")
     cache: CacheSpec | None = Field(None, description="how to decode through the model's KV cache (kv-cache check)")
     loss: LossSpec | None = Field(None, description="how forward computes its loss from labels (label-shift check)")
     packing: PackingSpec | None = Field(None, description="how forward isolates packed documents (packing check)")
 
+    @model_validator(mode="after")
+    def _former_path(self) -> PythonModel:
+        if self.path is not None:
+            if self.python_path:
+                raise ValueError("give python_path alone: path is its former name")
+            self.python_path = list(self.path)
+        return self
+
+    @property
+    def former_spellings(self) -> list[str]:
+        """A note for each key given in a former spelling."""
+        if self.path is None:
+            return []
+        return ["model.path: python_path's former name (sys.path directories), still read; write python_path"]
+
     def resolve_paths(self, base: Path) -> None:
-        self.path = [_resolve(p, base) for p in self.path]
+        self.python_path = [_resolve(p, base) for p in self.python_path]
 
     def code_dirs(self) -> list[Path]:
-        return list(self.path)
+        return list(self.python_path)
 
 
 class CheckpointModel(FactoryModel):

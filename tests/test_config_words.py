@@ -102,3 +102,41 @@ def test_a_misnamed_factory_gets_a_did_you_mean(tmp_path, monkeypatch):
     assert "module 'words_model' has no attribute 'build_modle'; did you mean 'words_model:build_model'?" in (
         result.output
     ), result.output
+
+
+# -- one meaning per key: `path:` names the model's files, `python_path:` the sys.path directories --------------
+
+
+def write_python_config(tmp_path, key: str) -> object:
+    (tmp_path / "words_tiny.py").write_text(
+        "import torch.nn as nn\n\n\ndef build():\n    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))\n"
+    )
+    (tmp_path / "project").mkdir()
+    config = tmp_path / "project" / "model.yaml"
+    config.write_text(
+        f'model: {{source: python, factory: "words_tiny:build", {key}: [".."], vocab_size: 16}}\n'
+        "inputs: {batch_size: 2, seq_len: 4}\nchecks: [shape-ledger]\n"
+    )
+    return config
+
+
+@pytest.mark.parametrize("key", ["python_path", "path"])
+def test_python_path_as_checkpoint_names_it_and_the_former_path_still_read(tmp_path, monkeypatch, key):
+    monkeypatch.delitem(sys.modules, "words_tiny", raising=False)
+    config = write_python_config(tmp_path, key)
+    result = CliRunner().invoke(app, ["run", str(config), "--format", "json"], catch_exceptions=False)
+    sys.modules.pop("words_tiny", None)
+    assert result.exit_code == 0, result.output
+    import json
+
+    notes = json.loads(result.stdout)["notes"]
+    former = [n for n in notes if "former name" in n]
+    if key == "path":
+        assert former == ["model.path: python_path's former name (sys.path directories), still read; write python_path"]
+    else:
+        assert former == []
+
+
+def test_python_path_and_path_together_are_refused():
+    message = error_of({"model": {"source": "python", "factory": "m:f", "path": ["a"], "python_path": ["b"]}})
+    assert "give python_path alone: path is its former name" in message

@@ -258,7 +258,8 @@ def _hf_config(spec: HFModel, transformers) -> Any:
 
 # Keys of former transformers releases a config class still takes through **kwargs and turns into its own (Llama's
 # rope_theta into rope_parameters), or that every config takes: never in a class's signature, always meant.
-ACCEPTED_KEYS = {"rope_theta", "rope_scaling", "torch_dtype", "attn_implementation", "use_return_dict"}
+# GPT-2's n_ctx: its former context length, which every GPT-2 config.json on the hub still carries.
+ACCEPTED_KEYS = {"rope_theta", "rope_scaling", "torch_dtype", "attn_implementation", "use_return_dict", "n_ctx"}
 
 
 def refuse_unknown_keys(cls: type, inline: dict[str, Any], transformers) -> None:
