@@ -202,7 +202,7 @@ def build_marked(marker):
 @pytest.fixture
 def helpers(tmp_path, monkeypatch):
     """Writes the helper models into tmp_path; returns a function that writes a python-source config next to them
-    (`path: ["."]`, relative to the config file) and returns its path."""
+    (`python_path: ["."]`, relative to the config file) and returns its path."""
     (tmp_path / f"{HELPERS}.py").write_text(HELPER_SOURCE)
     monkeypatch.delitem(sys.modules, HELPERS, raising=False)  # each test imports its own copy, and forgets it after
 
@@ -212,7 +212,7 @@ def helpers(tmp_path, monkeypatch):
             "model:\n"
             "  source: python\n"
             f'  factory: "{HELPERS}:{factory}"\n'
-            '  path: ["."]\n'
+            '  python_path: ["."]\n'
             "  vocab_size: 16\n"
             + textwrap.indent(textwrap.dedent(extra), "  ")
             + "inputs: {batch_size: 2, seq_len: 4}\n"
@@ -499,7 +499,7 @@ def odd_document(kind: str) -> dict:
             "source": "python",
             "factory": "odd_failures:build",
             "kwargs": {"kind": kind},
-            "path": [str(BAD_MODELS)],
+            "python_path": [str(BAD_MODELS)],
             "vocab_size": 16,
         },
         "inputs": {"batch_size": 2, "seq_len": 4},

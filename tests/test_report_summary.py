@@ -58,7 +58,7 @@ def raising(tmp_path, monkeypatch):
             model:
               source: python
               factory: "raising_model:build"
-              path: ["."]
+              python_path: ["."]
               vocab_size: 16
             inputs: {batch_size: 2, seq_len: 4}
             """
