@@ -95,7 +95,9 @@ def test_a_misnamed_factory_gets_a_did_you_mean(tmp_path, monkeypatch):
     )
     monkeypatch.delitem(sys.modules, "words_model", raising=False)
     config = tmp_path / "model.yaml"
-    config.write_text('model: {source: python, factory: "words_model:build_modle", python_path: ["."], vocab_size: 16}\n')
+    config.write_text(
+        'model: {source: python, factory: "words_model:build_modle", python_path: ["."], vocab_size: 16}\n'
+    )
     result = CliRunner().invoke(app, ["run", str(config)], catch_exceptions=False)
     sys.modules.pop("words_model", None)
     assert result.exit_code != 0
