@@ -2,7 +2,8 @@
 read them without the check).
 
 The leak map: rows are query positions, columns the perturbed position (exhaustive) or cut; '.' still, '#' moved,
-'N' NaN/Inf, ' ' not before k. Under it, what ran otherwise than planned.
+'N' NaN/Inf, ' ' not before k. It is drawn only where something moved: runs of still rows are one line, and its
+height is capped. Under it, what ran otherwise than planned.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fwdcheck.report.layout import notes
 from fwdcheck.result import CheckResult
 
 MAP_WIDTH = 64  # leak maps wider than this many positions are binned
+MAP_ROWS = 24  # lines of a leak map drawn at most; the JSON report holds it whole
 
 
 class Options(CheckOptions):
@@ -79,23 +81,54 @@ def leak_map(r: CheckResult) -> RenderableType:
             f"query\\k 0..{last}" + (f" ({bins} positions per char)" if bins > 1 else ""),
             "token k alone changed",
         )
-    lines = [Text(header, style="dim")]
+    rows: list[tuple[int, Text]] = []  # (first query of the row, its cells)
     for qbin in range(-(-last // bins)):
         queries = slice(qbin * bins, (qbin + 1) * bins)
-        line = Text(f"{qbin * bins:>6}  ")
+        cells = Text()
         if leak["kind"] == "cut":
             for c in columns:
-                line.append(_cell(c["change"][queries], threshold))
-                line.append(" " * len(str(c["k"])))  # the column is as wide as its label "k "
+                cells.append(_cell(c["change"][queries], threshold))
+                cells.append(" " * len(str(c["k"])))  # the column is as wide as its label "k "
         else:
             for kbin in range(-(-(last + 1) // bins)):
                 group = [c for c in columns if kbin * bins <= c["k"] < (kbin + 1) * bins]
-                line.append(_cell([v for c in group for v in c["change"][queries]], threshold))
-        lines.append(line)
+                cells.append(_cell([v for c in group for v in c["change"][queries]], threshold))
+        rows.append((qbin * bins, cells))
+    if not any(_moved(cells) for _, cells in rows):  # a map of dots says what one line says
+        return Group(Text(f"leak map: every earlier position still ({len(rows)} query rows)", style="dim"), *said)
     legend = Text(
         f"# moved beyond {threshold:.2g}, . still, N NaN/Inf, blank: not before k. Columns: {kind}.", style="dim"
     )
-    return Group(*lines, legend, *said)
+    return Group(Text(header, style="dim"), *_drawn(rows, bins), legend, *said)
+
+
+def _drawn(rows: list[tuple[int, Text]], bins: int) -> list[Text]:
+    """The map's lines: a row with something moved as it is, a run of rows where nothing moved as one line, and
+    at most MAP_ROWS lines, the last saying what was left out."""
+    lines: list[Text] = []
+    i = 0
+    while i < len(rows):
+        start, cells = rows[i]
+        still = i
+        while still < len(rows) and not _moved(rows[still][1]):
+            still += 1
+        if still - i >= 2:  # a run of still rows: one line
+            end = rows[still - 1][0] + bins - 1
+            lines.append(Text(f"{start:>6}  ", style="dim").append(f"… to {end}: still", style="dim green"))
+            i = still
+            continue
+        lines.append(Text(f"{start:>6}  ").append_text(cells))
+        i += 1
+    if len(lines) > MAP_ROWS:
+        left = lines[MAP_ROWS - 1 :]
+        moved = sum(1 for line in left if "#" in line.plain or "N" in line.plain)
+        lines = lines[: MAP_ROWS - 1]
+        lines.append(Text(f"        … {len(left)} more lines, {moved} with a leak (the JSON report holds the map)"))
+    return lines
+
+
+def _moved(cells: Text) -> bool:
+    return "#" in cells.plain or "N" in cells.plain
 
 
 def _single_row(r: CheckResult) -> str | None:

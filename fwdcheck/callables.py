@@ -4,6 +4,7 @@ fail one clear ModelLoadError line."""
 
 from __future__ import annotations
 
+import difflib
 import pkgutil
 import re
 import sys
@@ -45,7 +46,10 @@ def resolve_callable(reference: str, what: str) -> Callable:
                 f"{what} '{reference}': importing '{module_name}' raised "
                 f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}"
             ) from exc
-        raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'") from exc
+        module = sys.modules[module_name]
+        close = difflib.get_close_matches(attr, [n for n in vars(module) if callable(getattr(module, n, None))], n=1)
+        hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+        raise ModelLoadError(f"{what} '{reference}': module '{module_name}' has no attribute '{attr}'{hint}") from exc
     except BaseException as exc:  # SystemExit too: a script that parses sys.argv or exits at import
         if not model_failure(exc):
             raise

@@ -585,15 +585,10 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
 
     if o.format == Format.rich:
         if o.output is None:
-            attempt(
-                write_stdout,
-                lambda stream: render_terminal(
-                    outcome, StdoutConsole(file=stream, width=report_width(stream)), o.verbosity, o.debug
-                ),
-            )
+            attempt(write_stdout, lambda stream: render_stdout(outcome, stream, o.verbosity, o.debug))
         else:  # into the file only, as --output promises: "instead of stdout"
-            text = recorded(outcome, o.verbosity, o.debug).export_text(styles=False)
-            attempt(write_whole, o.output, text)
+            text = recorded(outcome, o.verbosity, o.debug, terminal=False).export_text(styles=False)
+            attempt(write_whole, o.output, without_trailing_spaces(text))
     else:
         text = render_text(outcome, o.format)
         if o.output is None:
@@ -649,14 +644,34 @@ def report_width(stream) -> int | None:
     return None if isatty(stream) or os.environ.get("COLUMNS", "").isdigit() else 120
 
 
-def render_terminal(outcome: Outcome, console: Console, verbosity: Verbosity, debug: bool) -> None:
-    """Each config's terminal report; with several, a last line with each one's verdict and the exit code."""
+def render_stdout(outcome: Outcome, stream, verbosity: Verbosity, debug: bool) -> None:
+    """The terminal report on stdout. On a terminal, as rich draws it for the window. Off one (a pipe, a file, a CI
+    log) every text is whole, and no line ends in the spaces rich pads a table's lines with."""
+    if isatty(stream):
+        render_terminal(outcome, StdoutConsole(file=stream), verbosity, debug)
+        return
+    buffer = io.StringIO()
+    render_terminal(outcome, Console(file=buffer, width=report_width(stream)), verbosity, debug, terminal=False)
+    stream.write(without_trailing_spaces(buffer.getvalue()))
+
+
+def without_trailing_spaces(text: str) -> str:
+    """Each line's trailing spaces gone, also before the style codes that end a coloured line."""
+    return re.sub(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$", r"\1", text, flags=re.MULTILINE)
+
+
+def render_terminal(
+    outcome: Outcome, console: Console, verbosity: Verbosity, debug: bool, terminal: bool | None = None
+) -> None:
+    """Each config's terminal report; with several, a last line with each one's verdict and the exit code, and
+    each quiet line led by its config's name."""
     from fwdcheck.report.terminal import render
 
     for i, report in enumerate(outcome.reports):
         if i and verbosity != Verbosity.quiet:
             console.print()
-        render(report, console, debug=debug, verbosity=verbosity.value)
+        name = Path(report.config_path or report.model.get("label", "?")).name if outcome.several else None
+        render(report, console, debug=debug, verbosity=verbosity.value, name=name, terminal=terminal)
     if outcome.several:
         each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
         each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
@@ -711,10 +726,10 @@ def render_text(outcome: Outcome, fmt: Format) -> str:
     return "\n".join(to_markdown(r) for r in reports)
 
 
-def recorded(outcome: Outcome, verbosity: Verbosity, debug: bool) -> Console:
+def recorded(outcome: Outcome, verbosity: Verbosity, debug: bool, terminal: bool = True) -> Console:
     """The terminal report rendered into a recording console, for text, HTML and SVG export."""
     console = Console(file=io.StringIO(), record=True, width=120, force_terminal=True, color_system="truecolor")
-    render_terminal(outcome, console, verbosity, debug)
+    render_terminal(outcome, console, verbosity, debug, terminal=terminal)
     return console
 
 

@@ -31,7 +31,9 @@ from pydantic import (
 
 from fwdcheck.bugs import BUGS
 from fwdcheck.errors import ConfigError, UsageError
+from fwdcheck.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
 from fwdcheck.rename import parse_rule
+from fwdcheck.validation_words import in_plain_words
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
@@ -185,7 +187,9 @@ class FactoryModel(ModelSpec):
     @classmethod
     def _module_colon_callable(cls, value: str | None) -> str | None:
         if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
-            raise ValueError(f"'{value}' is not of the form 'package.module:callable'")
+            module, dot, name = value.rpartition(".")
+            hint = f"; did you mean '{module}:{name}'?" if dot and module and name and ":" not in value else ""
+            raise ValueError(f"'{value}' is not of the form 'package.module:callable'{hint}")
         return value
 
 
@@ -249,16 +253,36 @@ class PackingSpec(Strict):
 
 class PythonModel(FactoryModel):
     source: Literal["python"]
-    path: list[Path] = Field(default_factory=list, description="directories put on sys.path before the import")
+    python_path: list[Path] = Field(
+        default_factory=list, description="directories put on sys.path before the import (as source checkpoint's)"
+    )
+    # `path:` is python_path's former name, still read with a note: it names the model's files in the other sources
+    # (the weights file of `checkpoint`, the directory of `hf`)
+    path: list[Path] | None = Field(None, description="the former name of python_path, still read")
     cache: CacheSpec | None = Field(None, description="how to decode through the model's KV cache (kv-cache check)")
     loss: LossSpec | None = Field(None, description="how forward computes its loss from labels (label-shift check)")
     packing: PackingSpec | None = Field(None, description="how forward isolates packed documents (packing check)")
 
+    @model_validator(mode="after")
+    def _former_path(self) -> PythonModel:
+        if self.path is not None:
+            if self.python_path:
+                raise ValueError("give python_path alone: path is its former name")
+            self.python_path = list(self.path)
+        return self
+
+    @property
+    def former_spellings(self) -> list[str]:
+        """A note for each key given in a former spelling."""
+        if self.path is None:
+            return []
+        return ["model.path: python_path's former name (sys.path directories), still read; write python_path"]
+
     def resolve_paths(self, base: Path) -> None:
-        self.path = [_resolve(p, base) for p in self.path]
+        self.python_path = [_resolve(p, base) for p in self.python_path]
 
     def code_dirs(self) -> list[Path]:
-        return list(self.path)
+        return list(self.python_path)
 
 
 class CheckpointModel(FactoryModel):
@@ -297,7 +321,11 @@ class HFModel(ModelSpec):
     shards_itself: ClassVar[bool] = True  # transformers' tp_plan
 
     source: Literal["hf"]
-    path: Path | None = Field(None, description="a directory with config.json (and weights, optionally)")
+    path: Path | None = Field(
+        None,
+        description="a directory with config.json (and weights, optionally), or a hub id (org/name) read from the "
+        "local Hugging Face cache",
+    )
     config: dict[str, Any] | None = Field(None, description="an inline config with model_type, instead of path")
     model_class: str | None = Field(
         None, alias="class", description="e.g. BertForMaskedLM; default AutoModelForCausalLM"
@@ -315,8 +343,22 @@ class HFModel(ModelSpec):
         return self
 
     def resolve_paths(self, base: Path) -> None:
-        if self.path is not None:
-            self.path = _resolve(self.path, base)
+        """A directory relative to the config's, or a hub id (`org/name`) that is no directory here: its snapshot in
+        the local Hugging Face cache, never downloaded."""
+        if self.path is None:
+            return
+        local = _resolve(self.path, base)
+        given = self.path.as_posix()
+        if local.exists() or self.path.is_absolute() or not looks_like_hub_id(given):
+            self.path = local
+            return
+        try:
+            self.path = cached_snapshot(given)
+        except NotCached as exc:
+            raise ConfigError(
+                f"model.path: '{given}' is no directory here ({local}) and {exc}; fwdcheck never downloads: fetch "
+                f"it with `huggingface-cli download {given}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
+            ) from None
 
     def files_read(self) -> list[tuple[str, Path]]:
         if self.path is None:
@@ -461,8 +503,22 @@ class RunConfig(Strict):
     @classmethod
     def _known_device(cls, value: str) -> str:
         if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
-            raise ValueError("Input should be 'cpu', 'cuda', 'cuda:N' or 'auto'")
+            raise ValueError("expected cpu, cuda, cuda:N or auto")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_spellings(cls, value: Any) -> Any:
+        """bf16, fp16, fp32 and torch's own spellings (torch.bfloat16, half) as the names they stand for."""
+        return DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
+
+
+# The other ways a dtype is written (mixed-precision flags, torch's names), by the name fwdcheck takes
+DTYPE_SPELLINGS = {
+    **{spelling: "float32" for spelling in ("fp32", "f32", "float", "torch.float32", "torch.float")},
+    **{spelling: "bfloat16" for spelling in ("bf16", "torch.bfloat16")},
+    **{spelling: "float16" for spelling in ("fp16", "f16", "half", "torch.float16", "torch.half")},
+}
 
 
 def _rename_rule(rule: str) -> str:
@@ -731,7 +787,10 @@ def config_from_dict(document: Any, origin: Path | None = None) -> Config:
     except RecursionError:  # pragma: no cover - the depth check above keeps pydantic well inside its limits
         raise ConfigError(f"{name}: nested too deeply to validate") from None
     config.source_path = origin
-    config.model.resolve_paths(origin.parent if origin else Path.cwd())
+    try:
+        config.model.resolve_paths(origin.parent if origin else Path.cwd())
+    except ConfigError as exc:  # a path the file names, not found where it says
+        raise ConfigError(f"{name}: {exc}") from None
     return config
 
 
@@ -768,7 +827,11 @@ def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
         return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(MODEL_CLASSES)})"
     got = error.get("input")
     shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
-    text = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "value_error":  # fwdcheck's own words, the value named once
+        text = error["msg"].removeprefix("Value error, ")
+        shown = "" if isinstance(got, str) and got in text else shown
+    else:
+        text = in_plain_words(error)
     return f"{loc}: {text}{shown}" if loc else f"{text}{shown}"
 
 
@@ -798,7 +861,8 @@ def _did_you_mean(loc: tuple, *, name_valid_keys: bool) -> str:
         cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
     if cls is None:
         return ""
-    valid = [name for name in cls.model_fields if name != "source_path"]
+    # each key as a config writes it: `class:`, the alias of a field Python cannot name `class`
+    valid = [field.alias or name for name, field in cls.model_fields.items() if name != "source_path"]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
         return f"; did you mean '{close[0]}'?"

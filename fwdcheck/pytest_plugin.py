@@ -8,8 +8,11 @@
     def test_model(fwdcheck):             # the fixture is fwdcheck.check_model
         fwdcheck(MyModel()).raise_for_failures()
 
-A config is a *.yaml / *.yml file that parses as a mapping with a `model:` key; other YAML files under the path are
-left alone (a file named directly is always read as a config). Each check the config selects is one item: it passes,
+Under a directory, a file named as the `fwdcheck_files` ini option says (default `fwdcheck*.yaml *.fwdcheck.yaml`
+and their .yml spellings, as pytest's `python_files` names test modules) is a config, and its errors are collection
+errors; any other YAML file is collected only when it is a valid fwdcheck config, and otherwise left alone (a
+Hydra-style `configs/train.yaml` with a `model:` key of its own is not an error: the run's summary names it). A file
+named directly is always read as a config. Each check the config selects is one item: it passes,
 fails with the check's findings, or skips with the check's reason. A golden file beside the config (gpt.golden.json
 for gpt.yaml, written by `fwdcheck run gpt.yaml --save-golden gpt.golden.json`) adds the item `golden`, which compares
 the model with it as --expect-golden does. A config that does not validate is one collection
@@ -23,6 +26,7 @@ fwdcheck's runner: only the fixture exists, and it imports fwdcheck when a test 
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import warnings
@@ -34,6 +38,7 @@ import pytest
 MARKER = "fwdcheck"
 _MODEL_KEY = re.compile(r"^model\s*:", re.MULTILINE)
 _MAX_CONFIG_BYTES = 1 << 20  # a YAML file larger than this under a --fwdcheck directory is data, not a config
+CONFIG_FILES = ["fwdcheck*.yaml", "fwdcheck*.yml", "*.fwdcheck.yaml", "*.fwdcheck.yml"]  # the ini's fwdcheck_files
 
 
 class FwdcheckWarning(UserWarning):
@@ -51,8 +56,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="PATH",
         dest="fwdcheck_paths",
-        help="collect every fwdcheck config (*.yaml/*.yml with a `model:` key) under PATH, a file or a "
-        "directory; one test item per check. Repeatable.",
+        help="collect the fwdcheck configs under PATH, a file or a directory (files named as the ini option "
+        "fwdcheck_files says, and other YAML files that are valid configs); one test item per check. Repeatable.",
     )
     group.addoption(
         "--fwdcheck-fail-on",
@@ -81,10 +86,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         help="config files or directories collected as if given with --fwdcheck (relative to the ini file)",
     )
+    parser.addini(
+        "fwdcheck_files",
+        type="args",
+        default=CONFIG_FILES,
+        help="glob patterns of the file names that are fwdcheck configs under a --fwdcheck directory (their errors "
+        f"are reported; other YAML files are collected only when they are valid configs); default: "
+        f"{' '.join(CONFIG_FILES)}",
+    )
 
 
 _ROOTS = pytest.StashKey[list]()  # the absolute config paths / directories to collect
 _FOUND = pytest.StashKey[dict]()  # root -> configs collected under it
+_LEFT_ALONE = pytest.StashKey[dict]()  # YAML file -> why it is not a fwdcheck config
 
 
 def _roots(config: pytest.Config) -> list[Path]:
@@ -105,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
             roots.append(path)
     config.stash[_ROOTS] = roots
     config.stash[_FOUND] = {root: 0 for root in roots}
+    config.stash[_LEFT_ALONE] = {}
     if not roots or config.getoption("pyargs", False):
         return
     if config.getoption("fwdcheck_paths") and config.args_source != pytest.Config.ArgsSource.ARGS:
@@ -139,9 +154,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         if count == 0:
             terminalreporter.write_line(
                 f"fwdcheck: no configs found under {_shown(root, invocation)} "
-                "(a config is a *.yaml/*.yml mapping with a `model:` key)",
+                f"(a config is named {' or '.join(config.getini('fwdcheck_files'))}, or is a valid config)",
                 yellow=True,
             )
+    for path, why in config.stash.get(_LEFT_ALONE, {}).items():
+        terminalreporter.write_line(
+            f"fwdcheck: left alone {_shown(path, invocation)}: not a fwdcheck config ({why}); a config named "
+            f"{' or '.join(config.getini('fwdcheck_files'))} is collected and its errors reported"
+        )
 
 
 # -- collection -------------------------------------------------------------------------------------------------------
@@ -154,7 +174,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     path = Path(os.path.abspath(file_path))
     named = [r for r in roots if r == path]
     under = [r for r in roots if r in path.parents]
-    if not named and not (under and _looks_like_config(path)):
+    if not named and not (under and (_named_as_config(path, parent.config) or _valid_config(path, parent.config))):
         return None
     found = parent.config.stash[_FOUND]
     for root in named or under:
@@ -162,9 +182,29 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     return ConfigFile.from_parent(parent, path=file_path)
 
 
-def _looks_like_config(path: Path) -> bool:
-    """A mapping with a `model` key; a file that does not parse counts when a line starts with `model:`, so that a
-    broken config is reported rather than silently left out."""
+def _named_as_config(path: Path, config: pytest.Config) -> bool:
+    """Named as the ini's fwdcheck_files says: a config, whatever it holds (a broken one is a collection error)."""
+    return any(fnmatch.fnmatch(path.name, pattern) for pattern in config.getini("fwdcheck_files"))
+
+
+def _valid_config(path: Path, config: pytest.Config) -> bool:
+    """Another name: a config only when it is a valid one. A mapping with a `model` key that does not validate is
+    another tool's file (a Hydra config's `model:`), left alone and named in the run's summary."""
+    if not _has_model_key(path):
+        return False
+    from fwdcheck.config import load_config
+    from fwdcheck.errors import FwdcheckError, first_line
+
+    try:
+        load_config(path)
+    except FwdcheckError as exc:
+        config.stash[_LEFT_ALONE][path] = first_line(exc).removeprefix(f"{path}: ")
+        return False
+    return True
+
+
+def _has_model_key(path: Path) -> bool:
+    """A mapping with a `model` key, read without fwdcheck: what every config is."""
     try:
         if path.stat().st_size > _MAX_CONFIG_BYTES:
             return False

@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from fwdcheck.errors import CheckLoadError, UsageError
+from fwdcheck.validation_words import in_plain_words
 
 if TYPE_CHECKING:  # pydantic is imported on use: listing the checks must stay cheap
     from pydantic import BaseModel
@@ -413,7 +414,8 @@ def _options_problems(check: str, model: type[BaseModel], exc) -> str:
         else:
             got = error.get("input")
             shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
-            problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}{shown}")
+            text = error["msg"].removeprefix("Value error, ") if error["type"] == "value_error" else None
+            problems.append(f"{where}: {text or in_plain_words(error)}{shown}")
     return "; ".join(problems)
 
 

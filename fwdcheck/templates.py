@@ -41,7 +41,7 @@ model:
   # Keyword arguments for the factory. Size ones (n_layers, d_model, n_heads, vocab_size, d_ff, ...) let
   # `fwdcheck shrink` write a small copy of a model too big to run here.
   kwargs: {vocab_size: 16, d_model: 8, n_heads: 2, n_layers: 2}
-  path: []                 # directories put on sys.path first, relative to this file (its own folder always is)
+  python_path: []          # directories put on sys.path first, relative to this file (its own folder always is)
   causal: true             # false for bidirectional encoders: future-token then skips its causal part
   # vocab_size: 16         # when neither model.config.vocab_size nor an nn.Embedding tells it
   # forward: "mypkg.adapters:logits"     # (model, input_ids, **kw) -> logits, for another call convention

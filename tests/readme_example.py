@@ -39,8 +39,8 @@ PANELS = 1  # detail panels shown; the others are elided, the verdict line close
 
 
 def example() -> str:
-    """The fenced block: the command, then its default report up to the end of the first detail panel, then '...'
-    and the verdict line."""
+    """The fenced block: the command, then its default report up to the end of the first detail panel, then '...',
+    the short summary and the verdict line."""
     config = load_config(ROOT / CONFIG)
     report = run_model(load_model(config), Settings.from_config(config), select(config.checks), config_path=CONFIG)
     console = Console(file=io.StringIO(), width=WIDTH, color_system=None)
@@ -49,7 +49,8 @@ def example() -> str:
     panel_ends = [i for i, line in enumerate(lines) if line.startswith("╰")]
     shown = lines[: panel_ends[PANELS - 1] + 1] if len(panel_ends) > PANELS else lines[:-1]
     elided = ["..."] if len(panel_ends) > PANELS else []
-    return "\n".join(["```", f"$ fwdcheck run {CONFIG}", *shown, *elided, lines[-1], "```"])
+    summary = next((i for i, line in enumerate(lines) if line.startswith("short summary")), len(lines) - 1)
+    return "\n".join(["```", f"$ fwdcheck run {CONFIG}", *shown, *elided, *lines[summary:], "```"])
 
 
 GOLDEN_MAIN, GOLDEN_BRANCH = "examples/golden/main.yaml", "examples/golden/branch.yaml"

@@ -53,7 +53,10 @@ def test_planted_bug_fails_with_its_findings():
     assert isinstance(raised.value, AssertionError)  # test runners show it as a failed assertion
     assert raised.value.report is report
     message = str(raised.value)
-    assert "future-token: fail" in message and "mask-audit: fail" in message
+    assert message.startswith("fwdcheck: failed (exit 1)\n")
+    assert "\nfuture-token FWD101: " in message and "\nmask-audit FWD201: " in message
+    # the model code's file:line, to open in an editor
+    assert "(at layers.0.attn fwdcheck/reference.py:" in message
 
     document = json.loads(report.to_json(indent=2))
     assert document["status"] == "fail" and document["exit_code"] == 1

@@ -202,7 +202,7 @@ def build_marked(marker):
 @pytest.fixture
 def helpers(tmp_path, monkeypatch):
     """Writes the helper models into tmp_path; returns a function that writes a python-source config next to them
-    (`path: ["."]`, relative to the config file) and returns its path."""
+    (`python_path: ["."]`, relative to the config file) and returns its path."""
     (tmp_path / f"{HELPERS}.py").write_text(HELPER_SOURCE)
     monkeypatch.delitem(sys.modules, HELPERS, raising=False)  # each test imports its own copy, and forgets it after
 
@@ -212,7 +212,7 @@ def helpers(tmp_path, monkeypatch):
             "model:\n"
             "  source: python\n"
             f'  factory: "{HELPERS}:{factory}"\n'
-            '  path: ["."]\n'
+            '  python_path: ["."]\n'
             "  vocab_size: 16\n"
             + textwrap.indent(textwrap.dedent(extra), "  ")
             + "inputs: {batch_size: 2, seq_len: 4}\n"
@@ -499,7 +499,7 @@ def odd_document(kind: str) -> dict:
             "source": "python",
             "factory": "odd_failures:build",
             "kwargs": {"kind": kind},
-            "path": [str(BAD_MODELS)],
+            "python_path": [str(BAD_MODELS)],
             "vocab_size": 16,
         },
         "inputs": {"batch_size": 2, "seq_len": 4},
@@ -894,22 +894,22 @@ def _deep(depth: int) -> str:
 
 
 LEDGER_CASES = {
-    "entries-null": (lambda saved: {**saved, "entries": None}, "entries: Input should be a valid list (got None)"),
+    "entries-null": (lambda saved: {**saved, "entries": None}, "entries: expected a list (got None)"),
     "entries-not-a-list": (
         lambda saved: {**saved, "entries": {"logits": ["B"]}},
-        "entries: Input should be a valid list",
+        "entries: expected a list",
     ),
     "name-a-number": (
         lambda saved: {**saved, "entries": [{**saved["entries"][0], "name": 3}]},
-        "entries[0].name: Input should be a valid string (got 3)",
+        "entries[0].name: expected a text (a string) (got 3)",
     ),
     "dims-a-string": (
         lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": "BT"}]},
-        "entries[0].dims: Input should be a valid list (got 'BT')",
+        "entries[0].dims: expected a list (got 'BT')",
     ),
     "dims-nested": (
         lambda saved: {**saved, "entries": [{**saved["entries"][0], "dims": [["B"], ["T"]]}]},
-        "entries[0].dims[0]: Input should be a valid string",
+        "entries[0].dims[0]: expected a text (a string)",
     ),
     "shape-and-dims-disagree": (
         lambda saved: {**saved, "entries": [{**saved["entries"][0], "shape": [2]}]},
@@ -917,17 +917,17 @@ LEDGER_CASES = {
     ),
     "dimension-nan": (
         lambda saved: {**saved, "dims": {**saved["dims"], "h": "NaN"}},
-        "dims.h: Input should be a valid integer (got nan)",
+        "dims.h: expected a whole number (got nan)",
     ),
     "dimension-a-float": (
         lambda saved: {**saved, "dims": {**saved["dims"], "h": 2.5}},
-        "dims.h: Input should be a valid integer",
+        "dims.h: expected a whole number",
     ),
     "duplicated-entry": (
         lambda saved: {**saved, "entries": saved["entries"] + saved["entries"][-1:]},
         "is listed twice (first as entries[",
     ),
-    "newer-version": (lambda saved: {**saved, "fwdcheck_ledger": 2}, "fwdcheck_ledger: Input should be 1 (got 2)"),
+    "newer-version": (lambda saved: {**saved, "fwdcheck_ledger": 2}, "fwdcheck_ledger: expected 1 (got 2)"),
     "no-entries": (lambda saved: {"dims": saved["dims"]}, "not a ledger written by --save-ledger"),
     "nested-100-deep": (lambda saved: _deep(100), "nested more than 64 levels deep"),
     "nested-100000-deep": (lambda saved: _deep(100_000), "nested too deeply"),

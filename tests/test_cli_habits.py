@@ -63,7 +63,8 @@ def test_several_configs_make_one_report_and_the_worst_exit_code(tmp_path):
     assert [s.get("name") for s in suites] == [str(TOY), str(BROKEN)]
     terminal = invoke("run", TOY, BROKEN, "-q")
     lines = terminal.stdout.strip().splitlines()
-    assert lines[0].startswith("fwdcheck: passed (exit 0)") and lines[1].startswith("fwdcheck: failed (exit 1)")
+    assert lines[0].startswith("fwdcheck toy.yaml: passed (exit 0)")
+    assert lines[1].startswith("fwdcheck inverted-bool-mask.yaml: failed (exit 1)")
     assert lines[-1] == "2 configs: toy.yaml passed, inverted-bool-mask.yaml failed → exit 1"
 
 

@@ -22,9 +22,9 @@ def test_every_problem_is_listed_unknown_keys_first():
     )
     assert line == (
         "config: model.n_head: unknown key; did you mean 'n_heads'?; "
-        "model.vocab_size: Input should be greater than 0 (got -1); "
-        "inputs.seq_len: Input should be greater than or equal to 2 (got 1); "
-        "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'f8')"
+        "model.vocab_size: must be greater than 0 (got -1); "
+        "inputs.seq_len: must be at least 2 (got 1); "
+        "dtype: expected one of float32, bfloat16 or float16 (got 'f8')"
     )
 
 

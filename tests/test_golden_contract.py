@@ -346,7 +346,7 @@ BAD_FILES = {
     "nan": (lambda d: json.dumps(d).replace('"absmax": ', '"absmax": NaN, "x": ', 1), "NaN is not JSON"),
     "mean-a-string": (
         lambda d: {**d, "outputs": [{**d["outputs"][0], "mean": "0.1"}]},
-        "outputs[0].mean: Input should be a valid number",
+        "outputs[0].mean: expected a number",
     ),
     "no-run": (lambda d: {k: v for k, v in d.items() if k != "run"}, "run: required key is missing"),
     "listed-twice": (
@@ -355,7 +355,7 @@ BAD_FILES = {
     ),
     "negative-tolerance": (
         lambda d: {**d, "tolerance": {"rtol": -1, "atol": 0}},
-        "tolerance.rtol: Input should be greater than or equal to 0",
+        "tolerance.rtol: must be at least 0",
     ),
     # Cut short, a file would compare fewer numbers (zip stops at the shorter): a model with rows swapped could pass.
     "values-emptied": (

@@ -155,15 +155,15 @@ def test_a_plugins_view_flag_and_codes_are_the_command_lines(plugin, tmp_path):
 def test_a_wrong_plugin_option_is_one_line_naming_it(plugin, tmp_path):
     for options, said in [
         ({"limt": 3}, "options.acme-bound.limt: unknown key; did you mean 'limit'?"),
-        ({"limit": -1}, "options.acme-bound.limit: Input should be greater than 0"),
-        ({"limit": "x"}, "options.acme-bound.limit: Input should be a valid number"),
+        ({"limit": -1}, "options.acme-bound.limit: must be greater than 0"),
+        ({"limit": "x"}, "options.acme-bound.limit: expected a number"),
     ]:
         path = config(tmp_path / "wrong.yaml", **toy(checks=["acme-bound"], options={"acme-bound": options}))
         result = invoke("run", path)
         assert result.exit_code == 2 and said in result.output, result.output
         assert "Traceback" not in result.output
     result = invoke("run", config(tmp_path / "flag.yaml", **toy(checks=["acme-bound"])), "--acme-limit", "-3")
-    assert result.exit_code == 2 and "options.acme-bound.limit: Input should be greater than 0" in result.output
+    assert result.exit_code == 2 and "options.acme-bound.limit: must be greater than 0" in result.output
 
 
 @pytest.mark.parametrize(
@@ -192,7 +192,7 @@ def test_an_options_section_for_no_such_check_is_refused_with_a_did_you_mean(tmp
 @pytest.mark.parametrize("section", [3, "fast", [1]])
 def test_a_check_section_that_is_not_a_mapping_is_one_line(tmp_path, section):
     result = invoke("run", config(tmp_path / "s.yaml", **toy(options={"future-token": section})))
-    assert result.exit_code == 2 and "options.future-token: Input should be a valid dictionary" in result.output
+    assert result.exit_code == 2 and "options.future-token: expected a mapping (key: value pairs)" in result.output
     assert "Traceback" not in result.output and "internal error" not in result.output
 
 

@@ -185,7 +185,7 @@ def test_configs_become_items(tester, monkeypatch):
         "FAILED",
     ]
     result.stdout.fnmatch_lines(
-        ["E*ChecksFailed: fwdcheck: exit 1", "E*future-token: fail: *", "E*mask-audit: fail: *"]
+        ["E*ChecksFailed: fwdcheck: failed (exit 1)", "E*future-token FWD101: *", "E*mask-audit FWD201: *(at *)"]
     )
 
     # one model build and one run per config, whatever the number of its items
@@ -239,7 +239,7 @@ def test_collection_errors_and_what_a_directory_holds(tester):
     (root / "workflow.yml").write_text("on: push\njobs: {}\n")  # YAML, not a config
     (root / "list.yaml").write_text("- model\n- data\n")  # not a mapping
     (root / "notes.txt").write_text("model: a config by content, not by extension\n")
-    (root / "half-written.yaml").write_text("model:\n  source: reference\n  d_model: [8\n")  # a config, broken
+    (root / "half-written.fwdcheck.yaml").write_text("model:\n  source: reference\n  d_model: [8\n")  # a config, broken
     tester.path.joinpath("bad.yaml").write_text("model:\n  source: reference\n  n_head: 2\n")
     tester.path.joinpath("typo.yaml").write_text("model: {source: reference}\nchecks: [future-tokens]\n")
     result = run(
@@ -254,7 +254,10 @@ def test_collection_errors_and_what_a_directory_holds(tester):
     for title, line in [
         ("ERROR collecting bad.yaml", "bad.yaml: model.n_head: unknown key; did you mean 'n_heads'?"),
         ("ERROR collecting typo.yaml", "unknown check 'future-tokens'; did you mean 'future-token'? known: *"),
-        ("ERROR collecting configs/half-written.yaml", "configs/half-written.yaml: not valid YAML at line *"),
+        (
+            "ERROR collecting configs/half-written.fwdcheck.yaml",
+            "configs/half-written.fwdcheck.yaml: not valid YAML at line *",
+        ),
     ]:
         text = section(result, title).splitlines()
         assert len(text) == 1, text  # one line: no traceback of fwdcheck internals
@@ -351,3 +354,34 @@ def test_a_golden_file_beside_a_config_is_checked(tester):
     result = run(tester, "--fwdcheck", "configs")
     assert result.ret == 2
     result.stdout.fnmatch_lines(["configs/toy.golden.json: made with another config: seed 0 (this run: 5)*"])
+
+
+def test_a_yaml_of_another_tool_is_left_alone(tester):
+    """A Hydra-style configs/train.yaml with a `model:` key of its own is no collection error: it is left alone and
+    named in the summary, while the configs beside it are collected; a file named as a config reports its errors,
+    and the ini option fwdcheck_files changes what a config's name is."""
+    root = tester.path / "configs"
+    root.mkdir()
+    (root / "train.yaml").write_text(
+        "defaults: [_self_]\nmodel:\n  _target_: mylib.GPT\n  n_layer: 12\noptim: {lr: 3e-4}\n"
+    )
+    shutil.copy(tester.path / "sample_configs" / "toy.yaml", root / "toy.yaml")
+    shutil.copy(tester.path / "sample_configs" / "toy.yaml", root / "fwdcheck-gpt.yaml")
+    result = run(tester, "--fwdcheck", "configs", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.OK
+    items = [line for line in result.stdout.lines if "::" in line]
+    assert items == [f"configs/fwdcheck-gpt.yaml::{n}" for n in CHECKS] + [f"configs/toy.yaml::{n}" for n in CHECKS]
+    result.stdout.fnmatch_lines(["fwdcheck: left alone configs/train.yaml: not a fwdcheck config (*); *"])
+
+    # the same file, named as a config is: its error is the collection error it should be
+    shutil.copy(root / "train.yaml", root / "train.fwdcheck.yaml")
+    result = run(tester, "--fwdcheck", "configs", "--collect-only", "-q")
+    result.assert_outcomes(errors=1)
+    assert "ERROR collecting configs/train.fwdcheck.yaml" in result.stdout.str()
+    (root / "train.fwdcheck.yaml").unlink()
+
+    # every *.yaml a config by its name: the ini option, as python_files
+    tester.makeini("[pytest]\nfwdcheck_files = *.yaml\n")
+    result = run(tester, "--fwdcheck", "configs", "--collect-only", "-q")
+    result.assert_outcomes(errors=1)
+    assert "ERROR collecting configs/train.yaml" in result.stdout.str()

@@ -47,7 +47,7 @@ def test_exhaustive_leak_map_is_a_full_upper_triangle():
 
 def test_long_sequences_bin_the_leak_map():
     report = run_checks(
-        {"source": "reference", "max_seq_len": 256},
+        {"source": "reference", "max_seq_len": 256, "bugs": ["no-causal-mask"]},
         ["future-token"],
         exhaustive=True,
         inputs={"batch_size": 1, "seq_len": 150},
@@ -55,7 +55,20 @@ def test_long_sequences_bin_the_leak_map():
     text = rendered(report)
     assert "3 positions per char" in text
     leak_map = text.split("query\\k")[1].split("# moved beyond")[0]
-    assert "." in leak_map and "#" not in leak_map
+    assert "#" in leak_map
+    rows = [line for line in leak_map.splitlines()[1:] if line.strip("│ ")]  # under the header, in the panel
+    assert len(rows) == 24  # 50 rows of bins, the height capped
+
+
+def test_long_sequences_on_a_causal_model_draw_no_map():
+    report = run_checks(
+        {"source": "reference", "max_seq_len": 256},
+        ["future-token"],
+        exhaustive=True,
+        inputs={"batch_size": 1, "seq_len": 150},
+    )
+    text = rendered(report)
+    assert "query\\k" not in text and "leak map: every earlier position still (50 query rows)" in text
 
 
 def test_every_section_renders_for_a_clean_model():

@@ -359,7 +359,7 @@ def test_python_kwargs_shrink_by_name_and_the_copy_finds_the_factory_from_the_wo
     }  # 4 query heads per kv head, head size 16
     assert model["vocab_size"] == 512 and model["dims"] == {"d": 128, "h": 8, "h_kv": 2, "d_h": 16, "V": 512}
     assert model["rope"] == {"base": 10000, "rotary_dim": 16}  # the whole head, as before
-    assert model["path"] == [str(project / "src"), str(project)]  # the module, from here
+    assert model["python_path"] == [str(project / "src"), str(project)]  # the module, from here
     assert "meta" not in document
     assert any(line.split()[:3] == ["kwargs.n_layers", "32", "2"] for line in printed.splitlines()), printed
 
@@ -374,7 +374,7 @@ def test_checkpoint_becomes_the_factory_randomly_initialised_and_the_samples_sta
 
     model = document["model"]
     assert model["source"] == "python" and model["factory"] == "fwdcheck.reference:build"
-    assert not {"python_path", "strict", "trust_checkpoint"} & set(model)
+    assert not {"path", "strict", "trust_checkpoint"} & set(model)  # `path:` named the weights file
     assert "reference.safetensors are not carried over" in " ".join(printed.split())
 
     code, report = run_json(out)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode
 from fwdcheck.result import CheckResult, Status, worst
 from fwdcheck.text import clean, cleaned
+
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
 
 SCHEMA_VERSION = 1
 
@@ -81,14 +84,38 @@ class Report:
         return next(r for r in self.results if r.name == name)
 
     def raise_for_failures(self) -> None:
-        """Raise ChecksFailed listing each failing check's first finding, unless the report is ok."""
+        """Raise ChecksFailed unless the report is ok: one line per finding that failed it, with the model code's
+        file:line. Under pytest the traceback stops at the caller's line: fwdcheck's own frame is hidden."""
+        __tracebackhide__ = True  # pytest leaves this frame out of the failure's traceback
         if not self.ok:
-            lines = [
-                f"{r.name}: {r.status.value}: {r.findings[0].message if r.findings else r.summary}"
-                for r in self.results
-                if r.status in (Status.FAIL, Status.ERROR) or (self.fail_on == "warn" and r.status == Status.WARN)
-            ]
-            raise ChecksFailed(f"fwdcheck: exit {self.exit_code}\n" + "\n".join(lines), self)
+            from fwdcheck.report.terminal import counted
+
+            lines = []
+            for r in counted(self):
+                findings = [f for f in r.findings if f.status == r.status and not f.ignored]
+                lines += [f"{r.name}: {r.status.value}: {r.summary}"] if not findings else []
+                for f in findings:
+                    at = " ".join(part for part in (f.module, f.source or f.where) if part)
+                    lines.append(f"{r.name} {f.code}: {f.message}" + (f" (at {at})" if at else ""))
+            raise ChecksFailed(f"fwdcheck: {self.verdict} (exit {self.exit_code})\n" + "\n".join(lines), self)
+
+    def __str__(self) -> str:
+        """The terminal report's text, as `fwdcheck run` writes it to a file: nothing cut, no colour."""
+        import io
+
+        from rich.console import Console
+
+        from fwdcheck.report.terminal import render
+
+        buffer = io.StringIO()
+        render(self, Console(file=buffer, width=120, color_system=None), terminal=False)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The terminal report, for `rich.print(report)` and a notebook's rich display."""
+        from fwdcheck.report.terminal import parts
+
+        yield from parts(self, terminal=console.is_terminal)
 
     @classmethod
     def from_dict(

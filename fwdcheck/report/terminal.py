@@ -3,8 +3,10 @@ view the check names (Check.detail_view: the built-ins' live beside them, checks
 
 It only shows what the checks put in their results; it computes nothing but layout (report/layout.py). How much it
 shows is the reader's choice (Verbosity): a green run is a few lines, a red one shows the detail of what did not
-pass. Tables are laid out for the console's width: a word is never cut, and at a narrow width the least needed
-columns give way first.
+pass and ends, as pytest's "short test summary info" does, with one line per finding that failed it. Tables are
+laid out for the console's width: a word is never cut, and at a narrow width the least needed columns give way
+first. On a terminal a passing check's summary is cut to one line (its detail is a -v away); off one (a pipe, a
+file, a CI log, where nobody can widen the window) every text is whole.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import functools
 import math
 import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
+from rich.rule import Rule
 from rich.text import Text
 
 from fwdcheck.report import Report
@@ -54,39 +58,151 @@ def render(
     debug: bool = False,
     verbosity: Verbosity | str = Verbosity.DEFAULT,
     durations: bool = True,
+    name: str | None = None,
+    terminal: bool | None = None,
 ) -> None:
     """The report on `console`, laid out for its width. `durations` False leaves every time out, for text that must
-    not change from run to run (documentation, comparisons)."""
+    not change from run to run (documentation, comparisons). `name` (the config's file name, when a run has several)
+    leads the quiet line. `terminal` says whether a person reads it in a window they can widen (the console's own
+    idea when None): only there is a text cut short."""
     verbosity = Verbosity(verbosity)
     if verbosity == Verbosity.QUIET:
-        console.print(one_line(report, durations), soft_wrap=True)  # one line, however narrow: the terminal wraps it
+        console.print(one_line(report, durations, name), soft_wrap=True)  # one line, however narrow: it wraps
         return
+    terminal = console.is_terminal if terminal is None else terminal
+    for part in parts(report, debug, verbosity, durations, terminal):
+        console.print(part)
+
+
+def parts(
+    report: Report,
+    debug: bool = False,
+    verbosity: Verbosity = Verbosity.DEFAULT,
+    durations: bool = True,
+    terminal: bool = True,
+) -> list[RenderableType]:
+    """The report's pieces, top to bottom: the run's line, its notes, the summary table, the panels, the model's
+    shared exception, the short summary and the verdict."""
+    raised = shared_model_error(report)
     env = report.environment
-    console.print(
+    shown: list[RenderableType] = [
         Text.assemble(
             ("fwdcheck ", "bold"),
             f"· {report.model.get('label', '?')} · ",
             f"{env.get('device')} {env.get('dtype')} · B={env.get('batch_size')} "
             f"T={env.get('seq_len')} seed={env.get('seed')}",
         )
-    )
-    for note in report.notes:
-        console.print(Text(f"note: {note}", style="dim"))
-    console.print(summary_table(report, verbosity, durations))
-    for result in report.results:
+    ]
+    shown += [Text(f"note: {note}", style="dim") for note in report.notes]
+    results = [r for r in report.results if raised is None or r.name not in raised.checks]
+    if results:
+        shown.append(summary_table(results, verbosity, durations, terminal))
+    for result in results:
         if shows_detail(result, verbosity):
-            console.print(detail(result, debug, durations))
+            shown.append(detail(result, debug, durations))
         else:  # no panel to show them in: an ignored finding still shows, marked, on a line of its own
-            for f in result.findings:
-                if f.ignored:
-                    console.print(
-                        Text(
-                            f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})",
-                            style=IGNORED,
-                        )
-                    )
+            shown += [
+                Text(f"{result.name} {f.code} {f.status.value}: {f.message} (ignored: {f.ignored})", style=IGNORED)
+                for f in result.findings
+                if f.ignored
+            ]
+    if raised is not None:
+        shown.append(model_error_panel(raised, report, debug))
+    lines = short_summary(report, raised)
+    if lines:
+        shown.append(Rule(Text("short summary", style="bold"), align="left", style="dim"))
+        for line in lines:
+            if terminal:  # one line a finding, cut to the window; the panels above hold the rest
+                line.no_wrap, line.overflow = True, "ellipsis"
+            shown.append(Group(line))  # as it is: console.print would join a bare Text to others, losing no_wrap
     word, style = verdict(report)
-    console.print(Text.assemble((word, style), f" (exit {report.exit_code})"))
+    shown.append(Text.assemble((word, style), f" (exit {report.exit_code})"))
+    return shown
+
+
+@dataclass
+class ModelError:
+    """One exception of the model's that stopped several checks: said once, not once a check."""
+
+    message: str  # "the model raised RuntimeError: ..."
+    at: str | None  # "model.py:10 in forward"
+    checks: list[str]  # the checks it stopped
+
+
+def shared_model_error(report: Report) -> ModelError | None:
+    """The model's exception when two or more checks errored on it alone (the same FWD002 finding, nothing else):
+    every check needs a forward, so a forward that raises stops each of them the same way."""
+    stopped = [
+        r
+        for r in report.results
+        if r.status == Status.ERROR and r.findings and all(f.code == "FWD002" for f in r.findings)
+    ]
+    said = {(f.message, f.where, f.source) for r in stopped for f in r.findings}
+    if len(stopped) < 2 or len(said) != 1:
+        return None
+    message, where, source = said.pop()
+    at = where
+    if source and where and " in " in where:  # the short file:line, and the function the long one names
+        at = f"{source} in {where.rsplit(' in ', 1)[1]}"
+    elif source:
+        at = source
+    return ModelError(message, at, [r.name for r in stopped])
+
+
+def model_error_panel(raised: ModelError, report: Report, debug: bool) -> Panel:
+    """The model's exception once, where it was raised, and what it stopped."""
+    n = len(raised.checks)
+    text = Text(raised.message)
+    if raised.at:
+        text.append(f"\nat {raised.at}", style="dim")
+    text.append(f"\nevery check needs a forward: {n} check{'s' if n != 1 else ''} not run ({', '.join(raised.checks)})")
+    parts: list[RenderableType] = [text]
+    traceback = next((report.result(c).data.get("traceback") for c in raised.checks), None)
+    if debug and traceback:
+        parts.append(Text(traceback, style="dim"))
+    title = Text("the model raised", STYLE[Status.ERROR])
+    return Panel(Group(*parts), title=title, title_align="left", border_style=STYLE[Status.ERROR].split()[-1])
+
+
+def short_summary(report: Report, raised: ModelError | None = None) -> list[Text]:
+    """What failed the run, one line a finding: status, check, code, the module and the model code's file:line it
+    concerns, and its message; the model's shared exception once. Nothing for a run that passed."""
+    if report.exit_code in (0, 5):  # passed, or nothing ran: nothing failed
+        return []
+    lines = []
+    if raised is not None:
+        n = len(raised.checks)
+        at = f" at {raised.at}" if raised.at else ""
+        lines.append(
+            Text.assemble(
+                ("ERROR", STYLE[Status.ERROR]),
+                f" FWD002 {raised.message}{at}; every check needs a forward: {n} checks not run",
+            )
+        )
+    for r in counted(report):
+        if raised is not None and r.name in raised.checks:
+            continue
+        findings = [f for f in r.findings if f.status == r.status and not f.ignored]
+        if not findings:  # a status without a finding (a check of a plugin's): its summary says why
+            lines.append(Text.assemble((r.status.value.upper(), STYLE[r.status]), f" {r.name} - {r.summary}"))
+        for f in findings:
+            where = " ".join(part for part in (f.module, f.source) if part)
+            lines.append(
+                Text.assemble(
+                    (f.status.value.upper(), STYLE[f.status]),
+                    f" {r.name} {f.code}" + (f" {where}" if where else "") + f" - {f.message}",
+                )
+            )
+    return lines
+
+
+def counted(report: Report) -> list[CheckResult]:
+    """The checks whose status decided a failing exit code."""
+    return [
+        r
+        for r in report.results
+        if r.status in (Status.FAIL, Status.ERROR) or (r.status == Status.WARN and report.fail_on == "warn")
+    ]
 
 
 def verdict(report: Report) -> tuple[str, str]:
@@ -101,23 +217,34 @@ def shows_detail(result: CheckResult, verbosity: Verbosity) -> bool:
     return result.status in (Status.WARN, Status.FAIL, Status.ERROR)
 
 
-def one_line(report: Report, durations: bool) -> Text:
+def one_line(report: Report, durations: bool, name: str | None = None) -> Text:
     """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · 2.1 s': what decided the exit
-    code, then what else a reader should know (warnings that did not count, skipped and ignored checks)."""
+    code, then what else a reader should know (warnings that did not count, skipped and ignored checks). The model's
+    exception, when it stopped every check it names, is said in full, once. `name` leads the line ('fwdcheck
+    gpt.yaml: ...') when a run has several configs."""
     word, style = verdict(report)
-    counted = [
-        r
-        for r in report.results
-        if r.status in (Status.FAIL, Status.ERROR) or (r.status == Status.WARN and report.fail_on == "warn")
-    ]
+    failing = counted(report)
+    raised = shared_model_error(report)
     ran = [r.name for r in report.results if r.status != Status.SKIP]
-    if counted:
-        what = ", ".join(" ".join([r.name, *(_counted_codes(r) or [r.status.value])]) for r in counted)
+    parts = []
+    if raised is not None:
+        n = len(raised.checks)
+        at = f" at {raised.at}" if raised.at else ""
+        parts.append(f"{raised.message}{at}; {n} checks not run")
+    parts += [
+        " ".join([r.name, *(_counted_codes(r) or [r.status.value])])
+        for r in failing
+        if raised is None or r.name not in raised.checks
+    ]
+    if parts:
+        what = ", ".join(parts)
     else:
         what = f"{len(ran)} check{'s' if len(ran) != 1 else ''}" + (f" ({', '.join(ran)})" if ran else "")
-    line = Text.assemble("fwdcheck: ", (word, style), f" (exit {report.exit_code}) — {what}")
+    line = Text.assemble(
+        f"fwdcheck{' ' + name if name else ''}: ", (word, style), f" (exit {report.exit_code}) — {what}"
+    )
     warned = [
-        " ".join([r.name, *_counted_codes(r)]) for r in report.results if r.status == Status.WARN and r not in counted
+        " ".join([r.name, *_counted_codes(r)]) for r in report.results if r.status == Status.WARN and r not in failing
     ]
     skipped = [r.name for r in report.results if r.status == Status.SKIP]
     ignored = list(dict.fromkeys(f"{r.name} {f.code}" for r in report.results for f in r.findings if f.ignored))
@@ -134,9 +261,15 @@ def _counted_codes(r: CheckResult) -> list[str]:
     return list(dict.fromkeys(f.code for f in r.findings if f.status == r.status and not f.ignored))
 
 
-def summary_table(report: Report, verbosity: Verbosity = Verbosity.DEFAULT, durations: bool = True) -> RenderableType:
-    """One row per check. In the default view a passing check's summary is one line, cut to the width: its detail is
-    a -v away, while a check that did not pass is the one to read in full."""
+def summary_table(
+    results: list[CheckResult],
+    verbosity: Verbosity = Verbosity.DEFAULT,
+    durations: bool = True,
+    terminal: bool = True,
+) -> RenderableType:
+    """One row per check. In the default view on a terminal a passing check's summary is one line, cut to the width:
+    its detail is a -v away, while a check that did not pass is the one to read in full. Off a terminal every
+    summary is whole."""
     columns = [
         FitColumn("check", style="bold", whole=True),
         FitColumn("status", whole=True),
@@ -145,8 +278,8 @@ def summary_table(report: Report, verbosity: Verbosity = Verbosity.DEFAULT, dura
     columns += [FitColumn("time", justify="right", whole=True)] if durations else []
     columns += [FitColumn("summary")]
     rows = []
-    for r in report.results:
-        brief = verbosity == Verbosity.DEFAULT and r.status == Status.PASS
+    for r in results:
+        brief = terminal and verbosity == Verbosity.DEFAULT and r.status == Status.PASS
         summary = Text(r.summary, no_wrap=brief, overflow="ellipsis" if brief else "fold")
         time = [Text("" if r.status == Status.SKIP else f"{r.duration_s:.2f}s")] if durations else []
         rows.append([Text(r.name), Text(r.status.value, STYLE[r.status]), Text(key_number(r)), *time, summary])

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
+import functools
 import inspect
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
 
@@ -219,9 +222,11 @@ def _hf_config(spec: HFModel, transformers) -> Any:
         inline = dict(spec.config)
         model_type = inline.pop("model_type")
         try:
-            return transformers.AutoConfig.for_model(model_type, **inline)
+            built = transformers.AutoConfig.for_model(model_type, **inline)
         except Exception as exc:
             raise ModelLoadError(f"inline config: {type(exc).__name__}: {exc}") from exc
+        refuse_unknown_keys(type(built), inline, transformers)
+        return built
     path = spec.path
     assert path is not None  # the schema asks for exactly one of config and path
     if not path.exists():
@@ -249,6 +254,60 @@ def _hf_config(spec: HFModel, transformers) -> Any:
         return transformers.AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"{config_json}: {type(exc).__name__}: {exc}") from exc
+
+
+# Keys of former transformers releases a config class still takes through **kwargs and turns into its own (Llama's
+# rope_theta into rope_parameters), or that every config takes: never in a class's signature, always meant.
+# GPT-2's n_ctx: its former context length, which every GPT-2 config.json on the hub still carries.
+ACCEPTED_KEYS = {"rope_theta", "rope_scaling", "torch_dtype", "attn_implementation", "use_return_dict", "n_ctx"}
+
+
+def refuse_unknown_keys(cls: type, inline: dict[str, Any], transformers) -> None:
+    """An inline config key its config class does not know is a typo (GPT-2's `n_layers` for `n_layer`): transformers
+    keeps it as an attribute nothing reads and builds the default size. A key is known when the class's __init__
+    takes it, its attribute_map names it, a default config carries it, or it is one every config takes. Any other
+    key counts as known when it changes something else in the built config (a former spelling converted), or when
+    the code of the class's module, or of transformers' config base, names it (a key read from **kwargs, perhaps
+    given at its default value): only a key nothing could read is refused."""
+    signature = {
+        name
+        for klass in (cls, transformers.PretrainedConfig)
+        for name, parameter in inspect.signature(klass).parameters.items()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    baseline = cls().to_dict()
+    known = signature | set(getattr(cls, "attribute_map", {})) | set(baseline) | ACCEPTED_KEYS
+    unknown = []
+    for key in (key for key in inline if key not in known):
+        with_key = cls(**{key: inline[key]}).to_dict()
+        with_key.pop(key, None)
+        if with_key == baseline and not re.search(rf"\b{re.escape(key)}\b", _config_code(cls)):
+            unknown.append(key)
+    if not unknown:
+        return
+    problems = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known - {"_name_or_path"}), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"model.config.{key}: unknown to {cls.__name__}{hint}")
+    raise ModelLoadError("; ".join(problems))
+
+
+@functools.cache
+def _config_code(cls: type) -> str:
+    """The source of a config class's module and of the transformers modules every config reads its kwargs in."""
+    import transformers.configuration_utils
+
+    modules = [m for m in (inspect.getmodule(cls), transformers.configuration_utils) if m is not None]
+    with suppress(ImportError):
+        import transformers.modeling_rope_utils
+
+        modules.append(transformers.modeling_rope_utils)
+    texts = []
+    for module in modules:
+        with suppress(OSError, TypeError):
+            texts.append(inspect.getsource(module))
+    return "\n".join(texts)
 
 
 def _model_class(spec: HFModel, transformers):

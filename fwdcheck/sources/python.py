@@ -18,10 +18,12 @@ def load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
     """Import the factory and build its model (on the meta device with `meta: true`), with what the config declares
     for the checks that drive forward in ways of its own."""
     with torch.device("meta") if config.meta else nullcontext():
-        search = search_dirs(spec.path, config.source_path)
+        search = search_dirs(spec.python_path, config.source_path)
         parts = import_factory_parts(spec, search)
         loaded = model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
         declare_interfaces(loaded, spec)
+        if spec.former_spellings:
+            loaded.extra["notes"] = [*loaded.extra.get("notes", []), *spec.former_spellings]
         return loaded
 
 

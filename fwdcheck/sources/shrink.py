@@ -736,13 +736,13 @@ def _shrink_factory_block(
         block["rope"] = rope
     # The factory's modules are found on sys.path: the configured directories and the config's own folder, which
     # is no longer the written config's folder when it is written elsewhere.
-    search = [*(spec.path if not isinstance(spec, CheckpointModel) else spec.python_path), config_path.parent]
+    search = [*spec.python_path, config_path.parent]
     written = _paths_from(search, output.parent)
-    before = raw_model.get("python_path" if isinstance(spec, CheckpointModel) else "path")
+    before = raw_model.get("python_path", None if isinstance(spec, CheckpointModel) else raw_model.get("path"))
     if written or before is not None:
-        block["path"] = written
+        block["python_path"] = written
     if written != (before or []):
-        edits.changes.append(("path", before, written))
+        edits.changes.append(("python_path", before, written))
     return block, edits
 
 
