@@ -46,6 +46,12 @@ CONVENTIONS = [
         "flag": "is_causal: a hint that attn_mask is causal",
     },
     {
+        "api": "flex_attention",
+        "bool": "mask_mod True = may attend, at every (b, h, q, kv)",
+        "float": "score_mod: a score it makes -inf is dropped",
+        "flag": "BlockMask built for the call's (q, kv) lengths",
+    },
+    {
         "api": "eager softmax(scores)",
         "bool": "-",
         "float": "masked scores are -inf or far below the row maximum",
@@ -117,6 +123,8 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
             "another sequence: queries not computed from the input tokens (an "
             "encoder over a fixed source), not judged for causality",
         )
+    if call.unread is not None:
+        return NotJudged("mask not read", f"not judged: {call.unread}")
     if call.query_positions is None:
         return NotJudged(
             "query positions unknown",
@@ -182,6 +190,8 @@ class MaskAudit(Check):
         "FWD206": "attn_mask passed together with is_causal=True",
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
+        "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
+        "FWD210": "queries that may not read their own position (a strict causal mask, q > kv)",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -331,10 +341,19 @@ the attention module's forward as input_pos or cache_position."""
         """The findings of one judged attention call: its mask against causal (for a causal model), empty rows, a
         mask beside is_causal, dropout in eval mode. Each points at the line of model code that made the call."""
         where = f"{call.module or 'model'} ({call.api})"
-        api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention", "softmax": "eager softmax"}[
-            call.api
-        ]
+        api = API_NAMES.get(call.api, call.api)
         findings = []
+        if call.mask_lengths is not None:
+            findings.append(
+                Finding(
+                    "FWD209",
+                    Status.FAIL,
+                    f"the BlockMask handed to {api} was built for {call.mask_lengths[0]} queries over "
+                    f"{call.mask_lengths[1]} keys, but the call has {call.query_len} over {call.key_len}: a mask "
+                    "built for another length and reused (build it for each call's lengths)",
+                    where,
+                )
+            )
         if call.float_01:
             findings.append(
                 Finding(
@@ -347,6 +366,16 @@ the attention module's forward as input_pos or cache_position."""
             )
         elif causal and future_pairs:
             findings.append(_reads_future(call, shape, future_pairs, api, where))
+        elif causal and (blind := _blind_to_themselves(call)):
+            findings.append(
+                Finding(
+                    "FWD210",
+                    Status.FAIL,
+                    f"{len(blind)} queries may not read their own position (a strict causal mask: q > kv where "
+                    f"q >= kv is meant), query positions e.g. {', '.join(map(str, blind[:4]))}",
+                    where,
+                )
+            )
         if call.empty_rows:
             findings.append(
                 Finding(
@@ -380,14 +409,37 @@ the attention module's forward as input_pos or cache_position."""
         return findings
 
 
+def _blind_to_themselves(call: AttentionCall) -> list[int]:
+    """The positions of the queries whose own key slot the mask closes, over keys that hold their own index (a
+    ring buffer past its wrap is left alone). A causal mask off by one into the past (q > kv) closes every one: the
+    first token reads nothing and every other one misses itself."""
+    positions = call.query_positions
+    if positions is None or call.key_positions is not None or call.allowed.is_meta:
+        return []
+    L, S = call.allowed.shape
+    inside = positions < S
+    rows = torch.arange(L)[inside]
+    closed = ~call.allowed[rows, positions[inside].to(call.allowed.device)].cpu()
+    return positions[inside][closed].tolist()
+
+
+API_NAMES = {
+    "sdpa": "scaled_dot_product_attention",
+    "mha": "nn.MultiheadAttention",
+    "softmax": "eager softmax",
+    "flex": "flex_attention",
+}
+
+
 def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, where: str) -> Finding:
     """What lets a call of a causal model read the future, said by the shape of its may-read set: no restriction at
     all (FWD201), a mask in the other API's convention (FWD202), or some future keys (FWD204)."""
     L, S = call.allowed.shape
     if shape is MayRead.BIDIRECTIONAL:
-        how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
-            call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing"
-        )
+        how = {
+            "none": "no block_mask or score_mod" if call.api == "flex" else "no attn_mask and is_causal=False",
+            "scores": "no score is masked",
+        }.get(call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
         every = (
             f"every query of {L} reads every key"
             if L == S

@@ -29,7 +29,7 @@ import os
 import sys
 import weakref
 from collections.abc import Collection
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -77,6 +77,16 @@ _SDPA_SIGNATURE = inspect.Signature(
     ]
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+# flex_attention, eager or compiled, ends in one higher-order operator call that a torch function mode sees with the
+# kernel's own arguments: (query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options, buffers...).
+# Reading it there, rather than tracing the kernel's inside, leaves its compilation alone. None where torch has none.
+try:
+    from torch._higher_order_ops.flex_attention import flex_attention as FLEX_ATTENTION
+    from torch.nn.attention.flex_attention import create_mask as _flex_create_mask
+    from torch.nn.attention.flex_attention import noop_mask as _flex_noop_mask
+except ImportError:  # torch before 2.5
+    FLEX_ATTENTION = None
 
 # Walking out from an attention call, frames of torch (its wrappers, nn.MultiheadAttention, nn.TransformerEncoder) and
 # of this observer are passed over: the first frame beyond them is the line of model code that made the call. A frame
@@ -134,6 +144,11 @@ class AttentionCall:
     # "path:line" of the model code that made the call (eager: the softmax), None when no model code did (a bare
     # nn.TransformerEncoder): what a finding about this call points at.
     source: str | None = None
+    # flex_attention: the (query, key) lengths its BlockMask was built for, when they are not the call's own
+    mask_lengths: tuple[int, int] | None = None
+    # Why the mask could not be read, when it could not (a mask_mod that raised when fwdcheck evaluated it): the call
+    # is then not judged, rather than judged on a guess.
+    unread: str | None = None
 
     @property
     def query_len(self) -> int:
@@ -348,11 +363,17 @@ class _Observer(TorchFunctionMode):
             **dict.fromkeys(PRODUCTS, self._on_product),
             **dict.fromkeys(SOFTMAX, self._on_softmax),
         }
+        if FLEX_ATTENTION is not None:
+            self.readers[FLEX_ATTENTION] = self._on_flex
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every op of the forward: an op the observer does not read costs one dict lookup, and passing on
         # what its inputs were (computed from the ids; scores or weights) one identity lookup per tensor argument.
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # torch.compile traces the function modes it runs under: it compiles the op itself, not this observer
+            # (whose bookkeeping it cannot trace, and a fullgraph compile such as flex_attention's would fail on it).
+            return func(*args, **kwargs)
         reader = self.readers.get(func)
         if reader is not None:
             return reader(func, args, kwargs)
@@ -393,6 +414,10 @@ class _Observer(TorchFunctionMode):
         if self.zero_dropout:
             bound.arguments["dropout_p"] = 0.0
             args, kwargs = (), dict(bound.arguments)
+        return self._plain(func, args, kwargs)
+
+    def _on_flex(self, func, args, kwargs):
+        self.record.attention.append(self._flex(args, kwargs, self._module()))
         return self._plain(func, args, kwargs)
 
     def _on_mha(self, func, args, kwargs):
@@ -605,6 +630,35 @@ class _Observer(TorchFunctionMode):
             reads_input=self._reads_input(q),
         )
 
+    def _flex(self, args: tuple, kwargs: dict, module: str) -> AttentionCall:
+        names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_buffers")
+        a = dict(zip(names, args), **kwargs)
+        a.setdefault("mask_mod_other_buffers", args[8] if len(args) > 8 else ())
+        q, k, v = a["query"], a["key"], a["value"]  # (B, Hq, L, E), (B, Hkv, S, E): GQA repeats the key heads
+        read, lengths, unread = _read_flex(
+            q,
+            k,
+            a.get("score_mod"),
+            tuple(a["block_mask"]),
+            tuple(a.get("score_mod_other_buffers", a.get("score_buffers", ())) or ()),
+            tuple(a["mask_mod_other_buffers"] or ()),
+        )
+        return self._call(
+            "flex",
+            module,
+            q,
+            k,
+            v,
+            batch_heads=tuple(q.shape[:-2]),
+            mask=read,
+            is_causal=False,
+            dropout=0.0,
+            cross=self._cross(q, k),
+            reads_input=self._reads_input(q),
+            mask_lengths=lengths if lengths != (q.shape[-2], k.shape[-2]) else None,
+            unread=unread,
+        )
+
     def _mha(self, a: dict, module: str) -> AttentionCall:
         q, k, v = a["query"], a["key"], a["value"]
         batched = q.dim() == 3
@@ -715,6 +769,8 @@ class _Observer(TorchFunctionMode):
         dropout: float,
         cross: bool,
         reads_input: bool | None,
+        mask_lengths: tuple[int, int] | None = None,
+        unread: str | None = None,
     ) -> AttentionCall:
         """The record of one SDPA or nn.MultiheadAttention call: q, k, v as the API got them, the (batch, head)
         sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
@@ -749,6 +805,8 @@ class _Observer(TorchFunctionMode):
             written=written,
             reads_input=reads_input,
             source=self._model_line(),
+            mask_lengths=mask_lengths,
+            unread=unread,
         )
 
     # -- where the queries sit on the key axis --------------------------------------------------------------------
@@ -994,6 +1052,61 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     return MaskRead(may, "float", values, float_01, shape)
 
 
+def _read_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    score_mod: Any,
+    block_mask: tuple,
+    score_buffers: tuple,
+    mask_buffers: tuple,
+) -> tuple[MaskRead, tuple[int, int] | None, str | None]:
+    """What a flex_attention call lets each query read, exactly: its BlockMask's mask_mod evaluated at every (batch,
+    head, query, key) index the call covers (not the block-level view, which rounds to blocks), and its score_mod
+    applied to a probe of zero scores, where a score it turns into -inf is masked as surely. Also the (query, key)
+    lengths the BlockMask was built for, and why the mask could not be read when it could not.
+
+    block_mask is BlockMask.as_tuple(): its seq_lengths first, its mask_mod last (as flex_attention hands it on)."""
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
+    mask_mod = block_mask[-1]
+    lengths = (block_mask[0], block_mask[1]) if all(isinstance(n, int) for n in block_mask[:2]) else None
+    if getattr(mask_mod, "fn", mask_mod) is _flex_noop_mask:
+        lengths = None  # no BlockMask handed over: flex_attention's own stand-in, which fits any length
+    allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device)
+    if q.is_meta:
+        return MaskRead(allowed, "block_mask", "(meta: no values)"), lengths, None
+    kinds, values = [], []
+    try:
+        if getattr(mask_mod, "fn", mask_mod) is not _flex_noop_mask:
+            may = _flex_create_mask(
+                lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx, *mask_buffers), B, H, L, S, device=q.device
+            )
+            allowed = allowed & may
+            kinds.append("block_mask")
+            values.append(f"mask_mod {_callable_name(mask_mod)} True on {float(may.float().mean()):.0%}")
+        if score_mod is not None and _callable_name(score_mod) != "_identity":
+            kept = _flex_create_mask(
+                lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_idx, kv_idx, *score_buffers),
+                B,
+                H,
+                L,
+                S,
+                device=q.device,
+            )
+            allowed = allowed & kept
+            kinds.append("score_mod")
+            values.append(f"score_mod {_callable_name(score_mod)} -inf on {float((~kept).float().mean()):.0%}")
+    except Exception as exc:  # the model's own function, evaluated by fwdcheck over the grid: say so, judge nothing
+        reason = f"its mask_mod or score_mod raised when evaluated over the call's indices ({type(exc).__name__}: {exc})"
+        return MaskRead(allowed, "block_mask", "(not read)"), lengths, reason.splitlines()[0]
+    return MaskRead(allowed, "+".join(kinds) or "none", "; ".join(values) or "-"), lengths, None
+
+
+def _callable_name(function: Any) -> str:
+    """How a mask_mod or score_mod is named in a report: its function's name, through torch's wrappers."""
+    inner = getattr(function, "fn", function)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
 def _parameters(module: nn.Module) -> tuple[list[str], set[str]]:
     """(names of the positional parameters of the module's forward in order, without self; names of all of them)."""
     forward: Any = module.forward  # a bound method, or any callable set on the instance
@@ -1225,10 +1338,19 @@ def observing(
     where: list[_Frame] = []
     from_input = _Identities()
     with (
+        compiled_eagerly(),
         module_tracking(model, record, where, keep_inputs_of, from_input),
         _Observer(record, where, keep_tensors, zero_dropout, from_input),
     ):
         yield record
+
+
+def compiled_eagerly():
+    """torch.compile'd code runs as plain Python inside the block (torch.compiler.set_stance("force_eager"), torch
+    2.6 on): the observer then sees inside it, and nothing is compiled while it is active. flex_attention, compiled
+    or not, still ends in its one kernel call, which computes its mask's math exactly."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 class ZeroAttentionDropout(TorchFunctionMode):

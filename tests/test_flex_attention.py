@@ -1,0 +1,153 @@
+"""flex_attention observed and judged: models that compute attention with torch's
+torch.nn.attention.flex_attention.flex_attention and a BlockMask (or a score_mod), as torchtitan, attention-gym and
+modded-nanogpt build them, on the CPU, where flex_attention runs unfused.
+
+The observer reads the kernel call flex_attention ends in, without disturbing the compilation flex_attention does
+for itself; mask-audit evaluates the BlockMask's mask_mod at every (batch, head, query, key) index the call covers
+and the score_mod on a probe of scores. Both ways: causal, sliding-window and document masks (and a causal
+score_mod) pass every check; a window shifted one token into the future, a document mask that lets a document read
+the next, and a score_mod off by one fail mask-audit and future-token; a strict causal mask (q > kv) fails mask-audit.
+
+Shapes: B (batch), T (sequence), nh (heads), hs (head size), C (width).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fwdcheck
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+VOCAB, WIDTH, HEADS, LAYERS, WINDOW, DOCUMENT = 32, 16, 2, 2, 3, 5
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
+def window_one_ahead(b, h, q_idx, kv_idx):  # the band shifted by one: each query reads the next token
+    return (kv_idx <= q_idx + 1) & (q_idx - kv_idx < WINDOW)
+
+
+def strict_causal(b, h, q_idx, kv_idx):  # > where >= is meant: no query reads itself, the first reads nothing
+    return q_idx > kv_idx
+
+
+def documents(b, h, q_idx, kv_idx):  # documents of DOCUMENT tokens packed in a row, causal within each
+    return (q_idx // DOCUMENT == kv_idx // DOCUMENT) & (q_idx >= kv_idx)
+
+
+def document_reads_next(b, h, q_idx, kv_idx):  # the next document's tokens are opened too
+    same = (q_idx // DOCUMENT == kv_idx // DOCUMENT) & (q_idx >= kv_idx)
+    return same | (kv_idx // DOCUMENT == q_idx // DOCUMENT + 1)
+
+
+def causal_score(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx >= kv_idx, score, -float("inf"))
+
+
+def causal_score_one_ahead(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx + 1 >= kv_idx, score, -float("inf"))
+
+
+MASKS = {
+    "causal": causal,
+    "sliding-window": sliding_window,
+    "documents": documents,
+    "window-one-ahead": window_one_ahead,
+    "strict-causal": strict_causal,
+    "document-reads-next": document_reads_next,
+}
+SCORE_MODS = {"causal-score": causal_score, "score-one-ahead": causal_score_one_ahead}
+
+
+class FlexAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, block_mask, score_mod):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+        y = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+class FlexModel(nn.Module):
+    """Learned positions, LAYERS blocks of flex attention; `mask` names a mask_mod or a score_mod above."""
+
+    def __init__(self, mask: str = "causal"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mask = mask
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.positions = nn.Embedding(64, WIDTH)
+        self.blocks = nn.ModuleList(FlexAttention() for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        block_mask, score_mod = None, SCORE_MODS.get(self.mask)
+        if self.mask in MASKS:  # built for this call's length, as create_block_mask is meant to be used
+            block_mask = flex.create_block_mask(MASKS[self.mask], None, None, T, T, device=input_ids.device)
+        x = self.embed(input_ids) + self.positions(torch.arange(T, device=input_ids.device))  # (B, T, C)
+        for block in self.blocks:
+            x = x + block(x, block_mask, score_mod)
+        return self.head(x)
+
+
+def run(mask: str):
+    report = fwdcheck.check_model(FlexModel(mask), vocab_size=VOCAB, seq_len=12)
+    return {r.name: r for r in report.results}
+
+
+def codes(result) -> set[str]:
+    return {f.code for f in result.findings if f.status.value in ("fail", "warn")}
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding-window", "documents", "causal-score"])
+def test_correct_flex_masks_pass_every_check(mask):
+    results = run(mask)
+    for name in ("shape-ledger", "future-token", "mask-audit"):
+        assert results[name].status.value == "pass", (name, results[name].summary)
+    audit = results["mask-audit"]
+    rows = audit.data["calls"]
+    assert rows and all(r["api"] == "flex" and r["judged"] for r in rows)
+    assert audit.metrics["judged_calls"] == len(rows)
+
+
+@pytest.mark.parametrize(
+    ("mask", "audit_codes", "leaks"),
+    [
+        ("window-one-ahead", {"FWD204"}, True),
+        ("document-reads-next", {"FWD204"}, True),
+        ("score-one-ahead", {"FWD204"}, True),
+        ("strict-causal", {"FWD205", "FWD210"}, False),
+    ],
+)
+def test_wrong_flex_masks_fail(mask, audit_codes, leaks):
+    results = run(mask)
+    audit = results["mask-audit"]
+    assert audit.status.value == "fail", audit.summary
+    assert codes(audit) == audit_codes
+    assert all(f.source and f.source.startswith("tests/test_flex_attention.py:") for f in audit.findings)
+    # future-token sees every mask that reads the future; a query that reads nothing reads no future either
+    assert results["future-token"].status.value == ("fail" if leaks else "pass"), results["future-token"].summary
+
+
+def test_the_mask_is_read_exactly_not_by_blocks():
+    """At 12 tokens every mask lies in one 128 x 128 block: the block-level view would open everything. The may-read
+    set is the mask_mod's, entry for entry."""
+    results = run("sliding-window")
+    row = results["mask-audit"].data["calls"][0]
+    expected = flex.create_mask(sliding_window, 1, 1, 12, 12, device="cpu")[0, 0].int().tolist()
+    assert row["may_read"] == expected
+    assert "mask_mod sliding_window" in row["values"]
