@@ -151,3 +151,51 @@ def test_the_mask_is_read_exactly_not_by_blocks():
     expected = flex.create_mask(sliding_window, 1, 1, 12, 12, device="cpu")[0, 0].int().tolist()
     assert row["may_read"] == expected
     assert "mask_mod sliding_window" in row["values"]
+
+
+# -- observation never blames the model for what observation does ---------------------------------------------------
+
+
+@torch.compile(backend="eager", fullgraph=True)
+def compiled_attention(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CompiledAttentionModel(FlexModel):
+    """Attention in a torch.compile'd function (fullgraph, as flex_attention compiles itself): observed as it runs
+    eagerly, so the SDPA call inside is seen and judged."""
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        x = self.embed(input_ids) + self.positions(torch.arange(T))  # (B, T, C)
+        for block in self.blocks:
+            q, k, v = block.qkv(x).view(B, T, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+            x = x + block.proj(compiled_attention(q, k, v).transpose(1, 2).reshape(B, T, WIDTH))
+        return self.head(x)
+
+
+class RaisesUnderAnyMode(FlexModel):
+    """Runs untouched, refuses to run under a torch function mode: what raises under observation is the
+    observation's doing, however it comes about."""
+
+    def forward(self, input_ids):
+        if torch._C._is_torch_function_mode_enabled():
+            raise RuntimeError("not under a torch function mode")
+        return super().forward(input_ids)
+
+
+def test_compiled_attention_is_observed_and_judged():
+    results = {r.name: r for r in fwdcheck.check_model(CompiledAttentionModel(), vocab_size=VOCAB).results}
+    audit = results["mask-audit"]
+    assert audit.status.value == "pass", audit.summary
+    assert [r["api"] for r in audit.data["calls"]][:LAYERS] == ["sdpa"] * LAYERS
+    assert results["shape-ledger"].status.value == "pass"
+
+
+def test_a_model_that_raises_only_under_observation_is_not_blamed():
+    results = {r.name: r for r in fwdcheck.check_model(RaisesUnderAnyMode(), vocab_size=VOCAB).results}
+    assert results["future-token"].status.value == "pass"  # untouched forwards: the model runs
+    for name in ("shape-ledger", "mask-audit"):
+        codes_here = {f.code for f in results[name].findings}
+        assert results[name].status.value == "error" and codes_here == {"FWD003"}, (name, results[name].summary)
+        assert "fwdcheck's observation pass broke a forward that runs untouched" in results[name].summary
