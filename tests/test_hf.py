@@ -46,9 +46,10 @@ def test_hf_matrix_runs_every_code_path_by_default():
     report = compat.report("Llama (GQA)")
     rows = report.result("future-token").data["paths"]
     labels = {r["path"] for r in rows}
-    assert len(rows) == 2 * 2 * 3 * 2
+    assert len(rows) == 2 * 2 * 3 * 2 + 3  # eager and sdpa on every cell; flex_attention on each mask at B=2
     assert "eager, mask left-pad, output_attentions=True, B=1" in labels
     assert "sdpa, mask ones, output_attentions=False, B=2" in labels
+    assert "flex_attention, mask left-pad, output_attentions=False, B=2" in labels
 
 
 def test_bert_fails_on_every_path_and_says_where():
