@@ -199,3 +199,53 @@ def test_a_model_that_raises_only_under_observation_is_not_blamed():
         codes_here = {f.code for f in results[name].findings}
         assert results[name].status.value == "error" and codes_here == {"FWD003"}, (name, results[name].summary)
         assert "fwdcheck's observation pass broke a forward that runs untouched" in results[name].summary
+
+
+# -- transformers' flex_attention path, in the code-path matrix ---------------------------------------------------
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def flex_rows(result):
+    return [r for r in result.data["paths"] if r["path"].startswith("flex_attention")]
+
+
+def test_transformers_flex_path_joins_the_matrix_and_passes():
+    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"])
+    for result in report.results:
+        rows = flex_rows(result)
+        assert len(rows) == 3 and {r["status"] for r in rows} == {"pass"}, (result.name, rows)
+        assert result.status.value == "pass"
+
+
+def test_transformers_flex_path_that_drops_the_mask_fails_there(monkeypatch):
+    """The flex_attention function registered in transformers' attention registry, with the mask dropped: only the
+    flex_attention cells take it, and only they fail."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def mask_dropped(module, query, key, value, attention_mask, **kwargs):
+        return flex_attention_forward(module, query, key, value, None, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", mask_dropped)
+    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"])
+    audit = report.result("mask-audit")
+    assert audit.status.value == "fail"
+    failing = {r["path"] for r in audit.data["paths"] if r["status"] == "fail"}
+    assert failing == {r["path"] for r in flex_rows(audit)}
+    # every key read, the padding keys of the left-padded cell among them
+    assert {f.code for f in audit.findings if f.status.value == "fail"} == {"FWD201", "FWD208"}
+    assert report.result("future-token").status.value == "fail"

@@ -56,7 +56,7 @@ def test_bert_fails_on_every_path_and_says_where():
     result = compat.report("BERT (BertForMaskedLM)").result("future-token")
     assert {r["status"] for r in result.data["paths"]} == {"fail"}
     leak = next(f for f in result.findings if f.code == "FWD101")
-    assert "24 of 24 code paths" in leak.where
+    assert "27 of 27 code paths" in leak.where  # flex_attention too: BERT reads every key on that path as well
 
 
 def test_directory_with_weights_round_trips(tmp_path):
