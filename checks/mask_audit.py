@@ -191,7 +191,7 @@ class MaskAudit(Check):
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
-        "FWD210": "queries that may not read their own position (a strict causal mask, q > kv)",
+        "FWD210": "queries that may not read their own position (q > kv, or a causal mask aligned top left over a cache)",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -371,8 +371,14 @@ the attention module's forward as input_pos or cache_position."""
                 Finding(
                     "FWD210",
                     Status.FAIL,
-                    f"{len(blind)} queries may not read their own position (a strict causal mask: q > kv where "
-                    f"q >= kv is meant), query positions e.g. {', '.join(map(str, blind[:4]))}",
+                    f"{len(blind)} queries may not read their own position, e.g. "
+                    f"{', '.join(map(str, blind[:4]))}: "
+                    + (
+                        "a strict causal mask (q > kv where q >= kv is meant)"
+                        if call.self_attention
+                        else "a causal mask aligned top left over a cache (causal_upper_left, is_causal with fewer "
+                        "queries than keys) where the queries are the last ones (causal_lower_right)"
+                    ),
                     where,
                 )
             )

@@ -78,6 +78,11 @@ _SDPA_SIGNATURE = inspect.Signature(
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
+try:  # torch's causal masks for SDPA, aligned top left or bottom right (torch 2.3 on)
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:
+    CausalBias = CausalVariant = None  # type: ignore[assignment,misc]
+
 # flex_attention, eager or compiled, ends in one higher-order operator call that a torch function mode sees with the
 # kernel's own arguments: (query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options, buffers...).
 # Reading it there, rather than tracing the kernel's inside, leaves its compilation alone. None where torch has none.
@@ -614,7 +619,9 @@ class _Observer(TorchFunctionMode):
         read = MaskRead(torch.ones(L, S, dtype=torch.bool, device=q.device), "is_causal" if is_causal else "none")
         if is_causal:
             read.allowed = read.allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
-        if mask is not None:
+        if isinstance(mask, CausalBias):
+            read = read.combined(_read_causal_bias(mask, L, S, q.device))
+        elif mask is not None:
             read = read.combined(_read_mask(mask, true_means_masked=False))
         return self._call(
             "sdpa",
@@ -1050,6 +1057,17 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     float_01 = not has_neg_inf and distinct.numel() == 2 and distinct.tolist() == [0.0, 1.0]
     may = torch.isfinite(m) & (m > MASKED_BELOW)  # float masks are added to the scores: -inf / very negative = drop
     return MaskRead(may, "float", values, float_01, shape)
+
+
+def _read_causal_bias(bias: Any, L: int, S: int, device: torch.device) -> MaskRead:
+    """torch's own causal masks for SDPA (torch.nn.attention.bias): causal_upper_left aligns the diagonal to the
+    top left (query i reads keys 0..i, as is_causal does), causal_lower_right to the bottom right (the last query
+    reads every key: the queries are the last L of S, as over a cache)."""
+    lower_right = bias.variant == CausalVariant.LOWER_RIGHT
+    offset = S - L if lower_right else 0
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=offset)
+    name = "causal_lower_right" if lower_right else "causal_upper_left"
+    return MaskRead(allowed, name, f"{name}({bias.seq_len_q}, {bias.seq_len_kv})", shape=(L, S))
 
 
 def _read_flex(
