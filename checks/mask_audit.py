@@ -124,7 +124,8 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
             "encoder over a fixed source), not judged for causality",
         )
     if call.unread is not None:
-        return NotJudged("mask not read", f"not judged: {call.unread}")
+        kind = call.mask_values if call.api == "kernel" else "mask not read"  # the kernel's name
+        return NotJudged(kind, f"not judged: {call.unread}")
     if call.query_positions is None:
         return NotJudged(
             "query positions unknown",
@@ -302,7 +303,7 @@ the attention module's forward as input_pos or cache_position."""
         pad = model.padding  # a left-padded path view: judge real queries against real keys
         input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
-            if pad and call.self_attention:
+            if pad and call.self_attention and call.unread is None:
                 call, reads_padding = _real_tokens(call, pad)
                 if reads_padding:
                     findings.append(

@@ -380,6 +380,8 @@ class _Observer(TorchFunctionMode):
             # (whose bookkeeping it cannot trace, and a fullgraph compile such as flex_attention's would fail on it).
             return func(*args, **kwargs)
         reader = self.readers.get(func)
+        if reader is None and isinstance(func, torch._ops.OpOverload) and _attention_kernel(func):
+            reader = self._on_kernel
         if reader is not None:
             return reader(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -423,6 +425,39 @@ class _Observer(TorchFunctionMode):
 
     def _on_flex(self, func, args, kwargs):
         self.record.attention.append(self._flex(args, kwargs, self._module()))
+        return self._plain(func, args, kwargs)
+
+    def _on_kernel(self, func, args, kwargs):
+        """A custom op named for attention that no reader knows: its mask cannot be read from its arguments, so
+        the call is recorded as not judged, by its name, never passed over in silence."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 3]
+        name = func.name()
+        if len(tensors) >= 3:
+            q, k, v = tensors[:3]
+            self.record.attention.append(
+                AttentionCall(
+                    index=len(self.record.attention),
+                    api="kernel",
+                    module=self._module(),
+                    query_shape=tuple(q.shape),
+                    key_shape=tuple(k.shape),
+                    value_shape=tuple(v.shape),
+                    weights_shape=(0, 0),
+                    mask_kind="declared",
+                    mask_shape=None,
+                    mask_values=name,
+                    is_causal=False,
+                    dropout_p=0.0,
+                    allowed=torch.ones(0, 0, dtype=torch.bool),
+                    empty_rows=0,
+                    seq=self.record.tick(),
+                    dtype=str(q.dtype).removeprefix("torch."),
+                    cross=self._cross(q, k),
+                    reads_input=self._reads_input(q),
+                    source=self._model_line(),
+                    unread=f"{name}, a kernel fwdcheck does not know (its mask is in its arguments)",
+                )
+            )
         return self._plain(func, args, kwargs)
 
     def _on_mha(self, func, args, kwargs):
@@ -1057,6 +1092,15 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     float_01 = not has_neg_inf and distinct.numel() == 2 and distinct.tolist() == [0.0, 1.0]
     may = torch.isfinite(m) & (m > MASKED_BELOW)  # float masks are added to the scores: -inf / very negative = drop
     return MaskRead(may, "float", values, float_01, shape)
+
+
+def _attention_kernel(op: torch._ops.OpOverload) -> bool:
+    """Whether a custom op (not one of torch's own) is named for attention: flash_attn::_flash_attn_forward,
+    xformers' memory-efficient attention, a library's fused_attention."""
+    if op.namespace in ("aten", "prims", "prim", "quantized"):
+        return False
+    name = op.name().lower()
+    return "attn" in name or "attention" in name
 
 
 def _read_causal_bias(bias: Any, L: int, S: int, device: torch.device) -> MaskRead:

@@ -93,3 +93,33 @@ def _qkv(model, ids):
     B, T = ids.shape
     x = model.embed(ids) + model.positions(torch.arange(T))
     return model.qkv(x).view(B, T, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+
+
+# -- a kernel fwdcheck does not know -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fwdcheck_tests::fused_attention", mutates_args=())
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """A library's own attention kernel, (B, nh, T, hs) in and out, its mask declared by `causal`."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class UnknownKernel(ChunkedPrefill):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.is_causal = causal
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        y = fused_attention(*_qkv(self, input_ids), self.is_causal)  # (B, nh, T, hs)
+        return self.head(y.transpose(1, 2).reshape(B, T, WIDTH))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_unknown_kernel_is_not_judged_by_name_never_passed(causal):
+    found = results(UnknownKernel(causal))
+    audit = found["mask-audit"]
+    assert audit.status.value == "skip"
+    assert "fwdcheck_tests::fused_attention" in audit.summary and "not judged" in audit.summary
+    # what the kernel does is still tested from the outside
+    assert found["future-token"].status.value == ("pass" if causal else "fail")
