@@ -435,6 +435,7 @@ API_NAMES = {
     "mha": "nn.MultiheadAttention",
     "softmax": "eager softmax",
     "flex": "flex_attention",
+    "flash": "flash-attn",
 }
 
 

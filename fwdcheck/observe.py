@@ -370,6 +370,12 @@ class _Observer(TorchFunctionMode):
         }
         if FLEX_ATTENTION is not None:
             self.readers[FLEX_ATTENTION] = self._on_flex
+        # Custom ops of attention libraries, by name (whichever is installed registers its own): their masks are
+        # declared by their arguments.
+        self.kernels = {
+            "flash_attn::_flash_attn_forward": self._on_flash,
+            "flash_attn::_flash_attn_varlen_forward": self._on_flash_varlen,
+        }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every op of the forward: an op the observer does not read costs one dict lookup, and passing on
@@ -380,8 +386,8 @@ class _Observer(TorchFunctionMode):
             # (whose bookkeeping it cannot trace, and a fullgraph compile such as flex_attention's would fail on it).
             return func(*args, **kwargs)
         reader = self.readers.get(func)
-        if reader is None and isinstance(func, torch._ops.OpOverload) and _attention_kernel(func):
-            reader = self._on_kernel
+        if reader is None and (op := _attention_kernel(func)):
+            reader = self.kernels.get(op, self._on_kernel)
         if reader is not None:
             return reader(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -427,11 +433,59 @@ class _Observer(TorchFunctionMode):
         self.record.attention.append(self._flex(args, kwargs, self._module()))
         return self._plain(func, args, kwargs)
 
+    def _on_flash(self, func, args, kwargs):
+        """flash-attn's kernel: q (B, L, h, d), k and v (B, S, h_kv, d), its mask declared by causal and the window,
+        both aligned to the bottom right (the queries are the last L of the S keys)."""
+        a = dict(zip(FLASH_ARGS, args), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        L, S = q.shape[1], k.shape[1]
+        allowed, described = _flash_band(L, S, bool(a["causal"]), a, q.device)
+        self._record_flash(func, q, k, v, MaskRead(allowed, "declared", described), (q.shape[0], q.shape[2]), a)
+        return self._plain(func, args, kwargs)
+
+    def _on_flash_varlen(self, func, args, kwargs):
+        """flash-attn's variable-length kernel: sequences packed along one axis, q (total_q, h, d) and k
+        (total_k, h_kv, d); sequence b holds queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys
+        cu_seqlens_k[b]:cu_seqlens_k[b+1], and reads no other sequence's keys; within it, causal and the window
+        are aligned to the bottom right."""
+        a = dict(zip(FLASH_VARLEN_ARGS, args), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        starts_q, starts_k = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
+        allowed = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+        described = ""
+        for (q0, q1), (k0, k1) in zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k)):
+            allowed[q0:q1, k0:k1], described = _flash_band(q1 - q0, k1 - k0, bool(a["causal"]), a, q.device)
+        described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
+        q4, k4, v4 = q[None], k[None], v[None]  # one packed row: (1, total, h, d)
+        self._record_flash(func, q4, k4, v4, MaskRead(allowed, "declared", described), (q.shape[1],), a, (q, k))
+        return self._plain(func, args, kwargs)
+
+    def _record_flash(self, func, q, k, v, mask: MaskRead, batch_heads, a: dict, identity=None) -> None:
+        """One flash-attn call recorded with q, k, v in SDPA's layout (B, h, T, d); `identity`: the tensors as
+        handed over, whose provenance (computed from the input ids, from another sequence) the observer knows."""
+        given_q, given_k = identity or (q, k)
+        mask.values = f"{str(_attention_kernel(func)).split('::')[-1]}: {mask.values}"
+        self.record.attention.append(
+            self._call(
+                "flash",
+                self._module(),
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                batch_heads=batch_heads,
+                mask=mask,
+                is_causal=bool(a["causal"]),
+                dropout=float(a.get("dropout_p") or 0.0),
+                cross=self._cross(given_q, given_k),
+                reads_input=self._reads_input(given_q),
+            )
+        )
+
     def _on_kernel(self, func, args, kwargs):
         """A custom op named for attention that no reader knows: its mask cannot be read from its arguments, so
         the call is recorded as not judged, by its name, never passed over in silence."""
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 3]
-        name = func.name()
+        name = _attention_kernel(func)
         if len(tensors) >= 3:
             q, k, v = tensors[:3]
             self.record.attention.append(
@@ -1094,13 +1148,59 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     return MaskRead(may, "float", values, float_01, shape)
 
 
-def _attention_kernel(op: torch._ops.OpOverload) -> bool:
-    """Whether a custom op (not one of torch's own) is named for attention: flash_attn::_flash_attn_forward,
-    xformers' memory-efficient attention, a library's fused_attention."""
-    if op.namespace in ("aten", "prims", "prim", "quantized"):
-        return False
-    name = op.name().lower()
-    return "attn" in name or "attention" in name
+FLASH_ARGS = (
+    "query",
+    "key",
+    "value",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "return_softmax",
+)
+FLASH_VARLEN_ARGS = ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") + (
+    FLASH_ARGS[3:]
+)
+
+
+def _flash_band(L: int, S: int, causal: bool, a: dict, device: torch.device) -> tuple[torch.Tensor, str]:
+    """The (L, S) keys flash-attn lets each query read, and how its arguments said so. Query i sits at key slot
+    i + S - L (bottom-right alignment); causal reads no slot after it; window_size (left, right) reads the slots from
+    `left` before it to `right` after it, -1 meaning no bound."""
+    left, right = int(a.get("window_size_left", -1)), int(a.get("window_size_right", -1))
+    own = torch.arange(L, device=device)[:, None] + (S - L)  # (L, 1): each query's own key slot
+    slots = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= slots <= own
+    if right >= 0:
+        allowed &= slots <= own + right
+    if left >= 0:
+        allowed &= slots >= own - left
+    return allowed, f"causal={causal}, window_size=({left}, {right})"
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 6 else f"[{', '.join(map(str, values[:5]))}, ...]"
+
+
+def _attention_kernel(func: Any) -> str | None:
+    """The qualified name of a custom op (not one of torch's own) named for attention, called as an overload or as
+    its packet (torch.ops.flash_attn._flash_attn_forward): flash_attn::_flash_attn_forward, a library's
+    fused_attention. None for any other function."""
+    if isinstance(func, torch._ops.OpOverload):
+        name = func.name()
+    elif isinstance(func, torch._ops.OpOverloadPacket):
+        name = func._qualified_op_name
+    else:
+        return None
+    namespace, _, op = name.partition("::")
+    if namespace in ("aten", "prims", "prim", "quantized") or not ("attn" in op.lower() or "attention" in op.lower()):
+        return None
+    return name
 
 
 def _read_causal_bias(bias: Any, L: int, S: int, device: torch.device) -> MaskRead:

@@ -12,6 +12,11 @@ Shapes: B (batch), T (sequence), nh (heads), hs (head size), C (width).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -123,3 +128,101 @@ def test_an_unknown_kernel_is_not_judged_by_name_never_passed(causal):
     assert "fwdcheck_tests::fused_attention" in audit.summary and "not judged" in audit.summary
     # what the kernel does is still tested from the outside
     assert found["future-token"].status.value == ("pass" if causal else "fail")
+
+
+# -- flash-attn, by its stand-in (tests/standins/flash_attn: its real signatures and op names, a reference inside) ----
+
+STANDINS = str(Path(__file__).with_name("standins"))
+
+
+@pytest.fixture(scope="module")
+def flash_attn():
+    """The stand-in flash_attn package; on a machine where the real one is installed these tests leave it alone
+    (both would register the same ops), and test_real_flash_attn_on_cuda runs instead."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is not None and STANDINS not in str(spec.origin):
+        pytest.skip("the real flash-attn is installed: test_real_flash_attn_on_cuda checks it")
+    sys.path.insert(0, STANDINS)
+    try:
+        return importlib.import_module("flash_attn")
+    finally:
+        sys.path.remove(STANDINS)
+
+
+class FlashModel(ChunkedPrefill):
+    """One attention layer through flash_attn_func, q, k, v as flash-attn takes them: (B, T, nh, hs)."""
+
+    def __init__(self, flash, causal=True, window=(-1, -1)):
+        super().__init__()
+        self.flash, self.flash_causal, self.window = flash, causal, window
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        q, k, v = (t.transpose(1, 2) for t in _qkv(self, input_ids))  # 3 x (B, T, nh, hs)
+        y = self.flash.flash_attn_func(q, k, v, causal=self.flash_causal, window_size=self.window)  # (B, T, nh, hs)
+        return self.head(y.reshape(B, T, WIDTH))
+
+
+class PackedFlashModel(ChunkedPrefill):
+    """Documents of 5 tokens packed in each row, run through flash_attn_varlen_func: every row's documents are
+    sequences of their own, (B * T, nh, hs) packed. `shifted_keys`: cu_seqlens_k one token later than cu_seqlens_q
+    at every inner boundary, so each document's keys take in the next document's first token."""
+
+    def __init__(self, flash, shifted_keys=False):
+        super().__init__()
+        self.flash, self.shifted_keys = flash, shifted_keys
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        q, k, v = (t.transpose(1, 2).reshape(B * T, HEADS, WIDTH // HEADS) for t in _qkv(self, input_ids))
+        starts = [b * T + s for b in range(B) for s in range(0, T, 5)] + [B * T]
+        cu_q = torch.tensor(starts, dtype=torch.int32)
+        inner = torch.tensor([s % T != 0 for s in starts[:-1]] + [False])
+        cu_k = cu_q + (inner.int() if self.shifted_keys else 0)
+        y = self.flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True)  # (B * T, nh, hs)
+        return self.head(y.reshape(B, T, WIDTH))
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "audit_codes"),
+    [
+        (True, (-1, -1), set()),
+        (True, (3, 0), set()),  # a sliding window of 3 tokens before each query, and itself
+        (False, (-1, -1), {"FWD201"}),  # causal=False: every key
+        (False, (3, 1), {"FWD204"}),  # the window's right edge off by one: the next token too
+    ],
+)
+def test_flash_attn_judged_by_its_arguments(flash_attn, causal, window, audit_codes):
+    found = results(FlashModel(flash_attn, causal, window))
+    audit = found["mask-audit"]
+    assert {f.code for f in audit.findings if f.status.value == "fail"} == audit_codes, audit.summary
+    assert audit.status.value == ("fail" if audit_codes else "pass")
+    row = audit.data["calls"][0]
+    assert row["api"] == "flash" and row["judged"] and f"window_size={window}" in row["values"]
+    assert found["future-token"].status.value == ("fail" if audit_codes else "pass")
+
+
+@pytest.mark.parametrize("shifted_keys", [False, True])
+def test_flash_attn_varlen_documents(flash_attn, shifted_keys):
+    found = results(PackedFlashModel(flash_attn, shifted_keys))
+    audit = found["mask-audit"]
+    if shifted_keys:  # each document reads the next one's first token
+        assert {f.code for f in audit.findings if f.status.value == "fail"} == {"FWD204"}
+        assert found["future-token"].status.value == "fail"
+    else:
+        assert audit.status.value == "pass", audit.summary
+        assert "restricted" in audit.summary  # documents: causal within each, nothing across
+        assert found["future-token"].status.value == "pass"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn needs a CUDA GPU")
+def test_real_flash_attn_on_cuda():
+    flash = pytest.importorskip("flash_attn")
+    if STANDINS in str(getattr(flash, "__file__", "")):
+        pytest.skip("the stand-in was imported in this process, not the real flash-attn")
+    for causal, window, fails in ((True, (-1, -1), False), (False, (-1, -1), True), (True, (3, 0), False)):
+        model = FlashModel(flash, causal, window).to("cuda", torch.float16)
+        report = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12)
+        audit = report.result("mask-audit")
+        assert audit.status.value == ("fail" if fails else "pass"), (causal, window, audit.summary)
+        assert {r["api"] for r in audit.data["calls"]} == {"flash"}
