@@ -192,7 +192,7 @@ class MaskAudit(Check):
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
-        "FWD210": "queries that may not read their own position (q > kv, or a causal mask aligned top left over a cache)",
+        "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by

@@ -12,7 +12,6 @@ Torch-free: these are descriptions, and the callables they hold are the sources'
 from __future__ import annotations
 
 import importlib.util
-
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ class AttentionSwitch:
             getattr(config, "_attn_implementation", None), str
         ):
             return None
-        offered = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
+        offered: tuple[str, ...] = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
         if getattr(module, "_supports_flex_attn", False) and _flex_attention_available():
             offered += ("flex_attention",)
         return cls(offered, current=lambda: config._attn_implementation, switch=module.set_attn_implementation)

@@ -122,7 +122,7 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
 def _narrow_cell(cell: CodePath, attentions: Sequence[bool | None], batches: list[int]) -> bool:
     """Whether a cell of a NARROW implementation is run: not asked for attention weights (unless only that was asked
     for) and at the larger batch size."""
-    plain = [a for a in attentions if not a] or list(attentions)
+    plain: list[bool | None] = [a for a in attentions if not a] or list(attentions)
     return cell.output_attentions == plain[0] and cell.batch_size == batches[0]
 
 

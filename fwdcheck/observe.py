@@ -91,7 +91,7 @@ try:
     from torch.nn.attention.flex_attention import create_mask as _flex_create_mask
     from torch.nn.attention.flex_attention import noop_mask as _flex_noop_mask
 except ImportError:  # torch before 2.5
-    FLEX_ATTENTION = None
+    FLEX_ATTENTION = None  # type: ignore[assignment]
 
 # Walking out from an attention call, frames of torch (its wrappers, nn.MultiheadAttention, nn.TransformerEncoder) and
 # of this observer are passed over: the first frame beyond them is the line of model code that made the call. A frame
@@ -360,7 +360,7 @@ class _Observer(TorchFunctionMode):
         # per cache (a view's base) -> axis -> the position each slot holds (-1: none), None once unknown
         self.held = _Identities()
         # The few functions the observer reads; every other op only passes on what it learned about its inputs.
-        self.readers = {
+        self.readers: dict[Any, Any] = {
             F.scaled_dot_product_attention: self._on_sdpa,
             F.multi_head_attention_forward: self._on_mha,
             F.dropout: self._on_dropout,
@@ -436,7 +436,7 @@ class _Observer(TorchFunctionMode):
     def _on_flash(self, func, args, kwargs):
         """flash-attn's kernel: q (B, L, h, d), k and v (B, S, h_kv, d), its mask declared by causal and the window,
         both aligned to the bottom right (the queries are the last L of the S keys)."""
-        a = dict(zip(FLASH_ARGS, args), **kwargs)
+        a = dict(zip(FLASH_ARGS, args, strict=False), **kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         L, S = q.shape[1], k.shape[1]
         allowed, described = _flash_band(L, S, bool(a["causal"]), a, q.device)
@@ -448,12 +448,12 @@ class _Observer(TorchFunctionMode):
         (total_k, h_kv, d); sequence b holds queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys
         cu_seqlens_k[b]:cu_seqlens_k[b+1], and reads no other sequence's keys; within it, causal and the window
         are aligned to the bottom right."""
-        a = dict(zip(FLASH_VARLEN_ARGS, args), **kwargs)
+        a = dict(zip(FLASH_VARLEN_ARGS, args, strict=False), **kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         starts_q, starts_k = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
         allowed = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
         described = ""
-        for (q0, q1), (k0, k1) in zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k)):
+        for (q0, q1), (k0, k1) in zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k), strict=False):
             allowed[q0:q1, k0:k1], described = _flash_band(q1 - q0, k1 - k0, bool(a["causal"]), a, q.device)
         described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
         q4, k4, v4 = q[None], k[None], v[None]  # one packed row: (1, total, h, d)
@@ -728,7 +728,7 @@ class _Observer(TorchFunctionMode):
 
     def _flex(self, args: tuple, kwargs: dict, module: str) -> AttentionCall:
         names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_buffers")
-        a = dict(zip(names, args), **kwargs)
+        a = dict(zip(names, args, strict=False), **kwargs)
         a.setdefault("mask_mod_other_buffers", args[8] if len(args) > 8 else ())
         q, k, v = a["query"], a["key"], a["value"]  # (B, Hq, L, E), (B, Hkv, S, E): GQA repeats the key heads
         read, lengths, unread = _read_flex(
@@ -1258,7 +1258,9 @@ def _read_flex(
             kinds.append("score_mod")
             values.append(f"score_mod {_callable_name(score_mod)} -inf on {float((~kept).float().mean()):.0%}")
     except Exception as exc:  # the model's own function, evaluated by fwdcheck over the grid: say so, judge nothing
-        reason = f"its mask_mod or score_mod raised when evaluated over the call's indices ({type(exc).__name__}: {exc})"
+        reason = (
+            f"its mask_mod or score_mod raised when evaluated over the call's indices ({type(exc).__name__}: {exc})"
+        )
         return MaskRead(allowed, "block_mask", "(not read)"), lengths, reason.splitlines()[0]
     return MaskRead(allowed, "+".join(kinds) or "none", "; ".join(values) or "-"), lengths, None
 

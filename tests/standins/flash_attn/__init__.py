@@ -51,7 +51,10 @@ def _flash_attn_forward(
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out = torch.stack(
-        [_reference(q[b], k[b], v[b], softmax_scale, causal, window_size_left, window_size_right) for b in range(len(q))]
+        [
+            _reference(q[b], k[b], v[b], softmax_scale, causal, window_size_left, window_size_right)
+            for b in range(len(q))
+        ]
     )
     empty = torch.empty(0)
     return out, empty, empty.clone(), empty.clone()
