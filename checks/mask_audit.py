@@ -202,6 +202,13 @@ values, and derives the [L queries, S keys] set of keys each query may read unde
   SDPA bool: True = may attend.   nn.MultiheadAttention bool: True = masked out.   float (both): added to the scores,
   0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular, aligned top left (also when L != S).
   eager: keys whose score is -inf or more than 80 below the row's maximum get no weight.
+  torch's causal_upper_left / causal_lower_right (handed to SDPA as attn_mask): the diagonal aligned top left / bottom
+  right. flex_attention: the BlockMask's mask_mod evaluated at every (batch, head, query, key) index the call covers,
+  and the score_mod applied to a probe of zero scores (a score it makes -inf is masked); a BlockMask built for other
+  (query, key) lengths than the call's is FWD209. flash-attn (flash_attn::_flash_attn_forward and
+  _flash_attn_varlen_forward): causal and window_size (left, right) aligned bottom right, each packed sequence of
+  cu_seqlens_q / cu_seqlens_k reading only its own keys. Any other custom op named for attention is listed as
+  "not judged: <kernel name>", never passed. torch.compile'd code runs eagerly while observed.
 For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
   square calls (L = S): the sequence against itself, p_i = i.
   KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
@@ -231,7 +238,9 @@ How to fix: FWD202 -> pass ~mask, or build the mask for the API you call (SDPA: 
 MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)); over a cache,
 slice the rows of the causal mask by the query positions (causal_mask[None, None, input_pos]). FWD203 -> keep the
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
-dropout_p=self.p if self.training else 0.0. A model without interceptable attention calls (custom kernels) is skipped
+dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
+mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
+BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
 here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
 the attention module's forward as input_pos or cache_position."""
 
