@@ -65,10 +65,12 @@ LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
 # shows in both. Longer cells cost tokens in proportion and find nothing more of what differs between paths; what
 # needs length (a window, a chunk) is checked on the default path at inputs.seq_len.
 CELL_LENGTH = 8
-# Implementations run on fewer cells: every attention mask, but without output_attentions=True and at the larger batch
-# size only. flex_attention computes no attention weights (asking for them switches to no path of its own), and
-# picking a kernel by batch size is SDPA's habit, not flex's; its BlockMask is built from the attention mask, which
-# every mask cell still varies. Its cells are the dearest on CPU, where flex_attention runs unfused.
+# Implementations that run only when code_paths.attn_implementation names them, and then on fewer cells: every
+# attention mask, but without output_attentions=True and at the larger batch size only. flex_attention computes no
+# attention weights (asking for them switches to no path of its own), and picking a kernel by batch size is SDPA's
+# habit, not flex's; its BlockMask is built from the attention mask, which every mask cell still varies. Not by
+# default: on CPU, transformers refuses it for several architectures that claim it (attention sinks: gpt_oss,
+# granite_swa, flint; a sub-model without it: fuyu), and its cells are the dearest there, where it runs unfused.
 NARROW = frozenset({"flex_attention"})
 
 
@@ -100,7 +102,10 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
     if not enabled:
         return []
     offered = list(model.attention.implementations) if model.attention is not None else []
-    implementations: Sequence[str | None] = code_paths.attn_implementation or offered or [None]
+    # A NARROW implementation runs only when code_paths.attn_implementation names it (see NARROW).
+    implementations: Sequence[str | None] = (
+        code_paths.attn_implementation or [i for i in offered if i not in NARROW] or [None]
+    )
     implementations = [i for i in implementations if not offered or i in offered]
     attentions: Sequence[bool | None] = code_paths.output_attentions or (
         [False, True] if model.accepts("output_attentions") else [None]

@@ -299,7 +299,8 @@ class Session:
         except ModelRaised as exc:
             # Observed, the model runs under a torch function mode and hooks. If it runs untouched, what raised is
             # the observation, not the model: that is never reported as the model's error.
-            self.logits(ids, position_ids)  # raises the model's own error when it fails untouched too
+            with torch.no_grad():  # the same forward, all rows at once: raises the model's own error if it fails too
+                self.model.logits(ids, position_ids)
             raise ObservationFailed(
                 f"fwdcheck's observation pass broke a forward that runs untouched ({exc}): fwdcheck's failure, "
                 "not the model's; please report it"

@@ -6,7 +6,8 @@ The observer reads the kernel call flex_attention ends in, without disturbing th
 for itself; mask-audit evaluates the BlockMask's mask_mod at every (batch, head, query, key) index the call covers
 and the score_mod on a probe of scores. Both ways: causal, sliding-window and document masks (and a causal
 score_mod) pass every check; a window shifted one token into the future, a document mask that lets a document read
-the next, and a score_mod off by one fail mask-audit and future-token; a strict causal mask (q > kv) fails mask-audit.
+the next, and a score_mod off by one fail mask-audit and future-token; a strict causal mask (q > kv) fails mask-audit;
+a BlockMask built for fewer tokens than the call is FWD209 at the kernel, the model's own error through flex_attention.
 
 Shapes: B (batch), T (sequence), nh (heads), hs (head size), C (width).
 """
@@ -153,6 +154,54 @@ def test_the_mask_is_read_exactly_not_by_blocks():
     assert "mask_mod sliding_window" in row["values"]
 
 
+class BlockMaskBuiltOnce(FlexModel):
+    """A causal BlockMask built once, for `built_for` tokens, and handed to every call whatever its length: through
+    flex_attention (which refuses other lengths itself) or straight to the kernel it ends in (which does not: a
+    fused kernel then reads only the blocks the mask was built for)."""
+
+    def __init__(self, built_for: int, to_the_kernel: bool):
+        super().__init__("causal")
+        self.block_mask = flex.create_block_mask(causal, None, None, built_for, built_for, device="cpu")
+        self.to_the_kernel = to_the_kernel
+
+    def forward(self, input_ids):
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_kernel
+
+        B, T = input_ids.shape
+        x = self.embed(input_ids) + self.positions(torch.arange(T))  # (B, T, C)
+        for block in self.blocks:
+            q, k, v = block.qkv(x).view(B, T, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+            if self.to_the_kernel:
+                y = flex_kernel(q, k, v, flex._identity, self.block_mask.as_tuple(), q.shape[-1] ** -0.5, {})[0]
+            else:
+                y = flex.flex_attention(q, k, v, block_mask=self.block_mask)  # (B, nh, T, hs)
+            x = x + block.proj(y.transpose(1, 2).reshape(B, T, WIDTH))
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("built_for", "status"), [(12, "pass"), (8, "fail")])
+def test_a_block_mask_for_other_lengths_handed_to_the_kernel_fails(built_for, status):
+    """The unfused kernel evaluates the mask_mod everywhere, so the logits are right on the CPU (future-token
+    passes); the lengths the BlockMask was built for are what tells."""
+    report = fwdcheck.check_model(BlockMaskBuiltOnce(built_for, to_the_kernel=True), vocab_size=VOCAB, seq_len=12)
+    audit = report.result("mask-audit")
+    assert audit.status.value == status, audit.summary
+    assert codes(audit) == ({"FWD209"} if status == "fail" else set())
+    if status == "fail":
+        assert "built for 8 queries over 8 keys, but the call has 12 over 12" in audit.findings[0].message
+    assert report.result("future-token").status.value == "pass"
+
+
+def test_a_block_mask_for_a_shorter_length_is_the_models_own_error():
+    """flex_attention refuses a BlockMask built for fewer tokens than the call: the model raises on its own, and is
+    told so with torch's words, never passed and never taken for fwdcheck's failure."""
+    report = fwdcheck.check_model(BlockMaskBuiltOnce(8, to_the_kernel=False), vocab_size=VOCAB, seq_len=12)
+    for name in ("shape-ledger", "future-token", "mask-audit"):
+        result = report.result(name)
+        assert result.status.value == "error" and {f.code for f in result.findings} == {"FWD002"}, result.summary
+        assert "block_mask was created for block_mask.shape=(1, 1, 8, 8)" in result.summary
+
+
 # -- observation never blames the model for what observation does ---------------------------------------------------
 
 
@@ -219,12 +268,20 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
+WITH_FLEX = {"attn_implementation": ["eager", "sdpa", "flex_attention"]}
+
+
 def flex_rows(result):
     return [r for r in result.data["paths"] if r["path"].startswith("flex_attention")]
 
 
+def test_transformers_flex_path_runs_only_when_named():
+    report = fwdcheck.check_model(tiny_llama(), checks=["mask-audit"])
+    assert not flex_rows(report.result("mask-audit"))
+
+
 def test_transformers_flex_path_joins_the_matrix_and_passes():
-    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"])
+    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"], code_paths=WITH_FLEX)
     for result in report.results:
         rows = flex_rows(result)
         assert len(rows) == 3 and {r["status"] for r in rows} == {"pass"}, (result.name, rows)
@@ -241,7 +298,7 @@ def test_transformers_flex_path_that_drops_the_mask_fails_there(monkeypatch):
         return flex_attention_forward(module, query, key, value, None, **kwargs)
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", mask_dropped)
-    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"])
+    report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"], code_paths=WITH_FLEX)
     audit = report.result("mask-audit")
     assert audit.status.value == "fail"
     failing = {r["path"] for r in audit.data["paths"] if r["status"] == "fail"}
