@@ -52,6 +52,12 @@ CONVENTIONS = [
         "flag": "BlockMask built for the call's (q, kv) lengths",
     },
     {
+        "api": "xformers memory_efficient_attention",
+        "bool": "-",
+        "float": "attn_bias tensor added to scores",
+        "flag": "attn_bias object: causal top left or bottom right, window, block diagonal",
+    },
+    {
         "api": "eager softmax(scores)",
         "bool": "-",
         "float": "masked scores are -inf or far below the row maximum",
@@ -207,7 +213,10 @@ values, and derives the [L queries, S keys] set of keys each query may read unde
   and the score_mod applied to a probe of zero scores (a score it makes -inf is masked); a BlockMask built for other
   (query, key) lengths than the call's is FWD209. flash-attn (flash_attn::_flash_attn_forward and
   _flash_attn_varlen_forward): causal and window_size (left, right) aligned bottom right, each packed sequence of
-  cu_seqlens_q / cu_seqlens_k reading only its own keys. Any other custom op named for attention is listed as
+  cu_seqlens_q / cu_seqlens_k reading only its own keys. xformers (memory_efficient_attention's CUTLASS op,
+  xformers::efficient_attention_forward_cutlass): the attn_bias as lowered to custom_mask_type (1 causal aligned top
+  left: LowerTriangularMask, BlockDiagonalCausalMask; 2 bottom right: ...FromBottomRight...), window_size, the
+  block-diagonal cu_seqlens and an additive bias tensor. Any other custom op named for attention is listed as
   "not judged: <kernel name>", never passed. torch.compile'd code runs eagerly while observed.
 For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
   square calls (L = S): the sequence against itself, p_i = i.
@@ -445,6 +454,7 @@ API_NAMES = {
     "softmax": "eager softmax",
     "flex": "flex_attention",
     "flash": "flash-attn",
+    "xformers": "xformers memory_efficient_attention",
 }
 
 

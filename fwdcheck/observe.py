@@ -375,6 +375,7 @@ class _Observer(TorchFunctionMode):
         self.kernels = {
             "flash_attn::_flash_attn_forward": self._on_flash,
             "flash_attn::_flash_attn_varlen_forward": self._on_flash_varlen,
+            "xformers::efficient_attention_forward_cutlass": self._on_xformers,
         }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -440,7 +441,9 @@ class _Observer(TorchFunctionMode):
         q, k, v = a["query"], a["key"], a["value"]
         L, S = q.shape[1], k.shape[1]
         allowed, described = _flash_band(L, S, bool(a["causal"]), a, q.device)
-        self._record_flash(func, q, k, v, MaskRead(allowed, "declared", described), (q.shape[0], q.shape[2]), a)
+        self._record_fused(
+            "flash", func, q, k, v, MaskRead(allowed, "declared", described), (q.shape[0], q.shape[2]), a
+        )
         return self._plain(func, args, kwargs)
 
     def _on_flash_varlen(self, func, args, kwargs):
@@ -457,17 +460,55 @@ class _Observer(TorchFunctionMode):
             allowed[q0:q1, k0:k1], described = _flash_band(q1 - q0, k1 - k0, bool(a["causal"]), a, q.device)
         described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
         q4, k4, v4 = q[None], k[None], v[None]  # one packed row: (1, total, h, d)
-        self._record_flash(func, q4, k4, v4, MaskRead(allowed, "declared", described), (q.shape[1],), a, (q, k))
+        self._record_fused(
+            "flash", func, q4, k4, v4, MaskRead(allowed, "declared", described), (q.shape[1],), a, (q, k)
+        )
         return self._plain(func, args, kwargs)
 
-    def _record_flash(self, func, q, k, v, mask: MaskRead, batch_heads, a: dict, identity=None) -> None:
-        """One flash-attn call recorded with q, k, v in SDPA's layout (B, h, T, d); `identity`: the tensors as
-        handed over, whose provenance (computed from the input ids, from another sequence) the observer knows."""
+    def _on_xformers(self, func, args, kwargs):
+        """xformers' memory_efficient_attention kernel, q (B, M, h, d), k and v (B, N, h_kv, d), its attn_bias object
+        lowered to arguments: custom_mask_type (0 none, 1 causal aligned top left, 2 bottom right), window_size (each
+        query's own key and the window_size - 1 before it), sequences packed along one axis by cu_seqlens_q /
+        cu_seqlens_k (B = 1; seqlen_k: the keys each sequence really holds), and an additive bias tensor on top."""
+        a = dict(zip(XFORMERS_ARGS, args, strict=False), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        L, S = q.shape[1], k.shape[1]
+        mask_type, window = int(a["custom_mask_type"]), a.get("window_size")
+        described = f"custom_mask_type={mask_type} ({XFORMERS_MASK_TYPES.get(mask_type, '?')}), window_size={window}"
+        if a.get("cu_seqlens_q") is None:
+            allowed = _xformers_band(L, S, mask_type, window, q.device)
+        else:
+            starts_q, starts_k = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
+            held = a["seqlen_k"].tolist() if a.get("seqlen_k") is not None else None
+            allowed = torch.zeros(L, S, dtype=torch.bool, device=q.device)
+            pairs = zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k), strict=False)
+            for b, ((q0, q1), (k0, k1)) in enumerate(pairs):
+                keys = held[b] if held is not None else k1 - k0  # padded keys: only the first seqlen_k[b] are held
+                allowed[q0:q1, k0 : k0 + keys] = _xformers_band(q1 - q0, keys, mask_type, window, q.device)
+            described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
+        mask = MaskRead(allowed, "declared", described)
+        if a.get("bias") is not None:  # an additive bias tensor (B, h, M, N), read as SDPA's float masks are
+            given = _read_mask(a["bias"], true_means_masked=False)
+            mask = MaskRead(
+                allowed & given.allowed,
+                "declared+float",
+                f"{described}; bias {given.values}",
+                given.float_01,
+                given.shape,
+            )
+        a["causal"] = mask_type != 0
+        self._record_fused("xformers", func, q, k, v, mask, (q.shape[0], q.shape[2]), a)
+        return self._plain(func, args, kwargs)
+
+    def _record_fused(self, api: str, func, q, k, v, mask: MaskRead, batch_heads, a: dict, identity=None) -> None:
+        """One fused kernel's call (flash-attn, xformers) recorded with q, k, v in SDPA's layout (B, h, T, d), given in
+        theirs, (B, T, h, d); `identity`: the tensors as handed over, whose provenance (computed from the input ids,
+        from another sequence) the observer knows."""
         given_q, given_k = identity or (q, k)
         mask.values = f"{str(_attention_kernel(func)).split('::')[-1]}: {mask.values}"
         self.record.attention.append(
             self._call(
-                "flash",
+                api,
                 self._module(),
                 q.transpose(1, 2),
                 k.transpose(1, 2),
@@ -1181,6 +1222,37 @@ def _flash_band(L: int, S: int, causal: bool, a: dict, device: torch.device) -> 
     if left >= 0:
         allowed &= slots >= own - left
     return allowed, f"causal={causal}, window_size=({left}, {right})"
+
+
+# xformers::efficient_attention_forward_cutlass's arguments in order, as xformers registers the op.
+XFORMERS_ARGS = (
+    "query",
+    "key",
+    "value",
+    "bias",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "dropout_p",
+    "custom_mask_type",
+    "compute_log_sumexp",
+)
+XFORMERS_MASK_TYPES = {0: "no causal mask", 1: "causal from the top left", 2: "causal from the bottom right"}
+
+
+def _xformers_band(L: int, S: int, mask_type: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """The (L, S) keys xformers' kernel lets each query read: with custom_mask_type 1 query i sits at key slot i
+    (top left, as LowerTriangularMask), with 2 at i + S - L (bottom right, as LowerTriangularFromBottomRightMask);
+    causal reads no slot after it, and a window of w reads its own slot and the w - 1 before it."""
+    own = torch.arange(L, device=device)[:, None] + (S - L if mask_type == 2 else 0)  # (L, 1): each query's slot
+    slots = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if mask_type != 0:
+        allowed &= slots <= own
+    if window is not None and window > 0:
+        allowed &= slots > own - window
+    return allowed
 
 
 def _short(values: list[int]) -> str:

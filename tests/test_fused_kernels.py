@@ -7,6 +7,10 @@ The causal diagonal must then be aligned to the bottom right (the queries are th
 left, each query of the second chunk no longer reads itself or the tokens just before it: nothing of the future is
 read, so mask-audit names it (FWD210) and future-token sees it only as logits that depend on the length (FWD105).
 
+flash-attn and xformers need CUDA to install: here they are stand-ins (tests/standins) with their real signatures and
+op names and a reference computation inside, judged both ways (causal=False, a window off by one, documents that
+read the next, a causal bias aligned top left over a cache); the CUDA tests run the real libraries where they exist.
+
 Shapes: B (batch), T (sequence), nh (heads), hs (head size), C (width).
 """
 
@@ -215,6 +219,125 @@ def test_flash_attn_varlen_documents(flash_attn, shifted_keys):
         assert found["future-token"].status.value == "pass"
 
 
+# -- xformers, by its stand-in (tests/standins/xformers: memory_efficient_attention and its bias objects lowered to
+# the arguments of xformers' CUTLASS op, as xformers lowers them; a reference inside) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def xformers():
+    """The stand-in xformers.ops; where the real xformers is installed these tests leave it alone and
+    test_real_xformers_on_cuda runs instead."""
+    spec = importlib.util.find_spec("xformers")
+    if spec is not None and STANDINS not in str(spec.origin):
+        pytest.skip("the real xformers is installed: test_real_xformers_on_cuda checks it")
+    sys.path.insert(0, STANDINS)
+    try:
+        return importlib.import_module("xformers.ops")
+    finally:
+        sys.path.remove(STANDINS)
+
+
+class XformersModel(ChunkedPrefill):
+    """One attention layer through memory_efficient_attention, q, k, v as xformers takes them: (B, T, nh, hs).
+    `bias(xops, T)` makes the attn_bias for the whole sequence, or with `chunked` for the second chunk of a two-chunk
+    prefill, whose queries are the last T - T // 2 of the T keys."""
+
+    def __init__(self, xops, bias, chunked=False):
+        super().__init__()
+        self.xops, self.bias, self.chunked = xops, bias, chunked
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        q, k, v = (t.transpose(1, 2) for t in _qkv(self, input_ids))  # 3 x (B, T, nh, hs)
+        attention = self.xops.memory_efficient_attention
+        if not self.chunked:
+            y = attention(q, k, v, attn_bias=self.bias(self.xops, T))  # (B, T, nh, hs)
+        else:
+            half = T // 2
+            first = attention(q[:, :half], k[:, :half], v[:, :half], attn_bias=self.xops.LowerTriangularMask())
+            second = attention(q[:, half:], k, v, attn_bias=self.bias(self.xops, T))  # over every key so far
+            y = torch.cat([first, second], dim=1)  # (B, T, nh, hs)
+        return self.head(y.reshape(B, T, WIDTH))
+
+
+class PackedXformersModel(ChunkedPrefill):
+    """Documents of 5 tokens packed in each row, all rows' documents one block-diagonal batch (1, B * T, nh, hs).
+    `bias(xops, q_seqlens, kv_seqlens)`; `shifted_keys`: every document but a row's last gets one key more, taken
+    from the start of the next document."""
+
+    def __init__(self, xops, bias, shifted_keys=False):
+        super().__init__()
+        self.xops, self.bias, self.shifted_keys = xops, bias, shifted_keys
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        q, k, v = (t.transpose(1, 2).reshape(1, B * T, HEADS, WIDTH // HEADS) for t in _qkv(self, input_ids))
+        lengths = [min(5, T - s) for s in range(0, T, 5)] * B
+        kv_lengths = list(lengths)
+        if self.shifted_keys:  # document i takes the next one's first key, which the next one then lacks
+            for i in range(len(lengths) - 1):
+                if (i + 1) % (len(lengths) // B):  # not across rows
+                    kv_lengths[i] += 1
+                    kv_lengths[i + 1] -= 1
+        y = self.xops.memory_efficient_attention(q, k, v, attn_bias=self.bias(self.xops, lengths, kv_lengths))
+        return self.head(y.reshape(B, T, WIDTH))
+
+
+def _causal_tensor(xops, T):  # an additive bias tensor: 0 on and below the diagonal, -inf above
+    return torch.full((T, T), float("-inf")).triu(1)
+
+
+@pytest.mark.parametrize(
+    ("bias", "chunked", "audit_codes"),
+    [
+        (lambda xops, T: xops.LowerTriangularMask(), False, set()),
+        (lambda xops, T: xops.LowerTriangularFromBottomRightLocalAttentionMask(3), False, set()),  # a window of 3
+        (_causal_tensor, False, set()),
+        (lambda xops, T: None, False, {"FWD201"}),  # no bias: every key
+        (lambda xops, T: xops.LowerTriangularFromBottomRightMask(), True, set()),  # over a cache, bottom right
+        (lambda xops, T: xops.LowerTriangularMask(), True, {"FWD210"}),  # over a cache, top left
+    ],
+    ids=["causal", "local-window", "additive-tensor", "no-bias", "bottom-right-over-cache", "top-left-over-cache"],
+)
+def test_xformers_judged_by_its_bias(xformers, bias, chunked, audit_codes):
+    found = results(XformersModel(xformers, bias, chunked))
+    audit = found["mask-audit"]
+    assert {f.code for f in audit.findings if f.status.value == "fail"} == audit_codes, audit.summary
+    assert audit.status.value == ("fail" if audit_codes else "pass")
+    rows = audit.data["calls"]
+    assert {r["api"] for r in rows} == {"xformers"} and all(r["judged"] for r in rows)
+    assert all(r["values"].startswith("efficient_attention_forward_cutlass: custom_mask_type=") for r in rows)
+    # future-token: every key read is a leak (FWD101); top left over a cache reads nothing of the future, but what a
+    # token sees then depends on where the chunks split, and a prefix run alone gives other logits (FWD105)
+    future = {"FWD201": {"FWD101", "FWD105"}, "FWD210": {"FWD105"}}.get(next(iter(audit_codes), ""), set())
+    assert {f.code for f in found["future-token"].findings if f.status.value == "fail"} == future
+
+
+@pytest.mark.parametrize("shifted_keys", [False, True])
+def test_xformers_block_diagonal_documents(xformers, shifted_keys):
+    def causal_from_bottom_right(xops, lengths, kv_lengths):
+        return xops.BlockDiagonalCausalFromBottomRightMask.from_seqlens(lengths, kv_lengths)
+
+    found = results(PackedXformersModel(xformers, causal_from_bottom_right, shifted_keys))
+    audit = found["mask-audit"]
+    if shifted_keys:  # each document but a row's last reads the next one's first token
+        assert {f.code for f in audit.findings if f.status.value == "fail"} == {"FWD204"}, audit.summary
+        assert found["future-token"].status.value == "fail"
+    else:
+        assert audit.status.value == "pass", audit.summary
+        assert "restricted" in audit.summary  # documents: causal within each, nothing across
+        assert found["future-token"].status.value == "pass"
+
+
+def test_xformers_block_diagonal_without_causal_fails(xformers):
+    def bidirectional(xops, lengths, kv_lengths):
+        return xops.BlockDiagonalMask.from_seqlens(lengths, kv_lengths)
+
+    found = results(PackedXformersModel(xformers, bidirectional))
+    assert {f.code for f in found["mask-audit"].findings if f.status.value == "fail"} == {"FWD204"}
+    assert found["future-token"].status.value == "fail"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn needs a CUDA GPU")
 def test_real_flash_attn_on_cuda():
     flash = pytest.importorskip("flash_attn")
@@ -226,3 +349,25 @@ def test_real_flash_attn_on_cuda():
         audit = report.result("mask-audit")
         assert audit.status.value == ("fail" if fails else "pass"), (causal, window, audit.summary)
         assert {r["api"] for r in audit.data["calls"]} == {"flash"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="xformers needs a CUDA GPU")
+def test_real_xformers_on_cuda():
+    xops = pytest.importorskip("xformers.ops")
+    if STANDINS in str(getattr(xops, "__file__", "")):
+        pytest.skip("the stand-in was imported in this process, not the real xformers")
+    cases = [
+        (lambda xops, T: xops.LowerTriangularMask(), False, False),
+        (lambda xops, T: None, False, True),
+        (lambda xops, T: xops.LowerTriangularMask(), True, True),
+        (lambda xops, T: xops.LowerTriangularFromBottomRightMask(), True, False),
+    ]
+    for bias, chunked, fails in cases:
+        model = XformersModel(xops, bias, chunked).to("cuda", torch.float16)
+        audit = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=16).result("mask-audit")
+        # the real library may pick a kernel other than CUTLASS's (flash on recent GPUs): then it is named, unjudged
+        judged = [r for r in audit.data["calls"] if r["api"] == "xformers"]
+        if not judged:
+            assert "not judged" in audit.summary and "xformers" in audit.summary, audit.summary
+            continue
+        assert audit.status.value == ("fail" if fails else "pass"), (chunked, audit.summary)
