@@ -139,18 +139,22 @@ def test_an_unknown_kernel_is_not_judged_by_name_never_passed(causal):
 STANDINS = str(Path(__file__).with_name("standins"))
 
 
-@pytest.fixture(scope="module")
-def flash_attn():
-    """The stand-in flash_attn package; on a machine where the real one is installed these tests leave it alone
-    (both would register the same ops), and test_real_flash_attn_on_cuda runs instead."""
-    spec = importlib.util.find_spec("flash_attn")
+def _standin(package: str, module: str, test: str):
+    """A stand-in package from tests/standins, imported; where the real package is installed these tests leave it
+    alone (both would register the same ops), and `test` checks the real one instead."""
+    spec = importlib.util.find_spec(package)
     if spec is not None and STANDINS not in str(spec.origin):
-        pytest.skip("the real flash-attn is installed: test_real_flash_attn_on_cuda checks it")
+        pytest.skip(f"the real {package} is installed: {test} checks it")
     sys.path.insert(0, STANDINS)
     try:
-        return importlib.import_module("flash_attn")
+        return importlib.import_module(module)
     finally:
         sys.path.remove(STANDINS)
+
+
+@pytest.fixture(scope="module")
+def flash_attn():
+    return _standin("flash_attn", "flash_attn", "test_real_flash_attn_on_cuda")
 
 
 class FlashModel(ChunkedPrefill):
@@ -225,16 +229,7 @@ def test_flash_attn_varlen_documents(flash_attn, shifted_keys):
 
 @pytest.fixture(scope="module")
 def xformers():
-    """The stand-in xformers.ops; where the real xformers is installed these tests leave it alone and
-    test_real_xformers_on_cuda runs instead."""
-    spec = importlib.util.find_spec("xformers")
-    if spec is not None and STANDINS not in str(spec.origin):
-        pytest.skip("the real xformers is installed: test_real_xformers_on_cuda checks it")
-    sys.path.insert(0, STANDINS)
-    try:
-        return importlib.import_module("xformers.ops")
-    finally:
-        sys.path.remove(STANDINS)
+    return _standin("xformers", "xformers.ops", "test_real_xformers_on_cuda")
 
 
 class XformersModel(ChunkedPrefill):

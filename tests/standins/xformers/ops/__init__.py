@@ -1,21 +1,4 @@
-from xformers.ops.fmha import (
-    AttentionBias,
-    BlockDiagonalCausalFromBottomRightMask,
-    BlockDiagonalCausalMask,
-    BlockDiagonalMask,
-    LowerTriangularFromBottomRightLocalAttentionMask,
-    LowerTriangularFromBottomRightMask,
-    LowerTriangularMask,
-    memory_efficient_attention,
-)
+from xformers.ops import fmha
+from xformers.ops.fmha import *  # noqa: F403  (xformers.ops offers fmha's public names, as the real package does)
 
-__all__ = [
-    "AttentionBias",
-    "BlockDiagonalCausalFromBottomRightMask",
-    "BlockDiagonalCausalMask",
-    "BlockDiagonalMask",
-    "LowerTriangularFromBottomRightLocalAttentionMask",
-    "LowerTriangularFromBottomRightMask",
-    "LowerTriangularMask",
-    "memory_efficient_attention",
-]
+__all__ = fmha.__all__
