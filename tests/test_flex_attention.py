@@ -22,7 +22,7 @@ import fwdcheck
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
-VOCAB, WIDTH, HEADS, LAYERS, WINDOW, DOCUMENT = 32, 16, 2, 2, 3, 5
+VOCAB, WIDTH, HEADS, LAYERS, WINDOW, DOCUMENT, PREFIX = 32, 16, 2, 2, 3, 5, 4
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -50,6 +50,10 @@ def document_reads_next(b, h, q_idx, kv_idx):  # the next document's tokens are 
     return same | (kv_idx // DOCUMENT == q_idx // DOCUMENT + 1)
 
 
+def prefix_lm(b, h, q_idx, kv_idx):  # the first PREFIX tokens read each other both ways, the rest causally
+    return (kv_idx < PREFIX) | (q_idx >= kv_idx)
+
+
 def causal_score(score, b, h, q_idx, kv_idx):
     return torch.where(q_idx >= kv_idx, score, -float("inf"))
 
@@ -65,6 +69,7 @@ MASKS = {
     "window-one-ahead": window_one_ahead,
     "strict-causal": strict_causal,
     "document-reads-next": document_reads_next,
+    "prefix-lm": prefix_lm,
 }
 SCORE_MODS = {"causal-score": causal_score, "score-one-ahead": causal_score_one_ahead}
 
@@ -142,6 +147,19 @@ def test_wrong_flex_masks_fail(mask, audit_codes, leaks):
     assert all(f.source and f.source.startswith("tests/test_flex_attention.py:") for f in audit.findings)
     # future-token sees every mask that reads the future; a query that reads nothing reads no future either
     assert results["future-token"].status.value == ("fail" if leaks else "pass"), results["future-token"].summary
+
+
+def test_a_prefix_lm_mask_is_judged_as_sdpa_would_be():
+    """A prefix-LM mask is right for a prefix-LM and not causal: its prefix tokens read the prefix tokens after them.
+    mask-audit says which (the queries before the prefix's end), exactly as for the same mask handed to SDPA, and
+    future-token sees the same reads."""
+    results = run("prefix-lm")
+    audit = results["mask-audit"]
+    assert codes(audit) == {"FWD204"}, audit.summary
+    row = audit.data["calls"][0]
+    expected = [[int(kv < PREFIX or q >= kv) for kv in range(12)] for q in range(12)]
+    assert row["may_read"] == expected
+    assert results["future-token"].status.value == "fail"
 
 
 def test_the_mask_is_read_exactly_not_by_blocks():
