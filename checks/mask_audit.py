@@ -46,6 +46,18 @@ CONVENTIONS = [
         "flag": "is_causal: a hint that attn_mask is causal",
     },
     {
+        "api": "flex_attention",
+        "bool": "mask_mod True = may attend, at every (b, h, q, kv)",
+        "float": "score_mod: a score it makes -inf is dropped",
+        "flag": "BlockMask built for the call's (q, kv) lengths",
+    },
+    {
+        "api": "xformers memory_efficient_attention",
+        "bool": "-",
+        "float": "attn_bias tensor added to scores",
+        "flag": "attn_bias object: causal top left or bottom right, window, block diagonal",
+    },
+    {
         "api": "eager softmax(scores)",
         "bool": "-",
         "float": "masked scores are -inf or far below the row maximum",
@@ -117,6 +129,9 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
             "another sequence: queries not computed from the input tokens (an "
             "encoder over a fixed source), not judged for causality",
         )
+    if call.unread is not None:
+        kind = call.mask_values if call.api == "kernel" else "mask not read"  # the kernel's name
+        return NotJudged(kind, f"not judged: {call.unread}")
     if call.query_positions is None:
         return NotJudged(
             "query positions unknown",
@@ -182,6 +197,8 @@ class MaskAudit(Check):
         "FWD206": "attn_mask passed together with is_causal=True",
         "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
+        "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
+        "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -191,6 +208,16 @@ values, and derives the [L queries, S keys] set of keys each query may read unde
   SDPA bool: True = may attend.   nn.MultiheadAttention bool: True = masked out.   float (both): added to the scores,
   0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular, aligned top left (also when L != S).
   eager: keys whose score is -inf or more than 80 below the row's maximum get no weight.
+  torch's causal_upper_left / causal_lower_right (handed to SDPA as attn_mask): the diagonal aligned top left / bottom
+  right. flex_attention: the BlockMask's mask_mod evaluated at every (batch, head, query, key) index the call covers,
+  and the score_mod applied to a probe of zero scores (a score it makes -inf is masked); a BlockMask built for other
+  (query, key) lengths than the call's is FWD209. flash-attn (flash_attn::_flash_attn_forward and
+  _flash_attn_varlen_forward): causal and window_size (left, right) aligned bottom right, each packed sequence of
+  cu_seqlens_q / cu_seqlens_k reading only its own keys. xformers (memory_efficient_attention's CUTLASS op,
+  xformers::efficient_attention_forward_cutlass): the attn_bias as lowered to custom_mask_type (1 causal aligned top
+  left: LowerTriangularMask, BlockDiagonalCausalMask; 2 bottom right: ...FromBottomRight...), window_size, the
+  block-diagonal cu_seqlens and an additive bias tensor. Any other custom op named for attention is listed as
+  "not judged: <kernel name>", never passed. torch.compile'd code runs eagerly while observed.
 For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
   square calls (L = S): the sequence against itself, p_i = i.
   KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
@@ -220,7 +247,9 @@ How to fix: FWD202 -> pass ~mask, or build the mask for the API you call (SDPA: 
 MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)); over a cache,
 slice the rows of the causal mask by the query positions (causal_mask[None, None, input_pos]). FWD203 -> keep the
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
-dropout_p=self.p if self.training else 0.0. A model without interceptable attention calls (custom kernels) is skipped
+dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
+mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
+BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
 here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
 the attention module's forward as input_pos or cache_position."""
 
@@ -292,7 +321,7 @@ the attention module's forward as input_pos or cache_position."""
         pad = model.padding  # a left-padded path view: judge real queries against real keys
         input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
-            if pad and call.self_attention:
+            if pad and call.self_attention and call.unread is None:
                 call, reads_padding = _real_tokens(call, pad)
                 if reads_padding:
                     findings.append(
@@ -331,10 +360,19 @@ the attention module's forward as input_pos or cache_position."""
         """The findings of one judged attention call: its mask against causal (for a causal model), empty rows, a
         mask beside is_causal, dropout in eval mode. Each points at the line of model code that made the call."""
         where = f"{call.module or 'model'} ({call.api})"
-        api = {"sdpa": "scaled_dot_product_attention", "mha": "nn.MultiheadAttention", "softmax": "eager softmax"}[
-            call.api
-        ]
+        api = API_NAMES.get(call.api, call.api)
         findings = []
+        if call.mask_lengths is not None:
+            findings.append(
+                Finding(
+                    "FWD209",
+                    Status.FAIL,
+                    f"the BlockMask handed to {api} was built for {call.mask_lengths[0]} queries over "
+                    f"{call.mask_lengths[1]} keys, but the call has {call.query_len} over {call.key_len}: a mask "
+                    "built for another length and reused (build it for each call's lengths)",
+                    where,
+                )
+            )
         if call.float_01:
             findings.append(
                 Finding(
@@ -347,6 +385,22 @@ the attention module's forward as input_pos or cache_position."""
             )
         elif causal and future_pairs:
             findings.append(_reads_future(call, shape, future_pairs, api, where))
+        elif causal and (blind := _blind_to_themselves(call)):
+            findings.append(
+                Finding(
+                    "FWD210",
+                    Status.FAIL,
+                    f"{len(blind)} queries may not read their own position, e.g. "
+                    f"{', '.join(map(str, blind[:4]))}: "
+                    + (
+                        "a strict causal mask (q > kv where q >= kv is meant)"
+                        if call.self_attention
+                        else "a causal mask aligned top left over a cache (causal_upper_left, is_causal with fewer "
+                        "queries than keys) where the queries are the last ones (causal_lower_right)"
+                    ),
+                    where,
+                )
+            )
         if call.empty_rows:
             findings.append(
                 Finding(
@@ -380,14 +434,39 @@ the attention module's forward as input_pos or cache_position."""
         return findings
 
 
+def _blind_to_themselves(call: AttentionCall) -> list[int]:
+    """The positions of the queries whose own key slot the mask closes, over keys that hold their own index (a
+    ring buffer past its wrap is left alone). A causal mask off by one into the past (q > kv) closes every one: the
+    first token reads nothing and every other one misses itself."""
+    positions = call.query_positions
+    if positions is None or call.key_positions is not None or call.allowed.is_meta:
+        return []
+    L, S = call.allowed.shape
+    inside = positions < S
+    rows = torch.arange(L)[inside]
+    closed = ~call.allowed[rows, positions[inside].to(call.allowed.device)].cpu()
+    return positions[inside][closed].tolist()
+
+
+API_NAMES = {
+    "sdpa": "scaled_dot_product_attention",
+    "mha": "nn.MultiheadAttention",
+    "softmax": "eager softmax",
+    "flex": "flex_attention",
+    "flash": "flash-attn",
+    "xformers": "xformers memory_efficient_attention",
+}
+
+
 def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, where: str) -> Finding:
     """What lets a call of a causal model read the future, said by the shape of its may-read set: no restriction at
     all (FWD201), a mask in the other API's convention (FWD202), or some future keys (FWD204)."""
     L, S = call.allowed.shape
     if shape is MayRead.BIDIRECTIONAL:
-        how = {"none": "no attn_mask and is_causal=False", "scores": "no score is masked"}.get(
-            call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing"
-        )
+        how = {
+            "none": "no block_mask or score_mod" if call.api == "flex" else "no attn_mask and is_causal=False",
+            "scores": "no score is masked",
+        }.get(call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
         every = (
             f"every query of {L} reads every key"
             if L == S

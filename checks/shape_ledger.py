@@ -357,6 +357,8 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
     per_module: dict[str, int] = {}
     calls_at: list[str] = []
     for attn in obs.attention:
+        if attn.api == "kernel":  # a kernel fwdcheck does not know: its arguments' layout is its own
+            continue
         n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
         calls_at.append(where)
@@ -369,8 +371,8 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
             cross=attn.cross,
             learned_query=attn.reads_input is False,
         )
-        if attn.api == "sdpa":
-            assert attn.key_shape is not None and attn.value_shape is not None  # SDPA's k and v are always seen
+        if attn.api in ("sdpa", "flex"):  # both take q, k, v as (B, h, T, d_h)
+            assert attn.key_shape is not None and attn.value_shape is not None  # their k and v are always seen
             entries += [
                 Entry(f"{where} q", "q", attn.query_shape, **at),
                 Entry(f"{where} k", "k", attn.key_shape, **at),

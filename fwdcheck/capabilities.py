@@ -11,6 +11,7 @@ Torch-free: these are descriptions, and the callables they hold are the sources'
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,19 +44,30 @@ class AttentionSwitch:
     def on(cls, module: Any) -> AttentionSwitch | None:
         """The module's switch when it has transformers' (config._attn_implementation read,
         set_attn_implementation(name) called), whatever class offers it; None otherwise. The implementations offered
-        are those that need no extra package: eager, and sdpa where the class says it supports it (_supports_sdpa)."""
+        are those that need no extra package: eager, sdpa where the class says it supports it (_supports_sdpa), and
+        flex_attention where it does (_supports_flex_attn) and torch has it."""
         config: Any = getattr(module, "config", None)
         if not callable(getattr(module, "set_attn_implementation", None)) or not isinstance(
             getattr(config, "_attn_implementation", None), str
         ):
             return None
-        offered = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
+        offered: tuple[str, ...] = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
+        if getattr(module, "_supports_flex_attn", False) and _flex_attention_available():
+            offered += ("flex_attention",)
         return cls(offered, current=lambda: config._attn_implementation, switch=module.set_attn_implementation)
 
     def ordered(self) -> list[str]:
         """Every implementation, the one running now first."""
         current = self.current()
         return [current, *(i for i in self.implementations if i != current)]
+
+
+def _flex_attention_available() -> bool:
+    """Whether torch offers flex_attention (2.5 on), asked without importing torch here."""
+    try:
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,13 @@ LEFT_PADDING = 3  # pad tokens put before every row in the left-pad cells
 # shows in both. Longer cells cost tokens in proportion and find nothing more of what differs between paths; what
 # needs length (a window, a chunk) is checked on the default path at inputs.seq_len.
 CELL_LENGTH = 8
+# Implementations that run only when code_paths.attn_implementation names them, and then on fewer cells: every
+# attention mask, but without output_attentions=True and at the larger batch size only. flex_attention computes no
+# attention weights (asking for them switches to no path of its own), and picking a kernel by batch size is SDPA's
+# habit, not flex's; its BlockMask is built from the attention mask, which every mask cell still varies. Not by
+# default: on CPU, transformers refuses it for several architectures that claim it (attention sinks: gpt_oss,
+# granite_swa, flint; a sub-model without it: fuyu), and its cells are the dearest there, where it runs unfused.
+NARROW = frozenset({"flex_attention"})
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,10 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
     if not enabled:
         return []
     offered = list(model.attention.implementations) if model.attention is not None else []
-    implementations: Sequence[str | None] = code_paths.attn_implementation or offered or [None]
+    # A NARROW implementation runs only when code_paths.attn_implementation names it (see NARROW).
+    implementations: Sequence[str | None] = (
+        code_paths.attn_implementation or [i for i in offered if i not in NARROW] or [None]
+    )
     implementations = [i for i in implementations if not offered or i in offered]
     attentions: Sequence[bool | None] = code_paths.output_attentions or (
         [False, True] if model.accepts("output_attentions") else [None]
@@ -110,7 +120,15 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
     # Larger batches first: a batch-size-1 cell draws the first row of the larger cell's tokens, whose logits are
     # then there to compare with (see the module docstring).
     batches = sorted(set(code_paths.batch_size or {1, max(batch_size, 2)}), reverse=True)
-    return [CodePath(*cell) for cell in itertools.product(implementations, attentions, masks, batches)]
+    cells = [CodePath(*cell) for cell in itertools.product(implementations, attentions, masks, batches)]
+    return [c for c in cells if c.attn_implementation not in NARROW or _narrow_cell(c, attentions, batches)]
+
+
+def _narrow_cell(cell: CodePath, attentions: Sequence[bool | None], batches: list[int]) -> bool:
+    """Whether a cell of a NARROW implementation is run: not asked for attention weights (unless only that was asked
+    for) and at the larger batch size."""
+    plain: list[bool | None] = [a for a in attentions if not a] or list(attentions)
+    return cell.output_attentions == plain[0] and cell.batch_size == batches[0]
 
 
 def runs_per_code_path(check) -> bool:

@@ -383,7 +383,7 @@ class CodePaths(Strict):
     the default path (other models)."""
 
     enabled: bool | None = Field(None, description="default: on for source hf, off otherwise")
-    attn_implementation: list[Literal["eager", "sdpa"]] | None = None
+    attn_implementation: list[Literal["eager", "sdpa", "flex_attention"]] | None = None
     output_attentions: list[bool] | None = None
     attention_mask: list[Literal["absent", "ones", "left-pad"]] | None = None
     batch_size: list[PositiveInt] | None = None

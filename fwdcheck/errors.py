@@ -94,6 +94,12 @@ class ModelRaised(FwdcheckError):
         return f"{self.frame[0]}:{self.frame[1]} in {self.frame[2]}" if self.frame else None
 
 
+class ObservationFailed(FwdcheckError):
+    """fwdcheck's observation pass broke a forward that runs untouched: fwdcheck's failure, never the model's."""
+
+    exit_code = ExitCode.INTERNAL
+
+
 class SkipCheck(Exception):
     """Raised by a check that does not apply to this model; the message is the reason."""
 

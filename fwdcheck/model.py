@@ -21,8 +21,20 @@ import torch.nn as nn
 from fwdcheck.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.config import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
+from fwdcheck.observe import compiled_eagerly
+
+# Implementations whose library compiles the kernel on first use (transformers' flex_attention: tens of seconds on
+# CPU, again for new shapes). Their cells run torch.compile'd code eagerly: flex_attention computes its mask's math
+# either way, and nothing in a default run compiles.
+COMPILING_IMPLEMENTATIONS = frozenset({"flex_attention"})
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B,h,T,d_h], positions [T]) -> rotated x
+
+
+@contextmanager
+def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def layer_stack_of(module: nn.Module) -> str | None:
@@ -75,6 +87,8 @@ class ModelUnderTest:
                 f"attention implementation {implementation!r} asked for, but the model has no attention "
                 "switch (transformers' set_attn_implementation)"
             )
+        if implementation in COMPILING_IMPLEMENTATIONS:
+            return _both(self.attention.using(implementation), compiled_eagerly())
         return self.attention.using(implementation)
 
     def why_not(self, capability: str, default: str) -> str:

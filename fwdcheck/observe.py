@@ -29,7 +29,7 @@ import os
 import sys
 import weakref
 from collections.abc import Collection
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -77,6 +77,21 @@ _SDPA_SIGNATURE = inspect.Signature(
     ]
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+try:  # torch's causal masks for SDPA, aligned top left or bottom right (torch 2.3 on)
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:
+    CausalBias = CausalVariant = None  # type: ignore[assignment,misc]
+
+# flex_attention, eager or compiled, ends in one higher-order operator call that a torch function mode sees with the
+# kernel's own arguments: (query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options, buffers...).
+# Reading it there, rather than tracing the kernel's inside, leaves its compilation alone. None where torch has none.
+try:
+    from torch._higher_order_ops.flex_attention import flex_attention as FLEX_ATTENTION
+    from torch.nn.attention.flex_attention import create_mask as _flex_create_mask
+    from torch.nn.attention.flex_attention import noop_mask as _flex_noop_mask
+except ImportError:  # torch before 2.5
+    FLEX_ATTENTION = None  # type: ignore[assignment]
 
 # Walking out from an attention call, frames of torch (its wrappers, nn.MultiheadAttention, nn.TransformerEncoder) and
 # of this observer are passed over: the first frame beyond them is the line of model code that made the call. A frame
@@ -134,6 +149,11 @@ class AttentionCall:
     # "path:line" of the model code that made the call (eager: the softmax), None when no model code did (a bare
     # nn.TransformerEncoder): what a finding about this call points at.
     source: str | None = None
+    # flex_attention: the (query, key) lengths its BlockMask was built for, when they are not the call's own
+    mask_lengths: tuple[int, int] | None = None
+    # Why the mask could not be read, when it could not (a mask_mod that raised when fwdcheck evaluated it): the call
+    # is then not judged, rather than judged on a guess.
+    unread: str | None = None
 
     @property
     def query_len(self) -> int:
@@ -340,7 +360,7 @@ class _Observer(TorchFunctionMode):
         # per cache (a view's base) -> axis -> the position each slot holds (-1: none), None once unknown
         self.held = _Identities()
         # The few functions the observer reads; every other op only passes on what it learned about its inputs.
-        self.readers = {
+        self.readers: dict[Any, Any] = {
             F.scaled_dot_product_attention: self._on_sdpa,
             F.multi_head_attention_forward: self._on_mha,
             F.dropout: self._on_dropout,
@@ -348,12 +368,27 @@ class _Observer(TorchFunctionMode):
             **dict.fromkeys(PRODUCTS, self._on_product),
             **dict.fromkeys(SOFTMAX, self._on_softmax),
         }
+        if FLEX_ATTENTION is not None:
+            self.readers[FLEX_ATTENTION] = self._on_flex
+        # Custom ops of attention libraries, by name (whichever is installed registers its own): their masks are
+        # declared by their arguments.
+        self.kernels = {
+            "flash_attn::_flash_attn_forward": self._on_flash,
+            "flash_attn::_flash_attn_varlen_forward": self._on_flash_varlen,
+            "xformers::efficient_attention_forward_cutlass": self._on_xformers,
+        }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every op of the forward: an op the observer does not read costs one dict lookup, and passing on
         # what its inputs were (computed from the ids; scores or weights) one identity lookup per tensor argument.
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # torch.compile traces the function modes it runs under: it compiles the op itself, not this observer
+            # (whose bookkeeping it cannot trace, and a fullgraph compile such as flex_attention's would fail on it).
+            return func(*args, **kwargs)
         reader = self.readers.get(func)
+        if reader is None and (op := _attention_kernel(func)):
+            reader = self.kernels.get(op, self._on_kernel)
         if reader is not None:
             return reader(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -393,6 +428,131 @@ class _Observer(TorchFunctionMode):
         if self.zero_dropout:
             bound.arguments["dropout_p"] = 0.0
             args, kwargs = (), dict(bound.arguments)
+        return self._plain(func, args, kwargs)
+
+    def _on_flex(self, func, args, kwargs):
+        self.record.attention.append(self._flex(args, kwargs, self._module()))
+        return self._plain(func, args, kwargs)
+
+    def _on_flash(self, func, args, kwargs):
+        """flash-attn's kernel: q (B, L, h, d), k and v (B, S, h_kv, d), its mask declared by causal and the window,
+        both aligned to the bottom right (the queries are the last L of the S keys)."""
+        a = dict(zip(FLASH_ARGS, args, strict=False), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        L, S = q.shape[1], k.shape[1]
+        allowed, described = _flash_band(L, S, bool(a["causal"]), a, q.device)
+        self._record_fused(
+            "flash", func, q, k, v, MaskRead(allowed, "declared", described), (q.shape[0], q.shape[2]), a
+        )
+        return self._plain(func, args, kwargs)
+
+    def _on_flash_varlen(self, func, args, kwargs):
+        """flash-attn's variable-length kernel: sequences packed along one axis, q (total_q, h, d) and k
+        (total_k, h_kv, d); sequence b holds queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys
+        cu_seqlens_k[b]:cu_seqlens_k[b+1], and reads no other sequence's keys; within it, causal and the window
+        are aligned to the bottom right."""
+        a = dict(zip(FLASH_VARLEN_ARGS, args, strict=False), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        starts_q, starts_k = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
+        allowed = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+        described = ""
+        for (q0, q1), (k0, k1) in zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k), strict=False):
+            allowed[q0:q1, k0:k1], described = _flash_band(q1 - q0, k1 - k0, bool(a["causal"]), a, q.device)
+        described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
+        q4, k4, v4 = q[None], k[None], v[None]  # one packed row: (1, total, h, d)
+        self._record_fused(
+            "flash", func, q4, k4, v4, MaskRead(allowed, "declared", described), (q.shape[1],), a, (q, k)
+        )
+        return self._plain(func, args, kwargs)
+
+    def _on_xformers(self, func, args, kwargs):
+        """xformers' memory_efficient_attention kernel, q (B, M, h, d), k and v (B, N, h_kv, d), its attn_bias object
+        lowered to arguments: custom_mask_type (0 none, 1 causal aligned top left, 2 bottom right), window_size (each
+        query's own key and the window_size - 1 before it), sequences packed along one axis by cu_seqlens_q /
+        cu_seqlens_k (B = 1; seqlen_k: the keys each sequence really holds), and an additive bias tensor on top."""
+        a = dict(zip(XFORMERS_ARGS, args, strict=False), **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        L, S = q.shape[1], k.shape[1]
+        mask_type, window = int(a["custom_mask_type"]), a.get("window_size")
+        described = f"custom_mask_type={mask_type} ({XFORMERS_MASK_TYPES.get(mask_type, '?')}), window_size={window}"
+        if a.get("cu_seqlens_q") is None:
+            allowed = _xformers_band(L, S, mask_type, window, q.device)
+        else:
+            starts_q, starts_k = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
+            held = a["seqlen_k"].tolist() if a.get("seqlen_k") is not None else None
+            allowed = torch.zeros(L, S, dtype=torch.bool, device=q.device)
+            pairs = zip(itertools.pairwise(starts_q), itertools.pairwise(starts_k), strict=False)
+            for b, ((q0, q1), (k0, k1)) in enumerate(pairs):
+                keys = held[b] if held is not None else k1 - k0  # padded keys: only the first seqlen_k[b] are held
+                allowed[q0:q1, k0 : k0 + keys] = _xformers_band(q1 - q0, keys, mask_type, window, q.device)
+            described += f", cu_seqlens_q {_short(starts_q)}, cu_seqlens_k {_short(starts_k)}"
+        mask = MaskRead(allowed, "declared", described)
+        if a.get("bias") is not None:  # an additive bias tensor (B, h, M, N), read as SDPA's float masks are
+            given = _read_mask(a["bias"], true_means_masked=False)
+            mask = MaskRead(
+                allowed & given.allowed,
+                "declared+float",
+                f"{described}; bias {given.values}",
+                given.float_01,
+                given.shape,
+            )
+        a["causal"] = mask_type != 0
+        self._record_fused("xformers", func, q, k, v, mask, (q.shape[0], q.shape[2]), a)
+        return self._plain(func, args, kwargs)
+
+    def _record_fused(self, api: str, func, q, k, v, mask: MaskRead, batch_heads, a: dict, identity=None) -> None:
+        """One fused kernel's call (flash-attn, xformers) recorded with q, k, v in SDPA's layout (B, h, T, d), given in
+        theirs, (B, T, h, d); `identity`: the tensors as handed over, whose provenance (computed from the input ids,
+        from another sequence) the observer knows."""
+        given_q, given_k = identity or (q, k)
+        mask.values = f"{str(_attention_kernel(func)).split('::')[-1]}: {mask.values}"
+        self.record.attention.append(
+            self._call(
+                api,
+                self._module(),
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                batch_heads=batch_heads,
+                mask=mask,
+                is_causal=bool(a["causal"]),
+                dropout=float(a.get("dropout_p") or 0.0),
+                cross=self._cross(given_q, given_k),
+                reads_input=self._reads_input(given_q),
+            )
+        )
+
+    def _on_kernel(self, func, args, kwargs):
+        """A custom op named for attention that no reader knows: its mask cannot be read from its arguments, so
+        the call is recorded as not judged, by its name, never passed over in silence."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 3]
+        name = _attention_kernel(func)
+        if len(tensors) >= 3:
+            q, k, v = tensors[:3]
+            self.record.attention.append(
+                AttentionCall(
+                    index=len(self.record.attention),
+                    api="kernel",
+                    module=self._module(),
+                    query_shape=tuple(q.shape),
+                    key_shape=tuple(k.shape),
+                    value_shape=tuple(v.shape),
+                    weights_shape=(0, 0),
+                    mask_kind="declared",
+                    mask_shape=None,
+                    mask_values=name,
+                    is_causal=False,
+                    dropout_p=0.0,
+                    allowed=torch.ones(0, 0, dtype=torch.bool),
+                    empty_rows=0,
+                    seq=self.record.tick(),
+                    dtype=str(q.dtype).removeprefix("torch."),
+                    cross=self._cross(q, k),
+                    reads_input=self._reads_input(q),
+                    source=self._model_line(),
+                    unread=f"{name}, a kernel fwdcheck does not know (its mask is in its arguments)",
+                )
+            )
         return self._plain(func, args, kwargs)
 
     def _on_mha(self, func, args, kwargs):
@@ -589,7 +749,9 @@ class _Observer(TorchFunctionMode):
         read = MaskRead(torch.ones(L, S, dtype=torch.bool, device=q.device), "is_causal" if is_causal else "none")
         if is_causal:
             read.allowed = read.allowed.tril()  # SDPA's is_causal is aligned to the top left, also when L != S
-        if mask is not None:
+        if isinstance(mask, CausalBias):
+            read = read.combined(_read_causal_bias(mask, L, S, q.device))
+        elif mask is not None:
             read = read.combined(_read_mask(mask, true_means_masked=False))
         return self._call(
             "sdpa",
@@ -603,6 +765,35 @@ class _Observer(TorchFunctionMode):
             dropout=float(a.get("dropout_p", 0.0) or 0.0),
             cross=self._cross(q, k),
             reads_input=self._reads_input(q),
+        )
+
+    def _flex(self, args: tuple, kwargs: dict, module: str) -> AttentionCall:
+        names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_buffers")
+        a = dict(zip(names, args, strict=False), **kwargs)
+        a.setdefault("mask_mod_other_buffers", args[8] if len(args) > 8 else ())
+        q, k, v = a["query"], a["key"], a["value"]  # (B, Hq, L, E), (B, Hkv, S, E): GQA repeats the key heads
+        read, lengths, unread = _read_flex(
+            q,
+            k,
+            a.get("score_mod"),
+            tuple(a["block_mask"]),
+            tuple(a.get("score_mod_other_buffers", a.get("score_buffers", ())) or ()),
+            tuple(a["mask_mod_other_buffers"] or ()),
+        )
+        return self._call(
+            "flex",
+            module,
+            q,
+            k,
+            v,
+            batch_heads=tuple(q.shape[:-2]),
+            mask=read,
+            is_causal=False,
+            dropout=0.0,
+            cross=self._cross(q, k),
+            reads_input=self._reads_input(q),
+            mask_lengths=lengths if lengths != (q.shape[-2], k.shape[-2]) else None,
+            unread=unread,
         )
 
     def _mha(self, a: dict, module: str) -> AttentionCall:
@@ -715,6 +906,8 @@ class _Observer(TorchFunctionMode):
         dropout: float,
         cross: bool,
         reads_input: bool | None,
+        mask_lengths: tuple[int, int] | None = None,
+        unread: str | None = None,
     ) -> AttentionCall:
         """The record of one SDPA or nn.MultiheadAttention call: q, k, v as the API got them, the (batch, head)
         sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
@@ -749,6 +942,8 @@ class _Observer(TorchFunctionMode):
             written=written,
             reads_input=reads_input,
             source=self._model_line(),
+            mask_lengths=mask_lengths,
+            unread=unread,
         )
 
     # -- where the queries sit on the key axis --------------------------------------------------------------------
@@ -994,6 +1189,160 @@ def _read_mask(mask: torch.Tensor, true_means_masked: bool) -> MaskRead:
     return MaskRead(may, "float", values, float_01, shape)
 
 
+FLASH_ARGS = (
+    "query",
+    "key",
+    "value",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "return_softmax",
+)
+FLASH_VARLEN_ARGS = ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") + (
+    FLASH_ARGS[3:]
+)
+
+
+def _flash_band(L: int, S: int, causal: bool, a: dict, device: torch.device) -> tuple[torch.Tensor, str]:
+    """The (L, S) keys flash-attn lets each query read, and how its arguments said so. Query i sits at key slot
+    i + S - L (bottom-right alignment); causal reads no slot after it; window_size (left, right) reads the slots from
+    `left` before it to `right` after it, -1 meaning no bound."""
+    left, right = int(a.get("window_size_left", -1)), int(a.get("window_size_right", -1))
+    own = torch.arange(L, device=device)[:, None] + (S - L)  # (L, 1): each query's own key slot
+    slots = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= slots <= own
+    if right >= 0:
+        allowed &= slots <= own + right
+    if left >= 0:
+        allowed &= slots >= own - left
+    return allowed, f"causal={causal}, window_size=({left}, {right})"
+
+
+# xformers::efficient_attention_forward_cutlass's arguments in order, as xformers registers the op.
+XFORMERS_ARGS = (
+    "query",
+    "key",
+    "value",
+    "bias",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "dropout_p",
+    "custom_mask_type",
+    "compute_log_sumexp",
+)
+XFORMERS_MASK_TYPES = {0: "no causal mask", 1: "causal from the top left", 2: "causal from the bottom right"}
+
+
+def _xformers_band(L: int, S: int, mask_type: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """The (L, S) keys xformers' kernel lets each query read: with custom_mask_type 1 query i sits at key slot i
+    (top left, as LowerTriangularMask), with 2 at i + S - L (bottom right, as LowerTriangularFromBottomRightMask);
+    causal reads no slot after it, and a window of w reads its own slot and the w - 1 before it."""
+    own = torch.arange(L, device=device)[:, None] + (S - L if mask_type == 2 else 0)  # (L, 1): each query's slot
+    slots = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if mask_type != 0:
+        allowed &= slots <= own
+    if window is not None and window > 0:
+        allowed &= slots > own - window
+    return allowed
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 6 else f"[{', '.join(map(str, values[:5]))}, ...]"
+
+
+def _attention_kernel(func: Any) -> str | None:
+    """The qualified name of a custom op (not one of torch's own) named for attention, called as an overload or as
+    its packet (torch.ops.flash_attn._flash_attn_forward): flash_attn::_flash_attn_forward, a library's
+    fused_attention. None for any other function."""
+    if isinstance(func, torch._ops.OpOverload):
+        name = func.name()
+    elif isinstance(func, torch._ops.OpOverloadPacket):
+        name = func._qualified_op_name
+    else:
+        return None
+    namespace, _, op = name.partition("::")
+    if namespace in ("aten", "prims", "prim", "quantized") or not ("attn" in op.lower() or "attention" in op.lower()):
+        return None
+    return name
+
+
+def _read_causal_bias(bias: Any, L: int, S: int, device: torch.device) -> MaskRead:
+    """torch's own causal masks for SDPA (torch.nn.attention.bias): causal_upper_left aligns the diagonal to the
+    top left (query i reads keys 0..i, as is_causal does), causal_lower_right to the bottom right (the last query
+    reads every key: the queries are the last L of S, as over a cache)."""
+    lower_right = bias.variant == CausalVariant.LOWER_RIGHT
+    offset = S - L if lower_right else 0
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=offset)
+    name = "causal_lower_right" if lower_right else "causal_upper_left"
+    return MaskRead(allowed, name, f"{name}({bias.seq_len_q}, {bias.seq_len_kv})", shape=(L, S))
+
+
+def _read_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    score_mod: Any,
+    block_mask: tuple,
+    score_buffers: tuple,
+    mask_buffers: tuple,
+) -> tuple[MaskRead, tuple[int, int] | None, str | None]:
+    """What a flex_attention call lets each query read, exactly: its BlockMask's mask_mod evaluated at every (batch,
+    head, query, key) index the call covers (not the block-level view, which rounds to blocks), and its score_mod
+    applied to a probe of zero scores, where a score it turns into -inf is masked as surely. Also the (query, key)
+    lengths the BlockMask was built for, and why the mask could not be read when it could not.
+
+    block_mask is BlockMask.as_tuple(): its seq_lengths first, its mask_mod last (as flex_attention hands it on)."""
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
+    mask_mod = block_mask[-1]
+    lengths = (block_mask[0], block_mask[1]) if all(isinstance(n, int) for n in block_mask[:2]) else None
+    if getattr(mask_mod, "fn", mask_mod) is _flex_noop_mask:
+        lengths = None  # no BlockMask handed over: flex_attention's own stand-in, which fits any length
+    allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device)
+    if q.is_meta:
+        return MaskRead(allowed, "block_mask", "(meta: no values)"), lengths, None
+    kinds, values = [], []
+    try:
+        if getattr(mask_mod, "fn", mask_mod) is not _flex_noop_mask:
+            may = _flex_create_mask(
+                lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx, *mask_buffers), B, H, L, S, device=q.device
+            )
+            allowed = allowed & may
+            kinds.append("block_mask")
+            values.append(f"mask_mod {_callable_name(mask_mod)} True on {float(may.float().mean()):.0%}")
+        if score_mod is not None and _callable_name(score_mod) != "_identity":
+            kept = _flex_create_mask(
+                lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_idx, kv_idx, *score_buffers),
+                B,
+                H,
+                L,
+                S,
+                device=q.device,
+            )
+            allowed = allowed & kept
+            kinds.append("score_mod")
+            values.append(f"score_mod {_callable_name(score_mod)} -inf on {float((~kept).float().mean()):.0%}")
+    except Exception as exc:  # the model's own function, evaluated by fwdcheck over the grid: say so, judge nothing
+        reason = (
+            f"its mask_mod or score_mod raised when evaluated over the call's indices ({type(exc).__name__}: {exc})"
+        )
+        return MaskRead(allowed, "block_mask", "(not read)"), lengths, reason.splitlines()[0]
+    return MaskRead(allowed, "+".join(kinds) or "none", "; ".join(values) or "-"), lengths, None
+
+
+def _callable_name(function: Any) -> str:
+    """How a mask_mod or score_mod is named in a report: its function's name, through torch's wrappers."""
+    inner = getattr(function, "fn", function)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
 def _parameters(module: nn.Module) -> tuple[list[str], set[str]]:
     """(names of the positional parameters of the module's forward in order, without self; names of all of them)."""
     forward: Any = module.forward  # a bound method, or any callable set on the instance
@@ -1225,10 +1574,19 @@ def observing(
     where: list[_Frame] = []
     from_input = _Identities()
     with (
+        compiled_eagerly(),
         module_tracking(model, record, where, keep_inputs_of, from_input),
         _Observer(record, where, keep_tensors, zero_dropout, from_input),
     ):
         yield record
+
+
+def compiled_eagerly():
+    """torch.compile'd code runs as plain Python inside the block (torch.compiler.set_stance("force_eager"), torch
+    2.6 on): the observer then sees inside it, and nothing is compiled while it is active. flex_attention, compiled
+    or not, still ends in its one kernel call, which computes its mask's math exactly."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 class ZeroAttentionDropout(TorchFunctionMode):

@@ -22,7 +22,7 @@ import torch.nn as nn
 # position_change, nonfinite_positions and logit_scale are documented for checks here (docs/writing-checks.md): they
 # live in fwdcheck/compare.py, as do the settings and the model's state in settings.py and model_state.py.
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change  # noqa: F401
-from fwdcheck.errors import DeviceError, ModelRaised, UsageError, first_line
+from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageError, first_line
 from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import GlobalState, ModelState
@@ -180,14 +180,15 @@ class Session:
         return logits
 
     def _once(self, key: str, compute):
-        """compute() on the first call; every later call gets its value, or the ModelRaised it raised, again."""
+        """compute() on the first call; every later call gets its value, or the ModelRaised (or ObservationFailed)
+        it raised, again."""
         if key not in self._cache:
             try:
                 self._cache[key] = compute()
-            except ModelRaised as exc:
+            except (ModelRaised, ObservationFailed) as exc:
                 self._cache[key] = exc
         value = self._cache[key]
-        if isinstance(value, ModelRaised):
+        if isinstance(value, (ModelRaised, ObservationFailed)):
             raise value
         return value
 
@@ -197,7 +198,7 @@ class Session:
         def compute():
             # First learn whether dropout is live in eval: then every comparison runs with it forced off. ModelRaised:
             # the observer cannot follow this model; the plain forward below says whether it runs at all.
-            with suppress(ModelRaised):
+            with suppress(ModelRaised, ObservationFailed):
                 self.observation()
             logits = self.logits(self.inputs)
             self._observed = None  # from now on the untouched logits are the reference
@@ -216,7 +217,7 @@ class Session:
         logits computed without the tokens that forward changed. On any change beyond the tolerance it must ask for
         `baseline()` and judge against that (`reference_untouched` says which one it got)."""
         if "baseline" not in self._cache:
-            with suppress(ModelRaised):
+            with suppress(ModelRaised, ObservationFailed):
                 self.observation()
             if self._observed is not None:
                 return self._observed
@@ -292,8 +293,18 @@ class Session:
 
     def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of) -> tuple[Observation, torch.Tensor]:
         seq_len = ids.shape[1] + self.model.padding  # what the module itself sees
-        with torch.no_grad(), observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen:
-            logits = self.model.logits(ids, position_ids)
+        try:
+            with torch.no_grad(), observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen:
+                logits = self.model.logits(ids, position_ids)
+        except ModelRaised as exc:
+            # Observed, the model runs under a torch function mode and hooks. If it runs untouched, what raised is
+            # the observation, not the model: that is never reported as the model's error.
+            with torch.no_grad():  # the same forward, all rows at once: raises the model's own error if it fails too
+                self.model.logits(ids, position_ids)
+            raise ObservationFailed(
+                f"fwdcheck's observation pass broke a forward that runs untouched ({exc}): fwdcheck's failure, "
+                "not the model's; please report it"
+            ) from exc
         self.forward_tokens += ids.numel()
         return seen, logits
 
