@@ -31,6 +31,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
 
+from fwdcheck import interpreter
 from fwdcheck.errors import ExitCode
 from fwdcheck.events import Job
 from fwdcheck.forkserver import ForkedWorker, start_worker
@@ -49,7 +50,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
     with caught_signals() as received:
         try:
             worker = start_worker(events_write, output_write, cancelled=lambda: bool(received)) or subprocess.Popen(
-                [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
+                interpreter.command("fwdcheck.worker", str(events_write), str(os.getpid())),
                 stdin=subprocess.PIPE,
                 stdout=output_write,
                 stderr=output_write,
