@@ -19,7 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line, interrupts_heard
-from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, encode
+from fwdcheck.events import (
+    CheckDone,
+    Compared,
+    Event,
+    Finished,
+    Job,
+    ModelLoaded,
+    Plan,
+    Progress,
+    RunError,
+    encode,
+)
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.text import clean
 
@@ -108,8 +119,14 @@ def main(argv: list[str]) -> None:
 
 
 def run_job(job: Job, events: Events) -> None:
-    """The job's run, its events sent; whatever it raises becomes an event too."""
+    """The job's run (or `fwdcheck diff`'s comparison), its events sent; whatever it raises becomes an event too."""
     try:
+        if job.compare_with is not None:
+            from fwdcheck.diff import STEPS, compare_job
+
+            events.send(Plan(list(STEPS), []))
+            events.send(Compared(compare_job(job, progress=lambda step: events.send(Progress(step)))))
+            return
         from fwdcheck.registry import select
         from fwdcheck.runner import per_code_path
 
