@@ -251,6 +251,45 @@ def test_a_model_that_changes_torchs_defaults_as_it_runs_is_checked_and_they_are
     assert "FWD101" in {f.code for f in leaky.result("future-token").findings}
 
 
+MOVES_DEFAULTS_MIDWAY = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Midway(nn.Module):
+    '''One attention call, torch's default device set to meta just before it: fwdcheck's own reading of the call
+    (mask-audit's positions, the kv-cache slot tables) runs while the model's forward still holds meta.'''
+
+    def __init__(self, leak):
+        super().__init__()
+        self.leak = leak
+        self.emb = nn.Embedding(16, 8)
+        self.qkv = nn.Linear(8, 24)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)  # (B, T, D)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # (B, 1, T, D) each
+        torch.set_default_device("meta")
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=not self.leak)
+        return self.head(x + attended.squeeze(1))
+"""
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_fwdcheck_reads_a_forward_that_moved_the_default_device_midway_with_its_own_tensors(leak):
+    ns: dict = {}
+    exec(MOVES_DEFAULTS_MIDWAY, ns)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="put back after it"):
+        report = fwdcheck.check_model(ns["Midway"](leak), ["future-token", "mask-audit"], vocab_size=16)
+    assert report.exit_code == (1 if leak else 0), report.results
+    assert report.result("mask-audit").status.value == ("fail" if leak else "pass")
+    assert ("FWD201" in {f.code for f in report.result("mask-audit").findings}) is leak
+    assert torch.get_default_device() == torch.device("cpu")
+
+
 @pytest.mark.slow  # a worker process
 @pytest.mark.parametrize("how, exit_code", [("meta", 0), ("lazy", 0), ("lazy-leak", 1)])
 def test_defaults_moved_and_lazy_modules_through_the_command_line(tmp_path, monkeypatch, how, exit_code):
