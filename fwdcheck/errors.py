@@ -156,6 +156,26 @@ class _Interrupts:
 _interrupts = _Interrupts()
 
 
+class _Heard:
+    """The SIGINT handler while a run listens: records the signal, then handles it as `previous` would. Its repr
+    names no address, so that what a model reads of its process is the same in every worker (forked or new)."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, signum, frame):
+        import signal
+
+        _interrupts.heard = True
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def __repr__(self) -> str:
+        return f"<fwdcheck's SIGINT handler, recording each SIGINT before {self.previous!r}>"
+
+
 @contextmanager
 def interrupts_heard():
     """While the block runs, each SIGINT the process receives is recorded before it is handled as it was (the
@@ -169,15 +189,7 @@ def interrupts_heard():
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
-
-    def heard(signum, frame):
-        _interrupts.heard = True
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, heard)
+    signal.signal(signal.SIGINT, _Heard(previous))
     _interrupts.listening, _interrupts.heard = True, False
     try:
         yield
