@@ -1091,20 +1091,30 @@ def diff_command(
                 rules.append(parse_rule(text))
             except ValueError as exc:  # a config's rules were checked as it loaded: these are --rename's
                 raise UsageError(f"--rename '{text}': {exc}") from None
-        from fwdcheck.diff import diff_configs
+        from fwdcheck.events import Job
+        from fwdcheck.overrides import Overrides
         from fwdcheck.report.terminal import render_diff
+        from fwdcheck.supervisor import compare_supervised
 
-        with redirect_stdout(sys.stderr):  # model code's prints stay off the report
-            result = diff_configs(*configs, rules)
+        # Both models run in a supervised worker (its prints relayed to stderr), each step under A's timeout_s.
+        job = Job(
+            config=str(config_a),
+            factory=None,
+            overrides=Overrides(checks=[]),
+            sys_path=[p for p in sys.path if p],
+            compare_with=str(config_b),
+            rename=list(rename or []),
+        )
+        result = compare_supervised(job, timeout_s=configs[0].timeout_s)
         if output_format == DiffFormat.json:
-            write_stdout(lambda stream: stream.write(json.dumps(result.to_dict(), indent=2) + "\n"))
+            write_stdout(lambda stream: stream.write(json.dumps(result, indent=2) + "\n"))
         else:
             write_stdout(
                 lambda stream: render_diff(
-                    result.to_dict(), StdoutConsole(file=stream, width=report_width(stream)), plot=isatty(stream)
+                    result, StdoutConsole(file=stream, width=report_width(stream)), plot=isatty(stream)
                 )
             )
-        return result.exit_code
+        return result["exit_code"]
 
     raise typer.Exit(_guarded(action, debug))
 

@@ -12,6 +12,10 @@ transposed (transformers' GPT-2 Conv1D holds [in, out] where nn.Linear holds [ou
 when the other weights of the same pair of module classes were, since its shape cannot tell. Buffers are never
 transferred: each model computes its own (a causal mask, a rotary cache), and copying A's would hide a wrong one in B.
 
+Both models run in one worker process (fwdcheck/supervisor.py, as `fwdcheck run`'s model does), each step after
+the loads under A's timeout_s: a model that exits, crashes or hangs, or a rename rule that backtracks without end
+(Python's regular expressions have no time limit of their own), is one error line, exit 1.
+
 Pairing. A module is paired with B's module of its renamed name (and call: `name#2` with `name#2`). Between two
 such pairs, the outputs left over are paired in order of execution when both models have as many of one shape there
 (an activation module named `act` in one and `gelu` in the other); what is still left is listed as not paired. The
@@ -32,6 +36,7 @@ import torch.nn as nn
 from fwdcheck.activations import LOGITS, recorded_forward
 from fwdcheck.config import Config
 from fwdcheck.errors import UsageError, about_config
+from fwdcheck.events import Job
 from fwdcheck.overrides import Overrides
 from fwdcheck.rename import Rule, renamed
 from fwdcheck.runner import Run
@@ -136,7 +141,26 @@ class Diff:
         }
 
 
-def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
+# What a comparison does once both models are built, in order: each step is told (`progress`) as it begins, so that
+# the supervisor limits each one to timeout_s (the loads get the load's own limit).
+STEPS = ("weights", "forward A", "forward B", "pairing")
+
+
+def compare_job(job: Job, progress: Callable[[str], None] = lambda step: None) -> dict:
+    """The comparison a `fwdcheck diff` job asks for (in the worker process): A's config, B's (`compare_with`),
+    B's config's rename rules then the command line's (validated by the command already)."""
+    from fwdcheck.config import load_config
+    from fwdcheck.rename import parse_rule
+
+    assert job.config is not None and job.compare_with is not None  # a diff job names both
+    config_a, config_b = load_config(job.config), load_config(job.compare_with)
+    rules = [parse_rule(text) for text in [*config_b.diff.rename, *job.rename]]
+    return diff_configs(config_a, config_b, rules, progress).to_dict()
+
+
+def diff_configs(
+    config_a: Config, config_b: Config, rules: list[Rule], progress: Callable[[str], None] = lambda step: None
+) -> Diff:
     """Build both models, give B A's weights, run both on A's inputs and compare them module by module."""
     path_a, path_b = config_a.source_path, config_b.source_path
     for config, path in ((config_a, path_a), (config_b, path_b)):
@@ -156,6 +180,7 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         if (config_b.device, config_b.dtype) != (config_a.device, config_a.dtype)
         else []
     )
+    progress("weights")
     notes += transfer(model_a.module, model_b.module, rules, path_b)
     # both in the config's dtype, float32 unless named: two models compared must run in one dtype
     session_a = Session(model_a, run_a.settings.model_copy(update={"dtype_declared": True}))
@@ -163,8 +188,11 @@ def diff_configs(config_a: Config, config_b: Config, rules: list[Rule]) -> Diff:
         settings_b = run_b.settings.model_copy(update={"inputs": run_a.settings.inputs, "dtype_declared": True})
         session_b = Session(model_b, settings_b)
     with session_a.active(), session_b.active():
+        progress("forward A")
         outputs_a = recorded_forward(model_a, session_a.inputs)
+        progress("forward B")
         outputs_b = recorded_forward(model_b, session_a.inputs.to(session_b.device))
+        progress("pairing")
         rtol, atol = TOLERANCES[session_a.dtype].golden
         pairs, unpaired_a, unpaired_b = pair(outputs_a, outputs_b, rules, rtol, atol)
     diff = Diff(

@@ -136,14 +136,69 @@ _EXCEPTION_GROUP = getattr(builtins, "BaseExceptionGroup", ())  # Python 3.11 on
 
 
 # BaseExceptions that are no reason to end a run when model code raises them: sys.exit() (SystemExit), a generator
-# or coroutine closed inside forward (GeneratorExit, asyncio's CancelledError), a model's own BaseException subclass.
-# Ctrl-C (KeyboardInterrupt) and fwdcheck's own (the runner's time limit) always pass: they stop the run on purpose.
+# or coroutine closed inside forward (GeneratorExit, asyncio's CancelledError), a model's own BaseException subclass,
+# a KeyboardInterrupt the model raised itself (no SIGINT reached the process). A Ctrl-C the run received and
+# fwdcheck's own (the runner's time limit) always pass: they stop the run on purpose.
 def model_failure(exc: BaseException) -> bool:
     """Whether an exception raised inside model code is the model's failure, to be reported, not propagated."""
     if isinstance(exc, Exception):
         return not isinstance(exc, ModelRaised)
-    if isinstance(exc, KeyboardInterrupt) or type(exc).__module__.split(".")[0] == "fwdcheck":
+    if isinstance(exc, KeyboardInterrupt):
+        return _interrupts.listening and not _interrupts.heard
+    if type(exc).__module__.split(".")[0] == "fwdcheck":
         return False
     if isinstance(exc, _EXCEPTION_GROUP):  # a group holding a Ctrl-C or a time limit is that, not a failure
         return all(model_failure(inner) for inner in exc.exceptions)
     return True
+
+
+class _Interrupts:
+    """Whether a run listens for SIGINT (interrupts_heard) and has heard one."""
+
+    listening = False
+    heard = False
+
+
+_interrupts = _Interrupts()
+
+
+class _Heard:
+    """The SIGINT handler while a run listens: records the signal, then handles it as `previous` would. Its repr
+    names no address, so that what a model reads of its process is the same in every worker (forked or new)."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, signum, frame):
+        import signal
+
+        _interrupts.heard = True
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def __repr__(self) -> str:
+        return f"<fwdcheck's SIGINT handler, recording each SIGINT before {self.previous!r}>"
+
+
+@contextmanager
+def interrupts_heard():
+    """While the block runs, each SIGINT the process receives is recorded before it is handled as it was (the
+    default handler raises KeyboardInterrupt): a KeyboardInterrupt with no SIGINT behind it was raised by model code,
+    and is the model's error. Only the main thread can install the handler; elsewhere every KeyboardInterrupt stays
+    an interruption."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or _interrupts.listening:
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, _Heard(previous))
+    _interrupts.listening, _interrupts.heard = True, False
+    try:
+        yield
+    finally:
+        _interrupts.listening = False
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)

@@ -10,6 +10,7 @@ its launcher), led by its kind:
     {"event": "result", "result": {...}, "internal_error": false}    a check's default-path result
     {"event": "report", "report": {...}, ...}                        the whole report: the last event of a run
     {"event": "error", "exit_code": 2, "message": "...", ...}        the run could not be made (a usage error)
+    {"event": "diff", "result": {...}}                               `fwdcheck diff`'s comparison: its last event
 
 `encode` and `decode` turn one into the other; everything that sends or hears an event uses these classes, never
 the dicts. Free of torch and pydantic: the supervisor imports it.
@@ -33,6 +34,9 @@ class Job:
     factory: str | None  # --model pkg.module:factory
     overrides: Overrides  # the command line's flags, its check selection validated
     sys_path: list[str] = field(default_factory=list)  # the supervisor's import path, so modules resolve alike
+    # `fwdcheck diff`: `config` is A, this is B's config and these are --rename's rules; the worker compares them
+    compare_with: str | None = None
+    rename: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.overrides, dict):  # as it arrives on the worker's stdin
@@ -99,8 +103,18 @@ class RunError:
     notes: list[str] = field(default_factory=list)
 
 
-Event = Plan | ModelLoaded | Progress | CheckDone | Finished | RunError
-KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Plan, ModelLoaded, Progress, CheckDone, Finished, RunError)}
+@dataclass(frozen=True)
+class Compared:
+    """`fwdcheck diff`'s result (Diff.to_dict): the last event of a comparison that ended."""
+
+    kind: ClassVar[str] = "diff"
+    result: dict[str, Any]
+
+
+Event = Plan | ModelLoaded | Progress | CheckDone | Finished | RunError | Compared
+KINDS: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (Plan, ModelLoaded, Progress, CheckDone, Finished, RunError, Compared)
+}
 
 
 def encode(event: Event) -> dict[str, Any]:

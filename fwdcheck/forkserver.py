@@ -2,11 +2,11 @@
 several configs in one `fwdcheck run`, a test suite or a script driving the command in one interpreter. A new
 interpreter spends about two seconds importing torch before the model's first line runs; a fork, milliseconds.
 
-A single `fwdcheck run` never starts a fork server. The second job of a process starts one (`python -m
-fwdcheck.forkserver`: its own session, stdin and output on /dev/null, torch and fwdcheck imported, then nothing but
-forking on request) and waits for it as it would for a new interpreter's imports (a signal ends the wait; so does
-READY_S, and the job then runs in a new interpreter). From then on each worker is a fork of the server, made what a
-new `python -m fwdcheck.worker` would be where a worker's behaviour can tell:
+A single `fwdcheck run` never starts a fork server. The second job of a process starts one (a new interpreter running
+fwdcheck.forkserver, fwdcheck/interpreter.py's command: its own session, stdin and output on /dev/null, torch and
+fwdcheck imported, then nothing but forking on request) and waits for it as it would for a new interpreter's imports
+(a signal ends the wait; so does READY_S, and the job then runs in a new interpreter). From then on each worker is a
+fork of the server, made what a new interpreter running fwdcheck.worker would be where a worker's behaviour can tell:
 
 - it dies with its parent, the server (PR_SET_PDEATHSIG, armed first), which ends with the supervisor's process (a
   pidfd of it) or when the supervisor closes its socket: a supervisor killed with SIGKILL leaves neither behind;
@@ -42,9 +42,10 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from contextlib import suppress
+
+from fwdcheck import interpreter
 
 # Variables that no import reads, set per test or per terminal: a difference in them still lets a worker be forked
 # (the fork gets the supervisor's values all the same).
@@ -150,7 +151,7 @@ class _Server:
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "fwdcheck.forkserver", str(theirs.fileno()), str(os.getpid())],
+                interpreter.command("fwdcheck.forkserver", str(theirs.fileno()), str(os.getpid())),
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
@@ -377,7 +378,7 @@ def serve(sock: socket.socket, supervisor_fd: int) -> None:
 def _become_worker(
     request: dict, stdin_r: int, output_w: int, events_w: int, status_w: int, server_pid: int, inherited: list[int]
 ) -> None:
-    """In the forked child: become what `python -m fwdcheck.worker` started by the supervisor would be, say so on the
+    """In the forked child: become what the worker's new interpreter started by the supervisor would be, say so on the
     status pipe, then run the worker. Anything that fails before it is a worker ends the child unannounced."""
     try:
         from fwdcheck.lifetime import die_with_parent
@@ -400,12 +401,9 @@ def _become_worker(
         for limit, (soft, hard) in request["limits"].items():
             if resource.getrlimit(int(limit)) != (soft, hard):
                 resource.setrlimit(int(limit), (soft, hard))
-        if sys.path and sys.path[0] == _STARTED_IN:  # `python -m` puts the directory it started in first
-            sys.path[0] = request["cwd"]
         random.seed()
         from fwdcheck import worker
 
-        sys.modules["__main__"] = _as_main(worker)
         os.write(status_w, b"ready\n")
         os.close(status_w)
     except BaseException:
@@ -416,19 +414,9 @@ def _become_worker(
         os._exit(70)  # worker.main ends the process itself
 
 
-def _as_main(module: types.ModuleType) -> types.ModuleType:
-    """A copy of `module` named __main__, as `python -m` runs it."""
-    main = types.ModuleType("__main__")
-    main.__dict__.update({k: v for k, v in vars(module).items() if k != "__name__"})
-    return main
-
-
 def _write(fd: int, text: str) -> None:
     with suppress(OSError):  # OSError: the supervisor has gone, nobody reads the status
         os.write(fd, text.encode())
-
-
-_STARTED_IN = os.getcwd()
 
 
 def main(argv: list[str]) -> None:

@@ -6,7 +6,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fwdcheck.errors import FwdcheckError
-from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, decode, sent_by
+from fwdcheck.events import (
+    CheckDone,
+    Compared,
+    Event,
+    Finished,
+    Job,
+    ModelLoaded,
+    Plan,
+    Progress,
+    RunError,
+    decode,
+    sent_by,
+)
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status
 
@@ -42,6 +54,7 @@ class Heard:
         self.results: dict[str, CheckResult] = {}
         self.current: str | None = None  # the check (or "code paths") running now; None while the model loads
         self.report: Report | None = None
+        self.compared: dict | None = None  # `fwdcheck diff`'s result
         self.error: WorkerError | None = None
         self.environment: dict | None = None  # the report's, where the listener knows it before the worker ends
         self.strangers: set[int] = set()  # processes other than the one started that sent events: not heard
@@ -86,8 +99,15 @@ class Heard:
                 fail_on=self.job.overrides.fail_on,
                 interrupted=event.interrupted,
             )
+        elif isinstance(event, Compared):
+            self.compared = event.result
         elif isinstance(event, RunError):
             self.error = WorkerError(event.message, event.exit_code, event.detail, event.notes)
+
+    @property
+    def finished(self) -> bool:
+        """The worker has said its last word: a report, a comparison, or why it could make neither."""
+        return self.report is not None or self.compared is not None or self.error is not None
 
     def step_limit(self, timeout_s: float) -> float:
         """How long the worker may stay silent: each check, and each code-path cell's checks, run under timeout_s

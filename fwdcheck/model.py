@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -203,12 +204,35 @@ def model_code(
         with model_code("the rotary function raised"):  # "the rotary function raised ValueError: ..."
             out = model.rotary(x, positions)
     """
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
     try:
         yield
     except BaseException as exc:
         if not model_failure(exc):
             raise
         raise ModelRaised(f"{what} {describe(exc)}", frame=(frame or model_frame)(exc)) from exc
+    finally:
+        put_back_defaults(dtype, device)
+
+
+def put_back_defaults(dtype: torch.dtype, device: torch.device) -> None:
+    """torch's default dtype and device as they were before model code ran: a model that sets the default device to
+    meta (or the default dtype to float64) as it runs must not move fwdcheck's own tensors, nor the next forward's.
+    Said as a warning (a run's notes)."""
+    changed = []
+    if torch.get_default_dtype() != dtype:
+        changed.append(f"torch.get_default_dtype() ({dtype} -> {torch.get_default_dtype()})")
+        torch.set_default_dtype(dtype)
+    now = torch.get_default_device()
+    if now != device:
+        changed.append(f"torch.get_default_device() ({device} -> {now})")
+        torch.set_default_device(None)  # the model's torch.set_default_device undone
+        if torch.get_default_device() != device:  # it had set one over the caller's
+            torch.set_default_device(device)
+    if changed:
+        warnings.warn(
+            f"the model changed {' and '.join(changed)} as it ran; put back after it", RuntimeWarning, stacklevel=2
+        )
 
 
 def describe(exc: BaseException) -> str:

@@ -24,7 +24,9 @@ class ModelState:
     Parameters are not copied (that would double the model's memory): `ParameterWatch` tells which ones a forward
     wrote. Hooks and attributes the model adds to its own modules during the run (transformers installs
     output-capturing hooks the first time `output_attentions` is asked for, and marks the model as hooked) are
-    removed, so that a second run finds the model as the first one did."""
+    removed, attributes it rebinds are put back (an int position limit grown with its buffer), and child modules,
+    parameters and buffers it hangs on the model (caches set up on demand) are taken off, so that a second run, and
+    the caller, find the model as the first one did."""
 
     training: dict[nn.Module, bool] = field(default_factory=dict)
     dropout_p: dict[_DropoutNd, float] = field(default_factory=dict)
@@ -35,7 +37,10 @@ class ModelState:
     buffer_contents: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (name, buffer, copy)
     parameters: dict[tuple[nn.Module, str], nn.Parameter] = field(default_factory=dict)  # the objects themselves
     hooks: list[tuple[dict, dict]] = field(default_factory=list)  # (a module's hook dict, a copy of its entries)
-    attributes: dict[nn.Module, set[str]] = field(default_factory=dict)  # each module's attribute names
+    # each module's attributes (its __dict__ entries) by object, as found: rebound or added ones are put back or removed
+    attributes: dict[nn.Module, dict[str, Any]] = field(default_factory=dict)
+    children: dict[nn.Module, dict[str, nn.Module | None]] = field(default_factory=dict)  # each module's _modules
+    tensor_names: dict[nn.Module, tuple[set[str], set[str]]] = field(default_factory=dict)  # its parameters', buffers'
 
     @classmethod
     def take(cls, model: nn.Module) -> ModelState:
@@ -59,7 +64,9 @@ class ModelState:
                 for key, hooks in vars(module).items()
                 if "_hooks" in key and isinstance(hooks, dict)
             ]
-            state.attributes[module] = set(vars(module))
+            state.attributes[module] = dict(vars(module))
+            state.children[module] = dict(module._modules)
+            state.tensor_names[module] = (set(module._parameters), set(module._buffers))
         state.buffer_contents = [(name, b, b.clone()) for name, b in model.named_buffers() if readable(b)]
         return state
 
@@ -69,9 +76,27 @@ class ModelState:
             if hooks != entries:
                 hooks.clear()
                 hooks.update(entries)
-        for module, names in self.attributes.items():
-            for added in set(vars(module)) - names:
+        for module, found in self.attributes.items():
+            now = vars(module)
+            for added in set(now) - set(found):
                 delattr(module, added)
+            # Rebound during the run (a position table grown on demand: an int and a buffer updated together, the
+            # buffer put back below): the object found, written where it was found, past any __setattr__ of the
+            # model's. A container changed in place is not a rebinding, and stays as changed.
+            for name, value in found.items():
+                if name != "training" and now.get(name, _MISSING) is not value:  # (training: below)
+                    now[name] = value
+        # Child modules, parameters and buffers the run hung on the model (a cache's modules and masks set up on
+        # demand) are taken off again, and children it replaced put back: the model's structure as found.
+        for module, children in self.children.items():
+            if module._modules != children:
+                module._modules.clear()
+                module._modules.update(children)
+        for module, (parameters, buffers) in self.tensor_names.items():
+            for added in set(module._parameters) - parameters:
+                del module._parameters[added]
+            for added in set(module._buffers) - buffers:
+                del module._buffers[added]
         for module, kind, name, original, grad, grad_data in self.tensors:
             if kind == "param":
                 # A move to another kind of tensor (the meta device) replaced the Parameter object: put it back.
@@ -97,6 +122,9 @@ class ModelState:
         for module, training in self.training.items():
             module.training = training
         return written
+
+
+_MISSING = object()
 
 
 def readable(tensor: torch.Tensor) -> bool:

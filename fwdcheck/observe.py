@@ -588,7 +588,7 @@ class _Observer(TorchFunctionMode):
         if tables is None:
             tables = {}
             self.held[write.destination] = tables
-        held = tables.get(write.axis, torch.full((write.size,), -1))
+        held = tables.get(write.axis, torch.full((write.size,), -1, dtype=torch.long, device="cpu"))
         positions = self._indexing(write)
         if positions is None and held is not None and not bool((held[write.slots] >= 0).any()):
             positions = write.slots
@@ -600,7 +600,7 @@ class _Observer(TorchFunctionMode):
         tables[write.axis] = held
         write.positions = positions
         filled = held >= 0
-        if not torch.equal(held[filled], torch.arange(write.size)[filled]):
+        if not torch.equal(held[filled], torch.arange(write.size, device="cpu")[filled]):
             write.held = held
 
     def _indexing(self, write: _SlotWrite) -> torch.Tensor | None:
@@ -617,7 +617,7 @@ class _Observer(TorchFunctionMode):
                 if torch.equal(run % size, write.slots)
             }
             if len(found) == 1:
-                return torch.tensor(found.pop())
+                return torch.tensor(found.pop(), dtype=torch.long, device="cpu")
             if found:
                 return None
         return None
@@ -981,7 +981,7 @@ class _Observer(TorchFunctionMode):
         if write is not None and write.held is not None:
             return write.positions, "written slots", written, False, write.held
         if L == S:
-            return torch.arange(L), "square", written, False, None
+            return torch.arange(L, device="cpu"), "square", written, False, None
         # A cache: the slot indices handed to the attention module or to one around it, when they fit this call.
         given = self._given_positions(L, S)
         if given and given[1] != "position_ids":
@@ -991,7 +991,7 @@ class _Observer(TorchFunctionMode):
         # A growing cache holds one key per token written; when S is exactly that, the queries are the last L. This
         # goes before position_ids, which count real tokens only when there is left padding, not cache slots.
         if S == written:
-            return torch.arange(S - L, S), "bottom-right", written, False, None
+            return torch.arange(S - L, S, device="cpu"), "bottom-right", written, False, None
         if given:
             return (*given, written, False, None)
         return None, "", written, False, None
@@ -1445,7 +1445,7 @@ def _slot_write(func, args, kwargs) -> _SlotWrite | None:
     if isinstance(index, slice):
         if index.step not in (None, 1):
             return None
-        slots = torch.arange(size)[index]
+        slots = torch.arange(size, device="cpu")[index]
     elif isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
         shared = _shared_positions(index)
         if shared is None:

@@ -20,6 +20,12 @@ error line; a model that cannot be built fails each of its items with one line. 
 once, for all of its items that are selected (like `fwdcheck run CONFIG --check ...` for a `-k` subset); with
 pytest-xdist, `--dist loadfile` keeps a config's items on one worker, so that its model is built once there too.
 
+A config's model runs as `fwdcheck run` runs it, in a supervised worker process under the config's timeout_s: a
+model that calls os._exit, crashes or hangs fails its own items (FWD005, FWD004), never ends or hangs the session,
+and its code is imported afresh for each config. A worker that does not end cleanly after its last check fails
+every item of its config, as the "(end of run)" row fails `fwdcheck run`. The fixture is the Python API, in the
+test's own process: the test hands it a model object it built there, and owns that process anyway.
+
 Without --fwdcheck (or the `fwdcheck_paths` ini option) the plugin collects nothing and imports neither torch nor
 fwdcheck's runner: only the fixture exists, and it imports fwdcheck when a test asks for it.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -309,13 +316,31 @@ class ConfigFile(pytest.File):
         return self._outcome
 
     def _run(self):
-        from fwdcheck.runner import Run
+        """The run, as `fwdcheck run` makes it: in a supervised worker process (fwdcheck/supervisor.py), under the
+        config's timeout_s, so that a model that exits, crashes or hangs ends its own items and not the session. Each
+        config's code is imported in its own worker: two configs' `models.py` are two modules. A Ctrl-C during the
+        run ends the worker with its partial report, and then the session, as pytest ends on one."""
+        from fwdcheck.events import Job
+        from fwdcheck.heard import END_OF_RUN
+        from fwdcheck.supervisor import run_supervised
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
-        run = Run.build(self.fwd_config, self.overrides(checks=[e.name for e in entries], expected=self.expected))
-        report = run.check(run.load(), config_path=self.shown)
-        return report, dict(zip((e.name for e in entries), report.results, strict=False))
+        job = Job(
+            config=str(self.path),
+            factory=None,
+            overrides=self.overrides(checks=[e.name for e in entries], expected=self.expected),
+            sys_path=[p for p in sys.path if p],
+        )
+        report = run_supervised(job, timeout_s=self.fwd_config.timeout_s)
+        if report.interrupted:
+            raise KeyboardInterrupt
+        # a check's result in the order of its item's entry (a module:Class check names its result its own way), and
+        # the "(end of run)" row of a worker that did not end cleanly
+        checked = [r for r in report.results if r.name != END_OF_RUN]
+        results = dict(zip((e.name for e in entries), checked, strict=False))
+        results.update({r.name: r for r in report.results if r.name == END_OF_RUN})
+        return report, results
 
 
 class CheckFailed(Exception):
@@ -367,6 +392,7 @@ class CheckItem(pytest.Item):
         return self.parent  # type: ignore[return-value]
 
     def runtest(self) -> None:
+        from fwdcheck.heard import END_OF_RUN
         from fwdcheck.result import Status
 
         outcome = self.file.outcome()
@@ -374,6 +400,10 @@ class CheckItem(pytest.Item):
             raise outcome
         report, results = outcome
         result = results[self.name]
+        end = results.get(END_OF_RUN)
+        if end is not None and end.status == Status.ERROR and result.status not in (Status.FAIL, Status.ERROR):
+            # the worker did not end cleanly after the last check: no result it streamed is a verdict
+            raise CheckFailed(self.failure_text(report, end), self.headline(end))
         if result.status == Status.SKIP:
             _skip(f"{self.name}: {result.summary}")
         failing = result.status in (Status.FAIL, Status.ERROR) or (

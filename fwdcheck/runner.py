@@ -29,8 +29,8 @@ from fwdcheck.code_paths import (
     verdicts_for,
 )
 from fwdcheck.config import Config, RunConfig
-from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError
-from fwdcheck.model import ModelUnderTest
+from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError, interrupts_heard
+from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import ParameterWatch
 from fwdcheck.observe import code_location
 from fwdcheck.overrides import Overrides
@@ -61,8 +61,10 @@ class Run:
         return cls(config, Settings.from_config(config, overrides), entries, overrides.fail_on)
 
     def load(self) -> ModelUnderTest:
-        """The model the config names (a Config's `model:` section)."""
-        return load_model(cast(Config, self.config))  # only a run of a whole Config loads its model
+        """The model the config names (a Config's `model:` section), its lazy modules materialised."""
+        model = load_model(cast(Config, self.config))  # only a run of a whole Config loads its model
+        materialize_lazy(model, self.settings)
+        return model
 
     def check(
         self,
@@ -100,7 +102,14 @@ def run_model(
 ) -> Report:
     """Every check on one session, then the per-path checks over the code-path matrix; the model is restored when
     this returns, however it returns. `on_result` is told each check's default-path result as soon as it is known
-    (the CLI's worker streams them to its supervisor, which keeps them if the process dies later)."""
+    (the CLI's worker streams them to its supervisor, which keeps them if the process dies later). A KeyboardInterrupt
+    the model raises itself, no SIGINT behind it, is the model's error (FWD002); a Ctrl-C ends the run."""
+    with interrupts_heard():
+        return _run_model(model, settings, entries, config_path, fail_on, progress, on_result)
+
+
+def _run_model(model, settings, entries, config_path, fail_on, progress, on_result) -> Report:
+    materialize_lazy(model, settings)  # the API's model (a loaded one is already)
     settings, own_dtype_note = settings.in_own_dtype(model.module)
     session = Session(model, settings)
     if own_dtype_note:
@@ -152,6 +161,37 @@ def run_model(
         config_path=str(config_path) if config_path else None,
         fail_on=fail_on,
         interrupted=interrupted,
+    )
+
+
+def materialize_lazy(model: ModelUnderTest, settings: Settings) -> None:
+    """Lazy modules (nn.LazyLinear and the like) hold no parameters until their first forward, which infers their
+    sizes: one forward of one row of the run's length, in eval mode and without gradients, materialises them, and
+    from then on they are counted, moved and compared as any other. The caller's random state is kept. A module
+    cannot be made lazy again: the model handed over stays materialised, and the report says so. A forward that
+    raises here is the model's error (ModelRaised)."""
+    import torch
+    from torch.nn.parameter import is_lazy
+
+    lazy = [name for name, p in model.module.named_parameters() if is_lazy(p)]
+    if not lazy:
+        return
+    ready = next((p for p in model.module.parameters() if not is_lazy(p)), None)
+    device = ready.device if ready is not None else torch.device("cpu")
+    ids = torch.zeros(1, settings.inputs.seq_len, dtype=torch.long, device=device)  # (1, T) of token 0
+    training = model.module.training
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), torch.no_grad():
+        try:
+            with model_code("the model cannot be put in eval mode:"):
+                model.module.eval()
+            model.forward(ids)
+        finally:
+            with model_code("the model cannot be put back in training mode:"):
+                model.module.train(training)
+    shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+    model.extra.setdefault("notes", []).append(
+        f"lazy parameters ({shown}) were materialised by a forward of 1 x {settings.inputs.seq_len} tokens before "
+        "the run, and are counted from then on (a lazy module stays materialised)"
     )
 
 

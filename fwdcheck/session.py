@@ -337,9 +337,9 @@ class Session:
         """Token ids drawn from the session's own generator; with differ_from, every id differs from it."""
         vocab = self.model.vocab_size
         if differ_from is None:
-            ids = torch.randint(0, vocab, shape, generator=self._generator)
+            ids = torch.randint(0, vocab, shape, generator=self._generator, device="cpu")
         else:
-            shift = torch.randint(1, max(vocab, 2), tuple(differ_from.shape), generator=self._generator)
+            shift = torch.randint(1, max(vocab, 2), tuple(differ_from.shape), generator=self._generator, device="cpu")
             ids = (differ_from.cpu() + shift) % vocab
         return ids.to(self.device if hasattr(self, "device") else "cpu")
 

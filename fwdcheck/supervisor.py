@@ -31,10 +31,11 @@ from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
 
+from fwdcheck import interpreter
 from fwdcheck.errors import ExitCode
 from fwdcheck.events import Job
 from fwdcheck.forkserver import ForkedWorker, start_worker
-from fwdcheck.heard import GRACE_S, Heard, end_of_run
+from fwdcheck.heard import GRACE_S, Heard, WorkerError, end_of_run
 from fwdcheck.report import Report
 
 EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
@@ -43,13 +44,90 @@ EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
 def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str], None] | None = None) -> Report:
     """Run `job` in a worker process and return its report (or the partial report of a worker that died, hung or
     was interrupted). Raises WorkerError when the worker could not make the run at all."""
+    run, worker, ending, received, left = supervised(job, timeout_s, progress)
+    if run.report is not None:
+        run.report.notes += run.stranger_note() + left
+        if received:  # the worker's partial report, under the signal the supervisor received
+            run.report.interrupted = True
+            run.report.interrupted_exit = exit_for(received[0])
+        elif ending == "hung":
+            run.report.results.append(
+                end_of_run(f"the model process did not end within {EXIT_WAIT_S:g} s of its report and was killed")
+            )
+        elif worker.returncode:  # the worker ends with os._exit(0) once its report is sent
+            run.report.results.append(end_of_run(f"the model process {ended(worker)} after sending its report"))
+        return run.report
+    if received:
+        report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", "FWD005")
+        report.interrupted, report.interrupted_exit = True, exit_for(received[0])
+    elif run.error is not None:
+        raise run.error
+    elif ending == "timeout":
+        limit = f"{timeout_s:g} s" if timeout_s else "its limit"
+        report = run.partial_report(
+            f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
+            "forward that ignores the time limit, or hangs in native code)",
+            "FWD004",
+        )
+    else:
+        report = run.partial_report(f"the model process {ended(worker)}", "FWD005")
+    report.notes += left
+    return report
+
+
+def end_process_group(worker: subprocess.Popen | ForkedWorker) -> list[str]:
+    """End what is left of the worker's process group once the worker has ended: a process the model started (a
+    data-loader worker, a helper it spawned, a child it forked) must not outlive the run. The group is the worker's
+    own (its pid), and stays allocated while any member lives, so the signal reaches no other process. A note when
+    something had to be ended; a process that left the group (setsid, a daemon) is out of reach."""
+    if worker.returncode is None:  # still running: supervise() killed or reaped it in every way it returns
+        return []
+    try:
+        os.killpg(worker.pid, 0)
+    except (ProcessLookupError, PermissionError, OSError):  # nothing left
+        return []
+    with suppress(ProcessLookupError, PermissionError, OSError):
+        os.killpg(worker.pid, signal.SIGKILL)
+    return [
+        "processes the model started were still running after its process ended (its process group); they were killed"
+    ]
+
+
+def compare_supervised(job: Job, *, timeout_s: float | None) -> dict:
+    """`fwdcheck diff`'s comparison (Diff.to_dict), made in a worker process as a run is: a model that exits,
+    crashes or hangs (a rename rule that backtracks without end too) is one error line, exit 1, never the
+    command's own end. Raises WorkerError (its exit code the one the command ends with)."""
+    run, worker, ending, received, left = supervised(job, timeout_s, None)
+    if run.compared is not None:
+        run.compared["notes"] = [*run.compared.get("notes", []), *run.stranger_note(), *left]
+        return run.compared
+    if received:
+        raise WorkerError("interrupted", exit_for(received[0]))
+    if run.error is not None:
+        raise run.error
+    during = f"during {run.current}" if run.current else "while the models loaded"
+    if ending == "timeout":
+        limit = f"{timeout_s:g} s" if timeout_s else "its limit"
+        raise WorkerError(
+            f"the models' process stayed silent past A's timeout_s ({limit}) {during} and was killed (a forward "
+            "that hangs, or a rename rule that backtracks without end)",
+            ExitCode.FAILED,
+        )
+    raise WorkerError(f"the models' process {ended(worker)} {during}", ExitCode.FAILED)
+
+
+def supervised(
+    job: Job, timeout_s: float | None, progress: Callable[[str], None] | None
+) -> tuple[Heard, subprocess.Popen | ForkedWorker, str, list[int], list[str]]:
+    """Start a worker on `job` and supervise it to its end: what was heard, the worker (ended), how it ended
+    (supervise), the signals the supervisor received meanwhile, and the notes on what had to be ended after it."""
     events_read, events_write = os.pipe()
     output_read, output_write = os.pipe()
     # From here on a SIGINT or SIGTERM is recorded, and reaches the worker once it runs: the report is still written.
     with caught_signals() as received:
         try:
             worker = start_worker(events_write, output_write, cancelled=lambda: bool(received)) or subprocess.Popen(
-                [sys.executable, "-m", "fwdcheck.worker", str(events_write), str(os.getpid())],
+                interpreter.command("fwdcheck.worker", str(events_write), str(os.getpid())),
                 stdin=subprocess.PIPE,
                 stdout=output_write,
                 stderr=output_write,
@@ -67,34 +145,10 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         except OSError:  # it died at once; what it printed says why
             pass
         ending = supervise(worker, run, events_read, output_read, timeout_s, progress, received)
+    left = end_process_group(worker)
     os.close(events_read)
     os.close(output_read)
-    if run.report is not None:
-        run.report.notes += run.stranger_note()
-        if received:  # the worker's partial report, under the signal the supervisor received
-            run.report.interrupted = True
-            run.report.interrupted_exit = exit_for(received[0])
-        elif ending == "hung":
-            run.report.results.append(
-                end_of_run(f"the model process did not end within {EXIT_WAIT_S:g} s of its report and was killed")
-            )
-        elif worker.returncode:  # the worker ends with os._exit(0) once its report is sent
-            run.report.results.append(end_of_run(f"the model process {ended(worker)} after sending its report"))
-        return run.report
-    if received:
-        report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", "FWD005")
-        report.interrupted, report.interrupted_exit = True, exit_for(received[0])
-        return report
-    if run.error is not None:
-        raise run.error
-    if ending == "timeout":
-        limit = f"{timeout_s:g} s" if timeout_s else "its limit"
-        return run.partial_report(
-            f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
-            "forward that ignores the time limit, or hangs in native code)",
-            "FWD004",
-        )
-    return run.partial_report(f"the model process {ended(worker)}", "FWD005")
+    return run, worker, ending, received, left
 
 
 def supervise(
@@ -136,7 +190,7 @@ def supervise(
                     run.hear_message(json.loads(line), worker.pid, progress)
                 if timeout_s:
                     deadline = time.monotonic() + run.step_limit(timeout_s)
-        if run.report is not None or run.error is not None:
+        if run.finished:
             break
         if worker.poll() is not None and not ready:  # ended, and its pipes are empty (a child may hold them open)
             break

@@ -18,8 +18,19 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line
-from fwdcheck.events import CheckDone, Event, Finished, Job, ModelLoaded, Plan, Progress, RunError, encode
+from fwdcheck.errors import ExitCode, FwdcheckError, about_config, exception_text, first_line, interrupts_heard
+from fwdcheck.events import (
+    CheckDone,
+    Compared,
+    Event,
+    Finished,
+    Job,
+    ModelLoaded,
+    Plan,
+    Progress,
+    RunError,
+    encode,
+)
 from fwdcheck.lifetime import die_with_parent
 from fwdcheck.text import clean
 
@@ -100,7 +111,22 @@ def main(argv: list[str]) -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     events = Events(events_fd)
+    with interrupts_heard():  # a KeyboardInterrupt the model raises itself is its error, not an interruption
+        run_job(job, events)
+    # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_job(job: Job, events: Events) -> None:
+    """The job's run (or `fwdcheck diff`'s comparison), its events sent; whatever it raises becomes an event too."""
     try:
+        if job.compare_with is not None:
+            from fwdcheck.diff import STEPS, compare_job
+
+            events.send(Plan(list(STEPS), []))
+            events.send(Compared(compare_job(job, progress=lambda step: events.send(Progress(step)))))
+            return
         from fwdcheck.registry import select
         from fwdcheck.runner import per_code_path
 
@@ -128,9 +154,6 @@ def main(argv: list[str]) -> None:
                 getattr(exc, "warning_notes", []),
             )
         )
-    # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ tests/test_bad_inputs.CASES), the examples each fuzz property runs (the hypothes
 the model-failure modes (tests/test_model_failures.MODES, each run through the CLI and in-process with the model
 compared bitwise before and after). A second line counts the fuzzing of a document's structure (depth, aliases) and
 of the expected ledger (`--expect-ledger`), which the first line's fuzzed documents (configs) do not include. A third
-counts the cases of tests/test_gate.py: what ordinary projects do that could make the gate say pass when it should not
-(a reused logits buffer, a worker that ends badly, a forked child's report, an output over the model's code, text no
-report format can hold), each run where it must pass and where it must fail.
+counts the cases of tests/test_gate.py and tests/test_gate_supervised.py: what ordinary projects do that could make the
+gate say pass when it should not, or harm what it runs in (a reused logits buffer, a worker that ends badly, a forked
+child's report, an output over the model's code, text no report format can hold; a model that exits or hangs under
+the pytest plugin or `fwdcheck diff`, two configs' same-named `models.py`, a `fwdcheck/` folder where the command
+runs, a process the model leaves running, torch's defaults moved, lazy modules, an attribute grown with its buffer),
+each run where it must pass and where it must fail.
 """
 
 from __future__ import annotations
@@ -20,20 +23,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py", "tests/test_gate.py"]
-GATE = "tests/test_gate.py"
+GATE = ("tests/test_gate.py", "tests/test_gate_supervised.py")
+TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py", *GATE]
 
 
 def gate_count() -> int:
-    """The test cases of tests/test_gate.py, as pytest collects them (each parametrisation one case)."""
+    """The test cases of the GATE files, as pytest collects them (each parametrisation one case)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", GATE],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *GATE],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
     )
-    return sum(1 for row in proc.stdout.splitlines() if row.startswith(f"{GATE}::"))
+    return sum(1 for row in proc.stdout.splitlines() if row.startswith(tuple(f"{path}::" for path in GATE)))
 
 
 def gate_line(n: int | None = None) -> str:

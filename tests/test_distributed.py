@@ -17,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from fwdcheck import interpreter
+
 # Every test launches ranks (a few seconds each): the slow tier.
 pytestmark = pytest.mark.slow
 
@@ -259,9 +261,10 @@ def test_on_the_cpu_the_ranks_server_is_a_fork_of_the_launcher_before_the_models
     assert code == 0, stderr
     assert checks(report)["shape-ledger"]["status"] == "pass"
     server = checks(report)["rank-server"]["data"]
-    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
+    # the worker's command line (fwdcheck/interpreter.py: `python -c ... fwdcheck.worker EVENTS SUPERVISOR`)
+    assert server["launcher"][:4] == interpreter.command("fwdcheck.worker"), server
     assert server["server"] == server["launcher"], server
-    events = int(server["launcher"][3])  # the worker's command line names its event descriptor
+    events = int(server["launcher"][4])  # the worker's command line names its event descriptor
     assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
 
 
@@ -275,7 +278,7 @@ def test_a_launcher_that_has_imported_the_models_module_does_not_fork_the_ranks_
     code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     server = checks(report)["rank-server"]["data"]
-    assert server["launcher"][:3] == [sys.executable, "-m", "fwdcheck.worker"], server
+    assert server["launcher"][:4] == interpreter.command("fwdcheck.worker"), server
     assert "from multiprocessing.forkserver import main" in " ".join(server["server"]), server
 
 

@@ -209,15 +209,22 @@ def gpt_fast_mask_rows_by_length():
 
 
 def test_gpt_fast_passes_and_is_left_as_found():
+    from tests.corpus import gpt_fast
+
     config = config_from_dict({"model": GPT_FAST, "checks": CHECK})
     model = load_model(config)
     report = run_model(model, Settings.from_config(config), fwdcheck.registry.select(CHECK))
     clean_pass(report.result("kv-cache"))
     assert report.result("kv-cache").data["cache_call"] == "setup_caches, then forward(input_ids, input_pos)"
-    # the check sized the caches for its own run (8 slots); what stays is what the `forward:` adapter's forward set
-    # up (8 + 20 tokens, rounded up to 32 slots)
-    assert model.module.max_seq_length == 32 and model.module.causal_mask.shape == (32, 32)
-    assert all(block.attention.kv_cache.k_cache.shape[2] == 32 for block in model.module.layers)
+    # the caches the check and the `forward:` adapter set up (8, then 8 + 20 tokens rounded up to 32 slots) are taken
+    # off again: the sizes, the mask and the cache modules as found, before any setup
+    module = model.module
+    assert module.max_seq_length == module.max_batch_size == -1 and module.causal_mask is None
+    assert all(block.attention.kv_cache is None for block in module.layers)
+    assert "kv_cache" not in dict(module.named_modules()).get("layers.0.attention")._modules
+    # and the model runs as before: its adapter sets the caches up again
+    logits = gpt_fast.prefill(module, torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape == (2, 8, module.config.vocab_size) and module.max_seq_length == 32
 
 
 def test_gpt_fast_mask_rows_by_length_fails():

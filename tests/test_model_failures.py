@@ -170,6 +170,12 @@ MODES = [
     Mode("hangs", "build_hangs", one_check_timed_out, kwargs={"rows": 2}, top={"timeout_s": 1}),
     Mode("ctrl-c", "build_interrupts", interrupted, exit_code=130, kwargs={"after": 3}),
     Mode(
+        "raises-keyboard-interrupt",
+        "build_interrupts",
+        every_check_errors("the model raised KeyboardInterrupt: raised by the model"),
+        kwargs={"after": 1, "own": True},
+    ),
+    Mode(
         "rotary-function-raises",
         "build_clean",
         rotary_raised,

@@ -105,21 +105,24 @@ def section(result: pytest.RunResult, title: str) -> str:
     return "\n".join(lines[start + 1 : end])
 
 
+def supervised_runs(monkeypatch) -> list[tuple[str, list[str]]]:
+    """Each supervised run the plugin starts, as (its config, its checks), recorded as it starts."""
+    import fwdcheck.supervisor
+
+    runs = []
+    run_supervised = fwdcheck.supervisor.run_supervised
+
+    def recorded(job, **kwargs):
+        runs.append((job.config, list(job.overrides.checks or [])))
+        return run_supervised(job, **kwargs)
+
+    monkeypatch.setattr(fwdcheck.supervisor, "run_supervised", recorded)
+    return runs
+
+
 def test_configs_become_items(tester, monkeypatch):
     """One session over five configs and a model repo's own test file (pytest sessions are costly: one run)."""
-    import fwdcheck.runner
-
-    loads, runs = [], []
-    load_model, run_model = fwdcheck.runner.load_model, fwdcheck.runner.run_model
-    monkeypatch.setattr(fwdcheck.runner, "load_model", lambda config: loads.append(config) or load_model(config))
-    monkeypatch.setattr(
-        fwdcheck.runner,
-        "run_model",
-        lambda model, settings, entries, **kw: (
-            (kw.get("config_path") and runs.append([e.name for e in entries]))
-            or run_model(model, settings, entries, **kw)
-        ),
-    )
+    runs = supervised_runs(monkeypatch)
     configs = [
         "sample_configs/toy.yaml",
         "sample_configs/broken/no-causal-mask.yaml",
@@ -188,9 +191,9 @@ def test_configs_become_items(tester, monkeypatch):
         ["E*ChecksFailed: fwdcheck: failed (exit 1)", "E*future-token FWD101: *", "E*mask-audit FWD201: *(at *)"]
     )
 
-    # one model build and one run per config, whatever the number of its items
-    assert len(loads) == len(configs) and len(runs) == len(configs) - 1  # noload never got to run
-    assert runs[0] == CHECKS
+    # one supervised run per config, whatever the number of its items
+    assert [config for config, _ in runs] == [str(tester.path / c) for c in configs]
+    assert runs[0][1] == CHECKS
 
     # CI reads the JUnit file: the failure message carries the codes
     cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(tester.path / "report.xml").iter("testcase")}
@@ -200,17 +203,7 @@ def test_configs_become_items(tester, monkeypatch):
 
 
 def test_subset_and_fail_on_warn(tester, monkeypatch):
-    import fwdcheck.runner
-
-    runs = []
-    run_model = fwdcheck.runner.run_model
-    monkeypatch.setattr(
-        fwdcheck.runner,
-        "run_model",
-        lambda model, settings, entries, **kw: (
-            runs.append([e.name for e in entries]) or run_model(model, settings, entries, **kw)
-        ),
-    )
+    runs = supervised_runs(monkeypatch)
     result = run(
         tester,
         "-m",
@@ -226,7 +219,7 @@ def test_subset_and_fail_on_warn(tester, monkeypatch):
     )
     result.assert_outcomes(passed=3, failed=1, deselected=2)  # toy's shape-ledger and future-token
     # a -k subset runs only its checks, as `fwdcheck run --check` would
-    assert runs == [["mask-audit", "rope"], ["mask-audit", "acme_checks:AlwaysWarns"]]
+    assert [checks for _, checks in runs] == [["mask-audit", "rope"], ["mask-audit", "acme_checks:AlwaysWarns"]]
     result.stdout.fnmatch_lines(["  ACME901 warn: something to look at"])  # a warning fails on request
 
 

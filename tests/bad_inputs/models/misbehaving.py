@@ -4,6 +4,8 @@ Each has parameters, a buffer, a dropout layer and one causal SDPA attention, so
 (eval/train flags, dropout p, devices, dtypes) and mask-audit has an attention call to read. Only forward misbehaves.
 """
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -114,17 +116,22 @@ class Hangs(Base):
 
 
 class Interrupts(Base):
-    """Ctrl-C arrives during the `after`-th forward (KeyboardInterrupt, as Python's SIGINT handler raises it)."""
+    """Ctrl-C arrives during the `after`-th forward: a SIGINT to the process, whose handler raises KeyboardInterrupt.
+    With `own`, the forward raises KeyboardInterrupt itself, no signal behind it: the model's error, not Ctrl-C."""
 
-    def __init__(self, after: int = 3):
+    def __init__(self, after: int = 3, own: bool = False):
         super().__init__()
         self.after = after
+        self.own = own
         self.calls = 0
 
     def forward(self, input_ids):
         self.calls += 1
         if self.calls >= self.after:
-            raise KeyboardInterrupt
+            if self.own:
+                raise KeyboardInterrupt("raised by the model")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
         return self.clean_logits(input_ids)
 
 
@@ -168,8 +175,8 @@ def build_hangs(rows: int = 1, marker: str | None = None):
     return Hangs(rows, marker)
 
 
-def build_interrupts(after: int = 3):
-    return Interrupts(after)
+def build_interrupts(after: int = 3, own: bool = False):
+    return Interrupts(after, own)
 
 
 class NaNOnNewInputs(Base):
