@@ -151,3 +151,18 @@ def test_ledger_errors_are_usage_errors(tmp_path):
     )
     twice = invoke(TOY, "--expect-ledger", tmp_path / "twice.json")
     assert twice.exit_code == 2 and "the key 'entries' is given twice, at line 2 and at line 3" in twice.stderr
+
+
+def test_github_annotations_are_relative_to_the_repository_root(tmp_path, monkeypatch):
+    """GitHub places an annotation by its path from the repository's root ($GITHUB_WORKSPACE): a step that ran in a
+    subdirectory (`working-directory: sub/`) names the model code from the root, not from where it ran."""
+    report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]})
+    monkeypatch.chdir(ROOT)  # the report names fwdcheck/reference.py from here
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT.parent))  # a checkout whose root is one level up
+    assert f"::error file={ROOT.name}/fwdcheck/reference.py,line=" in to_github(report)
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT))  # fwdcheck ran at the root
+    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(tmp_path))  # model code outside the checkout: as the report says
+    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)
+    monkeypatch.delenv("GITHUB_WORKSPACE")  # outside Actions
+    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)

@@ -253,7 +253,9 @@ def test_github_workflow_shape():
     steps = document["jobs"]["fwdcheck"]["steps"]
     runs = " ".join(step.get("run", "") for step in steps)
     assert "download.pytorch.org/whl/cpu" in runs  # CPU torch, not the CUDA download
-    assert "--format github" in runs and "--junit fwdcheck.xml" in runs and "--output fwdcheck.json" in runs
+    # one run writes every format: the annotations, the JSON report and JUnit XML
+    (run,) = [step["run"] for step in steps if "fwdcheck run" in step.get("run", "")]
+    assert "--format github" in run and "--junit fwdcheck.xml" in run and "--json fwdcheck.json" in run
     upload = next(step for step in steps if str(step.get("uses", "")).startswith("actions/upload-artifact"))
     assert "fwdcheck.json" in upload["with"]["path"] and "!cancelled()" in upload["if"]  # uploaded when a check fails
     assert True in document or "on" in document  # YAML 1.1 reads the key `on` as True

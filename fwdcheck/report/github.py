@@ -43,7 +43,7 @@ def to_github(report: Report) -> str:
             properties = [f"title={escape_property(title)}"]
             if f.source and ":" in f.source:
                 file, line = f.source.rsplit(":", 1)
-                properties[:0] = [f"file={escape_property(file)}", f"line={escape_property(line)}"]
+                properties[:0] = [f"file={escape_property(annotation_path(file))}", f"line={escape_property(line)}"]
             where = f" (at {f.where})" if f.where else ""
             ignored = f" (ignored: {f.ignored})" if f.ignored else ""
             lines.append(f"::{kind} {','.join(properties)}::{escape_data(f.message + where + ignored)}")
@@ -52,6 +52,18 @@ def to_github(report: Report) -> str:
             lines.append(f"::notice title=fwdcheck::{count} more {kind}s are in the job summary and the report")
     lines.append(f"fwdcheck {report.verdict} (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
+
+
+def annotation_path(file: str) -> str:
+    """The file as GitHub places annotations: relative to the repository's root ($GITHUB_WORKSPACE), not to the
+    directory fwdcheck ran in (a step with `working-directory: models/`); as given outside Actions or the checkout."""
+    workspace = os.environ.get("GITHUB_WORKSPACE")
+    if not workspace:
+        return file
+    try:
+        return (Path.cwd() / file).resolve().relative_to(Path(workspace).resolve()).as_posix()
+    except (ValueError, OSError):
+        return file
 
 
 def append_step_summary(report: Report) -> bool:
