@@ -1,0 +1,304 @@
+"""grad-causality: on the train path (train() mode, dropout zeroed, gradients on), earlier logits get exactly 0.0
+gradient from later tokens' embeddings and from other samples', and every parameter that requires grad gets a finite
+gradient. Correct models pass: the reference model, transformers' architectures built tiny, x-transformers, litgpt,
+torch.nn with a causal mask. Leaks future-token cannot see fail: below its tolerance, only with gradients enabled,
+only in train mode; samples mixed; parameters never reached warn."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fwdcheck
+from fwdcheck.checks.grad_causality import cuts_for
+from tests import compat
+from tests.conftest import codes, run_checks
+
+CHECK = "grad-causality"
+VOCAB, WIDTH, HEADS = 32, 16, 4
+
+
+def result(report):
+    return report.result(CHECK)
+
+
+class TinyCausalLM(nn.Module):
+    """One attention block over an embedding, causal through SDPA's is_causal. `leak` plants a bug:
+    whisper:      1e-7 x the next position's hidden state added to each position (below future-token's tolerance)
+    grad-only:    is_causal only under torch.no_grad() (what eval-time checks run)
+    train-only:   is_causal dropped when self.training
+    unused-layer: a projection built and never called
+    detached:     a gated branch whose output is detached
+    """
+
+    def __init__(self, leak: str | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.leak = leak
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.dropout = nn.Dropout(0.5)  # zeroed by the check in train mode: its dice never reach the verdict
+        self.head = nn.Linear(WIDTH, VOCAB)
+        if leak == "unused-layer":
+            self.never_called = nn.Linear(WIDTH, WIDTH)
+        if leak == "detached":
+            self.gate = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        x = self.embed(input_ids)  # (B, T, d)
+        q, k, v = self.qkv(x).split(WIDTH, dim=-1)
+        q, k, v = (t.view(B, T, HEADS, WIDTH // HEADS).transpose(1, 2) for t in (q, k, v))  # (B, h, T, d_h)
+        causal = True
+        if self.leak == "grad-only":
+            causal = not torch.is_grad_enabled()
+        if self.leak == "train-only":
+            causal = not self.training
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.5 if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, WIDTH)  # (B, T, d)
+        x = x + self.dropout(self.proj(y))
+        if self.leak == "whisper":
+            x = x + 1e-7 * x.roll(-1, dims=1)  # position t reads t + 1 (and the last reads the first)
+        if self.leak == "detached":
+            x = x + self.gate(x).detach()
+        return self.head(x)
+
+
+def gate(module: nn.Module, checks=(CHECK,), **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fwdcheck.check_model(module, list(checks), **kw)
+
+
+# =====================================================================================================================
+# Correct models pass
+
+
+def test_cuts_cover_last_first_and_middle():
+    assert cuts_for(2, 8) == [7, 1]
+    assert cuts_for(4, 8) == [7, 1, 4, 7]
+    assert cuts_for(1, 2) == [1]
+
+
+def test_tiny_correct_model_passes_with_exact_zeros():
+    report = gate(TinyCausalLM())
+    r = result(report)
+    assert r.status.value == "pass", r.findings
+    assert r.metrics["max_gradient_after_cut"] == 0.0
+    assert r.metrics["max_gradient_before_cut"] > 0  # the gradient reached what it should: something was measured
+    assert r.metrics["parameters_without_gradient"] == 0
+    assert report.exit_code == 0
+
+
+def test_reference_model_passes(reference):
+    r = result(run_checks(reference(), [CHECK]))
+    assert r.status.value == "pass", r.findings
+    assert r.metrics["parameters"] > 0 and r.metrics["parameters_without_gradient"] == 0
+
+
+@pytest.mark.parametrize("batch_size, seq_len", [(1, 8), (3, 16)])
+def test_reference_model_passes_at_other_sizes(reference, batch_size, seq_len):
+    r = result(run_checks(reference(), [CHECK], inputs={"batch_size": batch_size, "seq_len": seq_len}))
+    assert r.status.value == "pass", r.findings
+    assert r.metrics["cuts"] == cuts_for(batch_size, seq_len)
+
+
+HF_CORRECT = {
+    "llama": compat.hf("llama", num_key_value_heads=2, **compat.LLAMA_LIKE),
+    "gpt2": compat.hf("gpt2", n_embd=32, n_layer=2, n_head=4),
+    "mistral-sliding-window": compat.hf("mistral", num_key_value_heads=2, sliding_window=4, **compat.LLAMA_LIKE),
+    "qwen2": compat.hf("qwen2", num_key_value_heads=2, **compat.LLAMA_LIKE),
+    "gemma2": compat.hf("gemma2", num_key_value_heads=2, head_dim=8, sliding_window=4, **compat.LLAMA_LIKE),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_CORRECT))
+def test_transformers_architectures_pass(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = result(run_checks(HF_CORRECT[name], [CHECK], inputs={"batch_size": 2, "seq_len": 12}))
+    assert r.status.value == "pass", (r.summary, r.findings)
+    assert r.metrics["max_gradient_after_cut"] == 0.0
+
+
+THIRD_PARTY_CORRECT = {
+    "x-transformers": "tests.corpus.xtransformers_models:rotary",
+    "litgpt-llama": "tests.corpus.litgpt_models:llama",
+    "nn.TransformerEncoder causal": "tests.models:torch_encoder",
+    "nn.TransformerDecoder causal": "tests.corpus.torch_models:decoder",
+}
+
+
+@pytest.mark.parametrize("name", list(THIRD_PARTY_CORRECT))
+def test_third_party_models_pass(name):
+    spec = {"source": "python", "factory": THIRD_PARTY_CORRECT[name], "path": ["."]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = result(run_checks(spec, [CHECK]))
+    assert r.status.value == "pass", (r.summary, r.findings)
+
+
+# =====================================================================================================================
+# Leaks fail
+
+
+def test_leak_below_future_tokens_tolerance_fails_here_only():
+    report = gate(TinyCausalLM("whisper"), checks=["future-token", CHECK])
+    assert report.result("future-token").status.value == "pass"  # 1e-7 of a hidden state: within its tolerance
+    r = result(report)
+    assert r.status.value == "fail"
+    assert codes(report, CHECK) == {"FWD121"}
+    # position q reads q + 1 and nothing else later: the map holds exactly the pairs (q, q + 1)
+    assert r.metrics["leaked_pairs"] == 7
+    leak = r.data["leak_map"]
+    assert leak["threshold"] == 0.0
+    moved = {(q, c["k"]) for c in leak["columns"] for q, v in enumerate(c["change"]) if v > 0}
+    assert moved == {(q, q + 1) for q in range(7)}
+    assert report.exit_code == 1
+
+
+@pytest.mark.parametrize("leak", ["grad-only", "train-only"])
+def test_mask_dropped_on_the_train_path_fails_here_only(leak):
+    report = gate(TinyCausalLM(leak), checks=["future-token", CHECK])
+    assert report.result("future-token").status.value == "pass"  # eval, no_grad: the mask is there
+    r = result(report)
+    assert r.status.value == "fail"
+    assert "FWD121" in codes(report, CHECK)
+    assert r.metrics["leaked_pairs"] == 28  # every (earlier, later) pair of T = 8
+
+
+def test_reference_model_without_mask_fails(reference):
+    report = run_checks(reference(bugs=["no-causal-mask"]), [CHECK])
+    assert codes(report, CHECK) == {"FWD121"}
+
+
+@pytest.mark.parametrize("factory", ["tests.models:batch_mean_leak"])
+def test_samples_reading_each_other_fail(factory):
+    report = run_checks({"source": "python", "factory": factory, "path": ["."]}, [CHECK])
+    r = result(report)
+    assert r.status.value == "fail"
+    assert "FWD122" in codes(report, CHECK)
+    assert "FWD121" not in codes(report, CHECK)  # a mean over the batch reads no later position of its own row
+
+
+def test_reference_batch_mix_fails(reference):
+    report = run_checks(reference(bugs=["batch-mix"]), [CHECK])
+    assert "FWD122" in codes(report, CHECK)
+
+
+def test_nan_gradient_is_never_a_pass():
+    class SqrtAtZero(TinyCausalLM):
+        def forward(self, input_ids):
+            logits = super().forward(input_ids)
+            return logits + torch.sqrt(logits - logits)  # the value is logits; the gradient of sqrt at 0 is inf
+
+    r = result(gate(SqrtAtZero()))
+    assert r.status.value == "fail"
+    assert "FWD123" in {f.code for f in r.findings}
+
+
+# =====================================================================================================================
+# Gradient reaches every parameter
+
+
+@pytest.mark.parametrize("leak, name", [("unused-layer", "never_called"), ("detached", "gate")])
+def test_parameters_without_gradient_warn_by_name(leak, name):
+    report = gate(TinyCausalLM(leak))
+    r = result(report)
+    assert r.status.value == "warn"
+    warned = [f for f in r.findings if f.code == "FWD124"]
+    assert len(warned) == 1
+    assert f"{name}.weight" in warned[0].message and f"{name}.bias" in warned[0].message
+    assert r.metrics["parameters_without_gradient"] == 2
+    assert report.exit_code == 0  # a warning, not a failure (unless --fail-on warn)
+
+
+def test_tied_and_frozen_embeddings_get_no_false_warning():
+    tied = TinyCausalLM()
+    tied.head.weight = tied.embed.weight  # the output head tied to the embedding (GPT-2's layout)
+    r = result(gate(tied))
+    assert r.status.value == "pass", r.findings
+    frozen = TinyCausalLM()
+    frozen.embed.weight.requires_grad_(False)  # a frozen parameter is not asked for
+    r = result(gate(frozen))
+    assert r.status.value == "pass", r.findings
+    assert r.metrics["parameters"] == sum(1 for p in frozen.parameters() if p.requires_grad)
+
+
+def test_nonfinite_parameter_gradient_fails():
+    class Overflow(TinyCausalLM):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.zeros(()))
+
+        def forward(self, input_ids):
+            # the value is the logits (sqrt(0) = 0); the scale's gradient is the upstream sum x 1/(2 sqrt(0)): Inf
+            return super().forward(input_ids) + torch.sqrt(self.scale)
+
+    r = result(gate(Overflow()))
+    assert "FWD125" in {f.code for f in r.findings}
+    assert "scale" in next(f for f in r.findings if f.code == "FWD125").message
+
+
+# =====================================================================================================================
+# Skips say why
+
+
+def test_bidirectional_model_skips(reference):
+    r = result(gate(TinyCausalLM(), causal=False))
+    assert r.status.value == "skip"
+    assert "bidirectional" in r.summary
+
+
+def test_model_without_embedding_skips():
+    class OneHot(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(VOCAB, VOCAB)
+
+        def forward(self, input_ids):
+            return self.inner(F.one_hot(input_ids, VOCAB).float())
+
+    r = result(gate(OneHot(), vocab_size=VOCAB))
+    assert r.status.value == "skip"
+    assert "no token embedding" in r.summary
+
+
+def test_logits_without_gradient_skip():
+    class Detached(TinyCausalLM):
+        def forward(self, input_ids):
+            return super().forward(input_ids).detach()
+
+    r = result(gate(Detached()))
+    assert r.status.value == "skip"
+    assert "carry no gradient" in r.summary
+
+
+# =====================================================================================================================
+# The model is left as found
+
+
+def test_model_left_as_found():
+    model = TinyCausalLM("unused-layer")
+    model.eval()
+    model.head.train()  # a mixed mode, to be put back module by module
+    kept = torch.ones_like(model.head.weight)
+    model.head.weight.grad = kept  # a gradient the caller accumulated: untouched
+    frozen = model.proj.bias.requires_grad_(False)
+    before_training = {name: m.training for name, m in model.named_modules()}
+    before_hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    before_values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    gate(model)
+    assert {name: m.training for name, m in model.named_modules()} == before_training
+    assert model.head.weight.grad is kept and bool((kept == 1).all())
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "head.weight")
+    assert frozen.requires_grad is False and model.qkv.weight.requires_grad is True
+    assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == before_hooks
+    assert all(torch.equal(p, before_values[name]) for name, p in model.named_parameters())
+    assert model.dropout.p == 0.5
+    assert torch.is_grad_enabled()
