@@ -302,3 +302,42 @@ def test_model_left_as_found():
     assert all(torch.equal(p, before_values[name]) for name, p in model.named_parameters())
     assert model.dropout.p == 0.5
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_model_left_as_found_for_the_checks_after(dtype):
+    from fwdcheck.registry import select
+    from fwdcheck.runner import run_model
+    from tests.test_model_state import assert_same, reference_model, snapshot
+
+    model, settings = reference_model()  # dropout 0.2
+    settings.dtype = dtype
+    module = model.module
+    module.train()  # found in training mode: it must go back to training mode
+    module.layers[0].attn.q_proj.weight.grad = torch.ones_like(module.layers[0].attn.q_proj.weight)
+    module.lm_head.weight.requires_grad_(False)
+    before = snapshot(module)
+    report = run_model(model, settings, select([CHECK, "future-token"]))
+    assert report.result(CHECK).status.value == "pass", report.result(CHECK).findings
+    assert report.result("future-token").status.value == "pass"  # ran after it, on the model as the session holds it
+    assert_same(before, snapshot(module))
+    assert not torch._C._is_torch_function_mode_enabled()
+
+
+def test_buffers_a_train_mode_forward_writes_are_put_back_before_the_next_check():
+    class CountsSteps(TinyCausalLM):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, input_ids):
+            if self.training:
+                self.steps += 1  # a training-step counter, as schedulers inside models keep
+            return super().forward(input_ids) + self.steps.float()  # later forwards would see another model
+
+    model = CountsSteps()
+    report = gate(model, checks=[CHECK, "future-token"])
+    assert report.result(CHECK).status.value == "pass"
+    assert report.result("future-token").status.value == "pass"
+    assert int(model.steps) == 0
+    assert any("steps" in note and "put back" in note for note in report.notes)
