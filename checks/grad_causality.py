@@ -139,6 +139,14 @@ def span(positions: list[int]) -> str:
     return ", ".join(parts)
 
 
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite. A finite sum has no NaN or Inf among its terms (either makes it NaN or Inf),
+    and a sum is the cheapest pass over a tensor (a max |value| costs several): only a sum that is not finite, which
+    finite values could give by overflowing, is looked at value by value."""
+    tensor = tensor.detach()
+    return bool(tensor.sum(dtype=torch.float32).isfinite()) or bool(tensor.isfinite().all())
+
+
 def listed(names: list[str]) -> str:
     shown = ", ".join(names[:NAMES_SHOWN])
     return shown + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
@@ -214,8 +222,11 @@ up to 32 for the map."""
         try:
             with self._train_path(model):
                 graph = self._forward(model, session, embedding_name, embedding, ids)
-                projection = torch.randn(graph.logits.shape, generator=generator).to(graph.logits.device)
-                losses = [(graph.logits[b, : cuts[b]].float() * projection[b, : cuts[b]]).sum() for b in range(B)]
+                # one random direction over the vocabulary per row, shared by its positions: a leak's gradient
+                # cancels only for directions of measure zero, and B x V draws cost nothing beside B x T x V
+                V = graph.logits.shape[-1]
+                projection = torch.randn(B, 1, V, generator=generator).to(graph.logits.device)
+                losses = [(graph.logits[b, : cuts[b]].float() * projection[b]).sum() for b in range(B)]
                 params = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
                 own = [p for p in embedding.parameters() if p.requires_grad]
                 try:
@@ -399,7 +410,7 @@ up to 32 for the map."""
                 g = through_embedding if g is None else g + through_embedding  # tied to the output head: both
             if g is None:
                 none.append(name)
-            elif not bool(g.isfinite().all()):
+            elif not finite(g):
                 nonfinite.append(name)
         metrics["parameters"] = len(params)
         metrics["parameters_without_gradient"] = len(none)

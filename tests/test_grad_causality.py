@@ -341,3 +341,32 @@ def test_buffers_a_train_mode_forward_writes_are_put_back_before_the_next_check(
     assert report.result("future-token").status.value == "pass"
     assert int(model.steps) == 0
     assert any("steps" in note and "put back" in note for note in report.notes)
+
+
+# =====================================================================================================================
+# The command line: explain, and the leak map drawn in the terminal report
+
+
+def test_explain_and_terminal_report(tmp_path):
+    import re
+
+    from typer.testing import CliRunner
+
+    from fwdcheck.cli import app
+
+    runner = CliRunner()
+    explained = runner.invoke(app, ["explain", CHECK], catch_exceptions=False)
+    assert explained.exit_code == 0, explained.output
+    for code in ("FWD121", "FWD122", "FWD123", "FWD124", "FWD125"):
+        assert code in explained.stdout
+    config = tmp_path / "leaky.yaml"
+    config.write_text(
+        "model:\n  source: reference\n  vocab_size: 32\n  d_model: 16\n  n_heads: 4\n  n_layers: 2\n"
+        "  bugs: [no-causal-mask]\ninputs: {batch_size: 2, seq_len: 8}\n"
+    )
+    ran = runner.invoke(app, ["run", str(config), "--check", CHECK, "--in-process"], catch_exceptions=False)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", ran.stdout)
+    assert ran.exit_code == 1, out
+    assert "FWD121" in out
+    assert "query\\k" in out and "#" in out  # the leak map, drawn by future-token's view at threshold 0
+    assert "Traceback" not in ran.output
