@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
+from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest, extract_logits, model_code
 from fwdcheck.model_state import ModelState
@@ -156,7 +156,7 @@ class GradCausality(Check):
     name = "grad-causality"
     default = False  # a backward pass: named when wanted (checks: [default, grad-causality])
     order = 56  # after the default built-ins, before plugins
-    detail_view = "fwdcheck.checks.future_token_view:leak_map"  # the same leak map, drawn at threshold 0
+    detail_view = "fwdcheck.checks.grad_causality_view:gradient_map"
     description = "train path: earlier logits get exactly zero gradient from later tokens; every parameter gets one"
     codes = {
         "FWD121": "an earlier position's logits have a nonzero gradient from a later position's input embedding",
@@ -360,10 +360,10 @@ up to 32 for the map."""
             metrics["leaked_pairs"] = 0
             return findings
         row = position_rows[0]
-        columns, pairs, largest = self._leak_map(graph, row, T)
+        shown_map, pairs, largest = self._leak_map(graph, row, T)
         metrics["leaked_pairs"] = len(pairs)
         metrics["max_leaked_gradient"] = largest
-        data["leak_map"] = LeakMap(kind="token", threshold=0.0, columns=columns)
+        data["gradient_map"] = shown_map
         shown = ", ".join(f"({q}, {k})" for q, k in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
         queries = sorted({q for q, _ in pairs})
         findings.append(
@@ -380,10 +380,10 @@ up to 32 for the map."""
         )
         return findings
 
-    def _leak_map(self, graph: Graph, row: int, T: int) -> tuple[list[LeakColumn], list[tuple[int, int]], float]:
-        """One backward per query position q (the first MAP_QUERIES): |gradient| of row's logits at q, summed
-        against a random projection, at each later position's embedding. Columns: later positions k; change[q]:
-        the gradient's largest magnitude there (inf for NaN)."""
+    def _leak_map(self, graph: Graph, row: int, T: int) -> tuple[GradientMap, list[tuple[int, int]], float]:
+        """One backward per query position q (the first MAP_QUERIES): the gradient of row's logits at q, in a random
+        direction over the vocabulary, at every position's embedding; per position its largest magnitude (inf for
+        NaN or Inf). The (query, later position) pairs with a finite nonzero gradient are the leak."""
         queries = range(min(T - 1, MAP_QUERIES))
         generator = torch.Generator().manual_seed(0)
         V = graph.logits.shape[-1]
@@ -393,12 +393,9 @@ up to 32 for the map."""
             grad, _ = graph.gradients((graph.logits[row, q].float() * direction).sum())
             per_key = grad[row].abs().amax(-1)  # (T,)
             magnitude[q] = torch.where(grad[row].isfinite().all(-1), per_key, torch.inf).cpu()
-        columns = [
-            LeakColumn(k=k, sample=row, change=[float(magnitude[q, k]) for q in queries if q < k]) for k in range(1, T)
-        ]
         pairs = [(q, k) for q in queries for k in range(q + 1, T) if 0 < magnitude[q, k] < torch.inf]
         largest = max((float(magnitude[q, k]) for q, k in pairs), default=0.0)
-        return columns, pairs, largest
+        return GradientMap(row=row, length=T, gradient=magnitude.tolist()), pairs, largest
 
     def _judge_parameters(self, params, grads, own, at_own, metrics) -> list[Finding]:
         """Every parameter that requires grad gets a finite gradient."""

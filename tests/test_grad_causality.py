@@ -155,9 +155,9 @@ def test_leak_below_future_tokens_tolerance_fails_here_only():
     assert codes(report, CHECK) == {"FWD121"}
     # position q reads q + 1 and nothing else later: the map holds exactly the pairs (q, q + 1)
     assert r.metrics["leaked_pairs"] == 7
-    leak = r.data["leak_map"]
-    assert leak["threshold"] == 0.0
-    moved = {(q, c["k"]) for c in leak["columns"] for q, v in enumerate(c["change"]) if v > 0}
+    leak = r.data["gradient_map"]
+    assert leak["row"] == 0 and leak["length"] == 8
+    moved = {(q, k) for q, per_key in enumerate(leak["gradient"]) for k, v in enumerate(per_key) if k > q and v > 0}
     assert moved == {(q, q + 1) for q in range(7)}
     assert report.exit_code == 1
 
@@ -368,5 +368,27 @@ def test_explain_and_terminal_report(tmp_path):
     out = re.sub(r"\x1b\[[0-9;]*m", "", ran.stdout)
     assert ran.exit_code == 1, out
     assert "FWD121" in out
-    assert "query\\k" in out and "#" in out  # the leak map, drawn by future-token's view at threshold 0
+    assert "query\\key 0..7" in out and "nonzero gradient" in out  # the gradient leak map
     assert "Traceback" not in ran.output
+
+
+def test_gradient_map_view_bins_long_rows_and_shows_nonfinite():
+    from rich.console import Console
+
+    from fwdcheck.checks.grad_causality_view import gradient_map
+    from fwdcheck.result import CheckResult, Status
+
+    T = 130  # wider than 64 positions: 3 per character
+    gradient = [[0.0] * T for _ in range(3)]
+    gradient[0][1] = 0.5  # query 0 reads position 1
+    gradient[1][T - 1] = float("inf")  # NaN or Inf at query 1's last position
+    result = CheckResult(
+        "grad-causality", Status.FAIL, "", data={"gradient_map": {"row": 0, "length": T, "gradient": gradient}}
+    )
+    console = Console(width=120, record=True, color_system=None)
+    console.print(gradient_map(result))
+    lines = console.export_text().splitlines()
+    assert "3 positions per char" in lines[0]
+    assert lines[1].split()[1].startswith("#")  # query 0: its first bin holds position 1
+    assert lines[2].rstrip().endswith("N") and "#" not in lines[2]
+    assert set(lines[3].split()[1]) == {"."}  # query 2: exactly 0.0 everywhere after it
