@@ -14,9 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
+from fwdcheck.bugs import BUGS
 from fwdcheck.checks.grad_causality import cuts_for
 from tests import compat
 from tests.conftest import codes, run_checks
+from tests.test_bug_matrix import BUG_RUN, CLEAN
 
 CHECK = "grad-causality"
 VOCAB, WIDTH, HEADS = 32, 16, 4
@@ -134,6 +136,7 @@ THIRD_PARTY_CORRECT = {
 }
 
 
+@pytest.mark.slow  # importing litgpt and x-transformers takes seconds
 @pytest.mark.parametrize("name", list(THIRD_PARTY_CORRECT))
 def test_third_party_models_pass(name):
     spec = {"source": "python", "factory": THIRD_PARTY_CORRECT[name], "path": ["."]}
@@ -143,8 +146,37 @@ def test_third_party_models_pass(name):
     assert r.status.value == "pass", (r.summary, r.findings)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("variant", sorted(CLEAN))
+def test_reference_clean_variants_pass(reference, variant, attention):
+    fields = {"dropout": 0.1, **CLEAN[variant]}  # dropout live in train mode: the check must zero it
+    r = result(run_checks(reference(attention=attention, **fields), [CHECK]))
+    assert r.status.value == "pass", r.findings
+
+
 # =====================================================================================================================
 # Leaks fail
+
+# The reference model's planted bugs that make a later token, or another sample, reach an earlier logit; every
+# other bug (rope, kv-cache, scale, labels, packing, dropout in eval) must pass here: it is not this check's to find.
+PLANTED = {
+    "no-causal-mask": {"FWD121"},
+    "inverted-bool-mask": {"FWD121"},
+    "float-mask-01": {"FWD121"},
+    "batch-mix": {"FWD122"},
+}
+# Eager softmax over a row whose every key is -inf gives NaN: NaN gradients, never a pass, and no evidence of a path
+PLANTED_ON = {("inverted-bool-mask", "eager"): {"FWD123", "FWD125"}}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_bugs_fail_exactly_the_causal_ones(reference, bug, attention):
+    fields, dtype = BUG_RUN.get(bug, ({}, "float32"))
+    report = run_checks(reference(bugs=[bug], attention=attention, dropout=0.1, **fields), [CHECK], dtype=dtype)
+    expected = PLANTED_ON.get((bug, attention), PLANTED.get(bug, set()))
+    assert codes(report, CHECK) == expected, result(report).findings
+    assert result(report).status.value == ("fail" if expected else "pass")
 
 
 def test_leak_below_future_tokens_tolerance_fails_here_only():
