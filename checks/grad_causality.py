@@ -107,6 +107,7 @@ class Graph:
 
     logits: torch.Tensor
     leaves: Leaves
+    called: set[str]  # the modules holding parameters whose forward ran
 
     def gradients(self, loss: torch.Tensor, also: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list]:
         """The gradient of `loss` at the embeddings, [B, T, d] summed over the embedding's calls (0.0 where it does
@@ -191,10 +192,13 @@ a model without one, a model declared bidirectional (causal: false), and a model
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
 1 from position 1 on): a mix that only reads backward through the batch at the same position is left to
 future-token. Parameter gradients are those of the logits (a loss on them); a model's own auxiliary losses are not
-part of it, and an expert of a mixture that no token of the batch was routed to gets none (a warning, true for that
-batch). A NaN or Inf at an earlier position's gradient is reported as such (FWD123), never as a pass.
-Cost: one forward with gradients and one backward (about 3 forward passes); a leak adds one backward per row and
-up to 32 for the map."""
+part of it (DeepSeek's sparse-attention indexer, trained by a loss of its own, gets none from the logits), and
+parts the run's inputs do not use get none: an expert no token of the batch was routed to, an encoder-decoder's
+cross-attention or a multimodal model's vision tower on token ids alone (warnings, true for that batch; the finding
+says which modules never ran). A NaN or Inf at an earlier position's gradient is reported as such (FWD123),
+never as a pass.
+Cost: one forward with gradients and one backward (a training step: about 3.4 forward passes at T=128, 3.0 at
+T=512); a leak adds one backward per row and up to 32 for the map."""
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -235,7 +239,7 @@ up to 32 for the map."""
                 except RuntimeError as exc:  # no backward for some operation (integer-only, a kernel without one)
                     raise SkipCheck(f"the backward cannot run: {first_line(exc)}") from None
                 findings, metrics, data = self._judge_screen(at_embeddings, cuts, graph, losses, T)
-                findings += self._judge_parameters(params, at_params, own, at_own, metrics)
+                findings += self._judge_parameters(params, at_params, own, at_own, graph.called, metrics)
         finally:
             written = state.restore()
             if written:
@@ -266,11 +270,16 @@ up to 32 for the map."""
 
     def _forward(self, model, session, embedding_name, embedding, ids) -> Graph:
         leaves = Leaves(tuple(ids.shape))
-        handle = embedding.register_forward_hook(leaves.hook)
+        called: set[str] = set()
+        handles = [embedding.register_forward_hook(leaves.hook)]
+        for name, module in model.module.named_modules():
+            if next(module.parameters(recurse=False), None) is not None:  # to tell a layer never called
+                handles.append(module.register_forward_pre_hook(lambda *_, name=name: called.add(name)))
         try:
             logits = extract_logits(model.forward(ids), keep_graph=True)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         session.forward_tokens += ids.numel()
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
             raise ModelRaised(f"forward returned logits {list(logits.shape)} for input_ids {list(ids.shape)}")
@@ -286,7 +295,7 @@ up to 32 for the map."""
                 f"the logits carry no gradient back to the output of {embedding_name}: the forward has no "
                 "differentiable path from the embeddings (detached, integer-only, or run under no_grad)"
             )
-        return Graph(logits, leaves)
+        return Graph(logits, leaves, called)
 
     @staticmethod
     def _embedding_backward(graph: Graph, at_embeddings: torch.Tensor, own: list[nn.Parameter]) -> list:
@@ -397,8 +406,10 @@ up to 32 for the map."""
         largest = max((float(magnitude[q, k]) for q, k in pairs), default=0.0)
         return GradientMap(row=row, length=T, gradient=magnitude.tolist()), pairs, largest
 
-    def _judge_parameters(self, params, grads, own, at_own, metrics) -> list[Finding]:
-        """Every parameter that requires grad gets a finite gradient."""
+    def _judge_parameters(self, params, grads, own, at_own, called, metrics) -> list[Finding]:
+        """Every parameter that requires grad gets a finite gradient. Those that get none are told apart by
+        whether the module holding them ran: never called (a layer built and forgotten, a branch for inputs this
+        run did not give), or ran and passed no gradient back (a .detach(), torch.no_grad(), a discrete choice)."""
         own_grads = {id(p): g for p, g in zip(own, at_own, strict=True)}
         none, nonfinite = [], []
         for (name, p), g in zip(params, grads, strict=True):
@@ -413,12 +424,23 @@ up to 32 for the map."""
         metrics["parameters_without_gradient"] = len(none)
         findings = []
         if none:
+            never = [n for n in none if n.rpartition(".")[0] not in called]
+            ran = [n for n in none if n not in never]
+            said = []
+            if never:
+                said.append(f"in modules never called in forward: {listed(never)}")
+            if ran:
+                said.append(
+                    f"in modules that ran but passed no gradient back (a .detach(), no_grad, a discrete choice): "
+                    f"{listed(ran)}"
+                )
+            metrics["parameters_never_called"] = len(never)
             findings.append(
                 Finding(
                     "FWD124",
                     Status.WARN,
-                    f"{len(none)} of {len(params)} parameters that require grad get no gradient from the logits: "
-                    f"{listed(none)}",
+                    f"{len(none)} of {len(params)} parameters that require grad get no gradient from the logits, "
+                    + "; ".join(said),
                     where=none[0],
                 )
             )

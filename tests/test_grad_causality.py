@@ -247,6 +247,9 @@ def test_parameters_without_gradient_warn_by_name(leak, name):
     assert len(warned) == 1
     assert f"{name}.weight" in warned[0].message and f"{name}.bias" in warned[0].message
     assert r.metrics["parameters_without_gradient"] == 2
+    assert r.metrics["parameters_never_called"] == (2 if leak == "unused-layer" else 0)
+    assert ("never called" in warned[0].message) == (leak == "unused-layer")
+    assert ("passed no gradient back" in warned[0].message) == (leak == "detached")
     assert report.exit_code == 0  # a warning, not a failure (unless --fail-on warn)
 
 
