@@ -427,3 +427,37 @@ def test_gradient_map_view_bins_long_rows_and_shows_nonfinite():
     assert lines[1].split()[1].startswith("#")  # query 0: its first bin holds position 1
     assert lines[2].rstrip().endswith("N") and "#" not in lines[2]
     assert set(lines[3].split()[1]) == {"."}  # query 2: exactly 0.0 everywhere after it
+
+
+# =====================================================================================================================
+# Every causal-LM architecture transformers ships: no failure without a leak shown in plain torch
+
+
+def built_architectures() -> list[str]:
+    from tests import arch_sweep
+
+    return list(arch_sweep.architectures())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", built_architectures())
+def test_transformers_architectures_fail_only_with_a_leak_shown_in_plain_torch(model_type):
+    from tests import arch_sweep
+
+    built = arch_sweep.tiny(model_type)
+    if built.config is None:
+        pytest.skip(built.left_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = run_checks(
+            {"source": "hf", "config": built.config},
+            [CHECK],
+            inputs={"batch_size": 2, "seq_len": arch_sweep.SEQ_LEN},
+            code_paths={"enabled": False},
+        )
+    r = result(report)
+    assert "FWD122" not in codes(report, CHECK)  # no architecture mixes the samples of a batch
+    assert not {"FWD123", "FWD125"} & codes(report, CHECK), r.findings  # nor has NaN gradients at these sizes
+    if r.status.value == "fail":
+        assert codes(report, CHECK) <= {"FWD121", "FWD124"}
+        assert arch_sweep.future_leak(model_type), r.summary  # prophetnet's n-gram stream: a leak by design
