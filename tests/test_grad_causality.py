@@ -461,3 +461,32 @@ def test_transformers_architectures_fail_only_with_a_leak_shown_in_plain_torch(m
     if r.status.value == "fail":
         assert codes(report, CHECK) <= {"FWD121", "FWD124"}
         assert arch_sweep.future_leak(model_type), r.summary  # prophetnet's n-gram stream: a leak by design
+
+
+# =====================================================================================================================
+# CUDA: SDPA's fused kernels (flash, memory-efficient) and their own backward. Skipped without a GPU.
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("spec", ["reference", "llama"])
+def test_fused_kernels_backward_on_cuda_is_exactly_causal(reference, spec, dtype):
+    model = reference(vocab_size=64, d_model=32) if spec == "reference" else HF_CORRECT["llama"]
+    r = result(run_checks(model, [CHECK], device="cuda", dtype=dtype, inputs={"batch_size": 2, "seq_len": 64}))
+    assert r.status.value == "pass", r.findings
+    assert r.metrics["max_gradient_after_cut"] == 0.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("bug, code", [("no-causal-mask", "FWD121"), ("batch-mix", "FWD122")])
+def test_leaks_fail_on_cuda(reference, bug, code):
+    report = run_checks(
+        reference(vocab_size=64, d_model=32, bugs=[bug]),
+        [CHECK],
+        device="cuda",
+        dtype="bfloat16",
+        inputs={"seq_len": 64},
+    )
+    assert code in codes(report, CHECK)
