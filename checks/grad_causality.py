@@ -21,7 +21,9 @@ to every parameter. The embeddings of row b at positions >= k_b must get exactly
 token read) and from every other row (samples read each other: row 0's outputs before T-1 reach row 1's positions
 from 1 on, where row 1's own loss reaches nothing). Only when something is nonzero does the check take the rows
 apart (one backward per row: its own later positions are a position leak, another row's embeddings a batch leak) and
-draw the leak map of the first leaking row (one backward per query position, at most MAP_QUERIES of them).
+draw the leak map of the first leaking row (one backward per query position, at most MAP_QUERIES of them), and
+find where the leak enters: one more forward keeping every module's output, then one backward from each output in
+the order the modules completed, until the first whose earlier positions get gradient from later embeddings.
 
 The same backward gives every parameter's gradient (torch.autograd.grad, so no parameter's .grad is written): one
 that requires grad and gets none was never reached from the logits (a layer built but never called, a branch
@@ -45,11 +47,12 @@ from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest, extract_logits, model_code
 from fwdcheck.model_state import ModelState
-from fwdcheck.observe import ZeroAttentionDropout
+from fwdcheck.observe import ZeroAttentionDropout, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import Session
 
 MAP_QUERIES = 32  # query positions the leak map backpropagates from, one backward each (on a leak only)
+MAX_LOCATE = 64  # module outputs backpropagated from, in turn, to find where a leak enters (on a leak only)
 NAMES_SHOWN = 8  # parameter names a finding lists before "and N more"
 
 
@@ -108,6 +111,7 @@ class Graph:
     logits: torch.Tensor
     leaves: Leaves
     called: set[str]  # the modules holding parameters whose forward ran
+    outputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (module, output) as each completed
 
     def gradients(self, loss: torch.Tensor, also: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list]:
         """The gradient of `loss` at the embeddings, [B, T, d] summed over the embedding's calls (0.0 where it does
@@ -180,13 +184,14 @@ Why: future-token compares logits within a tolerance in eval mode without gradie
 self.training, or a kernel whose backward reads what its forward did not, passes it and still trains a model that
 cheats. A parameter that gets no gradient never trains: a layer built but never called, a branch detached.
 How to fix: FWD121 -> the leak map shows which earlier positions (rows) get gradient from which later ones
-(columns); look at what differs on the train path (`if self.training`, `torch.is_grad_enabled()`, a fused kernel's
-is_causal), then at any token mixing outside the mask (a roll, a cumsum, a norm over the sequence axis); mask-audit
-and future-token name the ones that show in eval. FWD122 -> something reduces over the batch axis (a batch norm, a
-mean over dim 0, a reshape that merges B with T). FWD123 -> NaN in the backward (a fully masked row's softmax, a sqrt
-or log at 0). FWD124 -> the names listed: a module registered but not called in forward, a .detach() or a
-torch.no_grad() on a branch, an output head copied from the embedding instead of tied. FWD125 -> overflow in the
-backward (low precision, an unscaled exp).
+(columns), and the finding names the first module whose output carries the leak (the leak is in it, or in the code
+between it and the module that completed before it); look at what differs on the train path (`if self.training`,
+`torch.is_grad_enabled()`, a fused kernel's is_causal), then at any token mixing outside the mask (a roll, a cumsum,
+a norm over the sequence axis); mask-audit and future-token name the ones that show in eval. FWD122 -> something
+reduces over the batch axis (a batch norm, a mean over dim 0, a reshape that merges B with T). FWD123 -> NaN in the
+backward (a fully masked row's softmax, a sqrt or log at 0). FWD124 -> the names listed: a module registered but not
+called in forward, a .detach() or a torch.no_grad() on a branch, an output head copied from the embedding instead of
+tied. FWD125 -> overflow in the backward (low precision, an unscaled exp).
 Limits: the token embedding is the model's get_input_embeddings(), else the nn.Embedding with one row per token;
 a model without one, a model declared bidirectional (causal: false), and a model whose logits carry no gradient
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
@@ -198,7 +203,8 @@ cross-attention or a multimodal model's vision tower on token ids alone (warning
 says which modules never ran). A NaN or Inf at an earlier position's gradient is reported as such (FWD123),
 never as a pass.
 Cost: one forward with gradients and one backward (a training step: about 3.4 forward passes at T=128, 3.0 at
-T=512); a leak adds one backward per row and up to 32 for the map."""
+T=512); a leak adds one backward per row, up to 32 for the map, and one forward and up to 64 partial backwards to
+find where it enters."""
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -226,11 +232,7 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
         try:
             with self._train_path(model):
                 graph = self._forward(model, session, embedding_name, embedding, ids)
-                # one random direction over the vocabulary per row, shared by its positions: a leak's gradient
-                # cancels only for directions of measure zero, and B x V draws cost nothing beside B x T x V
-                V = graph.logits.shape[-1]
-                projection = torch.randn(B, 1, V, generator=generator).to(graph.logits.device)
-                losses = [(graph.logits[b, : cuts[b]].float() * projection[b]).sum() for b in range(B)]
+                losses = self._losses(graph, cuts, generator)
                 params = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
                 own = [p for p in embedding.parameters() if p.requires_grad]
                 try:
@@ -240,6 +242,12 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
                     raise SkipCheck(f"the backward cannot run: {first_line(exc)}") from None
                 findings, metrics, data = self._judge_screen(at_embeddings, cuts, graph, losses, T)
                 findings += self._judge_parameters(params, at_params, own, at_own, graph.called, metrics)
+                calls = len(graph.leaves.leaves)
+                if "leak_row" in metrics:  # where the leak enters: one more forward, on a leak only
+                    del graph, losses, at_params, at_own  # the screen's graph and gradients freed first
+                    row = metrics["leak_row"]
+                    entry = self._entry(model, session, embedding_name, embedding, ids, row, cuts[row])
+                    self._say_entry(findings, *entry)
         finally:
             written = state.restore()
             if written:
@@ -249,7 +257,7 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
         metrics["cuts"] = cuts
         data["notes"] = [
             f"train() mode, dropout forced to zero, gradients at the output of {embedding_name} "
-            f"({len(graph.leaves.leaves)} call{'s' if len(graph.leaves.leaves) != 1 else ''}); "
+            f"({calls} call{'s' if calls != 1 else ''}); "
             f"row cuts {', '.join(f'{b}:{k}' for b, k in enumerate(cuts))}"
             + ("" if B > 1 else "; batch of one: samples not compared")
         ]
@@ -268,13 +276,25 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
         with torch.enable_grad(), ZeroAttentionDropout():
             yield
 
-    def _forward(self, model, session, embedding_name, embedding, ids) -> Graph:
+    def _forward(self, model, session, embedding_name, embedding, ids, keep_outputs: bool = False) -> Graph:
+        """One forward of `ids` with gradients, the embedding's outputs made leaves; with keep_outputs, every
+        module's output [B, T, ...] that carries gradient kept as the module completes (to find where a leak
+        enters)."""
         leaves = Leaves(tuple(ids.shape))
         called: set[str] = set()
+        outputs: list[tuple[str, torch.Tensor]] = []
+
+        def keep(name: str, output: object) -> None:
+            tensor = first_tensor(output)
+            if tensor is not None and tensor.requires_grad and tuple(tensor.shape[:2]) == tuple(ids.shape):
+                outputs.append((name, tensor))
+
         handles = [embedding.register_forward_hook(leaves.hook)]
         for name, module in model.module.named_modules():
             if next(module.parameters(recurse=False), None) is not None:  # to tell a layer never called
                 handles.append(module.register_forward_pre_hook(lambda *_, name=name: called.add(name)))
+            if keep_outputs and module is not model.module and module is not embedding:
+                handles.append(module.register_forward_hook(lambda _, __, out, name=name: keep(name, out)))
         try:
             logits = extract_logits(model.forward(ids), keep_graph=True)
         finally:
@@ -295,7 +315,16 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
                 f"the logits carry no gradient back to the output of {embedding_name}: the forward has no "
                 "differentiable path from the embeddings (detached, integer-only, or run under no_grad)"
             )
-        return Graph(logits, leaves, called)
+        return Graph(logits, leaves, called, outputs)
+
+    @staticmethod
+    def _losses(graph: Graph, cuts: list[int], generator: torch.Generator) -> list[torch.Tensor]:
+        """Row b's loss: its logits at positions < cuts[b] in one random direction over the vocabulary, shared by
+        its positions (a leak's gradient cancels only for directions of measure zero, and B x V draws cost nothing
+        beside B x T x V)."""
+        B, _, V = graph.logits.shape
+        projection = torch.randn(B, 1, V, generator=generator).to(graph.logits.device)
+        return [(graph.logits[b, : cuts[b]].float() * projection[b]).sum() for b in range(B)]
 
     @staticmethod
     def _embedding_backward(graph: Graph, at_embeddings: torch.Tensor, own: list[nn.Parameter]) -> list:
@@ -368,7 +397,7 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
         if not position_rows:
             metrics["leaked_pairs"] = 0
             return findings
-        row = position_rows[0]
+        row = metrics["leak_row"] = position_rows[0]
         shown_map, pairs, largest = self._leak_map(graph, row, T)
         metrics["leaked_pairs"] = len(pairs)
         metrics["max_leaked_gradient"] = largest
@@ -388,6 +417,33 @@ T=512); a leak adds one backward per row and up to 32 for the map."""
             )
         )
         return findings
+
+    def _entry(self, model, session, embedding_name, embedding, ids, row: int, cut: int) -> tuple[str | None, int]:
+        """The first module, in the order modules complete, whose output at row's positions < cut has a nonzero
+        gradient from the row's embeddings at positions >= cut, and how many were tried. One more forward keeping
+        every module's output, then one backward from each output in turn (each through the part of the graph
+        before it) until one shows the leak, at most MAX_LOCATE."""
+        graph = self._forward(model, session, embedding_name, embedding, ids, keep_outputs=True)
+        generator = torch.Generator().manual_seed(0)
+        tried = graph.outputs[:MAX_LOCATE]
+        for name, output in tried:
+            direction = torch.randn(output.shape[2:], generator=generator).to(output.device)
+            grad, _ = graph.gradients((output[row, :cut].float() * direction).sum())
+            if bool(reached(grad[row, cut:]).any()):
+                return name, len(tried)
+        return None, len(tried)
+
+    @staticmethod
+    def _say_entry(findings: list[Finding], module: str | None, tried: int) -> None:
+        leak = next(f for f in findings if f.code == "FWD121")
+        if module is None:
+            leak.message += f"; no module's output among the first {tried} shows it (the leak is after them)"
+            return
+        leak.module = module
+        leak.message += (
+            f"; first seen at the output of {module} (no module that completed before it shows it: the leak is in "
+            "it, or in the code between it and the module before)"
+        )
 
     def _leak_map(self, graph: Graph, row: int, T: int) -> tuple[GradientMap, list[tuple[int, int]], float]:
         """One backward per query position q (the first MAP_QUERIES): the gradient of row's logits at q, in a random

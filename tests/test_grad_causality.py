@@ -191,6 +191,8 @@ def test_leak_below_future_tokens_tolerance_fails_here_only():
     assert leak["row"] == 0 and leak["length"] == 8
     moved = {(q, k) for q, per_key in enumerate(leak["gradient"]) for k, v in enumerate(per_key) if k > q and v > 0}
     assert moved == {(q, q + 1) for q in range(7)}
+    leak_finding = next(f for f in r.findings if f.code == "FWD121")
+    assert leak_finding.module == "head"  # the roll sits between the block and the head: first seen at its output
     assert report.exit_code == 1
 
 
@@ -202,11 +204,14 @@ def test_mask_dropped_on_the_train_path_fails_here_only(leak):
     assert r.status.value == "fail"
     assert "FWD121" in codes(report, CHECK)
     assert r.metrics["leaked_pairs"] == 28  # every (earlier, later) pair of T = 8
+    assert next(f for f in r.findings if f.code == "FWD121").module == "proj"  # the first module after the SDPA call
 
 
 def test_reference_model_without_mask_fails(reference):
     report = run_checks(reference(bugs=["no-causal-mask"]), [CHECK])
     assert codes(report, CHECK) == {"FWD121"}
+    # the attention's output projection, inside the first block: the first module whose output carries the leak
+    assert result(report).findings[0].module == "layers.0.attn.o_proj"
 
 
 @pytest.mark.parametrize("factory", ["tests.models:batch_mean_leak"])
