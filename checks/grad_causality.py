@@ -190,8 +190,9 @@ between it and the module that completed before it); look at what differs on the
 a norm over the sequence axis); mask-audit and future-token name the ones that show in eval. FWD122 -> something
 reduces over the batch axis (a batch norm, a mean over dim 0, a reshape that merges B with T). FWD123 -> NaN in the
 backward (a fully masked row's softmax, a sqrt or log at 0). FWD124 -> the names listed: a module registered but not
-called in forward, a .detach() or a torch.no_grad() on a branch, an output head copied from the embedding instead of
-tied. FWD125 -> overflow in the backward (low precision, an unscaled exp).
+called in forward (the finding says which never ran), a .detach() or a torch.no_grad() on a branch, a discrete
+choice (top-k, argmax) as the only path to them. FWD125 -> overflow in the backward (low precision, an unscaled
+exp).
 Limits: the token embedding is the model's get_input_embeddings(), else the nn.Embedding with one row per token;
 a model without one, a model declared bidirectional (causal: false), and a model whose logits carry no gradient
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
