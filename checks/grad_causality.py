@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from fwdcheck.checks.future_token import span
 from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest, extract_logits, model_code
@@ -130,18 +131,6 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     """Per position of a [..., T, d] gradient: whether a finite nonzero value reached it. NaN or Inf is no evidence
     of a path (0.0 times NaN is NaN: a NaN anywhere in the backward spreads through masked weights too): FWD123."""
     return ((grad != 0) & grad.isfinite()).any(-1)
-
-
-def span(positions: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'"""
-    parts, start = [], None
-    for i, p in enumerate(positions):
-        if start is None:
-            start = p
-        if i + 1 == len(positions) or positions[i + 1] != p + 1:
-            parts.append(f"{start}" if start == p else f"{start}-{p}")
-            start = None
-    return ", ".join(parts)
 
 
 def finite(tensor: torch.Tensor) -> bool:
