@@ -117,14 +117,20 @@ class Graph:
     def gradients(self, loss: torch.Tensor, also: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list]:
         """The gradient of `loss` at the embeddings, [B, T, d] summed over the embedding's calls (0.0 where it does
         not reach), and at each tensor of `also` (None where it does not reach). The graph is kept."""
+        per_call, at_also = self.gradients_per_call(loss, also)
+        total = torch.stack([g.float() for g in per_call]).sum(0) if len(per_call) > 1 else per_call[0].float()
+        return total, at_also
+
+    def gradients_per_call(self, loss: torch.Tensor, also: list[torch.Tensor] | None = None) -> tuple[list, list]:
+        """The gradient of `loss` at each of the embedding's outputs (0.0 where it does not reach), and at each
+        tensor of `also` (None where it does not reach). The graph is kept."""
         wanted = [*self.leaves.leaves, *(also or [])]
         grads = torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True)
         n = len(self.leaves.leaves)
-        at_embeddings = [
+        per_call = [
             g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads[:n], wanted[:n], strict=True)
         ]
-        total = torch.stack([g.float() for g in at_embeddings]).sum(0) if n > 1 else at_embeddings[0].float()
-        return total, list(grads[n:])
+        return per_call, list(grads[n:])
 
 
 def reached(grad: torch.Tensor) -> torch.Tensor:
@@ -226,8 +232,9 @@ find where it enters."""
                 params = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
                 own = [p for p in embedding.parameters() if p.requires_grad]
                 try:
-                    at_embeddings, at_params = graph.gradients(torch.stack(losses).sum(), [p for _, p in params])
-                    at_own = self._embedding_backward(graph, at_embeddings, own)
+                    per_call, at_params = graph.gradients_per_call(torch.stack(losses).sum(), [p for _, p in params])
+                    at_own = self._embedding_backward(graph, per_call, own)
+                    at_embeddings = torch.stack([g.float() for g in per_call]).sum(0)  # (B, T, d) over the calls
                 except RuntimeError as exc:  # no backward for some operation (integer-only, a kernel without one)
                     raise SkipCheck(f"the backward cannot run: {first_line(exc)}") from None
                 findings, metrics, data = self._judge_screen(at_embeddings, cuts, graph, losses, T)
@@ -317,14 +324,12 @@ find where it enters."""
         return [(graph.logits[b, : cuts[b]].float() * projection[b]).sum() for b in range(B)]
 
     @staticmethod
-    def _embedding_backward(graph: Graph, at_embeddings: torch.Tensor, own: list[nn.Parameter]) -> list:
-        """The embedding's own parameters' gradients, by its backward from what reached its outputs."""
-        if not own:
-            return []
-        originals = [o for o in graph.leaves.originals if o.requires_grad]
-        if not originals:
+    def _embedding_backward(graph: Graph, per_call: list[torch.Tensor], own: list[nn.Parameter]) -> list:
+        """The embedding's own parameters' gradients, by its backward from what reached each of its outputs."""
+        calls = [(o, g) for o, g in zip(graph.leaves.originals, per_call, strict=True) if o.requires_grad]
+        if not own or not calls:
             return [None] * len(own)
-        grads_out = [at_embeddings.to(o.dtype) for o in originals]  # each call's output got the summed gradient's
+        originals, grads_out = [o for o, _ in calls], [g.to(o.dtype) for o, g in calls]
         return list(torch.autograd.grad(originals, own, grads_out, retain_graph=True, allow_unused=True))
 
     # -- judge --------------------------------------------------------------------------------------------------------

@@ -270,6 +270,27 @@ def test_tied_and_frozen_embeddings_get_no_false_warning():
     assert r.metrics["parameters"] == sum(1 for p in frozen.parameters() if p.requires_grad)
 
 
+def test_embedding_called_twice_is_hooked_at_each_call():
+    class TwiceEmbedded(TinyCausalLM):
+        def __init__(self, leak: bool):
+            super().__init__()
+            self.leaky = leak
+
+        def forward(self, input_ids):
+            logits = super().forward(input_ids)
+            again = self.embed(input_ids)  # (B, T, d): a second call, e.g. a skip from the inputs to the head
+            if self.leaky:
+                again = again.flip(1)  # position t reads position T-1-t
+            return logits + self.head(again)
+
+    clean = result(gate(TwiceEmbedded(leak=False)))
+    assert clean.status.value == "pass", clean.findings
+    assert "2 calls" in clean.data["notes"][0]
+    assert clean.metrics["parameters_without_gradient"] == 0  # the embedding's weight, through both calls
+    leaky = result(gate(TwiceEmbedded(leak=True)))
+    assert {f.code for f in leaky.findings} == {"FWD121"}
+
+
 def test_nonfinite_parameter_gradient_fails():
     class Overflow(TinyCausalLM):
         def __init__(self):
