@@ -353,7 +353,7 @@ find where it enters."""
                     "FWD123",
                     Status.FAIL,
                     f"the gradient at the input embeddings is NaN or Inf at {int(nonfinite.sum())} (row, position) "
-                    "pairs: a causal model's gradient from later positions must be exactly 0.0",
+                    "pairs: the backward of the logits is broken there, and those positions cannot be judged",
                     where=f"row {int(rows[0])} position {int(positions[0])}",
                 )
             )
