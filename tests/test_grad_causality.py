@@ -330,6 +330,22 @@ def test_model_without_embedding_skips():
     assert "no token embedding" in r.summary
 
 
+def test_model_without_a_backward_skips_with_torchs_reason():
+    class NoBackward(torch.autograd.Function):  # a forward-only kernel: torch's own error when asked for gradients
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+    class ForwardOnly(TinyCausalLM):
+        def forward(self, input_ids):
+            return NoBackward.apply(super().forward(input_ids))
+
+    r = result(gate(ForwardOnly()))
+    assert r.status.value == "skip"
+    assert r.summary.startswith("the backward cannot run: ")
+    assert "backward" in r.summary.removeprefix("the backward cannot run: ")  # torch's message, not ours
+
+
 def test_logits_without_gradient_skip():
     class Detached(TinyCausalLM):
         def forward(self, input_ids):
