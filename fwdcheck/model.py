@@ -75,6 +75,7 @@ class ModelUnderTest:
     positions: Positions | None = None  # how forward learns positions; None: position_ids when forward takes them
     rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
     weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
+    weights_loaded: bool = False  # the weights were read from a file (a checkpoint, a pretrained directory)
     library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
     tensor_parallel: Callable[[nn.Module, int], tuple[nn.Module, str]] | None = None  # (module, ranks) -> sharded
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
