@@ -47,6 +47,7 @@ import torch
 
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
+from fwdcheck.checks.leak_entry import describe, leak_entry
 from fwdcheck.code_paths import path_cells
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, first_line
@@ -289,6 +290,10 @@ memory than the model's own forward. On the code-path matrix, a cell whose logit
 a cell where this check passed on the same tokens (SDPA against eager, left padding against none, batch size 1
 against the larger batch's first row) takes that pass, its summary naming the cell; a path that computes other logits
 runs every comparison itself, and a failure is never taken over this way.
+Where it enters: on FWD101, one row of the first leaking cut runs again as it was and as changed, keeping every
+module's input and output; the finding names the first module (in the order modules complete) whose output at an
+earlier position moved, and its file:line: the module's own forward when its input had not moved, else the code of
+the module that called it (a roll, a reshape or a norm over the sequence after the attention call).
 How to fix: read the leak map (query position x perturbed position). A full upper triangle means no causal mask; a
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
 `fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set
@@ -420,9 +425,33 @@ only when the model refused every comparison."""
                     judged.data["note"] = "samples read each other: the causal comparisons ran one row at a time"
         if causal:
             judged.add(self._leaks(plan, cuts, prefix, measured.single, alone, threshold))
+            self._locate(model, session, plan, judged)
         elif not model.causal:
             judged.data["note"] = "model.causal is false: part (a) skipped"
         return judged
+
+    @staticmethod
+    def _locate(model: ModelUnderTest, session: Session, plan: Plan, judged: Judged) -> None:
+        """Where the first leak enters (checks/leak_entry.py), told in the FWD101 finding: the first cut whose
+        earlier positions moved, its row and its sample as they were, run once more with every module's output
+        kept. A model that refuses those forwards keeps its finding as it is."""
+        leak = next((f for f in judged.findings if f.code == "FWD101" and f.status == Status.FAIL), None)
+        threshold = judged.metrics["threshold"]
+        columns = judged.data.get("leak_map", {}).get("columns", [])
+        moved = next((c for c in columns if any(not v <= threshold for v in c["change"])), None)
+        if leak is None or moved is None:
+            return
+        row = next(r for r, k in plan.cut_of.items() if k == moved["k"] and plan.sources[r] == moved["sample"])
+        try:
+            entry = leak_entry(model, session, session.inputs[moved["sample"]], plan.rows[row], moved["k"])
+        except ModelRaised:
+            return
+        if entry is None:
+            leak.message += "; no module's output shows it before the logits: it enters in forward's own code"
+            return
+        leak.module = entry.module
+        leak.source = entry.source or leak.source
+        leak.message += "; " + describe(entry, moved["k"])
 
     def _summarise(
         self, model: ModelUnderTest, plan: Plan, findings: list[Finding], judged: Judged, refusals: Refusals
