@@ -45,6 +45,8 @@ import torch.nn as nn
 
 from fwdcheck.checks.future_token import span
 from fwdcheck.checks.grad_causality_view import GradientMap
+from fwdcheck.checks.leak_entry import first_apart, kept_outputs
+from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest, extract_logits, model_code
 from fwdcheck.model_state import ModelState
@@ -164,6 +166,8 @@ class GradCausality(Check):
         "FWD123": "the gradient at the input embeddings is NaN or Inf",
         "FWD124": "parameters that require grad get no gradient from the logits",
         "FWD125": "a parameter's gradient is NaN or Inf",
+        "FWD126": "the train-mode logits (dropout off) differ from the eval-mode logits: the train path computes "
+        "something else",
     }
     explain = """\
 Verifies causality exactly, on the path that trains: the model in train() mode with every dropout forced to zero
@@ -173,7 +177,9 @@ a random projection of its logits at positions < k (k = T-1, 1, T/2 in turn over
 positions >= k of that row, and every position of the other rows no loss reached, must get a gradient of exactly
 0.0. There is no threshold: a causal mask's weights are exactly 0.0 (exp of -inf or finfo.min), and the backward
 multiplies by them, so any nonzero bit is a path from a later token, or another sample, to an earlier output.
-The same backward asks every parameter's gradient: each one that requires grad must get one, finite.
+The same backward asks every parameter's gradient: each one that requires grad must get one, finite. The train
+path's logits must equal the eval path's (dropout off on both) within future-token's threshold; where they part, the
+first module whose output differs is named.
 Why: future-token compares logits within a tolerance in eval mode without gradients. A leak below that tolerance
 (a future hidden state mixed in at 1e-7), a mask dropped only under torch.is_grad_enabled() or only when
 self.training, or a kernel whose backward reads what its forward did not, passes it and still trains a model that
@@ -187,7 +193,8 @@ reduces over the batch axis (a batch norm, a mean over dim 0, a reshape that mer
 backward (a fully masked row's softmax, a sqrt or log at 0). FWD124 -> the names listed: a module registered but not
 called in forward (the finding says which never ran), a .detach() or a torch.no_grad() on a branch, a discrete
 choice (top-k, argmax) as the only path to them. FWD125 -> overflow in the backward (low precision, an unscaled
-exp).
+exp). FWD126 -> the module named: a branch on self.training or torch.is_grad_enabled() (a mask, a cache, a
+different kernel), noise added in training (router jitter), a norm with batch statistics (a warning: by design).
 Limits: the token embedding is the model's get_input_embeddings(), else the nn.Embedding with one row per token;
 a model without one, a model declared bidirectional (causal: false), and a model whose logits carry no gradient
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
@@ -228,6 +235,7 @@ find where it enters."""
         try:
             with self._train_path(model):
                 graph = self._forward(model, session, embedding_name, embedding, ids)
+                train_logits = graph.logits.detach().float().clone()  # (B, T, V): the train path's, compared below
                 losses = self._losses(graph, cuts, generator)
                 params = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
                 own = [p for p in embedding.parameters() if p.requires_grad]
@@ -251,6 +259,7 @@ find where it enters."""
                 session.notes.append(
                     f"grad-causality: the train-mode forward wrote {listed(written)} in place; put back as found"
                 )
+        findings += self._train_apart(model, session, train_logits, metrics)
         metrics["cuts"] = cuts
         data["notes"] = [
             f"train() mode, dropout forced to zero, gradients at the output of {embedding_name} "
@@ -261,6 +270,55 @@ find where it enters."""
         return CheckResult.from_findings(
             self.name, findings, self._summary(findings, metrics, B), metrics=metrics, data=data
         )
+
+    # -- the train path against eval ---------------------------------------------------------------------------------
+
+    def _train_apart(self, model, session, train_logits: torch.Tensor, metrics: dict) -> list[Finding]:
+        """The train path's logits against eval's (dropout off on both), judged as future-token judges a change: a
+        branch taken only in train mode or under gradients computes what the eval checks never saw. Where they part,
+        the first module whose output differs (one eval and one train forward of one row, every output kept)."""
+        reference = session.reference()  # (B, T, V)
+        if nonfinite_positions(reference):
+            return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
+        scale = logit_scale(reference)
+        change = position_change(train_logits, reference)  # (B, T)
+        if session.noise_matters(float(change.max()), scale) and not session.reference_untouched:
+            reference = session.baseline()  # judged against the untouched eval forward
+            scale = logit_scale(reference)
+            change = position_change(train_logits, reference)
+        noise = session.repeat_change() if session.noise_matters(float(change.max()), scale) else 0.0
+        threshold = session.threshold(scale, noise)
+        largest = float(change.max())
+        metrics["train_eval_change"] = largest
+        if largest <= threshold:
+            return []
+        module = self._first_apart(model, session)
+        found = dict(model.module.named_modules()).get(module or "")
+        batch_statistics = isinstance(found, nn.modules.batchnorm._NormBase) and found.track_running_stats
+        moved = int((~(change <= threshold)).sum())
+        message = (
+            f"train-mode logits (dropout off, gradients on) differ from the eval-mode logits by {largest:.3g} "
+            f"(threshold {threshold:.3g}) at {moved} of {change.numel()} positions: the train path computes "
+            "something the eval checks never saw"
+        )
+        if module is not None:
+            message += f"; first seen at the output of {module}"
+        if batch_statistics:  # normalised by the batch's statistics in training: by design, though samples mix
+            message += " (a norm that uses the batch's statistics in train mode, by design)"
+        return [
+            Finding("FWD126", Status.WARN if batch_statistics else Status.FAIL, message, where=module, module=module)
+        ]
+
+    def _first_apart(self, model, session) -> str | None:
+        row = session.inputs[:1]  # (1, T)
+        state = ModelState.take(model.module)
+        try:
+            evaluated = kept_outputs(model, lambda: session.logits(row))
+            with self._train_path(model):
+                trained = kept_outputs(model, lambda: model.forward(row))
+        finally:
+            state.restore()
+        return first_apart(evaluated, trained)
 
     # -- measure ------------------------------------------------------------------------------------------------------
 

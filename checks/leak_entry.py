@@ -17,6 +17,7 @@ same code on the same positions, so only the changed tokens can move it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -50,7 +51,8 @@ def leak_entry(
 ) -> Entry | None:
     """The module where the leak that moves row's positions < cut when tokens >= cut change (to `changed`) is first
     seen; None when no module's output shows it (it enters after the last module: in forward's own code)."""
-    before, after = _kept(model, session, row), _kept(model, session, changed)
+    before = kept_outputs(model, lambda: session.logits(row[None]))
+    after = kept_outputs(model, lambda: session.logits(changed[None]))
     if [k.name for k in before] != [k.name for k in after]:
         return None  # the changed tokens took another path through the modules: no pairing to compare
     T = row.shape[-1]
@@ -78,8 +80,22 @@ def describe(entry: Entry, cut: int) -> str:
     return f"the leak enters at {entry.module}: {moved}, its input does not{at}"
 
 
-def _kept(model: ModelUnderTest, session: Session, row: torch.Tensor) -> list[Kept]:
-    """Every module's first input and output tensor for one forward of `row` [T], in the order modules complete."""
+def first_apart(a: list[Kept], b: list[Kept]) -> str | None:
+    """The first module, in the order modules complete, whose output differs between two runs of the same inputs
+    beyond rounding; None when none does, or the runs went through other modules."""
+    if [k.name for k in a] != [k.name for k in b]:
+        return None
+    rtol, atol = TOLERANCES[torch.float32].golden
+    for x, y in zip(a, b, strict=True):
+        if x.output is None or y.output is None or x.output.shape != y.output.shape:
+            continue
+        if not float((x.output - y.output).abs().max()) <= atol + rtol * float(x.output.abs().max()):  # NaN too
+            return x.name
+    return None
+
+
+def kept_outputs(model: ModelUnderTest, forward: Callable[[], object]) -> list[Kept]:
+    """Every module's first input and output tensor for one forward, in the order modules complete."""
     inputs: dict[int, list[torch.Tensor | None]] = {}
     kept: list[Kept] = []
 
@@ -101,7 +117,7 @@ def _kept(model: ModelUnderTest, session: Session, row: torch.Tensor) -> list[Ke
             if name:  # the root's output is the logits future-token compared
                 hooks.callback(module.register_forward_pre_hook(before(name)).remove)
                 hooks.callback(module.register_forward_hook(after(name)).remove)
-        session.logits(row[None])
+        forward()
     return kept
 
 

@@ -409,7 +409,8 @@ def test_buffers_a_train_mode_forward_writes_are_put_back_before_the_next_check(
 
     model = CountsSteps()
     report = gate(model, checks=[CHECK, "future-token"])
-    assert report.result(CHECK).status.value == "pass"
+    # the train path adds the counter to its logits: what eval never computes (FWD126), and causal all the same
+    assert {f.code for f in report.result(CHECK).findings if f.status.value != "pass"} == {"FWD126"}
     assert report.result("future-token").status.value == "pass"
     assert int(model.steps) == 0
     assert any("steps" in note and "put back" in note for note in report.notes)
@@ -527,3 +528,63 @@ def test_leaks_fail_on_cuda(reference, bug, code):
         inputs={"seq_len": 64},
     )
     assert code in codes(report, CHECK)
+
+
+# =====================================================================================================================
+# The train path against eval (FWD126)
+
+
+class TrainScaled(nn.Module):
+    """A block whose output is scaled only in train mode: causal both ways, another model when it trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.inner(x) * (1.5 if self.training else 1.0)
+
+
+class TrainScaledLM(TinyCausalLM):
+    def __init__(self):
+        super().__init__()
+        self.block = TrainScaled()
+
+    def forward(self, input_ids):
+        return self.head(self.block(self.embed(input_ids)))  # (B, T, V)
+
+
+class BatchNormLM(TinyCausalLM):
+    """Normalised per feature over the batch and positions: by design another model in training (and samples mix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)  # (B, T, d)
+        return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))  # BatchNorm1d over (B, d, T)
+
+
+def test_a_branch_only_the_train_path_takes_fails_naming_its_module():
+    result = gate(TrainScaledLM()).result(CHECK)
+    (finding,) = [f for f in result.findings if f.code == "FWD126"]
+    assert finding.status.value == "fail" and finding.module == "block"
+    assert "first seen at the output of block" in finding.message
+
+
+def test_a_mask_dropped_in_train_mode_is_both_a_leak_and_another_path():
+    codes = {f.code for f in gate(TinyCausalLM("train-only")).result(CHECK).findings if f.status.value == "fail"}
+    assert {"FWD121", "FWD126"} <= codes
+
+
+def test_batch_statistics_in_train_mode_are_a_warning_by_design():
+    result = gate(BatchNormLM()).result(CHECK)
+    (finding,) = [f for f in result.findings if f.code == "FWD126"]
+    assert finding.status.value == "warn" and finding.module == "norm" and "by design" in finding.message
+
+
+def test_a_correct_model_trains_the_model_it_evaluates():
+    result = gate(TinyCausalLM()).result(CHECK)
+    assert "FWD126" not in {f.code for f in result.findings}
+    assert result.metrics["train_eval_change"] <= 1e-5
