@@ -152,3 +152,14 @@ def test_the_starter_config_says_what_an_omitted_checks_key_runs():
     listed = re.search(r"\[(.*?)\]", line).group(1).split(", ")
     assert listed == [entry.name for entry in select(None)]
     assert "omitted: the default checks" in line and "every registered check" not in line
+
+
+def test_the_checks_table_lists_every_built_in_check_and_which_run_by_default():
+    from fwdcheck.registry import _is_builtin, available, info
+
+    rows = re.findall(r"^\| `([a-z-]+)`( \([^)]*\))? \|", read_section(README, "checks"), re.M)
+    assert rows, "the README's checks table"
+    builtins = {name: entry for name, entry in available().items() if _is_builtin(entry)}
+    assert {name for name, _ in rows} == set(builtins)
+    for name, remark in rows:
+        assert info(builtins[name]).default == (remark == ""), (name, remark)

@@ -19,6 +19,7 @@ from fwdcheck.errors import ModelLoadError  # noqa: E402
 from fwdcheck.sources import load_model  # noqa: E402
 from tests import compat  # noqa: E402
 from tests.conftest import run_checks, statuses  # noqa: E402
+from tests.doc_sections import ROOT  # noqa: E402
 
 
 # The architecture sweep (every model of the compatibility table, each on every code path) is the slow tier; so is the
@@ -236,7 +237,7 @@ def test_longrope_attention_factor_is_divided_out():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", sorted((compat.ROOT / "sample_configs" / "hf").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("config", sorted((ROOT / "sample_configs" / "hf").glob("*.yaml")), ids=lambda p: p.name)
 def test_hf_sample_configs_pass(config):
     from typer.testing import CliRunner
 
