@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from fwdcheck import interpreter
 from fwdcheck.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config import Config, Distributed, config_for
 from fwdcheck.errors import (
@@ -135,9 +136,10 @@ def launch(
             "factory": job.factory,
             "overrides": dataclasses.asdict(job.overrides),
             "sys_path": [p for p in sys.path if p],
+            "package_root": interpreter.package_root(),
         }
         try:
-            with _launcher_logs_quiet():
+            with _launcher_logs_quiet(), _package_first():
                 config = LaunchConfig(
                     min_nodes=1,
                     max_nodes=1,
@@ -188,6 +190,21 @@ def _models_modules(config) -> set[str]:
 
 
 @contextlib.contextmanager
+def _package_first():
+    """fwdcheck's own directory first on the path while the ranks start. A rank that is a new interpreter (spawned,
+    or forked by a server that is one) imports fwdcheck before any of its code runs, on the launcher's path, whose
+    first entry is the working directory: a `fwdcheck/` folder there would shadow the package. Each rank takes the
+    entry off again (_rank), so that the model's imports see the path they would have."""
+    root = interpreter.package_root()
+    sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(root)  # its first occurrence: the one inserted above
+
+
+@contextlib.contextmanager
 def _rank_server(device: str, models_modules: set[str]):
     """The start method of this launch's ranks: "forkserver", a server for this launch alone (with the launcher's
     environment, working directory and sys.path) ended with it, so that no process of the run outlives the run.
@@ -201,7 +218,8 @@ def _rank_server(device: str, models_modules: set[str]):
     does."""
     server: Any = getattr(multiprocessing.forkserver, "_forkserver", None)
     if (
-        not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules"))
+        os.environ.get("FWDCHECK_NO_FORK_SERVER")  # refuses every fork: a new interpreter each, as torchrun starts
+        or not all(hasattr(server, name) for name in ("_stop", "_forkserver_pid", "_preload_modules"))
         or server._forkserver_pid is not None
     ):
         yield "spawn"
@@ -499,6 +517,8 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
 def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     global _CONTEXT
     die_with_parent(os.getppid())  # the fork server (or the launcher), which may be killed with SIGKILL
+    if sys.path[:1] == [job["package_root"]] and job["package_root"] not in job["sys_path"]:
+        del sys.path[0]  # put first only to import fwdcheck itself (_package_first)
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

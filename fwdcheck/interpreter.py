@@ -22,8 +22,12 @@ _BOOTSTRAP = (
 )
 
 
+def package_root() -> str:
+    """The directory this process's fwdcheck package sits in: first on the path, it imports that fwdcheck."""
+    return str(Path(fwdcheck.__file__).resolve().parent.parent)
+
+
 def command(module: str, *args: str) -> list[str]:
     """`python -c ...` running `module.main(args)`, the module named as the command line's first argument (so that a
     process list names it: `... fwdcheck.worker 7 1234`)."""
-    root = str(Path(fwdcheck.__file__).resolve().parent.parent)
-    return [sys.executable, "-c", _BOOTSTRAP.format(root=root), module, *args]
+    return [sys.executable, "-c", _BOOTSTRAP.format(root=package_root()), module, *args]

@@ -75,6 +75,7 @@ class ModelUnderTest:
     positions: Positions | None = None  # how forward learns positions; None: position_ids when forward takes them
     rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
     weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
+    weights_loaded: bool = False  # the weights were read from a file (a checkpoint, a pretrained directory)
     library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
     tensor_parallel: Callable[[nn.Module, int], tuple[nn.Module, str]] | None = None  # (module, ranks) -> sharded
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
@@ -244,17 +245,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def extract_logits(output: Any) -> torch.Tensor:
+def extract_logits(output: Any, keep_graph: bool = False) -> torch.Tensor:
     """Logits from what forward returned (a tensor, an object with .logits, a mapping, or a tuple led by them), as
     fwdcheck's own copy: a model may return a view of one buffer it reuses (a static cache's output, a CUDA graph's,
     an `out=` kernel's), which its next forward overwrites, and two forwards compared would then be one tensor
-    compared with itself (`.float()` of float32 logits is no copy).
+    compared with itself (`.float()` of float32 logits is no copy). With keep_graph the copy stays in the autograd
+    graph of a forward run with gradients (a check that backpropagates from the logits).
 
     Reading the output runs model code too (a `.logits` property, a mapping's `get`): what it raises is the model's
     error (ModelRaised), like an exception from forward itself."""
     with model_code(f"reading the logits from what forward returned ({type(output).__name__}) raised"):
         logits = _extract_logits(output)
-    return logits.detach().clone()
+    return logits.clone() if keep_graph else logits.detach().clone()
 
 
 def _extract_logits(output: Any) -> torch.Tensor:

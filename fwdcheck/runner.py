@@ -40,6 +40,7 @@ from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.session import Session
 from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
+from fwdcheck.zero_weights import woken
 
 
 @dataclass
@@ -119,7 +120,7 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
     interrupted = False
     try:
         # One placement of the model for the whole run: the cells' sessions find it on the device and in eval mode.
-        with session.active():
+        with session.active(), woken(model, settings.inputs.seed, session.notes):
             # Did the forwards write the weights? A fingerprint pass reads every parameter (about a short forward's
             # cost), so it runs once after the default path and once after the matrix, not after every check.
             watch = ParameterWatch(model.module)

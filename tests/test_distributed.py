@@ -412,3 +412,24 @@ def test_the_python_api_refuses_a_distributed_run():
     assert [e.name for e in run.entries][0] == "sharding"
     with pytest.raises(UsageError, match="starts processes of its own"):
         run.check(run.load())
+
+
+def test_a_fwdcheck_folder_where_the_command_runs_does_not_shadow_the_package_in_the_ranks(tmp_path):
+    """Ranks started as new interpreters (FWDCHECK_NO_FORK_SERVER=1: no fork, as with CUDA ranks or spawned ones)
+    from a directory whose `fwdcheck/` folder is a project's own: each rank imports fwdcheck from where the
+    command's own lives, then the model's code from the path the user gave."""
+    (tmp_path / "fwdcheck").mkdir()
+    (tmp_path / "fwdcheck" / "__init__.py").write_text("raise ImportError('the project folder, not the package')\n")
+    path = tmp_path / "distributed.yaml"
+    path.write_text(yaml.safe_dump(gpt_config("tensor_parallel"), sort_keys=False))
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "fwdcheck"), "run", path.name, "--format", "json", "-c", "future-token"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "FWDCHECK_NO_FORK_SERVER": "1"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = checks(json.loads(proc.stdout))
+    assert got["sharding"]["status"] == "pass" and got["future-token"]["status"] == "pass"

@@ -44,7 +44,7 @@ class LogitBound(Check):
     codes = {
         "LOGIT101": "logits hold NaN or Inf",
         "LOGIT102": "max |logit| exceeds the bound: the initial loss sits far above ln V",
-        "LOGIT103": "logits do not vary over the vocabulary (std ~0): a zero or collapsed read-out",
+        "LOGIT103": "logits do not vary over the vocabulary (std ~0): a collapsed read-out",
     }
     explain = """\
 Runs the session's shared baseline forward (no extra forward pass) and reads its logits [B, T, V]:
@@ -57,8 +57,8 @@ Why: these bugs run without an error and only show up as a bad first loss or an 
 How to fix: LOGIT102 -> initialise nn.Embedding with std ~0.02 when it is tied to the output layer (nn.Embedding's
 default is N(0, 1)), put the final norm back before the output projection, initialise the output projection with std
 ~1/sqrt(d). LOGIT101 -> run the model in float32 and find the first module with non-finite output (fwdcheck run
---debug shows where the forward raised). LOGIT103 -> expected for a deliberately zero-initialised read-out; otherwise
-look for a norm weight or output projection initialised to zero.
+--debug shows where the forward raised). LOGIT103 -> look for a norm weight initialised to zero or a collapsed final
+norm (a read-out matrix initialised to zero is no longer one: fwdcheck gives it small random values for the run).
 Limits: meant for freshly initialised models (reference, python factories, hf without weights): a checkpoint is
 skipped; trained models may have large logits. Change the limits with FWDCHECK_LOGIT_BOUND, FWDCHECK_LOGIT_MIN_STD or
 a subclass."""
@@ -123,7 +123,7 @@ a subclass."""
                     "LOGIT103",
                     Status.WARN,
                     f"logits do not vary over the vocabulary (std {float(std.max()):.3g} < {min_std:g} at every "
-                    "position): a zero-initialised read-out (deliberate in some recipes) or a collapsed final norm",
+                    "position): a collapsed final norm or a norm weight initialised to zero",
                     "every position",
                 )
             )

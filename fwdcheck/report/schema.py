@@ -13,7 +13,7 @@ FINDING = {
     "properties": {
         "code": {
             "type": "string",
-            "description": "stable id: FWD1xx future-token, FWD2xx mask-audit, FWD3xx rope, "
+            "description": "stable id: FWD10x future-token, FWD12x grad-causality, FWD2xx mask-audit, FWD3xx rope, "
             "FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins use "
             "their own prefixes",
         },

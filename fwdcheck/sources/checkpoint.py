@@ -76,6 +76,7 @@ def load_checkpoint(spec: CheckpointModel, config: Config) -> ModelUnderTest:
         built_on = "cpu"
 
     loaded = model_from_module(module, spec, parts, source="checkpoint", label=f"{spec.factory} <- {path.name}")
+    loaded.weights_loaded = True
     dtypes = Counter(_dtype(t) for t in state_dict.values() if isinstance(t, torch.Tensor))
     loaded.extra.update(
         checkpoint=str(path),

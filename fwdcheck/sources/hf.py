@@ -114,7 +114,9 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
             ) from exc
     if not isinstance(module, nn.Module):  # pragma: no cover - transformers always returns modules
         raise ModelLoadError(f"{cls.__name__} did not build an nn.Module")
-    return hf_model_under_test(module, spec, notes, weights_at_init=not has_weights and not config.meta)
+    model = hf_model_under_test(module, spec, notes, weights_at_init=not has_weights and not config.meta)
+    model.weights_loaded = has_weights
+    return model
 
 
 def hf_model_under_test(
