@@ -5,7 +5,7 @@ is its config class's defaults, shrunk by `fwdcheck shrink`'s rules (fwdcheck/so
 config (a multimodal model's text_config, vision_config, ...) shrunk alike. An architecture that cannot be built that
 way offline is left out with the reason (`left_out`), never dropped silently.
 
-    python -m tests.arch_sweep            # print the README's per-family table
+    python -m tests.arch_sweep            # print docs/compatibility.md's per-family table
     python -m tests.arch_sweep --write    # rewrite it between its markers
     python -m tests.arch_sweep --run      # run the sweep and print each architecture's statuses
 
@@ -23,10 +23,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fwdcheck.sources.shrink import DROPPED_KEYS, shrink_hf_dict
+from tests.doc_sections import DOCS, read_section, write_sections
 
 # A tiny model is at most this many parameters: past it a shrunk default config kept something wide (a vision tower,
 # a byte-level patcher) that the rules do not know how to cut, and the forward passes would cost minutes on a CPU.
@@ -406,10 +406,9 @@ FINDINGS: dict[tuple[str, str], Expected] = {
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The README's section, generated from the runs
+# The section of docs/compatibility.md, generated from the runs
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-START, END = "<!-- sweep:start -->", "<!-- sweep:end -->"
+PAGE = DOCS / "compatibility.md"
 KNOWN_MARK, FINDING_MARK = "†", "‡"
 
 
@@ -421,7 +420,7 @@ def family(model_type: str) -> str:
 
 
 def entry(model_type: str, report) -> str:
-    """How the README lists one architecture: its name, and each check that did not pass with its status (a mark
+    """How the page lists one architecture: its name, and each check that did not pass with its status (a mark
     for a known failure or a true finding)."""
     shown = []
     for check in CHECKS:
@@ -434,7 +433,7 @@ def entry(model_type: str, report) -> str:
 
 
 def skip_reason(report, check: str) -> str:
-    """A skip's reason as the README groups it: the summary, the model's class named generically."""
+    """A skip's reason as the page groups it: the summary, the model's class named generically."""
     cls = (report.model.get("label") or "").split(" ")[1:2]
     summary = report.result(check).summary.strip()
     return summary.replace(cls[0], "the model") if cls else summary
@@ -502,32 +501,17 @@ def section() -> str:
     return "\n".join(lines)
 
 
-def readme_section() -> str:
-    text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), text, re.S)
-    return match.group(1).rstrip("\n") if match else ""
+def documented_section() -> str:
+    return read_section(PAGE, "sweep")
 
 
 def write() -> None:
-    text = README.read_text(encoding="utf-8")
-    block = f"{START}\n{section()}\n{END}"
-    if START in text:
-        text = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:  # the first write: after the third-party corpus
-        text = text.replace(CORPUS_END, f"{CORPUS_END}\n\n{LEAD}\n\n{block}", 1)
-    README.write_text(text, encoding="utf-8")
-
-
-CORPUS_END = "<!-- corpus:end -->"
-LEAD = (
-    "Every causal-LM architecture transformers ships (`tests/test_arch_sweep.py`, `python -m tests.arch_sweep "
-    "--write` regenerates this from the same runs), tiny and with random weights, through the default checks:"
-)
+    write_sections(PAGE, {"sweep": section()})
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's section")
+    parser.add_argument("--write", action="store_true", help="rewrite the section of docs/compatibility.md")
     if parser.parse_args().write:
         write()
     else:

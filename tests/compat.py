@@ -1,9 +1,9 @@
-"""The compatibility tables in the README, generated from the verdicts the tests verify.
+"""The compatibility tables of docs/compatibility.md, generated from the verdicts the tests verify.
 
     python -m tests.compat            # print the tables
-    python -m tests.compat --write    # rewrite the README's tables between their markers
+    python -m tests.compat --write    # rewrite the page's tables between their markers
 
-tests/test_hf.py asserts every verdict listed in CASES and that the README holds exactly this table;
+tests/test_hf.py asserts every verdict listed in CASES and that the page holds exactly this table;
 tests/test_corpus.py does the same for the third-party corpus (corpus_table, from its CASES and runs).
 """
 
@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
-from pathlib import Path
 
 from tests.conftest import run_checks
+from tests.doc_sections import DOCS, read_section, write_sections
 
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
-README = Path(__file__).resolve().parent.parent / "README.md"
-START, END = "<!-- compat:start -->", "<!-- compat:end -->"
-CORPUS_START, CORPUS_END = "<!-- corpus:start -->", "<!-- corpus:end -->"
-CORPUS_LEAD = (
-    "Third-party code (`tests/test_corpus.py`, models in `tests/corpus/`: litgpt, torchtune, "
-    "x-transformers, rotary-embedding-torch, torch.nn and textbook shapes), correct models first, then the "
-    "bugs planted in them:"
-)
+PAGE = DOCS / "compatibility.md"  # the sections `compat` and `corpus`
 
 
 def hf(model_type: str, model_class: str | None = None, **fields) -> dict:
@@ -232,36 +224,21 @@ def corpus_table() -> str:
     return "\n".join(lines)
 
 
-def _between(start: str, end: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), text, re.S)
-    return match.group(1).rstrip("\n") if match else ""
+def documented_table() -> str:
+    return read_section(PAGE, "compat")
 
 
-def readme_table() -> str:
-    return _between(START, END)
-
-
-def readme_corpus_table() -> str:
-    return _between(CORPUS_START, CORPUS_END)
+def documented_corpus_table() -> str:
+    return read_section(PAGE, "corpus")
 
 
 def write() -> None:
-    text = README.read_text(encoding="utf-8")
-    text = re.sub(
-        re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{table()}\n{END}", text, flags=re.S
-    )
-    corpus = f"{CORPUS_START}\n{corpus_table()}\n{CORPUS_END}"
-    if CORPUS_START in text:
-        text = re.sub(re.escape(CORPUS_START) + r"\n.*?" + re.escape(CORPUS_END), lambda _: corpus, text, flags=re.S)
-    else:  # the first write: the corpus section goes right after the compatibility table
-        text = text.replace(END, f"{END}\n\n{CORPUS_LEAD}\n\n{corpus}", 1)
-    README.write_text(text, encoding="utf-8")
+    write_sections(PAGE, {"compat": table(), "corpus": corpus_table()})
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's tables")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables of docs/compatibility.md")
     if parser.parse_args().write:
         write()
     else:

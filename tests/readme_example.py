@@ -1,13 +1,14 @@
-"""The example reports in the README, rendered from real runs of the configs they name.
+"""The example reports in the README and the docs, rendered from real runs of the configs they name.
 
     python -m tests.readme_example            # print them
-    python -m tests.readme_example --write    # rewrite the README's examples between their markers
+    python -m tests.readme_example --write    # rewrite the examples between their markers
 
-tests/test_report.py asserts that the README holds exactly the first (`example`), so the numbers it quotes are the
-ones a run gives. The runs are deterministic (the configs' seeds, float32 on the CPU) and the text leaves every
-duration out. The numeric contract's and `fwdcheck diff`'s examples (`golden`, `diff`) are asserted with their
-numbers masked (tests/test_diff.py): they quote differences down to the last bits of float32, which another CPU's
-kernels round differently, while every name, verdict and exit code must stay what a run gives.
+tests/test_report.py asserts that the README and docs/index.md hold exactly the first (`example`), so the numbers it
+quotes are the ones a run gives. The runs are deterministic (the configs' seeds, float32 on the CPU) and the text
+leaves every duration out. The numeric contract's and `fwdcheck diff`'s examples (`golden`, `diff`, in
+docs/what-changed.md) are asserted with their numbers masked (tests/test_diff.py): they quote differences down to
+the last bits of float32, which another CPU's kernels round differently, while every name, verdict and exit code
+must stay what a run gives.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from fwdcheck.report.terminal import render, render_diff
 from fwdcheck.runner import Run, run_model
 from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
+from tests.doc_sections import DOCS, README, ROOT, read_section, write_sections
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
 CONFIG = "sample_configs/broken/inverted-bool-mask.yaml"
-START, END = "<!-- example:start -->", "<!-- example:end -->"
 WIDTH = 110  # the header line whole, and about what a README code block shows without scrolling
 PANELS = 1  # detail panels shown; the others are elided, the verdict line closes the example
 
@@ -140,30 +139,36 @@ def diff_example() -> str:
 EXAMPLES = {"example": example, "golden": golden_example, "diff": diff_example}  # marker name -> its text
 
 
-def markers(name: str) -> tuple[str, str]:
-    return (START, END) if name == "example" else (f"<!-- {name}-example:start -->", f"<!-- {name}-example:end -->")
+# Where each example is shown: the README's example on the site's front page too
+PAGES = {
+    "example": (README, DOCS / "index.md"),
+    "golden": (DOCS / "what-changed.md",),
+    "diff": (DOCS / "what-changed.md",),
+}
 
 
-def readme_example(name: str = "example") -> str:
-    start, end = markers(name)
-    text = README.read_text(encoding="utf-8")
-    match = re.search(re.escape(start) + r"\n(.*?)\n" + re.escape(end), text, re.S)
-    return match.group(1) if match else ""
+def marker(name: str) -> str:
+    return name if name == "example" else f"{name}-example"
+
+
+def documented_example(name: str = "example", page: Path | None = None) -> str:
+    """The example as a page shows it (by default the first page that holds it)."""
+    return read_section(page or PAGES[name][0], marker(name))
 
 
 def write() -> None:
-    text = README.read_text(encoding="utf-8")
+    bodies: dict[Path, dict[str, str]] = {}
     for name, make in EXAMPLES.items():
-        start, end = markers(name)
-        block = f"{start}\n{make()}\n{end}"
-        # noqa B023 below: re.sub calls the lambda at once, in this iteration
-        text = re.sub(re.escape(start) + r"\n.*?" + re.escape(end), lambda _: block, text, flags=re.S)  # noqa: B023
-    README.write_text(text, encoding="utf-8")
+        text = make()
+        for page in PAGES[name]:
+            bodies.setdefault(page, {})[marker(name)] = text
+    for page, sections in bodies.items():
+        write_sections(page, sections)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's examples")
+    parser.add_argument("--write", action="store_true", help="rewrite the examples in the README and docs/")
     if parser.parse_args().write:
         write()
     else:

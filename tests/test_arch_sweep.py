@@ -17,9 +17,9 @@ from tests.arch_sweep import (
     FINDINGS,
     KNOWN,
     architectures,
+    documented_section,
     entry,
     family,
-    readme_section,
     skip_reason,
     sweep_report,
     tiny,
@@ -27,7 +27,7 @@ from tests.arch_sweep import (
 
 # What a failure may be: a finding about the model's numbers, or (the model's own error) an error.
 _OUTCOMES = {False: ("fail", "warn"), True: ("error",)}
-STALE = "the README's sweep section is stale: run `python -m tests.arch_sweep --write` and commit it"
+STALE = "the sweep section of docs/compatibility.md is stale: run `python -m tests.arch_sweep --write` and commit it"
 
 
 def test_the_architectures_are_enumerated_not_listed():
@@ -50,18 +50,18 @@ def test_every_architecture_is_built_or_left_out_with_its_reason():
 @pytest.mark.parametrize("model_type", architectures())
 def test_architecture(model_type):
     built = tiny(model_type)
-    readme = readme_section()
+    documented = documented_section()
     if built.config is None:
-        assert f"| {model_type} | {built.left_out} |" in readme, STALE
+        assert f"| {model_type} | {built.left_out} |" in documented, STALE
         pytest.skip(f"{model_type}: {built.left_out}")
     report = sweep_report(model_type)
-    # The README lists the architecture as it ran, and each of its skips under its reason.
-    row = next((line for line in readme.splitlines() if line.startswith(f"| {family(model_type)} |")), "")
+    # The page lists the architecture as it ran, and each of its skips under its reason.
+    row = next((line for line in documented.splitlines() if line.startswith(f"| {family(model_type)} |")), "")
     assert re.search(rf"(\| |, ){re.escape(entry(model_type, report))}(,| \|)", row), STALE
     for check in CHECKS:
         if report.result(check).status.value == "skip":
             line = f"| {check} | {skip_reason(report, check)} | "
-            listed = next((x for x in readme.splitlines() if x.startswith(line)), "")
+            listed = next((x for x in documented.splitlines() if x.startswith(line)), "")
             assert model_type in listed[len(line) :].rstrip(" |").split(", "), STALE
     for check in CHECKS:
         result = report.result(check)

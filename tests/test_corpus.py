@@ -107,7 +107,7 @@ class Case:
     inputs: dict = field(default_factory=dict)  # extra keys of the config's inputs section
     dtype: str = "float32"
     rotation: tuple[str, int, float | None] | None = None  # pairing, rotary dim, base the rope check must measure
-    what: str = ""  # one line for the README; the README table is generated (tests/compat.py)
+    what: str = ""  # one line for docs/compatibility.md; its table is generated (tests/compat.py)
 
     @property
     def correct(self) -> bool:
@@ -873,6 +873,6 @@ def test_ground_truth(case_id):
 def test_readme_corpus_table_is_what_the_tests_verified():
     from tests import compat
 
-    assert compat.readme_corpus_table() == compat.corpus_table(), (
-        "run `python -m tests.compat --write` and commit the README"
+    assert compat.documented_corpus_table() == compat.corpus_table(), (
+        "run `python -m tests.compat --write` and commit docs/compatibility.md"
     )

@@ -774,7 +774,7 @@ def test_hf_rope_settings_extremes(key, value, tmp_path):
 
 
 def test_reliability_structure_counts_line():
-    """The README's second counts line (scripts/reliability_counts.py) stays what these properties run."""
+    """docs/reliability.md's second counts line (scripts/reliability_counts.py) stays what these properties run."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("reliability_counts", REPO / "scripts" / "reliability_counts.py")
@@ -783,7 +783,9 @@ def test_reliability_structure_counts_line():
     counts = counts_module.structure_counts()
     assert counts == {"fuzzed_structures": STRUCTURES.max_examples, "fuzzed_ledgers": LEDGERS.max_examples}
     line = counts_module.structure_line(counts)
-    readme = (REPO / "README.md").read_text()
-    first = re.search(r"\d+ bad configs, \d+ fuzzed documents, [^\n]*\n\s*(.*)", readme)
+    page = counts_module.PAGE.read_text()
+    first = re.search(r"\d+ bad configs, \d+ fuzzed documents, [^\n]*\n\s*(.*)", page)
     said = first.group(1) if first else None
-    assert said is not None and said.startswith(line), f"README says {said!r}; the tests give {line!r}"
+    assert said is not None and said.startswith(line), (
+        f"{counts_module.PAGE.name} says {said!r}; the tests give {line!r}"
+    )

@@ -1,4 +1,4 @@
-"""Hugging Face architectures built offline from tiny configs: the verdicts the README's table promises."""
+"""Hugging Face architectures built offline from tiny configs: the verdicts the compatibility table promises."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from fwdcheck.errors import ModelLoadError  # noqa: E402
 from fwdcheck.sources import load_model  # noqa: E402
 from tests import compat  # noqa: E402
 from tests.conftest import run_checks, statuses  # noqa: E402
+from tests.doc_sections import ROOT  # noqa: E402
 
 
-# The architecture sweep (every model of the README's table, each on every code path) is the slow tier; so is the
+# The architecture sweep (every model of the compatibility table, each on every code path) is the slow tier; so is the
 # table's test, which builds the same reports.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(compat.CASES))
@@ -39,7 +40,9 @@ def test_architecture_verdicts(name):
 
 @pytest.mark.slow
 def test_readme_table_is_what_the_tests_verified():
-    assert compat.readme_table() == compat.table(), "run `python -m tests.compat --write` and commit the README"
+    assert compat.documented_table() == compat.table(), (
+        "run `python -m tests.compat --write` and commit docs/compatibility.md"
+    )
 
 
 def test_hf_matrix_runs_every_code_path_by_default():
@@ -234,9 +237,7 @@ def test_longrope_attention_factor_is_divided_out():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "config", sorted((compat.README.parent / "sample_configs" / "hf").glob("*.yaml")), ids=lambda p: p.name
-)
+@pytest.mark.parametrize("config", sorted((ROOT / "sample_configs" / "hf").glob("*.yaml")), ids=lambda p: p.name)
 def test_hf_sample_configs_pass(config):
     from typer.testing import CliRunner
 

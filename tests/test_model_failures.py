@@ -383,8 +383,11 @@ def test_reliability_counts_line():
         line,
     ), line
     print(f"\n{line}")
-    # Once the line is in the README, it must stay true.
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    quoted = re.search(r"\d+ bad configs, \d+ fuzzed documents, \d+ model-failure modes[^\n]*", readme)
-    if quoted:
-        assert quoted.group(0).startswith(line), f"README says {quoted.group(0)!r}; the tests now give {line!r}"
+    # The page quotes the line, and it must stay true.
+    quoted = re.search(
+        r"\d+ bad configs, \d+ fuzzed documents, \d+ model-failure modes[^\n]*", counts_module.PAGE.read_text()
+    )
+    assert quoted is not None, f"{counts_module.PAGE.name} should quote: {line}"
+    assert quoted.group(0).startswith(line), (
+        f"{counts_module.PAGE.name} says {quoted.group(0)!r}; the tests give {line!r}"
+    )

@@ -390,12 +390,13 @@ def test_ignored_findings_are_marked_in_every_report():
     ), github
 
 
-# -- the README's examples are real runs -------------------------------------------------------------------------------
+# -- the README's and the docs' examples are real runs ---------------------------------------------------------------
 
 
-def test_readme_example_is_what_a_run_prints():
-    assert readme_example.readme_example() == readme_example.example(), (
-        "run `python -m tests.readme_example --write` and commit the README"
+@pytest.mark.parametrize("page", readme_example.PAGES["example"], ids=lambda p: p.name)
+def test_readme_example_is_what_a_run_prints(page):
+    assert readme_example.documented_example("example", page) == readme_example.example(), (
+        f"run `python -m tests.readme_example --write` and commit {page.name}"
     )
 
 
@@ -411,6 +412,6 @@ def masked(text: str) -> str:
 def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
     """The numeric contract's and fwdcheck diff's examples, their numbers masked (tests/readme_example.py says
     why)."""
-    assert masked(readme_example.readme_example(name)) == masked(readme_example.EXAMPLES[name]()), (
-        "run `python -m tests.readme_example --write` and commit the README"
+    assert masked(readme_example.documented_example(name)) == masked(readme_example.EXAMPLES[name]()), (
+        "run `python -m tests.readme_example --write` and commit docs/what-changed.md"
     )

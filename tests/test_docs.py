@@ -1,0 +1,165 @@
+"""The README is a front page and the documentation site builds strictly: a broken link or anchor, a page left out
+of the navigation, or a generated page that is stale fails here (CI runs this file with the rest of the suite)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import docs_pages
+from tests.doc_sections import DOCS, README, ROOT, read_section, replace_section
+
+FRONT_PAGE_LINES = 250
+DEFAULT_CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
+
+
+def build(root: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_site_builds_strictly(tmp_path):
+    built = build(ROOT, tmp_path / "site")
+    assert built.returncode == 0, built.stderr
+    assert "WARNING" not in built.stderr, built.stderr
+    assert (tmp_path / "site" / "codes" / "index.html").is_file()
+
+
+@pytest.mark.parametrize(
+    "broken, said",
+    [
+        ("[cost](cost.md#no-such-anchor)", "does not contain an anchor '#no-such-anchor'"),
+        ("[gone](no-such-page.md)", "the target is not found"),
+    ],
+)
+def test_a_broken_link_fails_the_build(tmp_path, broken, said):
+    copy = tmp_path / "repo"
+    shutil.copytree(DOCS, copy / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    limits = copy / "docs" / "limits.md"
+    limits.write_text(limits.read_text(encoding="utf-8") + f"\n{broken}\n", encoding="utf-8")
+    built = build(copy, tmp_path / "site")
+    assert built.returncode != 0 and said in built.stderr, built.stderr
+
+
+def test_every_page_is_in_the_navigation():
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    listed = {page for entry in nav for page in entry.values()}
+    assert listed == {path.name for path in DOCS.glob("*.md")}
+
+
+def test_the_readme_is_a_front_page():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < FRONT_PAGE_LINES
+    # every link it makes to a file of the repository leads to one
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)
+    assert targets, "the README links to the docs"
+    missing = [target for target in targets if not (ROOT / target).exists()]
+    assert not missing, missing
+    assert {f"docs/{path.name}" for path in DOCS.glob("*.md")} - {"docs/index.md"} <= set(targets)
+
+
+def test_the_site_gives_the_readme_s_commands():
+    """The front page of the site shows the install and test commands exactly as the README (and CI) have them."""
+    commands = re.findall(r"```bash\n(.*?)\n```", read_section_of(README, "## Set up and run"), re.S)
+    assert len(commands) >= 2
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    for command in commands:
+        assert f"```bash\n{command}\n```" in index
+
+
+def read_section_of(path: Path, heading: str) -> str:
+    text = path.read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+@pytest.mark.parametrize("page", list(docs_pages.PAGES), ids=lambda p: p.name)
+def test_generated_page_is_current(page):
+    assert page.read_text(encoding="utf-8") == docs_pages.page_text(page), (
+        f"run `python -m tests.docs_pages --write` and commit {page.relative_to(ROOT)}"
+    )
+
+
+def test_the_checks_table_of_the_site_is_the_readme_s():
+    assert read_section(docs_pages.CHECKS_PAGE, "checks") == docs_pages.checks_section(), (
+        "run `python -m tests.docs_pages --write` and commit docs/checks.md"
+    )
+
+
+def test_the_codes_page_lists_every_code_explain_knows():
+    from fwdcheck.errors import OWN_CODES
+    from fwdcheck.registry import _is_builtin, code_owners
+
+    page = docs_pages.codes_section()
+    known = [code for code, (entry, _) in code_owners().items() if _is_builtin(entry)] + list(OWN_CODES)
+    assert len(known) > 40
+    for code in known:
+        assert f"| `{code}` |" in page, code
+
+
+def test_the_config_reference_lists_every_key():
+    from fwdcheck.config import Config, HFModel, Inputs
+
+    page = docs_pages.config_section()
+    for model in (Config, HFModel, Inputs):
+        for name, field in model.model_fields.items():
+            if not field.exclude:
+                assert f"| `{field.alias or name}`" in page, (model.__name__, name)
+    assert "source_path" not in page  # set by fwdcheck, refused in a file
+
+
+def test_a_stale_section_is_told_apart():
+    """The comparison the staleness tests rest on: a section rewritten is no longer what the page holds."""
+    text = (DOCS / "compatibility.md").read_text(encoding="utf-8")
+    rewritten = replace_section(text, "compat", "| model |\n| --- |")
+    assert rewritten != text and "<!-- sweep:start -->" in rewritten
+    with pytest.raises(ValueError):
+        replace_section("no markers here", "compat", "x")
+
+
+def test_the_broken_configs_are_the_bugs_the_default_checks_catch():
+    """docs/reference-model.md says sample_configs/broken holds a config for each bug the default checks catch, and
+    lists every bug the reference model can plant."""
+    from fwdcheck.bugs import BUGS
+
+    text = (DOCS / "reference-model.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([a-z0-9-]+)` \| .* \| ([^|]+) \|$", text, re.M))
+    assert set(rows) == set(BUGS)
+    caught_by_default = {
+        bug for bug, fails in rows.items() if set(re.findall(r"[a-z][a-z-]+[a-z]", fails)) <= set(DEFAULT_CHECKS)
+    }
+    assert len(caught_by_default) == 8 and "heads-swapped" not in caught_by_default
+    assert {path.stem for path in (ROOT / "sample_configs" / "broken").glob("*.yaml")} == caught_by_default
+
+
+def test_the_starter_config_says_what_an_omitted_checks_key_runs():
+    from fwdcheck.registry import select
+    from fwdcheck.templates import starter_config
+
+    line = next(row for row in starter_config("reference", "x").splitlines() if row.startswith("# checks:"))
+    listed = re.search(r"\[(.*?)\]", line).group(1).split(", ")
+    assert listed == [entry.name for entry in select(None)]
+    assert "omitted: the default checks" in line and "every registered check" not in line
+
+
+def test_the_checks_table_lists_every_built_in_check_and_which_run_by_default():
+    from fwdcheck.registry import _is_builtin, available, info
+
+    rows = re.findall(r"^\| `([a-z-]+)`( \([^)]*\))? \|", read_section(README, "checks"), re.M)
+    assert rows, "the README's checks table"
+    builtins = {name: entry for name, entry in available().items() if _is_builtin(entry)}
+    assert {name for name, _ in rows} == set(builtins)
+    for name, remark in rows:
+        assert info(builtins[name]).default == (remark == ""), (name, remark)
