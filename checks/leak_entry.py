@@ -69,15 +69,14 @@ def leak_entry(
 
 
 def describe(entry: Entry, cut: int) -> str:
-    """What the finding says of where the leak enters."""
+    """What the finding says of where the leak enters (the line to look at is the finding's source)."""
     moved = f"its output at position {entry.position} moves when tokens >= {cut} change"
-    at = f" ({entry.source})" if entry.source else ""
     if entry.input_moved:
         return (
             f"the leak enters before {entry.module}: {moved}, and so does its input; look at the code of "
-            f"{entry.caller or 'the model'} that feeds it{at}"
+            f"{entry.caller or 'the model'} that feeds it"
         )
-    return f"the leak enters at {entry.module}: {moved}, its input does not{at}"
+    return f"the leak enters at {entry.module}: {moved}, its input does not"
 
 
 def first_apart(a: list[Kept], b: list[Kept]) -> str | None:
