@@ -36,6 +36,7 @@ class Compile(Check):
     name = "compile"
     default = False
     order = 61  # after backends
+    one_process = "it compiles the unsharded model's forward; compiling a sharded one is the training script's own step"
     description = "the model under torch.compile (inductor) gives the logits it gives eagerly"
     codes = {
         "FWD811": "the torch.compile'd model gives other logits than the eager model on the same inputs",

@@ -447,7 +447,7 @@ only when the model refused every comparison."""
         except ModelRaised:
             return
         if entry is None:
-            leak.message += "; no module's output shows it before the logits: it enters in forward's own code"
+            leak.message += "; no module output fwdcheck could compare shows it before the logits"
             return
         leak.module = entry.module
         leak.source = entry.source or leak.source

@@ -121,9 +121,17 @@ def kept_outputs(model: ModelUnderTest, forward: Callable[[], object]) -> list[K
 
 
 def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    if tensor is None or not tensor.is_floating_point():
+    """fwdcheck's own float copy (a buffer the model reuses would otherwise move with it); None for what cannot be
+    compared here: no float, or a sharded DTensor, whose other shards live on other ranks."""
+    if tensor is None or not tensor.is_floating_point() or type(tensor) is not torch.Tensor and _sharded(tensor):
         return None
-    return tensor.detach().float().clone()  # its own copy: a buffer the model reuses would otherwise move with it
+    return tensor.detach().float().clone()
+
+
+def _sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _moved_before(a: torch.Tensor | None, b: torch.Tensor | None, T: int, cut: int) -> int | None:
