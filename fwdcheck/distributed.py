@@ -147,7 +147,9 @@ def launch(
                     max_restarts=0,
                     run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
                     rdzv_backend="c10d",
-                    rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                    # port 0: the rendezvous store binds a port the OS picks and holds it, as torchrun --standalone
+                    # does; a port probed free and released before the store binds it could be taken in between
+                    rdzv_endpoint="127.0.0.1:0",
                     monitor_interval=0.1,
                     start_method=start_method,
                 )
@@ -353,13 +355,6 @@ def _relay(listener: Listener, heard: Heard, progress, on_model, on_result) -> N
                 on_model(event.model)
             elif isinstance(event, CheckDone) and on_result:
                 on_result(heard.results[event.result["name"]])
-
-
-def _free_port() -> int:
-    """A port on the loopback interface no one listens on now: where the ranks meet (rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class _launcher_logs_quiet:
