@@ -31,6 +31,8 @@ def hiding(model: ModelUnderTest) -> list[tuple[str, torch.nn.Parameter]]:
     for name, p in model.module.named_parameters():
         if p.is_meta or not p.requires_grad or not p.is_floating_point() or p.dim() < 2 or p.numel() < 2:
             continue
+        if type(p.detach()) is not torch.Tensor:  # a sharded DTensor: its other shards live on other ranks
+            continue
         if not bool(p.detach().any()):
             found.append((name, p))
     return found
