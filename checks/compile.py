@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.checks.backends import tolerance
-from fwdcheck.compare import logit_scale, position_change
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -64,7 +63,6 @@ input shape is compiled; shapes that recompile differently are not tried."""
             raise SkipCheck(
                 f"inductor compiles CPU code with a C++ compiler, and none is on PATH ({', '.join(COMPILERS)})"
             )
-        reference = session.reference()  # (B, T, V): the eager forward's
         # torch.compile of a module is an OptimizedModule: the same module (its attributes, its submodules) whose
         # calls run the compiled graph.
         module = cast(nn.Module, torch.compile(model.module, backend=BACKEND, dynamic=False))
@@ -75,11 +73,7 @@ input shape is compiled; shapes that recompile differently are not tried."""
             raise SkipCheck(f"torch.compile could not run the model: {_reason(exc)}") from None
         finally:
             torch._dynamo.reset()  # the compiled graphs and their guards, not kept past this check
-        scale = logit_scale(reference)
-        if session.noise_matters(float(position_change(compiled, reference).max()), scale):
-            reference = session.baseline()  # a change beyond the tolerance is judged against the untouched forward
-            scale = logit_scale(reference)
-        change = position_change(compiled, reference)  # (B, T)
+        change, scale = session.change_from_reference(compiled)  # (B, T)
         bar = tolerance(session, scale)
         largest = float(change.max())
         findings = []

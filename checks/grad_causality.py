@@ -46,7 +46,7 @@ import torch.nn as nn
 from fwdcheck.checks.future_token import span
 from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.checks.leak_entry import first_apart, kept_outputs
-from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
+from fwdcheck.compare import nonfinite_positions
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model import ModelUnderTest, extract_logits, model_code
 from fwdcheck.model_state import ModelState
@@ -277,15 +277,9 @@ find where it enters."""
         """The train path's logits against eval's (dropout off on both), judged as future-token judges a change: a
         branch taken only in train mode or under gradients computes what the eval checks never saw. Where they part,
         the first module whose output differs (one eval and one train forward of one row, every output kept)."""
-        reference = session.reference()  # (B, T, V)
-        if nonfinite_positions(reference):
+        if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
-        scale = logit_scale(reference)
-        change = position_change(train_logits, reference)  # (B, T)
-        if session.noise_matters(float(change.max()), scale) and not session.reference_untouched:
-            reference = session.baseline()  # judged against the untouched eval forward
-            scale = logit_scale(reference)
-            change = position_change(train_logits, reference)
+        change, scale = session.change_from_reference(train_logits)  # (B, T)
         noise = session.repeat_change() if session.noise_matters(float(change.max()), scale) else 0.0
         threshold = session.threshold(scale, noise)
         largest = float(change.max())

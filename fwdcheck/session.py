@@ -223,6 +223,19 @@ class Session:
                 return self._observed
         return self.baseline()
 
+    def change_from_reference(self, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Per row and position, the largest change of `logits` [B, T, V] (of the session's inputs, another way)
+        from the reference's, and the reference's logit scale: against the untouched baseline once a change goes
+        beyond what can pass unexamined (see reference())."""
+        reference = self.reference()  # (B, T, V)
+        scale = logit_scale(reference)
+        change = position_change(logits, reference)  # (B, T)
+        if self.noise_matters(float(change.max()), scale) and not self.reference_untouched:
+            reference = self.baseline()
+            scale = logit_scale(reference)
+            change = position_change(logits, reference)
+        return change, scale
+
     @property
     def reference_untouched(self) -> bool:
         """Whether reference() is the untouched baseline."""
