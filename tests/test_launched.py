@@ -1,0 +1,311 @@
+"""Runs under the user's own launcher (fwdcheck/launched.py): torchrun on one node, two torchrun agents as two nodes
+of one job, and the variables SLURM's srun (or a script of the user's) sets, each `fwdcheck run` a rank. The
+launches are few: each starts 4 ranks, every one a `fwdcheck run` importing torch (seconds on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fwdcheck.errors import UsageError
+from fwdcheck.launched import launched_rank, lost_peer
+from tests.test_distributed import REPO, checks, codes, gpt_config, processes_marked
+
+TIMEOUT = 240
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def write(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def four_ranks(parallelize: str, bug: str | None = None, **top) -> dict:
+    config = gpt_config(parallelize, bug, **top)
+    del config["distributed"]["nproc"]  # the launcher says how many
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which rank a process is: read from the launcher's variables
+
+
+TORCHRUN_ENV = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "node-a",
+    "MASTER_PORT": "29400",
+    "TORCHELASTIC_RUN_ID": "job7",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+
+def test_a_torchrun_rank_is_read_from_its_variables_and_meets_at_the_agents_store():
+    rank = launched_rank(TORCHRUN_ENV)
+    assert rank is not None
+    assert (rank.rank, rank.world, rank.local_rank) == (3, 4, 1)
+    assert rank.node.endswith("(node 1)") and rank.launcher == "torchrun"
+    assert (rank.master_addr, rank.master_port) == ("node-a", 29400)
+    assert not rank.holds_store  # torchrun's agent serves it
+    assert launched_rank({**TORCHRUN_ENV, "RANK": "0"}).holds_store is False  # type: ignore[union-attr]
+
+
+def test_ranks_a_script_sets_meet_at_a_store_rank_0_serves():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    rank = launched_rank(env)
+    assert rank is not None and rank.holds_store and rank.launcher == "the environment"
+    assert launched_rank({**env, "RANK": "1"}).holds_store is False  # type: ignore[union-attr]
+
+
+def test_an_srun_task_is_a_rank_and_a_batch_scripts_own_shell_is_not():
+    step = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURMD_NODENAME": "gpu-07",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "0",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.4",
+    }
+    rank = launched_rank(step)
+    assert rank is not None
+    assert (rank.rank, rank.world, rank.local_rank, rank.node) == (5, 8, 1, "gpu-07 (node 2)")
+    assert (rank.master_addr, rank.master_port) == ("10.0.0.4", 15000 + 3456)  # srun's node, a port from the job id
+    assert launched_rank({**step, "MASTER_ADDR": "gpu-01", "MASTER_PORT": "29500"}).master_port == 29500  # type: ignore[union-attr]
+    batch_shell = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}
+    assert launched_rank(batch_shell) is None
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"RANK": "0", "WORLD_SIZE": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}],
+    ids=["no launcher", "one rank", "one srun task"],
+)
+def test_one_process_is_not_a_launched_rank(env):
+    assert launched_rank(env) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT is not set"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "not a port number"),
+    ],
+)
+def test_a_launchers_environment_the_ranks_cannot_meet_by_is_a_usage_error(env, words):
+    with pytest.raises(UsageError, match=words):
+        launched_rank(env)
+
+
+def test_a_collectives_error_when_a_peer_went_away_reads_as_a_lost_peer():
+    assert lost_peer("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4835")
+    assert lost_peer(
+        "timed out after 5 s (timeout_s in the config); waiting in a collective: another rank did not join it"
+    )
+    assert not lost_peer("the model raised RuntimeError: out of memory on this rank's device on this rank alone")
+
+
+def test_nproc_under_a_launcher_is_refused_in_one_line(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    path = write(tmp_path, four_ranks("tensor_parallel"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", str(path), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--nproc starts ranks, but the environment started this process as rank 0 of 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Jobs: every rank a `fwdcheck run`
+
+
+def ranks_as_srun_starts_them(tmp_path: Path, config: dict, world: int = 4, marker: str | None = None):
+    """The `fwdcheck run` of every rank, started as srun starts a step's tasks (SLURM's variables, MASTER_ADDR and
+    MASTER_PORT from the batch script): each rank's exit code, stdout and stderr."""
+    path = write(tmp_path, config)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": str(world),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "FWDCHECK_TEST_MARK": marker or uuid.uuid4().hex,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=REPO,
+            )
+        )
+    ended = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+    return [proc.returncode for proc in procs], [out for out, _ in ended], [err for _, err in ended]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_under_srun_ends_the_job_naming_it_and_every_rank_exits_with_the_verdict(tmp_path):
+    marker = uuid.uuid4().hex
+    exits, outs, errs = ranks_as_srun_starts_them(
+        tmp_path, four_ranks("tensor_parallel", "raises-on-rank-1", timeout_s=60), marker=marker
+    )
+    assert exits == [1, 1, 1, 1], errs
+    assert outs[1:] == ["", "", ""]  # rank 0 writes the report
+    report = json.loads(outs[0])
+    sharding = checks(report)["sharding"]
+    assert sharding["status"] == "error"
+    assert (
+        "rank 1 of 4 on " in sharding["summary"] and "(node 0) stopped the run: the model raised" in sharding["summary"]
+    )
+    assert "out of memory on this rank's device" in sharding["summary"]
+    assert {c["status"] for c in report["checks"][1:]} == {"error"}  # not run, and said so
+    assert processes_marked(marker) == []
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_under_srun_is_named_when_the_time_limit_ends_the_job(tmp_path):
+    marker = uuid.uuid4().hex
+    exits, outs, errs = ranks_as_srun_starts_them(
+        tmp_path, four_ranks("tensor_parallel", "hangs-on-rank-1", timeout_s=4), marker=marker
+    )
+    assert exits == [1, 1, 1, 1], errs
+    sharding = checks(json.loads(outs[0]))["sharding"]
+    assert "FWD004" in codes(sharding)
+    assert "rank 1 of 4 on " in sharding["summary"] and "timed out after 4 s" in sharding["summary"]
+    assert processes_marked(marker) == []
+
+
+@pytest.mark.slow
+def test_torchrun_on_one_node_runs_the_checks_on_every_rank_and_rank_0_reports(tmp_path):
+    path = write(tmp_path, four_ranks("tensor_parallel"))
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [*TORCHRUN, "--nproc-per-node", "4", "--standalone", "-m", "fwdcheck", "run", str(path)]
+        + ["--format", "json", "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count('"schema_version"') == 1  # one report, rank 0's, on the job's stdout
+    report = json.loads(report_path.read_text())
+    assert {c["status"] for c in report["checks"] if c["name"] != "rope"} == {"pass"}
+    assert report["environment"]["distributed"] == {
+        "nproc": 4,
+        "backend": "gloo",
+        "parallelize": "tests.distributed_models:tensor_parallel",
+        "launcher": "torchrun",
+        "nodes": 1,
+    }
+    assert checks(report)["sharding"]["data"]["rank_changes"] == [0.0] * 4
+
+
+def two_nodes(tmp_path: Path, config: dict, marker: str) -> list[subprocess.Popen]:
+    """Two torchrun agents on this machine, as two nodes of one job would run them (c10d rendezvous), 2 ranks each."""
+    path = write(tmp_path, config)
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = []
+    for node in range(2):
+        command = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node)]
+        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", marker]
+        command += ["-m", "fwdcheck", "run", str(path), "--format", "json"]
+        agents.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "FWDCHECK_TEST_MARK": marker},
+                start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches all of it
+            )
+        )
+    return agents
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("parallelize", "exit_code"), [("tensor_parallel", 0), ("reduction_missing", 1)], ids=["correct", "no reduction"]
+)
+def test_two_torchrun_agents_as_two_nodes_make_one_job_with_one_verdict(tmp_path, parallelize, exit_code):
+    marker = uuid.uuid4().hex
+    agents = two_nodes(tmp_path, four_ranks(parallelize), marker)
+    ended = [agent.communicate(timeout=TIMEOUT) for agent in agents]
+    assert [agent.returncode for agent in agents] == [exit_code, exit_code], [err[-2000:] for _, err in ended]
+    reports = [json.loads(out) for out, _ in ended if out.strip()]
+    assert len(reports) == 1  # rank 0's node writes it
+    report = reports[0]
+    assert report["environment"]["distributed"]["nodes"] == 2
+    sharding = checks(report)["sharding"]
+    if exit_code == 0:
+        assert sharding["status"] == "pass"
+        assert sharding["data"]["rank_changes"] == [0.0] * 4
+    else:
+        assert {"FWD981", "FWD982"} <= codes(sharding)
+        first = next(f for f in sharding["findings"] if f["code"] == "FWD981")
+        assert first["where"].startswith("layers.0")  # the first block whose output parts
+    assert processes_marked(marker) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_launcher_ends_every_rank_of_both_nodes(tmp_path):
+    marker = uuid.uuid4().hex
+    hanging = tmp_path / "hanging"
+    os.environ["FWDCHECK_TEST_HANGING"] = str(hanging)
+    try:
+        agents = two_nodes(tmp_path, four_ranks("tensor_parallel", "hangs-on-rank-1", timeout_s=600), marker)
+    finally:
+        del os.environ["FWDCHECK_TEST_HANGING"]
+    deadline = time.monotonic() + 120
+    while not hanging.exists() and time.monotonic() < deadline:  # rank 1 in its forward, the others waiting for it
+        time.sleep(0.2)
+    assert hanging.exists()
+    for agent in agents:
+        os.killpg(agent.pid, signal.SIGINT)  # Ctrl-C in each node's terminal
+    for agent in agents:
+        agent.communicate(timeout=90)
+        assert agent.returncode != 0
+    deadline = time.monotonic() + 30
+    while processes_marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_marked(marker) == []
