@@ -23,6 +23,7 @@ no outcome at all within the wait is named as such.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -237,8 +238,11 @@ def across_ranks(
     try:
         report = run()
         own: dict[str, Any] = {"report": report.to_dict(), "internal": [r.internal_error for r in report.results]}
-        if report.interrupted:
-            return report, report.exit_code  # a signal to the job: every rank ends now, as it was told
+        if report.interrupted:  # a signal: this rank ends now, as it was told; rank 0 tells the others it did
+            if launched.rank == 0:
+                with contextlib.suppress(RuntimeError):
+                    coordinator.store.set("exit", str(int(report.exit_code)))
+            return report if launched.rank == 0 else None, report.exit_code
         own["stopped"] = _stop(report, timeout_s)
     except FwdcheckError as exc:
         own = {"error": {"message": str(exc), "exit_code": int(exc.exit_code)}, "at": time.time()}

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from fwdcheck.errors import UsageError
@@ -309,3 +310,45 @@ def test_ctrl_c_of_the_launcher_ends_every_rank_of_both_nodes(tmp_path):
     while processes_marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_marked(marker) == []
+
+
+def test_a_time_limit_that_strikes_in_a_collective_says_the_rank_waited_for_another():
+    """Where the limit struck tells a rank that waited for a peer from the rank that hung: torch.distributed's code
+    (reached through torch's own calls) is waiting; model code is not, whatever called it."""
+    from fwdcheck.runner import CheckTimeout, time_limit
+
+    def waits_in(path: Path):
+        namespace: dict = {}
+        exec(compile("import time\ndef wait():\n    time.sleep(5)\n", str(path), "exec"), namespace)
+        with pytest.raises(CheckTimeout) as caught, time_limit(0.2):
+            namespace["wait"]()
+        return caught.value.in_collective
+
+    torch_root = Path(torch.__file__).parent
+    assert waits_in(torch_root / "distributed" / "distributed_c10d.py")
+    assert not waits_in(torch_root / "nn" / "functional.py")  # torch, but no collective
+    assert not waits_in(REPO / "tests" / "distributed_models.py")  # the model's own code
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl and context parallelism need 2 CUDA devices")
+def test_torchrun_with_two_gpus_shards_over_nccl_and_splits_the_sequence(tmp_path):
+    """The GPU path: each rank on cuda:LOCAL_RANK, nccl, the sequence split across the ranks (context parallelism),
+    which the CPU cannot run."""
+    config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
+    config["distributed"] = {"context_parallel": True}
+    config["device"] = "cuda"
+    config["inputs"] = {"batch_size": 2, "seq_len": 32}
+    path = write(tmp_path, config)
+    proc = subprocess.run(
+        [*TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "fwdcheck", "run", str(path), "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["environment"]["distributed"]["backend"] == "nccl"
+    sharding = checks(report)["sharding"]
+    assert sharding["metrics"]["context_parallel_max_change"] <= sharding["metrics"]["bar"]
