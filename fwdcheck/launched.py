@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 SLURM_PORT_BASE = 15000  # MASTER_PORT under SLURM when the batch script sets none: this plus the job id's last 4 digits
 POLL_S = 0.1  # how often a wait looks at the store again: a Ctrl-C is heard between looks
 PEER_WAIT_FLOOR_S = 30.0  # the least time rank 0 waits for the other ranks' outcomes once it has its own
+ABSENT_WAIT_S = 5.0  # how long rank 0 waits still for ranks that did not come to join within timeout_s
 
 # What the error of a collective whose peer went away says (gloo, NCCL, the store): a rank that met it lost a peer.
 LOST_PEER_MARKS = (
@@ -230,46 +231,48 @@ def across_ranks(
     launched: LaunchedRank, index: int, timeout_s: float, run: Callable[[], Report]
 ) -> tuple[Report | None, int]:
     """Run this rank's part of the job (`run`: its supervised worker) and conclude it with the others: rank 0 gets the
-    job's report and exit code, every other rank no report and the same exit code. A run that could not be made on
-    every rank alike raises its error on every rank."""
-    from fwdcheck.report import Report
-
+    job's report and exit code, every other rank no report and the same exit code. A run that could not be made
+    raises its error on rank 0 (naming the rank, where not every rank met it) and on the ranks that met it."""
     coordinator = Coordinator(launched, index, timeout_s)  # rank 0's serves the store before its worker joins it
+    error: FwdcheckError | None = None
+    report: Report | None = None
     try:
         report = run()
-        own: dict[str, Any] = {"report": report.to_dict(), "internal": [r.internal_error for r in report.results]}
+    except FwdcheckError as exc:
+        error = exc
+        own: dict[str, Any] = {"error": {"message": str(exc), "exit_code": int(exc.exit_code)}, "at": time.time()}
+    else:
         if report.interrupted:  # a signal: this rank ends now, as it was told; rank 0 tells the others it did
             if launched.rank == 0:
                 with contextlib.suppress(RuntimeError):
                     coordinator.store.set("exit", str(int(report.exit_code)))
             return report if launched.rank == 0 else None, report.exit_code
-        own["stopped"] = _stop(report, timeout_s)
-    except FwdcheckError as exc:
-        own = {"error": {"message": str(exc), "exit_code": int(exc.exit_code)}, "at": time.time()}
-        coordinator.publish(own)
-        if launched.rank != 0:
-            code = coordinator.wait_exit(2 * timeout_s + PEER_WAIT_FLOOR_S)
-            if code is None or code == int(exc.exit_code):
-                raise
-            return None, code
-        outcomes = coordinator.outcomes(timeout_s + PEER_WAIT_FLOOR_S)
-        if all("error" in o and o["error"] == own["error"] for o in outcomes.values()):
-            coordinator.publish_exit(int(exc.exit_code), list(outcomes))
-            raise
-        report = _concluded(launched, coordinator, outcomes, fail_on=None)
-        coordinator.publish_exit(report.exit_code, list(outcomes))
-        return report, report.exit_code
+        own = {
+            "report": report.to_dict(),
+            "internal": [r.internal_error for r in report.results],
+            "stopped": _stop(report, timeout_s),
+        }
     coordinator.publish(own)
     if launched.rank != 0:
         code = coordinator.wait_exit(2 * timeout_s + PEER_WAIT_FLOOR_S)
+        if error is not None and code in (None, int(error.exit_code)):  # its own line, and the run's code
+            raise error
         if code is None:  # rank 0 is gone: this rank's own verdict, never better than a failure
-            return None, max(report.exit_code, ExitCode.FAILED) if report.exit_code != ExitCode.OK else ExitCode.FAILED
+            assert report is not None
+            own_code = report.exit_code
+            return None, own_code if own_code not in (ExitCode.OK, ExitCode.NOTHING_RAN) else ExitCode.FAILED
         return None, code
-    outcomes = coordinator.outcomes(timeout_s + PEER_WAIT_FLOOR_S)
-    concluded = _concluded(launched, coordinator, outcomes, fail_on=report.fail_on)
-    concluded.config_path = report.config_path
+    # the others end within a step of this rank; but ranks that never came to join have had timeout_s already
+    never_came = bool(own.get("stopped") and own["stopped"].get("never_came"))
+    outcomes = coordinator.outcomes(ABSENT_WAIT_S if never_came else timeout_s + PEER_WAIT_FLOOR_S)
+    try:
+        concluded = _concluded(launched, coordinator, outcomes, fail_on=report.fail_on if report else None)
+    except FwdcheckError as exc:
+        coordinator.publish_exit(int(exc.exit_code), list(outcomes))
+        raise
+    if report is not None:
+        concluded.config_path = report.config_path
     coordinator.publish_exit(concluded.exit_code, list(outcomes))
-    assert isinstance(concluded, Report)
     return concluded, concluded.exit_code
 
 
@@ -299,6 +302,7 @@ def lost_peer(text: str) -> bool:
 def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[int, dict], fail_on) -> Report:
     """The job's report, made on rank 0 from every rank's outcome."""
     from fwdcheck.distributed import merge
+    from fwdcheck.heard import WorkerError
     from fwdcheck.report import Report
 
     reports = {
@@ -308,6 +312,8 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
     }
     stops = {rank: o["stopped"] for rank, o in outcomes.items() if o.get("stopped")}
     errors = {rank: o for rank, o in outcomes.items() if "error" in o}
+    if errors and len(errors) == launched.world and len({json.dumps(o["error"]) for o in errors.values()}) == 1:
+        raise WorkerError(errors[0]["error"]["message"], errors[0]["error"]["exit_code"])  # every rank's, alike
     missing = [rank for rank in range(launched.world) if rank not in outcomes]
     if not stops and not errors and not missing:
         report = merge(reports)
@@ -322,27 +328,35 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
         if not stop.get("peer")
     ]
     own_trouble += [
-        (
-            o["at"],
-            rank,
-            "FWD003" if o["error"]["exit_code"] == ExitCode.INTERNAL else "FWD002",
-            f"could not make the run: {o['error']['message']}",
-            None,
-        )
+        (o["at"], rank, "error", o["error"]["message"], None)
         for rank, o in errors.items()
+        if not lost_peer(o["error"]["message"])
     ]
+    if own_trouble and min(own_trouble)[2] == "error":  # the run could not be made on that rank: its error line
+        _, rank, _, message, _ = min(own_trouble)
+        raise WorkerError(
+            f"{launched.named(rank, coordinator.node(rank))}: {message}", errors[rank]["error"]["exit_code"]
+        )
     if own_trouble:
         _, rank, code, how, check = min(own_trouble)
         what = f"{launched.named(rank, coordinator.node(rank))} stopped the run: {how}"
     elif missing:
         rank, code, check = missing[0], "FWD004", None
-        what = (
-            f"{launched.named(rank, coordinator.node(rank))} sent no outcome within the wait (its process died or "
-            "hangs outside the model)"
+        node = coordinator.node(rank)
+        what = f"{launched.named(rank, node)} " + (
+            "sent no outcome within the wait (its fwdcheck run died, or hangs outside the model)"
+            if node is not None
+            else "never came (its fwdcheck run did not start, or ended before its run began)"
         )
-    else:
+    elif stops:
         _, rank, code, how, check = min((s["at"], r, s["code"], s["how"], s["check"]) for r, s in stops.items())
         what = f"{launched.named(rank, coordinator.node(rank))} stopped the run: {how}"
+    else:  # only errors of ranks that lost a peer: the first of them
+        rank = min(errors, key=lambda r: errors[r]["at"])
+        raise WorkerError(
+            f"{launched.named(rank, coordinator.node(rank))}: {errors[rank]['error']['message']}",
+            errors[rank]["error"]["exit_code"],
+        )
     return _partial(reports, check, what, code, launched)
 
 
@@ -416,12 +430,20 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
         is_master=False,
         timeout=timedelta(seconds=run.settings.timeout_s),
     )
-    group_store = dist.PrefixStore(f"fwdcheck/{rank.run_id}/{launched['index']}/group/", store)
-    with about_config(Path(job.config) if job.config is not None else None):
-        model, backend = distributed._join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
+    this_run = dist.PrefixStore(f"fwdcheck/{rank.run_id}/{launched['index']}/", store)
     heard = Heard(job)
     heard.checks = [e.name for e in run.entries]
     heard.checks.sort(key=lambda name: name != "sharding")
+    with about_config(Path(job.config) if job.config is not None else None):
+        distributed.rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
+        missing = _every_rank_here(this_run, rank, run.settings.timeout_s)
+        if missing:
+            how, never_came = missing
+            partial = heard.partial_report(f"{how}; this rank did not join the process group", "FWD004")
+            partial.environment = {"distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}}}
+            return partial
+        group_store = dist.PrefixStore("group/", this_run)
+        model, backend = distributed._join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
 
     def result_done(result) -> None:
         heard.results[result.name] = result
@@ -458,6 +480,35 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     }
     dist.destroy_process_group()
     return report
+
+
+def _every_rank_here(store, rank: LaunchedRank, timeout_s: float) -> tuple[str, bool] | None:
+    """Wait, polling, until every rank's worker is here to join the process group: None then. Sooner, a rank that
+    wrote its outcome already (it could not make the run) or, after timeout_s, the ranks that never came: in words,
+    and whether some never came. init_process_group would wait for them its whole timeout, deaf to the others'
+    news."""
+    store.set(f"here/{rank.rank}", "1")
+    deadline = time.monotonic() + timeout_s
+    waiting = list(range(rank.world))
+    while True:
+        waiting = [r for r in waiting if not store.check([f"here/{r}"])]
+        if not waiting:
+            return None
+        ended = [r for r in range(rank.world) if r != rank.rank and store.check([f"outcome/{r}"])]
+        if ended:
+            return f"rank {ended[0]} ended before every rank was here", False
+        if time.monotonic() > deadline:
+            ranks = ", ".join(map(str, waiting))
+            return (
+                f"rank{'s' if len(waiting) > 1 else ''} {ranks} did not come within timeout_s ({timeout_s:g} s)",
+                True,
+            )
+        time.sleep(POLL_S)
+
+
+def _peer_stop(check: str | None, how: str) -> dict:
+    """A stop that was another rank's doing: never the rank named."""
+    return {"check": check, "code": "FWD004", "how": how, "at": time.time(), "peer": True}
 
 
 def job_fields(launched: LaunchedRank, index: int) -> dict:

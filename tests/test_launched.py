@@ -148,13 +148,15 @@ def test_nproc_under_a_launcher_is_refused_in_one_line(tmp_path):
 # Jobs: every rank a `fwdcheck run`
 
 
-def ranks_as_srun_starts_them(tmp_path: Path, config: dict, world: int = 4, marker: str | None = None):
-    """The `fwdcheck run` of every rank, started as srun starts a step's tasks (SLURM's variables, MASTER_ADDR and
-    MASTER_PORT from the batch script): each rank's exit code, stdout and stderr."""
+def ranks_as_srun_starts_them(
+    tmp_path: Path, config: dict, world: int = 4, marker: str | None = None, started: int | None = None
+):
+    """The `fwdcheck run` of every rank (or of the first `started`), started as srun starts a step's tasks (SLURM's
+    variables, MASTER_ADDR and MASTER_PORT from the batch script): each rank's exit code, stdout and stderr."""
     path = write(tmp_path, config)
     port = free_port()
     procs = []
-    for rank in range(world):
+    for rank in range(world if started is None else started):
         env = {
             **os.environ,
             "SLURM_PROCID": str(rank),
@@ -352,3 +354,32 @@ def test_torchrun_with_two_gpus_shards_over_nccl_and_splits_the_sequence(tmp_pat
     assert report["environment"]["distributed"]["backend"] == "nccl"
     sharding = checks(report)["sharding"]
     assert sharding["metrics"]["context_parallel_max_change"] <= sharding["metrics"]["bar"]
+
+
+@pytest.mark.slow
+def test_a_run_that_one_rank_cannot_make_is_that_ranks_error_line_on_rank_0_and_its_code_everywhere(tmp_path):
+    """Rank 1's parallelize hands back no model (exit 2); rank 0, waiting for it in a collective, fails with a lost
+    peer of its own. Rank 0 prints rank 1's error naming it, rank 1 its own line; both exit 2."""
+    config = four_ranks("unusable_on_rank_1")
+    exits, outs, errs = ranks_as_srun_starts_them(tmp_path, config, world=2)
+    assert exits == [2, 2], errs
+    assert outs == ["", ""]
+    returned_str = "parallelize function 'tests.distributed_models:unusable_on_rank_1' returned str, not the model"
+    assert errs[0].startswith("error: rank 1 of 2 on ") and returned_str in errs[0], errs[0]
+    assert len(errs[0].strip().splitlines()) == 1
+    assert returned_str in errs[1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_comes_is_named_once_the_others_have_waited_timeout_s(tmp_path):
+    """A task of 3 that never started (its node failed): the two that did wait timeout_s to join, not the process
+    group's own timeout, and rank 0 names the absent rank."""
+    exits, outs, errs = ranks_as_srun_starts_them(
+        tmp_path, four_ranks("tensor_parallel", timeout_s=3), world=3, started=2
+    )
+    assert exits == [1, 1], errs
+    report = json.loads(outs[0])
+    assert (
+        report["notes"][-1] == "rank 2 of 3 never came (its fwdcheck run did not start, or ended before its run began)"
+    )
+    assert {c["status"] for c in report["checks"]} == {"error"}
