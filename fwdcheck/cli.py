@@ -421,12 +421,19 @@ def run_as_rank(launched, index: int, planned: Planned, progress, o: RunOptions)
 
     planned.job.launched = job_fields(launched, index)
     timeout_s = planned.config.timeout_s
-    return across_ranks(
+    report, code = across_ranks(
         launched,
         index,
         timeout_s,
         lambda: run_job(planned.job, progress, in_process=o.in_process, timeout_s=timeout_s, debug=o.debug),
     )
+    declared = planned.config.distributed.nproc
+    if report is not None and declared not in (1, launched.world):  # the launcher's count is the job's
+        report.notes.append(
+            f"distributed.nproc {declared} in the config is not read under a launcher: {launched.launcher} "
+            f"started {launched.world} ranks"
+        )
+    return report, code
 
 
 @dataclass

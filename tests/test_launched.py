@@ -218,7 +218,9 @@ def test_a_rank_that_hangs_under_srun_is_named_when_the_time_limit_ends_the_job(
 
 @pytest.mark.slow
 def test_torchrun_on_one_node_runs_the_checks_on_every_rank_and_rank_0_reports(tmp_path):
-    path = write(tmp_path, four_ranks("tensor_parallel"))
+    config = four_ranks("tensor_parallel")
+    config["distributed"]["nproc"] = 2  # the launcher's count is the job's, and the report says so
+    path = write(tmp_path, config)
     report_path = tmp_path / "report.json"
     proc = subprocess.run(
         [*TORCHRUN, "--nproc-per-node", "4", "--standalone", "-m", "fwdcheck", "run", str(path)]
@@ -241,6 +243,7 @@ def test_torchrun_on_one_node_runs_the_checks_on_every_rank_and_rank_0_reports(t
         "nodes": 1,
     }
     assert checks(report)["sharding"]["data"]["rank_changes"] == [0.0] * 4
+    assert "distributed.nproc 2 in the config is not read under a launcher: torchrun started 4 ranks" in report["notes"]
 
 
 def two_nodes(tmp_path: Path, config: dict, marker: str) -> list[subprocess.Popen]:
