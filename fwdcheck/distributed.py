@@ -564,6 +564,12 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     return report.to_dict(), [r.internal_error for r in report.results]
 
 
+def in_rank_order(entries: list) -> list:
+    """The checks in the order a rank runs them: those that open a distributed run (the sharding check) first."""
+    opening = distributed_openers()
+    return sorted(entries, key=lambda e: e not in opening)
+
+
 def _join_and_shard(run: Run, rank: int, world: int, local_rank: int, store) -> tuple[ModelUnderTest, str]:
     """This rank in the job's process group (through `store`, or the launcher's environment without one), and the
     model built and sharded on it; the backend joined. A usage error leaves no group behind."""
@@ -590,8 +596,7 @@ def _checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_r
     on_model(model_summary(model))
     device = cast(RankContext, _CONTEXT).device
     settings = run.settings.model_copy(update={"device": str(device)})
-    opening = distributed_openers()
-    entries = sorted(run.entries, key=lambda e: e not in opening)  # the sharding check first
+    entries = in_rank_order(run.entries)
     finished: list[CheckResult] = []
 
     def finish(result: CheckResult) -> None:

@@ -432,8 +432,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     )
     this_run = dist.PrefixStore(f"fwdcheck/{rank.run_id}/{launched['index']}/", store)
     heard = Heard(job)
-    heard.checks = [e.name for e in run.entries]
-    heard.checks.sort(key=lambda name: name != "sharding")
+    heard.checks = [e.name for e in distributed.in_rank_order(run.entries)]
     with about_config(Path(job.config) if job.config is not None else None):
         distributed.rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
         missing = _every_rank_here(this_run, rank, run.settings.timeout_s)

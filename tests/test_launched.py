@@ -18,9 +18,10 @@ import pytest
 import torch
 import yaml
 
-from fwdcheck.errors import UsageError
-from fwdcheck.launched import launched_rank, lost_peer
 from tests.test_distributed import REPO, checks, codes, gpt_config, processes_marked
+
+# Every test starts a job of ranks, each a `fwdcheck run`: the slow tier.
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 240
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -42,106 +43,6 @@ def four_ranks(parallelize: str, bug: str | None = None, **top) -> dict:
     config = gpt_config(parallelize, bug, **top)
     del config["distributed"]["nproc"]  # the launcher says how many
     return config
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Which rank a process is: read from the launcher's variables
-
-
-TORCHRUN_ENV = {
-    "RANK": "3",
-    "WORLD_SIZE": "4",
-    "LOCAL_RANK": "1",
-    "GROUP_RANK": "1",
-    "MASTER_ADDR": "node-a",
-    "MASTER_PORT": "29400",
-    "TORCHELASTIC_RUN_ID": "job7",
-    "TORCHELASTIC_RESTART_COUNT": "0",
-    "TORCHELASTIC_USE_AGENT_STORE": "True",
-}
-
-
-def test_a_torchrun_rank_is_read_from_its_variables_and_meets_at_the_agents_store():
-    rank = launched_rank(TORCHRUN_ENV)
-    assert rank is not None
-    assert (rank.rank, rank.world, rank.local_rank) == (3, 4, 1)
-    assert rank.node.endswith("(node 1)") and rank.launcher == "torchrun"
-    assert (rank.master_addr, rank.master_port) == ("node-a", 29400)
-    assert not rank.holds_store  # torchrun's agent serves it
-    assert launched_rank({**TORCHRUN_ENV, "RANK": "0"}).holds_store is False  # type: ignore[union-attr]
-
-
-def test_ranks_a_script_sets_meet_at_a_store_rank_0_serves():
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    rank = launched_rank(env)
-    assert rank is not None and rank.holds_store and rank.launcher == "the environment"
-    assert launched_rank({**env, "RANK": "1"}).holds_store is False  # type: ignore[union-attr]
-
-
-def test_an_srun_task_is_a_rank_and_a_batch_scripts_own_shell_is_not():
-    step = {
-        "SLURM_PROCID": "5",
-        "SLURM_NTASKS": "8",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "2",
-        "SLURMD_NODENAME": "gpu-07",
-        "SLURM_JOB_ID": "123456",
-        "SLURM_STEP_ID": "0",
-        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.4",
-    }
-    rank = launched_rank(step)
-    assert rank is not None
-    assert (rank.rank, rank.world, rank.local_rank, rank.node) == (5, 8, 1, "gpu-07 (node 2)")
-    assert (rank.master_addr, rank.master_port) == ("10.0.0.4", 15000 + 3456)  # srun's node, a port from the job id
-    assert launched_rank({**step, "MASTER_ADDR": "gpu-01", "MASTER_PORT": "29500"}).master_port == 29500  # type: ignore[union-attr]
-    batch_shell = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}
-    assert launched_rank(batch_shell) is None
-
-
-@pytest.mark.parametrize(
-    "env",
-    [{}, {"RANK": "0", "WORLD_SIZE": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}],
-    ids=["no launcher", "one rank", "one srun task"],
-)
-def test_one_process_is_not_a_launched_rank(env):
-    assert launched_rank(env) is None
-
-
-@pytest.mark.parametrize(
-    ("env", "words"),
-    [
-        ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT is not set"),
-        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number"),
-        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "not a port number"),
-    ],
-)
-def test_a_launchers_environment_the_ranks_cannot_meet_by_is_a_usage_error(env, words):
-    with pytest.raises(UsageError, match=words):
-        launched_rank(env)
-
-
-def test_a_collectives_error_when_a_peer_went_away_reads_as_a_lost_peer():
-    assert lost_peer("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4835")
-    assert lost_peer(
-        "timed out after 5 s (timeout_s in the config); waiting in a collective: another rank did not join it"
-    )
-    assert not lost_peer("the model raised RuntimeError: out of memory on this rank's device on this rank alone")
-
-
-def test_nproc_under_a_launcher_is_refused_in_one_line(tmp_path):
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    path = write(tmp_path, four_ranks("tensor_parallel"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "fwdcheck", "run", str(path), "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert "--nproc starts ranks, but the environment started this process as rank 0 of 2" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -184,7 +85,6 @@ def ranks_as_srun_starts_them(
     return [proc.returncode for proc in procs], [out for out, _ in ended], [err for _, err in ended]
 
 
-@pytest.mark.slow
 def test_a_rank_that_raises_under_srun_ends_the_job_naming_it_and_every_rank_exits_with_the_verdict(tmp_path):
     marker = uuid.uuid4().hex
     exits, outs, errs = ranks_as_srun_starts_them(
@@ -203,7 +103,6 @@ def test_a_rank_that_raises_under_srun_ends_the_job_naming_it_and_every_rank_exi
     assert processes_marked(marker) == []
 
 
-@pytest.mark.slow
 def test_a_rank_that_hangs_under_srun_is_named_when_the_time_limit_ends_the_job(tmp_path):
     marker = uuid.uuid4().hex
     exits, outs, errs = ranks_as_srun_starts_them(
@@ -216,7 +115,6 @@ def test_a_rank_that_hangs_under_srun_is_named_when_the_time_limit_ends_the_job(
     assert processes_marked(marker) == []
 
 
-@pytest.mark.slow
 def test_torchrun_on_one_node_runs_the_checks_on_every_rank_and_rank_0_reports(tmp_path):
     config = four_ranks("tensor_parallel")
     config["distributed"]["nproc"] = 2  # the launcher's count is the job's, and the report says so
@@ -269,7 +167,6 @@ def two_nodes(tmp_path: Path, config: dict, marker: str) -> list[subprocess.Pope
     return agents
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("parallelize", "exit_code"), [("tensor_parallel", 0), ("reduction_missing", 1)], ids=["correct", "no reduction"]
 )
@@ -293,7 +190,6 @@ def test_two_torchrun_agents_as_two_nodes_make_one_job_with_one_verdict(tmp_path
     assert processes_marked(marker) == []
 
 
-@pytest.mark.slow
 def test_ctrl_c_of_the_launcher_ends_every_rank_of_both_nodes(tmp_path):
     marker = uuid.uuid4().hex
     hanging = tmp_path / "hanging"
@@ -317,25 +213,6 @@ def test_ctrl_c_of_the_launcher_ends_every_rank_of_both_nodes(tmp_path):
     assert processes_marked(marker) == []
 
 
-def test_a_time_limit_that_strikes_in_a_collective_says_the_rank_waited_for_another():
-    """Where the limit struck tells a rank that waited for a peer from the rank that hung: torch.distributed's code
-    (reached through torch's own calls) is waiting; model code is not, whatever called it."""
-    from fwdcheck.runner import CheckTimeout, time_limit
-
-    def waits_in(path: Path):
-        namespace: dict = {}
-        exec(compile("import time\ndef wait():\n    time.sleep(5)\n", str(path), "exec"), namespace)
-        with pytest.raises(CheckTimeout) as caught, time_limit(0.2):
-            namespace["wait"]()
-        return caught.value.in_collective
-
-    torch_root = Path(torch.__file__).parent
-    assert waits_in(torch_root / "distributed" / "distributed_c10d.py")
-    assert not waits_in(torch_root / "nn" / "functional.py")  # torch, but no collective
-    assert not waits_in(REPO / "tests" / "distributed_models.py")  # the model's own code
-
-
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl and context parallelism need 2 CUDA devices")
 def test_torchrun_with_two_gpus_shards_over_nccl_and_splits_the_sequence(tmp_path):
     """The GPU path: each rank on cuda:LOCAL_RANK, nccl, the sequence split across the ranks (context parallelism),
@@ -359,7 +236,6 @@ def test_torchrun_with_two_gpus_shards_over_nccl_and_splits_the_sequence(tmp_pat
     assert sharding["metrics"]["context_parallel_max_change"] <= sharding["metrics"]["bar"]
 
 
-@pytest.mark.slow
 def test_a_run_that_one_rank_cannot_make_is_that_ranks_error_line_on_rank_0_and_its_code_everywhere(tmp_path):
     """Rank 1's parallelize hands back no model (exit 2); rank 0, waiting for it in a collective, fails with a lost
     peer of its own. Rank 0 prints rank 1's error naming it, rank 1 its own line; both exit 2."""
@@ -373,7 +249,6 @@ def test_a_run_that_one_rank_cannot_make_is_that_ranks_error_line_on_rank_0_and_
     assert returned_str in errs[1]
 
 
-@pytest.mark.slow
 def test_a_rank_that_never_comes_is_named_once_the_others_have_waited_timeout_s(tmp_path):
     """A task of 3 that never started (its node failed): the two that did wait timeout_s to join, not the process
     group's own timeout, and rank 0 names the absent rank."""
@@ -386,3 +261,19 @@ def test_a_rank_that_never_comes_is_named_once_the_others_have_waited_timeout_s(
         report["notes"][-1] == "rank 2 of 3 never came (its fwdcheck run did not start, or ended before its run began)"
     )
     assert {c["status"] for c in report["checks"]} == {"error"}
+
+
+def test_nproc_under_a_launcher_is_refused_in_one_line(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    path = write(tmp_path, four_ranks("tensor_parallel"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fwdcheck", "run", str(path), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--nproc starts ranks, but the environment started this process as rank 0 of 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
