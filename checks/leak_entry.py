@@ -122,9 +122,12 @@ def kept_outputs(model: ModelUnderTest, forward: Callable[[], object]) -> list[K
 
 def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """fwdcheck's own float copy (a buffer the model reuses would otherwise move with it); None for what cannot be
-    compared here: no float, or a sharded DTensor, whose other shards live on other ranks."""
-    if tensor is None or not tensor.is_floating_point() or type(tensor) is not torch.Tensor and _sharded(tensor):
+    compared: no float. A sharded DTensor is this rank's shard: every rank runs the same forward and compares its
+    own, and a position that moves in a shard has moved."""
+    if tensor is None or not tensor.is_floating_point():
         return None
+    if type(tensor) is not torch.Tensor and _sharded(tensor):
+        tensor = tensor.to_local()  # type: ignore[attr-defined]  # (a DTensor's own)
     return tensor.detach().float().clone()
 
 

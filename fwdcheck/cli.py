@@ -26,6 +26,7 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
+from fwdcheck.launched import launched_rank
 from fwdcheck.outputs import (
     check_appended,
     check_outputs,
@@ -355,6 +356,14 @@ def _run(o: RunOptions) -> int:
         )
     if o.seed is not None and not SEED_RANGE[0] <= o.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed {o.seed}: out of range; a seed is between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
+    launched = launched_rank()
+    if launched is not None:  # a rank of the user's launcher (torchrun, srun): it starts no rank of its own
+        if o.nproc is not None:
+            raise UsageError(
+                f"--nproc starts ranks, but {launched.launcher} started this process as rank {launched.rank} of "
+                f"{launched.world} already: leave --nproc out"
+            )
+        o.nproc = launched.world
     expected = read_expected(o.check_files)
     plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
     outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
@@ -369,12 +378,24 @@ def _run(o: RunOptions) -> int:
     if summary:  # appended to, after the reports
         check_appended(f"$GITHUB_STEP_SUMMARY {summary}", Path(summary), outputs, inputs)
     outcome = Outcome(several=len(plans) > 1)
-    with progress_display(enabled=o.format == Format.rich and o.output is None and isatty(sys.stdout)) as progress:
-        for planned in plans:
+    reporting = launched is None or launched.rank == 0  # rank 0 writes the job's report, the other ranks nothing
+    shown = reporting and o.format == Format.rich and o.output is None and isatty(sys.stdout)
+    with progress_display(enabled=shown) as progress:
+        for index, planned in enumerate(plans):
             try:
-                report = run_job(
-                    planned.job, progress, in_process=o.in_process, timeout_s=planned.config.timeout_s, debug=o.debug
-                )
+                if launched is None:
+                    report = run_job(
+                        planned.job,
+                        progress,
+                        in_process=o.in_process,
+                        timeout_s=planned.config.timeout_s,
+                        debug=o.debug,
+                    )
+                else:
+                    report, code = run_as_rank(launched, index, planned, progress, o)
+                    if report is None:  # rank 0 writes it; this rank keeps the job's exit code
+                        outcome.written_by_rank_0.append(code)
+                        continue
             except FwdcheckError as exc:
                 if not outcome.several:
                     raise
@@ -386,9 +407,33 @@ def _run(o: RunOptions) -> int:
             outcome.reports.append(report)
             if report.interrupted:
                 break
+    if not reporting:
+        return outcome.exit_code
     with signals_deferred():  # the verdict is decided: a Ctrl-C now must not leave a report half written
         write_reports(outcome, o)
     return outcome.exit_code
+
+
+def run_as_rank(launched, index: int, planned: Planned, progress, o: RunOptions):
+    """One config's run as a rank of the user's launcher (fwdcheck/launched.py): rank 0 gets the job's report, the
+    other ranks none; each the job's exit code."""
+    from fwdcheck.launched import across_ranks, job_fields
+
+    planned.job.launched = job_fields(launched, index)
+    timeout_s = planned.config.timeout_s
+    report, code = across_ranks(
+        launched,
+        index,
+        timeout_s,
+        lambda: run_job(planned.job, progress, in_process=o.in_process, timeout_s=timeout_s, debug=o.debug),
+    )
+    declared = planned.config.distributed.nproc
+    if report is not None and declared not in (1, launched.world):  # the launcher's count is the job's
+        report.notes.append(
+            f"distributed.nproc {declared} in the config is not read under a launcher: {launched.launcher} "
+            f"started {launched.world} ranks"
+        )
+    return report, code
 
 
 @dataclass
@@ -399,10 +444,12 @@ class Outcome:
     several: bool
     reports: list = field(default_factory=list)
     not_run: list[dict] = field(default_factory=list)  # {"config", "exit_code", "error"}
+    written_by_rank_0: list[int] = field(default_factory=list)  # on a launched rank but 0: each job's exit code
 
     @property
     def exit_code(self) -> int:
-        return worst_exit([r.exit_code for r in self.reports] + [n["exit_code"] for n in self.not_run])
+        codes = [r.exit_code for r in self.reports] + [n["exit_code"] for n in self.not_run]
+        return worst_exit(codes + self.written_by_rank_0)
 
 
 def default_config() -> Path:

@@ -75,7 +75,7 @@ from fwdcheck.overrides import Overrides
 from fwdcheck.registry import distributed_openers
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
-from fwdcheck.runner import Run, environment_summary, model_summary, run_model
+from fwdcheck.runner import CheckTimeout, Run, environment_summary, model_summary, run_model
 from fwdcheck.settings import DTYPES
 
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
@@ -489,7 +489,13 @@ class RankCannotRun(Exception):
 
 class RankStopped(BaseException):
     """A rank ends the launch: the model raised on it and not on every rank, so that the others may be waiting in a
-    collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure."""
+    collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure.
+    `check` is the check it stopped in, `code` the finding that stopped it."""
+
+    def __init__(self, message: str, check: str | None = None, code: str = "FWD002", at: float | None = None):
+        super().__init__(message)
+        self.check, self.code = check, code
+        self.at = at if at is not None else time.time()  # when the trouble began: the model's raise, or now
 
 
 # How long a rank that fails stays before it ends. torch's launcher names the first rank it finds ended (it looks
@@ -510,7 +516,6 @@ def rank_main(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
 
 
 def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
-    global _CONTEXT
     die_with_parent(os.getppid())  # the fork server (or the launcher), which may be killed with SIGKILL
     if sys.path[:1] == [job["package_root"]] and job["package_root"] not in job["sys_path"]:
         del sys.path[0]  # put first only to import fwdcheck itself (_package_first)
@@ -527,69 +532,20 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     try:
         with about_config(Path(job["config"]) if job["config"] is not None else None):  # the error names the file
             run = _build(job)
-            device = rank_device(run.settings.device, int(os.environ.get("LOCAL_RANK", rank)))
-            spec = run.config.distributed
-            backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-            try:
-                device_id: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-                dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s), **device_id)
-            except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
-                raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
-            model = sharded(run, device, rank, world)
+            model, backend = _join_and_shard(run, rank, world, int(os.environ.get("LOCAL_RANK", rank)), None)
     except FwdcheckError as exc:  # the same on every rank; the launch ends with the one a rank met first
-        if dist.is_initialized():  # no collective is pending: leaving with the group up aborts the process
-            dist.destroy_process_group()
         # Any rank may meet it first, and its end can fail a slower peer inside a collective before that peer meets
         # the error itself (with another message, or none fwdcheck's): the launcher's record of this rank keeps it.
         raise RankCannotRun(
             json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})
         ) from exc
-    send(ModelLoaded(model_summary(model)))
-    settings = run.settings.model_copy(update={"device": str(device)})
-    opening = distributed_openers()
-    entries = sorted(run.entries, key=lambda e: e not in opening)  # the sharding check first
-    finished: list[CheckResult] = []
-
-    def on_result(result: CheckResult) -> None:
-        send(CheckDone(result.to_dict(), result.internal_error))
-        finished.append(result)
-        # The model raised outside the forward the ranks share (a forward that raised on every rank at once keeps
-        # them in step: its error is the model's, as on one process), a check ran past timeout_s (a rank waiting for
-        # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
-        # collectives.
-        agreed = cast(RankZeroLogits, model.forward_adapter).take_agreed_raises()  # as sharded() made it
-        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)), None)
-        if stopped is not None:
-            raise RankStopped(f"{result.name}: {stopped.message}")
-        if result.internal_error:
-            raise RankStopped(f"{result.name}: {FWDCHECK_FAILED} ({result.summary})")
-        if any(f.code == UNSHARDED_RAISES and f.status == Status.FAIL for f in result.findings):
-            raise _ShardedModelRaises()
-
     try:
-        report = run_model(
+        report = _checks_on_rank(
+            run,
             model,
-            settings,
-            entries,
             progress=lambda description: send(Progress(description)),
-            on_result=on_result,
-        )
-    except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
-        rest = [
-            CheckResult(
-                e.name,
-                Status.SKIP,
-                f"not run: the sharded model raises where the unsharded one runs (sharding {UNSHARDED_RAISES})",
-            )
-            for e in entries[len(finished) :]
-        ]
-        for result in rest:
-            send(CheckDone(result.to_dict()))
-        report = Report(
-            results=finished + rest,
-            model=model_summary(model),
-            environment=environment_summary(settings, str(device)),
-            fail_on=run.fail_on,
+            on_model=lambda summary: send(ModelLoaded(summary)),
+            on_result=lambda result: send(CheckDone(result.to_dict(), result.internal_error)),
         )
     except RankStopped as exc:  # an Exception the launcher's record of this rank's failure keeps
         raise RankEnded(str(exc)) from exc
@@ -606,6 +562,78 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     # a collective pending would abort the process before its error is written down for the launcher).
     dist.destroy_process_group()
     return report.to_dict(), [r.internal_error for r in report.results]
+
+
+def in_rank_order(entries: list) -> list:
+    """The checks in the order a rank runs them: those that open a distributed run (the sharding check) first."""
+    opening = distributed_openers()
+    return sorted(entries, key=lambda e: e not in opening)
+
+
+def _join_and_shard(run: Run, rank: int, world: int, local_rank: int, store) -> tuple[ModelUnderTest, str]:
+    """This rank in the job's process group (through `store`, or the launcher's environment without one), and the
+    model built and sharded on it; the backend joined. A usage error leaves no group behind."""
+    device = rank_device(run.settings.device, local_rank)
+    spec = run.config.distributed
+    backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        try:
+            device_id: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+            joined: dict[str, Any] = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+            dist.init_process_group(backend, timeout=timedelta(seconds=run.settings.timeout_s), **device_id, **joined)
+        except (RuntimeError, ValueError) as exc:  # a backend this torch or device lacks (nccl on the CPU)
+            raise UsageError(f"distributed.backend {backend} on {device.type}: {first_line(exc)}") from exc
+        return sharded(run, device, rank, world), backend
+    except FwdcheckError:
+        if dist.is_initialized():  # no collective is pending: leaving with the group up aborts the process
+            dist.destroy_process_group()
+        raise
+
+
+def _checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_result) -> Report:
+    """The checks run on this rank's sharded model, the sharding check first: the rank's own report. Raises
+    RankStopped where the ranks can no longer be sure to meet at the same collectives."""
+    on_model(model_summary(model))
+    device = cast(RankContext, _CONTEXT).device
+    settings = run.settings.model_copy(update={"device": str(device)})
+    entries = in_rank_order(run.entries)
+    finished: list[CheckResult] = []
+
+    def finish(result: CheckResult) -> None:
+        on_result(result)
+        finished.append(result)
+        # The model raised outside the forward the ranks share (a forward that raised on every rank at once keeps
+        # them in step: its error is the model's, as on one process), a check ran past timeout_s (a rank waiting for
+        # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
+        # collectives.
+        agreed = cast(RankZeroLogits, model.forward_adapter).take_agreed_raises()  # as sharded() made it
+        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)), None)
+        if stopped is not None:
+            raise RankStopped(f"{result.name}: {stopped.message}", check=result.name, code=stopped.code)
+        if result.internal_error:
+            raise RankStopped(f"{result.name}: {FWDCHECK_FAILED} ({result.summary})", check=result.name, code="FWD003")
+        if any(f.code == UNSHARDED_RAISES and f.status == Status.FAIL for f in result.findings):
+            raise _ShardedModelRaises()
+
+    try:
+        return run_model(model, settings, entries, progress=progress, on_result=finish)
+    except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
+        rest = [
+            CheckResult(
+                e.name,
+                Status.SKIP,
+                f"not run: the sharded model raises where the unsharded one runs (sharding {UNSHARDED_RAISES})",
+            )
+            for e in entries[len(finished) :]
+        ]
+        for result in rest:
+            on_result(result)
+        return Report(
+            results=finished + rest,
+            model=model_summary(model),
+            environment=environment_summary(settings, str(device)),
+            fail_on=run.fail_on,
+        )
 
 
 def _build(job: dict) -> Run:
@@ -736,6 +764,7 @@ class RankZeroLogits:
     def __init__(self, adapter: Callable | None, rank: int, world: int):
         self.adapter, self.rank, self.world = adapter, rank, world
         self.own: torch.Tensor | None = None
+        self.raised_at: float | None = None  # when the last forward that raised did
         self.agreed_raises = 0  # forwards that raised on every rank at once, since take_agreed_raises()
         self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_S))
 
@@ -747,8 +776,15 @@ class RankZeroLogits:
         except BaseException as exc:
             if not model_failure(exc):
                 raise
-            if not self._raised_everywhere():
-                raise RankStopped(f"the model raised {first_line(describe(exc))} on this rank alone") from exc
+            self.raised_at = time.time()  # before the agreement's wait: when this rank's trouble began
+            try:
+                everywhere = self._raised_everywhere()
+            except CheckTimeout:  # the check's time ran out while the others were asked: this rank's model raised
+                everywhere = False
+            if not everywhere:
+                raise RankStopped(
+                    f"the model raised {first_line(describe(exc))} on this rank alone", at=self.raised_at
+                ) from exc
             self.agreed_raises += 1
             raise
         logits = full(extract_logits(output)).detach()

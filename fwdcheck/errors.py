@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
 
+WAITED_FOR_A_RANK = "another rank did not join it"  # a time limit that struck in torch.distributed's collective
+
 
 class ExitCode(IntEnum):
     """What `fwdcheck run` exits with, and how every report says it in a word."""

@@ -37,6 +37,8 @@ class Job:
     # `fwdcheck diff`: `config` is A, this is B's config and these are --rename's rules; the worker compares them
     compare_with: str | None = None
     rename: list[str] = field(default_factory=list)
+    # a rank an outside launcher started (torchrun, srun): fwdcheck/launched.py's job_fields
+    launched: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.overrides, dict):  # as it arrives on the worker's stdin

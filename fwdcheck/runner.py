@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import platform
 import signal
 import threading
@@ -29,7 +30,7 @@ from fwdcheck.code_paths import (
     verdicts_for,
 )
 from fwdcheck.config import Config, RunConfig
-from fwdcheck.errors import CheckLoadError, ModelRaised, SkipCheck, UsageError, interrupts_heard
+from fwdcheck.errors import WAITED_FOR_A_RANK, CheckLoadError, ModelRaised, SkipCheck, UsageError, interrupts_heard
 from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import ParameterWatch
 from fwdcheck.observe import code_location
@@ -520,9 +521,25 @@ class CheckTimeout(BaseException):
     """Raised inside a check that ran past its time limit. A BaseException, so that a model's own
     `except Exception` cannot swallow it."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, interrupted=None):
         super().__init__(seconds)
         self.seconds = seconds
+        self.in_collective = _in_collective(interrupted)
+
+
+def _in_collective(frame) -> bool:
+    """Whether the frame a time limit interrupted is torch's code, called by torch.distributed's (a collective, a
+    DTensor's redistribution, a functional collective's wait): this process waited for another rank. The calls
+    are followed out from the interrupted frame for as long as they are torch's own; model code ends the search."""
+    import torch
+
+    root = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    distributed = os.path.join(root, "distributed") + os.sep
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        if os.path.abspath(frame.f_code.co_filename).startswith(distributed):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # Longer limits (inf included) are no limit: setitimer cannot count them on every platform (OverflowError).
@@ -565,7 +582,7 @@ def time_limit(seconds: float | None):
             arm()
             previous(signum, frame)
             return
-        raise CheckTimeout(seconds)
+        raise CheckTimeout(seconds, frame)
 
     signal.signal(signal.SIGALRM, expire)
     try:
@@ -598,7 +615,9 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         if result.status != Status.SKIP and callable(getattr(check, "key_number", None)):
             result.key_number = str(check.key_number(result) or "")
     except CheckTimeout as timeout:
-        message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); a forward that hangs?"
+        message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); " + (
+            f"waiting in a collective: {WAITED_FOR_A_RANK}" if timeout.in_collective else "a forward that hangs?"
+        )
         result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))

@@ -49,6 +49,11 @@ def execute(
 
     config_path = Path(job.config) if job.config is not None else None
     run = Run.build(config_for(config_path, job.factory), job.overrides)
+    if job.launched is not None:  # this process is a rank of the user's launcher: it joins, it launches nothing
+        from fwdcheck.launched import join
+
+        with about_config(config_path):
+            return join(run, job, job.launched, progress=progress, on_model=on_model, on_result=on_result)
     if run.config.distributed.nproc > 1:  # the ranks load the model, each its own copy
         from fwdcheck.distributed import launch
 

@@ -168,6 +168,11 @@ def test_a_leak_sharding_introduces_fails_future_token_on_the_sharded_model(tmp_
     assert code == 1
     got = checks(report)
     assert "FWD101" in codes(got["future-token"]) and "FWD201" in codes(got["mask-audit"])
+    # where the leak enters, read from each rank's own shards: the attention's code, which feeds the row-wise o_proj
+    # (a sharded input is compared shard by shard, never taken for one that did not move)
+    leak = next(f for f in got["future-token"]["findings"] if f["code"] == "FWD101")
+    assert "look at the code of layers.0.attn that feeds it" in leak["message"]
+    assert leak["source"].endswith("distributed_models.py:34")
 
 
 def test_fully_sharded_model_passes(tmp_path):
