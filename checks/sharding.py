@@ -61,7 +61,7 @@ unsharded model, built again from the same seed, runs the same inputs: its logit
 compared with the sharded model's (FWD981), within the bar for the same arithmetic in another order (float32
 1e-6 + 1e-4 x the largest |value|; float16 5e-3, bfloat16 1e-2 likewise; never below the session's threshold). A
 sharded model that raises where the unsharded one runs fails (FWD983), and the other checks do not run on it.
-Every parameter's placement (Shard(dim), Replicate(), or a plain tensor) is listed.
+Every parameter's placement (Shard(dim), Replicate(), or a plain tensor; per mesh dimension) is listed.
 Why: a model that is causal and correct on one process can be wrong once sharded: a layer declared column-wise that
 should be row-wise, a missing all-reduce, heads split where the code assumes the full head count, a gather left
 out. Training runs on such a model without an error, to a worse loss.
@@ -71,8 +71,9 @@ embeddings row-wise over the vocabulary). FWD982 -> an output that should be rep
 sharded: a RowwiseParallel without its reduction, a ColwiseParallel whose output is never gathered. FWD983 -> read
 the error: a shape mismatch in a projection is a layer sharded on the wrong axis; a view into heads that fails, or
 runs with the wrong size, is a head count that was not divided by the number of ranks.
-Limits: one forward of the session's inputs; the model is sharded as the config says, over one 1-D mesh of all
-ranks. Context parallelism runs on CUDA only. The other checks then run on the sharded model, every rank seeing
+Limits: one forward of the session's inputs; the model is sharded as the config says, over the config's mesh
+(`distributed.mesh`, placements listed per dimension) or a 1-D mesh of all ranks. Context parallelism runs on
+CUDA only, over a 1-D mesh. The other checks then run on the sharded model, every rank seeing
 rank 0's logits; the kv-cache, packing and label-shift checks call the module themselves and judge each rank's own
 output."""
 
@@ -132,6 +133,8 @@ output."""
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
+        if context.mesh.ndim > 1:
+            return f"the sequence is split over a 1-D mesh of every rank; this run's mesh has {context.mesh.ndim} dimensions"
         if not model.accepts_position_ids:
             return "forward takes no position_ids: each rank's share of the sequence would start at position 0"
         module = context.unsharded()
@@ -161,7 +164,8 @@ output."""
         data: dict = {
             "parallelized_by": context.parallelized_by,
             "ranks": context.world,
-            "placements": placements(model.module),
+            "mesh": dict(zip(context.mesh.mesh_dim_names, context.mesh.shape, strict=True)),
+            "placements": placements(model.module, context.mesh.mesh_dim_names),
         }
         unsharded = context.unsharded()
         try:
@@ -345,15 +349,15 @@ def _unsharded_view(model, module: nn.Module):
     return dataclasses.replace(model, module=module, forward_adapter=getattr(model.forward_adapter, "adapter", None))
 
 
-def placements(module: nn.Module) -> dict:
-    """How each parameter is laid out across the ranks: DTensor placements, or a plain (whole) tensor."""
+def placements(module: nn.Module, mesh_dims: tuple[str, ...] = ("ranks",)) -> dict:
+    """How each parameter is laid out across the ranks: DTensor placements per dimension of the run's mesh
+    (`mesh_dims`), or a plain (whole) tensor."""
     rows: list[dict] = []
     counts: Counter[str] = Counter()
     for name, parameter in module.named_parameters():
-        placement = getattr(parameter, "placements", None)
-        if placement is not None:
-            shown = ", ".join(str(p) for p in placement)
-            local = list(cast("DTensor", parameter).to_local().shape)  # placements: a DTensor
+        if getattr(parameter, "placements", None) is not None:
+            shown = placement_words(cast("DTensor", parameter), mesh_dims)
+            local = list(cast("DTensor", parameter).to_local().shape)
         else:
             shown, local = "not sharded", list(parameter.shape)
         counts[shown] += 1
@@ -366,3 +370,17 @@ def placements(module: nn.Module) -> dict:
         "shown": rows,
         "more": max(0, sum(counts.values()) - len(rows)),
     }
+
+
+def placement_words(parameter: DTensor, mesh_dims: tuple[str, ...]) -> str:
+    """A DTensor's placement in words, per mesh dimension: "S(0)" over the 1-D mesh of every rank, "dp_shard S(0) ·
+    tp S(1)" over a mesh of named dimensions. A parameter sharded over a part of the run's mesh (tensor parallel
+    over mesh["tp"]) is replicated over the rest, and says so ("dp_shard R · tp S(0)"); one on a mesh of its own
+    (transformers builds one) is named by that mesh's dimensions."""
+    own = parameter.device_mesh.mesh_dim_names or ()
+    shown = [str(p) for p in parameter.placements]
+    if not own or tuple(own) == ("ranks",):
+        return ", ".join(shown)
+    by_dimension = dict(zip(own, shown, strict=True))
+    order = mesh_dims if set(own) <= set(mesh_dims) else own
+    return " · ".join(f"{dim} {by_dimension.get(dim, 'R')}" for dim in order)

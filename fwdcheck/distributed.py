@@ -31,6 +31,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -120,7 +121,11 @@ def launch(
         heard.checks = [e.name for e in run.entries]
         heard.environment = {
             **environment_summary(run.settings, run.settings.device),
-            "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize},
+            "distributed": {
+                "nproc": nproc,
+                "parallelize": run.config.distributed.parallelize,
+                "mesh": run.config.distributed.mesh or {"ranks": nproc},
+            },
         }
         authkey = secrets.token_bytes(16)
         listener = Listener(family="AF_UNIX", authkey=authkey)
@@ -462,7 +467,7 @@ class RankContext:
     parallelized_by: str  # how the model was sharded, in words
     unsharded: Callable[[], nn.Module]  # the same model built again, not sharded: rank 0's reference
     logits: RankZeroLogits
-    mesh: Any  # the 1-D device mesh of every rank (torch.distributed.device_mesh.DeviceMesh)
+    mesh: Any  # the device mesh of every rank, its dimensions named (torch.distributed.device_mesh.DeviceMesh)
     context_parallel: bool  # the config asks for the sequence to be split across ranks too
 
 
@@ -601,6 +606,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         "nproc": world,
         "backend": backend,
         "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None,
+        "mesh": dict(zip(_CONTEXT.mesh.mesh_dim_names, _CONTEXT.mesh.shape, strict=True)) if _CONTEXT else None,
     }
     # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with
     # a collective pending would abort the process before its error is written down for the launcher).
@@ -640,7 +646,7 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
 
     model = run.load()
     model.module.to(device=device, dtype=dtype)
-    mesh = _mesh(device, world)
+    mesh = _mesh(device, world, spec)
     module, how = shard(model, cast(Config, run.config), mesh, world)
     logits = RankZeroLogits(model.forward_adapter, rank, world)
     takes = (
@@ -667,10 +673,20 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     )
 
 
-def _mesh(device: torch.device, world: int):
+def _mesh(device: torch.device, world: int, spec: Distributed):
+    """The device mesh of every rank: the config's named dimensions (`distributed.mesh`), or one named "ranks"."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (world,), mesh_dim_names=("ranks",))
+    dimensions = spec.mesh or {"ranks": world}
+    if math.prod(dimensions.values()) != world:  # a launch of another size than the config's (--nproc)
+        raise UsageError(f"distributed.mesh {mesh_words(dimensions)} makes {math.prod(dimensions.values())} ranks, "
+                         f"not the {world} this run has")
+    return init_device_mesh(device.type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+
+
+def mesh_words(dimensions: dict[str, int]) -> str:
+    """{dp_shard: 2, tp: 2} as "dp_shard 2 x tp 2"."""
+    return " x ".join(f"{name} {size}" for name, size in dimensions.items())
 
 
 def parallelize_function(config: Config) -> Callable:
@@ -704,7 +720,7 @@ def shard(model: ModelUnderTest, config: Config, mesh, world: int) -> tuple[nn.M
             )
         return module, spec.parallelize
     if model.tensor_parallel is not None:  # a plan of the model's own (transformers' tp_plan)
-        return model.tensor_parallel(model.module, world)
+        return model.tensor_parallel(model.module, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
     raise UsageError(
         f"distributed.parallelize is needed for {model.label}: it has no tensor-parallel plan of its "
         "own; name a function (model, device_mesh) -> model that shards it"
