@@ -20,22 +20,19 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, position_change
-from fwdcheck.distributed import UNSHARDED_RAISES, full, rank_context
+from fwdcheck.distributed import UNSHARDED_RAISES, ParameterLayout, full, rank_context
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
 from fwdcheck.model import extract_logits, layer_stack_of
 from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
 
 PLACEMENTS_SHOWN = 64  # parameters listed by name in the result's data; every one is counted
 
@@ -165,7 +162,7 @@ output."""
             "parallelized_by": context.parallelized_by,
             "ranks": context.world,
             "mesh": dict(zip(context.mesh.mesh_dim_names, context.mesh.shape, strict=True)),
-            "placements": placements(model.module, context.mesh.mesh_dim_names),
+            "placements": placements(context.parameters, context.mesh.mesh_dim_names),
         }
         unsharded = context.unsharded()
         try:
@@ -349,20 +346,18 @@ def _unsharded_view(model, module: nn.Module):
     return dataclasses.replace(model, module=module, forward_adapter=getattr(model.forward_adapter, "adapter", None))
 
 
-def placements(module: nn.Module, mesh_dims: tuple[str, ...] = ("ranks",)) -> dict:
-    """How each parameter is laid out across the ranks: DTensor placements per dimension of the run's mesh
-    (`mesh_dims`), or a plain (whole) tensor."""
+def placements(layouts: list[ParameterLayout], mesh_dims: tuple[str, ...]) -> dict:
+    """How the parameters are laid out across the ranks (as sharding left them: FSDP2 keeps the root's parameters
+    gathered after a forward), counted by placement per dimension of the run's mesh (`mesh_dims`)."""
     rows: list[dict] = []
     counts: Counter[str] = Counter()
-    for name, parameter in module.named_parameters():
-        if getattr(parameter, "placements", None) is not None:
-            shown = placement_words(cast("DTensor", parameter), mesh_dims)
-            local = list(cast("DTensor", parameter).to_local().shape)
-        else:
-            shown, local = "not sharded", list(parameter.shape)
+    for parameter in layouts:
+        shown = placement_words(parameter, mesh_dims)
         counts[shown] += 1
         if len(rows) < PLACEMENTS_SHOWN:
-            rows.append({"name": name, "placement": shown, "shape": list(parameter.shape), "local": local})
+            rows.append(
+                {"name": parameter.name, "placement": shown, "shape": parameter.shape, "local": parameter.local}
+            )
     summary = ", ".join(f"{n} {placement}" for placement, n in counts.most_common())
     return {
         "summary": f"parameters: {summary}",
@@ -372,15 +367,15 @@ def placements(module: nn.Module, mesh_dims: tuple[str, ...] = ("ranks",)) -> di
     }
 
 
-def placement_words(parameter: DTensor, mesh_dims: tuple[str, ...]) -> str:
-    """A DTensor's placement in words, per mesh dimension: "S(0)" over the 1-D mesh of every rank, "dp_shard S(0) ·
-    tp S(1)" over a mesh of named dimensions. A parameter sharded over a part of the run's mesh (tensor parallel
-    over mesh["tp"]) is replicated over the rest, and says so ("dp_shard R · tp S(0)"); one on a mesh of its own
-    (transformers builds one) is named by that mesh's dimensions."""
-    own = parameter.device_mesh.mesh_dim_names or ()
-    shown = [str(p) for p in parameter.placements]
-    if not own or tuple(own) == ("ranks",):
-        return ", ".join(shown)
-    by_dimension = dict(zip(own, shown, strict=True))
-    order = mesh_dims if set(own) <= set(mesh_dims) else own
+def placement_words(parameter: ParameterLayout, mesh_dims: tuple[str, ...]) -> str:
+    """A parameter's placement in words, per mesh dimension: "S(0)" over the 1-D mesh of every rank, "dp_shard S(0) ·
+    tp S(1)" over a mesh of named dimensions, "not sharded" for a plain tensor. A parameter sharded over a part of
+    the run's mesh (tensor parallel over mesh["tp"]) is replicated over the rest, and says so ("dp_shard R ·
+    tp S(0)"); one on a mesh of its own (transformers builds one) is named by that mesh's dimensions."""
+    if parameter.placements is None:
+        return "not sharded"
+    if not parameter.mesh or parameter.mesh == ("ranks",):
+        return ", ".join(parameter.placements)
+    by_dimension = dict(zip(parameter.mesh, parameter.placements, strict=True))
+    order = mesh_dims if set(parameter.mesh) <= set(mesh_dims) else parameter.mesh
     return " · ".join(f"{dim} {by_dimension.get(dim, 'R')}" for dim in order)

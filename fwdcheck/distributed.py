@@ -469,6 +469,33 @@ class RankContext:
     logits: RankZeroLogits
     mesh: Any  # the device mesh of every rank, its dimensions named (torch.distributed.device_mesh.DeviceMesh)
     context_parallel: bool  # the config asks for the sequence to be split across ranks too
+    parameters: list[ParameterLayout]  # as sharding left them, before a forward (FSDP2 keeps the root's gathered)
+
+
+@dataclass
+class ParameterLayout:
+    """How one parameter lies across the ranks: its DTensor placements over its mesh's named dimensions, or None
+    for a plain tensor (every rank holds it whole)."""
+
+    name: str
+    placements: tuple[str, ...] | None  # str(Shard(0)) = "S(0)", one per dimension of `mesh`
+    mesh: tuple[str, ...]  # the dimension names of the mesh the parameter lies on
+    shape: list[int]
+    local: list[int]  # this rank's share
+
+
+def layout(module: nn.Module) -> list[ParameterLayout]:
+    """Each parameter's layout as it is now."""
+    rows = []
+    for name, parameter in module.named_parameters():
+        placements = getattr(parameter, "placements", None)
+        if placements is None:
+            rows.append(ParameterLayout(name, None, (), list(parameter.shape), list(parameter.shape)))
+            continue
+        mesh = tuple(parameter.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]  # a DTensor
+        local = list(parameter.to_local().shape)  # type: ignore[attr-defined]
+        rows.append(ParameterLayout(name, tuple(str(p) for p in placements), mesh, list(parameter.shape), local))
+    return rows
 
 
 _CONTEXT: RankContext | None = None
@@ -644,17 +671,21 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     def build() -> nn.Module:  # the unsharded reference, from the same seed
         return run.load().module.to(device=device, dtype=dtype).eval()
 
+    # The gathers of fwdcheck's own (full()) of a tensor sharded over two mesh dimensions each draw torch's advice on
+    # their speed, a line per rank on stderr: about fwdcheck's comparison, not the model.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model = run.load()
     model.module.to(device=device, dtype=dtype)
     mesh = _mesh(device, world, spec)
     module, how = shard(model, cast(Config, run.config), mesh, world)
     logits = RankZeroLogits(model.forward_adapter, rank, world)
+    module.register_forward_hook(logits.share_output)  # the calls checks make themselves: rank 0's output too
     takes = (
         model.forward_kwargs
         if model.forward_kwargs is not None
         else (set() if model.forward_adapter is not None else _parameters(module))
     )
-    _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel)
+    _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel, layout(module))
     # Tensor parallelism gives each rank its share of the heads: the head counts a model's config declares are the
     # whole model's, and the ledger reads each rank's off its attention calls instead.
     dims = {name: size for name, size in model.dims.items() if name not in ("h", "h_kv")}
@@ -754,8 +785,35 @@ class RankZeroLogits:
         self.own: torch.Tensor | None = None
         self.agreed_raises = 0  # forwards that raised on every rank at once, since take_agreed_raises()
         self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_S))
+        self.forwarding = False
+
+    def share_output(self, module: nn.Module, args, output):
+        """A forward hook on the sharded model's root: what a call that does not come through the forward above
+        returns (the kv-cache, packing and label-shift checks call the module with arguments of their own), with
+        rank 0's tensors in place of each rank's own: its logits and loss, gathered whole where they are DTensors.
+        Every rank then judges rank 0's output and takes the same way through the check, calling the model as often
+        as the others: a check that decides on its own rank's output (a sharded model whose ranks disagree, FWD982)
+        would send one rank into a forward the others never join, and the run would hang there. The rest of the
+        output (a cache of this rank's heads) stays the rank's. A call with gradients keeps its own output: the
+        check differentiates it."""
+        if self.forwarding or torch.is_grad_enabled():
+            return None
+        fields = _output_tensors(output)
+        shapes: list = [None] * self.world
+        dist.all_gather_object(shapes, [(name, tuple(t.shape), str(t.dtype)) for name, t in fields.items()])
+        if any(shape != shapes[0] for shape in shapes):  # every rank knows it: every rank raises here, in step
+            raise ModelRaised(
+                "the ranks return outputs of different shapes: "
+                + ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
+            )
+        shared = {}
+        for name, tensor in fields.items():
+            shared[name] = full(tensor).detach().clone()  # a copy: the broadcast writes into it
+            dist.broadcast(shared[name], src=0)
+        return _with_tensors(output, shared)
 
     def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.forwarding = True  # the module's own output, for the broadcast below: share_output leaves it alone
         try:
             output = (
                 self.adapter(module, input_ids, **kwargs) if self.adapter is not None else module(input_ids, **kwargs)
@@ -767,6 +825,8 @@ class RankZeroLogits:
                 raise RankStopped(f"the model raised {first_line(describe(exc))} on this rank alone") from exc
             self.agreed_raises += 1
             raise
+        finally:
+            self.forwarding = False
         logits = full(extract_logits(output)).detach()
         shapes: list = [None] * self.world
         dist.all_gather_object(shapes, tuple(logits.shape))
@@ -793,6 +853,38 @@ class RankZeroLogits:
         except RuntimeError:  # some rank did not answer in time: it is still in the forward
             return False
         return all(raised)
+
+
+def _output_tensors(output) -> dict[str, torch.Tensor]:
+    """The tensors of a forward's output that every rank holds alike when the sharding is right: the output itself
+    (a tensor), its logits and loss (an object or mapping, as transformers' outputs), or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return {"output": output}
+    if isinstance(output, (tuple, list)):
+        return {"0": output[0]} if output and isinstance(output[0], torch.Tensor) else {}
+    fields = {}
+    for name in ("logits", "loss"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            fields[name] = value
+    return fields
+
+
+def _with_tensors(output, shared: dict[str, torch.Tensor]):
+    """The output with the tensors _output_tensors found replaced by `shared`."""
+    if isinstance(output, torch.Tensor):
+        return shared["output"]
+    if isinstance(output, (tuple, list)):
+        if not shared:
+            return output
+        items = [shared["0"], *output[1:]]
+        return list(items) if isinstance(output, list) else type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+    for name, tensor in shared.items():
+        if isinstance(output, dict):
+            output[name] = tensor  # transformers' ModelOutput sets the attribute too
+        else:
+            setattr(output, name, tensor)
+    return output
 
 
 def full(tensor):

@@ -186,6 +186,28 @@ def tp_fsdp_missing_reduction(model: GPT, mesh) -> GPT:
     return model
 
 
+def llama_missing_reduction(model: nn.Module, mesh) -> nn.Module:
+    """A Hugging Face Llama sharded by hand as its own plan shards it, but for o_proj, whose RowwiseParallel leaves
+    its output partial: each rank's logits are its own, none the unsharded model's."""
+    from torch.distributed.tensor import Partial
+
+    for layer in model.model.layers:
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Partial(), use_local_output=True),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+    return model
+
+
 def raises(model: GPT, mesh) -> GPT:
     raise ValueError("no plan for this model")
 
