@@ -71,8 +71,8 @@ runs with the wrong size, is a head count that was not divided by the number of 
 Limits: one forward of the session's inputs; the model is sharded as the config says, over the config's mesh
 (`distributed.mesh`, placements listed per dimension) or a 1-D mesh of all ranks. Context parallelism runs on
 CUDA only, over a 1-D mesh. The other checks then run on the sharded model, every rank seeing
-rank 0's logits; the kv-cache, packing and label-shift checks call the module themselves and judge each rank's own
-output."""
+rank 0's logits, also from the calls the kv-cache, packing and label-shift checks make themselves (their logits and
+loss): ranks that disagree are this check's finding, not theirs."""
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -131,7 +131,8 @@ output."""
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
         if context.mesh.ndim > 1:
-            return f"the sequence is split over a 1-D mesh of every rank; this run's mesh has {context.mesh.ndim} dimensions"
+            dimensions = context.mesh.ndim
+            return f"the sequence is split over a 1-D mesh of every rank; this run's mesh has {dimensions} dimensions"
         if not model.accepts_position_ids:
             return "forward takes no position_ids: each rank's share of the sequence would start at position 0"
         module = context.unsharded()

@@ -425,8 +425,8 @@ MAX_RANKS = 256
 
 class Distributed(Strict):
     """How the model runs sharded across processes, as it will train: every rank builds the same model from the same
-    seed, the parallelize function shards it over a device mesh of all ranks, and the checks run on the sharded
-    model (the sharding check compares it with the unsharded one)."""
+    seed, the parallelize function shards it over a device mesh of all ranks (its dimensions named by `mesh`), and
+    the checks run on the sharded model (the sharding check compares it with the unsharded one)."""
 
     nproc: PositiveInt = Field(
         1, le=MAX_RANKS, description="processes (ranks) on this machine; 1: not distributed; default: the mesh's"

@@ -710,8 +710,10 @@ def _mesh(device: torch.device, world: int, spec: Distributed):
 
     dimensions = spec.mesh or {"ranks": world}
     if math.prod(dimensions.values()) != world:  # a launch of another size than the config's (--nproc)
-        raise UsageError(f"distributed.mesh {mesh_words(dimensions)} makes {math.prod(dimensions.values())} ranks, "
-                         f"not the {world} this run has")
+        raise UsageError(
+            f"distributed.mesh {mesh_words(dimensions)} makes {math.prod(dimensions.values())} ranks, "
+            f"not the {world} this run has"
+        )
     return init_device_mesh(device.type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
 
 
@@ -878,7 +880,9 @@ def _with_tensors(output, shared: dict[str, torch.Tensor]):
         if not shared:
             return output
         items = [shared["0"], *output[1:]]
-        return list(items) if isinstance(output, list) else type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else tuple(items)  # a named tuple, or a plain one
     for name, tensor in shared.items():
         if isinstance(output, dict):
             output[name] = tensor  # transformers' ModelOutput sets the attribute too

@@ -192,8 +192,8 @@ def test_a_hugging_face_model_needs_parallelize_for_a_mesh_its_plans_do_not_name
 
 
 def test_placements_are_written_per_mesh_dimension():
-    from fwdcheck.distributed import ParameterLayout
     from fwdcheck.checks.sharding import placement_words
+    from fwdcheck.distributed import ParameterLayout
 
     def words(placements, mesh, run=("dp_shard", "tp")):
         return placement_words(ParameterLayout("w", placements, mesh, [4, 4], [2, 4]), run)

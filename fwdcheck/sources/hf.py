@@ -760,11 +760,18 @@ def tensor_parallel(module: nn.Module, mesh: dict[str, int]) -> tuple[nn.Module,
         else f"{sizes['tp_size']} ranks"
     )
     try:
-        config, _, meshes = cls.prepare_distribute_model(DistributedConfig(**sizes))
+        config, _, meshes = cls.prepare_distribute_model(
+            DistributedConfig(
+                tp_size=sizes["tp_size"],
+                fsdp_size=sizes.get("fsdp_size"),
+                dp_replicate_size=sizes.get("dp_replicate_size"),
+            )
+        )
         sharded = cls.maybe_distribute_model(module, config, meshes)
     except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
+        plans = "plans" if len(sizes) > 1 else "tensor-parallel plan"
         raise ModelLoadError(
-            f"transformers could not apply {cls.__name__}'s plans over "
+            f"transformers could not apply {cls.__name__}'s {plans} over "
             f"{over}: {type(exc).__name__}: {first_line(exc)}; name a "
             "distributed.parallelize function instead"
         ) from exc
