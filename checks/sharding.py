@@ -375,7 +375,7 @@ def placement_words(parameter: ParameterLayout, mesh_dims: tuple[str, ...]) -> s
     tp S(0)"); one on a mesh of its own (transformers builds one) is named by that mesh's dimensions."""
     if parameter.placements is None:
         return "not sharded"
-    if not parameter.mesh or parameter.mesh == ("ranks",):
+    if len(parameter.mesh) <= 1 and tuple(mesh_dims) == ("ranks",):  # one dimension, over every rank
         return ", ".join(parameter.placements)
     by_dimension = dict(zip(parameter.mesh, parameter.placements, strict=True))
     order = mesh_dims if set(parameter.mesh) <= set(mesh_dims) else parameter.mesh

@@ -23,8 +23,11 @@ def mesh_config(parallelize: str) -> dict:
 
 def test_tensor_parallel_times_fsdp2_over_a_2d_mesh_passes_every_check(tmp_path):
     """Megatron's plan over mesh["tp"], then FSDP2 over mesh["dp_shard"], on 4 ranks: the sharded model computes
-    the unsharded logits, and the placements are read per mesh dimension."""
-    code, report, stderr = launch(tmp_path, mesh_config("tp_fsdp"))
+    the unsharded logits, and the placements are read per mesh dimension. Context parallelism asked for too: it
+    splits over a 1-D mesh, and the sharding check says it did not, judging the rest."""
+    config = mesh_config("tp_fsdp")
+    config["distributed"]["context_parallel"] = True
+    code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     got = checks(report)
     assert {name: c["status"] for name, c in got.items()} == {
@@ -45,6 +48,9 @@ def test_tensor_parallel_times_fsdp2_over_a_2d_mesh_passes_every_check(tmp_path)
         "dp_shard S(0) · tp R": 12,
     }
     assert "dp_shard S(0) · tp S(1)" in sharding["summary"]
+    assert sharding["data"]["context_parallel"] == (
+        "not run: the sequence is split over a 1-D mesh of every rank; this run's mesh has 2 dimensions"
+    )
     assert report["environment"]["distributed"] == {
         "nproc": 4,
         "backend": "gloo",
@@ -199,7 +205,34 @@ def test_placements_are_written_per_mesh_dimension():
         return placement_words(ParameterLayout("w", placements, mesh, [4, 4], [2, 4]), run)
 
     assert words(("S(0)",), ("ranks",), ("ranks",)) == "S(0)"  # the 1-D mesh of every rank, as before meshes
+    assert words(("S(0)",), ("tp",), ("ranks",)) == "S(0)"  # transformers' own 1-D mesh over every rank
     assert words(("S(0)", "S(1)"), ("dp_shard", "tp")) == "dp_shard S(0) · tp S(1)"
     assert words(("S(0)",), ("tp",)) == "dp_shard R · tp S(0)"  # tensor parallel alone: replicated over dp_shard
     assert words(("S(0)",), ("fsdp",)) == "fsdp S(0)"  # a mesh of its own (transformers'): its own names
     assert words(None, ()) == "not sharded"
+
+
+def test_a_call_a_check_makes_itself_gets_rank_0s_tensors_in_the_models_own_output_type():
+    """The output's logits and loss are replaced (what every rank holds alike when the sharding is right); the rest
+    (a cache of this rank's heads, a tuple's later items) stays the rank's own."""
+    from collections import namedtuple
+
+    import torch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from fwdcheck.distributed import _output_tensors, _with_tensors
+
+    own, shared, loss, cache = torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.tensor(2.0), object()
+    output = CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=own, past_key_values=cache)
+    assert set(_output_tensors(output)) == {"logits", "loss"}
+    replaced = _with_tensors(output, {"logits": shared, "loss": loss})
+    assert replaced.logits is shared and replaced["logits"] is shared and replaced.loss is loss
+    assert replaced.past_key_values is cache
+
+    assert _with_tensors(own, {"output": shared}) is shared
+    Pair = namedtuple("Pair", "logits cache")
+    pair = _with_tensors(Pair(own, cache), {"0": shared})
+    assert isinstance(pair, Pair) and pair.logits is shared and pair.cache is cache
+    assert _with_tensors((own, cache), {"0": shared}) == (shared, cache)
+    assert _with_tensors({"logits": own}, {"logits": shared}) == {"logits": shared}
+    assert _output_tensors(("no tensor",)) == {} and _output_tensors(object()) == {}
