@@ -700,7 +700,7 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
         forward_kwargs=takes,
         dims=dims,
         extra={**model.extra, "notes": notes},
-        label=f"{model.label} [{how}, {world} ranks]",
+        label=f"{model.label} [{how}, {world} ranks{f': {mesh_words(spec.mesh)}' if spec.mesh else ''}]",
     )
 
 

@@ -51,6 +51,7 @@ def test_tensor_parallel_times_fsdp2_over_a_2d_mesh_passes_every_check(tmp_path)
     assert sharding["data"]["context_parallel"] == (
         "not run: the sequence is split over a 1-D mesh of every rank; this run's mesh has 2 dimensions"
     )
+    assert report["model"]["label"].endswith("[tests.distributed_models:tp_fsdp, 4 ranks: dp_shard 2 x tp 2]")
     assert report["environment"]["distributed"] == {
         "nproc": 4,
         "backend": "gloo",
