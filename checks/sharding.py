@@ -20,22 +20,19 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fwdcheck.compare import logit_scale, position_change
-from fwdcheck.distributed import UNSHARDED_RAISES, full, rank_context
+from fwdcheck.distributed import UNSHARDED_RAISES, ParameterLayout, full, rank_context
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
 from fwdcheck.model import extract_logits, layer_stack_of
 from fwdcheck.observe import code_location, first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.tolerances import TOLERANCES
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
 
 PLACEMENTS_SHOWN = 64  # parameters listed by name in the result's data; every one is counted
 
@@ -61,7 +58,7 @@ unsharded model, built again from the same seed, runs the same inputs: its logit
 compared with the sharded model's (FWD981), within the bar for the same arithmetic in another order (float32
 1e-6 + 1e-4 x the largest |value|; float16 5e-3, bfloat16 1e-2 likewise; never below the session's threshold). A
 sharded model that raises where the unsharded one runs fails (FWD983), and the other checks do not run on it.
-Every parameter's placement (Shard(dim), Replicate(), or a plain tensor) is listed.
+Every parameter's placement (Shard(dim), Replicate(), or a plain tensor; per mesh dimension) is listed.
 Why: a model that is causal and correct on one process can be wrong once sharded: a layer declared column-wise that
 should be row-wise, a missing all-reduce, heads split where the code assumes the full head count, a gather left
 out. Training runs on such a model without an error, to a worse loss.
@@ -71,10 +68,11 @@ embeddings row-wise over the vocabulary). FWD982 -> an output that should be rep
 sharded: a RowwiseParallel without its reduction, a ColwiseParallel whose output is never gathered. FWD983 -> read
 the error: a shape mismatch in a projection is a layer sharded on the wrong axis; a view into heads that fails, or
 runs with the wrong size, is a head count that was not divided by the number of ranks.
-Limits: one forward of the session's inputs; the model is sharded as the config says, over one 1-D mesh of all
-ranks. Context parallelism runs on CUDA only. The other checks then run on the sharded model, every rank seeing
-rank 0's logits; the kv-cache, packing and label-shift checks call the module themselves and judge each rank's own
-output."""
+Limits: one forward of the session's inputs; the model is sharded as the config says, over the config's mesh
+(`distributed.mesh`, placements listed per dimension) or a 1-D mesh of all ranks. Context parallelism runs on
+CUDA only, over a 1-D mesh. The other checks then run on the sharded model, every rank seeing
+rank 0's logits, also from the calls the kv-cache, packing and label-shift checks make themselves (their logits and
+loss): ranks that disagree are this check's finding, not theirs."""
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -132,6 +130,9 @@ output."""
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
+        if context.mesh.ndim > 1:
+            dimensions = context.mesh.ndim
+            return f"the sequence is split over a 1-D mesh of every rank; this run's mesh has {dimensions} dimensions"
         if not model.accepts_position_ids:
             return "forward takes no position_ids: each rank's share of the sequence would start at position 0"
         module = context.unsharded()
@@ -161,7 +162,8 @@ output."""
         data: dict = {
             "parallelized_by": context.parallelized_by,
             "ranks": context.world,
-            "placements": placements(model.module),
+            "mesh": dict(zip(context.mesh.mesh_dim_names, context.mesh.shape, strict=True)),
+            "placements": placements(context.parameters, context.mesh.mesh_dim_names),
         }
         unsharded = context.unsharded()
         try:
@@ -345,20 +347,18 @@ def _unsharded_view(model, module: nn.Module):
     return dataclasses.replace(model, module=module, forward_adapter=getattr(model.forward_adapter, "adapter", None))
 
 
-def placements(module: nn.Module) -> dict:
-    """How each parameter is laid out across the ranks: DTensor placements, or a plain (whole) tensor."""
+def placements(layouts: list[ParameterLayout], mesh_dims: tuple[str, ...]) -> dict:
+    """How the parameters are laid out across the ranks (as sharding left them: FSDP2 keeps the root's parameters
+    gathered after a forward), counted by placement per dimension of the run's mesh (`mesh_dims`)."""
     rows: list[dict] = []
     counts: Counter[str] = Counter()
-    for name, parameter in module.named_parameters():
-        placement = getattr(parameter, "placements", None)
-        if placement is not None:
-            shown = ", ".join(str(p) for p in placement)
-            local = list(cast("DTensor", parameter).to_local().shape)  # placements: a DTensor
-        else:
-            shown, local = "not sharded", list(parameter.shape)
+    for parameter in layouts:
+        shown = placement_words(parameter, mesh_dims)
         counts[shown] += 1
         if len(rows) < PLACEMENTS_SHOWN:
-            rows.append({"name": name, "placement": shown, "shape": list(parameter.shape), "local": local})
+            rows.append(
+                {"name": parameter.name, "placement": shown, "shape": parameter.shape, "local": parameter.local}
+            )
     summary = ", ".join(f"{n} {placement}" for placement, n in counts.most_common())
     return {
         "summary": f"parameters: {summary}",
@@ -366,3 +366,17 @@ def placements(module: nn.Module) -> dict:
         "shown": rows,
         "more": max(0, sum(counts.values()) - len(rows)),
     }
+
+
+def placement_words(parameter: ParameterLayout, mesh_dims: tuple[str, ...]) -> str:
+    """A parameter's placement in words, per mesh dimension: "S(0)" over the 1-D mesh of every rank, "dp_shard S(0) ·
+    tp S(1)" over a mesh of named dimensions, "not sharded" for a plain tensor. A parameter sharded over a part of
+    the run's mesh (tensor parallel over mesh["tp"]) is replicated over the rest, and says so ("dp_shard R ·
+    tp S(0)"); one on a mesh of its own (transformers builds one) is named by that mesh's dimensions."""
+    if parameter.placements is None:
+        return "not sharded"
+    if len(parameter.mesh) <= 1 and tuple(mesh_dims) == ("ranks",):  # one dimension, over every rank
+        return ", ".join(parameter.placements)
+    by_dimension = dict(zip(parameter.mesh, parameter.placements, strict=True))
+    order = mesh_dims if set(parameter.mesh) <= set(mesh_dims) else parameter.mesh
+    return " · ".join(f"{dim} {by_dimension.get(dim, 'R')}" for dim in order)

@@ -528,6 +528,12 @@ def planned_checks(o: RunOptions, path: Path | None, config) -> list:
                 f"{path}: --check {outside[0]} is not among the config's checks ({', '.join(config.checks)})"
             )
     nproc = o.nproc or config.distributed.nproc
+    mesh = config.distributed.mesh
+    if mesh and nproc != config.distributed.nproc:  # the mesh's product is the config's nproc (config.Distributed)
+        raise UsageError(
+            f"{path or o.model}: --nproc {nproc} but distributed.mesh makes {config.distributed.nproc} ranks "
+            f"({' x '.join(f'{name} {size}' for name, size in mesh.items())}); leave --nproc out"
+        )
     with about_config(path if config.checks and not o.checks else None, "checks: "):
         entries = selected(selection, nproc)
     if nproc > 1 and not config.model.shards_itself and not config.distributed.parallelize:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 import stat
@@ -419,12 +420,17 @@ class Tolerance(Strict):
     noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
 
 
+MAX_RANKS = 256
+
+
 class Distributed(Strict):
     """How the model runs sharded across processes, as it will train: every rank builds the same model from the same
-    seed, the parallelize function shards it over a device mesh of all ranks, and the checks run on the sharded
-    model (the sharding check compares it with the unsharded one)."""
+    seed, the parallelize function shards it over a device mesh of all ranks (its dimensions named by `mesh`), and
+    the checks run on the sharded model (the sharding check compares it with the unsharded one)."""
 
-    nproc: PositiveInt = Field(1, le=256, description="processes (ranks) on this machine; 1: not distributed")
+    nproc: PositiveInt = Field(
+        1, le=MAX_RANKS, description="processes (ranks) on this machine; 1: not distributed; default: the mesh's"
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on the CPU")
     parallelize: str | None = Field(
         None,
@@ -437,6 +443,30 @@ class Distributed(Strict):
         description="also split the sequence across the ranks (torch's "
         "context_parallel around each forward); CUDA only",
     )
+    mesh: dict[str, PositiveInt] | None = Field(
+        None,
+        description="the device mesh's dimensions, names and sizes in order (e.g. {dp_shard: 2, tp: 2}); their "
+        "product is the number of ranks (nproc may be left out); omitted: one dimension 'ranks' of nproc",
+    )
+
+    @model_validator(mode="after")
+    def _mesh_fits(self) -> Distributed:
+        if self.mesh is None:
+            return self
+        if not self.mesh:
+            raise ValueError("mesh names no dimension: give each a name and a size, e.g. {dp_shard: 2, tp: 2}")
+        for name in self.mesh:
+            if not name.isidentifier():
+                raise ValueError(f"mesh dimension '{name}' is not a name (letters, digits and _, not first a digit)")
+        ranks = math.prod(self.mesh.values())
+        sizes = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
+        if "nproc" not in self.model_fields_set:
+            if ranks > MAX_RANKS:
+                raise ValueError(f"mesh {sizes} makes {ranks} ranks, more than {MAX_RANKS}")
+            self.nproc = ranks  # the mesh says how many ranks
+        elif self.nproc != ranks:
+            raise ValueError(f"nproc {self.nproc} but mesh {sizes} makes {ranks} ranks; leave nproc out")
+        return self
 
 
 class Ignore(Strict):

@@ -31,6 +31,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -120,7 +121,11 @@ def launch(
         heard.checks = [e.name for e in run.entries]
         heard.environment = {
             **environment_summary(run.settings, run.settings.device),
-            "distributed": {"nproc": nproc, "parallelize": run.config.distributed.parallelize},
+            "distributed": {
+                "nproc": nproc,
+                "parallelize": run.config.distributed.parallelize,
+                "mesh": run.config.distributed.mesh or {"ranks": nproc},
+            },
         }
         authkey = secrets.token_bytes(16)
         listener = Listener(family="AF_UNIX", authkey=authkey)
@@ -462,8 +467,35 @@ class RankContext:
     parallelized_by: str  # how the model was sharded, in words
     unsharded: Callable[[], nn.Module]  # the same model built again, not sharded: rank 0's reference
     logits: RankZeroLogits
-    mesh: Any  # the 1-D device mesh of every rank (torch.distributed.device_mesh.DeviceMesh)
+    mesh: Any  # the device mesh of every rank, its dimensions named (torch.distributed.device_mesh.DeviceMesh)
     context_parallel: bool  # the config asks for the sequence to be split across ranks too
+    parameters: list[ParameterLayout]  # as sharding left them, before a forward (FSDP2 keeps the root's gathered)
+
+
+@dataclass
+class ParameterLayout:
+    """How one parameter lies across the ranks: its DTensor placements over its mesh's named dimensions, or None
+    for a plain tensor (every rank holds it whole)."""
+
+    name: str
+    placements: tuple[str, ...] | None  # str(Shard(0)) = "S(0)", one per dimension of `mesh`
+    mesh: tuple[str, ...]  # the dimension names of the mesh the parameter lies on
+    shape: list[int]
+    local: list[int]  # this rank's share
+
+
+def layout(module: nn.Module) -> list[ParameterLayout]:
+    """Each parameter's layout as it is now."""
+    rows = []
+    for name, parameter in module.named_parameters():
+        placements = getattr(parameter, "placements", None)
+        if placements is None:
+            rows.append(ParameterLayout(name, None, (), list(parameter.shape), list(parameter.shape)))
+            continue
+        mesh = tuple(parameter.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]  # a DTensor
+        local = list(parameter.to_local().shape)  # type: ignore[attr-defined]
+        rows.append(ParameterLayout(name, tuple(str(p) for p in placements), mesh, list(parameter.shape), local))
+    return rows
 
 
 _CONTEXT: RankContext | None = None
@@ -553,15 +585,21 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
         sys.stdout.flush()  # and would leave a rank that returned one waiting for it to be read (30 s)
         sys.stderr.flush()
         os._exit(ExitCode.INTERRUPTED)
-    report.environment["distributed"] = {
-        "nproc": world,
-        "backend": backend,
-        "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None,
-    }
+    report.environment["distributed"] = ran_as(world, backend)
     # Only after a run every rank finished: a rank that raises leaves with its group as it is (tearing it down with
     # a collective pending would abort the process before its error is written down for the launcher).
     dist.destroy_process_group()
     return report.to_dict(), [r.internal_error for r in report.results]
+
+
+def ran_as(world: int, backend: str) -> dict:
+    """How this rank's run was distributed, for its report's environment."""
+    return {
+        "nproc": world,
+        "backend": backend,
+        "parallelize": _CONTEXT.parallelized_by if _CONTEXT else None,
+        "mesh": dict(zip(_CONTEXT.mesh.mesh_dim_names, _CONTEXT.mesh.shape, strict=True)) if _CONTEXT else None,
+    }
 
 
 def in_rank_order(entries: list) -> list:
@@ -666,17 +704,21 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
     def build() -> nn.Module:  # the unsharded reference, from the same seed
         return run.load().module.to(device=device, dtype=dtype).eval()
 
+    # The gathers of fwdcheck's own (full()) of a tensor sharded over two mesh dimensions each draw torch's advice on
+    # their speed, a line per rank on stderr: about fwdcheck's comparison, not the model.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model = run.load()
     model.module.to(device=device, dtype=dtype)
-    mesh = _mesh(device, world)
+    mesh = _mesh(device, world, spec)
     module, how = shard(model, cast(Config, run.config), mesh, world)
     logits = RankZeroLogits(model.forward_adapter, rank, world)
+    module.register_forward_hook(logits.share_output)  # the calls checks make themselves: rank 0's output too
     takes = (
         model.forward_kwargs
         if model.forward_kwargs is not None
         else (set() if model.forward_adapter is not None else _parameters(module))
     )
-    _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel)
+    _CONTEXT = RankContext(rank, world, device, how, build, logits, mesh, spec.context_parallel, layout(module))
     # Tensor parallelism gives each rank its share of the heads: the head counts a model's config declares are the
     # whole model's, and the ledger reads each rank's off its attention calls instead.
     dims = {name: size for name, size in model.dims.items() if name not in ("h", "h_kv")}
@@ -691,14 +733,26 @@ def sharded(run: Run, device: torch.device, rank: int, world: int) -> ModelUnder
         forward_kwargs=takes,
         dims=dims,
         extra={**model.extra, "notes": notes},
-        label=f"{model.label} [{how}, {world} ranks]",
+        label=f"{model.label} [{how}, {world} ranks{f': {mesh_words(spec.mesh)}' if spec.mesh else ''}]",
     )
 
 
-def _mesh(device: torch.device, world: int):
+def _mesh(device: torch.device, world: int, spec: Distributed):
+    """The device mesh of every rank: the config's named dimensions (`distributed.mesh`), or one named "ranks"."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (world,), mesh_dim_names=("ranks",))
+    dimensions = spec.mesh or {"ranks": world}
+    if math.prod(dimensions.values()) != world:  # a launch of another size than the config's (--nproc)
+        raise UsageError(
+            f"distributed.mesh {mesh_words(dimensions)} makes {math.prod(dimensions.values())} ranks, "
+            f"not the {world} this run has"
+        )
+    return init_device_mesh(device.type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+
+
+def mesh_words(dimensions: dict[str, int]) -> str:
+    """{dp_shard: 2, tp: 2} as "dp_shard 2 x tp 2"."""
+    return " x ".join(f"{name} {size}" for name, size in dimensions.items())
 
 
 def parallelize_function(config: Config) -> Callable:
@@ -732,7 +786,7 @@ def shard(model: ModelUnderTest, config: Config, mesh, world: int) -> tuple[nn.M
             )
         return module, spec.parallelize
     if model.tensor_parallel is not None:  # a plan of the model's own (transformers' tp_plan)
-        return model.tensor_parallel(model.module, world)
+        return model.tensor_parallel(model.module, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
     raise UsageError(
         f"distributed.parallelize is needed for {model.label}: it has no tensor-parallel plan of its "
         "own; name a function (model, device_mesh) -> model that shards it"
@@ -767,8 +821,35 @@ class RankZeroLogits:
         self.raised_at: float | None = None  # when the last forward that raised did
         self.agreed_raises = 0  # forwards that raised on every rank at once, since take_agreed_raises()
         self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREEMENT_S))
+        self.forwarding = False
+
+    def share_output(self, module: nn.Module, args, output):
+        """A forward hook on the sharded model's root: what a call that does not come through the forward above
+        returns (the kv-cache, packing and label-shift checks call the module with arguments of their own), with
+        rank 0's tensors in place of each rank's own: its logits and loss, gathered whole where they are DTensors.
+        Every rank then judges rank 0's output and takes the same way through the check, calling the model as often
+        as the others: a check that decides on its own rank's output (a sharded model whose ranks disagree, FWD982)
+        would send one rank into a forward the others never join, and the run would hang there. The rest of the
+        output (a cache of this rank's heads) stays the rank's. A call with gradients keeps its own output: the
+        check differentiates it."""
+        if self.forwarding or torch.is_grad_enabled():
+            return None
+        fields = _output_tensors(output)
+        shapes: list = [None] * self.world
+        dist.all_gather_object(shapes, [(name, tuple(t.shape), str(t.dtype)) for name, t in fields.items()])
+        if any(shape != shapes[0] for shape in shapes):  # every rank knows it: every rank raises here, in step
+            raise ModelRaised(
+                "the ranks return outputs of different shapes: "
+                + ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
+            )
+        shared = {}
+        for name, tensor in fields.items():
+            shared[name] = full(tensor).detach().clone()  # a copy: the broadcast writes into it
+            dist.broadcast(shared[name], src=0)
+        return _with_tensors(output, shared)
 
     def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.forwarding = True  # the module's own output, for the broadcast below: share_output leaves it alone
         try:
             output = (
                 self.adapter(module, input_ids, **kwargs) if self.adapter is not None else module(input_ids, **kwargs)
@@ -787,6 +868,8 @@ class RankZeroLogits:
                 ) from exc
             self.agreed_raises += 1
             raise
+        finally:
+            self.forwarding = False
         logits = full(extract_logits(output)).detach()
         shapes: list = [None] * self.world
         dist.all_gather_object(shapes, tuple(logits.shape))
@@ -813,6 +896,40 @@ class RankZeroLogits:
         except RuntimeError:  # some rank did not answer in time: it is still in the forward
             return False
         return all(raised)
+
+
+def _output_tensors(output) -> dict[str, torch.Tensor]:
+    """The tensors of a forward's output that every rank holds alike when the sharding is right: the output itself
+    (a tensor), its logits and loss (an object or mapping, as transformers' outputs), or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return {"output": output}
+    if isinstance(output, (tuple, list)):
+        return {"0": output[0]} if output and isinstance(output[0], torch.Tensor) else {}
+    fields = {}
+    for name in ("logits", "loss"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            fields[name] = value
+    return fields
+
+
+def _with_tensors(output, shared: dict[str, torch.Tensor]):
+    """The output with the tensors _output_tensors found replaced by `shared`."""
+    if isinstance(output, torch.Tensor):
+        return shared["output"]
+    if isinstance(output, (tuple, list)):
+        if not shared:
+            return output
+        items = [shared["0"], *output[1:]]
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else tuple(items)  # a named tuple, or a plain one
+    for name, tensor in shared.items():
+        if isinstance(output, dict):
+            output[name] = tensor  # transformers' ModelOutput sets the attribute too
+        else:
+            setattr(output, name, tensor)
+    return output
 
 
 def full(tensor):

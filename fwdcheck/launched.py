@@ -471,12 +471,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             },
         }
         return partial
-    context = distributed.rank_context()
-    report.environment["distributed"] = {
-        "nproc": rank.world,
-        "backend": backend,
-        "parallelize": context.parallelized_by if context else None,
-    }
+    report.environment["distributed"] = distributed.ran_as(rank.world, backend)
     dist.destroy_process_group()
     return report
 

@@ -77,7 +77,8 @@ class ModelUnderTest:
     weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
     weights_loaded: bool = False  # the weights were read from a file (a checkpoint, a pretrained directory)
     library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
-    tensor_parallel: Callable[[nn.Module, int], tuple[nn.Module, str]] | None = None  # (module, ranks) -> sharded
+    # (module, the mesh's {dimension: size}) -> the sharded module and how, in words
+    tensor_parallel: Callable[[nn.Module, dict[str, int]], tuple[nn.Module, str]] | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
 
     def using_attention(self, implementation: str | None) -> AbstractContextManager[None]:

@@ -149,6 +149,65 @@ def fully_sharded(model: GPT, mesh) -> GPT:
     return model
 
 
+def tp_fsdp(model: GPT, mesh) -> GPT:
+    """A 2-D plan, as torchtitan lays one out: Megatron's tensor parallelism inside each group of mesh["tp"], then
+    FSDP2 over mesh["dp_shard"] (every block and the root), on the parameters tensor parallelism made DTensors."""
+    from torch.distributed.fsdp import fully_shard
+
+    tensor_parallel(model, mesh["tp"])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def tp_fsdp_missing_reduction(model: GPT, mesh) -> GPT:
+    """The same 2-D plan with o_proj's RowwiseParallel leaving its output partial: each rank of a tensor-parallel
+    group keeps its heads' share of the projection, never summed (the all-reduce of the row-parallel layer left
+    out)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Partial
+
+    for layer in model.layers:
+        parallelize_module(
+            layer,
+            mesh["tp"],
+            {
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=Partial(), use_local_output=True),
+                "up": ColwiseParallel(),
+                "down": RowwiseParallel(),
+            },
+        )
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def llama_missing_reduction(model: nn.Module, mesh) -> nn.Module:
+    """A Hugging Face Llama sharded by hand as its own plan shards it, but for o_proj, whose RowwiseParallel leaves
+    its output partial: each rank's logits are its own, none the unsharded model's."""
+    from torch.distributed.tensor import Partial
+
+    for layer in model.model.layers:
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Partial(), use_local_output=True),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+    return model
+
+
 def raises(model: GPT, mesh) -> GPT:
     raise ValueError("no plan for this model")
 

@@ -137,6 +137,7 @@ def test_torchrun_on_one_node_runs_the_checks_on_every_rank_and_rank_0_reports(t
         "nproc": 4,
         "backend": "gloo",
         "parallelize": "tests.distributed_models:tensor_parallel",
+        "mesh": {"ranks": 4},
         "launcher": "torchrun",
         "nodes": 1,
     }
@@ -168,17 +169,24 @@ def two_nodes(tmp_path: Path, config: dict, marker: str) -> list[subprocess.Pope
 
 
 @pytest.mark.parametrize(
-    ("parallelize", "exit_code"), [("tensor_parallel", 0), ("reduction_missing", 1)], ids=["correct", "no reduction"]
+    ("parallelize", "exit_code"),
+    [("tp_fsdp", 0), ("tp_fsdp_missing_reduction", 1)],
+    ids=["correct 2-D plan", "no tensor-parallel reduction"],
 )
 def test_two_torchrun_agents_as_two_nodes_make_one_job_with_one_verdict(tmp_path, parallelize, exit_code):
+    """A 2-D plan over both nodes (FSDP2 over dp_shard, tensor parallel over tp), as a job of 2 nodes x 2 GPUs lays
+    one out: the correct plan passes; without its row-parallel reduction it fails at the first block."""
     marker = uuid.uuid4().hex
-    agents = two_nodes(tmp_path, four_ranks(parallelize), marker)
+    config = four_ranks(parallelize)
+    config["distributed"]["mesh"] = {"dp_shard": 2, "tp": 2}
+    agents = two_nodes(tmp_path, config, marker)
     ended = [agent.communicate(timeout=TIMEOUT) for agent in agents]
     assert [agent.returncode for agent in agents] == [exit_code, exit_code], [err[-2000:] for _, err in ended]
     reports = [json.loads(out) for out, _ in ended if out.strip()]
     assert len(reports) == 1  # rank 0's node writes it
     report = reports[0]
     assert report["environment"]["distributed"]["nodes"] == 2
+    assert report["environment"]["distributed"]["mesh"] == {"dp_shard": 2, "tp": 2}
     sharding = checks(report)["sharding"]
     if exit_code == 0:
         assert sharding["status"] == "pass"
@@ -186,7 +194,9 @@ def test_two_torchrun_agents_as_two_nodes_make_one_job_with_one_verdict(tmp_path
     else:
         assert {"FWD981", "FWD982"} <= codes(sharding)
         first = next(f for f in sharding["findings"] if f["code"] == "FWD981")
-        assert first["where"].startswith("layers.0")  # the first block whose output parts
+        assert "first parts at layers.0" in first["message"]  # the first block whose output parts
+        # the second rank of each tensor-parallel group keeps its partial sum: one on each node
+        assert next(f for f in sharding["findings"] if f["code"] == "FWD982")["where"] == "rank 1, rank 3"
     assert processes_marked(marker) == []
 
 
