@@ -39,6 +39,7 @@ from fwdcheck.heard import GRACE_S, Heard, WorkerError, end_of_run
 from fwdcheck.report import Report
 
 EXIT_WAIT_S = 5.0  # for a worker that sent its report to end
+LEFT_ENDING_S = 1.0  # for what the worker started and leaves behind to end on its own, before it is killed
 
 
 def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str], None] | None = None) -> Report:
@@ -82,15 +83,42 @@ def end_process_group(worker: subprocess.Popen | ForkedWorker) -> list[str]:
     something had to be ended; a process that left the group (setsid, a daemon) is out of reach."""
     if worker.returncode is None:  # still running: supervise() killed or reaped it in every way it returns
         return []
-    try:
-        os.killpg(worker.pid, 0)
-    except (ProcessLookupError, PermissionError, OSError):  # nothing left
+    # A process that is ending on its own as the worker ends (multiprocessing's resource tracker, which ends when the
+    # last process holding its pipe has) gets a moment: only what stays is killed.
+    deadline = time.monotonic() + LEFT_ENDING_S
+    while _group_alive(worker.pid):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    else:
         return []
     with suppress(ProcessLookupError, PermissionError, OSError):
         os.killpg(worker.pid, signal.SIGKILL)
     return [
         "processes the model started were still running after its process ended (its process group); they were killed"
     ]
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the group still runs. A zombie does not (an orphan that ended, which an init that
+    reaps slowly leaves in the table): it holds nothing and no signal reaches it. Without /proc, any member counts."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError, OSError):
+            return False
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as stat:
+                fields = stat.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+        except OSError:  # ended meanwhile
+            continue
+        if len(fields) > 2 and int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
 
 
 def compare_supervised(job: Job, *, timeout_s: float | None) -> dict:

@@ -92,6 +92,8 @@ def test_tensor_parallel_model_passes_every_check_on_two_ranks(tmp_path):
     sharding = got["sharding"]
     assert sharding["metrics"]["max_change"] <= sharding["metrics"]["bar"]
     assert sharding["data"]["rank_changes"] == [0.0, 0.0]
+    # the ranks, their server and multiprocessing's resource tracker end with the run: nothing had to be killed
+    assert not any("still running after its process ended" in note for note in report["notes"]), report["notes"]
     placements = sharding["data"]["placements"]["counts"]
     assert placements["S(0)"] == 8 and placements["S(1)"] == 4  # q, k, v, up by rows; o, down by columns (2 layers)
     assert report["environment"]["distributed"] == {
