@@ -320,6 +320,8 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
         distributed = report.environment.setdefault("distributed", {})
         nodes = {coordinator.node(rank) for rank in range(launched.world)}
         distributed.update({"launcher": launched.launcher, "nodes": len(nodes)})
+        started = f"{launched.world} ranks on {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
+        report.notes.append(f"distributed: {started}, started by {launched.launcher}")
         return report
     # The rank that stopped the run: the first whose trouble was its own (not a lost peer), by when it began.
     own_trouble = [

@@ -187,6 +187,7 @@ def test_two_torchrun_agents_as_two_nodes_make_one_job_with_one_verdict(tmp_path
     report = reports[0]
     assert report["environment"]["distributed"]["nodes"] == 2
     assert report["environment"]["distributed"]["mesh"] == {"dp_shard": 2, "tp": 2}
+    assert "distributed: 4 ranks on 2 nodes, started by torchrun" in report["notes"]
     sharding = checks(report)["sharding"]
     if exit_code == 0:
         assert sharding["status"] == "pass"
