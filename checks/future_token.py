@@ -48,6 +48,7 @@ import torch
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
 from fwdcheck.checks.leak_entry import describe, leak_entry
+from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.code_paths import path_cells
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, first_line
@@ -63,6 +64,7 @@ JUDGED = {
     "prefix_max_change": "prefix",
     "single_row_max_change": "single row",
     "padding_max_change": "left padding",
+    "train_eval_change": "train vs eval",
 }
 
 
@@ -266,6 +268,8 @@ class FutureToken(Check):
         "follows it",
         "FWD106": "the run-to-run noise floor is high next to the dtype tolerance: comparisons are coarse",
         "FWD107": "left padding changes the real tokens' logits: padding is read, or shifts the positions",
+        "FWD108": "on the train path (train mode, dropout off, gradients on) the logits differ from the eval-mode "
+        "logits: training computes something the eval checks never saw",
     }
     explain = """\
 Verifies, with the model untouched in eval mode and dropout forced to zero, that
@@ -428,6 +432,34 @@ only when the model refused every comparison."""
             self._locate(model, session, plan, judged)
         elif not model.causal:
             judged.data["note"] = "model.causal is false: part (a) skipped"
+        if session.train:
+            judged.add(self._train_against_eval(model, session))
+        return judged
+
+    @staticmethod
+    def _train_against_eval(model: ModelUnderTest, session: Session) -> Judged:
+        """On the train path (the code-path matrix's train cell): its logits must be the eval path's on the same
+        tokens (checks/train_apart.py); where they part, the first module whose output differs. Eval logits that
+        hold NaN or Inf hold the train path to nothing (the default path's own run reports them)."""
+        judged = Judged()
+        evaluated = session.eval_logits()  # (B, T, V)
+        if nonfinite_positions(evaluated):
+            return judged
+        scale = logit_scale(evaluated)
+        trained = session.reference()  # (B, T, V): the observation pass's, while comparisons agree with them
+        change = position_change(trained, evaluated)  # (B, T)
+        if session.noise_matters(float(change.max()), scale) and not session.reference_untouched:
+            change = position_change(session.baseline(), evaluated)  # a verdict rests on the untouched model
+        row = session.inputs[:1]  # (1, T)
+
+        def locate() -> str | None:
+            def evaluate():
+                with session.evaluating():
+                    return session.logits(row)
+
+            return first_module_apart(model, evaluate, lambda: session.logits(row))
+
+        judged.findings = train_apart("FWD108", model, session, change, scale, locate, judged.metrics)
         return judged
 
     @staticmethod

@@ -363,14 +363,17 @@ def run_cell(
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
     signature = None
     anchors = []
+    note = None
     try:
         view = path_view(model, cell)
-        session = Session(view, own)
+        session = Session(view, own, train=cell.train)
         if view.padding:
             session.unpadded = plain_view(model, cell)
         with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
             signature = _signature(session) if verdicts is not None else None
+            if cell.train:
+                session.reference()  # the train path's first forward: ModelRaised when the model cannot train
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
             if same is not None:
                 spent = time.perf_counter() - started
@@ -405,13 +408,20 @@ def run_cell(
                 if follows_logits and logits is not None and not shared and result.status == Status.PASS:
                     # a pass later cells may take
                     anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
+            if session.gradients_refused:
+                note = f"run without gradients: with them the model raised {session.gradients_refused}"
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
+        if cell.train and isinstance(exc, ModelRaised):
+            # train() or a train-mode forward raised: the model cannot run the train path, no verdict on it
+            why = f"the model cannot run in train mode (dropout off): {exc}"
+            results = [CheckResult(entry.name, Status.SKIP, why) for entry in entries]
+            return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results) :]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
         signature, anchors = None, []
-    run = CellRun(cell, own.inputs.seq_len, results, tokens)
+    run = CellRun(cell, own.inputs.seq_len, results, tokens, note=note)
     if signature and verdicts is not None:
         verdicts.by_signature.setdefault(signature, run)
         verdicts.anchors += anchors
@@ -493,7 +503,10 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
         first_path, first_result = failing[0]
         summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
     else:
-        summary = f"{len(cells)} code paths pass ({at}); {default.summary}"
+        passed = (
+            "the train path passes" if len(cells) == 1 and cells[0][0].cell.train else f"{len(cells)} code paths pass"
+        )
+        summary = f"{passed} ({at}); {default.summary}"
     return CheckResult(
         default.name,
         status,

@@ -489,7 +489,7 @@ def code_paths(rows: list[dict]) -> RenderableType:
     """Every cell of the code-path matrix that did not pass; one line when all did."""
     bad = [row for row in rows if row["status"] != "pass"]
     if not bad:
-        return Text(f"all {len(rows)} code paths pass", style="green")
+        return Text(f"all {len(rows)} code paths pass" if len(rows) != 1 else f"{rows[0]['path']}: pass", style="green")
     cells = [
         [
             Text(row["path"]),
