@@ -482,17 +482,32 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
                 continue
             first, where = by_code.setdefault(f.code, (f, []))
             where.append(run.cell.label)
-    findings = [f for f in default.findings if f.code not in by_code]
-    for code, (first, where) in by_code.items():
+    # A code the default path found too keeps the default path's finding (its measurement at the run's own length,
+    # the module and line it names), with the cells that fail the same way added to where it was seen.
+    on_default = {f.code: f for f in default.findings if f.status not in (Status.PASS, Status.SKIP)}
+    seen_where = {}
+    for code, (_, where) in by_code.items():
         shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
+        seen_where[code] = f"{len(where)} of {len(cells)} code paths: {shown}"
+    findings = [
+        f
+        if f.code not in by_code
+        else dataclasses.replace(f, where="; also on ".join(filter(None, [f.where, seen_where[f.code]])))
+        for f in default.findings
+        if f.code not in by_code or f is on_default.get(f.code)
+    ]
+    for code, (first, _) in by_code.items():
+        cells_where = seen_where[code]
+        if code in on_default:
+            continue
         findings.append(
             Finding(
                 code,
                 first.status,
                 first.message,
-                f"{len(where)} of {len(cells)} code paths: {shown}"
-                + (f" (first at {first.where})" if first.where else ""),
+                cells_where + (f" (first at {first.where})" if first.where else ""),
                 source=first.source,
+                module=first.module,
             )
         )
     failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
