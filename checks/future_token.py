@@ -262,7 +262,8 @@ class FutureToken(Check):
     codes = {
         "FWD101": "logits at earlier positions moved when later tokens changed: the model reads the future",
         "FWD102": "a sample's logits moved when the other samples of its batch changed: samples read each other",
-        "FWD103": "dropout or other randomness is live in eval mode: identical forwards differ",
+        "FWD103": "dropout or other randomness is live in eval mode (on the train path: with dropout off): identical "
+        "forwards differ",
         "FWD104": "the logits hold NaN or Inf",
         "FWD105": "the first k tokens run alone give other logits than the full run: the prefix depends on what "
         "follows it",
@@ -540,14 +541,15 @@ only when the model refused every comparison."""
                 }
             )
         findings = []
+        mode = "train mode with dropout off" if session.train else "eval mode"
         if noise > tolerance:
             findings.append(
                 Finding(
                     "FWD103",
                     Status.FAIL,
-                    f"two identical eval-mode forwards differ by "
+                    f"two identical forwards in {mode} differ by "
                     f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                    "in eval mode",
+                    f"in {mode}",
                 )
             )
         if session.settings.tolerance.noise_factor * noise > 10 * tolerance:

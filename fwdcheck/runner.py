@@ -255,6 +255,7 @@ class CellRun:
     forward_tokens: list[int]
     note: str | None = None  # how the cell came to run as it did, when not as planned
     shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
+    refused: bool = False  # the model could not run the cell's path at all (the train path: train mode raised)
 
 
 def run_code_paths(
@@ -304,7 +305,7 @@ def run_path(
     run = run_cell(
         cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows, verdicts=verdicts
     )
-    if run.seq_len < settings.inputs.seq_len and _model_raised(run):
+    if run.seq_len < settings.inputs.seq_len and (_model_raised(run) or run.refused):
         again = run_cell(
             cell,
             entries,
@@ -415,7 +416,7 @@ def run_cell(
             # train() or a train-mode forward raised: the model cannot run the train path, no verdict on it
             why = f"the model cannot run in train mode (dropout off): {exc}"
             results = [CheckResult(entry.name, Status.SKIP, why) for entry in entries]
-            return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why)
+            return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why, refused=True)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results) :]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
