@@ -152,6 +152,7 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         ]
     for result in results:
         result.apply_ignores(settings.ignored)
+        ignore_in_cells(result, settings.ignored)
         for finding in result.findings:
             finding.source = finding.source or locate(finding, model)
     return Report(
@@ -163,6 +164,16 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         fail_on=fail_on,
         interrupted=interrupted,
     )
+
+
+def ignore_in_cells(result: CheckResult, ignores: dict[str, str]) -> None:
+    """A cell of the code-path matrix that failed only by codes the config ignores is no failure either: its row
+    passes, naming the codes it ignored (as the check's own findings are marked)."""
+    for row in result.data.get("paths", []):
+        codes = set(row.get("codes", []))
+        if row["status"] in ("fail", "warn") and codes and codes <= set(ignores):
+            row["status"] = "pass"
+            row["summary"] += f" [ignored: {', '.join(sorted(codes))}]"
 
 
 def materialize_lazy(model: ModelUnderTest, settings: Settings) -> None:
@@ -515,20 +526,27 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
     status = worst([default.status, *(r.status for _, r in cells)])
     lengths = sorted({run.seq_len for run, _ in cells})
     at = f"T={lengths[0]}" if len(lengths) == 1 else f"T={lengths[0]} to {lengths[-1]}"
-    if failing:
+    train_only = len(cells) == 1 and cells[0][0].cell.train
+    if failing and default.status in (Status.FAIL, Status.ERROR):  # the default path's own verdict leads
+        also = "the train path fails too" if train_only else f"{len(failing)} of {len(cells)} code paths fail too"
+        summary = f"{default.summary}; {also}"
+    elif failing:
         first_path, first_result = failing[0]
         summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
     else:
-        passed = (
-            "the train path passes" if len(cells) == 1 and cells[0][0].cell.train else f"{len(cells)} code paths pass"
-        )
-        summary = f"{passed} ({at}); {default.summary}"
+        passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
+        summary = f"{default.summary}; {passed} ({at})"
     return CheckResult(
         default.name,
         status,
         summary,
         findings,
-        dict(default.metrics, code_paths=len(cells), failing_code_paths=len(failing)),
+        dict(
+            default.metrics,
+            code_paths=len(cells),
+            failing_code_paths=len(failing),
+            default_path_fails=int(default.status in (Status.FAIL, Status.ERROR)),
+        ),
         {**default.data, "paths": rows},
         default.duration_s + sum(r.duration_s for _, r in cells),
         default.internal_error or any(r.internal_error for _, r in cells),
