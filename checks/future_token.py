@@ -295,6 +295,11 @@ memory than the model's own forward. On the code-path matrix, a cell whose logit
 a cell where this check passed on the same tokens (SDPA against eager, left padding against none, batch size 1
 against the larger batch's first row) takes that pass, its summary naming the cell; a path that computes other logits
 runs every comparison itself, and a failure is never taken over this way.
+The train path: the code-path matrix's train cell (every source) runs these comparisons with the model in train()
+mode, every dropout zeroed and gradients on, and holds its logits to the eval-mode logits of the same tokens at the
+same threshold (FWD108), naming the first module whose output differs. FWD108 -> a branch on self.training or
+torch.is_grad_enabled() (a mask, a cache, another kernel), a train-only scaling or noise; a norm with batch
+statistics is a warning, by design.
 Where it enters: on FWD101, one row of the first leaking cut runs again as it was and as changed, keeping every
 module's input and output; the finding names the first module (in the order modules complete) whose output at an
 earlier position moved, and its file:line: the module's own forward when its input had not moved, else the code of
