@@ -1370,9 +1370,10 @@ def _kvcache_seen(observer: _Observer):
     is a wrapper that records the call (on_fwd_kvcache), and it is put back after. Only where flash-attn's
     interface module is already imported: fwdcheck imports no attention library itself."""
     interface = sys.modules.get("flash_attn.flash_attn_interface")
-    extensions = [getattr(interface, name, None) for name in FLASH_EXTENSIONS] if interface is not None else []
+    found = [getattr(interface, name, None) for name in FLASH_EXTENSIONS] if interface is not None else []
+    extensions: list[Any] = [e for e in found if e is not None and hasattr(e, "fwd_kvcache")]
     patched = []
-    for extension in {id(e): e for e in extensions if hasattr(e, "fwd_kvcache")}.values():
+    for extension in {id(e): e for e in extensions}.values():
         kernel = extension.fwd_kvcache
 
         def seen(*args, kernel=kernel, **kwargs):
