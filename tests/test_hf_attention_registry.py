@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
+from tests import test_flex_attention as flex_tests  # noqa: E402
+
 
 def through_sdpa(module, query, key, value, attention_mask, **kwargs):
     """A function of one's own that hands over to transformers' SDPA path: judged by its SDPA call."""
@@ -53,18 +55,9 @@ def registered():
 
 
 def tiny_llama(attn_implementation: str):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    config._attn_implementation = attn_implementation
-    return transformers.LlamaForCausalLM(config).eval()
+    model = flex_tests.tiny_llama()
+    model.config._attn_implementation = attn_implementation  # read at every call, as from_pretrained would set it
+    return model
 
 
 def audit(name: str):

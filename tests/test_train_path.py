@@ -17,7 +17,7 @@ import fwdcheck
 from tests import compat
 from tests.conftest import run_checks
 from tests.test_flex_attention import FlexModel
-from tests.test_grad_causality import VOCAB, TinyCausalLM
+from tests.test_grad_causality import THIRD_PARTY_CORRECT, VOCAB, TinyCausalLM
 
 TRAIN_ROW = "train mode, default attention, mask absent, B=2"
 
@@ -103,10 +103,7 @@ def test_correct_models_pass_the_default_run_with_its_train_cell(name):
         assert row["status"] == "pass", (check, row)
 
 
-THIRD_PARTY = {
-    "x-transformers": "tests.corpus.xtransformers_models:rotary",
-    "litgpt-llama": "tests.corpus.litgpt_models:llama",
-}
+THIRD_PARTY = {name: THIRD_PARTY_CORRECT[name] for name in ("x-transformers", "litgpt-llama")}
 
 
 @pytest.mark.slow  # importing litgpt and x-transformers takes seconds
