@@ -149,8 +149,8 @@ class Session:
 
     def output(self, ids: torch.Tensor, **kwargs: Any) -> Any:
         """The model's raw output for ids [N, T] with keyword arguments of its own (labels, document ids, a 4-D mask;
-        ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), under
-        torch.no_grad(), dropout forced off where needed, model exceptions as ModelRaised."""
+        ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), as the session's path
+        runs forwards (_run), model exceptions as ModelRaised."""
         output = self._run(lambda: self.model.call(ids, **kwargs))
         self.forward_tokens += ids.numel()
         return output
@@ -370,7 +370,7 @@ class Session:
             return seen, logits
 
         try:
-            seen, logits = self._run(observed) if self.train else self._unobserved_grad(observed)
+            seen, logits = self._run(observed) if self.train else self._without_gradients(observed)
         except ModelRaised as exc:
             # Observed, the model runs under a torch function mode and hooks. If it runs untouched, what raised is
             # the observation, not the model: that is never reported as the model's error.
@@ -384,7 +384,7 @@ class Session:
         return seen, logits
 
     @staticmethod
-    def _unobserved_grad(observed):
+    def _without_gradients(observed):
         """The eval path's observation pass: without gradients, dropout as the model has it (the pass is what tells
         whether dropout is live in eval)."""
         with torch.no_grad():
