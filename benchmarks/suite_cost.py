@@ -123,6 +123,13 @@ def cost(args) -> None:
         f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {spent[0] / wall:>13.2f} "
         f"{spent[1] / cpu:>12.2f}"
     )
+    # The same run without the code-path matrix's train cell (code_paths: {train: false}): what the cell costs.
+    no_train = settings.model_copy(update={"code_paths": settings.code_paths.model_copy(update={"train": False})})
+    _, *spent_without = timed(lambda: run_model(model, no_train, select(None)))
+    print(
+        f"{'  of which the train path cell (the run again without it)':<58} {'':>6} "
+        f"{(spent[0] - spent_without[0]) / wall:>13.2f} {(spent[1] - spent_without[1]) / cpu:>12.2f}"
+    )
 
     cuts = torch.linspace(1, T - 1, args.naive_sample).round().long().tolist()
 

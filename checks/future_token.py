@@ -48,6 +48,7 @@ import torch
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
 from fwdcheck.checks.leak_entry import describe, leak_entry
+from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.code_paths import path_cells
 from fwdcheck.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.errors import ModelRaised, first_line
@@ -63,6 +64,7 @@ JUDGED = {
     "prefix_max_change": "prefix",
     "single_row_max_change": "single row",
     "padding_max_change": "left padding",
+    "train_eval_change": "train vs eval",
 }
 
 
@@ -260,12 +262,15 @@ class FutureToken(Check):
     codes = {
         "FWD101": "logits at earlier positions moved when later tokens changed: the model reads the future",
         "FWD102": "a sample's logits moved when the other samples of its batch changed: samples read each other",
-        "FWD103": "dropout or other randomness is live in eval mode: identical forwards differ",
+        "FWD103": "dropout or other randomness is live in eval mode (on the train path: with dropout off): identical "
+        "forwards differ",
         "FWD104": "the logits hold NaN or Inf",
         "FWD105": "the first k tokens run alone give other logits than the full run: the prefix depends on what "
         "follows it",
         "FWD106": "the run-to-run noise floor is high next to the dtype tolerance: comparisons are coarse",
         "FWD107": "left padding changes the real tokens' logits: padding is read, or shifts the positions",
+        "FWD108": "on the train path (train mode, dropout off, gradients on) the logits differ from the eval-mode "
+        "logits: training computes something the eval checks never saw",
     }
     explain = """\
 Verifies, with the model untouched in eval mode and dropout forced to zero, that
@@ -290,6 +295,11 @@ memory than the model's own forward. On the code-path matrix, a cell whose logit
 a cell where this check passed on the same tokens (SDPA against eager, left padding against none, batch size 1
 against the larger batch's first row) takes that pass, its summary naming the cell; a path that computes other logits
 runs every comparison itself, and a failure is never taken over this way.
+The train path: the code-path matrix's train cell (every source) runs these comparisons with the model in train()
+mode, every dropout zeroed and gradients on, and holds its logits to the eval-mode logits of the same tokens at the
+same threshold (FWD108), naming the first module whose output differs. FWD108 -> a branch on self.training or
+torch.is_grad_enabled() (a mask, a cache, another kernel), a train-only scaling or noise; a norm with batch
+statistics is a warning, by design.
 Where it enters: on FWD101, one row of the first leaking cut runs again as it was and as changed, keeping every
 module's input and output; the finding names the first module (in the order modules complete) whose output at an
 earlier position moved, and its file:line: the module's own forward when its input had not moved, else the code of
@@ -428,6 +438,34 @@ only when the model refused every comparison."""
             self._locate(model, session, plan, judged)
         elif not model.causal:
             judged.data["note"] = "model.causal is false: part (a) skipped"
+        if session.train:
+            judged.add(self._train_against_eval(model, session))
+        return judged
+
+    @staticmethod
+    def _train_against_eval(model: ModelUnderTest, session: Session) -> Judged:
+        """On the train path (the code-path matrix's train cell): its logits must be the eval path's on the same
+        tokens (checks/train_apart.py); where they part, the first module whose output differs. Eval logits that
+        hold NaN or Inf hold the train path to nothing (the default path's own run reports them)."""
+        judged = Judged()
+        evaluated = session.eval_logits()  # (B, T, V)
+        if nonfinite_positions(evaluated):
+            return judged
+        scale = logit_scale(evaluated)
+        trained = session.reference()  # (B, T, V): the observation pass's, while comparisons agree with them
+        change = position_change(trained, evaluated)  # (B, T)
+        if session.noise_matters(float(change.max()), scale) and not session.reference_untouched:
+            change = position_change(session.baseline(), evaluated)  # a verdict rests on the untouched model
+        row = session.inputs[:1]  # (1, T)
+
+        def locate() -> str | None:
+            def evaluate():
+                with session.evaluating():
+                    return session.logits(row)
+
+            return first_module_apart(model, evaluate, lambda: session.logits(row))
+
+        judged.findings = train_apart("FWD108", model, session, change, scale, locate, judged.metrics)
         return judged
 
     @staticmethod
@@ -508,14 +546,15 @@ only when the model refused every comparison."""
                 }
             )
         findings = []
+        mode = "train mode with dropout off" if session.train else "eval mode"
         if noise > tolerance:
             findings.append(
                 Finding(
                     "FWD103",
                     Status.FAIL,
-                    f"two identical eval-mode forwards differ by "
+                    f"two identical forwards in {mode} differ by "
                     f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                    "in eval mode",
+                    f"in {mode}",
                 )
             )
         if session.settings.tolerance.noise_factor * noise > 10 * tolerance:

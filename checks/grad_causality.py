@@ -36,8 +36,6 @@ every parameter's .grad (never written: gradients are asked for, not accumulated
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,14 +43,15 @@ import torch.nn as nn
 
 from fwdcheck.checks.future_token import span
 from fwdcheck.checks.grad_causality_view import GradientMap
-from fwdcheck.checks.leak_entry import first_apart, kept_outputs
+from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.compare import nonfinite_positions
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model import ModelUnderTest, extract_logits, model_code
+from fwdcheck.model import ModelUnderTest, extract_logits
 from fwdcheck.model_state import ModelState
-from fwdcheck.observe import ZeroAttentionDropout, first_tensor
+from fwdcheck.observe import first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import Session
+from fwdcheck.train_path import train_path
 
 MAP_QUERIES = 32  # query positions the leak map backpropagates from, one backward each (on a leak only)
 MAX_LOCATE = 64  # module outputs backpropagated from, in turn, to find where a leak enters (on a leak only)
@@ -233,7 +232,7 @@ find where it enters."""
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         state = ModelState.take(model.module)
         try:
-            with self._train_path(model):
+            with train_path(model.module):
                 graph = self._forward(model, session, embedding_name, embedding, ids)
                 train_logits = graph.logits.detach().float().clone()  # (B, T, V): the train path's, compared below
                 losses = self._losses(graph, cuts, generator)
@@ -274,56 +273,28 @@ find where it enters."""
     # -- the train path against eval ---------------------------------------------------------------------------------
 
     def _train_apart(self, model, session, train_logits: torch.Tensor, metrics: dict) -> list[Finding]:
-        """The train path's logits against eval's (dropout off on both), judged as future-token judges a change: a
-        branch taken only in train mode or under gradients computes what the eval checks never saw. Where they part,
-        the first module whose output differs (one eval and one train forward of one row, every output kept)."""
+        """The train path's logits against eval's (dropout off on both), judged as future-token judges a change
+        (checks/train_apart.py)."""
         if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
         change, scale = session.change_from_reference(train_logits)  # (B, T)
-        noise = session.repeat_change() if session.noise_matters(float(change.max()), scale) else 0.0
-        threshold = session.threshold(scale, noise)
-        largest = float(change.max())
-        metrics["train_eval_change"] = largest
-        if largest <= threshold:
-            return []
-        module = self._first_apart(model, session)
-        found = dict(model.module.named_modules()).get(module or "")
-        batch_statistics = isinstance(found, nn.modules.batchnorm._NormBase) and found.track_running_stats
-        moved = int((~(change <= threshold)).sum())
-        message = (
-            f"train-mode logits (dropout off, gradients on) differ from the eval-mode logits by {largest:.3g} "
-            f"(threshold {threshold:.3g}) at {moved} of {change.numel()} positions: the train path computes "
-            "something the eval checks never saw"
-        )
-        if module is not None:
-            message += f"; first seen at the output of {module}"
-        if batch_statistics:  # normalised by the batch's statistics in training: by design, though samples mix
-            message += " (a norm that uses the batch's statistics in train mode, by design)"
-        return [
-            Finding("FWD126", Status.WARN if batch_statistics else Status.FAIL, message, where=module, module=module)
-        ]
+        return train_apart("FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics)
 
     def _first_apart(self, model, session) -> str | None:
+        """One eval and one train forward of the first row, every module's output kept."""
         row = session.inputs[:1]  # (1, T)
         state = ModelState.take(model.module)
         try:
-            evaluated = kept_outputs(model, lambda: session.logits(row))
-            with self._train_path(model):
-                trained = kept_outputs(model, lambda: model.forward(row))
+            return first_module_apart(model, lambda: session.logits(row), lambda: self._train_forward(model, row))
         finally:
             state.restore()
-        return first_apart(evaluated, trained)
+
+    @staticmethod
+    def _train_forward(model, row):
+        with train_path(model.module):
+            return model.forward(row)
 
     # -- measure ------------------------------------------------------------------------------------------------------
-
-    @contextmanager
-    def _train_path(self, model: ModelUnderTest) -> Iterator[None]:
-        """train() mode, functional and attention dropout zeroed (the session keeps dropout modules at p=0),
-        gradients on. The caller's ModelState puts the modes back."""
-        with model_code("the model cannot be put in train mode:"):
-            model.module.train()
-        with torch.enable_grad(), ZeroAttentionDropout():
-            yield
 
     def _forward(self, model, session, embedding_name, embedding, ids, keep_outputs: bool = False) -> Graph:
         """One forward of `ids` with gradients, the embedding's outputs made leaves; with keep_outputs, every

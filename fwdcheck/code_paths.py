@@ -6,6 +6,13 @@ when nothing is padded, a kernel chosen for batch size 1, a fast path in eval. S
 implementation x output_attentions x attention_mask (absent / all ones / left padding) x batch size, each cell a view
 of the same model whose forward applies that path, and each cell is reported.
 
+The train path is one more cell, for every source (train_cell): the model in train() mode with every dropout forced
+to zero and gradients recorded (fwdcheck/train_path.py), as a training job runs it, since model code branches on
+`self.training` and `torch.is_grad_enabled()` whatever built it. The per-path checks judge it like any other cell,
+and its logits must be the eval path's on the same tokens (future-token holds them to its own bar, and names the
+first module where they part). A model that records no gradients on some kernel runs the cell without them, and
+the cell says so; one that cannot run in train mode at all skips it, saying why.
+
 What a cell costs. The default run already ran every check at the full length on the default path; a cell only has
 to show whether its path is wrong, and a path that drops, inverts or misreads a mask does so at any length of a few
 tokens. So a cell is one code path at one short shape (CELL_LENGTH tokens, or what the config and the model allow),
@@ -80,10 +87,12 @@ class CodePath:
     output_attentions: bool | None  # None: not passed
     attention_mask: str  # absent | ones | left-pad
     batch_size: int
+    train: bool = False  # the train path: train() mode, dropout zeroed, gradients on (fwdcheck/train_path.py)
 
     @property
     def label(self) -> str:
-        parts = [self.attn_implementation or "default attention", f"mask {self.attention_mask}"]
+        parts = ["train mode"] if self.train else []
+        parts += [self.attn_implementation or "default attention", f"mask {self.attention_mask}"]
         if self.output_attentions is not None:
             parts.append(f"output_attentions={self.output_attentions}")
         parts.append(f"B={self.batch_size}")
@@ -96,11 +105,26 @@ class CodePath:
 
 
 def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) -> list[CodePath]:
-    """Every cell of the matrix; empty when the matrix is off (the default for models whose forward does not pick
-    its path by its arguments: model.matrix_by_default)."""
-    enabled = code_paths.enabled if code_paths.enabled is not None else model.matrix_by_default
-    if not enabled:
+    """Every cell of the matrix, the train path's last (train_cell); only that one when the matrix is off for the
+    model (the default for models whose forward does not pick its path by its arguments: model.matrix_by_default),
+    none when code_paths.enabled is false."""
+    if code_paths.enabled is False:
         return []
+    train = [train_cell(batch_size)] if code_paths.train else []
+    if not (code_paths.enabled or model.matrix_by_default):
+        return train
+    return eval_cells(model, code_paths, batch_size) + train
+
+
+def train_cell(batch_size: int) -> CodePath:
+    """The train path: the model's own attention, no mask argument, at the larger batch size. Every source trains,
+    and model code branches on self.training and torch.is_grad_enabled() whatever built it. Its tokens are those of
+    the eval cell of the same shape, whose logits it must reproduce (where it does, that cell's pass holds here)."""
+    return CodePath(None, None, "absent", max(batch_size, 2), train=True)
+
+
+def eval_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) -> list[CodePath]:
+    """The matrix's cells in eval mode: implementation x output_attentions x attention mask x batch size."""
     offered = list(model.attention.implementations) if model.attention is not None else []
     # A NARROW implementation runs only when code_paths.attn_implementation names it (see NARROW).
     implementations: Sequence[str | None] = (

@@ -381,9 +381,14 @@ MODEL_CLASSES: dict[str, type[BaseModel]] = {
 class CodePaths(Strict):
     """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
     built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
-    the default path (other models)."""
+    the default path (other models). The train path is one more cell for every model, unless `train: false`."""
 
-    enabled: bool | None = Field(None, description="default: on for source hf, off otherwise")
+    enabled: bool | None = Field(
+        None, description="default: on for source hf, off otherwise (then only the train path runs); false: no cell"
+    )
+    train: bool = Field(
+        True, description="the train path as one more cell: train() mode, every dropout zeroed, gradients on"
+    )
     attn_implementation: list[Literal["eager", "sdpa", "flex_attention"]] | None = None
     output_attentions: list[bool] | None = None
     attention_mask: list[Literal["absent", "ones", "left-pad"]] | None = None

@@ -500,12 +500,110 @@ class _Observer(TorchFunctionMode):
         self._record_fused("xformers", func, q, k, v, mask, (q.shape[0], q.shape[2]), a)
         return self._plain(func, args, kwargs)
 
-    def _record_fused(self, api: str, func, q, k, v, mask: MaskRead, batch_heads, a: dict, identity=None) -> None:
+    def on_fwd_kvcache(self, kernel, args, kwargs):
+        """flash-attn's flash_attn_with_kvcache, which calls its CUDA extension's fwd_kvcache directly (no torch op
+        to see): q (B, L, h, d) over a cache k_cache, v_cache (B_cache, S, h_kv, d), into which the kernel first
+        writes k and v (B, L_new, h_kv, d) when given, at slots cache_seqlens[b] on. Row b reads the cache row
+        cache_batch_idx[b], its slots from cache_leftpad[b] up to seqlen_k = cache_seqlens[b] (+ L_new): its
+        queries are the last L of those keys (bottom-right), so query i reads the slots up to cache_seqlens[b] + i
+        when the kernel wrote them, and causal and the window are as _flash_band says. Recorded one call per row, as
+        each row reads a cache of its own; a paged cache (block_table) is not judged."""
+        if torch.compiler.is_compiling():
+            return kernel(*args, **kwargs)
+        # An extension's kernel: nothing inside it is torch's to see; nor is this bookkeeping, which runs outside a
+        # torch function (the observer's own handlers run with the mode set aside).
+        with torch._C.DisableTorchFunction():
+            return self._kvcache_call(kernel, args, kwargs)
+
+    def _kvcache_call(self, kernel, args, kwargs):
+        a = dict(zip(FWD_KVCACHE_ARGS, args, strict=False), **kwargs)
+        out = kernel(*args, **kwargs)  # the cache holds the new keys from here on, as the kernel reads it
+        q, k_cache, v_cache, new = a["q"], a["k_cache"], a["v_cache"], a.get("k")
+        B, L, S = q.shape[0], q.shape[1], k_cache.shape[1]
+        a["causal"], a["dropout_p"] = bool(a["causal"]), 0.0
+        if a.get("block_table") is not None:
+            self._record_fused(
+                "flash",
+                kernel,
+                q,
+                k_cache[:B],
+                v_cache[:B],
+                MaskRead(torch.ones(L, S, dtype=torch.bool, device=q.device), "declared", "paged cache"),
+                (B, q.shape[2]),
+                a,
+                unread="flash_attn_with_kvcache over a paged cache (block_table), whose slots fwdcheck does not map",
+            )
+            return out
+        lengths = _per_row(a.get("cache_seqlens"), B, S)
+        rows = _per_row(a.get("cache_batch_idx"), B, None) or list(range(B))
+        starts = _per_row(a.get("cache_leftpad"), B, 0)
+        added = new.shape[1] if new is not None else 0
+        for b in range(B):
+            seqlen_k = lengths[b] + added if a.get("cache_seqlens") is not None else S
+            allowed = torch.zeros(L, S, dtype=torch.bool, device=q.device)
+            allowed[:, :seqlen_k], described = _flash_band(L, seqlen_k, a["causal"], a, q.device)
+            allowed[:, : starts[b]] = False
+            described += f", cache_seqlens {lengths[b]}" + (f", cache_leftpad {starts[b]}" if starts[b] else "")
+            placed = None
+            if new is not None and added == L:  # the kernel wrote the row's new keys, its queries' own: they sit there
+                placed = (torch.arange(L) + lengths[b], "the kernel's cache write")
+            row = rows[b]
+            self._record_fused(
+                "flash",
+                kernel,
+                q[b : b + 1],
+                k_cache[row : row + 1],
+                v_cache[row : row + 1],
+                MaskRead(allowed, "declared", described),
+                (1, q.shape[2]),
+                a,
+                placed=placed,
+            )
+        return out
+
+    def not_seen(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An attention function of transformers' registry (_registered_attention_seen) that ran and made no call the
+        observer reads (its own kernel): recorded by its name as not judged, q, k, v (B, h, T, d) as it got them."""
+        L, S = q.shape[-2], k.shape[-2]
+        everything = torch.ones(L, S, dtype=torch.bool, device=q.device)  # what it reads is not known: nothing judged
+        self.record.attention.append(
+            self._call(
+                "kernel",
+                self._module(),
+                q,
+                k,
+                v,
+                batch_heads=(q.shape[0], q.shape[1]),
+                mask=MaskRead(everything, "declared", f"{name}: computed where fwdcheck does not see"),
+                is_causal=False,
+                dropout=0.0,
+                cross=self._cross(q, k),
+                reads_input=self._reads_input(q),
+                unread=f"{name}, an attention function of transformers' registry whose computation makes no call "
+                "fwdcheck reads",
+            )
+        )
+
+    def _record_fused(
+        self,
+        api: str,
+        func,
+        q,
+        k,
+        v,
+        mask: MaskRead,
+        batch_heads,
+        a: dict,
+        identity=None,
+        unread: str | None = None,
+        placed: tuple[torch.Tensor, str] | None = None,
+    ) -> None:
         """One fused kernel's call (flash-attn, xformers) recorded with q, k, v in SDPA's layout (B, h, T, d), given in
         theirs, (B, T, h, d); `identity`: the tensors as handed over, whose provenance (computed from the input ids,
         from another sequence) the observer knows."""
         given_q, given_k = identity or (q, k)
-        mask.values = f"{str(_attention_kernel(func)).split('::')[-1]}: {mask.values}"
+        name = _attention_kernel(func) or getattr(func, "__name__", "kernel")
+        mask.values = f"{str(name).split('::')[-1]}: {mask.values}"
         self.record.attention.append(
             self._call(
                 api,
@@ -519,6 +617,8 @@ class _Observer(TorchFunctionMode):
                 dropout=float(a.get("dropout_p") or 0.0),
                 cross=self._cross(given_q, given_k),
                 reads_input=self._reads_input(given_q),
+                unread=unread,
+                placed=placed,
             )
         )
 
@@ -908,12 +1008,16 @@ class _Observer(TorchFunctionMode):
         reads_input: bool | None,
         mask_lengths: tuple[int, int] | None = None,
         unread: str | None = None,
+        placed: tuple[torch.Tensor, str] | None = None,
     ) -> AttentionCall:
         """The record of one SDPA or nn.MultiheadAttention call: q, k, v as the API got them, the (batch, head)
         sizes of its weights, what its mask arguments let each query read, its is_causal and dropout_p, whether
-        its keys come from another sequence and whether its queries were computed from the input ids."""
+        its keys come from another sequence and whether its queries were computed from the input ids. `placed`:
+        the queries' positions on the key axis and how they are known, where the kernel itself wrote their keys."""
         L, S = mask.allowed.shape[-2:]
         positions, source, written, cross, held = self._where_queries(api, module, L, S, cross)
+        if placed is not None and not cross:
+            (positions, source), held = placed, None
         keep = self.keep_tensors
         return AttentionCall(
             index=len(self.record.attention),
@@ -1222,6 +1326,102 @@ def _flash_band(L: int, S: int, causal: bool, a: dict, device: torch.device) -> 
     if left >= 0:
         allowed &= slots >= own - left
     return allowed, f"causal={causal}, window_size=({left}, {right})"
+
+
+# flash-attn's CUDA extension fwd_kvcache's arguments in order, as flash_attn_with_kvcache hands them over.
+FWD_KVCACHE_ARGS = (
+    "q",
+    "k_cache",
+    "v_cache",
+    "k",
+    "v",
+    "cache_seqlens",
+    "rotary_cos",
+    "rotary_sin",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "block_table",
+    "alibi_slopes",
+    "out",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "rotary_interleaved",
+    "num_splits",
+)
+# The names flash-attn's interface module gives its CUDA extension (flash_attn_gpu from 2.7, flash_attn_cuda before).
+FLASH_EXTENSIONS = ("flash_attn_gpu", "flash_attn_cuda")
+
+
+def _per_row(value: Any, B: int, default: int | None) -> list[int]:
+    """A per-row integer argument (a tensor of B, an int, or None) as B ints; [] when None and no default."""
+    if value is None:
+        return [] if default is None else [default] * B
+    if isinstance(value, int):
+        return [value] * B
+    return [int(v) for v in value.reshape(-1)[:B].tolist()]
+
+
+@contextmanager
+def _kvcache_seen(observer: _Observer):
+    """flash_attn_with_kvcache looks its extension's fwd_kvcache up at call time: while observing, that attribute
+    is a wrapper that records the call (on_fwd_kvcache), and it is put back after. Only where flash-attn's
+    interface module is already imported: fwdcheck imports no attention library itself."""
+    interface = sys.modules.get("flash_attn.flash_attn_interface")
+    found = [getattr(interface, name, None) for name in FLASH_EXTENSIONS] if interface is not None else []
+    extensions: list[Any] = [e for e in found if e is not None and hasattr(e, "fwd_kvcache")]
+    patched = []
+    for extension in {id(e): e for e in extensions}.values():
+        kernel = extension.fwd_kvcache
+
+        def seen(*args, kernel=kernel, **kwargs):
+            return observer.on_fwd_kvcache(kernel, args, kwargs)
+
+        seen.__name__ = "fwd_kvcache"
+        extension.fwd_kvcache = seen
+        patched.append((extension, kernel))
+    try:
+        yield
+    finally:
+        for extension, kernel in patched:
+            extension.fwd_kvcache = kernel
+
+
+@contextmanager
+def _registered_attention_seen(observer: _Observer):
+    """transformers looks its attention functions up by name at every call (AttentionInterface: its own sdpa, flex
+    and flash entries, and any function registered under a name of one's own and chosen by attn_implementation).
+    While observing, each is wrapped: one that computes through a call the observer reads (SDPA, flex_attention, a
+    flash-attn kernel, a softmax over q @ k^T) is judged by that call; one that ran and made none (its own kernel) is
+    recorded by its name as not judged (not_seen), never passed over. Put back as found after. Only where
+    transformers is already imported: fwdcheck imports it for no model that does not."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    registry = getattr(utils, "AttentionInterface", None)
+    shared = getattr(utils, "ALL_ATTENTION_FUNCTIONS", None)
+    mappings = [m for m in (getattr(registry, "_global_mapping", None), getattr(shared, "_local_mapping", None)) if m]
+    originals = [(mapping, name, function) for mapping in mappings for name, function in list(mapping.items())]
+    for mapping, name, function in originals:
+        mapping[name] = _seen_function(observer, name, function)
+    try:
+        yield
+    finally:
+        for mapping, name, function in originals:
+            mapping[name] = function
+
+
+def _seen_function(observer: _Observer, name: str, function):
+    @functools.wraps(function)
+    def seen(module, query, key, value, *args, **kwargs):
+        before = len(observer.record.attention)
+        out = function(module, query, key, value, *args, **kwargs)
+        if len(observer.record.attention) == before and not torch.compiler.is_compiling():
+            with torch._C.DisableTorchFunction():  # bookkeeping, not the model's: outside the observer
+                observer.not_seen(name, query, key, value)
+        return out
+
+    return seen
 
 
 # xformers::efficient_attention_forward_cutlass's arguments in order, as xformers registers the op.
@@ -1573,10 +1773,13 @@ def observing(
     record = Observation(seq_len=seq_len)
     where: list[_Frame] = []
     from_input = _Identities()
+    observer = _Observer(record, where, keep_tensors, zero_dropout, from_input)
     with (
         compiled_eagerly(),
         module_tracking(model, record, where, keep_inputs_of, from_input),
-        _Observer(record, where, keep_tensors, zero_dropout, from_input),
+        _kvcache_seen(observer),
+        _registered_attention_seen(observer),
+        observer,
     ):
         yield record
 

@@ -153,6 +153,7 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         ]
     for result in results:
         result.apply_ignores(settings.ignored)
+        ignore_in_cells(result, settings.ignored)
         for finding in result.findings:
             finding.source = finding.source or locate(finding, model)
     return Report(
@@ -164,6 +165,16 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         fail_on=fail_on,
         interrupted=interrupted,
     )
+
+
+def ignore_in_cells(result: CheckResult, ignores: dict[str, str]) -> None:
+    """A cell of the code-path matrix that failed only by codes the config ignores is no failure either: its row
+    passes, naming the codes it ignored (as the check's own findings are marked)."""
+    for row in result.data.get("paths", []):
+        codes = set(row.get("codes", []))
+        if row["status"] in ("fail", "warn") and codes and codes <= set(ignores):
+            row["status"] = "pass"
+            row["summary"] += f" [ignored: {', '.join(sorted(codes))}]"
 
 
 def materialize_lazy(model: ModelUnderTest, settings: Settings) -> None:
@@ -256,6 +267,7 @@ class CellRun:
     forward_tokens: list[int]
     note: str | None = None  # how the cell came to run as it did, when not as planned
     shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
+    refused: bool = False  # the model could not run the cell's path at all (the train path: train mode raised)
 
 
 def run_code_paths(
@@ -305,7 +317,7 @@ def run_path(
     run = run_cell(
         cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows, verdicts=verdicts
     )
-    if run.seq_len < settings.inputs.seq_len and _model_raised(run):
+    if run.seq_len < settings.inputs.seq_len and (_model_raised(run) or run.refused):
         again = run_cell(
             cell,
             entries,
@@ -364,14 +376,17 @@ def run_cell(
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
     signature = None
     anchors = []
+    note = None
     try:
         view = path_view(model, cell)
-        session = Session(view, own)
+        session = Session(view, own, train=cell.train)
         if view.padding:
             session.unpadded = plain_view(model, cell)
         with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
             signature = _signature(session) if verdicts is not None else None
+            if cell.train:
+                session.reference()  # the train path's first forward: ModelRaised when the model cannot train
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
             if same is not None:
                 spent = time.perf_counter() - started
@@ -406,13 +421,20 @@ def run_cell(
                 if follows_logits and logits is not None and not shared and result.status == Status.PASS:
                     # a pass later cells may take
                     anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
+            if session.gradients_refused:
+                note = f"run without gradients: with them the model raised {session.gradients_refused}"
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
+        if cell.train and isinstance(exc, ModelRaised):
+            # train() or a train-mode forward raised: the model cannot run the train path, no verdict on it
+            why = f"the model cannot run in train mode (dropout off): {exc}"
+            results = [CheckResult(entry.name, Status.SKIP, why) for entry in entries]
+            return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why, refused=True)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results) :]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
             tokens.append(0)
         signature, anchors = None, []
-    run = CellRun(cell, own.inputs.seq_len, results, tokens)
+    run = CellRun(cell, own.inputs.seq_len, results, tokens, note=note)
     if signature and verdicts is not None:
         verdicts.by_signature.setdefault(signature, run)
         verdicts.anchors += anchors
@@ -473,34 +495,59 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
                 continue
             first, where = by_code.setdefault(f.code, (f, []))
             where.append(run.cell.label)
-    findings = [f for f in default.findings if f.code not in by_code]
-    for code, (first, where) in by_code.items():
+    # A code the default path found too keeps the default path's finding (its measurement at the run's own length,
+    # the module and line it names), with the cells that fail the same way added to where it was seen.
+    on_default = {f.code: f for f in default.findings if f.status not in (Status.PASS, Status.SKIP)}
+    seen_where = {}
+    for code, (_, where) in by_code.items():
         shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
+        seen_where[code] = f"{len(where)} of {len(cells)} code paths: {shown}"
+    findings = [
+        f
+        if f.code not in by_code
+        else dataclasses.replace(f, where="; also on ".join(filter(None, [f.where, seen_where[f.code]])))
+        for f in default.findings
+        if f.code not in by_code or f is on_default.get(f.code)
+    ]
+    for code, (first, _) in by_code.items():
+        cells_where = seen_where[code]
+        if code in on_default:
+            continue
         findings.append(
             Finding(
                 code,
                 first.status,
                 first.message,
-                f"{len(where)} of {len(cells)} code paths: {shown}"
-                + (f" (first at {first.where})" if first.where else ""),
+                cells_where + (f" (first at {first.where})" if first.where else ""),
                 source=first.source,
+                module=first.module,
             )
         )
     failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
     status = worst([default.status, *(r.status for _, r in cells)])
     lengths = sorted({run.seq_len for run, _ in cells})
     at = f"T={lengths[0]}" if len(lengths) == 1 else f"T={lengths[0]} to {lengths[-1]}"
-    if failing:
+    train_only = len(cells) == 1 and cells[0][0].cell.train
+    if failing and default.status in (Status.FAIL, Status.ERROR):  # the default path's own verdict leads
+        also = "the train path fails too" if train_only else f"{len(failing)} of {len(cells)} code paths fail too"
+        summary = f"{default.summary}; {also}"
+    elif failing:
         first_path, first_result = failing[0]
         summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
     else:
-        summary = f"{len(cells)} code paths pass ({at}); {default.summary}"
+        passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
+        summary = f"{default.summary}; {passed} ({at})"
     return CheckResult(
         default.name,
         status,
         summary,
         findings,
-        dict(default.metrics, code_paths=len(cells), failing_code_paths=len(failing)),
+        dict(
+            default.metrics,
+            code_paths=len(cells),
+            failing_code_paths=len(failing),
+            default_path_fails=int(default.status in (Status.FAIL, Status.ERROR)),
+        ),
         {**default.data, "paths": rows},
         default.duration_s + sum(r.duration_s for _, r in cells),
         default.internal_error or any(r.internal_error for _, r in cells),

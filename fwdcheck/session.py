@@ -2,7 +2,8 @@
 cached observation pass, and the guard that leaves the model exactly as it was found.
 
 Checks ask the session for forwards instead of calling the model, so the baseline is computed once, every forward runs
-in eval mode without gradients, and the model's state is restored however the run ends.
+in eval mode without gradients (or, in a session of the train path, in train() mode with dropout zeroed and gradients
+recorded: fwdcheck/train_path.py), and the model's state is restored however the run ends.
 
 What a run costs is counted in forwards of the session's inputs, and the session keeps it low: the observation pass's
 logits can stand in for the baseline (`reference()`, until a comparison against them moves), the noise floor is
@@ -29,14 +30,19 @@ from fwdcheck.model_state import GlobalState, ModelState
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
 from fwdcheck.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.tolerances import TOLERANCES
+from fwdcheck.train_path import eval_path
 
 SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_length)
 
 
 class Session:
-    def __init__(self, model: ModelUnderTest, settings: Settings):
+    def __init__(self, model: ModelUnderTest, settings: Settings, train: bool = False):
         self.model = model
         self.settings = settings
+        # The train path: every forward in train() mode, dropout zeroed, gradients recorded while the model can
+        # record them (`gradients_refused` says why not, once a forward with them raised and one without ran).
+        self.train = train
+        self.gradients_refused: str | None = None
         self.device, device_note = resolve_device("meta" if settings.meta else settings.device)
         self.dtype = DTYPES[settings.dtype]
         self.notes: list[str] = [device_note] if device_note else []
@@ -72,8 +78,9 @@ class Session:
 
     @contextmanager
     def active(self) -> Iterator[Session]:
-        """Eval mode, nn.Dropout at p=0, the model on the session's device and dtype; the model (ModelState) and the
-        process's settings (GlobalState) put back on exit, and what the model's library logs meanwhile kept as notes."""
+        """Eval mode (train mode for the train path), nn.Dropout at p=0, the model on the session's device and dtype;
+        the model (ModelState) and the process's settings (GlobalState) put back on exit, and what the model's library
+        logs meanwhile kept as notes."""
         module = self.model.module
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         state = ModelState.take(module)
@@ -86,6 +93,9 @@ class Session:
             # eval() runs model code too (an overridden train()): what it raises is the model's error
             with model_code("the model cannot be put in eval mode:"):
                 module.eval()
+            if self.train:
+                with model_code("the model cannot be put in train mode:"):
+                    module.train()
             for dropout in state.dropout_p:
                 dropout.p = 0.0
             self._place(module)
@@ -139,10 +149,9 @@ class Session:
 
     def output(self, ids: torch.Tensor, **kwargs: Any) -> Any:
         """The model's raw output for ids [N, T] with keyword arguments of its own (labels, document ids, a 4-D mask;
-        ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), under
-        torch.no_grad(), dropout forced off where needed, model exceptions as ModelRaised."""
-        with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
-            output = self.model.call(ids, **kwargs)
+        ModelUnderTest.call): one forward of all N rows together (a loss is over the whole batch), as the session's path
+        runs forwards (_run), model exceptions as ModelRaised."""
+        output = self._run(lambda: self.model.call(ids, **kwargs))
         self.forward_tokens += ids.numel()
         return output
 
@@ -174,10 +183,54 @@ class Session:
         return [max(c, 2) if n > 1 or self.inputs.shape[0] > 1 else c for c in counts]
 
     def _forward(self, rows: torch.Tensor, positions: torch.Tensor | None, model: ModelUnderTest) -> torch.Tensor:
-        with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
-            logits = model.logits(rows, positions).float()
+        logits = self._run(lambda: model.logits(rows, positions).float())
         self.forward_tokens += rows.numel()
         return logits
+
+    def _run(self, forward):
+        """forward() as the session's path runs it: without gradients, dropout forced off where needed; on the train
+        path with gradients and dropout zeroed, and, when the model raises with gradients but runs without them
+        (a kernel without a backward), from then on without them (`gradients_refused` says why)."""
+        if not self.train:
+            with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
+                return forward()
+        if self.gradients_refused is None:
+            try:
+                with torch.enable_grad(), ZeroAttentionDropout():
+                    return forward()
+            except ModelRaised as exc:
+                with torch.no_grad(), ZeroAttentionDropout():
+                    result = forward()  # the model's own error when it cannot run in train mode at all
+                self.gradients_refused = first_line(exc)
+                return result
+        with torch.no_grad(), ZeroAttentionDropout():
+            return forward()
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Inside, a train path's session runs its forwards in eval mode without gradients (dropout zeroed): the
+        logits the train path must reproduce. Outside a train path, nothing changes."""
+        if not self.train:
+            yield
+            return
+        self.train = False
+        try:
+            with eval_path(self.model.module):
+                yield
+        finally:
+            self.train = True
+
+    def eval_logits(self) -> torch.Tensor:
+        """The train path's session inputs' logits [B, T, V] in eval mode (computed once); the reference itself
+        outside a train path."""
+        if not self.train:
+            return self.reference()
+
+        def compute():
+            with self.evaluating():
+                return self.logits(self.inputs)
+
+        return self._once("eval", compute)
 
     def _once(self, key: str, compute):
         """compute() on the first call; every later call gets its value, or the ModelRaised (or ObservationFailed)
@@ -306,20 +359,36 @@ class Session:
 
     def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of) -> tuple[Observation, torch.Tensor]:
         seq_len = ids.shape[1] + self.model.padding  # what the module itself sees
-        try:
-            with torch.no_grad(), observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen:
+
+        def observed() -> tuple[Observation, torch.Tensor]:
+            # on the train path dropout is zeroed inside the observer, which sees the calls as they then run
+            with (
+                observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen,
+                ZeroAttentionDropout() if self.train else nullcontext(),
+            ):
                 logits = self.model.logits(ids, position_ids)
+            return seen, logits
+
+        try:
+            seen, logits = self._run(observed) if self.train else self._without_gradients(observed)
         except ModelRaised as exc:
             # Observed, the model runs under a torch function mode and hooks. If it runs untouched, what raised is
             # the observation, not the model: that is never reported as the model's error.
-            with torch.no_grad():  # the same forward, all rows at once: raises the model's own error if it fails too
-                self.model.logits(ids, position_ids)
+            # the same forward, all rows at once: raises the model's own error if it fails too
+            self._run(lambda: self.model.logits(ids, position_ids))
             raise ObservationFailed(
                 f"fwdcheck's observation pass broke a forward that runs untouched ({exc}): fwdcheck's failure, "
                 "not the model's; please report it"
             ) from exc
         self.forward_tokens += ids.numel()
         return seen, logits
+
+    @staticmethod
+    def _without_gradients(observed):
+        """The eval path's observation pass: without gradients, dropout as the model has it (the pass is what tells
+        whether dropout is live in eval)."""
+        with torch.no_grad():
+            return observed()
 
     # -- sequence lengths -------------------------------------------------------------------------------------------
 

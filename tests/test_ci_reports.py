@@ -31,12 +31,21 @@ def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
     assert result.exit_code == 1
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
     cases = {c.get("name"): c for c in suite.findall("testcase")}
-    assert set(cases) == {"shape-ledger", "future-token", "mask-audit", "rope"}
-    assert all(c.get("classname") == f"fwdcheck.{n}" for n, c in cases.items())
+    train = "[train mode, default attention, mask absent, B=3]"  # the train path's cell of each per-path check
+    assert set(cases) == {
+        "shape-ledger",
+        "future-token",
+        "mask-audit",
+        "rope",
+        f"future-token {train}",
+        f"mask-audit {train}",
+    }
+    assert all(c.get("classname") == f"fwdcheck.{n.split(' ')[0]}" for n, c in cases.items())
     failure = cases["future-token"].find("failure")
     assert "FWD101" in failure.get("message") and "FWD101" in failure.text
     assert cases["mask-audit"].find("failure") is not None and cases["rope"].find("failure") is None
-    assert (suite.get("tests"), suite.get("failures")) == ("4", "2")
+    assert cases[f"future-token {train}"].find("failure") is not None  # the dropped mask, on the train path too
+    assert (suite.get("tests"), suite.get("failures")) == ("6", "4")
     properties = {p.get("name"): p.get("value") for p in suite.find("properties")}
     assert {"fwdcheck", "torch", "python", "device", "dtype", "seed"} <= set(properties)
     assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 1  # written in the same run
@@ -52,7 +61,8 @@ def test_junit_lists_every_code_path_cell(tmp_path):
     assert invoke(config, "--format", "junit", "--output", tmp_path / "r.xml").exit_code == 1
     cases = ET.parse(tmp_path / "r.xml").getroot().find("testsuite").findall("testcase")
     failed = [c.get("name") for c in cases if c.find("failure") is not None]
-    assert len(cases) == 1 + 6 and all("left-pad" in name for name in failed[1:]) and len(failed) == 3
+    assert len(cases) == 1 + 6 + 1 and all("left-pad" in name for name in failed[1:]) and len(failed) == 3
+    assert cases[-1].get("name") == "future-token [train mode, default attention, mask absent, B=2]"
 
 
 def test_github_annotations_point_at_model_code_and_escape():

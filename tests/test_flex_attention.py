@@ -201,13 +201,17 @@ class BlockMaskBuiltOnce(FlexModel):
 def test_a_block_mask_for_other_lengths_handed_to_the_kernel_fails(built_for, status):
     """The unfused kernel evaluates the mask_mod everywhere, so the logits are right on the CPU (future-token
     passes); the lengths the BlockMask was built for are what tells."""
-    report = fwdcheck.check_model(BlockMaskBuiltOnce(built_for, to_the_kernel=True), vocab_size=VOCAB, seq_len=12)
+    model = BlockMaskBuiltOnce(built_for, to_the_kernel=True)
+    report = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12, code_paths={"train": False})
     audit = report.result("mask-audit")
     assert audit.status.value == status, audit.summary
     assert codes(audit) == ({"FWD209"} if status == "fail" else set())
     if status == "fail":
         assert "built for 8 queries over 8 keys, but the call has 12 over 12" in audit.findings[0].message
     assert report.result("future-token").status.value == "pass"
+    # The train path's cell runs 8 tokens: a mask built once for 12 and reused there is told as well
+    (train,) = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12).result("mask-audit").data["paths"]
+    assert train["codes"] == ([] if built_for == 8 else ["FWD209"]), train
 
 
 def test_a_block_mask_for_a_shorter_length_is_the_models_own_error():

@@ -223,6 +223,69 @@ def test_flash_attn_varlen_documents(flash_attn, shifted_keys):
         assert found["future-token"].status.value == "pass"
 
 
+class KVCacheFlashModel(ChunkedPrefill):
+    """Prefill in two chunks through flash_attn_with_kvcache, the second chunk over the first's keys and its own.
+    `appended`: the kernel writes each chunk's k and v into the cache at cache_seqlens; else the model writes them
+    itself and hands cache_seqlens counting the keys held. `bug`:
+    top-left:   (written by the model) cache_seqlens = the chunk's length: the second chunk's queries read the cache
+                from slot 0, aligned top left over it, and no longer their own keys
+    window:     causal=False, window_size (2, 1): each query reads the next token too
+    not-causal: causal=False: every key held, the chunk's later tokens among them"""
+
+    def __init__(self, flash, appended=True, bug=None):
+        super().__init__()
+        self.flash, self.appended, self.bug = flash, appended, bug
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        q, k, v = (t.transpose(1, 2) for t in _qkv(self, input_ids))  # 3 x (B, T, nh, hs)
+        cache_k, cache_v = torch.zeros_like(k), torch.zeros_like(v)  # (B, T, nh, hs): a slot per position
+        causal, window = self.bug not in ("not-causal", "window"), (2, 1) if self.bug == "window" else (-1, -1)
+        chunks = []
+        for start, end in ((0, T // 2), (T // 2, T)):
+            if self.appended:
+                kwargs = dict(k=k[:, start:end], v=v[:, start:end], cache_seqlens=start)
+            else:
+                cache_k[:, start:end], cache_v[:, start:end] = k[:, start:end], v[:, start:end]
+                kwargs = dict(cache_seqlens=end - start if self.bug == "top-left" else end)
+            chunks.append(
+                self.flash.flash_attn_with_kvcache(
+                    q[:, start:end], cache_k, cache_v, causal=causal, window_size=window, **kwargs
+                )
+            )
+        y = torch.cat(chunks, dim=1)  # (B, T, nh, hs)
+        return self.head(y.reshape(B, T, WIDTH))
+
+
+@pytest.mark.parametrize(
+    ("appended", "bug", "audit_codes", "leaks"),
+    [
+        (True, None, set(), False),
+        (False, None, set(), False),
+        (False, "top-left", {"FWD210"}, False),
+        (True, "window", {"FWD204"}, True),
+        (True, "not-causal", {"FWD201", "FWD204"}, True),  # the first chunk square, the second over the cache
+    ],
+)
+def test_flash_attn_with_kvcache_judged_over_its_cache(flash_attn, appended, bug, audit_codes, leaks):
+    """flash_attn_with_kvcache calls its CUDA extension directly (no torch op): the observer sees it through its
+    extension's fwd_kvcache, and judges causal, the window and cache_seqlens (query i of the chunk reads the keys up
+    to cache_seqlens + i) against where the chunk's queries sit."""
+    found = results(KVCacheFlashModel(flash_attn, appended, bug))
+    audit = found["mask-audit"]
+    assert {f.code for f in audit.findings if f.status.value == "fail"} == audit_codes, audit.summary
+    calls = [r for r in audit.data["calls"] if r["api"] == "flash"]
+    assert calls and all(r["judged"] and "fwd_kvcache" in r["values"] for r in calls), calls
+    future = found["future-token"]
+    assert ("FWD101" in {f.code for f in future.findings}) == leaks, future.summary
+    if bug == "top-left":  # nothing of the future read: the second chunk's logits depend on the length (FWD105)
+        assert {f.code for f in future.findings if f.status.value == "fail"} == {"FWD105"}
+    else:
+        assert future.status.value == ("fail" if leaks else "pass"), future.summary
+    # the extension's fwd_kvcache is its own again after the run
+    assert sys.modules["flash_attn_2_cuda"].fwd_kvcache.__module__ == "flash_attn_2_cuda"
+
+
 # -- xformers, by its stand-in (tests/standins/xformers: memory_efficient_attention and its bias objects lowered to
 # the arguments of xformers' CUTLASS op, as xformers lowers them; a reference inside) ---------------------------------
 
@@ -344,6 +407,23 @@ def test_real_flash_attn_on_cuda():
         audit = report.result("mask-audit")
         assert audit.status.value == ("fail" if fails else "pass"), (causal, window, audit.summary)
         assert {r["api"] for r in audit.data["calls"]} == {"flash"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn needs a CUDA GPU")
+def test_real_flash_attn_with_kvcache_on_cuda():
+    flash = pytest.importorskip("flash_attn")
+    if STANDINS in str(getattr(flash, "__file__", "")):
+        pytest.skip("the stand-in was imported in this process, not the real flash-attn")
+    for appended, bug, fails in (
+        (True, None, False),
+        (False, None, False),
+        (False, "top-left", True),
+        (True, "window", True),
+    ):
+        model = KVCacheFlashModel(flash, appended, bug).to("cuda", torch.float16)
+        audit = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12).result("mask-audit")
+        assert audit.status.value == ("fail" if fails else "pass"), (appended, bug, audit.summary)
+        assert any("fwd_kvcache" in r["values"] for r in audit.data["calls"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="xformers needs a CUDA GPU")

@@ -198,6 +198,7 @@ def test_a_run_whose_worker_ends_badly_after_its_last_check_is_no_pass(tmp_path,
         "model:\n  source: python\n  factory: ends_badly:build\n"
         f"  kwargs: {{how: {how}}}\n  vocab_size: 16\n"
         "checks: [shape-ledger, future-token]\ntimeout_s: 2\n"
+        "code_paths: {train: false}\n"  # the train path's cell would put it in training mode before the end
     )
     monkeypatch.chdir(tmp_path)
     result = invoke("run", "m.yaml", "--format", "json")

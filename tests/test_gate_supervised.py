@@ -133,6 +133,7 @@ def test_a_worker_that_does_not_end_cleanly_fails_every_item_of_its_config(pytes
     (pytester.path / "m.yaml").write_text(
         "model:\n  source: python\n  factory: ends_badly:build\n  kwargs: {how: killed}\n  vocab_size: 16\n"
         "checks: [shape-ledger, future-token]\n"
+        "code_paths: {train: false}\n"  # the train path's cell would put it in training mode before the end
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "--fwdcheck", "m.yaml", "-rf")
     result.assert_outcomes(failed=2)

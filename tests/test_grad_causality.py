@@ -198,7 +198,7 @@ def test_leak_below_future_tokens_tolerance_fails_here_only():
 
 @pytest.mark.parametrize("leak", ["grad-only", "train-only"])
 def test_mask_dropped_on_the_train_path_fails_here_only(leak):
-    report = gate(TinyCausalLM(leak), checks=["future-token", CHECK])
+    report = gate(TinyCausalLM(leak), checks=["future-token", CHECK], code_paths={"train": False})
     assert report.result("future-token").status.value == "pass"  # eval, no_grad: the mask is there
     r = result(report)
     assert r.status.value == "fail"
@@ -411,7 +411,9 @@ def test_buffers_a_train_mode_forward_writes_are_put_back_before_the_next_check(
     report = gate(model, checks=[CHECK, "future-token"])
     # the train path adds the counter to its logits: what eval never computes (FWD126), and causal all the same
     assert {f.code for f in report.result(CHECK).findings if f.status.value != "pass"} == {"FWD126"}
-    assert report.result("future-token").status.value == "pass"
+    # future-token's train cell sees the counter move its logits from one forward to the next: not deterministic there
+    (train,) = report.result("future-token").data["paths"]
+    assert train["codes"] == ["FWD103", "FWD106"] and "FWD101" not in train["codes"]
     assert int(model.steps) == 0
     assert any("steps" in note and "put back" in note for note in report.notes)
 

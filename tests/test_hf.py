@@ -49,7 +49,8 @@ def test_hf_matrix_runs_every_code_path_by_default():
     report = compat.report("Llama (GQA)")
     rows = report.result("future-token").data["paths"]
     labels = {r["path"] for r in rows}
-    assert len(rows) == 2 * 2 * 3 * 2  # flex_attention only when code_paths names it
+    assert len(rows) == 2 * 2 * 3 * 2 + 1  # flex_attention only when code_paths names it; the train path
+    assert rows[-1]["path"] == "train mode, default attention, mask absent, B=2"
     assert "eager, mask left-pad, output_attentions=True, B=1" in labels
     assert "sdpa, mask ones, output_attentions=False, B=2" in labels
 
@@ -58,7 +59,7 @@ def test_bert_fails_on_every_path_and_says_where():
     result = compat.report("BERT (BertForMaskedLM)").result("future-token")
     assert {r["status"] for r in result.data["paths"]} == {"fail"}
     leak = next(f for f in result.findings if f.code == "FWD101")
-    assert "24 of 24 code paths" in leak.where
+    assert "also on 25 of 25 code paths" in leak.where  # the train path among them
 
 
 def test_directory_with_weights_round_trips(tmp_path):

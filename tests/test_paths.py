@@ -25,7 +25,8 @@ def run_path_bug(bug: str):
 def test_matrix_covers_masks_weights_and_batch_sizes():
     report = run_path_bug("none")
     rows = report.result("future-token").data["paths"]
-    assert len(rows) == 2 * 3 * 2  # output_attentions x attention_mask x batch size
+    assert len(rows) == 2 * 3 * 2 + 1  # output_attentions x attention_mask x batch size, and the train path
+    assert rows[-1]["path"] == "train mode, default attention, mask absent, B=2"
     assert {r["status"] for r in rows} == {"pass"}
     assert report.exit_code == 0
 
@@ -74,7 +75,8 @@ def test_cells_computing_the_logits_of_a_pass_share_it():
     assert ran_in_full(rows) == [first] and rows[0]["path"] == first
     for row in rows[1:]:
         assert row["status"] == "pass"
-        assert row["summary"].startswith(f"the same logits as {first} (max difference "), row
+        if row["shares"]["by"] == "logits":
+            assert row["summary"].startswith(f"the same logits as {first} (max difference "), row
         assert row["shares"] == {"cell": first, "by": "logits"} or row["shares"]["by"] == "code path"
     audit = report.result("mask-audit").data["paths"]  # its own, or a cell's on the very same code path
     assert all(r.get("shares", {"by": "code path"})["by"] == "code path" for r in audit)
@@ -120,14 +122,17 @@ def test_a_model_whose_path_changes_under_the_observer_shares_nothing():
         inputs={"batch_size": 2, "seq_len": 8},
     )
     rows = report.result("future-token").data["paths"]
-    assert len(rows) == 2 and ran_in_full(rows) == [r["path"] for r in rows]
+    assert len(rows) == 3 and ran_in_full(rows) == [r["path"] for r in rows]  # B=2, B=1, the train path
     assert ran_in_full(report.result("mask-audit").data["paths"]) == [r["path"] for r in rows]
     assert report.exit_code == 0
 
 
 def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     default = run_checks({"source": "python", "factory": "tests.models:path_bug"}, CHECKS)
-    assert "paths" not in default.result("future-token").data
+    # the train path alone: every source trains
+    assert [r["path"] for r in default.result("future-token").data["paths"]] == [
+        "train mode, default attention, mask absent, B=2"
+    ]
     narrowed = run_checks(
         {"source": "python", "factory": "tests.models:path_bug", "kwargs": {"bug": "mask-ignored"}},
         CHECKS,
@@ -136,6 +141,7 @@ def test_matrix_is_off_by_default_for_python_models_and_narrowable():
     assert [r["path"] for r in narrowed.result("future-token").data["paths"]] == [
         "default attention, mask ones, output_attentions=False, B=2",
         "default attention, mask ones, output_attentions=True, B=2",
+        "train mode, default attention, mask absent, B=2",
     ]
     assert narrowed.exit_code == 0  # the bug needs padding to show, and the narrowed matrix has none
 

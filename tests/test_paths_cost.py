@@ -104,7 +104,7 @@ def test_a_plugin_check_runs_over_the_matrix_when_it_declares_so():
         inputs={"batch_size": 2, "seq_len": 32},
     )
     rows = report.result("cell-probe").data["paths"]
-    assert len(rows) == 12 and {r["status"] for r in rows} == {"pass"}
+    assert len(rows) == 12 + 1 and {r["status"] for r in rows} == {"pass"}  # and the train path
     assert {r["summary"] for r in rows} == {f"B=1, T={CELL_LENGTH}", f"B=2, T={CELL_LENGTH}"}
     assert {r["seq_len"] for r in rows} == {CELL_LENGTH}
     assert "paths" not in report.result("once-probe").data
@@ -225,6 +225,6 @@ def test_falcon_output_attentions_leak_shows_in_short_cells_of_a_long_run():
     leaks = compat.falcon_leaks(CELL_LENGTH)
     report = run_checks(compat.FALCON, ["future-token", "mask-audit"], inputs={"batch_size": 2, "seq_len": 32})
     rows = report.result("future-token").data["paths"]
-    assert len(rows) == 24 and {r["seq_len"] for r in rows} == {CELL_LENGTH}
+    assert len(rows) == 24 + 1 and {r["seq_len"] for r in rows} == {CELL_LENGTH}  # and the train path
     flagged = {r["path"] for r in rows if "FWD101" in r["codes"]}
     assert flagged == {r["path"] for r in rows if leaks["output_attentions=True" in r["path"]]}

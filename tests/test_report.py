@@ -337,6 +337,7 @@ def test_a_pass_shows_the_largest_change_of_every_comparison():
     assert m["cuts"] == [1, 7]
     assert result.summary == (
         f"2 cuts + batch + prefix + single row: max change {max(compared):.2g} vs threshold {m['threshold']:.2g}"
+        "; the train path passes (T=8)"
     )
 
 
@@ -347,7 +348,7 @@ def test_a_model_declared_not_causal_is_summarised_by_what_was_judged():
     assert result.status == Status.PASS and "max_change_before_cut" not in m
     assert result.summary == (
         f"batch: max change {m['batch_max_change']:.2g} vs threshold {m['threshold']:.2g}; "
-        "part (a) skipped: model.causal is false"
+        "part (a) skipped: model.causal is false; the train path passes (T=8)"
     )
 
 

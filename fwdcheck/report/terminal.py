@@ -288,10 +288,10 @@ def summary_table(
 
 def key_number(r: CheckResult) -> str:
     """The number the verdict rests on, as the check measured it (Check.key_number); for a verdict that came from
-    the code-path matrix, how much of it failed; nothing for a skipped check, which measured nothing."""
+    the code-path matrix alone, how much of it failed; nothing for a skipped check, which measured nothing."""
     if r.status == Status.SKIP:
         return ""
-    if r.metrics.get("failing_code_paths"):
+    if r.metrics.get("failing_code_paths") and not r.metrics.get("default_path_fails"):
         return f"{r.metrics['failing_code_paths']} of {r.metrics['code_paths']} paths"
     return r.key_number
 
@@ -489,7 +489,7 @@ def code_paths(rows: list[dict]) -> RenderableType:
     """Every cell of the code-path matrix that did not pass; one line when all did."""
     bad = [row for row in rows if row["status"] != "pass"]
     if not bad:
-        return Text(f"all {len(rows)} code paths pass", style="green")
+        return Text(f"all {len(rows)} code paths pass" if len(rows) != 1 else f"{rows[0]['path']}: pass", style="green")
     cells = [
         [
             Text(row["path"]),

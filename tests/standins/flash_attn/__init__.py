@@ -17,14 +17,15 @@ import torch
 __version__ = "2.7.4.standin"
 
 
-def _reference(q, k, v, softmax_scale, causal, left, right):
-    """Attention of one sequence as flash-attn computes it: q (L, h, d), k and v (S, h_kv, d) -> (L, h, d)."""
+def _reference(q, k, v, softmax_scale, causal, left, right, offset=0):
+    """Attention of one sequence as flash-attn computes it: q (L, h, d), k and v (S, h_kv, d) -> (L, h, d).
+    `offset`: the slot of the first key (a cache read from its left pad on); the queries are the last L slots."""
     L, h, d = q.shape
     S, h_kv = k.shape[0], k.shape[1]
     k, v = k.repeat_interleave(h // h_kv, dim=1), v.repeat_interleave(h // h_kv, dim=1)  # (S, h, d)
     scores = torch.einsum("lhd,shd->hls", q.float(), k.float()) * softmax_scale  # (h, L, S)
-    own = torch.arange(L)[:, None] + (S - L)  # bottom-right alignment: query i sits at key slot i + S - L
-    slots = torch.arange(S)[None, :]
+    own = torch.arange(L)[:, None] + (offset + S - L)  # bottom-right alignment: query i sits at slot i + S - L
+    slots = torch.arange(S)[None, :] + offset
     allowed = torch.ones(L, S, dtype=torch.bool)
     if causal:
         allowed &= slots <= own
@@ -150,3 +151,6 @@ def flash_attn_varlen_func(
         block_table,
     )
     return out
+
+
+from flash_attn.flash_attn_interface import flash_attn_with_kvcache as flash_attn_with_kvcache  # noqa: E402
