@@ -448,11 +448,13 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
 
     def result_done(result) -> None:
         heard.results[result.name] = result
-        on_result(result)
+        if on_result is not None:  # None in-process (--in-process): nobody listens
+            on_result(result)
 
     def model_loaded(summary: dict) -> None:
         heard.model = summary
-        on_model(summary)
+        if on_model is not None:
+            on_model(summary)
 
     try:
         report = distributed._checks_on_rank(

@@ -50,7 +50,12 @@ def four_ranks(parallelize: str, bug: str | None = None, **top) -> dict:
 
 
 def ranks_as_srun_starts_them(
-    tmp_path: Path, config: dict, world: int = 4, marker: str | None = None, started: int | None = None
+    tmp_path: Path,
+    config: dict,
+    world: int = 4,
+    marker: str | None = None,
+    started: int | None = None,
+    args: tuple[str, ...] = (),
 ):
     """The `fwdcheck run` of every rank (or of the first `started`), started as srun starts a step's tasks (SLURM's
     variables, MASTER_ADDR and MASTER_PORT from the batch script): each rank's exit code, stdout and stderr."""
@@ -73,7 +78,7 @@ def ranks_as_srun_starts_them(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json"],
+                [sys.executable, "-m", "fwdcheck", "run", str(path), "--format", "json", *args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -288,3 +293,14 @@ def test_nproc_under_a_launcher_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert "--nproc starts ranks, but the environment started this process as rank 0 of 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_in_process_ranks_of_a_launcher_run_the_job_as_supervised_ones_do(tmp_path):
+    """--in-process (for a debugger or profiler) under a launcher: each rank runs its model in its own `fwdcheck run`,
+    and rank 0 still reports for the job."""
+    exits, outs, errs = ranks_as_srun_starts_them(
+        tmp_path, four_ranks("tensor_parallel"), world=2, args=("--in-process",)
+    )
+    assert exits == [0, 0], errs
+    report = json.loads(outs[0])
+    assert checks(report)["sharding"]["status"] == "pass" and outs[1] == ""
