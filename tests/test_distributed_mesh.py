@@ -237,3 +237,10 @@ def test_a_call_a_check_makes_itself_gets_rank_0s_tensors_in_the_models_own_outp
     assert _with_tensors((own, cache), {"0": shared}) == (shared, cache)
     assert _with_tensors({"logits": own}, {"logits": shared}) == {"logits": shared}
     assert _output_tensors(("no tensor",)) == {} and _output_tensors(object()) == {}
+
+
+def test_the_two_node_example_is_a_valid_config_of_four_ranks():
+    from fwdcheck.config import config_for
+
+    config = config_for(REPO / "examples" / "distributed" / "llama-2d.yaml", None)
+    assert config.distributed.mesh == {"dp_shard": 2, "tp": 2} and config.distributed.nproc == 4

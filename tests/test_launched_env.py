@@ -112,10 +112,3 @@ def test_a_time_limit_that_strikes_in_a_collective_says_the_rank_waited_for_anot
     assert waits_in(torch_root / "distributed" / "distributed_c10d.py")
     assert not waits_in(torch_root / "nn" / "functional.py")  # torch, but no collective
     assert not waits_in(REPO / "tests" / "models.py")  # the model's own code
-
-
-def test_the_two_node_example_is_a_valid_config_of_four_ranks():
-    from fwdcheck.config import config_for
-
-    config = config_for(REPO / "examples" / "distributed" / "llama-2d.yaml", None)
-    assert config.distributed.mesh == {"dp_shard": 2, "tp": 2} and config.distributed.nproc == 4
