@@ -162,25 +162,30 @@ def _master(env: Mapping[str, str], address: str | None, port: int | None) -> tu
 # Each rank's `fwdcheck run`: the store, the outcome, the exit code
 
 
+def run_store(launched: LaunchedRank, index: int, timeout_s: float, serve: bool = False):
+    """The keys of this run (the index-th config of the command) in the job's store, at MASTER_ADDR:MASTER_PORT;
+    `serve`: this process serves the store there."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        launched.master_addr,
+        launched.master_port,
+        launched.world,
+        is_master=serve,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"fwdcheck/{launched.run_id}/{index}/", store)
+
+
 class Coordinator:
     """This run's keys in the job's store. Every wait polls, so that a signal is heard while it waits."""
 
     def __init__(self, launched: LaunchedRank, index: int, timeout_s: float):
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         self.launched = launched
-        store = dist.TCPStore(
-            launched.master_addr,
-            launched.master_port,
-            launched.world,
-            is_master=launched.holds_store,
-            timeout=timedelta(seconds=max(timeout_s, PEER_WAIT_FLOOR_S)),
-            wait_for_workers=False,
-        )
-        self.prefix = f"fwdcheck/{launched.run_id}/{index}/"
-        self.store = dist.PrefixStore(self.prefix, store)
+        self.store = run_store(launched, index, max(timeout_s, PEER_WAIT_FLOOR_S), serve=launched.holds_store)
         self.store.set(f"node/{launched.rank}", launched.node)
 
     def publish(self, outcome: dict) -> None:
@@ -244,8 +249,8 @@ def across_ranks(
     else:
         if report.interrupted:  # a signal: this rank ends now, as it was told; rank 0 tells the others it did
             if launched.rank == 0:
-                with contextlib.suppress(RuntimeError):
-                    coordinator.store.set("exit", str(int(report.exit_code)))
+                with contextlib.suppress(RuntimeError):  # its store may be gone with the job
+                    coordinator.publish_exit(report.exit_code, [])  # the others are ending too: none waited for
             return report if launched.rank == 0 else None, report.exit_code
         own = {
             "report": report.to_dict(),
@@ -384,7 +389,7 @@ def _partial(reports: dict[int, Report], check: str | None, what: str, code: str
         for rank, report in reports.items()
         if [r.name for r in report.results[:cut]] == names[:cut]
     }
-    merged = merge(kept) if min(reports) in kept and min(reports) == 0 else kept.get(min(reports), base)
+    merged = merge(kept) if 0 in kept else kept[min(reports)]  # merge() reads the others against rank 0's
     results = list(merged.results)
     for i, name in enumerate(names[cut:]):
         message = f"while this check ran, {what}" if i == 0 else f"not run: {what} before this check began"
@@ -415,7 +420,6 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     a peer was lost) returns the checks that finished and, on the check it stopped in, how it stopped, with when
     its trouble began; it leaves the process group at once, so that peers waiting for it fail now, not at their
     timeout."""
-    from datetime import timedelta
     from pathlib import Path
 
     import torch.distributed as dist
@@ -425,14 +429,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     from fwdcheck.runner import environment_summary
 
     rank = LaunchedRank(**launched["rank"])
-    store = dist.TCPStore(
-        rank.master_addr,
-        rank.master_port,
-        rank.world,
-        is_master=False,
-        timeout=timedelta(seconds=run.settings.timeout_s),
-    )
-    this_run = dist.PrefixStore(f"fwdcheck/{rank.run_id}/{launched['index']}/", store)
+    this_run = run_store(rank, launched["index"], run.settings.timeout_s)
     heard = Heard(job)
     heard.checks = [e.name for e in distributed.in_rank_order(run.entries)]
     with about_config(Path(job.config) if job.config is not None else None):
