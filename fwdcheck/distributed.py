@@ -564,7 +564,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
     try:
         with about_config(Path(job["config"]) if job["config"] is not None else None):  # the error names the file
             run = _build(job)
-            model, backend = _join_and_shard(run, rank, world, int(os.environ.get("LOCAL_RANK", rank)), None)
+            model, backend = join_and_shard(run, rank, world, int(os.environ.get("LOCAL_RANK", rank)), None)
     except FwdcheckError as exc:  # the same on every rank; the launch ends with the one a rank met first
         # Any rank may meet it first, and its end can fail a slower peer inside a collective before that peer meets
         # the error itself (with another message, or none fwdcheck's): the launcher's record of this rank keeps it.
@@ -572,7 +572,7 @@ def _rank(job: dict, address, authkey: bytes) -> tuple[dict, list[bool]]:
             json.dumps({"exit_code": int(exc.exit_code), "message": str(exc), "at": time.time()})
         ) from exc
     try:
-        report = _checks_on_rank(
+        report = checks_on_rank(
             run,
             model,
             progress=lambda description: send(Progress(description)),
@@ -608,7 +608,7 @@ def in_rank_order(entries: list) -> list:
     return sorted(entries, key=lambda e: e not in opening)
 
 
-def _join_and_shard(run: Run, rank: int, world: int, local_rank: int, store) -> tuple[ModelUnderTest, str]:
+def join_and_shard(run: Run, rank: int, world: int, local_rank: int, store) -> tuple[ModelUnderTest, str]:
     """This rank in the job's process group (through `store`, or the launcher's environment without one), and the
     model built and sharded on it; the backend joined. A usage error leaves no group behind."""
     device = rank_device(run.settings.device, local_rank)
@@ -628,7 +628,7 @@ def _join_and_shard(run: Run, rank: int, world: int, local_rank: int, store) -> 
         raise
 
 
-def _checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_result) -> Report:
+def checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_result) -> Report:
     """The checks run on this rank's sharded model, the sharding check first: the rank's own report. Raises
     RankStopped where the ranks can no longer be sure to meet at the same collectives."""
     on_model(model_summary(model))

@@ -441,7 +441,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             partial.environment = {"distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}}}
             return partial
         group_store = dist.PrefixStore("group/", this_run)
-        model, backend = distributed._join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
+        model, backend = distributed.join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
 
     def result_done(result) -> None:
         heard.results[result.name] = result
@@ -454,9 +454,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             on_model(summary)
 
     try:
-        report = distributed._checks_on_rank(
-            run, model, progress=progress, on_model=model_loaded, on_result=result_done
-        )
+        report = distributed.checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
     except distributed.RankStopped as exc:
         peer = lost_peer(str(exc))
         dist.destroy_process_group()  # peers waiting for this rank at a collective fail now
