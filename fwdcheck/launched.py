@@ -438,7 +438,10 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
         if missing:
             how, never_came = missing
             partial = heard.partial_report(f"{how}; this rank did not join the process group", "FWD004")
-            partial.environment = {"distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}}}
+            partial.environment = {
+                **environment_summary(run.settings, run.settings.device),
+                "distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}},
+            }
             return partial
         group_store = dist.PrefixStore("group/", this_run)
         model, backend = distributed.join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)

@@ -14,10 +14,12 @@ import time
 import uuid
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 import yaml
 
+from fwdcheck.report.schema import JSON_REPORT_SCHEMA
 from tests.test_distributed import REPO, checks, codes, gpt_config, processes_marked
 
 # Every test starts a job of ranks, each a `fwdcheck run`: the slow tier.
@@ -98,6 +100,7 @@ def test_a_rank_that_raises_under_srun_ends_the_job_naming_it_and_every_rank_exi
     assert exits == [1, 1, 1, 1], errs
     assert outs[1:] == ["", "", ""]  # rank 0 writes the report
     report = json.loads(outs[0])
+    jsonschema.validate(report, JSON_REPORT_SCHEMA)  # whole, however the run ended
     sharding = checks(report)["sharding"]
     assert sharding["status"] == "error"
     assert (
@@ -273,6 +276,7 @@ def test_a_rank_that_never_comes_is_named_once_the_others_have_waited_timeout_s(
     )
     assert exits == [1, 1], errs
     report = json.loads(outs[0])
+    jsonschema.validate(report, JSON_REPORT_SCHEMA)  # whole, however the run ended
     assert (
         report["notes"][-1] == "rank 2 of 3 never came (its fwdcheck run did not start, or ended before its run began)"
     )
@@ -303,4 +307,5 @@ def test_in_process_ranks_of_a_launcher_run_the_job_as_supervised_ones_do(tmp_pa
     )
     assert exits == [0, 0], errs
     report = json.loads(outs[0])
+    jsonschema.validate(report, JSON_REPORT_SCHEMA)  # whole, however the run ended
     assert checks(report)["sharding"]["status"] == "pass" and outs[1] == ""
