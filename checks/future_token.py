@@ -852,7 +852,7 @@ only when the model refused every comparison."""
         L = against.shape[1]
         cut = L // 2
         row = plan.single_row(L)
-        logits = refusals.attempt(lambda: session.logits(row[None]), "single-row pass skipped", f"B=1, T={L}")
+        logits = refusals.attempt(lambda: session.row_logits(row), "single-row pass skipped", f"B=1, T={L}")
         if logits is None:
             return None
         change = position_change(logits[:, :cut], against[:, :cut])[0]  # (cut,)

@@ -264,8 +264,11 @@ the attention module's forward as input_pos or cache_position."""
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
         B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
-        # observe one row alone too, unless the code-path matrix runs batch size 1 itself.
-        if B > 1 and not any(c.batch_size == 1 for c in path_cells(model, session.settings.code_paths, B)):
+        # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Not on the train path: a
+        # single sequence is how the eval path serves and generates, which the default run observed alone, while
+        # training runs batches.
+        code_paths = session.settings.code_paths
+        if B > 1 and not session.train and not any(c.batch_size == 1 for c in path_cells(model, code_paths, B)):
             self._batch_size_one(model, session, findings, rows, data)
         return self._summarise(findings, rows, data)
 

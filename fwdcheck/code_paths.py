@@ -155,6 +155,26 @@ def _narrow_cell(cell: CodePath, attentions: Sequence[bool | None], batches: lis
     return cell.output_attentions == plain[0] and cell.batch_size == batches[0]
 
 
+# The label of the anchor the train path's cell is held to when its rows are ones the default run ran alone.
+RAN_ALONE = "the eval path on rows the default run ran alone"
+
+
+def rows_ran_alone(session: Session, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`count` rows [count, L] the session ran alone on the eval path, untouched (Session.row_logits: future-token's
+    prefix of the short length and its single row), with their logits [count, L, V]; None when it ran fewer, or
+    rows shorter than `length`.
+
+    The train path's cell runs on them: where its logits are theirs (within the tolerance future-token judges by),
+    the train path computes on those tokens what the eval path computed, and takes the default path's verdict of a
+    check that judges logits alone, as a cell does from another (the module docstring says why that holds); the
+    eval logits it is held to need no forward of their own. Where they are not, the cell runs its comparisons in full
+    on the same rows."""
+    found = session.ran_alone[:count]
+    if len(found) < count or found[0][0].shape[0] < length:
+        return None
+    return torch.stack([row for row, _ in found]), torch.cat([logits for _, logits in found])
+
+
 def runs_per_code_path(check) -> bool:
     """Whether a check asks to run once per cell of the matrix: `per_code_path = True` on its class. Read with a
     default, so that a plugin written before the attribute existed (or not deriving from Check) runs once."""

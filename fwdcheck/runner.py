@@ -13,18 +13,21 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from fwdcheck.code_paths import (
+    RAN_ALONE,
     CodePath,
     LogitsAnchor,
     SameLogits,
     Verdicts,
+    cell_length,
     cell_settings,
     path_cells,
     path_signature,
     path_view,
     plain_view,
+    rows_ran_alone,
     runs_per_code_path,
     verdict_from_logits,
     verdicts_for,
@@ -42,6 +45,9 @@ from fwdcheck.session import Session
 from fwdcheck.settings import Settings
 from fwdcheck.sources import load_model
 from fwdcheck.zero_weights import woken
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -295,11 +301,37 @@ def run_code_paths(
     for number, cell in enumerate(cells, 1):
         if progress:
             progress(f"code path {number}/{len(cells)}: {cell.label}")
-        runs.append(run_path(cell, per_path, model, settings, session, verdicts))
+        rows = None
+        if cell.train and verdicts is not None:
+            rows = eval_rows_for_train(cell, per_path, [results[i] for i in chosen], model, settings, session, verdicts)
+        runs.append(run_path(cell, per_path, model, settings, session, verdicts, inputs=rows))
     merged = list(results)
     for j, i in enumerate(chosen):
         merged[i] = merge_cells(results[i], [(run, run.results[j]) for run in runs])
     return merged
+
+
+def eval_rows_for_train(
+    cell: CodePath,
+    entries: list[CheckEntry],
+    default_results: list[CheckResult],
+    model: ModelUnderTest,
+    settings: Settings,
+    session: Session,
+    verdicts: Verdicts,
+) -> torch.Tensor | None:
+    """The train path's inputs [B, L]: rows the run's session ran alone on the eval path (code_paths.rows_ran_alone),
+    with an anchor in `verdicts` for every check whose verdict follows from logits and that passed on the default
+    path, whose logits of those rows it judged; None when the session ran too few rows, or shorter ones than the
+    cell's length."""
+    found = rows_ran_alone(session, cell.batch_size, cell_length(settings, model, cell, session.min_seq_len))
+    if found is None:
+        return None
+    rows, logits = found
+    for entry, result in zip(entries, default_results, strict=True):
+        if result.status == Status.PASS and _declares(entry, verdict_from_logits):
+            verdicts.anchors.append(LogitsAnchor(RAN_ALONE, entry.name, result, rows, logits))
+    return rows
 
 
 def run_path(
@@ -309,13 +341,22 @@ def run_path(
     settings: Settings,
     session: Session,
     verdicts: Verdicts | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> CellRun:
     """One cell as a run does it, given the run's own session: at the cell's short length, and again at
     inputs.seq_len if the model raised there. A model may refuse short sequences (a length it needs at least,
     undeclared); the default run showed that it takes inputs.seq_len, so the path gets a verdict all the same.
-    `verdicts`: what the cells run so far vouch for, which this cell may share."""
+    `verdicts`: what the cells run so far vouch for, which this cell may share; `inputs`: the cell's rows, when given
+    (eval_rows_for_train)."""
     run = run_cell(
-        cell, entries, model, settings, shortest=session.min_seq_len, max_rows=session.max_rows, verdicts=verdicts
+        cell,
+        entries,
+        model,
+        settings,
+        shortest=session.min_seq_len,
+        max_rows=session.max_rows,
+        verdicts=verdicts,
+        inputs=inputs,
     )
     if run.seq_len < settings.inputs.seq_len and (_model_raised(run) or run.refused):
         again = run_cell(
@@ -362,6 +403,7 @@ def run_cell(
     shortest: int = 1,
     max_rows: int | None = None,
     verdicts: Verdicts | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> CellRun:
     """Every given check on one cell, in one session: the model's forward takes the cell's path, on inputs of the
     cell's batch size and length (code_paths.cell_settings). A left-padded cell also holds the same path without
@@ -373,13 +415,17 @@ def run_cell(
     to them."""
     results: list[CheckResult] = []
     tokens: list[int] = []
+    if inputs is not None:  # given rows: the cell is as long as they are
+        shortest = max(shortest, inputs.shape[1])
     own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
+    if inputs is not None and tuple(inputs.shape) != (own.inputs.batch_size, own.inputs.seq_len):
+        inputs = None  # not the cell's shape (a model's positions end sooner): its own rows, drawn from the seed
     signature = None
     anchors = []
     note = None
     try:
         view = path_view(model, cell)
-        session = Session(view, own, train=cell.train)
+        session = Session(view, own, train=cell.train, inputs=inputs)
         if view.padding:
             session.unpadded = plain_view(model, cell)
         with model.using_attention(cell.attn_implementation), session.active():
@@ -414,7 +460,7 @@ def run_cell(
                     if follows_logits and verdicts is not None and logits is not None
                     else None
                 )
-                result = _same_logits_verdict(entry, shared) if shared else run_one(entry, view, session)
+                result = _same_logits_verdict(entry, shared, cell.train) if shared else run_one(entry, view, session)
                 results.append(result)
                 tokens.append(session.forward_tokens - before + observed)
                 observed = 0
@@ -441,15 +487,18 @@ def run_cell(
     return run
 
 
-def _same_logits_verdict(entry: CheckEntry, same: SameLogits) -> CheckResult:
+def _same_logits_verdict(entry: CheckEntry, same: SameLogits, train: bool = False) -> CheckResult:
     """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: this cell's measurement is
-    the comparison that vouches for it; the pass it takes is named, its numbers not copied."""
+    the comparison that vouches for it; the pass it takes is named, its numbers not copied. On the train path's cell
+    (`train`) the comparison is also the train path held to the eval path's logits."""
     anchor, passed = same.anchor, same.anchor.result
     summary = (
-        f"the same logits as {anchor.label} (max difference {same.difference:.2g} vs tolerance "
-        f"{same.tolerance:.2g}): its verdict, {passed.summary}"
+        f"{'train vs eval: ' if train else ''}the same logits as {anchor.label} (max difference "
+        f"{same.difference:.2g} vs tolerance {same.tolerance:.2g}): its verdict, {passed.summary}"
     )
     metrics = {"same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
+    if train:
+        metrics["train_eval_change"] = same.difference
     return CheckResult(
         entry.name,
         passed.status,

@@ -36,7 +36,11 @@ SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_le
 
 
 class Session:
-    def __init__(self, model: ModelUnderTest, settings: Settings, train: bool = False):
+    def __init__(
+        self, model: ModelUnderTest, settings: Settings, train: bool = False, inputs: torch.Tensor | None = None
+    ):
+        """`inputs`: the token ids [B, T] the session's checks start from, when given (else drawn from the seed at
+        inputs.batch_size x inputs.seq_len)."""
         self.model = model
         self.settings = settings
         # The train path: every forward in train() mode, dropout zeroed, gradients recorded while the model can
@@ -61,7 +65,7 @@ class Session:
         self._generator = torch.Generator().manual_seed(settings.inputs.seed)
         B, T = settings.inputs.batch_size, settings.inputs.seq_len
         try:
-            self.inputs = self.random_ids((B, T))
+            self.inputs = self.random_ids((B, T)) if inputs is None else inputs.to(self.device)
         except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:  # sizes torch cannot allocate
             raise UsageError(
                 f"inputs: batch_size {B} x seq_len {T} token ids cannot be allocated "
@@ -72,6 +76,9 @@ class Session:
         self.forward_tokens = 0  # rows x positions run, for benchmarks
         self.refused_lengths: set[int] = set()  # lengths the model raised at while a longer one ran (found out)
         self.unpadded: ModelUnderTest | None = None  # for a left-padded path view: the same path without padding
+        # Rows of the short length run alone, untouched, with their logits [1, L, V] (row_logits): the eval path's
+        # logits on those tokens, which the train path's cell may be held to without running them again.
+        self.ran_alone: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved = self._cast = False  # whether active() put the model on the device or dtype as a copy
 
     # -- lifetime -------------------------------------------------------------------------------------------------
@@ -326,10 +333,18 @@ class Session:
         """Logits [1, length, V] of the first sample's first `length` tokens run alone. Those of `short_length`,
         the one length several checks compare at, are computed once (a refusal too); other lengths each time."""
 
-        def compute():
+        if length != self.short_length:
             return self.logits(self.inputs[:1, :length])
+        return self._once(f"prefix {length}", lambda: self.row_logits(self.inputs[0, :length]))
 
-        return self._once(f"prefix {length}", compute) if length == self.short_length else compute()
+    def row_logits(self, row: torch.Tensor) -> torch.Tensor:
+        """Logits [1, L, V] of one row [L] run alone. Rows of the short length run untouched on the eval path are
+        kept with their logits (`ran_alone`)."""
+        logits = self.logits(row[None])
+        known = any(torch.equal(row, other) for other, _ in self.ran_alone)
+        if not self.train and len(row) == self.short_length and not known:
+            self.ran_alone.append((row, logits))
+        return logits
 
     def observation(self) -> Observation:
         """The observation pass over the session's inputs, run once. Its logits are kept as the reference

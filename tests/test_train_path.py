@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
+from fwdcheck import code_paths
 from tests import compat
 from tests.conftest import run_checks
 from tests.test_flex_attention import FlexModel
@@ -115,6 +116,54 @@ def test_third_party_models_pass_the_train_cell(name):
         report = run_checks(spec, None)
     assert report.exit_code == 0, [(r.name, r.summary) for r in report.results]
     assert train_row(report, "future-token")["status"] == "pass"
+
+
+# =====================================================================================================================
+# At the default length the cell runs on rows the eval path ran alone, and is held to their logits
+
+
+LONG = 128  # inputs.seq_len at which the prefix ladder runs the short length (16 tokens) alone, and the single row
+
+
+def test_at_the_default_length_the_cell_runs_on_the_eval_paths_rows_and_takes_its_pass():
+    report = gate(TinyCausalLM(), seq_len=LONG)
+    assert report.exit_code == 0
+    row = train_row(report, "future-token")
+    assert row["seq_len"] == 16 and row["shares"] == {"cell": code_paths.RAN_ALONE, "by": "logits"}, row
+    assert row["summary"].startswith("train vs eval: the same logits as"), row
+    assert train_row(report, "mask-audit")["status"] == "pass"
+
+
+@pytest.mark.parametrize("leak", ["grad-only", "train-only"])
+def test_at_the_default_length_a_mask_dropped_on_the_train_path_still_fails_in_full(leak):
+    """The train path's logits are not the eval path's on those rows: the cell runs its own comparisons on them."""
+    report = gate(TinyCausalLM(leak), seq_len=LONG)
+    assert report.exit_code == 1
+    future = train_row(report, "future-token")
+    assert {"FWD101", "FWD108"} <= set(future["codes"]) and "shares" not in future, future
+    assert train_row(report, "mask-audit")["codes"] == ["FWD201"]
+
+
+def test_at_the_default_length_a_train_only_branch_is_named_by_its_module():
+    report = gate(TrainOnlyScaling(), seq_len=LONG)
+    assert train_row(report, "future-token")["codes"] == ["FWD108"]
+    apart = next(f for f in report.result("future-token").findings if f.code == "FWD108")
+    assert apart.module == "head"
+
+
+class BatchStatistics(TinyCausalLM):
+    """Causal per sample, but in train mode each position is centred by the mean over the batch (a norm over the batch
+    axis): samples read each other on the train path only."""
+
+    def forward(self, input_ids):
+        logits = super().forward(input_ids)
+        return logits - logits.mean(0, keepdim=True) if self.training else logits
+
+
+def test_at_the_default_length_samples_read_each_other_on_the_train_path_fails():
+    report = gate(BatchStatistics(), seq_len=LONG)
+    future = train_row(report, "future-token")
+    assert future["status"] == "fail" and "FWD108" in future["codes"], future
 
 
 # =====================================================================================================================
