@@ -116,19 +116,29 @@ def cost(args) -> None:
         f"{sum(r[3] for r in suite):>15.2f}"
     )
     # What `fwdcheck run` spends besides the checks: the session's setup, putting the model back, and the parameter
-    # fingerprints before and after the checks (FWD006), as run_model does them.
-    report, *spent = timed(lambda: run_model(model, settings, select(None)))
-    assert all(r.status.value == "pass" for r in report.results), [r.summary for r in report.results]
-    print(
-        f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {spent[0] / wall:>13.2f} "
-        f"{spent[1] / cpu:>12.2f}"
-    )
-    # The same run without the code-path matrix's train cell (code_paths: {train: false}): what the cell costs.
+    # fingerprints before and after the checks (FWD006), as run_model does them; and the same run without the
+    # code-path matrix's train cell (code_paths: {train: false}), what the cell costs. Each is run `--repeats` times,
+    # interleaved, each run's time over the plain forwards timed just before and after it; the medians are printed
+    # (one run on a shared machine moves by several percent).
     no_train = settings.model_copy(update={"code_paths": settings.code_paths.model_copy(update={"train": False})})
-    _, *spent_without = timed(lambda: run_model(model, no_train, select(None)))
+    with_cell, without_cell = [], []
+    for _ in range(args.repeats):
+        for runs, chosen in ((with_cell, settings), (without_cell, no_train)):
+            around = [timed(plain)[1:]]
+            report, *spent = timed(lambda s=chosen: run_model(model, s, select(None)))
+            around.append(timed(plain)[1:])
+            assert all(r.status.value == "pass" for r in report.results), [r.summary for r in report.results]
+            forward = [statistics.mean(w for w, _ in around), statistics.mean(c for _, c in around)]
+            runs.append((spent[0] / forward[0], spent[1] / forward[1]))
+    whole = [statistics.median(r[i] for r in with_cell) for i in (0, 1)]
+    lean = [statistics.median(r[i] for r in without_cell) for i in (0, 1)]
+    print(
+        f"{'whole run (run_model: + setup, restore, fingerprints)':<58} {'':>6} {whole[0]:>13.2f} {whole[1]:>12.2f}"
+        f"   (median of {args.repeats}; CPU {min(r[1] for r in with_cell):.2f}-{max(r[1] for r in with_cell):.2f})"
+    )
     print(
         f"{'  of which the train path cell (the run again without it)':<58} {'':>6} "
-        f"{(spent[0] - spent_without[0]) / wall:>13.2f} {(spent[1] - spent_without[1]) / cpu:>12.2f}"
+        f"{whole[0] - lean[0]:>13.2f} {whole[1] - lean[1]:>12.2f}"
     )
 
     cuts = torch.linspace(1, T - 1, args.naive_sample).round().long().tolist()
@@ -228,6 +238,7 @@ def main() -> None:
         help="torch intra-op threads (default: torch's own choice); 1 keeps "
         "CPU time honest on a shared machine, where waiting threads spin",
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the whole run timed, the median printed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--peak", choices=["plain", "suite"], help=argparse.SUPPRESS)  # one memory measurement
     args = parser.parse_args()

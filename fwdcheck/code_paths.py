@@ -10,8 +10,11 @@ The train path is one more cell, for every source (train_cell): the model in tra
 to zero and gradients recorded (fwdcheck/train_path.py), as a training job runs it, since model code branches on
 `self.training` and `torch.is_grad_enabled()` whatever built it. The per-path checks judge it like any other cell,
 and its logits must be the eval path's on the same tokens (future-token holds them to its own bar, and names the
-first module where they part). A model that records no gradients on some kernel runs the cell without them, and
-the cell says so; one that cannot run in train mode at all skips it, saying why.
+first module where they part). Where the default run ran two rows of its short length alone on the eval path (the
+prefix and the single row of future-token, at inputs.seq_len 64 and up), the cell runs on those rows and is held to
+their logits, which cost it no forward: one train-mode forward then takes the default path's pass (see below). A
+model that records no gradients on some kernel runs the cell without them, and the cell says so; one that cannot run
+in train mode at all skips it, saying why.
 
 What a cell costs. The default run already ran every check at the full length on the default path; a cell only has
 to show whether its path is wrong, and a path that drops, inverts or misreads a mask does so at any length of a few
@@ -119,7 +122,8 @@ def path_cells(model: ModelUnderTest, code_paths: CodePaths, batch_size: int) ->
 def train_cell(batch_size: int) -> CodePath:
     """The train path: the model's own attention, no mask argument, at the larger batch size. Every source trains,
     and model code branches on self.training and torch.is_grad_enabled() whatever built it. Its tokens are those of
-    the eval cell of the same shape, whose logits it must reproduce (where it does, that cell's pass holds here)."""
+    the eval cell of the same shape, whose logits it must reproduce (where it does, that cell's pass holds here), or,
+    when the default run ran rows of the short length alone on the eval path, those rows (rows_ran_alone)."""
     return CodePath(None, None, "absent", max(batch_size, 2), train=True)
 
 

@@ -129,7 +129,8 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         # One placement of the model for the whole run: the cells' sessions find it on the device and in eval mode.
         with session.active(), woken(model, settings.inputs.seed, session.notes):
             # Did the forwards write the weights? A fingerprint pass reads every parameter (about a short forward's
-            # cost), so it runs once after the default path and once after the matrix, not after every check.
+            # cost), so it runs once after every forward of the run (the default path's and the matrix's), not after
+            # every check.
             watch = ParameterWatch(model.module)
             for entry in entries:
                 if progress:
@@ -137,17 +138,13 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
                 results.append(run_one(entry, model, session))
                 if on_result:
                     on_result(results[-1])
+            if cells:
+                results = run_code_paths(entries, results, model, settings, cells, session, progress)
             written = watch.written()
             ran = [r for r in results if r.status != Status.SKIP]
             if written and ran:  # on the first check that ran: the write is the model's, whichever check saw it
-                report_parameter_writes(ran[0], written, session, " during the run's checks")
-            if cells:
-                default_path = results
-                results = run_code_paths(entries, results, model, settings, cells, session, progress)
-                written = watch.written()  # once for the whole matrix: a write only some code path makes
-                for result, before in zip(results, default_path, strict=True):
-                    if result is not before:  # the check ran over the matrix
-                        report_parameter_writes(result, written, session, " on the code-path matrix")
+                during = " during the run's checks" + (" (the default path or the code-path matrix)" if cells else "")
+                report_parameter_writes(ran[0], written, session, during)
     except ModelRaised as exc:  # the model could not be prepared (eval() raised): no check can run on it
         results += [CheckResult(e.name, Status.ERROR, str(exc), [model_raised(exc)]) for e in entries[len(results) :]]
     except KeyboardInterrupt:  # Ctrl-C: the model is restored by now; report what ran, mark the rest
@@ -430,7 +427,10 @@ def run_cell(
             session.unpadded = plain_view(model, cell)
         with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
-            signature = _signature(session) if verdicts is not None else None
+            # A digest only where it can be shared: with an earlier cell, or by a later one (the train path's cell
+            # comes last); else the observation pass runs for the checks alone.
+            digest = verdicts is not None and (not cell.train or bool(verdicts.by_signature))
+            signature = _signature(session) if digest else None
             if cell.train:
                 session.reference()  # the train path's first forward: ModelRaised when the model cannot train
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
@@ -448,13 +448,15 @@ def run_cell(
                     note=f"the same code path as {same.cell.label} (the same calls, masks and logits): its verdict",
                     shares=same.cell.label,
                 )
-            # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode).
-            logits = session.observed_logits if signature else None
+            # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode), where
+            # the pass could vouch for them (a digest was taken of it, or none was wanted) and they hold values.
+            observed_logits = session.observed_logits if verdicts is not None and (signature or not digest) else None
+            logits = observed_logits if observed_logits is not None and not observed_logits.is_meta else None
             observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
             for entry in entries:
                 before = session.forward_tokens
                 follows_logits = logits is not None and _declares(entry, verdict_from_logits)
-                # (logits are kept only with a signature, and a signature only with verdicts)
+                # (logits are kept only with verdicts)
                 shared = (
                     verdicts.same_logits(entry.name, session, logits)
                     if follows_logits and verdicts is not None and logits is not None
