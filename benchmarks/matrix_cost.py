@@ -2,6 +2,7 @@
 
     python benchmarks/matrix_cost.py            # GPT-2 small (124M) and a Llama-style GQA model of 8 layers
     python benchmarks/matrix_cost.py --small    # tiny widths: a quick smoke run
+    python benchmarks/matrix_cost.py --threads 1 --only GPT-2
 
 Both models are built offline from transformers configs with random weights (no hub). A default run is every check
 on the default path at B x T, then every check that declares per_code_path on every cell of the code-path matrix
@@ -199,12 +200,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--cell-length", type=int, default=None, help="paths.seq_len: tokens per row in each cell")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: torch's own choice); 1 keeps the ratios those of suite_cost.py "
+        "--threads 1, and honest on a shared machine",
+    )
+    parser.add_argument("--only", help="measure only the models whose name contains this")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import transformers
 
     transformers.logging.set_verbosity_error()  # the same notices for every cell would drown the table
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     for name, hf_config in (SMALL if args.small else MODELS).items():
+        if args.only and args.only not in name:
+            continue
         measure(name, hf_config, args.batch_size, args.seq_len, args.cell_length)
 
 

@@ -1,8 +1,7 @@
 """grad-causality: on the train path (train() mode, dropout zeroed, gradients on), earlier logits get exactly 0.0
-gradient from later tokens' embeddings and from other samples', and every parameter that requires grad gets a finite
-gradient. Correct models pass: the reference model, transformers' architectures built tiny, x-transformers, litgpt,
-torch.nn with a causal mask. Leaks future-token cannot see fail: below its tolerance, only with gradients enabled,
-only in train mode; samples mixed; parameters never reached warn."""
+gradient from later tokens' embeddings and from other samples'. Correct models pass: the reference model,
+transformers' architectures built tiny, x-transformers, litgpt, torch.nn with a causal mask. Leaks future-token
+cannot see fail: below its tolerance, only with gradients enabled, only in train mode; samples mixed."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ class TinyCausalLM(nn.Module):
     whisper:      1e-7 x the next position's hidden state added to each position (below future-token's tolerance)
     grad-only:    is_causal only under torch.no_grad() (what eval-time checks run)
     train-only:   is_causal dropped when self.training
-    unused-layer: a projection built and never called
-    detached:     a gated branch whose output is detached
+    unused-layer: a projection built and never called (grad-reach's to find)
+    detached:     a gated branch whose output is detached (grad-reach's to find)
     """
 
     def __init__(self, leak: str | None = None):
@@ -93,14 +92,13 @@ def test_tiny_correct_model_passes_with_exact_zeros():
     assert r.status.value == "pass", r.findings
     assert r.metrics["max_gradient_after_cut"] == 0.0
     assert r.metrics["max_gradient_before_cut"] > 0  # the gradient reached what it should: something was measured
-    assert r.metrics["parameters_without_gradient"] == 0
     assert report.exit_code == 0
 
 
 def test_reference_model_passes(reference):
     r = result(run_checks(reference(), [CHECK]))
     assert r.status.value == "pass", r.findings
-    assert r.metrics["parameters"] > 0 and r.metrics["parameters_without_gradient"] == 0
+    assert r.metrics["max_gradient_after_cut"] == 0.0 and r.metrics["max_gradient_before_cut"] > 0
 
 
 @pytest.mark.parametrize("batch_size, seq_len", [(1, 8), (3, 16)])
@@ -166,7 +164,7 @@ PLANTED = {
     "batch-mix": {"FWD122"},
 }
 # Eager softmax over a row whose every key is -inf gives NaN: NaN gradients, never a pass, and no evidence of a path
-PLANTED_ON = {("inverted-bool-mask", "eager"): {"FWD123", "FWD125"}}
+PLANTED_ON = {("inverted-bool-mask", "eager"): {"FWD123"}}
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -235,34 +233,7 @@ def test_nan_gradient_is_never_a_pass():
 
 
 # =====================================================================================================================
-# Gradient reaches every parameter
-
-
-@pytest.mark.parametrize("leak, name", [("unused-layer", "never_called"), ("detached", "gate")])
-def test_parameters_without_gradient_warn_by_name(leak, name):
-    report = gate(TinyCausalLM(leak))
-    r = result(report)
-    assert r.status.value == "warn"
-    warned = [f for f in r.findings if f.code == "FWD124"]
-    assert len(warned) == 1
-    assert f"{name}.weight" in warned[0].message and f"{name}.bias" in warned[0].message
-    assert r.metrics["parameters_without_gradient"] == 2
-    assert r.metrics["parameters_never_called"] == (2 if leak == "unused-layer" else 0)
-    assert ("never called" in warned[0].message) == (leak == "unused-layer")
-    assert ("passed no gradient back" in warned[0].message) == (leak == "detached")
-    assert report.exit_code == 0  # a warning, not a failure (unless --fail-on warn)
-
-
-def test_tied_and_frozen_embeddings_get_no_false_warning():
-    tied = TinyCausalLM()
-    tied.head.weight = tied.embed.weight  # the output head tied to the embedding (GPT-2's layout)
-    r = result(gate(tied))
-    assert r.status.value == "pass", r.findings
-    frozen = TinyCausalLM()
-    frozen.embed.weight.requires_grad_(False)  # a frozen parameter is not asked for
-    r = result(gate(frozen))
-    assert r.status.value == "pass", r.findings
-    assert r.metrics["parameters"] == sum(1 for p in frozen.parameters() if p.requires_grad)
+# The embedding's every call
 
 
 def test_embedding_called_twice_is_hooked_at_each_call():
@@ -281,24 +252,8 @@ def test_embedding_called_twice_is_hooked_at_each_call():
     clean = result(gate(TwiceEmbedded(leak=False)))
     assert clean.status.value == "pass", clean.findings
     assert "2 calls" in clean.data["notes"][0]
-    assert clean.metrics["parameters_without_gradient"] == 0  # the embedding's weight, through both calls
     leaky = result(gate(TwiceEmbedded(leak=True)))
     assert {f.code for f in leaky.findings} == {"FWD121"}
-
-
-def test_nonfinite_parameter_gradient_fails():
-    class Overflow(TinyCausalLM):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.zeros(()))
-
-        def forward(self, input_ids):
-            # the value is the logits (sqrt(0) = 0); the scale's gradient is the upstream sum x 1/(2 sqrt(0)): Inf
-            return super().forward(input_ids) + torch.sqrt(self.scale)
-
-    r = result(gate(Overflow()))
-    assert "FWD125" in {f.code for f in r.findings}
-    assert "scale" in next(f for f in r.findings if f.code == "FWD125").message
 
 
 # =====================================================================================================================
@@ -432,7 +387,7 @@ def test_explain_and_terminal_report(tmp_path):
     runner = CliRunner()
     explained = runner.invoke(app, ["explain", CHECK], catch_exceptions=False)
     assert explained.exit_code == 0, explained.output
-    for code in ("FWD121", "FWD122", "FWD123", "FWD124", "FWD125"):
+    for code in ("FWD121", "FWD122", "FWD123", "FWD126"):
         assert code in explained.stdout
     config = tmp_path / "leaky.yaml"
     config.write_text(
@@ -497,9 +452,9 @@ def test_transformers_architectures_fail_only_with_a_leak_shown_in_plain_torch(m
         )
     r = result(report)
     assert "FWD122" not in codes(report, CHECK)  # no architecture mixes the samples of a batch
-    assert not {"FWD123", "FWD125"} & codes(report, CHECK), r.findings  # nor has NaN gradients at these sizes
+    assert "FWD123" not in codes(report, CHECK), r.findings  # nor has NaN gradients at these sizes
     if r.status.value == "fail":
-        assert codes(report, CHECK) <= {"FWD121", "FWD124"}
+        assert codes(report, CHECK) <= {"FWD121"}
         assert arch_sweep.future_leak(model_type), r.summary  # prophetnet's n-gram stream: a leak by design
 
 

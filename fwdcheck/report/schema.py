@@ -13,9 +13,9 @@ FINDING = {
     "properties": {
         "code": {
             "type": "string",
-            "description": "stable id: FWD10x future-token, FWD12x grad-causality, FWD2xx mask-audit, FWD3xx rope, "
-            "FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins use "
-            "their own prefixes",
+            "description": "stable id: FWD10x future-token, FWD12x grad-causality and grad-reach, FWD2xx mask-audit, "
+            "FWD3xx rope, FWD4xx shape-ledger, FWD5xx-FWD9xx the equivalence checks, FWD0xx fwdcheck itself; plugins "
+            "use their own prefixes",
         },
         "status": STATUS,
         "message": {"type": "string"},
