@@ -95,10 +95,10 @@ def switchable(model) -> tuple[list[str], str | None]:
     return model.attention.ordered(), None
 
 
-def tolerance(session, scale: float, noise: float = 0.0) -> float:
+def tolerance(session, scale: float, noise: float = 0.0, rounding: float = 0.0) -> float:
     """The bar for values of magnitude `scale`: Hugging Face's eager-vs-SDPA bar, never below the session's."""
     rtol, atol = TOLERANCES[session.dtype].backends
-    return max(atol + rtol * scale, session.threshold(scale, noise))
+    return max(atol + rtol * scale, session.threshold(scale, noise, rounding))
 
 
 class Backends(Check):
@@ -245,8 +245,7 @@ Options (`options: {backends: {...}}`): flex."""
         pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
         largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
         needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
-        noise = session.repeat_change() if needs_noise else 0.0
-        bar = tolerance(session, scale, noise)
+        bar = tolerance(session, scale, *(session.floors(largest, scale) if needs_noise else (0.0, 0.0)))
         metrics.update(implementation_change=largest, implementation_bar=bar)
         data["implementations"] = {
             "default": default,

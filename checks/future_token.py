@@ -11,8 +11,10 @@ with its later half replaced.
 A pass the model refuses at some size (code that asserts T > 1, a cache sized for the batch) is a note: the findings of
 the other passes stand, and the check is an error only when nothing at all could be compared.
 
-Every change is judged against max(dtype tolerance scaled to the logits, noise_factor x the run-to-run noise floor),
-and NaN or Inf is never a pass.
+Every change is judged against max(dtype tolerance scaled to the logits, noise_factor x the run-to-run noise floor,
+4 x the model's own rounding measured against a float64 twin: fwdcheck/rounding.py), and NaN or Inf is never a pass.
+A prefix or a row run alone reorders the forward's arithmetic, and a model whose hidden states run far above its logits
+rounds by more than the dtype tolerance: that is rounding, not a leak.
 
 What it costs, and why the shortcuts are sound. The comparisons start from the observation pass's logits of the
 session's inputs (session.reference()) and no noise floor, and are first judged at the tolerance alone:
@@ -244,6 +246,7 @@ class Evidence:
     size: tuple[int, int]  # (B, T) of the reference
     scale: float  # the reference's largest |logit|
     noise: float | None = None  # the noise floor; None: not measured
+    rounding: float = 0.0  # the model's own rounding (session.rounding_change); 0.0: not measured
     noise_refused: bool = False  # the noise floor was asked for and refused: no change can be judged
     reference_note: str | None = None  # why every comparison was made again against the untouched baseline
     broken_baseline: torch.Tensor | None = None  # the untouched baseline, when it holds NaN or Inf
@@ -284,8 +287,10 @@ Why: a decoder that can see the future trains to a loss it can never reach at in
 read each other makes every metric depend on batch composition. The usual causes are a dropped or inverted causal
 mask, a 0/1 float mask, wrong position indexing, or a reshape that mixes the batch axis with another.
 How changes are judged: a change counts when it exceeds both the dtype tolerance (atol + rtol x the largest |logit|,
-defaults as torch.testing.assert_close) and noise_factor x the run-to-run noise floor measured by running the
-identical input twice. NaN or Inf is reported where it appears, never passed.
+defaults as torch.testing.assert_close), noise_factor x the run-to-run noise floor measured by running the
+identical input twice, and 4 x the model's own rounding, measured against a float64 copy of the model: a prefix or a
+row run alone reorders the arithmetic, which moves the logits of a model whose hidden states run far above them by
+more than the dtype tolerance. NaN or Inf is reported where it appears, never passed.
 What it runs: the comparisons start from the logits the observation pass already computed, with no noise floor.
 Only when some change exceeds the tolerance (where the noise floor could matter) does it run the untouched model on
 the session's inputs, and again for the noise floor, and judge against those; a pass rests on every untouched forward
@@ -395,6 +400,8 @@ only when the model refused every comparison."""
             del observed  # not held beside the noise floor's forwards
         evidence.noise = evidence.refusals.attempt(session.repeat_change, "noise floor not measured", f"B={B}, T={T}")
         evidence.noise_refused = evidence.noise is None  # without the noise floor no change can be judged
+        if not evidence.noise_refused:
+            evidence.rounding = session.rounding_change()
         return evidence
 
     def _judge(
@@ -409,8 +416,10 @@ only when the model refused every comparison."""
         floor's own findings, left padding, samples reading each other, and, for a causal model, the leaks."""
         scale, noise, measured = evidence.scale, evidence.noise, evidence.measured
         tolerance = session.tolerance(scale)
-        threshold = session.threshold(scale, noise or 0.0)
+        threshold = session.threshold(scale, noise or 0.0, evidence.rounding)
         judged = Judged(metrics={"logit_scale": scale, "tolerance": tolerance, "threshold": threshold})
+        if evidence.rounding:
+            judged.metrics["rounding"] = evidence.rounding
         if evidence.reference_note is not None:
             judged.data["reference"] = evidence.reference_note
         if live_dropout:

@@ -407,7 +407,8 @@ Verifies that running the session's inputs incrementally through the model's KV 
 forward. A prefill of the first P = T - D tokens (D = min(T/2, 4)) with the cache on, then, from copies of its cache,
 the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
 (speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
-forward within the session's threshold (the dtype tolerance, or 10x the noise floor where measured).
+forward within the session's threshold (the dtype tolerance, or 10x the noise floor or 4x the model's own
+rounding against a float64 copy, where measured).
 Why it matters: the cache path is the one generation takes, and the forward that training and evaluation run never
 exercises it. A position off by one, RoPE restarted at 0 for the new tokens, or a causal mask aligned top-left over
 the cache generates plausible text from wrong logits, and no loss curve shows it.
@@ -495,9 +496,16 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
             reference = session.baseline()  # a change beyond the tolerance is judged against the untouched forward
             scale = logit_scale(reference)
             changes = Changes.of(decoded, reference, plan)
-        noise = session.repeat_change() if session.noise_matters(changes.largest(), scale) else None
+        # Decoding one token at a time reorders the arithmetic: the model's rounding is allowed beside the noise.
+        noise, rounding = session.floors(changes.largest(), scale)
+        measured = session.noise_matters(changes.largest(), scale)
         return Compared(
-            decoded, changes, scale, noise, session.tolerance(scale), session.threshold(scale, noise or 0.0)
+            decoded,
+            changes,
+            scale,
+            noise if measured else None,
+            session.tolerance(scale),
+            session.threshold(scale, noise, rounding),
         )
 
     def _summarise(self, decoder: Decoder, plan: Plan, compared: Compared, findings: list[Finding]) -> CheckResult:

@@ -278,8 +278,8 @@ Limits: the verdict rests on scalar losses; with weak logits in low precision (b
             )
             scale = max(scale, abs(chosen_loss), logit_scale(chosen_logits))
         largest = max([order_change] + [abs(look.loss - look.candidates[RIGHT]) for look in looks])
-        noise = session.repeat_change() if session.noise_matters(largest, scale) else 0.0  # bounds the loss's too
-        return Measured(looks, rolled_loss, session.threshold(scale, noise))
+        # The run-to-run noise and the model's rounding of its logits bound the loss's too.
+        return Measured(looks, rolled_loss, session.threshold(scale, *session.floors(largest, scale)))
 
     @staticmethod
     def _judge(measured: Measured, where: str) -> tuple[list[Finding], set[str], str]:

@@ -215,13 +215,10 @@ position_ids alone leave a causal model reading the earlier documents, by design
         reference = session.reference()  # (B, T, V): each document alone is a prefix of a session row
         measured = changes(reference)
         scale = logit_scale(reference)
-        noise = 0.0
-        if session.noise_matters(max(measured.values()), scale):
-            if not session.reference_untouched:  # judged against the untouched model, not the observed pass
-                reference = session.baseline()
-                measured, scale = changes(reference), logit_scale(reference)
-            noise = session.repeat_change()
-        return measured, session.threshold(scale, noise)
+        if session.noise_matters(max(measured.values()), scale) and not session.reference_untouched:
+            reference = session.baseline()  # judged against the untouched model, not the observed pass
+            measured, scale = changes(reference), logit_scale(reference)
+        return measured, session.threshold(scale, *session.floors(max(measured.values()), scale))
 
     def _judge(
         self,

@@ -800,10 +800,9 @@ or correct the declaration."""
             return []
         change = float(position_change(shifted, base).max())
         scale = logit_scale(base)
-        # The noise floor (two more forwards of the session's inputs) is measured only when it can change the
-        # verdict: below the tolerance nothing is a finding whatever the noise.
-        noise = session.repeat_change() if session.noise_matters(change, scale) else 0.0
-        threshold = session.threshold(scale, noise)
+        # The noise floor (two more forwards of the session's inputs) and the model's rounding are measured only
+        # when they can change the verdict: below the tolerance nothing is a finding whatever they are.
+        threshold = session.threshold(scale, *session.floors(change, scale))
         if self.coarse is not None:  # tables rounded in a less precise dtype move the logits by their rounding
             rtol, atol = self.coarse
             threshold = max(threshold, atol + rtol * scale)

@@ -39,8 +39,7 @@ def train_apart(
     |value|; `locate()`: the first module where they part (run only when they do). metrics gets the largest change."""
     largest = float(change.max())
     metrics["train_eval_change"] = largest
-    noise = session.repeat_change() if session.noise_matters(largest, scale) else 0.0
-    threshold = session.threshold(scale, noise)
+    threshold = session.threshold(scale, *session.floors(largest, scale))
     if largest <= threshold:
         return []
     module = locate()

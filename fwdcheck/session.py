@@ -6,13 +6,15 @@ in eval mode without gradients (or, in a session of the train path, in train() m
 recorded: fwdcheck/train_path.py), and the model's state is restored however the run ends.
 
 What a run costs is counted in forwards of the session's inputs, and the session keeps it low: the observation pass's
-logits can stand in for the baseline (`reference()`, until a comparison against them moves), the noise floor is
-measured only when asked, rows go through the model in forwards no larger than the baseline's, and a short prefix of
-the first sample is run once for every check that compares at a short length (`prefix_logits`).
+logits can stand in for the baseline (`reference()`, until a comparison against them moves), the noise floor and
+the model's rounding (fwdcheck/rounding.py) are measured only when a change could need them, rows go through the
+model in forwards no larger than the baseline's, and a short prefix of the first sample is run once for every check
+that compares at a short length (`prefix_logits`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from typing import Any
@@ -28,6 +30,7 @@ from fwdcheck.library_logs import kept_as_notes
 from fwdcheck.model import ModelUnderTest, model_code
 from fwdcheck.model_state import GlobalState, ModelState
 from fwdcheck.observe import Observation, ZeroAttentionDropout, observing
+from fwdcheck.rounding import ROUNDING_FACTOR, float64_twin
 from fwdcheck.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.tolerances import TOLERANCES
 from fwdcheck.train_path import eval_path
@@ -317,6 +320,41 @@ class Session:
 
         return self._once("repeat", compute)
 
+    def rounding_change(self) -> float:
+        """Largest |change| of the logits of the session's inputs between the run's dtype and a float64 twin of the
+        model (fwdcheck/rounding.py): what any reordering of the forward's arithmetic may move them by. 0.0, with a
+        note saying why, when no twin can run: the tolerance and the run-to-run noise then stand alone."""
+
+        def compute():
+            baseline = self.baseline()
+            twin = float64_twin(self.model, self.device)
+            if isinstance(twin, str):
+                self.notes.append(f"rounding not measured: {twin}")
+                return 0.0
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)  # what the model makes as it runs, in the twin's precision
+            try:
+                exact = self.logits(self.inputs, model=twin)
+            except ModelRaised as exc:
+                self.notes.append(f"rounding not measured: the model does not run in float64 ({first_line(exc)})")
+                return 0.0
+            finally:
+                torch.set_default_dtype(default)
+            change = float(position_change(baseline, exact).max())
+            if not math.isfinite(change):  # the twin overflowed or broke where the model did not: no measurement
+                self.notes.append("rounding not measured: the float64 twin's logits are not finite")
+                return 0.0
+            return change
+
+        return self._once("rounding", compute)
+
+    def floors(self, largest_change: float, scale: float) -> tuple[float, float]:
+        """(run-to-run noise, rounding) for judging changes up to `largest_change`: measured only when they could
+        change a verdict (noise_matters), else 0.0 each."""
+        if not self.noise_matters(largest_change, scale):
+            return 0.0, 0.0
+        return self.repeat_change(), self.rounding_change()
+
     def noise_matters(self, largest_change: float, scale: float) -> bool:
         """Whether the noise floor, not yet measured, could change a verdict given the largest change seen among
         forwards whose compared positions read the same tokens.
@@ -444,9 +482,11 @@ class Session:
         """The dtype's tolerance for logits of this magnitude: atol + rtol * max|logit|."""
         return self.atol + self.rtol * scale
 
-    def threshold(self, scale: float, noise_floor: float) -> float:
-        """A change counts when it exceeds both the dtype tolerance and noise_factor times the measured noise."""
-        return max(self.tolerance(scale), self.settings.tolerance.noise_factor * noise_floor)
+    def threshold(self, scale: float, noise_floor: float, rounding: float = 0.0) -> float:
+        """A change counts when it exceeds the dtype tolerance, noise_factor times the measured run-to-run noise, and
+        ROUNDING_FACTOR times the model's measured rounding (rounding_change)."""
+        factor = self.settings.tolerance.noise_factor
+        return max(self.tolerance(scale), factor * noise_floor, ROUNDING_FACTOR * rounding)
 
     @property
     def baseline_tokens(self) -> int:

@@ -1,0 +1,85 @@
+"""The model's own rounding (fwdcheck/rounding.py), measured against a float64 twin, on transformers' Mamba.
+
+A tiny Mamba's residual stream runs near 200 while its logits stay near 13: its first two tokens run alone differ from
+the full run by 7.5e-5, over twice the float32 tolerance, and in float64 they agree exactly. That is rounding, and
+future-token passes it; a leak in the same model, ten times smaller than the logits' rounding allowance would need to
+hide it, still fails; a model that cannot run in float64 keeps the tolerance alone and says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fwdcheck
+from fwdcheck.model import ModelUnderTest
+from fwdcheck.rounding import ROUNDING_FACTOR, float64_twin
+
+transformers = pytest.importorskip("transformers")
+
+
+def mamba() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=512, hidden_size=768, num_hidden_layers=2, state_size=16)
+    return transformers.MambaForCausalLM(config).eval()
+
+
+def future_token(model: torch.nn.Module):
+    report = fwdcheck.check_model(model, ["future-token"], code_paths={"enabled": False})
+    return report, report.results[0]
+
+
+def test_a_prefix_that_differs_by_rounding_alone_passes():
+    model = mamba()
+    _, result = future_token(model)
+    metrics = result.metrics
+    assert result.status.value == "pass", result.summary
+    # The tolerance alone would have failed it: the rounding floor decided.
+    assert metrics["max_change"] > metrics["tolerance"]
+    assert metrics["rounding"] > 0
+    assert metrics["threshold"] == pytest.approx(ROUNDING_FACTOR * metrics["rounding"])
+    assert metrics["max_change"] <= metrics["threshold"]
+    # The twin was a copy: the model is float32, in eval mode, as it was handed over.
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not model.training
+
+
+def test_a_leak_in_the_same_model_still_fails():
+    """Each position's embedding gets 1e-3 of the next one's: a leak whose float64 twin leaks alike, so the rounding
+    measured stays the model's rounding and excuses nothing of it."""
+    model = mamba()
+    model.backbone.embeddings.register_forward_hook(lambda module, args, out: out + 1e-3 * out.roll(-1, dims=1))
+    _, result = future_token(model)
+    assert result.status.value == "fail"
+    assert "FWD101" in {f.code for f in result.findings}
+    assert result.metrics["max_change"] > 10 * result.metrics["threshold"]
+    assert 0 < result.metrics["rounding"] < result.metrics["max_change"] / 10
+
+
+def test_a_model_that_cannot_run_in_float64_keeps_the_tolerance_and_says_why():
+    model = mamba()
+
+    def float32_only(module, args):
+        if module.embeddings.weight.dtype != torch.float32:
+            raise TypeError("this backbone runs in float32 only")
+
+    model.backbone.register_forward_pre_hook(float32_only)
+    report, result = future_token(model)
+    assert "rounding" not in result.metrics
+    assert result.metrics["threshold"] == result.metrics["tolerance"]
+    notes = " ".join(report.notes)
+    assert "rounding not measured: the model does not run in float64" in notes
+    assert "this backbone runs in float32 only" in notes
+
+
+def test_no_twin_when_the_copy_would_not_fit(monkeypatch):
+    module = mamba()
+    model = ModelUnderTest(module=module, label="mamba", source="factory", vocab_size=512)
+    monkeypatch.setattr("fwdcheck.rounding._free_memory", lambda device: 1024)
+    why = float64_twin(model, torch.device("cpu"))
+    assert isinstance(why, str) and "a float64 copy of the model needs" in why and "free on cpu" in why
+    monkeypatch.undo()
+    twin = float64_twin(model, torch.device("cpu"))
+    assert isinstance(twin, ModelUnderTest) and twin.module is not module
+    assert {p.dtype for p in twin.module.parameters()} == {torch.float64}
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
