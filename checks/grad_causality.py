@@ -124,6 +124,20 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     return ((grad != 0) & grad.isfinite()).any(-1)
 
 
+def logits_with_graph(model: ModelUnderTest, session: Session, ids: torch.Tensor, handles: list) -> torch.Tensor:
+    """The logits [B, T, V] of one forward of ids [B, T] with their autograd graph, counted among the session's
+    forwards; the hooks behind `handles` removed however the forward ends."""
+    try:
+        logits = extract_logits(model.forward(ids), keep_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    session.forward_tokens += ids.numel()
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        raise ModelRaised(f"forward returned logits {list(logits.shape)} for input_ids {list(ids.shape)}")
+    return logits
+
+
 def listed(names: list[str]) -> str:
     shown = ", ".join(names[:NAMES_SHOWN])
     return shown + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
@@ -273,14 +287,7 @@ partial backwards to find where it enters."""
         for name, module in model.module.named_modules() if keep_outputs else ():
             if module is not model.module and module is not embedding:
                 handles.append(module.register_forward_hook(lambda _, __, out, name=name: keep(name, out)))
-        try:
-            logits = extract_logits(model.forward(ids), keep_graph=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        session.forward_tokens += ids.numel()
-        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-            raise ModelRaised(f"forward returned logits {list(logits.shape)} for input_ids {list(ids.shape)}")
+        logits = logits_with_graph(model, session, ids, handles)  # (B, T, V)
         if not leaves.leaves:
             why = (
                 f"its outputs were {leaves.refused}, not [B, T, d] for ids {list(ids.shape)}"

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from fwdcheck.checks.grad_causality import listed
-from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model import ModelUnderTest, extract_logits
+from fwdcheck.checks.grad_causality import listed, logits_with_graph
+from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.model import ModelUnderTest
 from fwdcheck.model_state import ModelState
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.session import Session
@@ -89,14 +89,7 @@ Cost: one forward with gradients and one full backward, a training step (about 3
                     for name, module in model.module.named_modules()
                     if next(module.parameters(recurse=False), None) is not None  # to tell a layer never called
                 ]
-                try:
-                    logits = extract_logits(model.forward(ids), keep_graph=True)  # (B, T, V)
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                session.forward_tokens += ids.numel()
-                if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-                    raise ModelRaised(f"forward returned logits {list(logits.shape)} for input_ids {list(ids.shape)}")
+                logits = logits_with_graph(model, session, ids, handles)  # (B, T, V)
                 if not logits.requires_grad:
                     raise SkipCheck("the logits carry no gradient: the forward is detached or run under no_grad")
                 direction = torch.randn(logits.shape[-1], generator=generator).to(logits.device)  # (V,)

@@ -258,6 +258,26 @@ def sweep_report(model_type: str):
     )
 
 
+def one_check_report(model_type: str, check: str):
+    """One check alone on the tiny model, without the code-path matrix, the libraries' warnings silenced; a pytest
+    skip with the reason when the architecture is left out."""
+    import pytest
+
+    from tests.conftest import run_checks
+
+    built = tiny(model_type)
+    if built.config is None:
+        pytest.skip(built.left_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_checks(
+            {"source": "hf", "config": built.config},
+            [check],
+            inputs={"batch_size": 2, "seq_len": SEQ_LEN},
+            code_paths={"enabled": False},
+        )
+
+
 @dataclass(frozen=True)
 class Expected:
     """A failure the sweep expects: the codes it may carry and why."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fwdcheck
 from fwdcheck.bugs import BUGS
 from fwdcheck.checks.grad_causality import cuts_for
-from tests import compat
+from tests import arch_sweep, compat
 from tests.conftest import codes, run_checks
 from tests.test_bug_matrix import BUG_RUN, CLEAN
 
@@ -428,28 +428,10 @@ def test_gradient_map_view_bins_long_rows_and_shows_nonfinite():
 # Every causal-LM architecture transformers ships: no failure without a leak shown in plain torch
 
 
-def built_architectures() -> list[str]:
-    from tests import arch_sweep
-
-    return list(arch_sweep.architectures())
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", built_architectures())
+@pytest.mark.parametrize("model_type", arch_sweep.architectures())
 def test_transformers_architectures_fail_only_with_a_leak_shown_in_plain_torch(model_type):
-    from tests import arch_sweep
-
-    built = arch_sweep.tiny(model_type)
-    if built.config is None:
-        pytest.skip(built.left_out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = run_checks(
-            {"source": "hf", "config": built.config},
-            [CHECK],
-            inputs={"batch_size": 2, "seq_len": arch_sweep.SEQ_LEN},
-            code_paths={"enabled": False},
-        )
+    report = arch_sweep.one_check_report(model_type, CHECK)
     r = result(report)
     assert "FWD122" not in codes(report, CHECK)  # no architecture mixes the samples of a batch
     assert "FWD123" not in codes(report, CHECK), r.findings  # nor has NaN gradients at these sizes

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests import arch_sweep
 from tests.conftest import codes, run_checks
 from tests.test_bug_matrix import BUG_RUN
 from tests.test_grad_causality import HF_CORRECT, THIRD_PARTY_CORRECT, TinyCausalLM, gate
@@ -192,28 +193,10 @@ def test_explain_lists_its_codes():
 # Every causal-LM architecture transformers ships: no NaN gradient, no error; parameters not reached are named
 
 
-def built_architectures() -> list[str]:
-    from tests import arch_sweep
-
-    return list(arch_sweep.architectures())
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", built_architectures())
+@pytest.mark.parametrize("model_type", arch_sweep.architectures())
 def test_transformers_architectures_train_every_weight_or_say_which_not(model_type):
-    from tests import arch_sweep
-
-    built = arch_sweep.tiny(model_type)
-    if built.config is None:
-        pytest.skip(built.left_out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = run_checks(
-            {"source": "hf", "config": built.config},
-            [CHECK],
-            inputs={"batch_size": 2, "seq_len": arch_sweep.SEQ_LEN},
-            code_paths={"enabled": False},
-        )
+    report = arch_sweep.one_check_report(model_type, CHECK)
     r = report.result(CHECK)
     assert r.status.value in ("pass", "warn"), (r.status, r.summary)  # nothing fails: no NaN gradient, no error
     assert codes(report, CHECK) <= {"FWD124"}
