@@ -28,7 +28,7 @@ import itertools
 import os
 import sys
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1593,20 +1593,28 @@ def _given(name: str, at: int | None, args: tuple, kwargs: dict) -> Any:
     return args[at] if at is not None and at < len(args) else None
 
 
-def _frame(name: str, reading: _Reading, args: tuple, kwargs: dict, from_input: _Identities | None = None) -> _Frame:
+def _frame(
+    name: str,
+    reading: _Reading,
+    args: tuple,
+    kwargs: dict,
+    from_input: _Identities | None = None,
+    positions_of: Callable[[Any], torch.Tensor | None] | None = None,
+) -> _Frame:
     """What this forward call was handed: positions, integer tensors that may index a cache, and whether the keys'
-    source is another sequence."""
+    source is another sequence. `positions_of`: _shared_positions, or a memo of it (_PositionsSeen)."""
+    positions_of = positions_of or _shared_positions
     integers = [
         p
         for value in (*args, *kwargs.values())
         if isinstance(value, torch.Tensor)
         and not value.is_floating_point()
         and not (from_input is not None and value in from_input)  # token ids are no positions
-        and (p := _shared_positions(value)) is not None
+        and (p := positions_of(value)) is not None
     ]
     positions = {}
     for n, at in reading.positions:
-        p = _shared_positions(_given(n, at, args, kwargs))
+        p = positions_of(_given(n, at, args, kwargs))
         if p is not None:
             positions[n] = p
     cross = None
@@ -1685,6 +1693,28 @@ def _shared_positions(value: Any) -> torch.Tensor | None:
     return rows[0].detach().to("cpu", torch.long)
 
 
+class _PositionsSeen:
+    """_shared_positions of each integer tensor once while it is unchanged: a model hands the same position ids and
+    masks to every block and to each block's attention, so one forward asks about one tensor hundreds of times."""
+
+    def __init__(self):
+        self._seen = _Identities()  # tensor -> (its version counter when read, the positions)
+
+    def __call__(self, value: Any) -> torch.Tensor | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        try:
+            version = value._version
+        except RuntimeError:  # an inference tensor keeps no version counter: read it each time
+            return _shared_positions(value)
+        seen = self._seen.get(value)
+        if seen is not None and seen[0] == version:
+            return seen[1]
+        positions = _shared_positions(value)
+        self._seen[value] = (version, positions)
+        return positions
+
+
 @contextmanager
 def module_tracking(
     model: nn.Module,
@@ -1698,6 +1728,7 @@ def module_tracking(
     follows what is computed from them."""
     handles = []
     running: dict[str, list[ModuleCall]] = {}  # module name -> its calls whose output has not come yet
+    positions_of = _PositionsSeen()
 
     def pre(name, reading):
         def hook(module, args, kwargs):
@@ -1706,7 +1737,9 @@ def module_tracking(
                 ids = kwargs.get("input_ids", x)
                 if isinstance(ids, torch.Tensor):
                     from_input[ids] = True
-            frame = _frame(name, reading, args, kwargs, from_input)
+            # fwdcheck's own reading of the arguments: no op of the model's, so the observer's mode is off for it
+            with torch._C.DisableTorchFunction():
+                frame = _frame(name, reading, args, kwargs, from_input, positions_of)
             if name and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 3:
                 others = [
                     t

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck.observe import _shared_positions, observing
+from fwdcheck.observe import _PositionsSeen, _shared_positions, observing
 
 VOCAB, WIDTH, HEADS, LAYERS, SLOTS = 32, 16, 2, 2, 32
 
@@ -513,6 +513,22 @@ def test_positions_count_only_when_every_row_shares_them():
     assert _shared_positions(torch.tensor([[0, 1, 2], [0, 1, 2]])).tolist() == [0, 1, 2]
     assert _shared_positions(torch.tensor([[1, 1, 0], [0, 1, 2]])) is None  # left padding: rows differ
     assert _shared_positions(torch.tensor([0.0, 1.0])) is None
+
+
+def test_positions_are_read_again_once_the_tensor_is_written():
+    """The reading is kept per tensor while it is unchanged: one written in place between two module calls (a cache's
+    one row's positions advanced) is read again, and another tensor is its own."""
+    seen = _PositionsSeen()
+    positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    assert seen(positions).tolist() == [0, 1, 2]
+    assert seen(positions).tolist() == [0, 1, 2]
+    positions[1] += 3  # the rows no longer share their positions
+    assert seen(positions) is None
+    assert seen(torch.tensor([[1, 1, 0], [0, 1, 2]])) is None
+    assert seen(None) is None
+    with torch.inference_mode():  # no version counter: read each time
+        frozen = torch.tensor([7, 8])
+    assert seen(frozen).tolist() == [7, 8]
 
 
 class MetaEager(nn.Module):
