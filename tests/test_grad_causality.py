@@ -70,6 +70,19 @@ class TinyCausalLM(nn.Module):
         return self.head(x)
 
 
+class NoBackward(torch.autograd.Function):  # a forward-only kernel: torch's own error when asked for gradients
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+
+class ForwardOnly(TinyCausalLM):
+    """Logits through a kernel without a backward."""
+
+    def forward(self, input_ids):
+        return NoBackward.apply(super().forward(input_ids))
+
+
 def gate(module: nn.Module, checks=(CHECK,), **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -281,15 +294,6 @@ def test_model_without_embedding_skips():
 
 
 def test_model_without_a_backward_skips_with_torchs_reason():
-    class NoBackward(torch.autograd.Function):  # a forward-only kernel: torch's own error when asked for gradients
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1.0
-
-    class ForwardOnly(TinyCausalLM):
-        def forward(self, input_ids):
-            return NoBackward.apply(super().forward(input_ids))
-
     r = result(gate(ForwardOnly()))
     assert r.status.value == "skip"
     assert r.summary.startswith("the backward cannot run: ")

@@ -14,7 +14,7 @@ import torch.nn as nn
 from tests import arch_sweep
 from tests.conftest import codes, run_checks
 from tests.test_bug_matrix import BUG_RUN
-from tests.test_grad_causality import HF_CORRECT, THIRD_PARTY_CORRECT, TinyCausalLM, gate
+from tests.test_grad_causality import HF_CORRECT, THIRD_PARTY_CORRECT, ForwardOnly, TinyCausalLM, gate
 
 CHECK = "grad-reach"
 
@@ -139,15 +139,6 @@ def test_a_model_with_nothing_to_train_skips():
 
 
 def test_model_without_a_backward_skips_with_torchs_reason():
-    class NoBackward(torch.autograd.Function):  # a forward-only kernel: torch's own error when asked for gradients
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1.0
-
-    class ForwardOnly(TinyCausalLM):
-        def forward(self, input_ids):
-            return NoBackward.apply(super().forward(input_ids))
-
     r = reach(ForwardOnly())
     assert r.status.value == "skip"
     assert r.summary.startswith("the backward cannot run: ")
