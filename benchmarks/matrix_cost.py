@@ -6,7 +6,8 @@
 
 Both models are built offline from transformers configs with random weights (no hub). A default run is every check
 on the default path at B x T, then every check that declares per_code_path on every cell of the code-path matrix
-(fwdcheck.code_paths), exactly as fwdcheck.runner.run_model runs them: this script calls the same run_one and run_path.
+(fwdcheck.run.code_paths), exactly as fwdcheck.run.runner.run_model runs them: this script calls the same run_one and
+run_path.
 
 Every number is a ratio to one plain forward of the run's inputs (eval, no_grad, B x T) in the same process:
   tokens  rows x positions the checks ran (fwdcheck's own count, session.forward_tokens; pads not counted) / (B x T).
@@ -16,8 +17,8 @@ Every number is a ratio to one plain forward of the run's inputs (eval, no_grad,
           Short forwards cost more time than their tokens say: every forward reads all the weights.
 Shared passes (a session's observation, its baseline) land on the first check that asks for them. A cell whose
 observation pass saw exactly what an earlier cell's did shares that cell's verdicts, and future-token on a cell whose
-logits are those of a cell it passed on shares that pass (fwdcheck.code_paths): such a cell costs its observation pass
-alone, and the table says whose verdict each check took.
+logits are those of a cell it passed on shares that pass (fwdcheck.run.code_paths): such a cell costs its observation
+pass alone, and the table says whose verdict each check took.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import time
 
 import torch
 
-from fwdcheck.code_paths import path_cells, runs_per_code_path, verdicts_for
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
 from fwdcheck.result import Status
-from fwdcheck.runner import run_one, run_path, shared_from
-from fwdcheck.session import Session
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.code_paths import path_cells, runs_per_code_path, verdicts_for
+from fwdcheck.run.runner import run_one, run_path, shared_from
+from fwdcheck.run.session import Session
+from fwdcheck.run.settings import Settings
 
 MODELS = {
     "GPT-2 small": {"model_type": "gpt2"},  # transformers' defaults: d=768, 12 layers, 12 heads, V=50257

@@ -32,12 +32,12 @@ import time
 
 import torch
 
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model, run_one
-from fwdcheck.session import Session
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model, run_one
+from fwdcheck.run.session import Session
+from fwdcheck.run.settings import Settings
 
 GPT2_SMALL = dict(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
 SMALL = dict(vocab_size=4096, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=512)

@@ -8,7 +8,7 @@ run (supervisor + worker) and once with `--in-process`, alternating so that a ch
 alike. Printed: the median wall time of each, their difference (the overhead: a second interpreter's start and the
 imports it repeats, the job and the events through pipes) and the ratio. Then the same for one command given the
 config `--configs` times: its first worker is a new interpreter, the later ones forks of the fork server
-(fwdcheck/forkserver.py), so the overhead per config after the first is the fork's, printed beside a new
+(fwdcheck/process/forkserver.py), so the overhead per config after the first is the fork's, printed beside a new
 interpreter's (FWDCHECK_NO_FORK_SERVER=1). The medians of interleaved runs, not a timed assertion: on a loaded
 machine every number moves, the differences much less.
 """

@@ -11,12 +11,12 @@ from typing import Any
 import torch.nn as nn
 from pydantic import ValidationError
 
-from fwdcheck.config import CodePaths, Inputs, RunConfig, describe_validation_error
+from fwdcheck.config.schema import CodePaths, Inputs, RunConfig, describe_validation_error
 from fwdcheck.errors import UsageError
-from fwdcheck.overrides import Overrides
+from fwdcheck.model.sources import from_module
 from fwdcheck.report import Report
-from fwdcheck.runner import Run
-from fwdcheck.sources import from_module
+from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.runner import Run
 
 
 def check_model(

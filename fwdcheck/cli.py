@@ -26,8 +26,8 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
-from fwdcheck.launched import launched_rank
-from fwdcheck.outputs import (
+from fwdcheck.process.launched import launched_rank
+from fwdcheck.report.outputs import (
     check_appended,
     check_outputs,
     isatty,
@@ -37,11 +37,11 @@ from fwdcheck.outputs import (
     write_stdout,
     write_whole,
 )
-from fwdcheck.prose import paragraphs
+from fwdcheck.report.prose import paragraphs
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
-    from fwdcheck.config import Config
-    from fwdcheck.events import Job
+    from fwdcheck.config.schema import Config
+    from fwdcheck.process.events import Job
 
 EXIT_CODES = """\b
 Exit codes:
@@ -415,9 +415,9 @@ def _run(o: RunOptions) -> int:
 
 
 def run_as_rank(launched, index: int, planned: Planned, progress, o: RunOptions):
-    """One config's run as a rank of the user's launcher (fwdcheck/launched.py): rank 0 gets the job's report, the
-    other ranks none; each the job's exit code."""
-    from fwdcheck.launched import across_ranks, job_fields
+    """One config's run as a rank of the user's launcher (fwdcheck/process/launched.py): rank 0 gets the job's report,
+    the other ranks none; each the job's exit code."""
+    from fwdcheck.process.launched import across_ranks, job_fields
 
     planned.job.launched = job_fields(launched, index)
     timeout_s = planned.config.timeout_s
@@ -480,10 +480,10 @@ def read_expected(files: dict[str, Path]) -> dict[str, dict]:
 
 def plan(o: RunOptions, path: Path | None, expected: dict[str, dict]) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
-    from fwdcheck.config import config_for
-    from fwdcheck.events import Job
-    from fwdcheck.overrides import Overrides
+    from fwdcheck.config.schema import config_for
+    from fwdcheck.process.events import Job
     from fwdcheck.registry import check_options
+    from fwdcheck.run.overrides import Overrides
 
     config = config_for(path, o.model)
     entries = planned_checks(o, path, config)
@@ -605,10 +605,10 @@ def signals_deferred():
 
 
 def run_job(job, progress, *, in_process: bool, timeout_s: float | None, debug: bool):
-    """The report of `job`: from a supervised worker process (fwdcheck/supervisor.py), or, with --in-process,
+    """The report of `job`: from a supervised worker process (fwdcheck/process/supervisor.py), or, with --in-process,
     from this one. Warnings of a run that could not be made are shown with --debug."""
-    from fwdcheck.supervisor import run_supervised
-    from fwdcheck.worker import execute
+    from fwdcheck.process.supervisor import run_supervised
+    from fwdcheck.process.worker import execute
 
     try:
         if in_process:  # model code's prints still stay off a report on stdout
@@ -840,8 +840,8 @@ def print_error(exc: FwdcheckError, debug: bool) -> int:
 def one_line(message: str) -> str:
     """An error stays one line even when the exception's message does not (torch's C++ errors append their stack,
     a factory may raise a paragraph): the first line, and how much --debug would add; the model's text in it made
-    safe for a terminal (fwdcheck/text.py)."""
-    from fwdcheck.text import clean
+    safe for a terminal (fwdcheck/report/text.py)."""
+    from fwdcheck.report.text import clean
 
     message = clean(message)
     lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
@@ -1000,7 +1000,7 @@ def init(
     """Write a commented starter config, valid as written, for one model source."""
 
     def action():
-        from fwdcheck.templates import starter_config
+        from fwdcheck.config.templates import starter_config
 
         text = starter_config(source, str(path))  # an unknown source is its one line before anything is written
         if path.exists() and not force:
@@ -1048,7 +1048,7 @@ def shrink(
     from rich.table import Table
 
     def action():
-        from fwdcheck.sources.shrink import default_output, shrink_file
+        from fwdcheck.model.sources.shrink import default_output, shrink_file
 
         target = output if output is not None else default_output(config)
         if target.exists() and target.resolve() == config.resolve():
@@ -1134,8 +1134,8 @@ def diff_command(
     stderr."""
 
     def action():
-        from fwdcheck.config import load_config
-        from fwdcheck.rename import parse_rule
+        from fwdcheck.config.rename import parse_rule
+        from fwdcheck.config.schema import load_config
 
         configs = [load_config(config_a), load_config(config_b)]  # both validated before any model loads
         rules = []
@@ -1144,10 +1144,10 @@ def diff_command(
                 rules.append(parse_rule(text))
             except ValueError as exc:  # a config's rules were checked as it loaded: these are --rename's
                 raise UsageError(f"--rename '{text}': {exc}") from None
-        from fwdcheck.events import Job
-        from fwdcheck.overrides import Overrides
+        from fwdcheck.process.events import Job
+        from fwdcheck.process.supervisor import compare_supervised
         from fwdcheck.report.terminal import render_diff
-        from fwdcheck.supervisor import compare_supervised
+        from fwdcheck.run.overrides import Overrides
 
         # Both models run in a supervised worker (its prints relayed to stderr), each step under A's timeout_s.
         job = Job(

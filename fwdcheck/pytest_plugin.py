@@ -199,7 +199,7 @@ def _valid_config(path: Path, config: pytest.Config) -> bool:
     another tool's file (a Hydra config's `model:`), left alone and named in the run's summary."""
     if not _has_model_key(path):
         return False
-    from fwdcheck.config import load_config
+    from fwdcheck.config.schema import load_config
     from fwdcheck.errors import FwdcheckError, first_line
 
     try:
@@ -238,7 +238,7 @@ class ConfigFile(pytest.File):
     """One fwdcheck config: an item per selected check; the model is built and run once for all of them."""
 
     def collect(self):
-        from fwdcheck.config import load_config
+        from fwdcheck.config.schema import load_config
         from fwdcheck.errors import FwdcheckError
         from fwdcheck.registry import select
 
@@ -259,7 +259,7 @@ class ConfigFile(pytest.File):
 
     def overrides(self, **fields):
         """The command line's options for this config's run, as `fwdcheck run` would take them."""
-        from fwdcheck.overrides import Overrides
+        from fwdcheck.run.overrides import Overrides
 
         options = self.config.option
         return Overrides(
@@ -316,13 +316,13 @@ class ConfigFile(pytest.File):
         return self._outcome
 
     def _run(self):
-        """The run, as `fwdcheck run` makes it: in a supervised worker process (fwdcheck/supervisor.py), under the
-        config's timeout_s, so that a model that exits, crashes or hangs ends its own items and not the session. Each
-        config's code is imported in its own worker: two configs' `models.py` are two modules. A Ctrl-C during the
+        """The run, as `fwdcheck run` makes it: in a supervised worker process (fwdcheck/process/supervisor.py), under
+        the config's timeout_s, so that a model that exits, crashes or hangs ends its own items and not the session.
+        Each config's code is imported in its own worker: two configs' `models.py` are two modules. A Ctrl-C during the
         run ends the worker with its partial report, and then the session, as pytest ends on one."""
-        from fwdcheck.events import Job
-        from fwdcheck.heard import END_OF_RUN
-        from fwdcheck.supervisor import run_supervised
+        from fwdcheck.process.events import Job
+        from fwdcheck.process.heard import END_OF_RUN
+        from fwdcheck.process.supervisor import run_supervised
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
@@ -392,7 +392,7 @@ class CheckItem(pytest.Item):
         return self.parent  # type: ignore[return-value]
 
     def runtest(self) -> None:
-        from fwdcheck.heard import END_OF_RUN
+        from fwdcheck.process.heard import END_OF_RUN
         from fwdcheck.result import Status
 
         outcome = self.file.outcome()

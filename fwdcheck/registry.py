@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from fwdcheck.config.validation_words import in_plain_words
 from fwdcheck.errors import CheckLoadError, UsageError
-from fwdcheck.validation_words import in_plain_words
 
 if TYPE_CHECKING:  # pydantic is imported on use: listing the checks must stay cheap
     from pydantic import BaseModel
@@ -46,7 +46,10 @@ class CheckEntry:
 
     def load(self):
         """The Check instance; CheckLoadError naming the plugin when it cannot be imported or built."""
-        from fwdcheck.callables import on_sys_path, resolve_callable  # on use: it imports torch; listing must not
+        from fwdcheck.config.callables import (  # on use: it imports torch; listing must not
+            on_sys_path,
+            resolve_callable,
+        )
 
         # A direct reference may name a module beside the user's files, as `python -m` would find it.
         is_direct = self.distribution == DIRECT
@@ -128,7 +131,7 @@ def _literal_info(entry: CheckEntry) -> CheckInfo | None:
 
 def read_builtin_declarations() -> None:
     """Read (and cache) what fwdcheck's own checks declare, as select() reads it, importing no plugin: what a fork
-    server does once for the workers it forks (fwdcheck/forkserver.py)."""
+    server does once for the workers it forks (fwdcheck/process/forkserver.py)."""
     for entry in _registered():
         if _is_builtin(entry):
             _literal_info(entry)

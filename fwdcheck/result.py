@@ -8,8 +8,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from fwdcheck.model import ModelUnderTest
-    from fwdcheck.session import Session
+    from fwdcheck.model.under_test import ModelUnderTest
+    from fwdcheck.run.session import Session
 
 
 class Status(str, Enum):
@@ -151,8 +151,8 @@ class Check:
     # "module:function" of a function (CheckResult) -> rich renderable drawing the check's `data` in the terminal's
     # detail panel. It must import without torch: the report is drawn in a process that never loads it.
     detail_view: ClassVar[str | None] = None
-    # "module:Class" of its options model (a fwdcheck.config.CheckOptions in a module free of torch), read from the
-    # config's `options:` section under the check's name; None: no options.
+    # "module:Class" of its options model (a fwdcheck.config.schema.CheckOptions in a module free of torch), read from
+    # the config's `options:` section under the check's name; None: no options.
     options: ClassVar[str | None] = None
     # Command-line flags it contributes to `fwdcheck run`: flag -> the option it sets (typed and helped from the
     # options model; a bool option is a switch). Several checks may declare one flag: it then sets each one's.

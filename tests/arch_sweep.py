@@ -1,9 +1,9 @@
 """Every causal-LM architecture the installed transformers ships, built tiny from its own config class's defaults.
 
 The list is not written by hand: it is transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, and each architecture's config
-is its config class's defaults, shrunk by `fwdcheck shrink`'s rules (fwdcheck/sources/shrink.py), every nested model
-config (a multimodal model's text_config, vision_config, ...) shrunk alike. An architecture that cannot be built that
-way offline is left out with the reason (`left_out`), never dropped silently.
+is its config class's defaults, shrunk by `fwdcheck shrink`'s rules (fwdcheck/model/sources/shrink.py), every nested
+model config (a multimodal model's text_config, vision_config, ...) shrunk alike. An architecture that cannot be built
+that way offline is left out with the reason (`left_out`), never dropped silently.
 
     python -m tests.arch_sweep            # print docs/compatibility.md's per-family table
     python -m tests.arch_sweep --write    # rewrite it between its markers
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fwdcheck.sources.shrink import DROPPED_KEYS, shrink_hf_dict
+from fwdcheck.model.sources.shrink import DROPPED_KEYS, shrink_hf_dict
 from tests.doc_sections import DOCS, read_section, write_sections
 
 # A tiny model is at most this many parameters: past it a shrunk default config kept something wide (a vision tower,
@@ -138,7 +138,7 @@ def tiny(model_type: str) -> Built:
     import torch
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-    from fwdcheck.sources.hf import offline
+    from fwdcheck.model.sources.hf import offline
 
     with offline(), warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")

@@ -50,8 +50,8 @@ def falcon_leaks(length: int) -> dict[bool, bool]:
     output_attentions, measured directly: two forwards per path, no fwdcheck check involved."""
     import torch
 
-    from fwdcheck.config import config_from_dict
-    from fwdcheck.sources import load_model
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
 
     model = load_model(config_from_dict({"model": FALCON})).module.eval()
     ids = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(0))

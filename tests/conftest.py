@@ -10,10 +10,10 @@ import pytest
 # several threads in each (the model processes the CLI tests start inherit this too) would only contend for them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fwdcheck.config import config_from_dict
-from fwdcheck.overrides import Overrides
+from fwdcheck.config.schema import config_from_dict
 from fwdcheck.report import Report
-from fwdcheck.runner import Run
+from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.runner import Run
 
 
 def run_checks(model: dict, checks: list[str] | None = None, **top) -> Report:

@@ -5,8 +5,8 @@
 
 docs/codes.md lists every finding code the built-in checks declare (the `codes` their classes hold, as `fwdcheck
 explain CODE` reads them) and fwdcheck's own; docs/config-reference.md lists every key of a config from the config's
-model (fwdcheck/config.py: each key's type, default and description); docs/checks.md shows the README's checks table.
-tests/test_docs.py fails when a page is not what this module writes.
+model (fwdcheck/config/schema.py: each key's type, default and description); docs/checks.md shows the README's checks
+table. tests/test_docs.py fails when a page is not what this module writes.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ codes and options. A plugin's checks declare their codes the same way, and `fwdc
 
 CONFIG_LEAD = """# Config reference
 
-Every key of a config file, from the config's own model (`fwdcheck/config.py`; `python -m tests.docs_pages --write`
-regenerates this page). A key not listed is refused with a did-you-mean. [Your own model](configuration.md) shows
-a commented config; each check's own options are listed by `fwdcheck explain CHECK`.
+Every key of a config file, from the config's own model (`fwdcheck/config/schema.py`; `python -m tests.docs_pages
+--write` regenerates this page). A key not listed is refused with a did-you-mean. [Your own model](configuration.md)
+shows a commented config; each check's own options are listed by `fwdcheck explain CHECK`.
 """
 
 
@@ -129,7 +129,7 @@ def model_table(model: type[BaseModel]) -> list[str]:
 
 
 def config_section() -> str:
-    from fwdcheck.config import Config
+    from fwdcheck.config.schema import Config
 
     lines: list[str] = []
     seen: set[type[BaseModel]] = set()

@@ -23,13 +23,13 @@ from pathlib import Path
 from rich.console import Console
 
 from fwdcheck.checks.golden_file import golden_text, read_golden
-from fwdcheck.config import load_config
-from fwdcheck.overrides import Overrides
+from fwdcheck.config.schema import load_config
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
 from fwdcheck.report.terminal import render, render_diff
-from fwdcheck.runner import Run, run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.runner import Run, run_model
+from fwdcheck.run.settings import Settings
 from tests.doc_sections import DOCS, README, ROOT, read_section, write_sections
 
 CONFIG = "sample_configs/broken/inverted-bool-mask.yaml"

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fwdcheck
 from fwdcheck.errors import UsageError
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 from fwdcheck.report import ChecksFailed, Report
 
 CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
@@ -56,7 +56,7 @@ def test_planted_bug_fails_with_its_findings():
     assert message.startswith("fwdcheck: failed (exit 1)\n")
     assert "\nfuture-token FWD101: " in message and "\nmask-audit FWD201: " in message
     # the model code's file:line, to open in an editor
-    assert "(at layers.0.attn fwdcheck/reference.py:" in message
+    assert "(at layers.0.attn fwdcheck/model/reference.py:" in message
 
     document = json.loads(report.to_json(indent=2))
     assert document["status"] == "fail" and document["exit_code"] == 1

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 import fwdcheck
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 pytest_plugins = ["pytester"]
 
@@ -42,7 +42,7 @@ def test_the_report_is_a_rich_renderable():
 
 TEST_FILE = """
 import fwdcheck
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 
 def test_clean_model():

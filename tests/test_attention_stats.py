@@ -119,11 +119,11 @@ def test_saturated_attention_at_initialisation_warns():
     over as a python model may hold trained weights, and is measured, not judged."""
     import dataclasses
 
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
     from fwdcheck.registry import select
-    from fwdcheck.runner import run_model
-    from fwdcheck.settings import Settings
-    from fwdcheck.sources import load_model
+    from fwdcheck.run.runner import run_model
+    from fwdcheck.run.settings import Settings
 
     config = config_from_dict(
         {

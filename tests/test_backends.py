@@ -152,11 +152,11 @@ def test_python_model_without_sdpa_or_switch_skips():
 
 
 def test_switch_is_put_back(reference):
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
     from fwdcheck.registry import select
-    from fwdcheck.runner import run_model
-    from fwdcheck.settings import Settings
-    from fwdcheck.sources import load_model
+    from fwdcheck.run.runner import run_model
+    from fwdcheck.run.settings import Settings
 
     config = config_from_dict({"model": reference(attention="eager"), "inputs": {"batch_size": 2, "seq_len": 8}})
     model = load_model(config)

@@ -86,7 +86,7 @@ def _truncated_safetensors(path: Path) -> None:
 
 
 def _pickled_module(path: Path) -> None:
-    from fwdcheck.reference import build
+    from fwdcheck.model.reference import build
 
     torch.save(build(), path)  # the whole module, as `torch.save(model, ...)` does by mistake
 
@@ -105,13 +105,13 @@ def _calls_system(path: Path) -> None:
 
 
 def _protocol_4(path: Path) -> None:
-    from fwdcheck.reference import build
+    from fwdcheck.model.reference import build
 
     torch.save(build().state_dict(), path, pickle_protocol=4)
 
 
 def _meta_tensors(path: Path) -> None:
-    from fwdcheck.reference import build
+    from fwdcheck.model.reference import build
 
     with torch.device("meta"):
         torch.save(build().state_dict(), path)

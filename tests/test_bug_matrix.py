@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fwdcheck.bugs import BUGS
+from fwdcheck.config.bugs import BUGS
 from tests.conftest import codes, run_checks, statuses
 
 # bug -> {check: codes that must be among its findings}; every check not named must pass.

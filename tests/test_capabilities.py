@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwdcheck.config import config_from_dict
-from fwdcheck.sources import load_model
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from tests.conftest import run_checks, statuses
 
 transformers = pytest.importorskip("transformers")
@@ -92,7 +92,7 @@ def test_the_reference_transformer_from_a_factory_is_driven_as_the_reference():
     model = loaded(
         {
             "source": "python",
-            "factory": "fwdcheck.reference:build",
+            "factory": "fwdcheck.model.reference:build",
             "kwargs": {"vocab_size": 32, "d_model": 16, "n_heads": 4},
         }
     )

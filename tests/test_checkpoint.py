@@ -23,14 +23,14 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
 from fwdcheck.errors import ModelLoadError
-from fwdcheck.reference import build
-from fwdcheck.sources import load_model
+from fwdcheck.model.reference import build
+from fwdcheck.model.sources import load_model
 from tests.conftest import codes, run_checks, statuses
 
 REF = {"vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2}
-FACTORY = "fwdcheck.reference:build"
+FACTORY = "fwdcheck.model.reference:build"
 HELPERS = "fwdcheck_ckpt_helpers"  # the module name of the tiny test models written into tmp_path
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -292,7 +292,7 @@ def test_pickled_module_is_refused_without_trust(tmp_path):
         cli(tmp_path, checkpoint_model(path)),
         "trust_checkpoint: true",
         "weights_only refused",
-        "fwdcheck.reference.ReferenceTransformer",
+        "fwdcheck.model.reference.ReferenceTransformer",
         "run arbitrary code",
     )
 
@@ -613,7 +613,7 @@ def test_tied_weights_stay_tied(tmp_path, helpers, drop_alias):
 def test_factory_that_cannot_run_on_meta_builds_on_cpu(tmp_path, helpers):
     (tmp_path / "fwdcheck_ckpt_value_init.py").write_text(
         "import torch\n"
-        "from fwdcheck.reference import build as reference\n"
+        "from fwdcheck.model.reference import build as reference\n"
         "def build(**kw):\n"
         "    scale = torch.ones(1).item()  # reads a value: impossible on the meta device\n"
         "    return reference(**kw)\n"
@@ -635,5 +635,5 @@ def test_sample_config_runs_clean():
     result = runner.invoke(app, ["run", str(sample), "--format", "json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["model"]["label"] == "fwdcheck.reference:build <- reference.safetensors"
+    assert report["model"]["label"] == "fwdcheck.model.reference:build <- reference.safetensors"
     assert {c["status"] for c in report["checks"]} == {"pass"}

@@ -68,7 +68,7 @@ def test_junit_lists_every_code_path_cell(tmp_path):
 def test_github_annotations_point_at_model_code_and_escape():
     report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]})
     text = to_github(report)
-    assert "::error file=fwdcheck/reference.py,line=" in text  # the attention class of the reference model
+    assert "::error file=fwdcheck/model/reference.py,line=" in text  # the attention class of the reference model
     assert text.rstrip().endswith("fwdcheck failed (exit 1)")
     assert escape_data("50% a\r\nb") == "50%25 a%0D%0Ab"
     assert escape_property("a:b,c") == "a%3Ab%2Cc"
@@ -167,12 +167,12 @@ def test_github_annotations_are_relative_to_the_repository_root(tmp_path, monkey
     """GitHub places an annotation by its path from the repository's root ($GITHUB_WORKSPACE): a step that ran in a
     subdirectory (`working-directory: sub/`) names the model code from the root, not from where it ran."""
     report = run_checks({"source": "reference", "bugs": ["no-causal-mask"]})
-    monkeypatch.chdir(ROOT)  # the report names fwdcheck/reference.py from here
+    monkeypatch.chdir(ROOT)  # the report names fwdcheck/model/reference.py from here
     monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT.parent))  # a checkout whose root is one level up
-    assert f"::error file={ROOT.name}/fwdcheck/reference.py,line=" in to_github(report)
+    assert f"::error file={ROOT.name}/fwdcheck/model/reference.py,line=" in to_github(report)
     monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT))  # fwdcheck ran at the root
-    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)
+    assert "::error file=fwdcheck/model/reference.py,line=" in to_github(report)
     monkeypatch.setenv("GITHUB_WORKSPACE", str(tmp_path))  # model code outside the checkout: as the report says
-    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)
+    assert "::error file=fwdcheck/model/reference.py,line=" in to_github(report)
     monkeypatch.delenv("GITHUB_WORKSPACE")  # outside Actions
-    assert "::error file=fwdcheck/reference.py,line=" in to_github(report)
+    assert "::error file=fwdcheck/model/reference.py,line=" in to_github(report)

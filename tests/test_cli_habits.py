@@ -215,4 +215,4 @@ def test_ctrl_c_while_the_reports_are_written_is_deferred():
 def test_terminal_findings_name_the_model_codes_file_and_line():
     """The attention call that misbehaved, as file:line, in the terminal as in every other report."""
     out = invoke("run", BROKEN, "--check", "mask-audit").stdout
-    assert re.search(r"fwdcheck/reference\.py:\d+", out), out
+    assert re.search(r"fwdcheck/model/reference\.py:\d+", out), out

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.config import MAX_PROBLEMS, config_from_dict
+from fwdcheck.config.schema import MAX_PROBLEMS, config_from_dict
 from fwdcheck.errors import ConfigError
 
 

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 import fwdcheck
 from fwdcheck.cli import app
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
 from fwdcheck.errors import ConfigError, UsageError
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 REFERENCE = {"source": "reference", "vocab_size": 16, "d_model": 8, "n_heads": 2}
 PYDANTIC_WORDS = ("Input should", "Input is not", "String should", "instance of", "<class", "valid dictionary")

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fwdcheck.callables import on_sys_path, resolve_callable
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.callables import on_sys_path, resolve_callable
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds
 from tests.corpus import VOCAB
 from tests.corpus.meta_llama import DIMS as META_DIMS

@@ -253,7 +253,7 @@ def test_the_plot_marks_the_first_pair_that_parts_and_shares_columns_when_narrow
 
 def test_the_examples_configs_are_the_tests_port():
     """examples/diff/port.yaml, which the README runs, holds the rules this file's port is tested with."""
-    from fwdcheck.config import load_config
+    from fwdcheck.config.schema import load_config
 
     assert load_config(REPO / "examples" / "diff" / "port.yaml").diff.rename == RENAME
     assert load_config(REPO / "examples" / "diff" / "port-no-scale.yaml").diff.rename == RENAME

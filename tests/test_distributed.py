@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from fwdcheck import interpreter
+from fwdcheck.process import interpreter
 
 # Every test launches ranks (a few seconds each): the slow tier.
 pytestmark = pytest.mark.slow
@@ -270,8 +270,9 @@ def test_on_the_cpu_the_ranks_server_is_a_fork_of_the_launcher_before_the_models
     assert code == 0, stderr
     assert checks(report)["shape-ledger"]["status"] == "pass"
     server = checks(report)["rank-server"]["data"]
-    # the worker's command line (fwdcheck/interpreter.py: `python -c ... fwdcheck.worker EVENTS SUPERVISOR`)
-    assert server["launcher"][:4] == interpreter.command("fwdcheck.worker"), server
+    # the worker's command line (fwdcheck/process/interpreter.py: `python -c ... fwdcheck.process.worker EVENTS
+    # SUPERVISOR`)
+    assert server["launcher"][:4] == interpreter.command("fwdcheck.process.worker"), server
     assert server["server"] == server["launcher"], server
     events = int(server["launcher"][4])  # the worker's command line names its event descriptor
     assert events not in server["shared"] and len(server["shared"]) == 1 + 2, server
@@ -287,7 +288,7 @@ def test_a_launcher_that_has_imported_the_models_module_does_not_fork_the_ranks_
     code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     server = checks(report)["rank-server"]["data"]
-    assert server["launcher"][:4] == interpreter.command("fwdcheck.worker"), server
+    assert server["launcher"][:4] == interpreter.command("fwdcheck.process.worker"), server
     assert "from multiprocessing.forkserver import main" in " ".join(server["server"]), server
 
 
@@ -296,7 +297,7 @@ def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(t
     the launcher holds open (and locked) is not held by the fork: its descriptor is /dev/null there."""
     import fcntl
 
-    from fwdcheck.distributed import _as_new_interpreter
+    from fwdcheck.process.distributed import _as_new_interpreter
 
     def handler(signum, frame):
         pass
@@ -340,7 +341,7 @@ def test_a_fork_that_cannot_be_made_leaves_the_server_to_multiprocessing(monkeyp
     import multiprocessing.forkserver
     from multiprocessing import resource_tracker, util
 
-    from fwdcheck import distributed
+    from fwdcheck.process import distributed
 
     def cannot_fork():
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
@@ -413,9 +414,9 @@ def test_sharding_skips_outside_a_distributed_run():
 
 
 def test_the_python_api_refuses_a_distributed_run():
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
     from fwdcheck.errors import UsageError
-    from fwdcheck.runner import Run
+    from fwdcheck.run.runner import Run
 
     run = Run.build(config_from_dict({"model": {"source": "reference"}, "distributed": {"nproc": 2}}))
     assert [e.name for e in run.entries][0] == "sharding"

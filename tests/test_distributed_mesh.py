@@ -150,7 +150,7 @@ def test_a_mesh_that_cannot_be_built_is_a_config_error(tmp_path, distributed, sa
 def test_a_dimension_named_twice_is_a_config_error(tmp_path):
     path = tmp_path / "twice.yaml"
     path.write_text("model: {source: reference}\ndistributed:\n  mesh: {tp: 2, tp: 2}\n")
-    from fwdcheck.config import load_config
+    from fwdcheck.config.schema import load_config
     from fwdcheck.errors import ConfigError
 
     with pytest.raises(ConfigError, match="the key 'tp' is given twice"):
@@ -158,7 +158,7 @@ def test_a_dimension_named_twice_is_a_config_error(tmp_path):
 
 
 def test_the_mesh_gives_nproc_and_nproc_must_agree_with_it():
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
 
     def distributed(**spec):
         return config_from_dict({"model": {"source": "reference"}, "distributed": spec}).distributed
@@ -183,7 +183,7 @@ def test_nproc_on_the_command_line_must_agree_with_the_mesh(tmp_path):
 )
 def test_a_hugging_face_model_needs_parallelize_for_a_mesh_its_plans_do_not_name(mesh, says):
     from fwdcheck.errors import UsageError
-    from fwdcheck.sources.hf import _plan_sizes
+    from fwdcheck.model.sources.hf import _plan_sizes
 
     with pytest.raises(UsageError, match="distributed.mesh") as raised:
         _plan_sizes(mesh)
@@ -200,7 +200,7 @@ def test_a_hugging_face_model_needs_parallelize_for_a_mesh_its_plans_do_not_name
 
 def test_placements_are_written_per_mesh_dimension():
     from fwdcheck.checks.sharding import placement_words
-    from fwdcheck.distributed import ParameterLayout
+    from fwdcheck.process.distributed import ParameterLayout
 
     def words(placements, mesh, run=("dp_shard", "tp")):
         return placement_words(ParameterLayout("w", placements, mesh, [4, 4], [2, 4]), run)
@@ -221,7 +221,7 @@ def test_a_call_a_check_makes_itself_gets_rank_0s_tensors_in_the_models_own_outp
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from fwdcheck.distributed import _output_tensors, _with_tensors
+    from fwdcheck.process.distributed import _output_tensors, _with_tensors
 
     own, shared, loss, cache = torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.tensor(2.0), object()
     output = CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=own, past_key_values=cache)
@@ -240,7 +240,7 @@ def test_a_call_a_check_makes_itself_gets_rank_0s_tensors_in_the_models_own_outp
 
 
 def test_the_two_node_example_is_a_valid_config_of_four_ranks():
-    from fwdcheck.config import config_for
+    from fwdcheck.config.schema import config_for
 
     config = config_for(REPO / "examples" / "distributed" / "llama-2d.yaml", None)
     assert config.distributed.mesh == {"dp_shard": 2, "tp": 2} and config.distributed.nproc == 4

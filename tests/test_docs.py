@@ -110,7 +110,7 @@ def test_the_codes_page_lists_every_code_explain_knows():
 
 
 def test_the_config_reference_lists_every_key():
-    from fwdcheck.config import Config, HFModel, Inputs
+    from fwdcheck.config.schema import Config, HFModel, Inputs
 
     page = docs_pages.config_section()
     for model in (Config, HFModel, Inputs):
@@ -132,7 +132,7 @@ def test_a_stale_section_is_told_apart():
 def test_the_broken_configs_are_the_bugs_the_default_checks_catch():
     """docs/reference-model.md says sample_configs/broken holds a config for each bug the default checks catch, and
     lists every bug the reference model can plant."""
-    from fwdcheck.bugs import BUGS
+    from fwdcheck.config.bugs import BUGS
 
     text = (DOCS / "reference-model.md").read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([a-z0-9-]+)` \| .* \| ([^|]+) \|$", text, re.M))
@@ -145,8 +145,8 @@ def test_the_broken_configs_are_the_bugs_the_default_checks_catch():
 
 
 def test_the_starter_config_says_what_an_omitted_checks_key_runs():
+    from fwdcheck.config.templates import starter_config
     from fwdcheck.registry import select
-    from fwdcheck.templates import starter_config
 
     line = next(row for row in starter_config("reference", "x").splitlines() if row.startswith("# checks:"))
     listed = re.search(r"\[(.*?)\]", line).group(1).split(", ")

@@ -1,6 +1,6 @@
 """From its second job on, a process runs each model in a worker forked from a server that has imported torch already
-(fwdcheck/forkserver.py). What a model can observe of its process is what it observes in a new interpreter, and a
-fork is refused where it could differ. What a forked worker does when the model misbehaves (exits, crashes, hangs,
+(fwdcheck/process/forkserver.py). What a model can observe of its process is what it observes in a new interpreter, and
+a fork is refused where it could differ. What a forked worker does when the model misbehaves (exits, crashes, hangs,
 is interrupted, outlives a supervisor killed with SIGKILL) is tested case by case beside the new interpreter's in
 tests/test_supervisor.py.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fwdcheck import forkserver
 from fwdcheck.cli import app
+from fwdcheck.process import forkserver
 
 # Each test starts a fork server or a new interpreter, some wait for one to time out: the slow tier.
 pytestmark = [pytest.mark.skipif(not forkserver.supported(), reason="fork server: Linux only"), pytest.mark.slow]
@@ -113,7 +113,7 @@ def test_a_signal_while_the_server_starts_still_writes_the_report(observing, tmp
         env={**os.environ, "OBSERVATIONS": str(tmp_path / "seen")},
     )
     deadline = time.monotonic() + 120
-    while not any("fwdcheck.forkserver" in command for command in children_of(proc.pid)):
+    while not any("fwdcheck.process.forkserver" in command for command in children_of(proc.pid)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)

@@ -15,13 +15,13 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from checks.future_token import FutureToken, prefix_lengths
 from fwdcheck.api import check_model
-from fwdcheck.config import FactoryModel, Inputs
+from fwdcheck.checks.future_token import FutureToken, prefix_lengths
+from fwdcheck.config.schema import FactoryModel, Inputs
+from fwdcheck.model.sources.factory import FactoryParts, model_from_module
 from fwdcheck.result import Status
-from fwdcheck.session import Session
-from fwdcheck.settings import Settings
-from fwdcheck.sources.factory import FactoryParts, model_from_module
+from fwdcheck.run.session import Session
+from fwdcheck.run.settings import Settings
 from tests.conftest import run_checks
 
 V = 32

@@ -52,9 +52,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from fwdcheck import config as schema
-from fwdcheck.bugs import BUGS
 from fwdcheck.cli import app
+from fwdcheck.config import schema
+from fwdcheck.config.bugs import BUGS
 
 # Hypothesis examples by the hundred, and grids over every number field: the slow tier.
 pytestmark = pytest.mark.slow
@@ -152,14 +152,14 @@ WORDS = [
     "mask-audit",
     "rope",
     "FWD203",
-    "fwdcheck.reference:build",
+    "fwdcheck.model.reference:build",
     ".",
     "",
     *BUGS,
 ]
 # The only 'module:callable' strings an example may hand to the importer; any other (a corruption can make one) is
 # skipped, so that a fuzzed config never imports and calls something arbitrary from the standard library.
-SAFE_REFERENCES = {"fwdcheck.reference:build"}
+SAFE_REFERENCES = {"fwdcheck.model.reference:build"}
 REFERENCE = re.compile(r"[A-Za-z_][\w.]*\s*:\s*[A-Za-z_][\w.]*")
 
 # No ":" in generated text: see SAFE_REFERENCES. A small alphabet with YAML's special characters, whitespace and
@@ -525,7 +525,7 @@ REFERENCE_BASE = {
     "inputs": {"batch_size": 1, "seq_len": 2},
 }
 PYTHON_BASE = {
-    "model": {"source": "python", "factory": "fwdcheck.reference:build", "kwargs": {"max_seq_len": 16}},
+    "model": {"source": "python", "factory": "fwdcheck.model.reference:build", "kwargs": {"max_seq_len": 16}},
     "inputs": {"batch_size": 1, "seq_len": 2},
 }
 GRID = (
@@ -579,7 +579,7 @@ TINY_LLAMA = {
 PLACES = {  # where the deep value goes: (text before it, text after it)
     "top": ("model: {source: reference}\nextra: ", "\n"),
     "inputs": ("model: {source: reference}\ninputs: ", "\n"),
-    "kwargs": ('model:\n  source: python\n  factory: "fwdcheck.reference:build"\n  kwargs: {x: ', "}\n"),
+    "kwargs": ('model:\n  source: python\n  factory: "fwdcheck.model.reference:build"\n  kwargs: {x: ', "}\n"),
     "hf-inline": (
         "model:\n  source: hf\n  config: {" + ", ".join(f"{k}: {v}" for k, v in TINY_LLAMA.items()) + ", extra: ",
         "}\ninputs: {batch_size: 1, seq_len: 4}\nchecks: [shape-ledger]\n",
@@ -608,7 +608,7 @@ def deep_texts(draw) -> str:
             st.sampled_from(
                 [
                     "model: {source: reference}\nextra:\n  ",
-                    'model:\n  source: python\n  factory: "fwdcheck.reference:build"\n  kwargs:\n    x:\n      ',
+                    'model:\n  source: python\n  factory: "fwdcheck.model.reference:build"\n  kwargs:\n    x:\n      ',
                 ]
             )
         )

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fwdcheck.config import Inputs
-from fwdcheck.model import ModelUnderTest
-from fwdcheck.model_state import GlobalState
+from fwdcheck.config.schema import Inputs
+from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.registry import select
-from fwdcheck.runner import CheckTimeout, run_model, time_limit
-from fwdcheck.settings import Settings
+from fwdcheck.run.model_state import GlobalState
+from fwdcheck.run.runner import CheckTimeout, run_model, time_limit
+from fwdcheck.run.settings import Settings
 
 backends = torch.backends
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checks.rope import analyze, toeplitz_error
-from fwdcheck.observe import _read_mask, observing
-from fwdcheck.reference import ReferenceConfig, ReferenceTransformer, apply_rope
+from fwdcheck.checks.rope import analyze, toeplitz_error
+from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer, apply_rope
+from fwdcheck.observe.observer import _read_mask, observing
 from tests.conftest import run_checks
 
 SCORES = torch.tensor([math.log(2), 0.0, 0.0])

@@ -1,7 +1,7 @@
-"""The numeric contract (--save-golden / --expect-golden, checks/golden.py), both ways: an unchanged model passes after
-a rerun, in another process, at another thread count and on other CPU kernels; each planted change fails and names
-the first module, in the order the outputs came, whose output moved; a golden file that is not one, or was made for
-another run, is one line and exit 2.
+"""The numeric contract (--save-golden / --expect-golden, fwdcheck/checks/golden.py), both ways: an unchanged model
+passes after a rerun, in another process, at another thread count and on other CPU kernels; each planted change fails
+and names the first module, in the order the outputs came, whose output moved; a golden file that is not one, or was
+made for another run, is one line and exit 2.
 
 The planted changes run in-process (runner.Run, as the pytest plugin runs a config) against a golden document from a
 run of the clean model; the command-line tests go through the file itself.
@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from fwdcheck.checks.golden_file import golden_from_dict
 from fwdcheck.cli import app
-from fwdcheck.config import config_from_dict
-from fwdcheck.overrides import Overrides
-from fwdcheck.runner import Run
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.runner import Run
 from tests import models
 from tests.test_cli import plain, usage_error
 
@@ -96,7 +96,7 @@ def test_a_module_called_twice_is_recorded_per_call():
     """A shared block run twice in one forward: its calls are `name` and `name#2`."""
     import torch
 
-    from fwdcheck.activations import module_outputs
+    from fwdcheck.observe.activations import module_outputs
 
     block = torch.nn.Linear(4, 4)
     model = torch.nn.Sequential(block, torch.nn.ReLU(), block)
@@ -394,8 +394,8 @@ def test_a_file_that_is_not_a_golden_file_is_one_line(tmp_path, saved_file, case
 
 def test_the_file_holds_what_fingerprints_hold():
     """The torch-free reader's idea of a fingerprint is the fingerprint's own."""
-    from fwdcheck import activations
     from fwdcheck.checks import golden_file
+    from fwdcheck.observe import activations
 
     assert (golden_file.SAMPLED, golden_file.DIGEST_ROWS, golden_file.LOGITS) == (
         activations.SAMPLED,

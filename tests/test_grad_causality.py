@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck.bugs import BUGS
 from fwdcheck.checks.grad_causality import cuts_for
+from fwdcheck.config.bugs import BUGS
 from tests import arch_sweep, compat
 from tests.conftest import codes, run_checks
 from tests.test_bug_matrix import BUG_RUN, CLEAN
@@ -338,7 +338,7 @@ def test_model_left_as_found():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_model_left_as_found_for_the_checks_after(dtype):
     from fwdcheck.registry import select
-    from fwdcheck.runner import run_model
+    from fwdcheck.run.runner import run_model
     from tests.test_model_state import assert_same, reference_model, snapshot
 
     model, settings = reference_model()  # dropout 0.2

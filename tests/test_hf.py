@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from fwdcheck.config import config_from_dict  # noqa: E402
+from fwdcheck.config.schema import config_from_dict  # noqa: E402
 from fwdcheck.errors import ModelLoadError  # noqa: E402
-from fwdcheck.sources import load_model  # noqa: E402
+from fwdcheck.model.sources import load_model  # noqa: E402
 from tests import compat  # noqa: E402
 from tests.conftest import run_checks, statuses  # noqa: E402
 from tests.doc_sections import ROOT  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwdcheck.sources.hf import config_size, hf_model_under_test, text_config
+from fwdcheck.model.sources.hf import config_size, hf_model_under_test, text_config
 from tests.arch_sweep import SEQ_LEN, tiny
 from tests.conftest import codes, run_checks, statuses
 
@@ -25,8 +25,8 @@ def _hf(model_type: str) -> dict:
 
 
 def _load(model_type: str):
-    from fwdcheck.config import config_from_dict
-    from fwdcheck.sources import load_model
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
 
     return load_model(config_from_dict({"model": _hf(model_type)}))
 
@@ -81,7 +81,7 @@ def test_config_size_reads_only_one_positive_whole_number(names, expected):
 def test_a_sentinel_limit_and_a_per_layer_width_are_left_unnamed_not_refused():
     """A -1 position limit is no limit (before: refused as a limit of -1), a per-layer intermediate_size is no d_ff
     (before: an internal error in the ledger), and the ledger still runs on the model."""
-    from fwdcheck.config import HFModel
+    from fwdcheck.config.schema import HFModel
 
     model = _load("llama")
     # as a config class without validation holds them (transformers' Llama validates; XLNet and Gemma 3n hold these)
@@ -139,7 +139,7 @@ def test_a_model_counting_its_own_positions_still_fails_on_a_dropped_mask():
 
 
 def test_the_positions_probe_leaves_the_model_as_found():
-    from fwdcheck.sources.hf import positions_of
+    from fwdcheck.model.sources.hf import positions_of
 
     model = _load("roberta")
     model.module.train()
@@ -193,7 +193,7 @@ def test_packing_on_a_recurrent_hybrid_names_the_layers_carrying_state(model_typ
 
 
 def test_an_attention_only_model_carries_no_state():
-    from fwdcheck.sources.hf import stateful_layers
+    from fwdcheck.model.sources.hf import stateful_layers
 
     assert stateful_layers(_load("llama").module) is None
     assert stateful_layers(_load("gemma2").module) is None  # sliding and full attention are both attention

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 pytest.importorskip("transformers")
 
 from fwdcheck.cli import app  # noqa: E402
-from fwdcheck.config import config_from_dict, load_config  # noqa: E402
+from fwdcheck.config.schema import config_from_dict, load_config  # noqa: E402
 from fwdcheck.errors import ConfigError, ModelLoadError  # noqa: E402
-from fwdcheck.sources import load_model  # noqa: E402
-from fwdcheck.sources.hf import refuse_unknown_keys  # noqa: E402
+from fwdcheck.model.sources import load_model  # noqa: E402
+from fwdcheck.model.sources.hf import refuse_unknown_keys  # noqa: E402
 from tests import compat  # noqa: E402
 
 runner = CliRunner()

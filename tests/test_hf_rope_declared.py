@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from checks.rope import analyze  # noqa: E402
-from fwdcheck.config import config_from_dict  # noqa: E402
-from fwdcheck.sources import load_model  # noqa: E402
-from fwdcheck.sources.shrink import shrink_hf_dict  # noqa: E402
+from fwdcheck.checks.rope import analyze  # noqa: E402
+from fwdcheck.config.schema import config_from_dict  # noqa: E402
+from fwdcheck.model.sources import load_model  # noqa: E402
+from fwdcheck.model.sources.shrink import shrink_hf_dict  # noqa: E402
 from tests.conftest import run_checks  # noqa: E402
 
 # Multi-head latent attention at small sizes: q and k heads of [16 unrotated | 8 rotated] dims, v heads of 16.
@@ -164,7 +164,7 @@ def test_rope_on_q_only_still_fails(rope_on_q_only, model_type, family, fields):
 def test_the_config_states_no_pairing_and_says_where_each_value_came_from():
     import transformers
 
-    from fwdcheck.sources.hf import declared_rope
+    from fwdcheck.model.sources.hf import declared_rope
 
     config = transformers.AutoConfig.for_model(
         "phi",

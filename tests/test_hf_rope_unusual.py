@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks.rope import analyze, one_side_unjudgeable
+from fwdcheck.checks.rope import analyze, one_side_unjudgeable
 
 pytest.importorskip("transformers")
 

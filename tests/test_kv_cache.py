@@ -14,13 +14,13 @@ import torch
 from pydantic import ValidationError
 
 import fwdcheck
-from fwdcheck.config import PythonModel, config_from_dict
+from fwdcheck.config.schema import PythonModel, config_from_dict
 from fwdcheck.errors import ConfigError
-from fwdcheck.reference import KVCache, build
+from fwdcheck.model.reference import KVCache, build
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import available, info
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 from tests.conftest import run_checks
 
 CHECK = ["kv-cache"]
@@ -248,7 +248,7 @@ def test_litgpt_sliding_window_ring_buffer_fails_in_chunks():
 def test_python_model_with_declared_hf_style_cache():
     model = {
         "source": "python",
-        "factory": "fwdcheck.reference:build",
+        "factory": "fwdcheck.model.reference:build",
         "kwargs": {"vocab_size": 32},
         "cache": {"style": "hf"},
     }
@@ -311,7 +311,12 @@ def test_reference_through_the_python_api():
         ({"source": "python", "factory": "tests.models:nanogpt"}, 8, "no KV-cache path fwdcheck knows how to drive"),
         ({"source": "reference"}, 3, "seq_len 3 is too short"),
         (
-            {"source": "python", "factory": "fwdcheck.reference:build", "causal": False, "cache": {"style": "hf"}},
+            {
+                "source": "python",
+                "factory": "fwdcheck.model.reference:build",
+                "causal": False,
+                "cache": {"style": "hf"},
+            },
             8,
             "bidirectional",
         ),

@@ -1,5 +1,5 @@
-"""Runs under the user's own launcher (fwdcheck/launched.py): torchrun on one node, two torchrun agents as two nodes
-of one job, and the variables SLURM's srun (or a script of the user's) sets, each `fwdcheck run` a rank. The
+"""Runs under the user's own launcher (fwdcheck/process/launched.py): torchrun on one node, two torchrun agents as two
+nodes of one job, and the variables SLURM's srun (or a script of the user's) sets, each `fwdcheck run` a rank. The
 launches are few: each starts 4 ranks, every one a `fwdcheck run` importing torch (seconds on 2 cores)."""
 
 from __future__ import annotations

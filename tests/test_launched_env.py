@@ -1,5 +1,5 @@
 """Which rank a process is, read from the launcher's variables (torchrun's, SLURM's, a script's), and the signs a
-rank reads of a peer that went away (fwdcheck/launched.py). The jobs themselves are tests/test_launched.py."""
+rank reads of a peer that went away (fwdcheck/process/launched.py). The jobs themselves are tests/test_launched.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fwdcheck.errors import UsageError
-from fwdcheck.launched import launched_rank, lost_peer
+from fwdcheck.process.launched import launched_rank, lost_peer
 from tests.test_distributed import REPO
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_a_collectives_error_when_a_peer_went_away_reads_as_a_lost_peer():
 def test_a_time_limit_that_strikes_in_a_collective_says_the_rank_waited_for_another():
     """Where the limit struck tells a rank that waited for a peer from the rank that hung: torch.distributed's code
     (reached through torch's own calls) is waiting; model code is not, whatever called it."""
-    from fwdcheck.runner import CheckTimeout, time_limit
+    from fwdcheck.run.runner import CheckTimeout, time_limit
 
     def waits_in(path: Path):
         namespace: dict = {}

@@ -8,31 +8,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ROOT / "fwdcheck" / "sources"
+SOURCES = ROOT / "fwdcheck" / "model" / "sources"
 # The core and the checks: every module but the sources' own.
-OUTSIDE_SOURCES = sorted(
-    p for folder in (ROOT / "fwdcheck", ROOT / "checks") for p in folder.rglob("*.py") if SOURCES not in p.parents
-)
+OUTSIDE_SOURCES = sorted(p for p in (ROOT / "fwdcheck").rglob("*.py") if SOURCES not in p.parents)
 SOURCE_NAMES = {"reference", "python", "checkpoint", "hf"}
 # The command line's dispatch into the sources' package: `fwdcheck shrink` is each source's rules for its config.
-DISPATCH = {("cli.py", "fwdcheck.sources.shrink")}
+DISPATCH = {("cli.py", "fwdcheck.model.sources.shrink")}
 
 
 def named_sources(tree: ast.AST, file: str = "") -> list[str]:
     """Where a module names a source: an import of one source's module (the package's own entry points,
-    fwdcheck.sources.load_model and from_module, aside), a comparison of a `.source` with a source's name, or an
+    fwdcheck.model.sources.load_model and from_module, aside), a comparison of a `.source` with a source's name, or an
     isinstance test against the reference transformer's class."""
     found = []
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.ImportFrom)
-            and (node.module or "").startswith("fwdcheck.sources.")
+            and (node.module or "").startswith("fwdcheck.model.sources.")
             and (file, node.module) not in DISPATCH
         ):
             found.append(f"line {node.lineno}: imports {node.module}")
         elif isinstance(node, ast.Import):
             found += [
-                f"line {node.lineno}: imports {a.name}" for a in node.names if a.name.startswith("fwdcheck.sources.")
+                f"line {node.lineno}: imports {a.name}"
+                for a in node.names
+                if a.name.startswith("fwdcheck.model.sources.")
             ]
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
@@ -59,7 +59,7 @@ def test_checks_never_read_which_source_built_the_model():
     """`model.source` is for the report; a check asks what the model can do."""
     readers = [
         f"{p.name}:{node.lineno}"
-        for p in sorted((ROOT / "checks").glob("*.py"))
+        for p in sorted((ROOT / "fwdcheck" / "checks").glob("*.py"))
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
         if isinstance(node, ast.Attribute)
         and node.attr == "source"
@@ -71,17 +71,17 @@ def test_checks_never_read_which_source_built_the_model():
 
 def test_the_rule_finds_each_way_of_naming_a_source():
     planted = """
-from fwdcheck.sources.hf import find_rotary
-import fwdcheck.sources.python
+from fwdcheck.model.sources.hf import find_rotary
+import fwdcheck.model.sources.python
 if model.source == "hf": pass
 if "reference" != model.source: pass
 if isinstance(model.module, ReferenceTransformer): pass
-from fwdcheck.sources import load_model
+from fwdcheck.model.sources import load_model
 if model.source == other: pass
 """
     assert [line.split(": ", 1)[1] for line in named_sources(ast.parse(planted))] == [
-        "imports fwdcheck.sources.hf",
-        "imports fwdcheck.sources.python",
+        "imports fwdcheck.model.sources.hf",
+        "imports fwdcheck.model.sources.python",
         "compares .source with 'hf'",
         "compares .source with 'reference'",
         "isinstance(..., ReferenceTransformer)",
@@ -90,7 +90,8 @@ if model.source == other: pass
 
 # The core: every module but the checks' own and the sources' (which say what a model offers, in words that may be a
 # check's too: packing).
-CORE = sorted(p for p in (ROOT / "fwdcheck").rglob("*.py") if SOURCES not in p.parents)
+CHECKS = ROOT / "fwdcheck" / "checks"
+CORE = sorted(p for p in (ROOT / "fwdcheck").rglob("*.py") if SOURCES not in p.parents and CHECKS not in p.parents)
 # Words of the config's own vocabulary that are also a check's name: `positional: rope` is the model's scheme.
 VOCABULARY = {"rope"}
 

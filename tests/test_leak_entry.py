@@ -1,4 +1,4 @@
-"""Where a leak enters (checks/leak_entry.py): future-token's FWD101 names the first module whose output at an
+"""Where a leak enters (fwdcheck/checks/leak_entry.py): future-token's FWD101 names the first module whose output at an
 earlier position moves, and which side of it the leak is on. Leaks outside any mask are located, not only detected:
 attention's output rolled one step in time, a norm over the sequence axis; and a mask dropped inside a module."""
 
@@ -81,4 +81,4 @@ def test_the_reference_models_dropped_mask_points_at_its_attention():
     result = run_checks({"source": "reference", "bugs": ["no-causal-mask"]}, ["future-token"]).result("future-token")
     (finding,) = [f for f in result.findings if f.code == "FWD101"]
     assert finding.module.startswith("layers.0.attn") and "look at the code of layers.0.attn" in finding.message
-    assert "fwdcheck/reference.py:" in finding.source
+    assert "fwdcheck/model/reference.py:" in finding.source

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 
 from fwdcheck.checks.ledger_file import ledger_from_dict
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 
 REFERENCE = {"source": "reference", "vocab_size": 40, "d_model": 24, "n_heads": 4, "n_layers": 2, "d_ff": 56}
 INPUTS = {"batch_size": 3, "seq_len": 10}  # no size the reference above uses (d_h = 6)

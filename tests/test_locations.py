@@ -17,14 +17,14 @@ import torch.nn as nn
 import x_transformers.attend
 
 from fwdcheck.api import check_model
-from fwdcheck.observe import observing
+from fwdcheck.observe.observer import observing
 from fwdcheck.report.github import to_github
 from fwdcheck.report.markdown import to_markdown
 from tests import test_ledger_third_party as third_party
 from tests.conftest import run_checks
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = REPO / "fwdcheck" / "reference.py"
+REFERENCE = REPO / "fwdcheck" / "model" / "reference.py"
 
 
 def lines_with(path: Path | str, text: str) -> list[int]:
@@ -68,7 +68,7 @@ def test_planted_mask_bug_points_at_the_attention_call(bug, attention):
     report = run_checks({"source": "reference", "bugs": [bug], "attention": attention}, ["mask-audit"])
     findings = report.result("mask-audit").findings
     assert findings and all(f.status.value != "pass" for f in findings)
-    expected = f"fwdcheck/reference.py:{CALL_LINE[attention]}"
+    expected = f"fwdcheck/model/reference.py:{CALL_LINE[attention]}"
     assert {f.source for f in findings} == {expected}, [(f.code, f.source) for f in findings]
     assert {row["source"] for row in report.result("mask-audit").data["calls"]} == {expected}
 
@@ -78,9 +78,9 @@ def test_every_report_shows_the_call_line(attention):
     report = run_checks({"source": "reference", "bugs": ["inverted-bool-mask"], "attention": attention}, ["mask-audit"])
     line = CALL_LINE[attention]
     finding = report.to_dict()["checks"][0]["findings"][0]
-    assert finding["source"] == f"fwdcheck/reference.py:{line}"
-    assert f"::error file=fwdcheck/reference.py,line={line}," in to_github(report)
-    assert f"`fwdcheck/reference.py:{line}`" in to_markdown(report)
+    assert finding["source"] == f"fwdcheck/model/reference.py:{line}"
+    assert f"::error file=fwdcheck/model/reference.py,line={line}," in to_github(report)
+    assert f"`fwdcheck/model/reference.py:{line}`" in to_markdown(report)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_dropout_live_in_eval_points_at_the_call_that_applies_it(attention, call
         ["mask-audit"],
     )
     live = [f for f in report.result("mask-audit").findings if f.code == "FWD207"]
-    assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
+    assert live and {f.source for f in live} == {f"fwdcheck/model/reference.py:{line_with(REFERENCE, call)}"}
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_future_token_names_the_line_of_live_dropout(attention, call):
         ["future-token"],
     )
     live = [f for f in report.result("future-token").findings if f.code == "FWD103"]
-    assert live and {f.source for f in live} == {f"fwdcheck/reference.py:{line_with(REFERENCE, call)}"}
+    assert live and {f.source for f in live} == {f"fwdcheck/model/reference.py:{line_with(REFERENCE, call)}"}
 
 
 def test_third_party_finding_points_into_the_library_at_its_attention_call():

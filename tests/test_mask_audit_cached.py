@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck.observe import _PositionsSeen, _shared_positions, observing
+from fwdcheck.observe.observer import _PositionsSeen, _shared_positions, observing
 
 VOCAB, WIDTH, HEADS, LAYERS, SLOTS = 32, 16, 2, 2, 32
 
@@ -293,7 +293,7 @@ def test_score_products_in_every_form_are_recognised(form):
 
 def test_square_calls_sit_at_0_to_T_minus_1_whatever_positions_are_handed():
     """A sequence against itself: query i sits at key slot i, also when forward gets positions offset by 16."""
-    from fwdcheck.reference import ReferenceConfig, ReferenceTransformer
+    from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer
 
     model = ReferenceTransformer(ReferenceConfig(vocab_size=VOCAB, d_model=WIDTH, n_heads=HEADS, n_layers=1)).eval()
     with torch.no_grad(), observing(model, seq_len=8) as seen:
@@ -569,8 +569,8 @@ def test_meta_inputs_allocate_nothing_of_size_T_squared():
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_hugging_face_decode_steps_are_judged(implementation):
     pytest.importorskip("transformers")
-    from fwdcheck.config import config_from_dict
-    from fwdcheck.sources import load_model
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
     from tests import compat
 
     model = load_model(config_from_dict({"model": compat.CASES["Llama (GQA)"][0]})).module.eval()

@@ -6,7 +6,8 @@ Every mode runs twice:
 
 - through the command line (`fwdcheck run CONFIG --format json`, in-process): the documented exit code, a complete
   JSON report on stdout naming what went wrong, nothing on stderr, no traceback;
-- in-process through fwdcheck.sources.load_model + fwdcheck.runner.run_model, on a model found in training mode, in
+- in-process through fwdcheck.model.sources.load_model + fwdcheck.run.runner.run_model, on a model found in training
+mode, in
   float64, with a user hook, a gradient, a frozen parameter and a non-default dropout p: afterwards the model is
   exactly as found (tests/test_model_state.py's snapshot: parameters and buffers bitwise, storages, dtypes, training
   flags, dropout p, requires_grad, grads, hooks; plus devices) and so is the process (RNG states, default dtype, grad
@@ -36,11 +37,11 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 from tests.test_model_state import assert_same, snapshot
 
 MODELS = Path(__file__).resolve().parent / "bad_inputs" / "models"

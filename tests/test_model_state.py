@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fwdcheck.config import Inputs, config_from_dict
-from fwdcheck.model import ModelUnderTest
+from fwdcheck.config.schema import Inputs, config_from_dict
+from fwdcheck.model.sources import load_model
+from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 
 
 def snapshot(module: nn.Module) -> dict:
@@ -218,7 +218,7 @@ def test_a_clean_model_has_its_weights_watched_without_a_finding():
     ids=["odd-size", "blocks", "bfloat16", "int64", "bool", "transposed", "nan"],
 )
 def test_fingerprint_changes_with_any_write(tensor):
-    from fwdcheck.model_state import fingerprint
+    from fwdcheck.run.model_state import fingerprint
 
     before = fingerprint(tensor)
     assert torch.equal(fingerprint(tensor.clone()), before)  # a function of the contents alone, NaN included
@@ -230,7 +230,7 @@ def test_fingerprint_changes_with_any_write(tensor):
 
 
 def test_fingerprint_sees_values_moved_between_blocks():
-    from fwdcheck.model_state import FINGERPRINT_BLOCK, fingerprint
+    from fwdcheck.run.model_state import FINGERPRINT_BLOCK, fingerprint
 
     tensor = torch.randn(4 * FINGERPRINT_BLOCK * 2)  # float32: two per 64-bit word, four blocks
     moved = tensor.clone()

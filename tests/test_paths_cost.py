@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwdcheck.code_paths import CELL_LENGTH, CodePath, cell_length, path_cells, runs_per_code_path
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import direct, select
 from fwdcheck.result import Check, CheckResult, Status
-from fwdcheck.runner import run_cell
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.code_paths import CELL_LENGTH, CodePath, cell_length, path_cells, runs_per_code_path
+from fwdcheck.run.runner import run_cell
+from fwdcheck.run.settings import Settings
 from tests.conftest import run_checks
 from tests.models import PathBugModel
 from tests.test_paths import PATH_BUG_CELLS

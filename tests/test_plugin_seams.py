@@ -21,7 +21,7 @@ from typing import TypedDict
 from pydantic import Field
 from rich.text import Text
 
-from fwdcheck.config import CheckOptions
+from fwdcheck.config.schema import CheckOptions
 from fwdcheck.errors import UsageError
 
 
@@ -197,7 +197,7 @@ def test_a_check_section_that_is_not_a_mapping_is_one_line(tmp_path, section):
 
 
 def test_the_former_exhaustive_key_still_turns_on_each_checks_thorough_variant(tmp_path):
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
 
     config_ = config_from_dict({"model": {"source": "reference"}, "exhaustive": True})
     assert config_.options == {"future-token": {"exhaustive": True}, "backends": {"flex": True}}
@@ -247,7 +247,7 @@ def test_a_plugins_file_flag_without_its_check_selected_is_refused(plugin, tmp_p
 
 
 def test_a_plugins_former_top_level_key_sets_its_option(plugin, tmp_path):
-    from fwdcheck.config import config_from_dict
+    from fwdcheck.config.schema import config_from_dict
 
     config_ = config_from_dict({"model": {"source": "reference"}, "bound_limit": 3.0})
     assert config_.options == {"acme-bound": {"limit": 3.0}}

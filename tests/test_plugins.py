@@ -38,7 +38,7 @@ HUGE_LOGITS = '''\
 """A reference transformer with the classic initialisation bug: the output layer tied to an nn.Embedding left at its
 default N(0, 1) init (instead of std ~0.02): logits of order sqrt(d)."""
 import torch
-from fwdcheck.reference import build as reference
+from fwdcheck.model.reference import build as reference
 
 
 def build():

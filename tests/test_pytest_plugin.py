@@ -49,7 +49,7 @@ class AlwaysWarns(Check):
 
 MODEL_TESTS = """\
 import fwdcheck as fwdcheck_module
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 
 def test_fixture_is_the_api(fwdcheck):
@@ -107,16 +107,16 @@ def section(result: pytest.RunResult, title: str) -> str:
 
 def supervised_runs(monkeypatch) -> list[tuple[str, list[str]]]:
     """Each supervised run the plugin starts, as (its config, its checks), recorded as it starts."""
-    import fwdcheck.supervisor
+    import fwdcheck.process.supervisor
 
     runs = []
-    run_supervised = fwdcheck.supervisor.run_supervised
+    run_supervised = fwdcheck.process.supervisor.run_supervised
 
     def recorded(job, **kwargs):
         runs.append((job.config, list(job.overrides.checks or [])))
         return run_supervised(job, **kwargs)
 
-    monkeypatch.setattr(fwdcheck.supervisor, "run_supervised", recorded)
+    monkeypatch.setattr(fwdcheck.process.supervisor, "run_supervised", recorded)
     return runs
 
 
@@ -256,7 +256,7 @@ def test_collection_errors_and_what_a_directory_holds(tester):
         assert len(text) == 1, text  # one line: no traceback of fwdcheck internals
         assert fnmatch.fnmatch(text[0], line), text[0]
     out = result.stdout.str()
-    assert "Traceback" not in out and "fwdcheck/config.py" not in out and "pydantic" not in out
+    assert "Traceback" not in out and "fwdcheck/config/schema.py" not in out and "pydantic" not in out
 
 
 def test_without_the_option_nothing_is_collected(tester):

@@ -14,7 +14,7 @@ from rich.console import Console
 
 import fwdcheck
 from fwdcheck.checks.mask_audit_view import may_read_grid
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 from fwdcheck.report import Report
 from fwdcheck.report.github import to_github
 from fwdcheck.report.junit import to_junit

@@ -1,4 +1,4 @@
-"""The model's own rounding (fwdcheck/rounding.py), measured against a float64 twin, on transformers' Mamba.
+"""The model's own rounding (fwdcheck/run/rounding.py), measured against a float64 twin, on transformers' Mamba.
 
 A tiny Mamba's residual stream runs near 200 while its logits stay near 13: its first two tokens run alone differ from
 the full run by 7.5e-5, over twice the float32 tolerance, and in float64 they agree exactly. That is rounding, and
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fwdcheck
-from fwdcheck.model import ModelUnderTest
-from fwdcheck.rounding import ROUNDING_FACTOR, float64_twin
+from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,7 +75,7 @@ def test_a_model_that_cannot_run_in_float64_keeps_the_tolerance_and_says_why():
 def test_no_twin_when_the_copy_would_not_fit(monkeypatch):
     module = mamba()
     model = ModelUnderTest(module=module, label="mamba", source="factory", vocab_size=512)
-    monkeypatch.setattr("fwdcheck.rounding._free_memory", lambda device: 1024)
+    monkeypatch.setattr("fwdcheck.run.rounding._free_memory", lambda device: 1024)
     why = float64_twin(model, torch.device("cpu"))
     assert isinstance(why, str) and "a float64 copy of the model needs" in why and "free on cpu" in why
     monkeypatch.undo()

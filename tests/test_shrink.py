@@ -16,7 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.sources.shrink import (
+from fwdcheck.model.sources.shrink import (
     KWARG_KEYS,
     clamp_token,
     keep_layers,
@@ -306,7 +306,7 @@ def test_refuses_to_overwrite_without_force(tmp_path):
 
 
 FACTORY_MODULE = """\
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 
 def make(**sizes):
@@ -373,7 +373,7 @@ def test_checkpoint_becomes_the_factory_randomly_initialised_and_the_samples_sta
     out, document, printed = shrink(config)
 
     model = document["model"]
-    assert model["source"] == "python" and model["factory"] == "fwdcheck.reference:build"
+    assert model["source"] == "python" and model["factory"] == "fwdcheck.model.reference:build"
     assert not {"path", "strict", "trust_checkpoint"} & set(model)  # `path:` named the weights file
     assert "reference.safetensors are not carried over" in " ".join(printed.split())
 

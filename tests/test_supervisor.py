@@ -4,7 +4,7 @@ installs exit hooks cannot end the run, pass the gate, or spoil a report on stdo
 Each case runs the real command (`python -m fwdcheck run`) as a subprocess on a tiny causal model whose forward
 misbehaves after its first few calls, so that some checks finish before it does. The cases marked `worker` run twice:
 the model in a new interpreter (a process's first job), and in a worker forked from the fork server (a second config
-of the same command, after a correct model: fwdcheck/forkserver.py).
+of the same command, after a correct model: fwdcheck/process/forkserver.py).
 """
 
 from __future__ import annotations

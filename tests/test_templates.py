@@ -13,13 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.config import load_config
+from fwdcheck.config.schema import load_config
+from fwdcheck.config.templates import SOURCES, starter_config
 from fwdcheck.errors import UsageError
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
-from fwdcheck.templates import SOURCES, starter_config
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 
 # A key left commented out in a template, as the user would uncomment it: `  # n_kv_heads: 1   # ...`.
 COMMENTED_KEY = re.compile(r"^(\s*)# ([a-z_]+: .*)$")
@@ -50,7 +50,7 @@ def test_template_runs_and_passes(tmp_path, source):
 
 def test_python_template_points_at_a_factory_that_exists_and_says_to_replace_it():
     text = starter_config("python", "fwdcheck.yaml")
-    assert 'factory: "fwdcheck.reference:build"' in text and "Replace the factory" in text
+    assert 'factory: "fwdcheck.model.reference:build"' in text and "Replace the factory" in text
     assert "kwargs: {" in text  # sizes as kwargs: `fwdcheck shrink` can shrink them
 
 

@@ -15,13 +15,13 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import fwdcheck
-from fwdcheck.config import load_config
+from fwdcheck.config.schema import load_config
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.report.terminal import Verbosity, render
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 from tests.corpus import torch_models
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fwdcheck.callables import resolve_callable
-from fwdcheck.config import config_from_dict
+from fwdcheck.config.callables import resolve_callable
+from fwdcheck.config.schema import config_from_dict
+from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
-from fwdcheck.runner import run_model
-from fwdcheck.settings import Settings
-from fwdcheck.sources import load_model
+from fwdcheck.run.runner import run_model
+from fwdcheck.run.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")

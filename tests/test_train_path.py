@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck import code_paths
+from fwdcheck.run import code_paths
 from tests import compat
 from tests.conftest import run_checks
 from tests.test_flex_attention import FlexModel

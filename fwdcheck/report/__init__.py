@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode
+from fwdcheck.report.text import clean, cleaned
 from fwdcheck.result import CheckResult, Status, worst
-from fwdcheck.text import clean, cleaned
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
@@ -36,7 +36,7 @@ class Report:
     interrupted_exit: int = ExitCode.INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
 
     def __post_init__(self) -> None:
-        """The model's text made safe for every format, here where it enters the report (fwdcheck/text.py)."""
+        """The model's text made safe for every format, here where it enters the report (fwdcheck/report/text.py)."""
         for result in self.results:
             result.summary, result.data = clean(result.summary), cleaned(result.data)
             for finding in result.findings:

@@ -1,5 +1,6 @@
 """The rich terminal report: a summary table, then each check's detail panel: its findings, and its data drawn by the
-view the check names (Check.detail_view: the built-ins' live beside them, checks/<name>_view.py); and `fwdcheck diff`.
+view the check names (Check.detail_view: the built-ins' live beside them, fwdcheck/checks/<name>_view.py); and `fwdcheck
+diff`.
 
 It only shows what the checks put in their results; it computes nothing but layout (report/layout.py). How much it
 shows is the reader's choice (Verbosity): a green run is a few lines, a red one shows the detail of what did not
@@ -332,7 +333,7 @@ def findings_table(findings: list[Finding]) -> RenderableType:
 
 
 def render_diff(diff: dict, console: Console, plot: bool = False) -> None:
-    """`fwdcheck diff`'s report (fwdcheck.diff.Diff.to_dict()): the largest difference of every pair of modules in
+    """`fwdcheck diff`'s report (fwdcheck.run.diff.Diff.to_dict()): the largest difference of every pair of modules in
     A's order of execution, the first that parts marked; with `plot`, the difference by depth; then what was not
     paired, the notes and the verdict."""
     pairs = diff["pairs"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fwdcheck
-from fwdcheck.reference import build
+from fwdcheck.model.reference import build
 
 CHECK = "fwdcheck_logit_bound:LogitBound"
 

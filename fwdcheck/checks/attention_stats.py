@@ -1,0 +1,422 @@
+"""attention-stats: the scale each attention call applies to q . k, and what its softmax looks like. Warns, never fails.
+
+The scale is measured, not guessed from statistics. With unit-variance q and k the product q . k has variance d_h,
+and 1/sqrt(d_h) brings the scores back to unit variance (Attention Is All You Need, section 3.2.1); a missing scale
+leaves them sqrt(d_h) times too wide, one applied twice (1/d_h) sqrt(d_h) times too narrow. Whether q and k have
+unit variance depends on the weights, so the spread of the scores alone proves nothing on a trained model; the
+scale does not depend on the weights:
+  SDPA: the `scale` argument of the call (None: 1/sqrt(d_h), what SDPA applies).
+  eager attention: the weights the model computed, compared with softmax(c . q . k) over the keys it left unmasked
+    for c = 1/sqrt(d_h), 1/d_h, 1, and what the model's config declares; the c that reproduces them is the scale
+    it applied. When none does (a bias such as ALiBi, soft-capping), the call's scale is not measured.
+A scale applied to q before the call (q * scale, then SDPA's default again) looks like a weight and is not seen here.
+
+The statistics (std of q . k / sqrt(d_h), softmax entropy, the share of rows whose largest weight exceeds 0.99) are
+reported per layer for every model, and judged only at initialisation (the reference model, or a Hugging Face model
+built with random weights): a trained model's attention legitimately concentrates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.checks.backends import RecordSdpa, SdpaCall
+from fwdcheck.errors import SkipCheck
+from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.observe.observer import MASKED_BELOW, Observation
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.run.session import Session
+from fwdcheck.run.tolerances import TOLERANCES
+
+SATURATED = 0.99  # a row whose largest weight exceeds this reads one key
+SATURATED_SHARE = 0.5  # at initialisation, more rows than this reading one key is worth a look
+# Names under which attention modules keep their query projection (Hugging Face, fairseq, x-transformers, Llama).
+QUERY_PROJECTIONS = {"q_proj", "query", "q_lin", "wq", "to_q", "q"}
+
+# Tokens of the one row observed: enough key positions for the statistics, a fraction of a forward of long inputs.
+LENGTH = 64
+
+
+@dataclass
+class Calls:
+    """What the attention calls of the observed forward showed: a row of numbers per call measured (data.calls), the
+    scale findings, why the other calls were not measured, and the scales the model's config declares."""
+
+    rows: list[dict] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)
+    declared: list[str] = field(default_factory=list)
+
+
+class AttentionStats(Check):
+    name = "attention-stats"
+    default = False
+    order = 80  # after the default built-ins, before plugins
+    description = "the scale each attention call applies (1/sqrt(d_h)?) and its score spread, entropy, saturation"
+    codes = {
+        "FWD951": "attention scores are not scaled (scale 1): their spread is sqrt(d_h) times 1/sqrt(d_h)'s",
+        "FWD952": "attention scores are scaled by 1/d_h: 1/sqrt(d_h) applied twice, the softmax sqrt(d_h) times "
+        "flatter",
+        "FWD953": "attention scores are scaled by neither 1/sqrt(d_h) nor what the model's config declares",
+        "FWD954": "at initialisation most attention rows put more than 0.99 of their weight on one key",
+    }
+    explain = """\
+Warns (never fails) when an attention call applies another scale to q . k than 1/sqrt(d_h) or the one the model's
+config declares, and reports per layer: the std of the scaled scores q . k / sqrt(d_h), the std of the scores as
+the model applied them, the softmax entropy (mean over rows, and as a share of log(keys), 1 = uniform), and the share
+of rows whose largest weight exceeds 0.99.
+The scale is a measurement, independent of the weights: SDPA's `scale` argument, or, for eager attention, the c
+among 1/sqrt(d_h), 1/d_h, 1 and the declared scale for which softmax(c . q . k) over the unmasked keys reproduces the
+model's own weights (within the dtype's rounding). Declared scales: Gemma-2's query_pre_attn_scalar^-1/2, GPT-2's
+scale_attn_weights=False (1) and scale_attn_by_inverse_layer_idx (1/(sqrt(d_h) (layer + 1))), Granite's
+attention_multiplier. One observed forward of the first row (64 tokens, or seq_len if shorter) with q and k kept.
+  FWD951 no scale: the scores of unit-variance q and k have std sqrt(d_h) instead of 1; the softmax saturates and
+    gradients vanish. Divide q . k by sqrt(d_h) (or pass nothing as SDPA's scale).
+  FWD952 1/d_h: the scale applied twice (q pre-scaled and SDPA's default, or `/ head_dim` for `/ sqrt(head_dim)`);
+    attention nearly uniform. Apply 1/sqrt(d_h) once.
+  FWD953 another scale: say so in the config if it is deliberate (muP's 1/d_h, a tuned multiplier); then it is the
+    declared one. T5-style models fold the scale into the initialisation and apply none: a warning there is expected.
+  FWD954 (judged only at initialisation: the reference model, or a Hugging Face model built with random weights):
+    more than half of the rows read one key. Attention at initialisation should be spread; check the q/k
+    initialisation and norms.
+Limits: a scale multiplied into q or k before the attention call is indistinguishable from the weights and not
+seen; an eager call with a positional bias or soft-capping has no scale that reproduces its weights and is listed
+as not measured; nn.MultiheadAttention's q and k are projected inside torch, and their scale is torch's own. The
+statistics of a trained model are reported, not judged: concentrated attention (induction heads, attention sinks)
+is learned, not a bug. Skips when no call's scale could be measured."""
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        seen, sdpa, projections = self._observe(model, session)
+        calls = self._calls(model, session, seen, sdpa, projections)
+        if not any(row["scale"] is not None for row in calls.rows):
+            why = "; ".join(calls.unmeasured[:3]) or "no attention call with q and k was observed"
+            raise SkipCheck(f"no attention call's scale could be measured: {why}")
+        findings = calls.findings + (self._saturation(calls.rows) if model.weights_at_init else [])
+        return self._summarise(model, seen, calls, first_per_code(findings, more=_more_calls))
+
+    @staticmethod
+    def _observe(model: ModelUnderTest, session: Session) -> tuple[Observation, list[SdpaCall], dict]:
+        """One observed forward of the first row with q and k kept: the observation, SDPA's own arguments (scale,
+        mask) in the order the observer sees the calls, and the size of each query projection's output."""
+        recorder = RecordSdpa()
+        projections: dict[str, tuple[float, int]] = {}  # query projection -> (sum of squares of its output, numel)
+        handles = [
+            m.register_forward_hook(partial(keep_size, projections, name))
+            for name, m in model.module.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS
+        ]
+        # The first row, at most LENGTH tokens: a scale shows at any length, and keeping q, k and every weight of
+        # the session's whole batch would cost more than the forward itself at long sequences.
+        ids = session.inputs[:1, : max(LENGTH, session.min_seq_len)]
+        try:
+            with recorder:
+                seen = session.observe(ids, keep_tensors=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen, recorder.calls, projections
+
+    def _calls(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        seen: Observation,
+        sdpa_calls: list[SdpaCall],
+        projections: dict[str, tuple[float, int]],
+    ) -> Calls:
+        """Each attention call's scale, measured with its statistics, and judged against 1/sqrt(d_h) and the scales
+        the model's config declares; why the others were not measured."""
+        sdpa = iter(sdpa_calls)
+        declared = declared_scales(model)
+        calls = Calls(declared=sorted(declared))
+        for call in seen.attention:
+            if call.api == "sdpa":
+                assert call.query is not None  # an SDPA call's q is kept when the observation keeps tensors
+                recorded = next(sdpa, None)
+                if recorded is None or recorded.arguments["query"].shape != call.query.shape:
+                    calls.unmeasured.append(f"{call.module}: its SDPA arguments were not recorded")
+                    continue
+                measured = self._sdpa(recorded.arguments)
+            elif call.api == "softmax" and call.matmul is not None:
+                measured = self._eager(seen, call, session)
+            else:
+                calls.unmeasured.append(f"{call.module or 'model'}: {call.api} computes q and k inside torch")
+                continue
+            if measured is None:
+                calls.unmeasured.append(f"{call.module}: q, k or the weights were not kept")
+                continue
+            raw, weights, allowed, scale_used, how, d_h, q = measured
+            layer = layer_index(model, call.module)
+            expected = {"1/sqrt(d_h)": d_h**-0.5, **{name: f(d_h, layer) for name, f in declared.items()}}
+            row = {
+                "module": call.module,
+                "api": call.api,
+                "d_h": d_h,
+                "scale": scale_used,
+                "measured_by": how,
+                "scale_ratio": scale_used * math.sqrt(d_h) if scale_used else None,
+                **statistics(raw, weights, allowed, d_h, scale_used),
+            }
+            calls.rows.append(row)
+            if scale_used is None:
+                calls.unmeasured.append(f"{call.module}: {how}")
+            elif not matches(scale_used, expected):
+                # q multiplied by the scale before the call (OPT, BART: q_proj(x) * scaling, then scale 1): the
+                # call's q is that factor times its projection's output, whose norm a hook kept
+                before = prescaled(q, call.module, projections)
+                if before is not None and matches(scale_used * before, expected):
+                    row["q_scaled_before_call"] = before
+                    row["scale_ratio"] = scale_used * before * math.sqrt(d_h)  # what q . k is scaled by in all
+                else:
+                    calls.findings.append(judge_scale(scale_used, d_h, expected, call.module, model))
+        return calls
+
+    @staticmethod
+    def _saturation(rows: list[dict]) -> list[Finding]:
+        """At initialisation (FWD954): most rows of some call putting nearly all their weight on one key."""
+        saturated = [r for r in rows if r["saturated_share"] is not None and r["saturated_share"] > SATURATED_SHARE]
+        if not saturated:
+            return []
+        worst = max(saturated, key=lambda r: r["saturated_share"])
+        finding = Finding(
+            "FWD954",
+            Status.WARN,
+            f"at initialisation {worst['saturated_share']:.0%} of "
+            f"the attention rows put more than {SATURATED} of their weight on one key "
+            f"(in {len(saturated)} of {len(rows)} calls; scaled score std "
+            f"{worst['score_std']:.3g})",
+            worst["module"],
+        )
+        return [finding]
+
+    def _summarise(
+        self, model: ModelUnderTest, seen: Observation, calls: Calls, findings: list[Finding]
+    ) -> CheckResult:
+        """Every call's numbers in the data; the scale furthest from 1/sqrt(d_h) and the extreme statistics in the
+        metrics and the summary."""
+        rows = calls.rows
+        measured_rows = [r for r in rows if r["scale"] is not None]
+        at_init = model.weights_at_init  # the reference model, or random weights a source built: no checkpoint
+        data = {
+            "calls": rows,
+            "not_measured": calls.unmeasured,
+            "at_initialisation": at_init,
+            "declared": calls.declared,
+        }
+        metrics = {
+            "scale_ratio": max((r["scale_ratio"] for r in measured_rows), key=lambda x: abs(math.log(x))),
+            "score_std": max(r["score_std"] for r in rows),
+            "entropy_share": min((r["entropy_share"] for r in rows if r["entropy_share"] is not None), default=None),
+            "saturated_share": max(
+                (r["saturated_share"] for r in rows if r["saturated_share"] is not None), default=None
+            ),
+        }
+        stats_note = "" if at_init else "; statistics reported, not judged (the weights may be trained)"
+        summary = (
+            f"scale x sqrt(d_h) = {metrics['scale_ratio']:.3g} (1 = 1/sqrt(d_h)) at "
+            f"{len(measured_rows)} of {len(seen.attention)} attention calls; scaled score std up to "
+            f"{metrics['score_std']:.3g}{stats_note}"
+        )
+        if findings:
+            summary = f"{self.codes[findings[0].code]}; {summary}"
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    def key_number(self, result: CheckResult) -> str:
+        """The measured scale as a multiple of 1/sqrt(d_h): 1 is right."""
+        ratio = result.metrics.get("scale_ratio")
+        return f"{ratio:.3g} x 1/sqrt(d_h)" if ratio is not None else ""
+
+    # -- one call ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _sdpa(arguments: dict):
+        """(q . k, weights, allowed, scale, how, d_h) of an SDPA call: the weights SDPA computes from its
+        arguments."""
+        q, k = arguments["query"].double(), arguments["key"].double()  # (.., h, L, d_h), (.., h_kv, S, d_h)
+        if k.dim() >= 3 and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped heads: (.., h, S, d_h)
+        d_h = q.shape[-1]
+        scale = arguments.get("scale")
+        scale = float(scale) if scale is not None else d_h**-0.5
+        raw = q @ k.transpose(-2, -1)  # (.., h, L, S)
+        L, S = raw.shape[-2:]
+        allowed = torch.ones(L, S, dtype=torch.bool, device=raw.device)
+        bias = torch.zeros((), dtype=raw.dtype, device=raw.device)
+        if arguments.get("is_causal"):
+            allowed = allowed.tril()
+        mask = arguments.get("attn_mask")
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                allowed = allowed & mask
+            else:
+                allowed = allowed & torch.isfinite(mask) & (mask > MASKED_BELOW)
+                bias = mask.double().nan_to_num(neginf=0.0).masked_fill(~allowed, 0.0)  # a finite additive bias
+        allowed = allowed.expand_as(raw)
+        weights = (raw * scale + bias).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+        return raw, weights, allowed, scale, "argument", d_h, arguments["query"]
+
+    @staticmethod
+    def _eager(seen, call, session):
+        """(q . k, weights, allowed, scale, how, d_h) of an eager call: the scale that reproduces its weights."""
+        scores = seen.matmuls[call.matmul]
+        values = next((m for m in seen.matmuls if m.kind == "values" and m.call == call.index), None)
+        if scores.a is None or scores.b is None or values is None or values.a is None:
+            return None
+        raw = scores.a.double() @ scores.b.double()  # (.., L, S): q . k as the model multiplied them
+        weights = values.a.double()  # (.., L, S): after the softmax (and its casts)
+        if weights.shape != raw.shape:
+            return None
+        d_h = scores.a.shape[-1]
+        dtype = getattr(torch, call.dtype, session.dtype)
+        tiny = torch.finfo(dtype).tiny if dtype.is_floating_point else 1e-30
+        allowed = weights > tiny  # the keys the model left a weight on: masked ones carry none
+        tolerance = TOLERANCES[dtype].attention_weights if dtype in TOLERANCES else 2e-2
+        scale, how = reproducing_scale(raw, weights, allowed, d_h, tolerance)
+        return raw, weights, allowed, scale, how, d_h, scores.a
+
+
+def reproducing_scale(raw, weights, allowed, d_h: int, tolerance: float) -> tuple[float | None, str]:
+    """The scale c for which softmax(c . raw) over the allowed keys gives `weights`: the standard and alternative
+    scales first, then the least-squares slope of log(weights) on raw within rows. (None, why) when no c does."""
+    rows = allowed.sum(-1) >= 2  # (..,) rows with something to normalise over
+    if not bool(rows.any()):
+        return None, "no query row reads two keys"
+
+    def error(c: float) -> float:
+        model = (raw * c).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+        return float((model - weights).abs()[rows].max())
+
+    candidates = [d_h**-0.5, 1.0 / d_h, 1.0]
+    errors = [error(c) for c in candidates]
+    fits = [c for c, e in zip(candidates, errors, strict=True) if e <= tolerance]
+    if len(fits) == len(candidates):
+        return None, (
+            "q . k is too small at this precision to tell 1/sqrt(d_h), 1/d_h and 1 apart (largest |q . k| "
+            f"{float(raw[allowed].abs().max()):.3g})"
+        )
+    if fits:
+        return min(fits, key=lambda c: error(c)), "weights"
+    # Another scale: the slope of log(weight) on q . k within each row (the row's normaliser is a constant there).
+    log_w = weights.clamp_min(1e-300).log()
+    count = allowed.sum(-1, keepdim=True).clamp_min(1)
+    centred_log = log_w.masked_fill(~allowed, 0.0) - log_w.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count
+    centred_raw = raw.masked_fill(~allowed, 0.0) - raw.masked_fill(~allowed, 0.0).sum(-1, keepdim=True) / count
+    centred_log, centred_raw = centred_log.masked_fill(~allowed, 0.0), centred_raw.masked_fill(~allowed, 0.0)
+    slope = float((centred_log * centred_raw).sum() / (centred_raw * centred_raw).sum().clamp_min(1e-300))
+    if slope > 0 and error(slope) <= tolerance:
+        return slope, "weights"
+    return None, (
+        "no scale reproduces its weights from q . k (a positional bias such as ALiBi, soft-capping, or "
+        "weights changed after the softmax)"
+    )
+
+
+def statistics(raw, weights, allowed, d_h: int, scale: float | None) -> dict:
+    """Std of q . k / sqrt(d_h) and of the scores as applied, over allowed entries; softmax entropy and saturation
+    over rows that read at least two keys."""
+    entries = raw[allowed]
+    rows = allowed.sum(-1) >= 2  # (..,)
+    keys = allowed.sum(-1).double()  # (..,)
+    entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1)  # (..,) nats
+    stats = {
+        "score_std": float(entries.std() / math.sqrt(d_h)) if entries.numel() > 1 else 0.0,
+        "applied_std": float((entries * scale).std()) if scale is not None and entries.numel() > 1 else None,
+        "entropy": None,
+        "entropy_share": None,
+        "saturated_share": None,
+    }
+    if bool(rows.any()):
+        stats["entropy"] = float(entropy[rows].mean())
+        stats["entropy_share"] = float((entropy[rows] / keys[rows].log()).mean())
+        stats["saturated_share"] = float((weights.amax(-1)[rows] > SATURATED).double().mean())
+    return stats
+
+
+def matches(scale: float, expected: dict[str, float]) -> bool:
+    """Whether a measured scale is one the model should apply (within 1%: measured scales are fitted)."""
+    return any(abs(scale / value - 1) <= 1e-2 for value in expected.values())
+
+
+def keep_size(sizes: dict, name: str, module, args, output) -> None:
+    """Forward hook: the sum of squares and the number of elements of a projection's output."""
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        sizes[name] = (float(output.detach().double().square().sum()), output.numel())
+
+
+def prescaled(q: torch.Tensor, module: str, projections: dict[str, tuple[float, int]]) -> float | None:
+    """The factor q was multiplied by between its projection and the attention call: the ratio of their norms
+    (rotary embeddings keep norms). None without a query projection of the same size inside the module."""
+    squares = float(q.double().square().sum())
+    for name, (projected, numel) in projections.items():
+        if name.startswith(f"{module}." if module else "") and numel == q.numel() and projected > 0:
+            return math.sqrt(squares / projected)
+    return None
+
+
+def judge_scale(scale: float, d_h: int, expected: dict[str, float], module: str, model) -> Finding:
+    """The warning that names a scale the model should not apply."""
+    ratio = scale * math.sqrt(d_h)
+    said = f"the scores are scaled by {scale:.4g} = {ratio:.3g} x 1/sqrt(d_h) (d_h = {d_h})"
+    attribute = getattr(_attention_module(model, module), "scaling", None)
+    if isinstance(attribute, float):
+        said += f"; the attention module's own `scaling` is {attribute:.4g}"
+    if abs(ratio / math.sqrt(d_h) - 1) <= 1e-2:
+        return Finding(
+            "FWD951",
+            Status.WARN,
+            f"{said}: no 1/sqrt(d_h) at all, so unit-variance q and k give scores "
+            f"of std {math.sqrt(d_h):.3g} instead of 1 (deliberate only where the initialisation folds the "
+            "scale in, as T5's does)",
+            module,
+        )
+    if abs(ratio * math.sqrt(d_h) - 1) <= 1e-2:
+        return Finding(
+            "FWD952",
+            Status.WARN,
+            f"{said}: 1/d_h, the scale applied twice (or `/ head_dim` for "
+            "`/ sqrt(head_dim)`): the softmax is sqrt(d_h) times flatter than intended",
+            module,
+        )
+    declared = ", ".join(f"{n} = {v:.4g}" for n, v in expected.items())
+    return Finding("FWD953", Status.WARN, f"{said}: neither 1/sqrt(d_h) nor a declared scale ({declared})", module)
+
+
+def declared_scales(model) -> dict:
+    """Scales the model's config asks for besides 1/sqrt(d_h), as functions of (d_h, layer index)."""
+    config = getattr(model.module, "config", None)
+    found: dict[str, Callable[..., float]] = {}
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if isinstance(scalar, (int, float)) and scalar > 0:
+        found["query_pre_attn_scalar^-1/2"] = lambda d_h, layer, s=scalar: s**-0.5
+    if getattr(config, "scale_attn_weights", True) is False:
+        found["scale_attn_weights=False"] = lambda d_h, layer: 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False) is True:
+        found["1/(sqrt(d_h) (layer + 1))"] = lambda d_h, layer: d_h**-0.5 / ((layer or 0) + 1)
+    multiplier = getattr(config, "attention_multiplier", None)
+    if isinstance(multiplier, (int, float)) and multiplier > 0:
+        found["attention_multiplier"] = lambda d_h, layer, m=multiplier: float(m)
+    return found
+
+
+def layer_index(model, module: str) -> int | None:
+    block = model.block_of(module)
+    return int(block.rsplit(".", 1)[1]) if block else None
+
+
+def _attention_module(model, name: str):
+    """The module an attention call ran in, or None."""
+    try:
+        return model.module.get_submodule(name) if name else model.module
+    except AttributeError:
+        return None
+
+
+def _more_calls(first: Finding, more: int) -> None:
+    """The same scale repeats in every layer: a code's first call stands for it, saying how many share it."""
+    first.where = f"{first.where} and {more} more calls"

@@ -1,0 +1,434 @@
+"""backends: every attention implementation a model offers computes the same logits.
+
+Two layers of the same question:
+  implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
+    model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex:
+    true}}`), switched as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention),
+    on the session's inputs
+    and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
+  SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
+    torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
+    device, dtype and call must give the math kernel's output. Kernels that cannot run are named, not judged.
+
+The bar is Hugging Face's own eager-vs-SDPA test bar for the dtype (float32 atol 1e-6, rtol 1e-4; float16 5e-3;
+bfloat16 1e-2; fwdcheck/run/tolerances.py), never below the session's threshold (its tolerance and noise floor).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from fwdcheck.errors import SkipCheck
+from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.observe.observer import _SDPA_SIGNATURE, MASKED_BELOW, code_location
+from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.run.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
+from fwdcheck.run.compare import logit_scale, position_change
+from fwdcheck.run.session import Session
+from fwdcheck.run.tolerances import TOLERANCES
+
+# The SDPA kernels compared with the math kernel, by the names reports use.
+KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+FLEX = "flex_attention"
+
+
+@dataclass
+class SdpaCall:
+    """One scaled_dot_product_attention call as the model made it: its arguments (tensors detached and kept) and
+    the line of model code that made it."""
+
+    arguments: dict
+    source: str | None
+
+
+class RecordSdpa(TorchFunctionMode):
+    """Keeps the arguments of every scaled_dot_product_attention call, and changes nothing of what runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[SdpaCall] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+            kept = {
+                name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                for name, value in bound.arguments.items()
+            }
+            self.calls.append(SdpaCall(kept, _model_line()))
+        return func(*args, **kwargs)
+
+
+def _model_line() -> str | None:
+    """'path:line' of the first frame beyond torch and fwdcheck: the model code that called SDPA."""
+    skip = (str(torch.__path__[0]), str(__import__("fwdcheck").__path__[0]), __file__)
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return code_location(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+
+
+def switchable(model) -> tuple[list[str], str | None]:
+    """The attention implementations the model can be switched between, the one it runs now first; or no list and
+    why not. The switch is the model's capability (ModelUnderTest.attention): transformers' config._attn_implementation
+    read, set_attn_implementation(name) called, on any model that offers them."""
+    if model.attention is None:
+        return [], (
+            "the model has no attention switch (a Hugging Face-style config._attn_implementation and "
+            "set_attn_implementation)"
+        )
+    return model.attention.ordered(), None
+
+
+def tolerance(session, scale: float, noise: float = 0.0, rounding: float = 0.0) -> float:
+    """The bar for values of magnitude `scale`: Hugging Face's eager-vs-SDPA bar, never below the session's."""
+    rtol, atol = TOLERANCES[session.dtype].backends
+    return max(atol + rtol * scale, session.threshold(scale, noise, rounding))
+
+
+class Backends(Check):
+    name = "backends"
+    default = False
+    order = 60  # after the default built-ins, before plugins
+    options = "fwdcheck.checks.backends_view:Options"
+    flags = {"--exhaustive": "flex"}
+    former_keys = {"exhaustive": "flex"}  # a former release's top-level `exhaustive: true`
+    description = "attention implementations (eager, sdpa) and SDPA's kernels give the same logits"
+    codes = {
+        "FWD801": "attention implementations give different logits on the same inputs",
+        "FWD802": "attention implementations give different logits for the real tokens of a left-padded row",
+        "FWD803": "an SDPA kernel gives another attention output than the math kernel for the same call",
+    }
+    explain = """\
+Verifies that every way the model can compute attention gives the same result: the attention implementations it
+offers (Hugging Face's attn_implementation eager vs sdpa; the reference model's `attention: sdpa|eager`; any model
+with a Hugging Face-style switch, config._attn_implementation and set_attn_implementation) and the kernels behind
+scaled_dot_product_attention (math, flash, efficient, cuDNN).
+  implementations: the session's inputs under each implementation, against the logits of the one the model runs by
+    default (the observation pass's, which cost no forward, or the untouched baseline's once an implementation
+    differs from them by more than the bar); and, when forward takes attention_mask and position_ids, the first row's
+    first 8 tokens left-padded by 3
+    pad tokens (positions counting real tokens from 0, as generate() does) under each implementation: only the real
+    tokens' logits are compared, padding is never judged.
+  kernels: every SDPA call of one forward (the left-padded one when there is one, so masks are exercised) replayed
+    under torch.nn.attention.sdpa_kernel with each kernel alone; the math kernel is the reference. On CPU only math
+    and flash exist; a kernel that cannot run for a call (device, dtype, mask, head size) is listed as not run.
+The bar is Hugging Face's own eager-vs-SDPA test bar, atol + rtol x the largest |value| (float32 1e-6 + 1e-4;
+float16 5e-3 + 5e-3; bfloat16 1e-2 + 1e-2), never below the session's threshold (dtype tolerance, noise floor).
+Why: the eager path is what runs when attention weights are requested (and in many fine-tuning setups); a scale, a
+mask convention, a softcap or a GQA repeat written differently on one path gives a model whose outputs depend on a
+flag that looks like a performance setting.
+How to fix: FWD801/FWD802 -> diff the eager function against the SDPA call: the scale (1/sqrt(head_dim), not
+1/head_dim), the mask (added where SDPA takes it, its sign and dtype), the key/value repeat for grouped heads, the
+softmax dtype; FWD802 alone points at the padding mask or the position ids of padded rows. FWD803 -> a kernel bug
+or a call outside the kernel's contract (a mask with fully masked rows, an unsupported head size): report it with
+the call's shapes, or pin the math kernel.
+Limits: models without a switch (torch.nn, most python models) compare SDPA kernels only. flex_attention compiles
+its kernel on first use (tens of seconds on CPU); it runs only with `options: {backends: {flex: true}}` (or
+--exhaustive). Fully masked query rows (pad queries) are not compared: kernels legitimately differ there.
+Options (`options: {backends: {...}}`): flex."""
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        findings: list[Finding] = []
+        data: dict = {}
+        metrics: dict = {}
+        implementations = self._offered(model, session, data)
+        recorder = RecordSdpa()
+        padded = (
+            model.accepts("attention_mask")
+            and model.accepts("position_ids")
+            and session.inputs.shape[1] > LEFT_PADDING + 1
+        )
+        compared: list[str] = []
+        if len(implementations) >= 2:
+            compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
+        if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
+            with recorder:
+                session.logits(session.inputs[:1])
+        kernels = self._kernels(recorder.calls, session, findings, data, metrics)
+        return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
+
+    def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:
+        """The attention implementations to compare, the one the model runs now first: flex_attention only when
+        asked for (data["flex_attention"] says so otherwise); data["implementations"] says why there are not two."""
+        implementations, no_switch = switchable(model)
+        if FLEX in implementations or getattr(model.module, "_supports_flex_attn", False):
+            implementations = [i for i in implementations if i != FLEX]
+            if self.options_in(session).flex and no_switch is None:
+                implementations.append(FLEX)
+            else:
+                data["flex_attention"] = (
+                    "flex_attention not run: it compiles its kernel on first use (tens of seconds on CPU); "
+                    "`options: {backends: {flex: true}}` (or --exhaustive) includes it"
+                )
+        if len(implementations) < 2:
+            data["implementations"] = no_switch or f"only {implementations[0]} is offered"
+        return implementations
+
+    def _summarise(
+        self,
+        compared: list[str],
+        kernels: dict[str, int],
+        sdpa_calls: int,
+        findings: list[Finding],
+        data: dict,
+        metrics: dict,
+    ) -> CheckResult:
+        """What was compared and how far apart, the first failing code first; SkipCheck when neither two
+        implementations nor two SDPA kernels ran."""
+        ran = [k for k, n in kernels.items() if n]
+        if len(compared) < 2 and len(ran) < 2:
+            why = data["implementations"] if len(compared) < 2 else ""
+            kernel_why = (
+                "no scaled_dot_product_attention call"
+                if not sdpa_calls
+                else f"only the {', '.join(ran) or 'no'} kernel runs here"
+            )
+            raise SkipCheck(f"nothing to compare: {why}; {kernel_why}".lstrip("; "))
+        bad = [f for f in findings if f.status != Status.PASS]
+        said = []
+        if len(compared) >= 2:
+            padding = " and a left-padded row" if isinstance(data["implementations"].get("left_padding"), int) else ""
+            said.append(
+                f"{' vs '.join(compared)} on the inputs{padding}: max change "
+                f"{metrics['implementation_change']:.3g} (bar {metrics['implementation_bar']:.3g})"
+            )
+        else:
+            said.append(f"implementations not compared: {data['implementations']}")
+        if len(ran) >= 2:
+            said.append(
+                f"SDPA kernels {' vs '.join(ran)} on {sdpa_calls} calls: max change {metrics['kernel_change']:.3g}"
+            )
+        summary = (self.codes[bad[0].code] + "; " if bad else "") + "; ".join(said)
+        data["kernels_ran"] = kernels
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    def key_number(self, result: CheckResult) -> str:
+        """The largest change between implementations against its bar, else the kernels' largest change."""
+        m = result.metrics
+        if "implementation_change" in m:
+            return f"{m['implementation_change']:.2g} / {m['implementation_bar']:.2g}"
+        return f"{m['kernel_change']:.2g}" if "kernel_change" in m else ""
+
+    # -- implementations ---------------------------------------------------------------------------------------------
+
+    def _implementations(self, model, session, implementations, padded, recorder, findings, data, metrics) -> list[str]:
+        """Logits of every implementation against the default one's; the implementations that ran."""
+        default = implementations[0]
+        # The default implementation's logits: the observation pass's while every implementation agrees with them
+        # within the bar (they cost no forward), the untouched baseline's once one does not (session.reference()).
+        base = session.reference()  # (B, T, V)
+        plain, pads = self._run_each(model, session, implementations, padded, recorder, base, data)
+        ran = list(plain)
+        rtol, atol = TOLERANCES[session.dtype].backends
+        scale = logit_scale(base)
+        changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
+        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not session.reference_untouched:
+            base = plain[default] = session.baseline()  # judged against the untouched model
+            scale = logit_scale(base)
+            changes = {i: position_change(plain[i], base) for i in ran if i != default}
+        pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
+        largest = max([float(c.max()) for c in [*changes.values(), *pad_changes.values()]], default=0.0)
+        needs_noise = largest > atol + rtol * scale and session.noise_matters(largest, scale)
+        bar = tolerance(session, scale, *(session.floors(largest, scale) if needs_noise else (0.0, 0.0)))
+        metrics.update(implementation_change=largest, implementation_bar=bar)
+        data["implementations"] = {
+            "default": default,
+            "compared": ran,
+            "left_padding": LEFT_PADDING
+            if padded
+            else "not compared: forward takes no attention_mask and position_ids",
+        }
+        data["changes"] = {i: float(c.max()) for i, c in changes.items()}
+        data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
+        findings += _implementations_apart(default, changes, pad_changes, bar, data)
+        return ran
+
+    @staticmethod
+    def _run_each(
+        model: ModelUnderTest,
+        session: Session,
+        implementations: list[str],
+        padded: bool,
+        recorder: RecordSdpa,
+        base: torch.Tensor,
+        data: dict,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The logits of every implementation: of the session's inputs (the default's are `base`), and, when
+        `padded`, of the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels. An
+        implementation that cannot run here (flex_attention without a compiler) is noted in data["not_run"]."""
+        default = implementations[0]
+        # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
+        # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.run.code_paths),
+        # and a short row keeps this comparison a small fraction of a forward.
+        view = path_view(model, CodePath(None, None, "left-pad", 1)) if padded else None
+        T = session.inputs.shape[1]
+        real = min(T - LEFT_PADDING, max(CELL_LENGTH, session.min_seq_len - LEFT_PADDING))
+        row = session.inputs[:1, :real]  # run only when padded
+        plain: dict[str, torch.Tensor] = {default: base}
+        pads: dict[str, torch.Tensor] = {}
+        skipped = {}
+        for implementation in implementations:
+            record = implementation == "sdpa" and not recorder.calls
+            try:
+                with model.using_attention(implementation if implementation != default else None):
+                    if implementation != default:
+                        with recorder if record and not padded else nullcontext():
+                            plain[implementation] = session.logits(session.inputs)
+                    if padded:
+                        with recorder if record else nullcontext():
+                            pads[implementation] = session.logits(row, model=view)  # (1, real, V): real tokens
+            except Exception as exc:
+                if implementation != FLEX:
+                    raise  # an implementation the model offers must run: ModelRaised is the model's error
+                skipped[implementation] = f"{type(exc).__name__}: {exc}"  # flex needs a compiler this may lack
+                plain.pop(implementation, None)
+                pads.pop(implementation, None)
+        if skipped:
+            data["not_run"] = skipped
+        return plain, pads
+
+    # -- SDPA kernels ----------------------------------------------------------------------------------------------
+
+    def _kernels(self, calls: list[SdpaCall], session, findings, data, metrics) -> dict[str, int]:
+        """Replay each recorded call under every kernel; {kernel: calls it ran}, math first."""
+        ran = {"math": 0, **{name: 0 for name in KERNELS}}
+        worst: dict[str, tuple[float, float, int]] = {}  # kernel -> (change, bar, call) of its worst call
+        for index, call in enumerate(calls):
+            arguments = {**call.arguments, "dropout_p": 0.0}  # eval: dropout is the session's business
+            reference = _replay(arguments, SDPBackend.MATH)
+            if reference is None:
+                continue
+            ran["math"] += 1
+            rows = _rows_with_keys(arguments, reference.shape)  # (..., L): query rows that read some key
+            scale = float(reference[rows].abs().max()) if bool(rows.any()) else 0.0
+            rtol, atol = TOLERANCES[session.dtype].backends
+            bar = max(atol + rtol * scale, session.tolerance(scale))
+            for name, backend in KERNELS.items():
+                output = _replay(arguments, backend)
+                if output is None:
+                    continue
+                ran[name] += 1
+                change = (output - reference).abs()[rows]  # the rows that read some key
+                value = float(change.max()) if change.numel() else 0.0
+                value = float("inf") if math.isnan(value) else value  # NaN never passes
+                if value > worst.get(name, (-1.0,))[0]:
+                    worst[name] = (value, bar, index)
+        metrics["kernel_change"] = max((w[0] for w in worst.values()), default=0.0)
+        data["kernel_changes"] = {name: {"change": w[0], "bar": w[1], "call": w[2]} for name, w in worst.items()}
+        data["sdpa_calls"] = len(calls)
+        for name, (value, bar, index) in worst.items():
+            if value > bar:
+                call = calls[index]
+                q = call.arguments["query"]
+                findings.append(
+                    Finding(
+                        "FWD803",
+                        Status.FAIL,
+                        f"SDPA's {name} kernel differs from the math kernel "
+                        f"by {value:.3g} (bar {bar:.3g}) on call {index + 1} of {len(calls)} "
+                        f"(q {list(q.shape)}, {str(q.dtype).removeprefix('torch.')}, mask "
+                        f"{_mask_kind(call.arguments)})",
+                        call.source,
+                        source=call.source,
+                    )
+                )
+        return ran
+
+
+def _replay(arguments: dict, backend: SDPBackend) -> torch.Tensor | None:
+    """The call's output under one kernel alone, as float64; None when the kernel cannot run it."""
+    with warnings.catch_warnings(), sdpa_kernel([backend]), torch.no_grad():
+        warnings.simplefilter("ignore")  # torch explains at length why a kernel does not apply
+        try:
+            return F.scaled_dot_product_attention(**arguments).double()
+        except RuntimeError:
+            return None
+
+
+def _rows_with_keys(arguments: dict, shape: torch.Size) -> torch.Tensor:
+    """(..., L) bool over the output's query rows: True where the mask leaves the query at least one key."""
+    mask, L = arguments.get("attn_mask"), shape[-2]
+    S = arguments["key"].shape[-2]
+    allowed = torch.ones(L, S, dtype=torch.bool, device=arguments["query"].device)
+    if arguments.get("is_causal"):
+        allowed = allowed.tril()
+    if mask is not None:
+        may = mask if mask.dtype == torch.bool else torch.isfinite(mask) & (mask > MASKED_BELOW)
+        allowed = allowed & may
+    return allowed.any(-1).expand(*shape[:-2], L)
+
+
+def _mask_kind(arguments: dict) -> str:
+    mask = arguments.get("attn_mask")
+    if mask is None:
+        return "is_causal" if arguments.get("is_causal") else "none"
+    return f"{str(mask.dtype).removeprefix('torch.')} {list(mask.shape)}"
+
+
+def _implementations_apart(
+    default: str, changes: dict[str, torch.Tensor], pad_changes: dict[str, torch.Tensor], bar: float, data: dict
+) -> list[Finding]:
+    """FWD801 for an implementation whose logits of the session's inputs differ from the default's beyond the bar;
+    FWD802 for one that differs only on the real tokens of the left-padded row (data["padded_also_differs"] when
+    both do)."""
+    findings = []
+    for implementation, change in changes.items():
+        if float(change.max()) > bar:
+            findings.append(
+                Finding(
+                    "FWD801",
+                    Status.FAIL,
+                    _message(default, implementation, change, bar, "the session's inputs"),
+                    _where(change, bar),
+                )
+            )
+    for implementation, change in pad_changes.items():
+        if float(change.max()) > bar and not any(f.code == "FWD801" and implementation in f.message for f in findings):
+            findings.append(
+                Finding(
+                    "FWD802",
+                    Status.FAIL,
+                    _message(
+                        default,
+                        implementation,
+                        change,
+                        bar,
+                        f"the real tokens of a row left-padded by {LEFT_PADDING}",
+                    ),
+                    _where(change, bar, "real token"),
+                )
+            )
+        elif float(change.max()) > bar:
+            data["padded_also_differs"] = True
+    return findings
+
+
+def _message(default: str, other: str, change: torch.Tensor, bar: float, inputs: str) -> str:
+    moved = int((change > bar).sum())
+    return (
+        f"{other} and {default} give logits that differ by {float(change.max()):.3g} (bar {bar:.3g}) at "
+        f"{moved} of {change.numel()} positions of {inputs}"
+    )
+
+
+def _where(change: torch.Tensor, bar: float, unit: str = "position") -> str:
+    """The largest change's row and position, and the first position over the bar: change is (rows, T)."""
+    row, position = divmod(int(change.flatten().argmax()), change.shape[-1])
+    first = int((change > bar).nonzero()[0, 1])
+    return f"row {row} {unit} {position} (first over the bar: {unit} {first})"

@@ -1,0 +1,146 @@
+"""grad-reach: on the path that trains, every parameter that requires grad gets a gradient from the logits, and a
+finite one.
+
+A parameter that gets no gradient never trains, and nothing in a loss curve says so: a layer built in __init__ and
+never called in forward, a branch whose output is .detach()ed or computed under torch.no_grad(), a discrete choice
+(top-k, argmax) as the only path to it. One whose gradient is NaN or Inf cannot train either (an overflow in the
+backward, a sqrt or log at 0).
+
+What runs: one forward of the session's inputs in train() mode with every dropout forced to zero and gradients
+enabled (the path that trains), then one backward of a random projection of every position's logits, asking
+torch.autograd.grad for the gradient of every parameter that requires grad. A random direction over the vocabulary
+reaches every parameter a real loss reaches, except for directions of measure zero. The modules holding parameters
+directly are watched by forward pre-hooks, to tell a parameter whose module never ran from one whose module ran but
+passed no gradient back.
+
+This is a training step's full cost (the weights' gradients are most of a backward), which is why it is its own
+check and not part of grad-causality: that one asks for the gradient at the input embeddings alone.
+
+The model is left as found: mode, buffers a train-mode forward writes, hooks, and every parameter's .grad (never
+written: gradients are asked for, not accumulated) are put back by ModelState.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fwdcheck.checks.grad_causality import listed, logits_with_graph
+from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.run.model_state import ModelState
+from fwdcheck.run.session import Session
+from fwdcheck.run.train_path import train_path
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite. A finite sum has no NaN or Inf among its terms (either makes it NaN or Inf),
+    and a sum is the cheapest pass over a tensor (a max |value| costs several): only a sum that is not finite, which
+    finite values could give by overflowing, is looked at value by value."""
+    tensor = tensor.detach()
+    return bool(tensor.sum(dtype=torch.float32).isfinite()) or bool(tensor.isfinite().all())
+
+
+class GradReach(Check):
+    name = "grad-reach"
+    default = False  # a training step's backward: named when wanted (checks: [default, grad-reach])
+    order = 57  # beside grad-causality, before plugins
+    description = "train path: every parameter that requires grad gets a finite gradient from the logits"
+    codes = {
+        "FWD124": "parameters that require grad get no gradient from the logits",
+        "FWD125": "a parameter's gradient is NaN or Inf",
+    }
+    explain = """\
+Verifies that training reaches every weight: the model in train() mode with every dropout forced to zero and
+gradients enabled, one backward of a random projection of all the logits, and the gradient of every parameter that
+requires grad asked for (torch.autograd.grad: no .grad is written). Each must get one, and a finite one.
+Why: a parameter that gets no gradient never trains, and no loss curve says so: a layer built but never called, a
+branch detached or run under torch.no_grad(), a discrete choice as the only path to it. A NaN or Inf gradient
+breaks the first optimiser step.
+How to fix: FWD124 -> the names listed: a module registered but not called in forward (the finding says which
+never ran), a .detach() or a torch.no_grad() on a branch, a discrete choice (top-k, argmax) as the only path to
+them; a parameter meant to stay fixed is declared with requires_grad_(False) or as a buffer. FWD125 -> overflow in
+the backward (low precision, an unscaled exp), a sqrt or log at 0.
+Limits: gradients are those of the logits (a loss on them); a model's own auxiliary losses are not part of it
+(DeepSeek's sparse-attention indexer, trained by a loss of its own, gets none from the logits), and parts the run's
+inputs do not use get none: an expert no token of the batch was routed to, an encoder-decoder's cross-attention or
+a multimodal model's vision tower on token ids alone (warnings, true for that batch; the finding says which modules
+never ran). A model whose logits carry no gradient, or with no parameter that requires grad, skips, saying why.
+Cost: one forward with gradients and one full backward, a training step (about 3.6 forward passes at T=128)."""
+
+    def key_number(self, result: CheckResult) -> str:
+        m = result.metrics
+        if "parameters" not in m:
+            return ""
+        return f"{m['parameters'] - m['parameters_without_gradient']} / {m['parameters']}"
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        params = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
+        if not params:
+            raise SkipCheck("no parameter requires grad: nothing of this model trains")
+        ids = session.inputs  # (B, T)
+        generator = torch.Generator().manual_seed(session.settings.inputs.seed)
+        called: set[str] = set()
+        state = ModelState.take(model.module)
+        try:
+            with train_path(model.module):
+                handles = [
+                    module.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+                    for name, module in model.module.named_modules()
+                    if next(module.parameters(recurse=False), None) is not None  # to tell a layer never called
+                ]
+                logits = logits_with_graph(model, session, ids, handles)  # (B, T, V)
+                if not logits.requires_grad:
+                    raise SkipCheck("the logits carry no gradient: the forward is detached or run under no_grad")
+                direction = torch.randn(logits.shape[-1], generator=generator).to(logits.device)  # (V,)
+                loss = (logits.float() * direction).sum()
+                try:
+                    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+                except RuntimeError as exc:  # no backward for some operation (a kernel without one)
+                    raise SkipCheck(f"the backward cannot run: {first_line(exc)}") from None
+        finally:
+            written = state.restore()
+            if written:
+                session.notes.append(f"grad-reach: the train-mode forward wrote {listed(written)} in place; put back")
+        metrics: dict = {}
+        findings = self._judge(params, grads, called, metrics)
+        bad = [f for f in findings if f.status != Status.PASS]
+        summary = bad[0].message if bad else f"all {len(params)} parameters that require grad get a finite gradient"
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics)
+
+    @staticmethod
+    def _judge(params, grads, called: set[str], metrics: dict) -> list[Finding]:
+        """Those that get none are told apart by whether the module holding them ran: never called (a layer built
+        and forgotten, a branch for inputs this run did not give), or ran and passed no gradient back (a .detach(),
+        torch.no_grad(), a discrete choice)."""
+        none = [name for (name, _), g in zip(params, grads, strict=True) if g is None]
+        nonfinite = [name for (name, _), g in zip(params, grads, strict=True) if g is not None and not finite(g)]
+        metrics["parameters"] = len(params)
+        metrics["parameters_without_gradient"] = len(none)
+        findings = []
+        if none:
+            never = [n for n in none if n.rpartition(".")[0] not in called]
+            ran = [n for n in none if n not in never]
+            said = []
+            if never:
+                said.append(f"in modules never called in forward: {listed(never)}")
+            if ran:
+                said.append(
+                    f"in modules that ran but passed no gradient back (a .detach(), no_grad, a discrete choice): "
+                    f"{listed(ran)}"
+                )
+            metrics["parameters_never_called"] = len(never)
+            findings.append(
+                Finding(
+                    "FWD124",
+                    Status.WARN,
+                    f"{len(none)} of {len(params)} parameters that require grad get no gradient from the logits, "
+                    + "; ".join(said),
+                    where=none[0],
+                )
+            )
+        if nonfinite:
+            findings.append(
+                Finding("FWD125", Status.FAIL, f"NaN or Inf in the gradient of {listed(nonfinite)}", where=nonfinite[0])
+            )
+        return findings

@@ -1,0 +1,763 @@
+"""kv-cache: decoding through the model's KV cache gives the logits of the full forward.
+
+The full forward of the session's inputs (the shared baseline) is the truth. The same tokens then run incrementally:
+a prefill of the first P = T - D tokens (D = min(T/2, 4)), then two ways from that prefill's cache (the first
+from a copy that keeps the model's own modules as they are, or, where no copy can be made, from a prefill of its
+own):
+  token-by-token  the next 2 positions, one new token per call, as generation runs;
+  chunked         the last D positions, 2-3 new tokens per call (speculative decoding, chunked prefill): the queries
+                  are fewer than the keys, where a causal mask aligned top-left instead of bottom-right reads the
+                  wrong keys.
+Every position's logits must agree with the full forward's within the session's threshold. Where they part, the
+first position is reported and, replaying the run with forward hooks on the layer stack, the first layer whose
+output parts.
+
+Models it drives: Hugging Face transformers models (a DynamicCache with use_cache=True and the inputs generate
+passes), the reference transformer, and python models whose config declares `cache:` (style hf: past_key_values in,
+the cache back out; style gpt-fast: a setup method, then forward(input_ids, input_pos)). Anything else skips.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.under_test import ModelUnderTest, extract_logits, model_code, model_frame
+from fwdcheck.observe.observer import ZeroAttentionDropout, first_tensor
+from fwdcheck.result import Check, CheckResult, Finding, Status
+from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
+from fwdcheck.run.session import Session
+
+# Calls bound the cost: each costs about a forward while the weights, not the tokens, dominate (short sequences, one
+# token per call). A prefill, two one-token steps (the second reads what the first cached) and two chunks of two (the
+# second reads what the first cached): 5 calls, about the tokens of 1.5 forwards at T = 8 and of 1 at long T.
+MAX_DECODED = 4  # positions decoded in chunks, at the end of the sequence
+TOKEN_STEPS = 2  # of them decoded one token at a time
+MIN_LENGTH = 4  # a prefill of 2 and 2 decoded positions: the shortest run with a chunk of 2 over a cache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What runs: the lengths
+
+
+@dataclass
+class Plan:
+    """Prefill the first `prefill` tokens; from its cache decode the next `tokens` positions one at a time, and
+    positions prefill .. T-1 in `chunks`."""
+
+    length: int
+    prefill: int
+    tokens: int
+    chunks: list[int]
+
+    @classmethod
+    def for_length(cls, T: int) -> Plan:
+        decoded = min(T // 2, MAX_DECODED)
+        n = decoded // 2  # chunks of 2, the last of 3 when the count is odd: 2 -> 2, 3 -> 3, 4 -> 2 + 2
+        chunks = [2] * (n - 1) + [decoded - 2 * (n - 1)]
+        return cls(T, T - decoded, min(decoded, TOKEN_STEPS), chunks)
+
+    def steps(self, variant: str) -> list[tuple[int, int]]:
+        """(start, length) of each call after the prefill."""
+        if variant == "token-by-token":
+            return [(self.prefill + i, 1) for i in range(self.tokens)]
+        starts = [self.prefill + sum(self.chunks[:i]) for i in range(len(self.chunks))]
+        return list(zip(starts, self.chunks, strict=True))
+
+    def positions(self, variant: str) -> str:
+        """'4-5': the positions a variant decodes."""
+        last = self.prefill + (self.tokens if variant == "token-by-token" else sum(self.chunks)) - 1
+        return f"{self.prefill}-{last}" if last > self.prefill else f"{self.prefill}"
+
+    @property
+    def calls(self) -> int:
+        return 1 + self.tokens + len(self.chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# How the model is run incrementally
+
+
+def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
+    with model_code(f"{what} raised", frame=_model_line):
+        return fn(*args, **kwargs)
+
+
+def _model_line(exc: BaseException) -> tuple[str, int, str] | None:
+    """The line of model code that raised (model_frame); None when the call itself raised (an argument forward does
+    not take): that is no line of the model's."""
+    frame = model_frame(exc)
+    return None if frame is not None and frame[0].startswith(__file__) else frame
+
+
+def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
+    logits = extract_logits(output)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        raise ModelRaised(
+            f"{what} returned logits of shape {list(logits.shape)} for input_ids {list(ids.shape)}; "
+            "the cached path must return every new position's logits [B, T_new, V]"
+        )
+    return logits.float()
+
+
+UNCOPIED = object()  # Decoder.fork's answer for a state that cannot be copied
+
+
+class Decoder:
+    """Runs a model incrementally: begin(rows, length) once, prefill, then step() for the tokens that follow."""
+
+    label = ""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def begin(self, rows: int, length: int) -> None:
+        """Make room for `rows` sequences of `length` tokens (a preallocated cache); nothing by default."""
+
+    def step(self, state: Any, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, Any]:
+        """Logits [B, n, V] of ids [B, n] at positions start .. start + n - 1, after what `state` holds."""
+        raise NotImplementedError
+
+    def fork(self, state: Any) -> Any:
+        """An independent copy of the state after the prefill, for another way of decoding from it; UNCOPIED when
+        the state cannot be copied, and the prefill is run again instead.
+
+        The model's own objects (its modules, parameters and buffers) are kept as they are, never copied: a cache
+        keyed by the modules that fill it (OpenAI Whisper's, a dict from each attention's key and value nn.Linear to
+        their tensors) must still find them, and a cache that refers to the model must refer to the model run."""
+        kept: dict[int, Any] = {id(obj): obj for obj in model_objects(self.module)}
+        try:
+            return copy.deepcopy(state, kept)
+        except (TypeError, RuntimeError, copy.Error):  # a lock, a generator, a tensor deepcopy refuses
+            return UNCOPIED
+
+
+def model_objects(module: nn.Module) -> list[Any]:
+    """The module's submodules, parameters and buffers: what a copy of its cache must share, not duplicate."""
+    return [*module.modules(), *module.parameters(), *module.buffers()]
+
+
+class PastKeyValues(Decoder):
+    """Hugging Face style: forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache.
+
+    With `new_cache` (a transformers model's) it runs as generate does: the cache made up front, the new tokens'
+    position_ids, and, where forward still takes them (releases before 5), cache_position and an all-ones
+    attention_mask. Other models get no cache on the first call and derive their positions from the cache
+    themselves."""
+
+    def __init__(
+        self, module: nn.Module, new_cache: Callable[[nn.Module], Any] | None, positions_given: bool | None = None
+    ):
+        super().__init__(module)
+        self.new_cache = new_cache
+        transformers = new_cache is not None  # driven as generate drives it: the caller makes the cache up front
+        try:
+            params: Mapping[str, inspect.Parameter] = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        # transformers 5 renamed past_key_values to cache
+        self.cache_arg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+        if transformers and not {"cache", "past_key_values"} & set(params):
+            raise SkipCheck(f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through")
+        self.label = f"{self.cache_arg}=..., use_cache=True"
+        # A model counting its own positions (RoBERTa's from padding_idx + 1) learns them from its cache, as under
+        # generate: 0-based position_ids would move it.
+        given = "position_ids" in params if positions_given is None else positions_given
+        self.position_ids = transformers and given
+        self.cache_position = transformers and "cache_position" in params
+        # transformers 5 prepares every step's inputs in the model's own prepare_inputs_for_generation: which
+        # tokens forward takes (CPM-Ant slices the cached prefix off itself), positions, masks, the cache's name.
+        self.prepare = getattr(module, "prepare_inputs_for_generation", None) if _generate_slices(module) else None
+        self.tokens: torch.Tensor | None = None  # (B, length): the tokens stepped so far, the same on every branch
+        if self.prepare is not None:
+            self.label = "cache=..., use_cache=True; inputs from prepare_inputs_for_generation, as generate"
+
+    def begin(self, rows, length):
+        self.tokens = None
+
+    def step(self, state, ids, start):
+        if self.prepare is not None:
+            return self._generate_step(state, ids, start)
+        B, n = ids.shape
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if state is None and self.new_cache is not None:
+            state = self.new_cache(self.module)
+        if state is not None:
+            kwargs[self.cache_arg] = state
+        positions = torch.arange(start, start + n, device=ids.device)
+        if self.position_ids:  # generate: attention_mask.cumsum(-1) - 1, the new tokens' slice
+            kwargs["position_ids"] = positions.expand(B, n)
+        if self.cache_position:
+            kwargs["cache_position"] = positions
+            kwargs["attention_mask"] = torch.ones(B, start + n, dtype=torch.long, device=ids.device)
+        what = f"forward({self.label}) at positions {start}-{start + n - 1}"
+        output = call_model(what, self.module, ids, **kwargs)
+        cache = returned_cache(output)
+        if cache is None and self.new_cache is None:
+            raise ModelRaised(
+                f"{what} returned no cache (no .past_key_values, .cache, nor a (logits, cache) "
+                "tuple); the config's `cache: {style: hf}` says it would"
+            )
+        return logits_of(output, ids, what), cache if cache is not None else state
+
+    def _generate_step(self, state, ids, start):
+        """One step as generate takes it: the tokens so far and the cache through the model's own
+        prepare_inputs_for_generation, then forward; the new tokens' logits from what it returns."""
+        B, n = ids.shape
+        if self.tokens is None or self.tokens.shape[0] != B:
+            self.tokens = ids.new_zeros(B, start + n)
+        if self.tokens.shape[1] < start + n:
+            self.tokens = torch.cat([self.tokens, ids.new_zeros(B, start + n - self.tokens.shape[1])], dim=1)
+        self.tokens[:, start : start + n] = ids
+        so_far = self.tokens[:, : start + n].clone()  # (B, start + n)
+        if state is None and self.new_cache is not None:
+            state = self.new_cache(self.module)  # None where the model makes its own cache, as generate leaves it
+        what = f"forward({self.label}) at positions {start}-{start + n - 1}"
+        inputs = call_model(
+            f"prepare_inputs_for_generation at positions {start}-{start + n - 1}",
+            self.prepare,
+            so_far,
+            next_sequence_length=n,
+            cache=state,
+            attention_mask=torch.ones_like(so_far),
+            use_cache=True,
+            is_first_iteration=start == 0,
+        )
+        given = inputs.get("input_ids")
+        if given is None or not _suffix_of(given, so_far):
+            raise SkipCheck(
+                f"{type(self.module).__name__}.prepare_inputs_for_generation hands forward tokens that are not the "
+                "sequence's (a mask token appended, as XLM generates): its next token is not read from the last "
+                "token's logits, so there is no cached decoding to compare with the full forward"
+            )
+        output = call_model(what, self.module, **inputs)
+        cache = returned_cache(output)
+        if cache is None and state is None:
+            raise ModelRaised(f"{what} returned no cache and none was made for it: nothing to decode through")
+        logits = extract_logits(output)
+        if logits.dim() == 3 and logits.shape[0] == B and logits.shape[1] >= n:
+            logits = logits[:, -n:]  # the new tokens' (forward may return the prefix's too)
+        return logits_of(logits, ids, what), cache if cache is not None else state
+
+
+def _generate_slices(module: nn.Module) -> bool:
+    """Whether the model's generate is transformers 5's, whose prepare_inputs_for_generation is handed the whole
+    sequence and the new tokens' count (an override may take them in **kwargs)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ == "GenerationMixin" and cls.__module__.startswith("transformers."):
+            try:
+                prepare = cls.__dict__.get("prepare_inputs_for_generation")
+                return prepare is not None and "next_sequence_length" in inspect.signature(prepare).parameters
+            except (AttributeError, TypeError, ValueError):
+                return False
+    return False
+
+
+def _suffix_of(given: torch.Tensor, so_far: torch.Tensor) -> bool:
+    """Whether the ids forward gets are the last tokens of the sequence so far."""
+    return given.dim() == 2 and given.shape[1] <= so_far.shape[1] and torch.equal(given, so_far[:, -given.shape[1] :])
+
+
+def returned_cache(output: Any) -> Any:
+    for name in ("past_key_values", "cache"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    if isinstance(output, (tuple, list)) and len(output) > 1:
+        return output[1]
+    return None
+
+
+class InputPos(Decoder):
+    """gpt-fast style: model.<setup>(max_batch_size, max_seq_length) allocates the cache, then forward(idx, input_pos)
+    writes the tokens' keys and values at input_pos and reads the slots up to them. The state is the positions
+    written: decoding again from the prefill overwrites the same slots."""
+
+    def __init__(self, module: nn.Module, setup: str):
+        super().__init__(module)
+        self.setup = getattr(module, setup, None)
+        if not callable(self.setup):
+            raise ModelRaised(
+                f"the config's cache.setup names '{setup}', but {type(module).__name__} has no such method"
+            )
+        self.label = f"{setup}, then forward(input_ids, input_pos)"
+
+    def begin(self, rows, length):
+        call_model(f"{self.setup.__name__}({rows}, {length})", self.setup, rows, length)
+
+    def step(self, state, ids, start):
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # input_pos [n]
+        what = f"forward(input_ids, input_pos={start}..{start + ids.shape[1] - 1})"
+        return logits_of(call_model(what, self.module, ids, positions), ids, what), None
+
+    def fork(self, state):
+        return state
+
+
+def decoder_for(model) -> Decoder:
+    """The way to run this model through its cache (its cache capability), or SkipCheck saying there is none
+    fwdcheck knows."""
+    cache = model.cache
+    if cache is not None:
+        if cache.style == "input_pos":
+            return InputPos(model.module, cache.setup)
+        given = model.positions.given if model.positions is not None else None
+        return PastKeyValues(model.module, new_cache=cache.new_cache, positions_given=given)
+    raise SkipCheck(
+        f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
+        "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
+        "setup_caches}` (input_pos)"
+    )
+
+
+@contextmanager
+def attributes_restored(module: nn.Module):
+    """Every submodule's attributes, child modules and buffers put back as they were: a cache setup (gpt-fast's
+    setup_caches, litgpt's set_kv_cache) hangs cache modules, masks and sizes on the model, which must not outlive
+    the check. Containers are restored in place, so whatever refers to them still does."""
+    saved = []
+    for m in module.modules():
+        state = vars(m)
+        saved.append((state, dict(state), {k: copy.copy(v) for k, v in state.items() if isinstance(v, (dict, set))}))
+    try:
+        yield
+    finally:
+        for state, attributes, contents in saved:
+            for name in [n for n in state if n not in attributes]:
+                del state[name]
+            state.update(attributes)
+            for name, kept in contents.items():
+                state[name].clear()
+                state[name].update(kept)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The check
+
+
+@dataclass
+class Decoded:
+    """Logits [B, n, V] of each part of a cached run, in the order of the positions."""
+
+    prefill: torch.Tensor
+    token: torch.Tensor
+    chunked: torch.Tensor
+    tokens: int = 0  # rows x positions run
+
+
+@dataclass
+class Changes:
+    """Per row and position, the largest |change| from the full forward's logits: [B, n] each."""
+
+    prefill: torch.Tensor
+    token: torch.Tensor
+    chunked: torch.Tensor
+    parts: dict[str, torch.Tensor] = field(init=False)
+
+    def __post_init__(self):
+        self.parts = {"prefill": self.prefill, "token-by-token": self.token, "chunked": self.chunked}
+
+    @classmethod
+    def of(cls, decoded: Decoded, reference: torch.Tensor, plan: Plan) -> Changes:
+        P = plan.prefill
+        return cls(
+            position_change(decoded.prefill, reference[:, :P]),
+            position_change(decoded.token, reference[:, P : P + plan.tokens]),
+            position_change(decoded.chunked, reference[:, P:]),
+        )
+
+    def largest(self) -> float:
+        return max(float(c.max()) for c in self.parts.values())
+
+
+@dataclass
+class Compared:
+    """The cached run and its changes from the full forward's logits, with the threshold they are judged by."""
+
+    decoded: Decoded
+    changes: Changes
+    scale: float  # the full forward's largest |logit|
+    noise: float | None  # the noise floor; None: not measured, since nothing moved beyond the tolerance
+    tolerance: float
+    threshold: float
+
+
+class KVCache(Check):
+    name = "kv-cache"
+    default = False
+    order = 50  # after the default built-ins, before plugins
+    description = "decoding through the KV cache (token by token and in chunks) matches the full forward"
+    codes = {
+        "FWD501": "decoding one token at a time through the cache gives other logits than the full forward",
+        "FWD502": "decoding 2-3 tokens at a time through the cache gives other logits, one at a time does not",
+        "FWD503": "the prefill with the cache on gives other logits than the full forward at the prompt's positions",
+        "FWD504": "decoding through the cache gives NaN or Inf where the full forward is finite",
+    }
+    explain = """\
+Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
+forward. A prefill of the first P = T - D tokens (D = min(T/2, 4)) with the cache on, then, from copies of its cache,
+the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
+(speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
+forward within the session's threshold (the dtype tolerance, or 10x the noise floor or 4x the model's own
+rounding against a float64 copy, where measured).
+Why it matters: the cache path is the one generation takes, and the forward that training and evaluation run never
+exercises it. A position off by one, RoPE restarted at 0 for the new tokens, or a causal mask aligned top-left over
+the cache generates plausible text from wrong logits, and no loss curve shows it.
+How it drives the model: Hugging Face transformers models as generate does (a DynamicCache made from the config,
+use_cache=True, the new tokens' position_ids; cache_position and an all-ones attention_mask where forward takes
+them); the reference transformer through its past_key_values; a python model through what its config declares:
+  cache: {style: hf}    forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache
+                        (.past_key_values, .cache, or a tuple (logits, cache)); no cache on the first call, and the
+                        model derives the positions from its cache;
+  cache: {style: gpt-fast, setup: setup_caches}
+                        model.setup_caches(max_batch_size, max_seq_length), then forward(input_ids, input_pos) with
+                        input_pos the positions [T_new] (litgpt: setup: set_kv_cache).
+The cached calls go to the module itself, not through a `forward:` adapter; the full forward is the shared baseline.
+Attributes, modules and buffers a cache setup adds are removed afterwards.
+Findings (each names the first sample and position that parts and, from a replay with forward hooks on the layer
+stack, the first layer whose output parts there):
+  FWD501  one token at a time differs (the message says whether the chunks do too): the new token's position (the
+          cache length + 1, or 0 for the rotary embedding: `freqs[:T]` instead of `freqs[start:start + T]`), or what
+          the cache hands back (keys stored before rotation, a step that does not append). Compare the positions
+          forward uses with the cache length.
+  FWD502  chunks of 2-3 differ while one token at a time agrees: the mask of several new queries over the cached
+          keys is aligned top-left (tril over (T_new, T_total) without the past_len offset, or torch's
+          is_causal=True with a cache); build it bottom-right, tril(diagonal=past_len). A ring-buffer cache (sliding
+          window) whose mask ignores the wrap fails the same way.
+  FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
+          (or the full forward reads future tokens: see future-token).
+  FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
+Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of T - 4 tokens, 2 of one token, 2 of two), about the tokens of
+1.5 forwards at T = 8 and of 1 at long T; while the weights dominate (short T) each call costs about a forward. The
+noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward of one row and
+a replay, to name the layer.
+Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
+4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
+paths share is not its to see (future-token, rope). Decoding starts from one prefill length, in the session's batch
+(rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled ones."""
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        if not model.causal:
+            raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
+        decoder = decoder_for(model)
+        plan = self._plan(session)
+        compared = self._compare(decoder, model, session, plan)
+        findings = self._findings(compared.decoded, compared.changes, plan, compared.threshold)
+        failing = [f for f in findings if f.status == Status.FAIL]
+        if failing:
+            layer = self._first_layer(decoder, model, session, plan, compared.changes, compared.threshold)
+            if layer:
+                for finding in failing:
+                    finding.where = f"{finding.where}; {layer}"
+        return self._summarise(decoder, plan, compared, findings)
+
+    @staticmethod
+    def _plan(session: Session) -> Plan:
+        """The prefill and the decoding steps at the session's length; SkipCheck when the sequence is too short, or
+        the model refuses one-token forwards."""
+        T = session.inputs.shape[1]
+        if T < MIN_LENGTH:
+            raise SkipCheck(
+                f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it (seq_len >= {MIN_LENGTH})"
+            )
+        plan = Plan.for_length(T)
+        if session.min_seq_len > 1:
+            raise SkipCheck(
+                f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
+                "decoding steps cannot run"
+            )
+        return plan
+
+    def _compare(self, decoder: Decoder, model: ModelUnderTest, session: Session, plan: Plan) -> Compared:
+        """The cached run against the full forward's logits: the observation pass's, the untouched baseline's once
+        a change goes beyond the tolerance, with the noise floor where it can change the verdict. SkipCheck when
+        the full forward's logits hold NaN or Inf."""
+        reference = session.reference()  # (B, T, V)
+        if nonfinite_positions(reference) and not session.reference_untouched:
+            reference = session.baseline()
+        if nonfinite_positions(reference):
+            raise SkipCheck(
+                "the full forward's logits hold NaN or Inf: there is nothing to compare the cached "
+                "decoding with (shape-ledger and future-token report the NaN)"
+            )
+        decoded = self._decode(decoder, model, session, plan)
+        changes = Changes.of(decoded, reference, plan)
+        scale = logit_scale(reference)
+        if session.noise_matters(changes.largest(), scale) and not session.reference_untouched:
+            reference = session.baseline()  # a change beyond the tolerance is judged against the untouched forward
+            scale = logit_scale(reference)
+            changes = Changes.of(decoded, reference, plan)
+        # Decoding one token at a time reorders the arithmetic: the model's rounding is allowed beside the noise.
+        noise, rounding = session.floors(changes.largest(), scale)
+        measured = session.noise_matters(changes.largest(), scale)
+        return Compared(
+            decoded,
+            changes,
+            scale,
+            noise if measured else None,
+            session.tolerance(scale),
+            session.threshold(scale, noise, rounding),
+        )
+
+    def _summarise(self, decoder: Decoder, plan: Plan, compared: Compared, findings: list[Finding]) -> CheckResult:
+        """Each part's largest change and the run's size in the metrics; the failing codes, or what matched."""
+        threshold, noise = compared.threshold, compared.noise
+        largest = {name: float(c.max()) for name, c in compared.changes.parts.items()}
+        metrics = {
+            "max_change": max(largest.values()),
+            "threshold": threshold,
+            "tolerance": compared.tolerance,
+            "logit_scale": compared.scale,
+            "prefill_max_change": largest["prefill"],
+            "token_max_change": largest["token-by-token"],
+            "chunked_max_change": largest["chunked"],
+            "prefill": plan.prefill,
+            "decoded": sum(plan.chunks),
+            "calls": plan.calls,
+            "tokens_run": compared.decoded.tokens,
+        }
+        if noise is not None:
+            metrics["noise_floor"] = noise
+        chunks = "+".join(map(str, plan.chunks))
+        data = {
+            "cache_call": decoder.label,
+            "chunks": plan.chunks,
+            "noise_floor": "measured"
+            if noise is not None
+            else ("not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"),
+        }
+        failing = [f for f in findings if f.status == Status.FAIL]
+        if failing:
+            summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
+        else:
+            summary = (
+                f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a "
+                f"time and {plan.positions('chunked')} in chunks of {chunks}: max change "
+                f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}"
+            )
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    def key_number(self, result: CheckResult) -> str:
+        """The largest change of any decoded position against the threshold it was judged by."""
+        metrics = result.metrics
+        if "max_change" not in metrics:
+            return ""
+        return f"{metrics['max_change']:.2g} / {metrics['threshold']:.2g}"
+
+    # -- running ----------------------------------------------------------------------------------------------------
+
+    def _decode(self, decoder: Decoder, model, session, plan: Plan) -> Decoded:
+        """The cached run over every row of the session's inputs, in row groups no larger than the baseline's."""
+        parts: dict[str, list[torch.Tensor]] = {"prefill": [], "token-by-token": [], "chunked": []}
+        tokens = 0
+        for start in range(0, session.inputs.shape[0], session.max_rows):
+            rows = session.inputs[start : start + session.max_rows]
+            run = self._replay(decoder, model, session, plan, rows, ["token-by-token", "chunked"])
+            for name, logits in run.items():
+                parts[name].append(logits)
+            tokens += rows.shape[0] * (plan.prefill + plan.tokens + sum(plan.chunks))
+        session.forward_tokens += tokens
+        joined = {name: torch.cat(chunks) for name, chunks in parts.items()}
+        return Decoded(joined["prefill"], joined["token-by-token"], joined["chunked"], tokens)
+
+    def _replay(
+        self,
+        decoder: Decoder,
+        model,
+        session,
+        plan: Plan,
+        rows: torch.Tensor,
+        variants: list[str],
+        until: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Prefill, then each variant's steps from a copy of the prefill's state (up to position `until`); logits
+        [B, n, V] per part, positions in order."""
+        dropout_off = ZeroAttentionDropout() if session.force_zero_dropout else nullcontext()
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), dropout_off, attributes_restored(model.module):
+            decoder.begin(rows.shape[0], plan.length)
+            out["prefill"], prefilled = decoder.step(None, rows[:, : plan.prefill], 0)
+            for i, variant in enumerate(variants):
+                # the last way of decoding takes the prefill's own state; the others a copy, or a prefill of their own
+                state = prefilled if i == len(variants) - 1 else decoder.fork(prefilled)
+                if state is UNCOPIED:
+                    _, state = decoder.step(None, rows[:, : plan.prefill], 0)
+                logits = []
+                for start, n in plan.steps(variant):
+                    if until is not None and start > until:
+                        break
+                    step_logits, state = decoder.step(state, rows[:, start : start + n], start)
+                    logits.append(step_logits)
+                out[variant] = torch.cat(logits, dim=1)
+        return out
+
+    # -- judging ----------------------------------------------------------------------------------------------------
+
+    def _findings(self, decoded: Decoded, changes: Changes, plan: Plan, threshold: float) -> list[Finding]:
+        """One finding per cause: the prefill (FWD503); one token at a time (FWD501), which says whether the chunks
+        part too; the chunks alone (FWD502), where only the queries-fewer-than-keys path is wrong; NaN (FWD504)."""
+        findings = []
+        logits = {"prefill": decoded.prefill, "token-by-token": decoded.token, "chunked": decoded.chunked}
+        offsets = {"prefill": 0, "token-by-token": plan.prefill, "chunked": plan.prefill}
+        parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
+        for name in ("prefill", "token-by-token", "chunked"):
+            parting = parted[name]
+            if parting is None or (name == "chunked" and parted["token-by-token"] is not None):
+                continue
+            row, index = parting
+            position = offsets[name] + index
+            change = changes.parts[name]
+            nonfinite = nonfinite_positions(logits[name])
+            if nonfinite:
+                row, index = nonfinite[0]
+                findings.append(
+                    Finding(
+                        "FWD504",
+                        Status.FAIL,
+                        f"{name} decoding gives NaN or Inf at "
+                        f"{len(nonfinite)} position(s) where the full forward is finite",
+                        f"{name}, sample {row}, position {offsets[name] + index}",
+                    )
+                )
+                continue
+            value = float(change[row, index])
+            moved = int((change > threshold).any(0).sum())
+            base = (
+                f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
+                f"{threshold:.3g}); {moved} of {change.shape[1]} positions part"
+            )
+            code, message = _parted(name, base, plan, parted["chunked"])
+            findings.append(Finding(code, Status.FAIL, message, f"{name}, sample {row}, position {position}"))
+        if not findings:
+            chunks = "+".join(map(str, plan.chunks))
+            findings.append(
+                Finding(
+                    "FWD501",
+                    Status.PASS,
+                    f"positions {plan.positions('token-by-token')} one token "
+                    "at a time match the full forward (max change "
+                    f"{float(changes.token.max()):.2g})",
+                )
+            )
+            findings.append(
+                Finding(
+                    "FWD502",
+                    Status.PASS,
+                    f"positions {plan.positions('chunked')} in chunks of "
+                    f"{chunks} match it (max change {float(changes.chunked.max()):.2g})",
+                )
+            )
+        return findings
+
+    # -- where it parts ---------------------------------------------------------------------------------------------
+
+    def _first_layer(
+        self, decoder: Decoder, model, session, plan: Plan, changes: Changes, threshold: float
+    ) -> str | None:
+        """The first block of the layer stack whose output parts from the full forward's at the first parting
+        position of the first failing part: one hooked full forward of that row, and a replay of the cached run up
+        to that position. None when the model has no layer stack or no block output parts beyond rounding."""
+        stack = model.layer_stack
+        if stack is None:
+            return None
+        name, row, position = None, 0, 0
+        for part in ("prefill", "token-by-token", "chunked"):
+            first = first_parting(changes.parts[part], threshold)
+            if first is not None:
+                offset = 0 if part == "prefill" else plan.prefill
+                name, row, position = part, first[0], offset + first[1]
+                break
+        if name is None:
+            return None
+        blocks = list(model.module.get_submodule(stack))
+        sample = session.inputs[row : row + 1]  # (1, T)
+        full = self._block_outputs(blocks, lambda: session.logits(sample))  # per block, per call: (1, n, C)
+        cached = self._block_outputs(
+            blocks,
+            lambda: self._replay(decoder, model, session, plan, sample, [] if name == "prefill" else [name], position),
+        )
+        if full is None or cached is None:
+            return None
+        starts = [0] + [start for start, _ in ([] if name == "prefill" else plan.steps(name)) if start <= position]
+        call, start = len(starts) - 1, starts[-1]
+        for i, (whole, calls) in enumerate(zip(full, cached, strict=True)):
+            if len(whole) != 1 or len(calls) <= call:
+                return None  # a block called more or less often than once per forward: no position to line up
+            expected, got = whole[0][0, position], calls[call][0, position - start]  # (C,)
+            scale = float(expected.abs().max())
+            change = float((got - expected).abs().max())
+            if not change <= session.threshold(scale, 0.0):
+                return f"first parts at {stack}.{i} (output changed by {change:.3g})"
+        return None
+
+    @staticmethod
+    def _block_outputs(blocks: list[nn.Module], run: Callable) -> list[list[torch.Tensor]] | None:
+        """run() with a forward hook on each block: each block's hidden-state outputs, per call, as float32."""
+        seen: list[list[torch.Tensor]] = [[] for _ in blocks]
+        handles = []
+
+        def keep(i):
+            def hook(module, args, output):
+                hidden = first_tensor(output)
+                if hidden is not None and hidden.dim() == 3:
+                    seen[i].append(hidden.detach().to(torch.float32, copy=True))  # its own: buffers get reused
+
+            return hook
+
+        try:
+            handles = [block.register_forward_hook(keep(i)) for i, block in enumerate(blocks)]
+            run()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen
+
+
+def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None) -> tuple[str, str]:
+    """(code, message) of a part of the cached run whose logits part from the full forward's: `base` says where and
+    by how much; `chunked`, where the chunks part (None: they agree), for the token-by-token part's message."""
+    chunks = "+".join(map(str, plan.chunks))
+    if name == "prefill":
+        return (
+            "FWD503",
+            f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how "
+            "the prompt is computed (or the full forward reads future tokens: see future-token)",
+        )
+    if name == "token-by-token":
+        also = (
+            f"in chunks of {chunks} from position {plan.prefill + chunked[1]} too"
+            if chunked is not None
+            else f"in chunks of {chunks} they agree"
+        )
+        return (
+            "FWD501",
+            f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
+            "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
+            "rotary embedding) and what the cache hands back",
+        )
+    return (
+        "FWD502",
+        f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
+        "a time agrees: the mask of several new queries over the cached keys is likely aligned "
+        "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
+        "cache) instead of bottom-right",
+    )
+
+
+def first_parting(change: torch.Tensor, threshold: float) -> tuple[int, int] | None:
+    """(row, index) of the earliest position whose change exceeds the threshold (NaN counts), or None."""
+    parted = ~(change <= threshold)  # (B, n)
+    if not bool(parted.any()):
+        return None
+    index = int(parted.any(0).nonzero()[0])
+    row = int(parted[:, index].nonzero()[0])
+    return row, index

@@ -1,0 +1,541 @@
+"""mask-audit: which keys each query may read, at every attention call, whatever encoding the mask came in.
+
+The observation pass reduces every call to the same thing: a [L, S] set of keys each of L queries may read. SDPA's
+boolean True means "may attend"; nn.MultiheadAttention's boolean True means "masked out"; float masks of either API
+are added to the scores (0 keeps, -inf drops); is_causal means lower-triangular; eager code is read off the scores
+that reach the softmax. That set is compared with causal: query i may read key slot j only if j <= its position p_i.
+A square call is the sequence against itself (p_i = i); a call over a KV cache is judged where the positions are
+known (handed to the model as input_pos / cache_position / position_ids; the L slots of an S-slot cache the call's
+module just wrote, whatever the argument that indexed them is called, as gemma_pytorch's kv_write_indices, and the
+position each slot then holds, which a ring buffer past its wrap writes at positions % window; or a growing cache
+whose S keys are exactly the tokens written, queries last; slots written twice that no argument explains say nothing
+of positions); cross-attention, and an encoder over a source other than the input, are not causal by nature. A call
+that cannot be judged says so, and a run in which none could be judged skips: it measured nothing. The first row of
+the batch is also observed alone, at a short length, where "single sequence" fast paths live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import cast
+
+import torch
+
+from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
+from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.observe.observer import AttentionCall, Observation
+from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
+from fwdcheck.run.code_paths import path_cells
+from fwdcheck.run.session import Session
+
+CONVENTIONS: list[Convention] = [
+    {
+        "api": "F.scaled_dot_product_attention",
+        "bool": "True = may attend",
+        "float": "added to scores (0 keep, -inf drop)",
+        "flag": "is_causal=True: lower-triangular, no attn_mask",
+    },
+    {
+        "api": "nn.MultiheadAttention",
+        "bool": "True = masked out",
+        "float": "added to scores (0 keep, -inf drop)",
+        "flag": "is_causal: a hint that attn_mask is causal",
+    },
+    {
+        "api": "flex_attention",
+        "bool": "mask_mod True = may attend, at every (b, h, q, kv)",
+        "float": "score_mod: a score it makes -inf is dropped",
+        "flag": "BlockMask built for the call's (q, kv) lengths",
+    },
+    {
+        "api": "xformers memory_efficient_attention",
+        "bool": "-",
+        "float": "attn_bias tensor added to scores",
+        "flag": "attn_bias object: causal top left or bottom right, window, block diagonal",
+    },
+    {
+        "api": "eager softmax(scores)",
+        "bool": "-",
+        "float": "masked scores are -inf or far below the row maximum",
+        "flag": "-",
+    },
+]
+
+
+class MayRead(str, Enum):
+    """The shape of an attention call's may-read set; the value is how reports name it."""
+
+    CAUSAL = "causal"
+    RESTRICTED = "causal, restricted (window or sparse)"
+    BIDIRECTIONAL = "bidirectional: every key"
+    INVERTED = "inverted: the future only"
+    LEAKY = "leaky: some future keys"
+
+    @property
+    def reads_future(self) -> bool:
+        return self not in (MayRead.CAUSAL, MayRead.RESTRICTED)
+
+
+def pattern(
+    allowed: torch.Tensor, positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+) -> tuple[MayRead, list[tuple[int, int]]]:
+    """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
+
+    positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i.
+    key_positions[j], when given, is the position key slot j holds (a ring buffer past its wrap; -1 for a slot not
+    written yet): causal then reads the slots holding a position <= p_i."""
+    L, S = allowed.shape
+    positions = torch.arange(L) if positions is None else positions
+    held = torch.arange(S) if key_positions is None else key_positions
+    held = held.to(allowed.device)
+    past_and_self = (held[None, :] >= 0) & (held[None, :] <= positions.to(allowed.device)[:, None])  # (L, S)
+    future = allowed & ~past_and_self
+    pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
+    if not pairs:
+        return (MayRead.CAUSAL if torch.equal(allowed, past_and_self) else MayRead.RESTRICTED), []
+    if bool(allowed.all()):
+        return MayRead.BIDIRECTIONAL, pairs
+    if not bool((allowed & past_and_self).any()):
+        return MayRead.INVERTED, pairs
+    return MayRead.LEAKY, pairs
+
+
+@dataclass(frozen=True)
+class NotJudged:
+    """Why a call's may-read set is not compared with causal: a short kind (the table's cell, the summary's count)
+    and the whole reason (said under the table)."""
+
+    kind: str  # cross-attention | another sequence | query positions unknown
+    reason: str
+
+    @property
+    def in_summary(self) -> str:
+        return "over another sequence" if self.kind == "another sequence" else self.kind
+
+
+def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
+    """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
+    ids were followed into some attention call of the pass, so a call they did not reach attends over another
+    sequence (when they reached none, the following itself failed, and says nothing)."""
+    if call.cross:
+        return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
+    if input_followed and call.reads_input is False:
+        return NotJudged(
+            "another sequence",
+            "another sequence: queries not computed from the input tokens (an "
+            "encoder over a fixed source), not judged for causality",
+        )
+    if call.unread is not None:
+        kind = call.mask_values if call.api == "kernel" else "mask not read"  # the kernel's name
+        return NotJudged(kind, f"not judged: {call.unread}")
+    if call.query_positions is None:
+        return NotJudged(
+            "query positions unknown",
+            f"not judged: query positions unknown ({call.query_len} queries over {call.key_len} key "
+            f"slots, {call.written} tokens written; no input_pos / cache_position / position_ids of "
+            f"{call.query_len} positions reached the attention, and no write of {call.query_len} of its "
+            f"{call.key_len} slots, each once, came before it)",
+        )
+    return None
+
+
+def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
+    """A self-attention call of a left-padded path as its real tokens see it: the queries and keys after the `pad`
+    padding tokens, at positions from 0; and whether real tokens may read the padding keys."""
+    reads_padding = bool(call.allowed[pad:, :pad].any())
+    real = dataclasses.replace(
+        call,
+        allowed=call.allowed[pad:, pad:],
+        empty_rows=int((~call.allowed[pad:].any(-1)).sum()),
+        query_positions=torch.arange(call.query_len - pad),
+        key_positions=None if call.key_positions is None else call.key_positions[pad:] - pad,
+    )
+    return real, reads_padding
+
+
+def _row(call: AttentionCall, reason: NotJudged | None, shape: MayRead | None) -> CallRow:
+    """The table row of one attention call: its mask as handed over, what it lets each query read, and whether it
+    was judged (why not, when not)."""
+    positions = call.query_positions
+    L, S = call.allowed.shape
+    return {
+        "module": call.module or "model",
+        "api": call.api,
+        "mask": call.mask_kind,
+        "mask_shape": list(call.mask_shape) if call.mask_shape else None,
+        "values": call.mask_values,
+        "is_causal": call.is_causal,
+        "dropout_p": call.dropout_p,
+        "pattern": reason.reason if reason else cast(MayRead, shape).value,
+        "judged": reason is None,
+        "reads_future": shape is not None and shape.reads_future,
+        "not_judged": reason.kind if reason else None,
+        "queries": L,
+        "keys": S,
+        "query_positions": positions.tolist() if positions is not None and L <= 64 else None,
+        "positions_from": call.positions_from or None,
+        "key_positions": call.key_positions.tolist() if call.key_positions is not None and S <= 64 else None,
+        "source": call.source,
+        "may_read": call.allowed.int().tolist() if call.allowed.numel() <= 64 * 64 else None,
+    }
+
+
+class MaskAudit(Check):
+    name = "mask-audit"
+    per_code_path = True  # its bugs hide on paths a default run never takes: run on every cell of the matrix
+    description = "reads every attention call's mask in its own convention and compares the keys it allows with causal"
+    codes = {
+        "FWD201": "no causal restriction: every query reads every key",
+        "FWD202": "a boolean mask in the other API's convention: its True region is the future",
+        "FWD203": "a 0/1 float mask: added to the scores it shifts them by 1 and masks nothing",
+        "FWD204": "the mask lets some queries read future keys (or, over a cache, slots not yet written)",
+        "FWD205": "rows in which every key is masked: NaN or all-zero attention output",
+        "FWD206": "attn_mask passed together with is_causal=True",
+        "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
+        "FWD208": "with left padding, real tokens may read the padding keys",
+        "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
+        "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
+    }
+    explain = """\
+Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
+matmul, bmm, baddbmm or einsum whose scores, scaled, masked or biased, reach a softmax; a softmax over anything else,
+such as a router's logits, is not attention), records the mask's kind (bool / float / none / is_causal), shape and
+values, and derives the [L queries, S keys] set of keys each query may read under the API's own convention:
+  SDPA bool: True = may attend.   nn.MultiheadAttention bool: True = masked out.   float (both): added to the scores,
+  0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular, aligned top left (also when L != S).
+  eager: keys whose score is -inf or more than 80 below the row's maximum get no weight.
+  torch's causal_upper_left / causal_lower_right (handed to SDPA as attn_mask): the diagonal aligned top left / bottom
+  right. flex_attention: the BlockMask's mask_mod evaluated at every (batch, head, query, key) index the call covers,
+  and the score_mod applied to a probe of zero scores (a score it makes -inf is masked); a BlockMask built for other
+  (query, key) lengths than the call's is FWD209. flash-attn (flash_attn::_flash_attn_forward and
+  _flash_attn_varlen_forward): causal and window_size (left, right) aligned bottom right, each packed sequence of
+  cu_seqlens_q / cu_seqlens_k reading only its own keys. xformers (memory_efficient_attention's CUTLASS op,
+  xformers::efficient_attention_forward_cutlass): the attn_bias as lowered to custom_mask_type (1 causal aligned top
+  left: LowerTriangularMask, BlockDiagonalCausalMask; 2 bottom right: ...FromBottomRight...), window_size, the
+  block-diagonal cu_seqlens and an additive bias tensor. Any other custom op named for attention is listed as
+  "not judged: <kernel name>", never passed. torch.compile'd code runs eagerly while observed.
+For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
+  square calls (L = S): the sequence against itself, p_i = i.
+  KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
+  positions handed to the model's or the attention module's forward (key slot j holds position j); else from the L
+  slots of S the attention module (or one around it) just wrote in place (index_copy_, scatter_, cache[..., idx] =),
+  their positions the integer tensor it was handed that the slots are, or are modulo S (a ring buffer, Mistral's
+  reference: slot j then holds the position last written there, and causal reads the slots holding positions
+  <= p_i), or the slots themselves while none was written twice; else, when S is
+  exactly the number of tokens that attention has been run with in this forward (a cache that grows by concatenation),
+  the queries are the last L (bottom-right alignment, as Hugging Face and flash-attention use). Otherwise the call is
+  reported "not judged: query positions unknown" - never counted as a pass. A mask that opens cache slots after p_i
+  fails whether they hold future tokens or were never written (a correct mask closes both).
+  cross-attention (keys from another sequence: within a module handed its hidden state and other tensors of its
+  rank, q computed from its own input and k from the others only, followed op by op; nn.MultiheadAttention handed a
+  key other than its query; or an attention module handed context / encoder_hidden_states / key_value_states / y /
+  xa other than its input), and
+  attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
+  from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
+  still checked.
+Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
+1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
+If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
+call; FWD204 shows (query position, key slot) pairs.
+Why: the two boolean conventions are opposite, and `mask.float()` of a boolean mask gives 0/1, which added to the
+scores masks nothing. Both run without an error and train to a good-looking loss.
+How to fix: FWD202 -> pass ~mask, or build the mask for the API you call (SDPA: torch.ones(T, T).tril().bool();
+MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)); over a cache,
+slice the rows of the causal mask by the query positions (causal_mask[None, None, input_pos]). FWD203 -> keep the
+mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
+dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
+mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
+BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
+here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
+the attention module's forward as input_pos or cache_position."""
+
+    order = 30
+    detail_view = "fwdcheck.checks.mask_audit_view:mask_table"
+
+    def key_number(self, result: CheckResult) -> str:
+        return f"{result.metrics['attention_calls']} calls" if "attention_calls" in result.metrics else ""
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        findings, rows = self.audit(session.observation(), model)
+        data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
+        B = session.inputs.shape[0]
+        # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
+        # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Not on the train path: a
+        # single sequence is how the eval path serves and generates, which the default run observed alone, while
+        # training runs batches.
+        code_paths = session.settings.code_paths
+        if B > 1 and not session.train and not any(c.batch_size == 1 for c in path_cells(model, code_paths, B)):
+            self._batch_size_one(model, session, findings, rows, data)
+        return self._summarise(findings, rows, data)
+
+    def _batch_size_one(
+        self, model: ModelUnderTest, session: Session, findings: list[Finding], rows: list[CallRow], data: MaskAuditData
+    ) -> None:
+        """The first row observed alone: its findings (said "at B=1") added to `findings`, the calls that differ
+        there to `rows` (which data["calls"] holds); what the full batch showed stands when the model refuses the
+        pass. Such a shortcut shows at any length of two tokens or more, so the row is the session's short length
+        (16 tokens), not the full sequence."""
+        length = session.short_length
+        try:
+            single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
+        except ModelRaised as exc:  # what the full batch showed stands
+            data["batch1"] = f"the pass at B=1 was skipped: {exc}"
+            return
+        for f in single_findings:
+            f.where = f"{f.where} at B=1"
+        findings += single_findings
+        # List the calls that differ at B=1, not the repeats; the row is shorter, so sizes do not count.
+        seen = {_kind_of_call(r) for r in rows}
+        rows += [{**r, "batch_size": 1} for r in single_rows if _kind_of_call(r) not in seen]
+        data["batch1"] = "observed"
+        data["batch1_length"] = length
+
+    def _summarise(self, findings: list[Finding], rows: list[CallRow], data: MaskAuditData) -> CheckResult:
+        """One finding per code, message and line of model code; the first failing code, or the patterns the calls
+        showed. SkipCheck when no call was observed, or none could be judged and nothing failed."""
+        if not rows and not findings:
+            raise SkipCheck("no attention call observed (a custom kernel?); future-token still tests the behaviour")
+        findings = _group(findings)
+        bad = [f for f in findings if f.status != Status.PASS]
+        judged = [r for r in rows if r["judged"]]
+        if not judged and not bad:  # nothing was compared with causal: a pass would claim what was not measured
+            raise SkipCheck(
+                f"no attention call could be judged for causality: {len(rows)} call(s), e.g. "
+                f"{rows[0]['module']} ({rows[0]['api']}) {rows[0]['pattern']}"
+            )
+        also = " (alike at B=1)" if data.get("batch1") == "observed" and len(rows) == len(data["calls"]) else ""
+        summary = (
+            f"{len(rows)} attention call(s){also}: {_patterns(rows)}"
+            if not bad
+            else f"{self.codes[bad[0].code]} ({bad[0].where})"
+        )
+        return CheckResult.from_findings(
+            self.name, findings, summary, data=data, metrics={"attention_calls": len(rows), "judged_calls": len(judged)}
+        )
+
+    def audit(self, observation: Observation, model: ModelUnderTest) -> tuple[list[Finding], list[CallRow]]:
+        """Findings and one table row per attention call of one observation pass."""
+        findings: list[Finding] = []
+        rows: list[CallRow] = []
+        pad = model.padding  # a left-padded path view: judge real queries against real keys
+        input_followed = any(call.reads_input for call in observation.attention)
+        for call in observation.attention:
+            if pad and call.self_attention and call.unread is None:
+                call, reads_padding = _real_tokens(call, pad)
+                if reads_padding:
+                    findings.append(
+                        Finding(
+                            "FWD208",
+                            Status.FAIL,
+                            "real tokens may read the padding keys: the attention_mask is not applied",
+                            f"{call.module or 'model'} ({call.api})",
+                            source=call.source,
+                            module=call.module,
+                        )
+                    )
+            reason = not_judged(call, input_followed)
+            shape, future_pairs = (
+                (None, []) if reason else pattern(call.allowed, call.query_positions, call.key_positions)
+            )
+            rows.append(_row(call, reason, shape))
+            if shape is not None:
+                findings += self.judge(call, shape, future_pairs, model.causal)
+        findings += [
+            Finding(
+                "FWD207",
+                Status.FAIL,
+                f"F.dropout(p={d.p:g}, training=True) with the model in eval mode: pass training=self.training",
+                where=d.module or "model",
+                source=d.source,
+                module=d.module,
+            )
+            for d in observation.dropouts
+            if d.training and d.p > 0
+        ]
+        return findings, rows
+
+    @staticmethod
+    def judge(call: AttentionCall, shape: MayRead, future_pairs, causal: bool) -> list[Finding]:
+        """The findings of one judged attention call: its mask against causal (for a causal model), empty rows, a
+        mask beside is_causal, dropout in eval mode. Each points at the line of model code that made the call."""
+        where = f"{call.module or 'model'} ({call.api})"
+        api = API_NAMES.get(call.api, call.api)
+        findings = []
+        if call.mask_lengths is not None:
+            findings.append(
+                Finding(
+                    "FWD209",
+                    Status.FAIL,
+                    f"the BlockMask handed to {api} was built for {call.mask_lengths[0]} queries over "
+                    f"{call.mask_lengths[1]} keys, but the call has {call.query_len} over {call.key_len}: a mask "
+                    "built for another length and reused (build it for each call's lengths)",
+                    where,
+                )
+            )
+        if call.float_01:
+            findings.append(
+                Finding(
+                    "FWD203",
+                    Status.FAIL,
+                    f"0/1 float mask {call.mask_values} handed to {api}: "
+                    "added to the scores it masks nothing (a boolean turned into float?)",
+                    where,
+                )
+            )
+        elif causal and future_pairs:
+            findings.append(_reads_future(call, shape, future_pairs, api, where))
+        elif causal and (blind := _blind_to_themselves(call)):
+            findings.append(
+                Finding(
+                    "FWD210",
+                    Status.FAIL,
+                    f"{len(blind)} queries may not read their own position, e.g. "
+                    f"{', '.join(map(str, blind[:4]))}: "
+                    + (
+                        "a strict causal mask (q > kv where q >= kv is meant)"
+                        if call.self_attention
+                        else "a causal mask aligned top left over a cache (causal_upper_left, is_causal with fewer "
+                        "queries than keys) where the queries are the last ones (causal_lower_right)"
+                    ),
+                    where,
+                )
+            )
+        if call.empty_rows:
+            findings.append(
+                Finding(
+                    "FWD205",
+                    Status.WARN,
+                    "(batch, head, query) rows with every key masked: their attention output is NaN or zero",
+                    f"{where}: {call.empty_rows} rows",
+                )
+            )
+        if call.api == "sdpa" and call.is_causal and call.mask_kind not in ("none", "is_causal"):
+            findings.append(
+                Finding(
+                    "FWD206",
+                    Status.FAIL,
+                    "attn_mask passed together with is_causal=True: backends disagree on which wins; pass one of them",
+                    where,
+                )
+            )
+        if call.dropout_p > 0:
+            findings.append(
+                Finding(
+                    "FWD207",
+                    Status.FAIL,
+                    f"dropout_p={call.dropout_p:g} handed to {api} with the "
+                    "model in eval mode: pass dropout_p=p if self.training else 0.0",
+                    where,
+                )
+            )
+        for f in findings:  # each is about this call: it points at the line of model code that made it
+            f.source, f.module = call.source, call.module
+        return findings
+
+
+def _blind_to_themselves(call: AttentionCall) -> list[int]:
+    """The positions of the queries whose own key slot the mask closes, over keys that hold their own index (a
+    ring buffer past its wrap is left alone). A causal mask off by one into the past (q > kv) closes every one: the
+    first token reads nothing and every other one misses itself."""
+    positions = call.query_positions
+    if positions is None or call.key_positions is not None or call.allowed.is_meta:
+        return []
+    L, S = call.allowed.shape
+    inside = positions < S
+    rows = torch.arange(L)[inside]
+    closed = ~call.allowed[rows, positions[inside].to(call.allowed.device)].cpu()
+    return positions[inside][closed].tolist()
+
+
+API_NAMES = {
+    "sdpa": "scaled_dot_product_attention",
+    "mha": "nn.MultiheadAttention",
+    "softmax": "eager softmax",
+    "flex": "flex_attention",
+    "flash": "flash-attn",
+    "xformers": "xformers memory_efficient_attention",
+}
+
+
+def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, where: str) -> Finding:
+    """What lets a call of a causal model read the future, said by the shape of its may-read set: no restriction at
+    all (FWD201), a mask in the other API's convention (FWD202), or some future keys (FWD204)."""
+    L, S = call.allowed.shape
+    if shape is MayRead.BIDIRECTIONAL:
+        how = {
+            "none": "no block_mask or score_mod" if call.api == "flex" else "no attn_mask and is_causal=False",
+            "scores": "no score is masked",
+        }.get(call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
+        every = (
+            f"every query of {L} reads every key"
+            if L == S
+            else f"each of {L} queries reads all {S} key slots, those after its own position included"
+        )
+        return Finding("FWD201", Status.FAIL, f"no causal restriction: {how}; {every}", where)
+    if shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
+        convention = (
+            "True = may attend, but this mask is True on the future (nn.MultiheadAttention's convention)"
+            if call.api == "sdpa"
+            else "True = masked out, but this mask is True on the past (SDPA's convention)"
+        )
+        return Finding(
+            "FWD202", Status.FAIL, f"boolean mask in the other convention: for {api} {convention}; pass ~mask", where
+        )
+    if shape is MayRead.INVERTED and call.mask_kind.startswith("float"):
+        # nn.MultiheadAttention and nn.TransformerEncoder turn a boolean mask into 0/-inf before the call,
+        # so an SDPA-convention mask (tril, True = may attend) arrives here as -inf on the past.
+        return Finding(
+            "FWD202",
+            Status.FAIL,
+            f"the mask handed to {api} blocks the past and opens "
+            "the future: a mask built for the other convention (e.g. tril(...).bool(), "
+            "SDPA's 'True = may attend', where True means masked out); pass ~mask",
+            where,
+        )
+    shown = ", ".join(f"({q},{k})" for q, k in future_pairs[:4])
+    # Over a cache, a slot after the query's own position holds a future token or nothing written yet:
+    # a correct mask closes both, so both are read here as the future.
+    what = (
+        "future keys"
+        if call.self_attention
+        else "key slots after their own position (future tokens, or cache slots not yet written)"
+    )
+    return Finding(
+        "FWD204",
+        Status.FAIL,
+        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
+        where,
+    )
+
+
+def _kind_of_call(row: CallRow) -> tuple:
+    """What makes two calls alike in the table: where, how, what mask, what it allows (at whatever length: the
+    batch-size-1 pass runs a shorter row). A cached call (more keys than queries) stays apart from a square one."""
+    return row["module"], row["api"], row["mask"], row["pattern"], row["keys"] > row["queries"]
+
+
+def _patterns(rows: list[CallRow]) -> str:
+    """The judged patterns, then how many calls were not judged and why, in short."""
+    judged = sorted({r["pattern"] for r in rows if r["judged"]})
+    counts: dict[str, int] = {}
+    for r in rows:
+        if not r["judged"]:
+            why = NotJudged(r["not_judged"] or "", r["pattern"]).in_summary
+            counts[why] = counts.get(why, 0) + 1
+    return ", ".join(judged + [f"{n} not judged: {why}" for why, n in counts.items()])
+
+
+def _group(findings: list[Finding]) -> list[Finding]:
+    """One finding per code, message shape and line of model code, listing every call it applies to (the layers
+    share their attention's line); a module called more than once in the forward (decode steps through a cache) is
+    listed once, with its count."""
+    merged = []
+    for first, members in grouped(findings, key=lambda f: (f.code, f.message, f.source)):
+        counts = Counter(f.where or "" for f in members)  # in the order first seen; every finding here says where
+        where = ", ".join(w if n == 1 else f"{w} x{n}" for w, n in counts.items())
+        merged.append(Finding(first.code, first.status, first.message, where, source=first.source, module=first.module))
+    return merged

@@ -1,0 +1,1165 @@
+"""rope: rotated query . key must depend only on n - m; measure the pairing and the frequencies actually used.
+
+Three views, each catching what the others cannot:
+  probe (the model's own attention path): feed one token repeated, and hold the hidden state entering each attention
+    module the same at every position; what q and k hold at the attention call is then the rotation alone. From it:
+    which dims rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies,
+    whether q and k agree, and whether q_m . k_n depends on n - m only. Run again with every position shifted: a
+    relative encoding gives the same scores.
+  logits (when forward takes position_ids): shifting every position by an offset must leave the logits unchanged,
+    on a short row run alone at both sets of positions.
+  component (the reference model, or a rotary function named in the config): the identity
+    <R(m)q, R(n)k> = <q, R(n-m)k> on random vectors, norms preserved, position 0 the identity.
+
+The probe measures q and k only where it knows what they were computed from: a call counts when the input of the
+module around it was held position-independent (or its block's input already was, or q and k turn as clean rotations
+do, which content never does), and only the key slots that hold the probe's own positions are read, so a KV cache
+longer than the input changes nothing. A check that measured nothing never passes: without a judged call or a logits
+shift it skips, saying why.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.under_test import ModelUnderTest, model_code
+from fwdcheck.observe.observer import Observation, first_tensor
+from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
+from fwdcheck.run.compare import logit_scale, position_change, relative_error
+from fwdcheck.run.session import Session
+from fwdcheck.run.tolerances import TOLERANCES
+
+# Enough positions to fit every pair's frequency (a pair is trusted once it turns by 20x the tolerance over the
+# probe: at 32 positions in float32, theta > 6.5e-5, down to base 10000's slowest pair at head size 128); more only
+# costs time, two observed forwards of this length.
+PROBE_LENGTH = (16, 32)
+SHIFT = 17  # positions added in the shift tests; any offset works for a relative encoding
+
+
+@dataclass
+class Rotation:
+    """What a stack of vectors X[m] = R(m) x reveals about R."""
+
+    rotates: bool
+    pairing: str | None = None  # half | interleaved | None when no pairing keeps pair norms constant
+    rotary_dim: int = 0
+    thetas: list[float] = field(default_factory=list)  # radians per position, per pair
+    base: float | None = None
+    decay: float | None = None  # theta_p = exp(-decay * p); base = exp(decay * rotary_dim / 2)
+    norm_error: float = 0.0  # largest relative drift of a pair's norm across positions, under the best pairing
+    rotary_start: int = 0  # the first rotated dim: 0, or where a head's rotated slice follows an unrotated one (MLA)
+
+
+def pair_indices(pairing: str, rotary_dim: int, start: int = 0) -> tuple[list[int], list[int]]:
+    half = rotary_dim // 2
+    if pairing == "half":
+        return list(range(start, start + half)), list(range(start + half, start + rotary_dim))
+    return list(range(start, start + rotary_dim, 2)), list(range(start + 1, start + rotary_dim, 2))
+
+
+def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float | None = None) -> Rotation:
+    """X: (P, D), the same vector rotated to positions 0..P-1. Which dims turn, paired how, how fast.
+
+    The rotated dims are one slice of the head: its start (usually 0; after the unrotated part in multi-head latent
+    attention, whose heads concatenate [no rope | rope]) and its width are measured, not assumed.
+
+    tol judges whether pair norms stay constant; noise (default tol) is the relative change below which a dim counts
+    as still: set it near the dtype's rounding so that slow pairs, which turn by little within the probe, still count.
+    """
+    X = X.double()
+    P, D = X.shape
+    scale = float(X.abs().max()) or 1.0
+    moving = (X - X[0]).abs().amax(0) > (tol if noise is None else noise) * scale  # (D,)
+    if not bool(moving.any()):
+        return Rotation(rotates=False)
+    first, last = (int(i) for i in moving.nonzero().flatten()[[0, -1]])
+    # The slice starts at 0 or at the first moving dim (or one before it: an interleaved pair whose first dim holds
+    # nothing); every (pairing, start, rotary dim) that holds every moving dim is a candidate, and a rotation keeps
+    # each pair's norm constant.
+    candidates = []
+    for pairing in ("half", "interleaved"):
+        for start in sorted({0, first, max(first - 1, 0)}):
+            for rotary_dim in range(2, D - start + 1, 2):
+                if start + rotary_dim <= last:
+                    continue
+                i, j = pair_indices(pairing, rotary_dim, start)
+                radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
+                drift = relative_error(radius, radius[0], relative_to=radius)
+                candidates.append((drift, pairing, rotary_dim, start))
+    valid = [c for c in candidates if c[0] <= tol]
+    if not valid:
+        drift, _, rotary_dim, start = min(candidates)
+        return Rotation(rotates=True, pairing=None, rotary_dim=rotary_dim, norm_error=drift, rotary_start=start)
+    # The smallest rotary dim that works (pairs that never turn are not rotary), the declared pairing on a tie.
+    drift, pairing, rotary_dim, start = min(valid, key=lambda c: (c[2], c[1] != prefer, c[3] != 0, c[0]))
+    i, j = pair_indices(pairing, rotary_dim, start)
+    angle = torch.atan2(X[:, j], X[:, i])  # (P, r/2)
+    step = torch.remainder(angle[1:] - angle[:-1] + math.pi, 2 * math.pi) - math.pi  # per-position turn, unwrapped
+    turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
+    m = torch.arange(1, P, dtype=X.dtype)[:, None]
+    thetas = ((m * turned).sum(0) / (m * m).sum()).tolist()  # least squares through the origin
+    # theta_p = base^(-2p/r) = exp(-decay p): the decay comes from the pairs that turned enough to measure, the base
+    # from the decay and the rotary dim.
+    decays = sorted(-math.log(abs(t)) / p for p, t in enumerate(thetas) if p > 0 and well_measured(t, P, tol))
+    decay = decays[len(decays) // 2] if decays else None
+    base = math.exp(decay * rotary_dim / 2) if decay else None
+    return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift, rotary_start=start)
+
+
+def well_measured(theta: float, positions: int, tol: float) -> bool:
+    """A pair's frequency is trusted when its total turn over the probe is far above the rounding noise."""
+    return abs(theta) * (positions - 1) > 20 * tol
+
+
+def one_side_unjudgeable(
+    q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, noise: float
+) -> tuple[str | None, bool]:
+    """Why a call where only one of q and k changes with position is no evidence that the other lacks its rotary
+    embedding (FWD301), or None when it is; and whether position then enters absolutely.
+
+    The changing one must turn as a rotation does: one that changes in a way no rotation does (a causal convolution
+    over the sequence, a scale that grows with the position) is another position mechanism, not a rotary embedding
+    applied to one side. And the still one must hold something in the dims the other rotates: a slice that is exactly
+    zero (as initialised) turns without changing."""
+    moving, still, still_seen = ("q", "k", k_seen) if q.rotates else ("k", "q", q_seen)
+    turning = q if q.rotates else k
+    if turning.pairing is None:
+        return (
+            f"{moving} changes with position in a way no rotation does and {still} does not (a convolution over "
+            "the sequence, a position-dependent scale): no rotary embedding to judge",
+            True,
+        )
+    rotated = still_seen.double()[:, turning.rotary_start : turning.rotary_start + turning.rotary_dim]
+    if float(rotated.abs().max()) <= noise * (float(still_seen.double().abs().max()) + 1e-30):
+        return (
+            f"{still} is zero in the dims {moving} rotates ({turning.rotary_start}..."
+            f"{turning.rotary_start + turning.rotary_dim - 1}): whether it is rotated cannot be seen",
+            False,
+        )
+    return None, False
+
+
+def toeplitz_error(scores: torch.Tensor) -> float:
+    """How far scores[m, n] is from depending on n - m alone, relative to the largest |score|."""
+    P = scores.shape[0]
+    worst = 0.0
+    for offset in range(-P + 1, P):
+        diagonal = torch.diagonal(scores, offset)
+        worst = max(worst, float(diagonal.max() - diagonal.min()))
+    # The spread along each diagonal, not a difference of two tensors: no compare.relative_error.
+    return worst / (float(scores.abs().max()) + 1e-30)
+
+
+@dataclass
+class QK:
+    """One attention call as the probe saw it: q and k as (heads, P, d_h), the keys taken at the slots that hold the
+    probe's positions; or, when the call cannot be judged, why."""
+
+    where: str
+    head_dim: int
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    rows: tuple[torch.Tensor, ...] = ()  # the position-free input rows q and k came from
+    cached: bool = False  # the call read more key slots than it had queries: a KV cache
+    held: bool = True  # its input was held (or already) the same at every position
+    note: str | None = None  # why it was not judged; None when it was
+    absolute: bool = False  # q or k changes with position in a way no rotation does: position enters absolutely
+
+    @property
+    def judged(self) -> bool:
+        return self.note is None
+
+
+@dataclass
+class Look:
+    """One probe forward: its attention calls, the observation, the rows each held module was given, and how far
+    the modules' own rows were from those (when rows were replayed)."""
+
+    calls: list[QK]
+    seen: Observation
+    rows: dict[str, tuple[torch.Tensor, ...]]
+    moved: dict[str, float]
+
+
+@dataclass
+class Measured:
+    """The rotations one judged call shows, with the q and k (P, d_h) of head 0 they were read from."""
+
+    where: str
+    q: Rotation
+    k: Rotation
+    toeplitz: float  # how far q_m . k_n is from depending on n - m alone, relative to its scale
+    q_seen: torch.Tensor
+    k_seen: torch.Tensor
+
+
+@dataclass
+class Probe:
+    """What the one-token probe measured over every attention call."""
+
+    calls: list[QK]
+    q: Rotation | None = None  # of the first judged call that turns (or the first judged call)
+    k: Rotation | None = None
+    found: str | None = None  # how position reaches the model instead, when q and k do not turn
+
+    @property
+    def judged(self) -> list[QK]:
+        return [c for c in self.calls if c.judged]
+
+    @property
+    def rotates(self) -> bool:
+        return self.q is not None and self.k is not None and (self.q.rotates or self.k.rotates)  # set together
+
+    def why_unjudged(self) -> str:
+        if not self.calls:
+            return "no attention call with q and k was observed"
+        notes = sorted({c.note for c in self.calls if c.note})
+        return f"none of {len(self.calls)} attention calls could be judged: {'; '.join(notes)}"
+
+
+class Hold:
+    """Forward pre-hooks that hand each named module its hidden-state input with one row at every position: the row
+    its first call of the forward got at position 0. Whatever q and k then do with position inside that module is the
+    position encoding alone, however position entered the residual stream before it (learned or sinusoidal tables,
+    tokens mixed with their neighbours), in whichever layer, and over however many calls the forward makes (a prefill
+    and then one token at a time through a KV cache).
+
+    The shifted probe replays the rows the first probe held, so that q and k start from the same content at other
+    positions; how far a module's own rows moved under the shift tells whether position entered it absolutely."""
+
+    def __init__(self, names: set[str], positions: int):
+        self.names, self.positions = names, positions
+        self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> the rows it is given in this forward
+        self.replay: dict[str, tuple[torch.Tensor, ...]] | None = None  # rows to give instead of its own
+        self.moved: dict[str, float] = {}  # module -> how far its own rows were from the replayed ones
+        self.spread: dict[str, float] = {}  # module -> how much its own input changed along the positions
+
+    def start(self, replay: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Before each forward: forget the rows of the last one; replay these instead of the modules' own."""
+        self.rows, self.replay, self.moved = {}, replay, {}
+
+    @contextmanager
+    def installed(self, model: nn.Module):
+        handles = [
+            m.register_forward_pre_hook(self._hook(n), with_kwargs=True)
+            for n, m in model.named_modules()
+            if n in self.names
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str):
+        def hold(module, args, kwargs):
+            x = first_tensor(args) if args else first_tensor(kwargs)  # what the observation pass records as input
+            if (
+                x is None
+                or not x.is_floating_point()
+                or x.dim() != 3
+                or x.shape[0] != 1
+                or not 1 <= x.shape[1] <= self.positions
+            ):
+                return None  # not a hidden state (1, L <= P, width): leave this call alone
+
+            # Every tensor shaped like it (q, k and v inputs given apart) is held alike; one handed over twice stays
+            # one tensor (whether keys come from the queries' own input is read off that identity).
+            distinct: list[torch.Tensor] = []
+            for t in (*args, *kwargs.values()):
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.shape == x.shape
+                    and t.dtype == x.dtype
+                    and not any(t is d for d in distinct)
+                ):
+                    distinct.append(t)
+            if not any(x is d for d in distinct):
+                return None  # the hidden state sits inside a container: nothing is held, and nothing claims it
+            own = tuple(t[0, 0].detach().clone() for t in distinct)
+            self.spread[name] = max(self.spread.get(name, 0.0), relative_spread(x))
+            if name not in self.rows:
+                given = own
+                if self.replay is not None and name in self.replay:
+                    given = self.replay[name]
+                    # Not compare.relative_error: its inf for a NaN row would read as positions entering absolutely,
+                    # which skips the logits shift.
+                    self.moved[name] = max(
+                        [0.0]
+                        + [
+                            float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
+                            for a, b in zip(own, given, strict=False)
+                        ]
+                    )
+                self.rows[name] = given
+            rows = (*self.rows[name], *own[len(self.rows[name]) :])
+            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct, strict=False)]
+
+            def held(t):
+                return next((m for d, m in zip(distinct, made, strict=True) if t is d), t)
+
+            return tuple(held(a) for a in args), {key: held(v) for key, v in kwargs.items()}
+
+        return hold
+
+
+def relative_spread(x: torch.Tensor) -> float:
+    """How far a hidden state x (B, P, width) is from being the same at every position, relative to its largest
+    entry."""
+    return relative_error(x, x[:, :1], relative_to=x)
+
+
+class Rope(Check):
+    name = "rope"
+    description = "rotated q.k must depend only on n - m; reports the pairing and frequencies actually used"
+    codes = {
+        "FWD301": "one of q and k is rotated by position, the other is not",
+        "FWD302": "q and k are rotated with different pairings or frequencies",
+        "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
+        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k "
+        "differently",
+        "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
+        "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
+        "FWD307": "the model declares a rotary embedding but q and k do not change with position",
+        "FWD308": "the rotary function on its own breaks the identity, the norms or position 0 = identity",
+    }
+    explain = """\
+Skips, with the reason, when the model has no rotary embedding: q and k do not turn with position in the probe and
+nothing declares one. Absolute position encodings (a learned table such as GPT-2's wpe, sinusoids, anything added to
+the residual stream) are not RoPE: the skip names what was found. When the config declares rope (`rope:`, a
+`rotary_function`, a Hugging Face rope_theta) and q and k do not turn, that is FWD307, again saying what was found.
+Otherwise:
+  probe: one token repeated, and the hidden state entering each attention module held the same at every position
+    (a learned table, sinusoids or tokens mixed with their neighbours would otherwise vary it); q and k at the call
+    are then the rotation alone. fwdcheck measures which dims rotate, the pairing (half = rotate_half, dim i with
+    i + r/2, as GPT-NeoX and Llama; interleaved = dim 2i with 2i+1, as GPT-J, RoFormer and complex-number RoPE), the
+    frequency of each pair and the base they imply, and checks q_m . k_n depends on n - m only. With a KV cache
+    longer than the input only the key slots holding the probe's positions are read (the call's query positions
+    when known, else the slots the probe wrote, found by running a second token); a forward that runs attention in
+    steps (a prefill, then one token at a time) is measured over its steps together. The probe runs again with
+    every position shifted, from the same held input: scores must not change.
+  logits: when forward takes position_ids, shifting every position by an offset must leave the logits unchanged:
+    the first sample's first 16 tokens (all of a shorter sequence) run alone at positions 17.. against the same
+    tokens at 0.., a forward future-token's prefix pass shares. Not measured when positions also enter absolutely
+    (the held input moved with the shift) or when the model reads a KV cache kept between calls (shifted positions
+    would read what the cache holds below them).
+  component: for the reference model, or a `rotary_function` named in the config, the identity
+    <R(m)q, R(n)k> = <q, R(n-m)k> on random q, k, norm preservation and R(0) = identity.
+A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
+not be held and q, k do not turn as rotations, its key slots cannot be told apart) and no logits shift was measured,
+it skips with the reason; a rotary function tested alone says nothing of how the model uses it.
+Why: RoPE applied to q but not k, q and k paired differently or turned in opposite directions, or a position offset
+that reaches only q all train without an error; the relative-position property is simply gone.
+Limit: the identity compares q with k. A pairing that is consistently wrong (both q and k interleaved where the
+checkpoint was trained with half) satisfies it perfectly. Only the declared settings can catch that: fwdcheck reports
+the measured pairing, rotary dim and base and fails FWD305 when they differ from the config (the reference model's
+`rope:`, a python model's `rope:` block). A scaled rotation (xPos) keeps no pair norm constant; it is accepted as
+long as q . k depends on n - m only.
+How to fix: FWD301 -> apply the rotation to both q and k. FWD302 -> use one rotate function, with the same
+positions and sign, for both. FWD303 -> rotate by angles linear in the position (no wrapped or restarted
+positions). FWD304 -> pass the same positions (offset included) to q and k. FWD307 -> apply the rotary embedding,
+or correct the declaration."""
+
+    order = 40
+    detail_view = "fwdcheck.checks.rope_view:rope_numbers"
+
+    def key_number(self, result: CheckResult) -> str:
+        """A failed position shift by how far it moved the logits; otherwise the base the probe found."""
+        m = result.metrics
+        if result.status != Status.PASS and m.get("logits_shift_change", 0.0) > m.get("logits_shift_threshold", 0.0):
+            return f"{m['logits_shift_change']:.2g} / {m['logits_shift_threshold']:.2g}"
+        return f"base {m['base']:.4g}" if m.get("base") else ""
+
+    def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
+        # Tables rounded in a less precise dtype than the run's (a model made in bfloat16, run in float32) turn q and
+        # k by angles rounded in that dtype: the rotation is judged at that dtype's tolerance, and the note blames
+        # the tables, not the rotation, for what their rounding moves.
+        tables, rounded_in = rounded_tables(model.module, session.dtype)
+        judged_in = rounded_in or session.dtype
+        self.coarse = TOLERANCES[judged_in].logits if rounded_in else None
+        tol = TOLERANCES[judged_in].rotation
+        self.noise = min(tol, 16 * torch.finfo(session.dtype).eps)  # below this a dim counts as still
+        declared = model.rope
+        findings: list[Finding] = []
+        metrics: dict = {}
+        data: dict = {
+            "declared": declared.model_dump() if declared else None,
+            "declared_from": model.origins.get("rope"),
+        }
+
+        probe = self._probe(model, session, tol, findings, data)
+        component = self._rotary_alone(model, session, tol, findings, data)
+        self._judge_presence(model, probe, component, findings)
+        measured = probe.q if probe.rotates else component
+        if declared is not None and measured is not None and measured.pairing:
+            findings += self._against_declared(declared, measured, model)
+        shift_measured = self._logits_shift_if_sound(model, session, probe, findings, metrics, data)
+        if rounded_in is not None:
+            dtype = str(rounded_in).removeprefix("torch.")
+            data["rounded_tables"] = {"buffers": tables, "dtype": dtype}
+            shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+            session.notes.append(
+                f"rope: buffers {shown} hold values rounded in {dtype} in a {session.settings.dtype} run (a model "
+                f"made in {dtype}, cast up): the rotation was judged at {dtype}'s tolerance ({tol:g}), and what "
+                "that rounding moves is the tables', not the rotation's (run in the model's own dtype, or build "
+                "the tables in float32)"
+            )
+        return self._summarise(probe, component, measured, shift_measured, findings, metrics, data)
+
+    def _rotary_alone(
+        self, model: ModelUnderTest, session: Session, tol: float, findings: list[Finding], data: dict
+    ) -> Rotation | None:
+        """The rotary function tested alone (_component), when the model has one to call; None when it has none,
+        or one found by convention cannot be called."""
+        if model.rotary is None:
+            return None
+        try:
+            return self._component(model, session, tol, findings, data)
+        except Exception as exc:
+            if not model.rotary_discovered:
+                raise  # a rotary_function the config names must work
+            # found by naming convention only: a modeling file with another signature is no finding
+            data["component"] = None
+            data["component_note"] = f"rotary function found by convention could not be called: {exc}"
+            return None
+
+    @staticmethod
+    def _judge_presence(
+        model: ModelUnderTest, probe: Probe, component: Rotation | None, findings: list[Finding]
+    ) -> None:
+        """A model whose q and k do not turn: FWD307 when it claims a rotary embedding, else SkipCheck (no rotary
+        embedding, or nothing measured), unless another finding already fails it."""
+        # Naming a rotary function is a declaration too; one found by convention in a modeling file is not.
+        claims_rope = model.rope is not None or (model.rotary is not None and not model.rotary_discovered)
+        failing = any(f.status != Status.PASS for f in findings)
+        if probe.judged and not probe.rotates:
+            if claims_rope:
+                findings.append(
+                    Finding(
+                        "FWD307",
+                        Status.FAIL,
+                        "the model declares a rotary embedding but q and k "
+                        f"do not change with position at any of {len(probe.judged)} attention "
+                        f"calls; found instead: {probe.found}"
+                        + (f"; declared by {model.origins['rope']}" if model.origins.get("rope") else ""),
+                        "rotary embedding",
+                    )
+                )
+            elif not failing:
+                raise SkipCheck(
+                    f"no rotary embedding: q and k do not turn with position at any of "
+                    f"{len(probe.judged)} attention calls and the model declares none; {probe.found}"
+                )
+        if not probe.judged and not claims_rope and component is None and not failing:
+            raise SkipCheck(f"not measured: {probe.why_unjudged()}, and the model declares no rotary embedding")
+
+    def _logits_shift_if_sound(
+        self,
+        model: ModelUnderTest,
+        session: Session,
+        probe: Probe,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> bool:
+        """The logits shift (_logits_shift), unless it cannot say anything here (no position_ids, positions that
+        also enter absolutely, a KV cache longer than the input): whether it was measured."""
+        if not model.accepts_position_ids:
+            data["logits_shift"] = "skipped: forward takes no position_ids"
+        elif data.get("absolute_positions"):
+            data["logits_shift"] = (
+                f"skipped: positions also enter absolutely ({data['absolute_positions']}); the "
+                "logits are not expected to stay the same"
+            )
+        elif any(c.cached for c in probe.calls):
+            data["logits_shift"] = (
+                "skipped: attention reads a KV cache with more key slots than queries; shifted "
+                "positions would read what the cache holds before them"
+            )
+        else:
+            findings += self._logits_shift(model, session, metrics, data)
+            return "logits_shift_change" in metrics
+        return False
+
+    def _summarise(
+        self,
+        probe: Probe,
+        component: Rotation | None,
+        measured: Rotation | None,
+        shift_measured: bool,
+        findings: list[Finding],
+        metrics: dict,
+        data: dict,
+    ) -> CheckResult:
+        """The measured pairing, rotary dim and base; the first failing code, or what holds. SkipCheck when at most
+        the rotary function alone was tested: how the model uses it was not measured."""
+        if measured is not None:
+            metrics.update(
+                pairing=measured.pairing,
+                rotary_dim=measured.rotary_dim,
+                base=round(measured.base, 3) if measured.base else None,
+            )
+        metrics["judged_calls"] = len(probe.judged)
+        bad = [f for f in findings if f.status != Status.PASS]
+        if bad:
+            summary = f"{self.codes[bad[0].code]}"
+        elif not probe.judged and not shift_measured:
+            shift = data.get("logits_shift") or "shift skipped: no positions left to shift to"
+            alone = "; the rotary function alone satisfies the identity" if component is not None else ""
+            raise SkipCheck(f"not measured in the model: {probe.why_unjudged()}; logits {shift}{alone}")
+        elif not probe.judged:
+            summary = (
+                f"relative identity holds at the logits (every position shifted); attention not probed: "
+                f"{probe.why_unjudged()}"
+            )
+        elif measured is not None and measured.pairing:
+            summary = (
+                f"relative identity holds; pairing {measured.pairing}, rotary dim {measured.rotary_dim}"
+                f"{_slice(measured)}, base ~{measured.base:.4g}"
+                if measured.base
+                else f"relative identity holds; pairing {measured.pairing}"
+            )
+        elif probe.rotates:
+            summary = (
+                "relative identity holds; q and k turn and scale with position (xPos-like): no pairing keeps "
+                "their norms"
+            )
+        else:
+            summary = "relative identity holds"
+        return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+    # -- the model's own attention path ------------------------------------------------------------------------------
+
+    def _probe(self, model, session, tol, findings, data) -> Probe:
+        """q and k rotations of the judged attention calls, with the findings they support."""
+        T = session.inputs.shape[1]
+        shortest, longest = PROBE_LENGTH
+        P = min(max(T, shortest), longest, model.max_positions or longest)
+        if model.max_positions and model.max_positions - P < SHIFT and P > shortest:
+            P = max(shortest, model.max_positions - SHIFT)  # leave room for the shifted probe
+        token = session.inputs[:1, :1]
+        points = hold_points(model, session)
+        hold = Hold(set(points.values()), P)
+        stack = model.layer_stack
+        blocks = {f"{stack}.{i}" for i in range(len(model.module.get_submodule(stack)))} if stack else set()
+        tables = {n for n, m in model.module.named_modules() if isinstance(m, nn.Embedding)}
+        with hold.installed(model.module):
+            look = self._look(model, session, token, None, P, tol, points, hold, blocks | tables)
+            calls, seen = look.calls, look.seen
+            probe = Probe(calls)
+            data["head_dim"] = calls[0].head_dim if calls else None  # a shape: known judged or not
+            results = self._measure(probe.judged, tol, model.rope.pairing if model.rope else None)
+            toeplitz = max((r.toeplitz for r in results), default=0.0)
+            data["probe_calls"] = [
+                {"where": c.where, "judged": c.judged, "note": c.note, "cached": c.cached, "held": c.held}
+                for c in calls
+            ]
+            data["held"] = {name: round(spread, 6) for name, spread in hold.spread.items()}
+            absolute = next((c for c in calls if c.absolute), None)
+            if absolute is not None:  # the logits are then not expected to stay the same under a shift
+                data["absolute_positions"] = f"at '{absolute.where}' {absolute.note}"
+            judged = probe.judged
+            if not judged:
+                data["probe"] = probe.why_unjudged()
+                return probe
+            first = next((r for r in results if r.q.rotates or r.k.rotates), results[0])
+            where0, probe.q, probe.k = first.where, first.q, first.k
+            if not probe.rotates:
+                probe.found = position_found(seen, hold, points, tables, tol)
+            data["probe"] = {
+                "calls": len(judged),
+                "q": asdict(probe.q),
+                "k": asdict(probe.k),
+                "toeplitz_error": toeplitz,
+                "head_dim": judged[0].head_dim,
+            }
+            specific = self._compare_qk(results, tol, P)
+            findings += specific
+            if toeplitz > tol and not specific and probe.rotates:
+                findings.append(
+                    Finding(
+                        "FWD303",
+                        Status.FAIL,
+                        f"q_m . k_n varies along diagonals by {toeplitz:.3g} "
+                        f"of its scale (tolerance {tol:g}): it depends on more than n - m",
+                        where0,
+                        module=where0,
+                    )
+                )
+            if model.accepts_position_ids and probe.rotates:
+                findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
+        return probe
+
+    def _measure(self, calls: list[QK], tol: float, prefer: str | None) -> list[Measured]:
+        """The rotation of q and of k (head 0 of each) at every judged call, and how far q_m . k_n is from depending
+        on n - m alone."""
+        results = []
+        for c in calls:
+            assert c.q is not None and c.k is not None  # kept for every judged call
+            q, k = analyze(c.q[0], tol, prefer, self.noise), analyze(c.k[0], tol, prefer, self.noise)
+            if q.pairing and k.pairing and q.pairing != k.pairing:
+                # A pair of small magnitude can leave both pairings within the rounding on one side: the pairings
+                # differ only when no pairing fits both.
+                for pairing in (q.pairing, k.pairing):
+                    again = analyze(c.q[0], tol, pairing, self.noise), analyze(c.k[0], tol, pairing, self.noise)
+                    if again[0].pairing == again[1].pairing == pairing:
+                        q, k = again
+                        break
+            if not c.held and any(r.rotates and r.pairing is None for r in (q, k)):
+                # Nothing held its input, and q or k changes with position in a way no rotation does: that may be
+                # the content of each position (a learned table added before it), no finding either way.
+                c.note = "its input could not be held the same at every position"
+                continue
+            if q.rotates != k.rotates:
+                c.note, c.absolute = one_side_unjudgeable(q, k, c.q[0], c.k[0], self.noise)
+                if c.note:
+                    continue
+            error = toeplitz_error(c.q[0].double() @ c.k[0].double().T)  # head 0 of q with kv head 0
+            results.append(Measured(c.where, q, k, error, c.q[0], c.k[0]))
+        return results
+
+    def _look(self, model, session, token, offset, P, tol, points, hold, keep, replay=None) -> Look:
+        """One observed forward of the token repeated at positions offset..offset+P-1 (0.. when offset is None),
+        the held modules given `replay`'s rows when there are any.
+
+        Where a call reads more key slots than it has queries (a KV cache), a second forward with another token at
+        the same positions tells which slots the probe wrote: exactly those change, whatever the cache layout."""
+        ids = token.expand(1, P).contiguous()
+        positions = None if offset is None else torch.arange(offset, offset + P, device=ids.device)[None]
+        hold.start(replay)
+        seen = session.observe(ids, positions, keep_tensors=True, keep_inputs_of=keep)
+        rows, moved = dict(hold.rows), dict(hold.moved)
+        raw = attention_qk(seen)
+        written: list[list[int] | None] = [None] * len(raw)
+        if any(k.shape[-2] != q.shape[-2] for _, q, k, *_ in raw):
+            other = (token + 1) % model.vocab_size
+            hold.start()  # its own rows: replayed ones would make both tokens write the same keys
+            again = attention_qk(session.observe(other.expand(1, P).contiguous(), positions, keep_tensors=True))
+            if [w for w, *_ in again] == [w for w, *_ in raw]:
+                written = [written_slots(a[2], b[2]) for a, b in zip(raw, again, strict=True)]
+        inputs = {m.name: m.input_value for m in seen.modules if m.input_value is not None}
+        calls = []
+        for where, q, k, query_positions, slots in merge_steps(raw, written, P):
+            call = QK(where, head_dim=q.shape[-1], cached=k.shape[-2] != q.shape[-2])
+            if q.shape[-2] != P:
+                call.note = f"{q.shape[-2]} queries for a probe of {P} positions"
+            elif call.cached:
+                keys = key_slots(P, k.shape[-2], query_positions, slots)
+                if keys is None:
+                    call.note = f"cannot tell which of its {k.shape[-2]} key slots hold the probe's {P} positions"
+                else:
+                    k = k.index_select(-2, torch.as_tensor(keys, device=k.device))  # (.., P, d_h)
+            if call.judged and not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+                call.note = "q or k is not finite"
+            point, block = points.get(where), model.block_of(where)
+            if not call.judged:
+                pass
+            elif point in rows:
+                call.rows = rows[point]
+            elif block in inputs and relative_spread(inputs[block]) <= tol:
+                call.rows = (inputs[block][0, 0],)  # its block's input is already position-free
+            else:
+                call.held = False  # judged only if q and k turn out still or clean rotations (see _probe)
+            if call.judged:
+                call.q = q.reshape(-1, *q.shape[-2:])  # (B*h, P, d_h); B is 1 in the probe
+                call.k = k.reshape(-1, *k.shape[-2:])
+            calls.append(call)
+        return Look(calls, seen, rows, moved)
+
+    @staticmethod
+    def _compare_qk(results, tol: float, positions: int) -> list[Finding]:
+        findings = []
+        for r in results:
+            where, q, k, toeplitz = r.where, r.q, r.k, r.toeplitz
+            if q.rotates != k.rotates:
+                still, moving = ("k", "q") if q.rotates else ("q", "k")
+                findings.append(
+                    Finding(
+                        "FWD301",
+                        Status.FAIL,
+                        f"{moving} is rotated by position but {still} is "
+                        f"not: the rotary embedding is missing on {still}",
+                        where,
+                        module=where,
+                    )
+                )
+            elif q.rotates and (q.pairing is None or k.pairing is None):
+                if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
+                    findings.append(
+                        Finding(
+                            "FWD306",
+                            Status.FAIL,
+                            "q/k change with position but no pairing keeps "
+                            f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
+                            f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
+                            "rotation",
+                            where,
+                            module=where,
+                        )
+                    )
+            elif q.rotates and q.pairing != k.pairing:
+                findings.append(
+                    Finding(
+                        "FWD302",
+                        Status.FAIL,
+                        f"q is rotated with {q.pairing} pairing, k with "
+                        f"{k.pairing}: their dot product loses the relative property",
+                        where,
+                        module=where,
+                    )
+                )
+            elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
+                findings.append(
+                    Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where, module=where)
+                )
+        return _first_per_code(findings, len(results))
+
+    def _probe_shift(self, model, session, token, look, P, tol, points, hold, blocks, data) -> list[Finding]:
+        offset = min(SHIFT, (model.max_positions or P + SHIFT) - P)
+        if offset <= 0:
+            return []
+        calls = look.calls
+        again = self._look(model, session, token, offset, P, tol, points, hold, blocks, replay=look.rows)
+        shifted = again.calls
+        # Position that enters the residual stream absolutely (a learned or sinusoidal table) moves the first held
+        # module's own input under the shift: the logits are then not expected to stay the same.
+        first = next((points[c.where] for c in calls if c.judged and c.where in points), None)
+        if first is not None and again.moved.get(first, 0.0) > tol:
+            data["absolute_positions"] = f"the input of '{first}' changes when every position is shifted"
+        if [c.where for c in shifted] != [c.where for c in calls]:
+            data["probe_shift"] = "skipped: the shifted probe ran other attention calls"
+            return []
+        compared, worst = 0, 0.0
+        for before, after in zip(calls, shifted, strict=True):
+            if not (before.judged and after.judged):
+                continue
+            # Held calls were given the same rows; a call judged by its block's input may have been given another
+            # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
+            # rotation can come from different content. Not compare.relative_error, whose inf for a NaN row would skip
+            # the call as different content: a row that cannot be compared is no reason to judge less.
+            if len(before.rows) != len(after.rows) or any(
+                float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
+                for a, b in zip(before.rows, after.rows, strict=True)
+            ):
+                continue
+            compared += 1
+            q, k, q2, k2 = before.q, before.k, after.q, after.k
+            assert q is not None and k is not None and q2 is not None and k2 is not None  # kept for judged calls
+            scores, shifted_scores = q[0].double() @ k[0].double().T, q2[0].double() @ k2[0].double().T
+            change = relative_error(shifted_scores, scores)
+            worst = max(worst, change)
+            data["probe_shift"] = {"offset": offset, "score_change": worst, "calls": compared}
+            if change > tol:
+                q_moved, k_moved = relative_error(q2, q) > tol, relative_error(k2, k) > tol
+                who = (
+                    "q moved and k did not"
+                    if q_moved and not k_moved
+                    else "k moved and q did not"
+                    if k_moved and not q_moved
+                    else "both moved, differently"
+                )
+                return [
+                    Finding(
+                        "FWD304",
+                        Status.FAIL,
+                        f"shifting every position by {offset} changes q . k by "
+                        f"{change:.3g} of its scale ({who}): the offset reaches q and k differently",
+                        before.where,
+                        module=before.where,
+                    )
+                ]
+        if not compared:
+            data["probe_shift"] = "skipped: no call computed q and k from the same input in both probes"
+        return []
+
+    # -- logits ------------------------------------------------------------------------------------------------------
+
+    def _logits_shift(self, model, session, metrics, data) -> list[Finding]:
+        """The first sample's first session.short_length tokens run alone at positions offset.., against the same
+        tokens run alone at 0..: a relative encoding gives the same logits. The unshifted forward is the session's
+        shared short prefix (future-token's prefix ladder runs it too), so the shift costs one short row."""
+        T = session.short_length
+        offset = min(SHIFT, (model.max_positions or T + SHIFT) - T)
+        if offset <= 0:
+            return []
+        sample = session.inputs[:1, :T]
+        base = session.prefix_logits(T)  # (1, T, V)
+        positions = torch.arange(offset, offset + T, device=sample.device)[None]  # (1, T)
+        versions = buffer_versions(model.module)
+        shifted = session.logits(sample, positions)
+        if buffer_versions(model.module) != versions:
+            # A forward that writes its own buffers keeps state between calls (a KV cache): the shifted positions
+            # also read what earlier forwards left there, so the comparison would not be of a shift alone.
+            data["logits_shift"] = "skipped: forward writes its buffers (a cache kept between calls)"
+            return []
+        change = float(position_change(shifted, base).max())
+        scale = logit_scale(base)
+        # The noise floor (two more forwards of the session's inputs) and the model's rounding are measured only
+        # when they can change the verdict: below the tolerance nothing is a finding whatever they are.
+        threshold = session.threshold(scale, *session.floors(change, scale))
+        if self.coarse is not None:  # tables rounded in a less precise dtype move the logits by their rounding
+            rtol, atol = self.coarse
+            threshold = max(threshold, atol + rtol * scale)
+        metrics["logits_shift_change"] = change
+        metrics["logits_shift_threshold"] = threshold
+        data["logits_shift_length"] = T
+        if change > threshold:
+            return [
+                Finding(
+                    "FWD304",
+                    Status.FAIL,
+                    f"shifting every position by {offset} changes the logits by "
+                    f"{change:.3g} (threshold {threshold:.3g}): positions act absolutely, not relatively",
+                    "logits",
+                )
+            ]
+        return []
+
+    # -- the rotary function alone -----------------------------------------------------------------------------------
+
+    def _component(self, model, session, tol, findings, data) -> Rotation | None:
+        D = model.dims.get("d_h") or data.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
+        if not D:
+            findings.append(
+                Finding(
+                    "FWD308",
+                    Status.WARN,
+                    "the rotary function was not tested alone: the head size "
+                    "is unknown (no attention call seen); set rope.rotary_dim",
+                    "rotary function",
+                )
+            )
+            return None
+        P = 32
+        g = torch.Generator().manual_seed(session.settings.inputs.seed)
+        q, k = torch.randn(2, D, generator=g).to(session.device, session.dtype)
+        positions = torch.arange(P, device=session.device)
+
+        def rotate(x):  # the same vector at every position: (P, D) of R(m) x
+            # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+            with model_code("the rotary function raised"):
+                rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
+            return rotated[0, 0].double()
+
+        Rq, Rk = rotate(q), rotate(k)
+        # Some rotary embeddings scale cos and sin by an attention factor (longrope, yarn): R(m) = s * rotation.
+        # A uniform s is no bug; divide it out and report it.
+        ratios = Rq.norm(dim=-1) / q.double().norm()
+        scale = float(ratios.mean())
+        if abs(scale - 1) > tol and float((ratios - scale).abs().max()) <= tol * scale:
+            Rq, Rk = Rq / scale, Rk / scale
+            data["component_scale"] = scale
+        lhs = Rq @ Rk.T  # <R(m)q, R(n)k>
+        rhs = torch.empty_like(lhs)  # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
+        for m in range(P):
+            for n in range(P):
+                rhs[m, n] = Rq[0] @ Rk[n - m] if n >= m else Rq[m - n] @ Rk[0]
+        identity = relative_error(rhs, lhs)
+        norms = relative_error(Rq.norm(dim=-1), q.double().norm())
+        origin = relative_error(Rq[0], q.double())
+        rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
+        data["component"] = {
+            "identity_error": identity,
+            "norm_error": norms,
+            "position0_error": origin,
+            **asdict(rotation),
+        }
+        checked = [
+            f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
+            f"norms change by {norms:.3g}" if norms > tol else None,
+            f"R(0) is not the identity ({origin:.3g})" if origin > tol else None,
+        ]
+        problems = [p for p in checked if p]
+        if problems:
+            findings.append(
+                Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}", "rotary function")
+            )
+        return rotation
+
+    @staticmethod
+    def _against_declared(declared, measured: Rotation, model) -> list[Finding]:
+        wanted_dim = declared.rotary_dim or model.dims.get("d_h")
+        differences = []
+        if declared.pairing and measured.rotary_dim > 2 and measured.pairing != declared.pairing:
+            differences.append(f"pairing {measured.pairing} (declared {declared.pairing})")
+        tail = bool(wanted_dim) and _undetectable_tail(measured, declared, wanted_dim)
+        if wanted_dim and measured.rotary_dim != wanted_dim and not tail:
+            differences.append(f"rotary dim {measured.rotary_dim} (declared {wanted_dim})")
+        # The base from the frequencies' decay over the rotated pairs: the declared width when only pairs too slow to
+        # see are missing, else the measured one (a rotary dim that differs is its own finding, not the base's).
+        base = math.exp(measured.decay * (wanted_dim if tail else measured.rotary_dim) / 2) if measured.decay else None
+        if base and declared.base and abs(math.log(base / declared.base)) > 0.02:
+            differences.append(f"base ~{base:.4g} (declared {declared.base:g})")
+        if not differences:
+            return []
+        origin = model.origins.get("rope")
+        declared_by = f"; declared by {origin}" if origin else ""
+        return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences) + declared_by, "rotary embedding")]
+
+
+def _slice(measured: Rotation) -> str:
+    """' (dims a..b of the head)' when the rotated slice does not start the head (multi-head latent attention)."""
+    if not measured.rotary_start:
+        return ""
+    return f" (dims {measured.rotary_start}..{measured.rotary_start + measured.rotary_dim - 1} of the head)"
+
+
+def _undetectable_tail(measured: Rotation, declared, wanted_dim: int) -> bool:
+    """A measured rotary dim below the declared one is no finding when the declared pairs it lacks turn too slowly
+    to be seen within the probe at this precision (low frequencies in bfloat16)."""
+    if measured.rotary_dim > wanted_dim or not measured.thetas or not declared.base:
+        return False
+    slowest_seen = min(abs(t) for t in measured.thetas if t) if any(measured.thetas) else 0.0
+    first_missing = declared.base ** (-measured.rotary_dim / wanted_dim)  # theta of pair r/2 under the declaration
+    return first_missing < slowest_seen
+
+
+def rounded_tables(module: nn.Module, run_dtype: torch.dtype) -> tuple[list[str], torch.dtype | None]:
+    """The model's floating buffers whose values were all rounded in a dtype less precise than the run's
+    (bfloat16, else float16), and that dtype; ([], None) when there are none. A table counts when it holds values
+    that are not whole numbers and more than a few distinct ones: a mask of 0 and -inf, or positions counted as
+    floats, are exact in every dtype and say nothing of how the model was made."""
+    coarser = [d for d in (torch.bfloat16, torch.float16) if torch.finfo(d).eps > torch.finfo(run_dtype).eps]
+    for dtype in coarser:
+        names = []
+        for name, buffer in module.named_buffers():
+            if not buffer.is_floating_point() or buffer.dtype == dtype or buffer.device.type == "meta":
+                continue
+            values = buffer.detach().flatten()
+            values = values[torch.isfinite(values)]
+            if values.numel() < 8 or bool((values == values.round()).all()):
+                continue
+            if bool((values.to(dtype).to(values.dtype) == values).all()) and values.unique().numel() > 8:
+                names.append(name)
+        if names:
+            return names, dtype
+    return [], None
+
+
+def buffer_versions(module: nn.Module) -> list[int | None]:
+    """Each buffer's version counter, which every in-place write advances (None for an inference tensor: it keeps
+    none, and cannot be written outside inference mode anyway)."""
+    versions: list[int | None] = []
+    for buffer in module.buffers():
+        try:
+            versions.append(buffer._version)
+        except RuntimeError:
+            versions.append(None)
+    return versions
+
+
+def hold_points(model, session) -> dict[str, str]:
+    """For the module each attention call ran in, the innermost module around it (itself included) that took the
+    residual stream (B, T, width) in the session's observation pass: where the probe holds the input position-free.
+
+    Without an observation pass (the model cannot be observed) there are none, and only calls whose block input is
+    already position-free, or whose q and k turn as clean rotations, can be judged."""
+    try:
+        seen = session.observation()
+    except ModelRaised:
+        return {}
+    B, T = session.inputs.shape
+    width = {
+        m.name: m.input_shape[2]
+        for m in seen.modules
+        if m.name and m.input_shape is not None and len(m.input_shape) == 3 and m.input_shape[:2] == (B, T)
+    }
+    where = {c.module for c in seen.attention} | {mm.module for mm in seen.matmuls if mm.kind == "scores"}
+    points = {}
+    for module in where:
+        around = [name for name in width if module == name or module.startswith(f"{name}.")]
+        if not around:
+            continue
+        # The residual stream, not one head's already rotated q and k handed on to an inner module as (B, T, d_h):
+        # holding those would hold the rotation away. Its width is the model's, when known, else the widest.
+        wide = (
+            model.dims.get("d")
+            if any(width[n] == model.dims.get("d") for n in around)
+            else max(width[n] for n in around)
+        )
+        points[module] = max((n for n in around if width[n] == wide), key=len)
+    return points
+
+
+def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions and its key slots' positions when known)
+    of every self-attention call whose q and k were kept, in the order they ran. Cross-attention reads keys of
+    another sequence: nothing for RoPE's relative identity to hold between."""
+    calls = observation.attention
+    found = []
+    for call in calls:
+        if call.query is None or call.key is None or call.query.dim() < 2 or getattr(call, "cross", False):
+            continue
+        q, k = call.query, call.key
+        if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
+            q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
+        found.append((call.seq, call.module, q, k, call.query_positions, call.key_positions))
+    for mm in observation.matmuls:
+        if mm.kind != "scores" or mm.a is None or mm.b is None or mm.a.dim() < 2:
+            continue
+        call = calls[mm.call] if getattr(mm, "call", None) is not None else None
+        if getattr(call, "cross", False):
+            continue
+        # Kept in matmul layout whatever the product (an einsum's operands are permuted so): b is k^T (.., d_h, S).
+        found.append(
+            (
+                mm.seq,
+                mm.module,
+                mm.a,
+                mm.b.transpose(-1, -2),
+                getattr(call, "query_positions", None),
+                getattr(call, "key_positions", None),
+            )
+        )
+    return [f[1:] for f in sorted(found, key=lambda f: f[0])]
+
+
+def merge_steps(raw, written, P: int) -> list[tuple]:
+    """(where, q, k, query positions, written slots) per attention computation of the probe.
+
+    A forward that runs attention in steps (a prefill, then one token at a time through a KV cache) calls each
+    attention module several times with fewer queries than the probe has positions. Such a module's steps, in order,
+    become one call whose keys are its last step's: by then its cache holds every position. A cache of fewer slots
+    than the probe has positions (a ring buffer past its wrap) holds each position only for a while: its key is read
+    from a step that held it, by the positions the slots held."""
+    steps: dict[str, list[int]] = {}
+    for i, (where, q, *_) in enumerate(raw):
+        if q.shape[-2] < P:
+            steps.setdefault(where, []).append(i)
+    groups = {
+        idx[-1]: idx
+        for idx in steps.values()
+        if sum(raw[i][1].shape[-2] for i in idx) == P and len({raw[i][1].shape[:-2] for i in idx}) == 1
+    }
+    folded = {i for idx in groups.values() for i in idx[:-1]}
+    merged = []
+    for i, (where, q, k, positions, _) in enumerate(raw):
+        if i in folded:
+            continue
+        if i in groups:
+            q = torch.cat([raw[j][1] for j in groups[i]], dim=-2)  # (.., P, d_h): the steps' queries in order
+            known = [raw[j][3] for j in groups[i]]
+            positions = torch.cat([p.flatten() for p in known]) if all(p is not None for p in known) else None
+            assembled = keys_while_held([raw[j] for j in groups[i]], positions) if k.shape[-2] < P else None
+            k = k if assembled is None else assembled
+        merged.append((where, q, k, positions, written[i]))
+    return merged
+
+
+def keys_while_held(steps: list[tuple], positions: torch.Tensor | None) -> torch.Tensor | None:
+    """k (.., P, d_h) of every probe position from the steps of one attention module over a cache of fewer slots:
+    each position's key from a step whose slots held it (the step that wrote it, before a later one took its slot).
+    None when a position was held by no step's slots as far as they are known."""
+    if positions is None:
+        return None
+    held = {}
+    for _, _, k, _, slot_positions in steps:
+        slots = torch.arange(k.shape[-2]) if slot_positions is None else slot_positions.flatten().cpu()
+        for slot, position in enumerate(slots.tolist()):
+            if position >= 0:
+                held[position] = k[..., slot, :]  # (.., d_h): a later step holding it again holds the same key
+    wanted = [int(p) for p in positions.tolist()]
+    if not all(p in held for p in wanted):
+        return None
+    return torch.stack([held[p] for p in wanted], dim=-2)  # (.., P, d_h)
+
+
+def written_slots(k: torch.Tensor, k_other: torch.Tensor) -> list[int] | None:
+    """The key slots (.., S, d_h) that differ between two probes of different tokens at the same positions: the slots
+    the probe wrote. Slots neither wrote keep whatever they held, bit for bit."""
+    if k.shape != k_other.shape:
+        return None
+    changed = (k - k_other).abs().reshape(-1, *k.shape[-2:]).amax(dim=(0, 2)) > 0  # (S,)
+    return changed.nonzero().flatten().tolist()
+
+
+def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: list[int] | None) -> list[int] | None:
+    """Which of S key slots hold the probe's P positions, in the order of the queries: the call's query positions
+    when they index a cache of S slots and agree with what the probe wrote, else the slots it wrote."""
+    if query_positions is not None:
+        positions = [int(p) for p in query_positions.flatten()[-P:].tolist()]
+        if (
+            len(positions) == P
+            and 0 <= min(positions)
+            and max(positions) < S
+            and (written is None or sorted(positions) == written)
+        ):
+            return positions
+    if written is not None and len(written) == P:
+        return written
+    return None
+
+
+def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], tol: float) -> str:
+    """How position reaches a model whose q and k do not turn: said in the skip or FWD307."""
+    # Every token is the same, so a table whose indices vary reads something else: the positions. One whose indices
+    # are all one value (the token embedding; token types, all 0) does not.
+    learned = [
+        m.name
+        for m in seen.modules
+        if m.name in tables and m.input_value is not None and bool((m.input_value != m.input_value.flatten()[0]).any())
+    ]
+    if learned:
+        return (
+            f"absolute positions from a learned table ('{learned[0]}' reads the positions) added to the residual "
+            "stream, which is not RoPE"
+        )
+    first = next((points[c.module] for c in seen.attention if c.module in points), None)
+    if first is not None and hold.spread.get(first, 0.0) > tol:
+        return (
+            "the hidden state entering attention varies with position when every token is the same (an absolute "
+            "encoding such as sinusoids added to the residual stream, or tokens mixed with their neighbours), "
+            "which is not RoPE"
+        )
+    return "no position encoding reaches q and k"
+
+
+def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) -> str:
+    """FWD302's message for q and k of one pairing that do not turn alike: in opposite directions, or how fast."""
+    pairs = [
+        (a, b)
+        for a, b in zip(q.thetas, k.thetas, strict=False)
+        if well_measured(a, positions, tol) and well_measured(b, positions, tol)
+    ]
+    if pairs and all(a * b < 0 and abs(abs(a) - abs(b)) <= 10 * tol * abs(a) for a, b in pairs):
+        return (
+            "q and k rotate in opposite directions (q by +m theta, k by -m theta): the sign of the angle or of "
+            "sin differs between them"
+        )
+    return f"q and k rotate at different frequencies (base ~{q.base or 0:.4g} vs ~{k.base or 0:.4g})"
+
+
+def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, tol: float) -> bool:
+    """Whether q and k turn by the same angle, pair by pair, at every position (their pairing agrees).
+
+    Compared as measured, not as fitted frequencies: a slow pair of small magnitude may stay below the rounding on
+    one side and count as still there, and angles that are not linear in the position (FWD303's business) fit no
+    frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
+    smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
+    start = min(q.rotary_start, k.rotary_start)
+    rotary_dim = max(q.rotary_start + q.rotary_dim, k.rotary_start + k.rotary_dim) - start
+    assert q.pairing is not None  # the caller took the rotations without a pairing apart (FWD306)
+    i, j = pair_indices(q.pairing, rotary_dim, start)
+    weights = []
+    angles = []
+    for X in (q_seen.double(), k_seen.double()):
+        # A tensor of weights, not one number: no compare.relative_error.
+        weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
+        angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
+    difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
+    return float((difference.abs() * torch.minimum(*weights)).max()) <= 10 * tol
+
+
+def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:
+    """The same rotary bug repeats in every layer: keep its first occurrence and say how many calls share it."""
+
+    def more(first: Finding, others: int) -> None:
+        first.where = f"{first.where} and {others} more of {calls} calls"
+
+    return first_per_code(findings, more)

@@ -1,0 +1,147 @@
+"""What a model can do, as the checks ask it: the interfaces a ModelUnderTest carries beside its module.
+
+A check that needs more than `logits(ids)` (a loss from labels, decoding through a cache, packed documents, another
+attention implementation) asks the model for the interface ("is `model.loss` None?"), never which source built it.
+Each source fills in what it knows (a config's `loss:` section, the reference model's own), and detection on the
+module fills in the rest (fwdcheck/model/sources/detect.py: a transformers model is driven as one whoever built it).
+Where an interface is absent the source may say why in `ModelUnderTest.unavailable`, which the check's skip shows.
+
+Torch-free: these are descriptions, and the callables they hold are the sources' own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class AttentionSwitch:
+    """Attention implementations the model can be switched between, as transformers' `set_attn_implementation` and
+    `config._attn_implementation` offer them (the interface its ALL_ATTENTION_FUNCTIONS registry serves)."""
+
+    implementations: tuple[str, ...]  # those that run without extra packages ("eager", "sdpa")
+    current: Callable[[], str]  # the one the model runs now
+    switch: Callable[[str], None]  # make this one run from the next forward on
+
+    @contextmanager
+    def using(self, implementation: str | None) -> Iterator[None]:
+        """The block runs `implementation` (None: whatever runs now); the one running before is put back."""
+        if implementation is None:
+            yield
+            return
+        original = self.current()
+        self.switch(implementation)
+        try:
+            yield
+        finally:
+            self.switch(original)
+
+    @classmethod
+    def on(cls, module: Any) -> AttentionSwitch | None:
+        """The module's switch when it has transformers' (config._attn_implementation read,
+        set_attn_implementation(name) called), whatever class offers it; None otherwise. The implementations offered
+        are those that need no extra package: eager, sdpa where the class says it supports it (_supports_sdpa), and
+        flex_attention where it does (_supports_flex_attn) and torch has it."""
+        config: Any = getattr(module, "config", None)
+        if not callable(getattr(module, "set_attn_implementation", None)) or not isinstance(
+            getattr(config, "_attn_implementation", None), str
+        ):
+            return None
+        offered: tuple[str, ...] = ("eager", "sdpa") if getattr(module, "_supports_sdpa", False) else ("eager",)
+        if getattr(module, "_supports_flex_attn", False) and _flex_attention_available():
+            offered += ("flex_attention",)
+        return cls(offered, current=lambda: config._attn_implementation, switch=module.set_attn_implementation)
+
+    def ordered(self) -> list[str]:
+        """Every implementation, the one running now first."""
+        current = self.current()
+        return [current, *(i for i in self.implementations if i != current)]
+
+
+def _flex_attention_available() -> bool:
+    """Whether torch offers flex_attention (2.5 on), asked without importing torch here."""
+    try:
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Cache:
+    """How the model decodes incrementally through its KV cache (the kv-cache check).
+
+    past_key_values: forward(input_ids, past_key_values=cache, use_cache=True) returns the logits and the cache.
+      With `new_cache`, the caller makes the empty cache up front and passes the new tokens' position_ids (and
+      cache_position where forward takes it), as transformers' generate does; without, the first call gets no cache
+      and the model derives positions from the cache itself.
+    input_pos: model.<setup>(max_batch_size, max_seq_length) allocates the cache, then forward(input_ids, input_pos)
+      runs the tokens at positions input_pos [T] (gpt-fast; litgpt's set_kv_cache)."""
+
+    style: Literal["past_key_values", "input_pos"]
+    origin: str  # where fwdcheck learnt it, for the report
+    setup: str | None = None  # input_pos: the method that allocates the cache
+    new_cache: Callable[[Any], Any] | None = None  # past_key_values: module -> an empty cache, made as generate does
+
+
+@dataclass(frozen=True)
+class Loss:
+    """How forward computes its training loss from labels (the label-shift check): forward(input_ids,
+    <argument>=labels) returns the loss at `output` beside the logits."""
+
+    argument: str
+    shifted_by: Literal["model", "caller"]  # model: labels line up with input_ids; caller: labels[t] is token t + 1
+    output: int | str  # a tuple index, or an attribute / key name
+    ignore_index: int
+    origin: str
+
+    @property
+    def caller_shifts(self) -> int:
+        """1 when labels arrive already shifted by one (nanoGPT's targets), else 0."""
+        return 1 if self.shifted_by == "caller" else 0
+
+
+# How forward is told where packed documents are:
+#   document_ids   <argument>=[N, T] integer ids, one per document
+#   mask           <argument>=[N, 1, T, T] booleans, True = may attend, causal within each document
+#   additive-mask  <argument>=[N, 1, T, T] floats, 0 where it may attend, the dtype's lowest elsewhere
+#   positions      nothing but position_ids restarting per document: the model finds the documents from them
+PackingForm = Literal["document_ids", "mask", "additive-mask", "positions"]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How forward isolates documents packed into one row (the packing check)."""
+
+    form: PackingForm
+    description: str  # how the report names the way, e.g. "document_ids (the reference model's packed path)"
+    argument: str | None = None  # the keyword taking the ids or the mask; None for `positions`
+    position_ids: bool = False  # also pass position_ids restarting at 0 in each document
+    fixed: tuple[tuple[str, Any], ...] = ()  # keyword arguments every packed call takes as they are (use_cache=False)
+    # Layers whose state runs along the whole row (a recurrent, linear-attention or convolution mixer), which no mask
+    # or position resets: "linear_attention layers". The report names them when documents are not isolated.
+    carries_state: str | None = None
+
+
+# How the model learns where each token sits:
+#   given  forward takes position_ids counted from 0, and reads them: fwdcheck hands positions over where a check
+#          needs other ones than 0..T-1 (left padding, an offset, documents packed in a row, a cached decode)
+#   own    the model counts its positions itself (from the padding in input_ids, from its cache) in a convention of
+#          its own, or takes none: fwdcheck passes no position_ids and lets it (RoBERTa counts from padding_idx + 1)
+PositionsForm = Literal["given", "own"]
+
+
+@dataclass(frozen=True)
+class Positions:
+    """How forward is told the tokens' positions, and how fwdcheck learnt it (the report's reason when `own`)."""
+
+    form: PositionsForm
+    origin: str
+
+    @property
+    def given(self) -> bool:
+        """Whether fwdcheck may hand the model 0-based position_ids."""
+        return self.form == "given"

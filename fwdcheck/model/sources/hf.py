@@ -1,0 +1,803 @@
+"""The `hf` source: Hugging Face transformers models, built offline from a local config (weights optional).
+
+Nothing here touches the network: the load runs with HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE set, from a directory
+holding config.json or from an inline config. `trust_remote_code` stays off unless the config sets it, and then the
+report says the model's own code ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import functools
+import inspect
+import json
+import os
+import re
+import sys
+import textwrap
+from collections.abc import Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from pydantic import ValidationError
+
+from fwdcheck.config.schema import (
+    HF_WEIGHT_FILES,
+    MAX_DEPTH,
+    Config,
+    HFModel,
+    RopeSpec,
+    describe_validation_error,
+    nesting_depth,
+    regular_file,
+)
+from fwdcheck.errors import ModelLoadError, UsageError, first_line
+from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.model.config_keys import CONFIG_KEYS
+from fwdcheck.model.library_logs import kept_as_notes
+from fwdcheck.model.under_test import ModelUnderTest, extract_logits, layer_stack_of
+
+LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
+# The largest model built with random weights. Random weights check the model's code, and the code is the same at
+# any width: a larger one only costs memory and minutes (transformers' default Llama, what a config naming only its
+# model_type builds, is 6.7B parameters, 27 GB in float32). `fwdcheck shrink` keeps the architecture at small widths.
+MAX_RANDOM_PARAMETERS = 1_000_000_000
+# The sizes a config gives, by transformers' standard names (the first of each row; attribute_map has each
+# architecture's spelling).
+# 0-based position_ids that move the logits by more than this fraction of their scale are not the model's own count:
+# rounding between two orders of the same arithmetic stays near 1e-7 in float32, a shifted position moves them by
+# far more than 1e-3.
+POSITIONS_MOVE = 1e-4
+SIZE_KEYS = tuple(CONFIG_KEYS[symbol][0] for symbol in ("V", "d", "d_ff", "L", "h"))
+
+
+def require_transformers():
+    try:
+        import transformers  # imported on use: an optional package, and seconds to import
+    except ImportError:
+        raise ModelLoadError("source: hf needs the transformers package: pip install 'fwdcheck[hf]'") from None
+    return transformers
+
+
+@contextmanager
+def offline():
+    """No hub access while loading; the environment is put back afterwards."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
+    """Build the model the config's directory or inline config describes: its weights when the directory holds
+    them, else seeded random ones (or none, on the meta device, with `meta: true`)."""
+    transformers = require_transformers()
+    notes = []
+    if spec.trust_remote_code:
+        notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
+    with offline(), kept_as_notes(LOGGERS, notes):
+        hf_config = _hf_config(spec, transformers)
+        cls = _model_class(spec, transformers)
+        has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
+        for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
+            assert spec.path is not None  # has_weights
+            regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
+        try:
+            if config.meta:
+                with torch.device("meta"):
+                    module = _from_config(cls, hf_config, spec)
+            elif has_weights:
+                module = cls.from_pretrained(spec.path, config=hf_config, trust_remote_code=spec.trust_remote_code)
+                notes.append(f"weights loaded from {spec.path}")
+            else:
+                refuse_oversized(cls, hf_config, spec)
+                module = _from_config(cls, hf_config, spec)
+                notes.append("no weights in the config's directory: random initialisation (seeded)")
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(
+                f"transformers could not build {cls.__name__} from "
+                f"{spec.path or 'the inline config'}: {type(exc).__name__}: {exc}"
+            ) from exc
+    if not isinstance(module, nn.Module):  # pragma: no cover - transformers always returns modules
+        raise ModelLoadError(f"{cls.__name__} did not build an nn.Module")
+    model = hf_model_under_test(module, spec, notes, weights_at_init=not has_weights and not config.meta)
+    model.weights_loaded = has_weights
+    return model
+
+
+def hf_model_under_test(
+    module: nn.Module, spec: HFModel, notes: list[str], weights_at_init: bool = False
+) -> ModelUnderTest:
+    top: Any = module.config  # a transformers PretrainedConfig
+    # A multimodal model keeps its language model's settings in a config of their own (text_config); its sizes,
+    # positions and rope are that one's. get_text_config() is the config itself for a text-only model.
+    cfg: Any = text_config(top)
+    # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
+    # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
+    heads = config_size(cfg, "num_attention_heads", "n_head")
+    hidden = config_size(cfg, "hidden_size", "n_embd")
+    vocab_size = config_size(cfg, "vocab_size")
+    if vocab_size is None:
+        raise ModelLoadError(
+            f"{top.model_type}'s config gives no vocabulary size ({type(cfg).__name__}.vocab_size is "
+            f"{getattr(cfg, 'vocab_size', None)!r}); fwdcheck needs it to draw input ids"
+        )
+    dims = {"V": vocab_size}
+    if hidden:
+        dims["d"] = hidden
+    if heads:
+        dims["h"] = heads
+        dims["h_kv"] = kv_heads(cfg, heads)
+        head_dim = config_size(cfg, "head_dim") or (hidden // heads if hidden else None)
+        if head_dim:
+            dims["d_h"] = head_dim
+    d_ff = config_size(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    if d_ff:
+        dims["d_ff"] = d_ff
+    layers = config_size(cfg, "num_hidden_layers", "n_layer")
+    if layers:
+        dims["L"] = layers
+    # A sentinel (XLNet's -1: no limit) or an absent field is no limit on the length.
+    max_positions = config_size(cfg, "max_position_embeddings", "n_positions")
+    where = str(spec.path) if spec.path else "inline config"
+    config_file = str(spec.path / "config.json") if spec.path else "the inline config"
+    origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
+    rope, origins["rope"] = (
+        (spec.rope, "the config's `rope:`") if spec.rope else declared_rope(cfg, config_file, settings_read(module))
+    )
+    if rope is not None and not spec.rope and not builds_rotary(module):
+        # transformers gives every config rope settings, also where a setting of the model switches rotary
+        # embeddings off (Granite MoE hybrid's position_embedding_type None, Zamba 2's use_mem_rope False): only a
+        # model that builds one declares one.
+        rope = None
+        origins["rope"] = (
+            f"none declared: {config_file} holds rope settings, but {type(module).__name__} builds no rotary "
+            "embedding (the config switches it off)"
+        )
+    model = ModelUnderTest(
+        module=module,
+        label=f"{top.model_type} {type(module).__name__} ({where})",
+        source="hf",
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        causal=spec.causal,
+        dims={k: v for k, v in dims.items() if v},
+        declared_dims=set(),  # all read off the config by fwdcheck
+        rope=rope,
+        rotary=find_rotary(module),
+        rotary_discovered=True,
+        forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
+        weights_at_init=weights_at_init,
+        origins=origins,
+        extra={"notes": notes, "model_type": top.model_type},
+    )
+    add_transformers_capabilities(model)
+    return model
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: get_text_config() where transformers offers it (a composite config's
+    text_config, else the config itself)."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # releases whose get_text_config takes no arguments
+        return get()
+
+
+def config_size(cfg: Any, *names: str) -> int | None:
+    """The first of these settings the config gives, as one positive whole number. None when none is given, or the
+    first given is not one: a sentinel (0, -1 for unlimited), a list per layer (Gemma 3n's intermediate_size), a
+    fraction or text. A size fwdcheck cannot read as one number is left unnamed, never guessed."""
+    value = next((v for v in (getattr(cfg, name, None) for name in names) if v is not None), None)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+def kv_heads(cfg, heads: int) -> int:
+    """Key/value heads, across spellings: num_key_value_heads (Llama), num_kv_heads (Falcon), multi_query (Falcon,
+    GPT-BigCode: one shared head unless the new decoder architecture is on)."""
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        return 1
+    return config_size(cfg, "num_key_value_heads", "num_kv_heads") or heads
+
+
+def _hf_config(spec: HFModel, transformers) -> Any:
+    if spec.config is not None:
+        inline = dict(spec.config)
+        model_type = inline.pop("model_type")
+        try:
+            built = transformers.AutoConfig.for_model(model_type, **inline)
+        except Exception as exc:
+            raise ModelLoadError(f"inline config: {type(exc).__name__}: {exc}") from exc
+        refuse_unknown_keys(type(built), inline, transformers)
+        return built
+    path = spec.path
+    assert path is not None  # the schema asks for exactly one of config and path
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory; source hf wants a directory holding config.json")
+    config_json = path / "config.json"
+    if not config_json.exists():
+        raise ModelLoadError(f"{path}: no config.json in this directory")
+    regular_file(config_json, str(config_json), ModelLoadError, what="model config")
+    try:
+        document = json.loads(config_json.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ModelLoadError(f"{config_json}: nested too deeply to read") from None
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{config_json}: not valid JSON ({exc})") from None
+    # transformers copies and compares configs recursively; one nested past any real config's depth is refused here.
+    if nesting_depth(document) > MAX_DEPTH:
+        raise ModelLoadError(
+            f"{config_json}: nested more than {MAX_DEPTH} levels deep; a model config is a few levels deep"
+        )
+    if not isinstance(document, dict):
+        raise ModelLoadError(f"{config_json}: holds a JSON {type(document).__name__}, not an object of settings")
+    try:
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"{config_json}: {type(exc).__name__}: {exc}") from exc
+
+
+# Keys of former transformers releases a config class still takes through **kwargs and turns into its own (Llama's
+# rope_theta into rope_parameters), or that every config takes: never in a class's signature, always meant.
+# GPT-2's n_ctx: its former context length, which every GPT-2 config.json on the hub still carries.
+ACCEPTED_KEYS = {"rope_theta", "rope_scaling", "torch_dtype", "attn_implementation", "use_return_dict", "n_ctx"}
+
+
+def refuse_unknown_keys(cls: type, inline: dict[str, Any], transformers) -> None:
+    """An inline config key its config class does not know is a typo (GPT-2's `n_layers` for `n_layer`): transformers
+    keeps it as an attribute nothing reads and builds the default size. A key is known when the class's __init__
+    takes it, its attribute_map names it, a default config carries it, or it is one every config takes. Any other
+    key counts as known when it changes something else in the built config (a former spelling converted), or when
+    the code of the class's module, or of transformers' config base, names it (a key read from **kwargs, perhaps
+    given at its default value): only a key nothing could read is refused."""
+    signature = {
+        name
+        for klass in (cls, transformers.PretrainedConfig)
+        for name, parameter in inspect.signature(klass).parameters.items()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    baseline = cls().to_dict()
+    known = signature | set(getattr(cls, "attribute_map", {})) | set(baseline) | ACCEPTED_KEYS
+    unknown = []
+    for key in (key for key in inline if key not in known):
+        with_key = cls(**{key: inline[key]}).to_dict()
+        with_key.pop(key, None)
+        if with_key == baseline and not re.search(rf"\b{re.escape(key)}\b", _config_code(cls)):
+            unknown.append(key)
+    if not unknown:
+        return
+    problems = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known - {"_name_or_path"}), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"model.config.{key}: unknown to {cls.__name__}{hint}")
+    raise ModelLoadError("; ".join(problems))
+
+
+@functools.cache
+def _config_code(cls: type) -> str:
+    """The source of a config class's module and of the transformers modules every config reads its kwargs in."""
+    import transformers.configuration_utils
+
+    modules = [m for m in (inspect.getmodule(cls), transformers.configuration_utils) if m is not None]
+    with suppress(ImportError):
+        import transformers.modeling_rope_utils
+
+        modules.append(transformers.modeling_rope_utils)
+    texts = []
+    for module in modules:
+        with suppress(OSError, TypeError):
+            texts.append(inspect.getsource(module))
+    return "\n".join(texts)
+
+
+def _model_class(spec: HFModel, transformers):
+    name = spec.model_class or "AutoModelForCausalLM"
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ModelLoadError(f"transformers {transformers.__version__} has no class '{name}'")
+    return cls
+
+
+def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
+    if hasattr(cls, "from_config"):  # the Auto classes
+        return cls.from_config(hf_config, trust_remote_code=spec.trust_remote_code)
+    return cls(hf_config)
+
+
+def refuse_oversized(cls, hf_config, spec: HFModel) -> None:
+    """A ModelLoadError when the config would build more than MAX_RANDOM_PARAMETERS with random weights; counted on
+    the meta device first, which allocates nothing and takes milliseconds even for a 70B config."""
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in _from_config(cls, hf_config, spec).parameters())
+    if parameters <= MAX_RANDOM_PARAMETERS:
+        return
+    size = f"{parameters / 1e9:.1f}B-parameter model"
+    limit = f"over the limit of {MAX_RANDOM_PARAMETERS / 1e9:g}B for random weights"
+    shrink = "run `fwdcheck shrink` on this config (the same architecture at small widths)"
+    if spec.config is not None and not any(
+        key in spec.config or hf_config.attribute_map.get(key) in spec.config for key in SIZE_KEYS
+    ):
+        raise ModelLoadError(
+            f"model.config gives no sizes: transformers' default {hf_config.model_type} would build a "
+            f"{size}, {limit}; give {', '.join(SIZE_KEYS)}, or {shrink}"
+        )
+    where = "model.config" if spec.config is not None else f"{cast(Path, spec.path) / 'config.json'}"
+    raise ModelLoadError(
+        f"{where} would build a {size} with random weights (no weights file beside it), {limit}; "
+        f"{shrink}, or check its shapes alone with `--meta`"
+    )
+
+
+def declared_rope(cfg, where: str = "the model config", read: set[str] | None = None) -> tuple[RopeSpec | None, str]:
+    """What a Hugging Face config states about its rotary embedding, across the spellings architectures use, and
+    where each value came from (for the report). With `read` (the settings the model's class reads, settings_read),
+    only those count: MiniMax M3's config carries a rotary_dim its modeling code never reads.
+
+    Only what the config states: its base and rotary dim. The pairing is the modeling code's business, never a
+    config's (Cohere's rotate_half pairs neighbours, DeepSeek's rope_interleave reorders the weights before a half
+    rotation), so it is left undeclared: measured and reported, not compared. A base the config does not give is
+    not assumed either.
+
+    transformers accepts values no rotary embedding can have (rope_theta 1.0, a rotary_dim of 0, a fraction given as
+    text); each is one ModelLoadError line naming the key and the value, `where` naming the config."""
+
+    def setting(key: str) -> Any:
+        return getattr(cfg, key, None) if read is None or key in read else None
+
+    params = setting("rope_parameters") or setting("rope_scaling") or {}
+    if not isinstance(params, dict):
+        params = {}
+    theta_key, theta = next(
+        (
+            (k, v)
+            for k, v in (
+                ("rope_theta", params.get("rope_theta")),
+                ("rope_theta", setting("rope_theta")),
+                ("rotary_emb_base", setting("rotary_emb_base")),
+            )
+            if v is not None
+        ),
+        ("rope_theta", None),
+    )
+    rotary_dim = setting("rotary_dim")
+    if theta is None and rotary_dim is None:
+        return None, f"none declared: {where} gives no rope settings"  # learned or sinusoidal positions, ALiBi, ...
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    try:
+        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        partial_key, partial = next(
+            (
+                (k, v)
+                for k, v in (
+                    ("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
+                    ("partial_rotary_factor", setting("partial_rotary_factor")),
+                    ("rotary_pct", setting("rotary_pct")),
+                )
+                if v
+            ),
+            (None, None),
+        )
+        dim_origin = f"rotary dim {rotary_dim} from rotary_dim" if rotary_dim is not None else "rotary dim: head size"
+        if rotary_dim is None and partial and head_dim:
+            rotary_dim = int(head_dim * partial)
+            dim_origin = f"rotary dim {rotary_dim} from head size {head_dim} x {partial_key} {partial}"
+        # rescaled frequencies (llama3, yarn, ...) have no single base to compare
+        base = float(theta) if theta is not None and rope_type == "default" else None
+        base_origin = (
+            f"base {base:g} from {theta_key}"
+            if base is not None
+            else f"base not compared (rope_type {rope_type} rescales the frequencies)"
+            if theta is not None
+            else "base not stated"
+        )
+        spec = RopeSpec(base=base, pairing=None, rotary_dim=rotary_dim)
+    except ValidationError as exc:
+        problem = describe_validation_error(exc)
+        key = {"base": theta_key}.get(problem.split(":")[0], problem.split(":")[0])
+        raise ModelLoadError(
+            f"{where}: {key}: {problem.split(': ', 1)[-1]}; not a usable rotary embedding "
+            "(set `rope:` in the config to declare its settings yourself)"
+        ) from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ModelLoadError(
+            f"{where}: its rotary settings cannot be read ({type(exc).__name__}: {exc}); set "
+            "`rope:` in the config to declare them yourself"
+        ) from None
+    return spec, f"read off {where}: {base_origin}, {dim_origin}; pairing not stated (measured, not compared)"
+
+
+def settings_read(module: nn.Module) -> set[str] | None:
+    """The config settings a transformers model's class reads while it builds itself: the model rebuilt on the meta
+    device (no memory, no values) from a copy of its config that records each attribute read. None when it cannot
+    be rebuilt so (then every setting counts, as before)."""
+    config: Any = module.config
+    read: set[str] = set()
+    base = type(config)
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def __getattribute__(self, name: str) -> Any:
+            read.add(name)
+            return super().__getattribute__(name)
+
+    try:
+        recording = copy.deepcopy(config)
+        recording.__class__ = Recording
+        with torch.device("meta"), kept_as_notes(LOGGERS, []):
+            type(module)(recording)
+    except Exception:
+        return None
+    return read
+
+
+def builds_rotary(module: nn.Module) -> bool:
+    """Whether a transformers model built a rotary embedding: a module whose class names it, as every modeling file
+    that rotates calls it (LlamaRotaryEmbedding, GPTJRotaryEmbedding, ...)."""
+    return any("rotary" in type(m).__name__.lower() for m in module.modules())
+
+
+def find_rotary(module: nn.Module):
+    """The model's rotary embedding as a function (x [B,h,T,d_h], positions [T]) -> rotated x, when the modeling
+    file follows the common layout: a *RotaryEmbedding module returning (cos, sin) and apply_rotary_pos_emb(q, k,
+    cos, sin) beside the attention class. None otherwise (the probe through the model still runs)."""
+    rotary_emb = next((m for m in module.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    attention = next((m for m in module.modules() if type(m).__name__.endswith("Attention")), None)
+    apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
+    if rotary_emb is None or apply is None:
+        return None
+
+    def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_emb(x, positions[None].expand(x.shape[0], -1))
+        rotated, _ = apply(x, x, cos, sin)
+        return rotated
+
+    return rotary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a transformers model can do, whoever built it (this source, a Python factory, a module handed to check_model)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether the module is a transformers PreTrainedModel (asked without importing transformers: a model of it has
+    imported it already)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
+
+
+def add_transformers_capabilities(model: ModelUnderTest) -> None:
+    """Fill in the interfaces every transformers model offers: its attention switch, generate's cache protocol, the
+    causal-LM loss, its tensor-parallel plan, the way it isolates packed documents, and its library's log."""
+    module = model.module
+    model.attention = AttentionSwitch.on(module)
+    model.matrix_by_default = True  # attention implementation, output_attentions and attention_mask pick its path
+    model.library_loggers = LOGGERS
+    if own_cache_class(module):  # generate makes no cache for these: the model makes its own on the first call
+        model.cache = Cache("past_key_values", origin="transformers' generate (the model's own cache class)")
+    else:
+        model.cache = Cache(
+            "past_key_values", origin="transformers' generate (a DynamicCache made up front)", new_cache=dynamic_cache
+        )
+    model.tensor_parallel = tensor_parallel
+    model.positions = positions_of(module)
+    if not is_causal_lm(module):
+        reason = f"{type(module).__name__} is not one of transformers' causal language models"
+        model.unavailable["loss"] = f"{reason}: its loss (if any) is not next-token cross-entropy"
+        model.unavailable["packing"] = f"{reason}: documents packed for causal training do not apply"
+        return
+    model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    if not model.positions.given:
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} {model.positions.origin}: fwdcheck cannot start each packed document's "
+            "positions at 0"
+        )
+        return
+    carries_state = stateful_layers(module)
+    if mask_builder_reads_positions(module):
+        model.packing = Packing(
+            "positions",
+            "position_ids restarting per document, no attention_mask, use_cache=False (transformers' mask "
+            f"builder finds the documents from the positions{' for the attention layers' if carries_state else ''})",
+            position_ids=True,
+            fixed=(("use_cache", False),),
+            carries_state=carries_state,
+        )
+        return
+    window = windowed(text_config(module.config))
+    if window:
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} does not find packed documents from position_ids, "
+            f"and one 4-D attention_mask cannot carry its own attention pattern ({window})"
+        )
+        return
+    refused = refuses_4d_mask(module, with_positions=model.positions.given)
+    if refused:
+        model.unavailable["packing"] = (
+            f"{type(module).__name__} takes only 2-D attention masks (a 4-D one {refused}); one 2-D mask cannot keep "
+            "packed documents apart"
+        )
+        return
+    model.packing = Packing(
+        "additive-mask",
+        "a 4-D block-diagonal causal attention_mask (additive) with position_ids restarting per document",
+        argument="attention_mask",
+        position_ids=True,
+        carries_state=carries_state,
+    )
+
+
+# Layer kinds of transformers' configs that attend (keys and values per token, which a mask or positions separate);
+# every other kind a config names (mamba, linear_attention, conv, ...) keeps a state along the row.
+ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention", "chunked_attention", "global", "local"}
+
+
+def stateful_layers(module: nn.Module) -> str | None:
+    """The model's layers whose state runs along the whole row, as its config names their kinds (layer_types,
+    layers_block_type), e.g. "mamba layers"; for a model with no attention module at all, its layers' class. None
+    for a model that only attends."""
+    config = text_config(module.config)
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds = getattr(config, key, None)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            stateful = sorted({k for k in kinds if k.lower() not in ATTENTION_KINDS})
+            return f"{' and '.join(stateful)} layers ({key})" if stateful else None
+    if any(type(m).__name__.endswith("Attention") for m in module.modules()):
+        return None
+    stack = layer_stack_of(module)
+    blocks = dict(module.named_modules()).get(stack) if stack else None
+    kind = type(blocks[0]).__name__ if isinstance(blocks, nn.ModuleList) and len(blocks) else "layers"
+    return f"{kind} layers (no attention: a recurrent or convolution mixer)"
+
+
+def own_cache_class(module: nn.Module) -> bool:
+    """Whether generate leaves the cache to the model (its own cache class: MiniMax, xLSTM, ...) rather than making
+    a DynamicCache up front, as transformers' _supports_default_dynamic_cache says."""
+    supports = getattr(module, "_supports_default_dynamic_cache", None)
+    try:
+        return callable(supports) and not supports()
+    except Exception:  # a release whose method asks for more: generate's default, a DynamicCache
+        return False
+
+
+def refuses_4d_mask(module: nn.Module, with_positions: bool) -> str | None:
+    """How the model refuses a 4-D additive attention mask of one short row (all keys of the past allowed), with
+    position_ids as packing passes them (OPT counts positions from a 2-D mask when given none), or None when it takes
+    one (or there are no values to run: the meta device)."""
+    vocab = config_size(text_config(module.config), "vocab_size")
+    parameter = next(module.parameters(), None)
+    if parameter is None or parameter.is_meta or vocab is None:
+        return None
+    length = 4
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(parameter.device)
+    lowest = torch.finfo(parameter.dtype if parameter.is_floating_point() else torch.float32).min
+    causal = torch.ones(length, length, dtype=torch.bool, device=parameter.device).tril()
+    mask = torch.zeros(1, 1, length, length, device=parameter.device).masked_fill(~causal, lowest)  # (1, 1, T, T)
+    if parameter.is_floating_point():
+        mask = mask.to(parameter.dtype)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            positions = {"position_ids": torch.arange(length, device=ids.device)[None]} if with_positions else {}
+            module(ids, attention_mask=mask, **positions)
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {first_line(exc)[:120]}"
+    finally:
+        module.train(was_training)
+    return None
+
+
+def positions_of(module: nn.Module) -> Positions:
+    """How a transformers model learns its positions, from what it reads: position_ids named in forward's signature
+    (a name swallowed by **kwargs is not read: the BART-family decoders), then, where the weights have values, the
+    observed effect of 0-based position_ids on the logits of one short row. Positions that move the logits of the
+    model's own count are in another convention (RoBERTa counts from padding_idx + 1): the model keeps its own."""
+    name = type(module).__name__
+    parameters: Mapping[str, inspect.Parameter]
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    taken = parameters.get("position_ids")
+    if taken is None or taken.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+        return Positions("own", "takes no position_ids (forward does not name them, so they cannot be given)")
+    signature = f"{name}.forward names position_ids"
+    vocab = config_size(text_config(module.config), "vocab_size")
+    parameter = next(module.parameters(), None)
+    if parameter is None or parameter.is_meta or vocab is None:
+        return Positions("given", f"{signature} (not run: no values to observe)")
+    length = 6
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(parameter.device)
+    zero_based = torch.arange(length, device=parameter.device)[None]  # (1, T)
+    fixed = {"use_cache": False} if "use_cache" in parameters else {}  # no cache made, none kept
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            own = extract_logits(module(ids, **fixed)).float()
+            given = extract_logits(module(ids, position_ids=zero_based, **fixed)).float()
+    except Exception:  # the checks run the model and report what it raises; here there is nothing to observe
+        return Positions("given", f"{signature} (its forward raised when observed)")
+    finally:
+        module.train(was_training)
+    scale = own.abs().max().clamp_min(1e-6)
+    if torch.isfinite(own).all() and ((own - given).abs().max() / scale) > POSITIONS_MOVE:
+        return Positions(
+            "own",
+            "counts its own positions in another convention (position_ids = 0..T-1 move the logits of its own "
+            f"count by {float((own - given).abs().max() / scale):.1e} of their scale)",
+        )
+    return Positions("given", f"{signature}, and 0-based positions reproduce its own count")
+
+
+def is_causal_lm(module: nn.Module) -> bool:
+    """Whether a transformers model is one of the classes AutoModelForCausalLM builds (their loss shifts labels)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return type(module).__name__ in names
+
+
+def dynamic_cache(module: nn.Module) -> Any:
+    """An empty cache for the first call, as generate makes it: the layer types (sliding window, ...) from the
+    config; None for a model with a cache class of its own (MiniMax, Mamba), which its forward makes, as generate
+    leaves it to."""
+    from transformers import DynamicCache
+
+    supports = getattr(module, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return None
+    config: Any = module.config  # a transformers PretrainedConfig
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # releases whose DynamicCache takes no config
+        return DynamicCache()
+
+
+def mask_builder_reads_positions(module: nn.Module) -> bool:
+    """Whether a transformers model hands position_ids to the masking_utils mask builder, which then finds packed
+    documents from positions that restart and keeps each one to itself: its base model's forward calls a *mask*
+    function with position_ids=..., or with **kwargs from a dict holding "position_ids", and its modeling module
+    uses masking_utils' create_causal_mask."""
+    base = getattr(module, "base_model", module)
+    masking = sys.modules.get("transformers.masking_utils")
+    modeling = sys.modules.get(type(base).__module__)
+    if masking is None or getattr(modeling, "create_causal_mask", None) is not masking.create_causal_mask:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    holding_positions = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in node.value.keys)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if "mask" not in called.lower():
+            continue
+        for keyword in node.keywords:
+            if keyword.arg == "position_ids":
+                return True
+            if keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id in holding_positions:
+                return True
+    return False
+
+
+def windowed(config) -> str | None:
+    """Why one 4-D mask for every layer cannot stand for this model's own masks (sliding-window or chunked
+    attention), or None."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return f"sliding_window {window}"
+    if getattr(config, "attention_chunk_size", None):
+        return f"attention_chunk_size {config.attention_chunk_size}"
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        return f"layer_types {sorted(kinds)}"
+    return None
+
+
+# The mesh dimensions a Hugging Face model's own plans shard over, by the names transformers' DistributedConfig gives
+# them (dp_shard is its fsdp_size), in the order transformers builds its mesh: (dp_replicate, fsdp, tp).
+HF_MESH = {"dp_replicate": "dp_replicate_size", "dp_shard": "fsdp_size", "tp": "tp_size"}
+
+
+def tensor_parallel(module: nn.Module, mesh: dict[str, int]) -> tuple[nn.Module, str]:
+    """A transformers model sharded by its own plans over the mesh's dimensions {name: size}, the way
+    from_pretrained(distributed_config=DistributedConfig(...)) shards a loaded model: its tensor-parallel plan (its
+    config's base_model_tp_plan and the class's _tp_plan) over `tp` (over every rank for the 1-D mesh "ranks"), its
+    FSDP plan over `dp_shard`, replicas over `dp_replicate`."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        raise UsageError(
+            "this transformers has no tensor-parallel plans (transformers.distributed); name a "
+            "distributed.parallelize function"
+        ) from None
+    plan = getattr(module, "tp_plan", None) or {}
+    if not plan:
+        raise UsageError(
+            f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize function"
+        )
+    sizes = _plan_sizes(mesh)
+    cls: Any = type(module)  # a transformers PreTrainedModel class
+    over = (
+        " x ".join(f"{name} {size}" for name, size in mesh.items())
+        if list(mesh) != ["ranks"]
+        else f"{sizes['tp_size']} ranks"
+    )
+    try:
+        config, _, meshes = cls.prepare_distribute_model(
+            DistributedConfig(
+                tp_size=sizes["tp_size"],
+                fsdp_size=sizes.get("fsdp_size"),
+                dp_replicate_size=sizes.get("dp_replicate_size"),
+            )
+        )
+        sharded = cls.maybe_distribute_model(module, config, meshes)
+    except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
+        plans = "plans" if len(sizes) > 1 else "tensor-parallel plan"
+        raise ModelLoadError(
+            f"transformers could not apply {cls.__name__}'s {plans} over "
+            f"{over}: {type(exc).__name__}: {first_line(exc)}; name a "
+            "distributed.parallelize function instead"
+        ) from exc
+    how = f"its tensor-parallel plan ({len(plan)} rules)"
+    if sizes.get("fsdp_size", 1) > 1:
+        how += f" and its FSDP plan ({len(getattr(module, 'fsdp_plan', None) or {})} rules)"
+    return sharded, how
+
+
+def _plan_sizes(mesh: dict[str, int]) -> dict[str, int]:
+    """DistributedConfig's sizes for the mesh, or a usage error naming `parallelize` for a mesh transformers cannot
+    shard over as it stands."""
+    if list(mesh) == ["ranks"]:  # the 1-D mesh of every rank: tensor parallel over all of them
+        return {"tp_size": mesh["ranks"]}
+    unknown = [name for name in mesh if name not in HF_MESH]
+    if unknown or "tp" not in mesh:
+        what = f"dimension '{unknown[0]}'" if unknown else "no dimension 'tp'"
+        raise UsageError(
+            f"distributed.mesh: {what}: a Hugging Face model's own plans shard over 'tp' (its tensor-parallel "
+            f"plan), 'dp_shard' (its FSDP plan) and 'dp_replicate'; name a distributed.parallelize function for "
+            "other meshes"
+        )
+    order = [name for name in HF_MESH if name in mesh]
+    if list(mesh) != order:
+        raise UsageError(
+            f"distributed.mesh: list the dimensions as transformers lays its mesh out ({', '.join(order)}), so that "
+            "the ranks' groups are the ones it builds"
+        )
+    return {HF_MESH[name]: size for name, size in mesh.items()}

@@ -1,0 +1,54 @@
+"""The path that trains: train() mode, every dropout forced to zero, gradients enabled.
+
+A training job runs the model in train() mode with autograd recording, and model code may branch on either: `if
+self.training:` (a mask skipped, another kernel, a cache bypassed), `torch.is_grad_enabled()` (a fused kernel only
+without gradients), or a kernel's `dropout_p=self.attention_dropout if self.training else 0.0`. The checks judge
+that path as they judge eval's once its randomness is off: dropout modules at p=0 (the session sets them),
+functional dropout the identity and every attention call's dropout_p 0.0 (ZeroAttentionDropout).
+
+Some models cannot record gradients on every path (torch's flex_attention has no backward on the CPU in torch 2.13):
+they run the train path without gradients, and the caller says so. What changes the modes is model code (an
+overridden train()): what it raises is the model's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from fwdcheck.model.under_test import model_code
+from fwdcheck.observe.observer import ZeroAttentionDropout
+
+
+@contextmanager
+def train_path(module: nn.Module, gradients: bool = True) -> Iterator[None]:
+    """Inside, `module` is in train() mode, functional and attention dropout are zeroed and gradients are recorded
+    (unless `gradients` is False). Dropout modules are not touched here: the session holds them at p=0. The mode is
+    put back as it was on exit (every module's own flag: a model may keep submodules in eval on purpose)."""
+    modes = {m: m.training for m in module.modules()}
+    with model_code("the model cannot be put in train mode:"):
+        module.train()
+    try:
+        with torch.enable_grad() if gradients else torch.no_grad(), ZeroAttentionDropout():
+            yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+@contextmanager
+def eval_path(module: nn.Module) -> Iterator[None]:
+    """Inside, `module` is in eval() mode without gradients, dropout zeroed as on the train path; the modes are put
+    back as they were on exit."""
+    modes = {m: m.training for m in module.modules()}
+    with model_code("the model cannot be put in eval mode:"):
+        module.eval()
+    try:
+        with torch.no_grad(), ZeroAttentionDropout():
+            yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
