@@ -55,6 +55,7 @@ def test_leaky_model():
 """
 
 
+@pytest.mark.slow
 def test_raise_for_failures_points_at_the_test_not_at_fwdcheck(pytester: pytest.Pytester):
     pytester.makepyfile(test_model=TEST_FILE)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")

@@ -244,13 +244,55 @@ def assert_one_line_error(result, config: Path, expect: str, exit_code: int = 2)
 
 
 # The slow tier: a case whose config holds up until its ranks start launches them; the others take seconds to get
-# to their error (a Hugging Face model configured or sized, a huge allocation refused).
+# to their error (a Hugging Face model configured, sized or read from a directory, a checkpoint read and refused,
+# a huge allocation refused).
 LAUNCHES_RANKS = {"distributed-hf-plan-transformers-cannot-apply"}
 SLOW = LAUNCHES_RANKS | {
     "hf-directory-too-large-for-random-weights",
     "hf-inline-model-type-only",
     "hf-rope-theta-one",
+    "hf-config-json-nested-deep",
+    "hf-config-json-nested-200-deep",
+    "hf-corrupt-config-json",
+    "hf-no-config-json",
+    "hf-missing-directory",
+    "checkpoint-corrupt-safetensors",
+    "checkpoint-fewer-layers-than-the-factory",
     "batch-size-overflow",
+}
+# The cases whose error is found in the supervised worker (the model's code imported or run, a checkpoint read):
+# a worker starts for each, the slow tier. The inner loop keeps those the command line refuses before any worker.
+SLOW |= {
+    "checkpoint-integer-weight",
+    "checkpoint-is-a-fifo",
+    "checkpoint-meta-tensors",
+    "checkpoint-missing-file",
+    "checkpoint-pickle-calls-os-system",
+    "checkpoint-pickle-protocol-4",
+    "checkpoint-pickled-module",
+    "checkpoint-safetensors-duplicate-key",
+    "checkpoint-unknown-extension",
+    "device-auto",
+    "device-cuda-without-gpu",
+    "distributed-parallelize-not-importable",
+    "factory-bad-kwarg",
+    "factory-calls-sys-exit",
+    "factory-multiline-error",
+    "factory-not-module",
+    "factory-raises",
+    "factory-raises-cancelled-error",
+    "factory-raises-unprintable",
+    "forward-adapter-missing",
+    "missing-attribute",
+    "module-exits-at-import",
+    "module-import-name-error",
+    "module-missing-dependency",
+    "module-not-found",
+    "module-raises-at-import",
+    "module-syntax-error",
+    "not-callable",
+    "seq-len-beyond-max",
+    "vocab-size-overflow",
 }
 
 

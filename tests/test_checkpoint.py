@@ -104,6 +104,7 @@ def _direct_report(bugs: tuple[str, ...]):
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("bugs", [[], ["no-causal-mask"], ["rope-k-unrotated"]], ids=["clean", "no-mask", "rope-k"])
+@pytest.mark.slow
 def test_round_trip_verdicts_equal_direct_check(tmp_path, suffix, bugs):
     kwargs = {**REF, "bugs": bugs}
     path = save(reference_state(bugs=bugs), tmp_path / f"model{suffix}")
@@ -382,6 +383,7 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.slow
 def test_unloadable_file_is_one_line_exit_2(tmp_path, case):
     name, how, fragments = BAD_FILES[case]
     path = tmp_path / name

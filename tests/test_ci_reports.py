@@ -103,6 +103,7 @@ def test_markdown_html_and_svg_exports(tmp_path):
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<svg")
 
 
+@pytest.mark.slow
 def test_json_report_validates_against_the_published_schema(tmp_path):
     schema = json.loads(CliRunner().invoke(app, ["schema", "--json-report"]).stdout)
     assert schema == JSON_REPORT_SCHEMA
@@ -129,6 +130,7 @@ def test_ignored_codes_still_show_but_do_not_count(tmp_path):
     assert bad.exit_code == 2 and "ignore[0].reason" in bad.stderr
 
 
+@pytest.mark.slow
 def test_ledger_contract_catches_a_changed_head_layout(tmp_path):
     ledger = tmp_path / "ledger.json"
     assert invoke(TOY, "--save-ledger", ledger).exit_code == 0

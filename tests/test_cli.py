@@ -246,6 +246,7 @@ def test_every_broken_config_is_tested():
 
 
 @pytest.mark.parametrize("config", BROKEN, ids=[p.stem for p in BROKEN])
+@pytest.mark.slow
 def test_broken_config_fails_with_its_expected_checks(config):
     expected = expected_failures(config)
     result, report = run_json(config)
@@ -363,6 +364,7 @@ USAGE_CASES = [
 
 
 @pytest.mark.parametrize(("make_args", "fragments"), USAGE_CASES)
+@pytest.mark.slow
 def test_usage_error_is_one_line_exit_2(tmp_path, helpers, make_args, fragments):
     result = invoke(*make_args(tmp_path, helpers))
     usage_error(result, *fragments)
@@ -514,6 +516,7 @@ def forget_odd_models():
 
 
 @pytest.mark.parametrize("kind", list(ODD))
+@pytest.mark.slow
 def test_model_failing_oddly_is_an_error_of_every_check(kind, tmp_path, forget_odd_models):
     if kind == "RaisesExceptionGroup" and sys.version_info < (3, 11):
         pytest.skip("exception groups need Python 3.11")
@@ -595,6 +598,7 @@ def test_json_report_schema():
     assert by_name["logits"]["shape"] == [2, 4, 16] and by_name["logits"]["dims"] == ["B", "T", "V"]
 
 
+@pytest.mark.slow
 def test_overrides_reach_the_report():
     result, report = run_json(TOY, "--seed", "7", "--check", "shape-ledger")
     assert result.exit_code == 0, result.output
@@ -671,6 +675,7 @@ def test_output_to_dev_null_leaves_the_device_a_device(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["--output", "--json", "--junit", "--save-ledger"])
+@pytest.mark.slow
 def test_output_to_a_full_disk_is_one_line(option, tmp_path):
     full = _device_link(tmp_path, "/dev/full")
     result = invoke("run", TOY, "--check", "shape-ledger", "--format", "markdown", option, full)
@@ -751,6 +756,7 @@ def _checkpoint_run(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "which", ["config", "config-through-a-link", "config-hard-link", "checkpoint", "expected-ledger"]
 )
+@pytest.mark.slow
 def test_output_over_an_input_of_the_run_is_refused(tmp_path, which):
     config = _checkpoint_run(tmp_path)
     ledger = tmp_path / "ledger.json"
@@ -935,6 +941,7 @@ LEDGER_CASES = {
 
 
 @pytest.mark.parametrize("case", list(LEDGER_CASES))
+@pytest.mark.slow
 def test_expected_ledger_of_the_wrong_shape_is_one_line(tmp_path, case):
     make, fragment = LEDGER_CASES[case]
     document = make(_saved_ledger(tmp_path))
@@ -1011,6 +1018,7 @@ def test_no_arguments_shows_help():
         assert command in plain(result.output)
 
 
+@pytest.mark.slow
 def test_help_and_version_do_not_import_torch():
     script = textwrap.dedent("""\
         import sys

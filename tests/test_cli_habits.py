@@ -53,6 +53,7 @@ def test_run_without_a_config_uses_fwdcheck_yaml_here(tmp_path, monkeypatch):
     assert json.loads(result.stdout)["config"] == "fwdcheck.yaml"
 
 
+@pytest.mark.slow
 def test_several_configs_make_one_report_and_the_worst_exit_code(tmp_path):
     result = invoke("run", TOY, BROKEN, "--format", "json", "--junit", tmp_path / "report.xml")
     assert result.exit_code == 1, result.output
@@ -68,6 +69,7 @@ def test_several_configs_make_one_report_and_the_worst_exit_code(tmp_path):
     assert lines[-1] == "2 configs: toy.yaml passed, inverted-bool-mask.yaml failed → exit 1"
 
 
+@pytest.mark.slow
 def test_a_config_that_cannot_run_does_not_stop_the_others(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text('model: {source: python, factory: "no_such_module_here:build"}\n')
@@ -92,6 +94,7 @@ def test_worst_exit_order():
     assert worst_exit([]) == 0
 
 
+@pytest.mark.slow
 def test_quiet_is_one_line_and_verbose_shows_every_panel():
     quiet = invoke("run", TOY, "-q")
     assert quiet.exit_code == 0 and quiet.stdout.strip().count("\n") == 0

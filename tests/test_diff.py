@@ -62,6 +62,7 @@ def diff(*args) -> tuple[int, dict, str]:
     return result.exit_code, json.loads(result.stdout) if result.stdout.startswith("{") else {}, result.stderr
 
 
+@pytest.mark.slow
 def test_gpt2_and_a_port_under_other_names_are_equal(tmp_path):
     a = write(tmp_path, "gpt2.yaml", GPT2)
     b = write(tmp_path, "port.yaml", port(), diff={"rename": RENAME})
@@ -87,6 +88,7 @@ def test_gpt2_and_a_port_under_other_names_are_equal(tmp_path):
         ("post-norm", "transformer.h.0.ln_1", "blocks.0.norm1"),  # norm1 reads x + attn(x), not x
     ],
 )
+@pytest.mark.slow
 def test_a_planted_change_in_the_port_names_the_first_pair_that_parts(tmp_path, bug, first_a, first_b):
     a = write(tmp_path, "gpt2.yaml", GPT2)
     b = write(tmp_path, "port.yaml", port(bug), diff={"rename": RENAME})
@@ -99,6 +101,7 @@ def test_a_planted_change_in_the_port_names_the_first_pair_that_parts(tmp_path, 
     assert before and not any(p["parts"] for p in before)  # everything before it computes the same
 
 
+@pytest.mark.slow
 def test_gpt2s_tanh_gelu_against_the_exact_one_differs_first_at_the_activation(tmp_path):
     """GPT-2 itself uses the tanh approximation (gelu_new); a port with nn.GELU() computes another function there.
     With weights of order one the difference, a few 1e-4, stays within the tolerance of the activation's output
@@ -117,6 +120,7 @@ def test_gpt2s_tanh_gelu_against_the_exact_one_differs_first_at_the_activation(t
     assert all(p["max_diff"] == 0 for p in before)  # the same kernels on the same weights: bitwise alike
 
 
+@pytest.mark.slow
 def test_gpt2_and_nanogpt_share_names_and_differ_in_layout(tmp_path):
     """nanoGPT names its modules as GPT-2 does: no rename needed; nn.Linear against Conv1D is transposed, its tril
     buffer stays its own, and its positions [T, d] pair with GPT-2's [1, T, d]."""
@@ -150,6 +154,7 @@ def test_a_refactor_against_its_original(tmp_path):
     assert code == 1 and report["first_parting"]["a"] == "layers.0.attn.o_proj"
 
 
+@pytest.mark.slow
 def test_the_terminal_report_names_the_first_pair_and_plots_on_a_terminal(tmp_path):
     a = write(tmp_path, "gpt2.yaml", GPT2)
     b = write(tmp_path, "port.yaml", port("heads-swapped"), diff={"rename": RENAME})
@@ -172,6 +177,7 @@ def test_the_terminal_report_names_the_first_pair_and_plots_on_a_terminal(tmp_pa
     assert threshold[7 + first] == "█" and set(threshold[7 : 7 + first]) == {"·"}  # parts there, not before
 
 
+@pytest.mark.slow
 def test_names_that_do_not_match_are_one_line(tmp_path):
     a = write(tmp_path, "gpt2.yaml", GPT2)
     b = write(tmp_path, "port.yaml", port())  # no rename rules
@@ -218,6 +224,7 @@ def test_a_config_that_cannot_run_is_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_rename_rules_on_the_command_line_do_what_the_configs_do(tmp_path):
     """The port's rules given as --rename instead of in B's config: the same pairs, equal."""
     a = write(tmp_path, "gpt2.yaml", GPT2)

@@ -28,6 +28,7 @@ def build(root: Path, site: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     built = build(ROOT, tmp_path / "site")
     assert built.returncode == 0, built.stderr
@@ -42,6 +43,7 @@ def test_the_site_builds_strictly(tmp_path):
         ("[gone](no-such-page.md)", "the target is not found"),
     ],
 )
+@pytest.mark.slow
 def test_a_broken_link_fails_the_build(tmp_path, broken, said):
     copy = tmp_path / "repo"
     shutil.copytree(DOCS, copy / "docs")

@@ -283,6 +283,7 @@ def test_gitlab_job_shape():
     assert contract["rules"] == [{"if": '$CI_PIPELINE_SOURCE == "merge_request_event"'}]
 
 
+@pytest.mark.slow
 def test_options_missing_from_help_are_named():
     assert missing_option(["fwdcheck", "run", TOY, "--fail-on", "warn", "--exhaustive", "-o", "x"]) is None
     assert missing_option(["fwdcheck", "run", TOY, "--no-such-option", "1"]) == "--no-such-option"
@@ -351,6 +352,7 @@ def test_hook_entry_runs_on_the_toy_config(tmp_path):
     assert "passed (exit 0)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_hook_default_config_missing_is_a_usage_error(tmp_path):
     """A repository without fwdcheck.yaml gets exit 2 and one line naming the file, not a traceback."""
     hook = hooks()["fwdcheck"]

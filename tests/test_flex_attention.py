@@ -22,6 +22,9 @@ import fwdcheck
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
+# flex_attention compiles its kernels as it first meets a mask: seconds a test, the slow tier as a whole.
+pytestmark = pytest.mark.slow
+
 VOCAB, WIDTH, HEADS, LAYERS, WINDOW, DOCUMENT, PREFIX = 32, 16, 2, 2, 3, 5, 4
 
 

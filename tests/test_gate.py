@@ -265,6 +265,7 @@ def test_only_the_started_process_reports(tmp_path, monkeypatch):
     assert any("not the model's process, were ignored" in note for note in report["notes"]), report["notes"]
 
 
+@pytest.mark.slow
 def test_the_readme_counts_these_cases():
     """docs/reliability.md's third counts line (scripts/reliability_counts.py) is what this file collects."""
     import importlib.util

@@ -273,6 +273,7 @@ def test_save_then_expect_through_the_file(tmp_path):
     assert golden_result["status"] == "pass"
 
 
+@pytest.mark.slow
 def test_the_file_is_one_module_a_line_and_small(tmp_path):
     config = write_config(tmp_path, EIGHT_LAYERS)
     golden = tmp_path / "golden.json"
@@ -285,6 +286,7 @@ def test_the_file_is_one_module_a_line_and_small(tmp_path):
     assert golden.stat().st_size < 64_000, golden.stat().st_size
 
 
+@pytest.mark.slow
 def test_a_planted_change_fails_through_the_file(tmp_path):
     golden = tmp_path / "golden.json"
     assert invoke("run", write_config(tmp_path, CLEAN), "--save-golden", golden, "-q").exit_code == 0
@@ -383,6 +385,7 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.slow
 def test_a_file_that_is_not_a_golden_file_is_one_line(tmp_path, saved_file, case):
     config, document = saved_file
     make, fragment = BAD_FILES[case]

@@ -45,6 +45,7 @@ def test_readme_table_is_what_the_tests_verified():
     )
 
 
+@pytest.mark.slow
 def test_hf_matrix_runs_every_code_path_by_default():
     report = compat.report("Llama (GQA)")
     rows = report.result("future-token").data["paths"]
@@ -55,6 +56,7 @@ def test_hf_matrix_runs_every_code_path_by_default():
     assert "sdpa, mask ones, output_attentions=False, B=2" in labels
 
 
+@pytest.mark.slow
 def test_bert_fails_on_every_path_and_says_where():
     result = compat.report("BERT (BertForMaskedLM)").result("future-token")
     assert {r["status"] for r in result.data["paths"]} == {"fail"}
@@ -195,6 +197,7 @@ def test_meta_ledger_of_an_8b_config_stays_under_a_gigabyte(tmp_path):
     assert entries["logits"]["dims"] == ["B", "T", "V"] and entries["logits"]["shape"] == [2, 16, 128256]
 
 
+@pytest.mark.slow
 def test_falcon_output_attentions_path_leaks_exactly_where_plain_torch_says_it_does():
     """fwdcheck flags exactly the Falcon cells whose path leaks by a direct measurement in plain torch: the
     output_attentions=True cells where transformers ignores the causal mask there (up to 5.24), none where not."""

@@ -78,6 +78,7 @@ def test_config_size_reads_only_one_positive_whole_number(names, expected):
     assert config_size(_Config(), *names) == expected
 
 
+@pytest.mark.slow
 def test_a_sentinel_limit_and_a_per_layer_width_are_left_unnamed_not_refused():
     """A -1 position limit is no limit (before: refused as a limit of -1), a per-layer intermediate_size is no d_ff
     (before: an internal error in the ledger), and the ledger still runs on the model."""
@@ -112,6 +113,7 @@ def test_a_sentinel_limit_and_a_per_layer_width_are_left_unnamed_not_refused():
         ("mamba", "own"),  # takes none
     ],
 )
+@pytest.mark.slow
 def test_positions_are_read_off_the_model(model_type, form):
     model = _load(model_type)
     assert model.positions is not None and model.positions.form == form, model.positions
@@ -166,6 +168,7 @@ def test_a_model_with_its_own_cache_class_decodes_through_it():
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "xlm"])
+@pytest.mark.slow
 def test_a_model_taking_only_2d_masks_skips_packing_saying_why(model_type):
     """Before: a 4-D block-diagonal mask forced on them, an error."""
     model = _load(model_type)

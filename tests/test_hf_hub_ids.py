@@ -45,6 +45,7 @@ def config_file(tmp_path, path: str):
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
+@pytest.mark.slow
 def test_a_hub_id_is_read_from_the_cache(tmp_path, monkeypatch, variable):
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
         monkeypatch.delenv(name, raising=False)
@@ -95,6 +96,7 @@ def test_a_local_path_that_is_not_a_hub_id_says_no_such_directory(tmp_path, monk
 # -- inline config keys ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gpt2_n_layers_is_refused_with_a_did_you_mean(tmp_path):
     config = tmp_path / "gpt2.yaml"
     config.write_text(

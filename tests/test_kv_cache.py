@@ -233,10 +233,12 @@ def test_gpt_fast_mask_rows_by_length_fails():
 
 
 @pytest.mark.parametrize("name", ["llama", "pythia"])
+@pytest.mark.slow
 def test_litgpt_passes(name):
     clean_pass(result(litgpt(name)))
 
 
+@pytest.mark.slow
 def test_litgpt_sliding_window_ring_buffer_fails_in_chunks():
     """litgpt 0.5's sliding-window cache is a ring buffer of window slots whose mask is the first `window` columns of
     the input_pos rows: once the ring wraps, a chunk's first query reads its successor's key. One token at a time it

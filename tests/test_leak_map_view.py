@@ -7,6 +7,7 @@ import io
 import re
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -58,6 +59,7 @@ def test_a_tall_map_is_capped_and_says_what_it_left_out():
     assert rows[-1].strip() == "… 40 more lines, 40 with a leak (the JSON report holds the map)"
 
 
+@pytest.mark.slow
 def test_cli_exhaustive_leak_at_t64_is_capped(tmp_path):
     config = tmp_path / "leak.yaml"
     config.write_text(
@@ -73,6 +75,7 @@ def test_cli_exhaustive_leak_at_t64_is_capped(tmp_path):
     assert len(map_lines) == MAP_ROWS and "more lines" in map_lines[-1]
 
 
+@pytest.mark.slow
 def test_verbose_on_a_passing_model_draws_no_map():
     result = runner.invoke(
         app, ["run", "-v", str(ROOT / "sample_configs/toy.yaml")], env={"COLUMNS": "100"}, catch_exceptions=False

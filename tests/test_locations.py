@@ -124,6 +124,7 @@ def test_third_party_finding_points_into_the_library_at_its_attention_call():
     assert {parsed(f.source) for f in findings} == {at(attend, line_with(attend, "self.attn_fn(sim)"))}
 
 
+@pytest.mark.slow
 def test_third_party_sdpa_call_is_recorded_in_the_library():
     """litgpt's Llama hands its mask to F.scaled_dot_product_attention in litgpt/model.py: each call says so."""
     # Imported here: litgpt imports lightning, seconds that every test process would spend collecting.

@@ -206,11 +206,16 @@ def forget_misbehaving():
     sys.modules.pop(MODULE, None)
 
 
+# A model that hangs waits out its time limit: the slow tier.
+MODE_CASES = [pytest.param(m, id=m.name, marks=[pytest.mark.slow] if m.name == "hangs" else []) for m in MODES]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Through the command line: exit code and report
 
 
-@pytest.mark.parametrize("mode", MODES, ids=[m.name for m in MODES])
+@pytest.mark.parametrize("mode", MODE_CASES)
+@pytest.mark.slow
 def test_cli_reports_the_failure(mode: Mode, tmp_path):
     config = tmp_path / f"{mode.name}.yaml"
     config.write_text(yaml.safe_dump(document(mode), sort_keys=False))
@@ -275,7 +280,7 @@ def assert_process_same(before: dict, after: dict) -> None:
     assert before == after
 
 
-@pytest.mark.parametrize("mode", MODES, ids=[m.name for m in MODES])
+@pytest.mark.parametrize("mode", MODE_CASES)
 def test_model_left_exactly_as_found(mode: Mode, tmp_path):
     config = config_from_dict(document(mode), origin=tmp_path / f"{mode.name}.yaml")
     model = load_model(config)

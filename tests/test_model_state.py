@@ -278,6 +278,7 @@ def test_rotary_function_failures_are_the_models_error(exc, shown):
 # Hooks a Hugging Face model installs on itself
 
 
+@pytest.mark.slow
 def test_hf_model_comes_back_without_the_hooks_it_installed(capfd):
     """transformers installs output-capturing hooks on its own modules the first time output_attentions is asked
     for (the code-path matrix does), and marks the model as hooked. Both are gone afterwards, and a second check

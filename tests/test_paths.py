@@ -49,6 +49,7 @@ PATH_BUG_CELLS = [
 
 
 @pytest.mark.parametrize("bug, check, code, fails_on", PATH_BUG_CELLS)
+@pytest.mark.slow
 def test_path_bug_fails_exactly_on_its_paths(bug, check, code, fails_on):
     report = run_path_bug(bug)
     result = report.result(check)

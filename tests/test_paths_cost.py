@@ -203,6 +203,7 @@ def test_a_cell_the_model_refuses_at_the_short_length_runs_at_the_full_one():
 
 
 @pytest.mark.parametrize("bug, check, code, fails_on", PATH_BUG_CELLS)
+@pytest.mark.slow
 def test_short_cells_of_a_long_run_fail_exactly_on_their_paths(bug, check, code, fails_on):
     """inputs.seq_len 64, cells of 8 tokens: every path bug still fails on exactly its cells."""
     report = run_checks(
@@ -216,6 +217,7 @@ def test_short_cells_of_a_long_run_fail_exactly_on_their_paths(bug, check, code,
     assert {r["path"] for r in rows if code in r["codes"]} == {r["path"] for r in rows if fails_on(r["path"])}
 
 
+@pytest.mark.slow
 def test_falcon_output_attentions_leak_shows_in_short_cells_of_a_long_run():
     """The run's inputs are 32 tokens, its cells 8: the Falcon cells flagged are exactly those whose path leaks at 8
     tokens by a direct measurement (output_attentions=True up to transformers 5.24, none from 5.25)."""

@@ -207,6 +207,7 @@ def test_the_former_exhaustive_key_still_turns_on_each_checks_thorough_variant(t
     assert kept.options["future-token"] == {"exhaustive": False}  # the check's own section wins
 
 
+@pytest.mark.slow
 def test_a_plugins_files_are_saved_compared_validated_and_protected(plugin, tmp_path):
     clean = config(tmp_path / "clean.yaml", **toy(checks=["acme-bound"]))
     saved = tmp_path / "bound.json"

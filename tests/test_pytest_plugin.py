@@ -120,6 +120,7 @@ def supervised_runs(monkeypatch) -> list[tuple[str, list[str]]]:
     return runs
 
 
+@pytest.mark.slow
 def test_configs_become_items(tester, monkeypatch):
     """One session over five configs and a model repo's own test file (pytest sessions are costly: one run)."""
     runs = supervised_runs(monkeypatch)
@@ -202,6 +203,7 @@ def test_configs_become_items(tester, monkeypatch):
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_subset_and_fail_on_warn(tester, monkeypatch):
     runs = supervised_runs(monkeypatch)
     result = run(
@@ -297,6 +299,7 @@ def test_missing_path_is_a_usage_error(tester):
     result.stderr.fnmatch_lines(["*--fwdcheck nowhere.yaml: no such file or directory*"])
 
 
+@pytest.mark.slow
 def test_startup_imports_no_torch(pytester):
     """A fresh interpreter: with the plugin loaded but no --fwdcheck, torch stays unimported."""
     pytester.makeconftest(
@@ -349,6 +352,7 @@ def test_a_golden_file_beside_a_config_is_checked(tester):
     result.stdout.fnmatch_lines(["configs/toy.golden.json: made with another config: seed 0 (this run: 5)*"])
 
 
+@pytest.mark.slow
 def test_a_yaml_of_another_tool_is_left_alone(tester):
     """A Hydra-style configs/train.yaml with a `model:` key of its own is no collection error: it is left alone and
     named in the summary, while the configs beside it are collected; a file named as a config reports its errors,

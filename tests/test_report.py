@@ -410,6 +410,7 @@ def masked(text: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["diff", "golden"])
+@pytest.mark.slow
 def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
     """The numeric contract's and fwdcheck diff's examples, their numbers masked (tests/readme_example.py says
     why)."""

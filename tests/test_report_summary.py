@@ -105,6 +105,7 @@ def test_on_a_terminal_each_summary_line_fits_the_window():
     assert re.search(r"^shape-ledger\s+pass\b.*…$", text, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_off_a_terminal_nothing_is_cut_and_no_line_ends_in_spaces():
     for columns in (80, 120):
         out = ANSI.sub("", run(BROKEN, columns=columns).stdout)
@@ -168,6 +169,7 @@ def test_quiet_with_one_config_stays_as_it_was():
     assert line.startswith("fwdcheck: passed (exit 0)")
 
 
+@pytest.mark.slow
 def test_a_run_starts_without_set_up_noise():
     """torch warns "Failed to initialize NumPy" at import when numpy is missing: fwdcheck depends on numpy."""
     from importlib.metadata import requires

@@ -439,6 +439,7 @@ def assert_pass(result, pairing: str, rotary_dim: int, calls: int = 2):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.slow
 def test_correct_rotary_passes_in_every_layout(kind, shape):
     cls, fields = SHAPES[shape]
     result = rope_result(build(cls, rotary=kind, **fields))
@@ -504,6 +505,7 @@ BUGS = [  # (bug, rotary kind, shape, the code it must fail with)
 
 
 @pytest.mark.parametrize("bug, kind, shape, code", BUGS, ids=[f"{b}-{k}-{s}" for b, k, s, _ in BUGS])
+@pytest.mark.slow
 def test_planted_rotary_bug_fails_its_code(bug, kind, shape, code):
     cls, fields = SHAPES[shape]
     result = rope_result(build(cls, rotary=kind, bug=bug, **fields))
@@ -616,6 +618,7 @@ def generate(model: TinyLM, input_ids: torch.Tensor, **_) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["complex", "litgpt"])
+@pytest.mark.slow
 def test_prefill_then_decode_steps_are_one_measurement(kind):
     """Each layer's attention runs as a prefill of 8 queries and 8 single-query steps: put together they are the
     probe's 16 positions, the keys those the last step's cache holds."""
@@ -656,6 +659,7 @@ def test_low_precision_correct_models_pass(dtype, kind, shape):
         ("offset", "FWD304"),
     ],
 )
+@pytest.mark.slow
 def test_low_precision_bugs_fail_their_code(dtype, bug, code):
     cls, fields = SHAPES["cache-gqa"]
     result = rope_result(build(cls, rotary="complex", bug=bug, **fields), dtype=dtype)

@@ -508,6 +508,7 @@ def _builds(model_type: str, data: dict) -> None:
         ("recurrent_gemma", lambda d: d["num_hidden_layers"] == 3),
     ],
 )
+@pytest.mark.slow
 def test_sizes_that_must_agree_still_agree(model_type, sizes):
     data = transformers.AutoConfig.for_model(model_type).to_dict()
     shrink_hf_dict(data)

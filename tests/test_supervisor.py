@@ -222,6 +222,7 @@ def test_os_exit_0_in_forward_fails_the_gate(config):
     assert_model_left_its_mark(run_one(config, "exit_0"), "exit_0")
 
 
+@pytest.mark.slow
 def test_segfault_in_forward_is_fwd005_naming_the_signal(config):
     assert_model_left_its_mark(run_one(config, "segfault"), "segfault")
 

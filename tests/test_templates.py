@@ -40,6 +40,7 @@ def test_every_template_validates_as_written(tmp_path, source):
 
 
 @pytest.mark.parametrize("source", ["reference", "python", "hf"])
+@pytest.mark.slow
 def test_template_runs_and_passes(tmp_path, source):
     if source == "hf":
         pytest.importorskip("transformers")

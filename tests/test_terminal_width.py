@@ -64,7 +64,17 @@ def assert_laid_out(report: Report, text: str, width: int, verbosity: Verbosity,
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("config", SAMPLES, ids=[str(p.relative_to(ROOT / "sample_configs")) for p in SAMPLES])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # a Hugging Face model is built (on the meta device too): seconds, the slow tier
+        pytest.param(
+            p, id=str(p.relative_to(ROOT / "sample_configs")), marks=[pytest.mark.slow] if p.parent.name == "hf" else []
+        )
+        for p in SAMPLES
+    ],
+)
+@pytest.mark.slow
 def test_every_sample_config_fits_the_width(config, width):
     report = report_of(config)
     for verbosity in (Verbosity.DEFAULT, Verbosity.VERBOSE):

@@ -94,6 +94,7 @@ CORRECT = {
 
 
 @pytest.mark.parametrize("name", list(CORRECT))
+@pytest.mark.slow
 def test_correct_models_pass_the_default_run_with_its_train_cell(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -170,6 +171,7 @@ def test_at_the_default_length_samples_read_each_other_on_the_train_path_fails()
 # What cannot run with gradients, or in train mode at all
 
 
+@pytest.mark.slow
 def test_flex_attention_on_cpu_runs_the_train_cell_without_gradients_and_says_so():
     report = gate(FlexModel("causal"), vocab_size=VOCAB, seq_len=12)
     assert report.exit_code == 0
@@ -179,6 +181,7 @@ def test_flex_attention_on_cpu_runs_the_train_cell_without_gradients_and_says_so
         assert "run without gradients" in row["note"] and "backward" in row["note"], row
 
 
+@pytest.mark.slow
 def test_a_wrong_flex_mask_still_fails_on_the_train_cell_without_gradients():
     report = gate(FlexModel("window-one-ahead"), vocab_size=VOCAB, seq_len=12)
     row = train_row(report, "mask-audit")
