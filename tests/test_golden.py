@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fwdcheck.checks.rope import analyze, toeplitz_error
+from fwdcheck.checks.rotation import analyze, toeplitz_error
 from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer, apply_rope
 from fwdcheck.observe.observer import _read_mask, observing
 from tests.conftest import run_checks

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from fwdcheck.checks.rope import analyze  # noqa: E402
+from fwdcheck.checks.rotation import analyze  # noqa: E402
 from fwdcheck.config.schema import config_from_dict  # noqa: E402
 from fwdcheck.model.sources import load_model  # noqa: E402
 from fwdcheck.model.sources.shrink import shrink_hf_dict  # noqa: E402

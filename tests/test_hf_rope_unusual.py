@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fwdcheck.checks.rope import analyze, one_side_unjudgeable
+from fwdcheck.checks.rope import one_side_unjudgeable
+from fwdcheck.checks.rotation import analyze
 
 pytest.importorskip("transformers")
 

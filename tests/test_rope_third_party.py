@@ -713,7 +713,7 @@ def test_eager_attention_on_a_long_cache():
 
 
 def test_written_slots_are_the_ones_two_tokens_wrote_differently():
-    from fwdcheck.checks.rope import written_slots
+    from fwdcheck.checks.observed_qk import written_slots
 
     stale = torch.randn(1, 2, 32, 8)
     a, b = stale.clone(), stale.clone()
@@ -723,7 +723,7 @@ def test_written_slots_are_the_ones_two_tokens_wrote_differently():
 
 
 def test_key_slots_prefer_query_positions_that_agree_with_what_was_written():
-    from fwdcheck.checks.rope import key_slots
+    from fwdcheck.checks.observed_qk import key_slots
 
     written = list(range(12, 28))
     assert key_slots(16, 32, torch.arange(12, 28), written) == written

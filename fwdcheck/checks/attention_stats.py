@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from fwdcheck.checks.backends import RecordSdpa, SdpaCall
+from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.observe.observer import MASKED_BELOW, Observation

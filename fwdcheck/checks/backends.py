@@ -17,20 +17,18 @@ bfloat16 1e-2; fwdcheck/run/tolerances.py), never below the session's threshold 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
-from types import FrameType
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
+from fwdcheck.checks.equivalence_bar import tolerance
+from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import _SDPA_SIGNATURE, MASKED_BELOW, code_location
+from fwdcheck.observe.observer import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.run.compare import logit_scale, position_change
@@ -46,43 +44,6 @@ KERNELS = {
 FLEX = "flex_attention"
 
 
-@dataclass
-class SdpaCall:
-    """One scaled_dot_product_attention call as the model made it: its arguments (tensors detached and kept) and
-    the line of model code that made it."""
-
-    arguments: dict
-    source: str | None
-
-
-class RecordSdpa(TorchFunctionMode):
-    """Keeps the arguments of every scaled_dot_product_attention call, and changes nothing of what runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[SdpaCall] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
-            kept = {
-                name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                for name, value in bound.arguments.items()
-            }
-            self.calls.append(SdpaCall(kept, _model_line()))
-        return func(*args, **kwargs)
-
-
-def _model_line() -> str | None:
-    """'path:line' of the first frame beyond torch and fwdcheck: the model code that called SDPA."""
-    skip = (str(torch.__path__[0]), str(__import__("fwdcheck").__path__[0]), __file__)
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame = frame.f_back
-    return code_location(frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
-
-
 def switchable(model) -> tuple[list[str], str | None]:
     """The attention implementations the model can be switched between, the one it runs now first; or no list and
     why not. The switch is the model's capability (ModelUnderTest.attention): transformers' config._attn_implementation
@@ -93,12 +54,6 @@ def switchable(model) -> tuple[list[str], str | None]:
             "set_attn_implementation)"
         )
     return model.attention.ordered(), None
-
-
-def tolerance(session, scale: float, noise: float = 0.0, rounding: float = 0.0) -> float:
-    """The bar for values of magnitude `scale`: Hugging Face's eager-vs-SDPA bar, never below the session's."""
-    rtol, atol = TOLERANCES[session.dtype].backends
-    return max(atol + rtol * scale, session.threshold(scale, noise, rounding))
 
 
 class Backends(Check):

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from fwdcheck.checks.backends import tolerance
+from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status

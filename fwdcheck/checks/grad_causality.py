@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from fwdcheck.checks.future_token import span
 from fwdcheck.checks.grad_causality_view import GradientMap
+from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
-from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits
+from fwdcheck.checks.wording import listed, span
+from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.observe.observer import first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import nonfinite_positions
@@ -51,7 +52,6 @@ from fwdcheck.run.train_path import train_path
 
 MAP_QUERIES = 32  # query positions the leak map backpropagates from, one backward each (on a leak only)
 MAX_LOCATE = 64  # module outputs backpropagated from, in turn, to find where a leak enters (on a leak only)
-NAMES_SHOWN = 8  # names a note or finding lists before "and N more"
 
 
 def cuts_for(B: int, T: int) -> list[int]:
@@ -122,25 +122,6 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     """Per position of a [..., T, d] gradient: whether a finite nonzero value reached it. NaN or Inf is no evidence
     of a path (0.0 times NaN is NaN: a NaN anywhere in the backward spreads through masked weights too): FWD123."""
     return ((grad != 0) & grad.isfinite()).any(-1)
-
-
-def logits_with_graph(model: ModelUnderTest, session: Session, ids: torch.Tensor, handles: list) -> torch.Tensor:
-    """The logits [B, T, V] of one forward of ids [B, T] with their autograd graph, counted among the session's
-    forwards; the hooks behind `handles` removed however the forward ends."""
-    try:
-        logits = extract_logits(model.forward(ids), keep_graph=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    session.forward_tokens += ids.numel()
-    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-        raise ModelRaised(f"forward returned logits {list(logits.shape)} for input_ids {list(ids.shape)}")
-    return logits
-
-
-def listed(names: list[str]) -> str:
-    shown = ", ".join(names[:NAMES_SHOWN])
-    return shown + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
 
 
 class GradCausality(Check):

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from fwdcheck.checks.grad_causality import listed, logits_with_graph
+from fwdcheck.checks.gradients import logits_with_graph
+from fwdcheck.checks.wording import listed
 from fwdcheck.errors import SkipCheck, first_line
 from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status

@@ -21,15 +21,17 @@ shift it skips, saying why.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 
-from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.checks.held_input import Hold, hold_points, relative_spread
+from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, written_slots
+from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
+from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest, model_code
-from fwdcheck.observe.observer import Observation, first_tensor
+from fwdcheck.observe.observer import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import logit_scale, position_change, relative_error
 from fwdcheck.run.session import Session
@@ -40,81 +42,6 @@ from fwdcheck.run.tolerances import TOLERANCES
 # costs time, two observed forwards of this length.
 PROBE_LENGTH = (16, 32)
 SHIFT = 17  # positions added in the shift tests; any offset works for a relative encoding
-
-
-@dataclass
-class Rotation:
-    """What a stack of vectors X[m] = R(m) x reveals about R."""
-
-    rotates: bool
-    pairing: str | None = None  # half | interleaved | None when no pairing keeps pair norms constant
-    rotary_dim: int = 0
-    thetas: list[float] = field(default_factory=list)  # radians per position, per pair
-    base: float | None = None
-    decay: float | None = None  # theta_p = exp(-decay * p); base = exp(decay * rotary_dim / 2)
-    norm_error: float = 0.0  # largest relative drift of a pair's norm across positions, under the best pairing
-    rotary_start: int = 0  # the first rotated dim: 0, or where a head's rotated slice follows an unrotated one (MLA)
-
-
-def pair_indices(pairing: str, rotary_dim: int, start: int = 0) -> tuple[list[int], list[int]]:
-    half = rotary_dim // 2
-    if pairing == "half":
-        return list(range(start, start + half)), list(range(start + half, start + rotary_dim))
-    return list(range(start, start + rotary_dim, 2)), list(range(start + 1, start + rotary_dim, 2))
-
-
-def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float | None = None) -> Rotation:
-    """X: (P, D), the same vector rotated to positions 0..P-1. Which dims turn, paired how, how fast.
-
-    The rotated dims are one slice of the head: its start (usually 0; after the unrotated part in multi-head latent
-    attention, whose heads concatenate [no rope | rope]) and its width are measured, not assumed.
-
-    tol judges whether pair norms stay constant; noise (default tol) is the relative change below which a dim counts
-    as still: set it near the dtype's rounding so that slow pairs, which turn by little within the probe, still count.
-    """
-    X = X.double()
-    P, D = X.shape
-    scale = float(X.abs().max()) or 1.0
-    moving = (X - X[0]).abs().amax(0) > (tol if noise is None else noise) * scale  # (D,)
-    if not bool(moving.any()):
-        return Rotation(rotates=False)
-    first, last = (int(i) for i in moving.nonzero().flatten()[[0, -1]])
-    # The slice starts at 0 or at the first moving dim (or one before it: an interleaved pair whose first dim holds
-    # nothing); every (pairing, start, rotary dim) that holds every moving dim is a candidate, and a rotation keeps
-    # each pair's norm constant.
-    candidates = []
-    for pairing in ("half", "interleaved"):
-        for start in sorted({0, first, max(first - 1, 0)}):
-            for rotary_dim in range(2, D - start + 1, 2):
-                if start + rotary_dim <= last:
-                    continue
-                i, j = pair_indices(pairing, rotary_dim, start)
-                radius = torch.hypot(X[:, i], X[:, j])  # (P, r/2)
-                drift = relative_error(radius, radius[0], relative_to=radius)
-                candidates.append((drift, pairing, rotary_dim, start))
-    valid = [c for c in candidates if c[0] <= tol]
-    if not valid:
-        drift, _, rotary_dim, start = min(candidates)
-        return Rotation(rotates=True, pairing=None, rotary_dim=rotary_dim, norm_error=drift, rotary_start=start)
-    # The smallest rotary dim that works (pairs that never turn are not rotary), the declared pairing on a tie.
-    drift, pairing, rotary_dim, start = min(valid, key=lambda c: (c[2], c[1] != prefer, c[3] != 0, c[0]))
-    i, j = pair_indices(pairing, rotary_dim, start)
-    angle = torch.atan2(X[:, j], X[:, i])  # (P, r/2)
-    step = torch.remainder(angle[1:] - angle[:-1] + math.pi, 2 * math.pi) - math.pi  # per-position turn, unwrapped
-    turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
-    m = torch.arange(1, P, dtype=X.dtype)[:, None]
-    thetas = ((m * turned).sum(0) / (m * m).sum()).tolist()  # least squares through the origin
-    # theta_p = base^(-2p/r) = exp(-decay p): the decay comes from the pairs that turned enough to measure, the base
-    # from the decay and the rotary dim.
-    decays = sorted(-math.log(abs(t)) / p for p, t in enumerate(thetas) if p > 0 and well_measured(t, P, tol))
-    decay = decays[len(decays) // 2] if decays else None
-    base = math.exp(decay * rotary_dim / 2) if decay else None
-    return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift, rotary_start=start)
-
-
-def well_measured(theta: float, positions: int, tol: float) -> bool:
-    """A pair's frequency is trusted when its total turn over the probe is far above the rounding noise."""
-    return abs(theta) * (positions - 1) > 20 * tol
 
 
 def one_side_unjudgeable(
@@ -143,17 +70,6 @@ def one_side_unjudgeable(
             False,
         )
     return None, False
-
-
-def toeplitz_error(scores: torch.Tensor) -> float:
-    """How far scores[m, n] is from depending on n - m alone, relative to the largest |score|."""
-    P = scores.shape[0]
-    worst = 0.0
-    for offset in range(-P + 1, P):
-        diagonal = torch.diagonal(scores, offset)
-        worst = max(worst, float(diagonal.max() - diagonal.min()))
-    # The spread along each diagonal, not a difference of two tensors: no compare.relative_error.
-    return worst / (float(scores.abs().max()) + 1e-30)
 
 
 @dataclass
@@ -221,98 +137,6 @@ class Probe:
             return "no attention call with q and k was observed"
         notes = sorted({c.note for c in self.calls if c.note})
         return f"none of {len(self.calls)} attention calls could be judged: {'; '.join(notes)}"
-
-
-class Hold:
-    """Forward pre-hooks that hand each named module its hidden-state input with one row at every position: the row
-    its first call of the forward got at position 0. Whatever q and k then do with position inside that module is the
-    position encoding alone, however position entered the residual stream before it (learned or sinusoidal tables,
-    tokens mixed with their neighbours), in whichever layer, and over however many calls the forward makes (a prefill
-    and then one token at a time through a KV cache).
-
-    The shifted probe replays the rows the first probe held, so that q and k start from the same content at other
-    positions; how far a module's own rows moved under the shift tells whether position entered it absolutely."""
-
-    def __init__(self, names: set[str], positions: int):
-        self.names, self.positions = names, positions
-        self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> the rows it is given in this forward
-        self.replay: dict[str, tuple[torch.Tensor, ...]] | None = None  # rows to give instead of its own
-        self.moved: dict[str, float] = {}  # module -> how far its own rows were from the replayed ones
-        self.spread: dict[str, float] = {}  # module -> how much its own input changed along the positions
-
-    def start(self, replay: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
-        """Before each forward: forget the rows of the last one; replay these instead of the modules' own."""
-        self.rows, self.replay, self.moved = {}, replay, {}
-
-    @contextmanager
-    def installed(self, model: nn.Module):
-        handles = [
-            m.register_forward_pre_hook(self._hook(n), with_kwargs=True)
-            for n, m in model.named_modules()
-            if n in self.names
-        ]
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _hook(self, name: str):
-        def hold(module, args, kwargs):
-            x = first_tensor(args) if args else first_tensor(kwargs)  # what the observation pass records as input
-            if (
-                x is None
-                or not x.is_floating_point()
-                or x.dim() != 3
-                or x.shape[0] != 1
-                or not 1 <= x.shape[1] <= self.positions
-            ):
-                return None  # not a hidden state (1, L <= P, width): leave this call alone
-
-            # Every tensor shaped like it (q, k and v inputs given apart) is held alike; one handed over twice stays
-            # one tensor (whether keys come from the queries' own input is read off that identity).
-            distinct: list[torch.Tensor] = []
-            for t in (*args, *kwargs.values()):
-                if (
-                    isinstance(t, torch.Tensor)
-                    and t.shape == x.shape
-                    and t.dtype == x.dtype
-                    and not any(t is d for d in distinct)
-                ):
-                    distinct.append(t)
-            if not any(x is d for d in distinct):
-                return None  # the hidden state sits inside a container: nothing is held, and nothing claims it
-            own = tuple(t[0, 0].detach().clone() for t in distinct)
-            self.spread[name] = max(self.spread.get(name, 0.0), relative_spread(x))
-            if name not in self.rows:
-                given = own
-                if self.replay is not None and name in self.replay:
-                    given = self.replay[name]
-                    # Not compare.relative_error: its inf for a NaN row would read as positions entering absolutely,
-                    # which skips the logits shift.
-                    self.moved[name] = max(
-                        [0.0]
-                        + [
-                            float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30)
-                            for a, b in zip(own, given, strict=False)
-                        ]
-                    )
-                self.rows[name] = given
-            rows = (*self.rows[name], *own[len(self.rows[name]) :])
-            made = [row[None, None].expand_as(t).contiguous() for row, t in zip(rows, distinct, strict=False)]
-
-            def held(t):
-                return next((m for d, m in zip(distinct, made, strict=True) if t is d), t)
-
-            return tuple(held(a) for a in args), {key: held(v) for key, v in kwargs.items()}
-
-        return hold
-
-
-def relative_spread(x: torch.Tensor) -> float:
-    """How far a hidden state x (B, P, width) is from being the same at every position, relative to its largest
-    entry."""
-    return relative_error(x, x[:, :1], relative_to=x)
 
 
 class Rope(Check):
@@ -952,148 +776,6 @@ def buffer_versions(module: nn.Module) -> list[int | None]:
         except RuntimeError:
             versions.append(None)
     return versions
-
-
-def hold_points(model, session) -> dict[str, str]:
-    """For the module each attention call ran in, the innermost module around it (itself included) that took the
-    residual stream (B, T, width) in the session's observation pass: where the probe holds the input position-free.
-
-    Without an observation pass (the model cannot be observed) there are none, and only calls whose block input is
-    already position-free, or whose q and k turn as clean rotations, can be judged."""
-    try:
-        seen = session.observation()
-    except ModelRaised:
-        return {}
-    B, T = session.inputs.shape
-    width = {
-        m.name: m.input_shape[2]
-        for m in seen.modules
-        if m.name and m.input_shape is not None and len(m.input_shape) == 3 and m.input_shape[:2] == (B, T)
-    }
-    where = {c.module for c in seen.attention} | {mm.module for mm in seen.matmuls if mm.kind == "scores"}
-    points = {}
-    for module in where:
-        around = [name for name in width if module == name or module.startswith(f"{name}.")]
-        if not around:
-            continue
-        # The residual stream, not one head's already rotated q and k handed on to an inner module as (B, T, d_h):
-        # holding those would hold the rotation away. Its width is the model's, when known, else the widest.
-        wide = (
-            model.dims.get("d")
-            if any(width[n] == model.dims.get("d") for n in around)
-            else max(width[n] for n in around)
-        )
-        points[module] = max((n for n in around if width[n] == wide), key=len)
-    return points
-
-
-def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions and its key slots' positions when known)
-    of every self-attention call whose q and k were kept, in the order they ran. Cross-attention reads keys of
-    another sequence: nothing for RoPE's relative identity to hold between."""
-    calls = observation.attention
-    found = []
-    for call in calls:
-        if call.query is None or call.key is None or call.query.dim() < 2 or getattr(call, "cross", False):
-            continue
-        q, k = call.query, call.key
-        if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
-            q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
-        found.append((call.seq, call.module, q, k, call.query_positions, call.key_positions))
-    for mm in observation.matmuls:
-        if mm.kind != "scores" or mm.a is None or mm.b is None or mm.a.dim() < 2:
-            continue
-        call = calls[mm.call] if getattr(mm, "call", None) is not None else None
-        if getattr(call, "cross", False):
-            continue
-        # Kept in matmul layout whatever the product (an einsum's operands are permuted so): b is k^T (.., d_h, S).
-        found.append(
-            (
-                mm.seq,
-                mm.module,
-                mm.a,
-                mm.b.transpose(-1, -2),
-                getattr(call, "query_positions", None),
-                getattr(call, "key_positions", None),
-            )
-        )
-    return [f[1:] for f in sorted(found, key=lambda f: f[0])]
-
-
-def merge_steps(raw, written, P: int) -> list[tuple]:
-    """(where, q, k, query positions, written slots) per attention computation of the probe.
-
-    A forward that runs attention in steps (a prefill, then one token at a time through a KV cache) calls each
-    attention module several times with fewer queries than the probe has positions. Such a module's steps, in order,
-    become one call whose keys are its last step's: by then its cache holds every position. A cache of fewer slots
-    than the probe has positions (a ring buffer past its wrap) holds each position only for a while: its key is read
-    from a step that held it, by the positions the slots held."""
-    steps: dict[str, list[int]] = {}
-    for i, (where, q, *_) in enumerate(raw):
-        if q.shape[-2] < P:
-            steps.setdefault(where, []).append(i)
-    groups = {
-        idx[-1]: idx
-        for idx in steps.values()
-        if sum(raw[i][1].shape[-2] for i in idx) == P and len({raw[i][1].shape[:-2] for i in idx}) == 1
-    }
-    folded = {i for idx in groups.values() for i in idx[:-1]}
-    merged = []
-    for i, (where, q, k, positions, _) in enumerate(raw):
-        if i in folded:
-            continue
-        if i in groups:
-            q = torch.cat([raw[j][1] for j in groups[i]], dim=-2)  # (.., P, d_h): the steps' queries in order
-            known = [raw[j][3] for j in groups[i]]
-            positions = torch.cat([p.flatten() for p in known]) if all(p is not None for p in known) else None
-            assembled = keys_while_held([raw[j] for j in groups[i]], positions) if k.shape[-2] < P else None
-            k = k if assembled is None else assembled
-        merged.append((where, q, k, positions, written[i]))
-    return merged
-
-
-def keys_while_held(steps: list[tuple], positions: torch.Tensor | None) -> torch.Tensor | None:
-    """k (.., P, d_h) of every probe position from the steps of one attention module over a cache of fewer slots:
-    each position's key from a step whose slots held it (the step that wrote it, before a later one took its slot).
-    None when a position was held by no step's slots as far as they are known."""
-    if positions is None:
-        return None
-    held = {}
-    for _, _, k, _, slot_positions in steps:
-        slots = torch.arange(k.shape[-2]) if slot_positions is None else slot_positions.flatten().cpu()
-        for slot, position in enumerate(slots.tolist()):
-            if position >= 0:
-                held[position] = k[..., slot, :]  # (.., d_h): a later step holding it again holds the same key
-    wanted = [int(p) for p in positions.tolist()]
-    if not all(p in held for p in wanted):
-        return None
-    return torch.stack([held[p] for p in wanted], dim=-2)  # (.., P, d_h)
-
-
-def written_slots(k: torch.Tensor, k_other: torch.Tensor) -> list[int] | None:
-    """The key slots (.., S, d_h) that differ between two probes of different tokens at the same positions: the slots
-    the probe wrote. Slots neither wrote keep whatever they held, bit for bit."""
-    if k.shape != k_other.shape:
-        return None
-    changed = (k - k_other).abs().reshape(-1, *k.shape[-2:]).amax(dim=(0, 2)) > 0  # (S,)
-    return changed.nonzero().flatten().tolist()
-
-
-def key_slots(P: int, S: int, query_positions: torch.Tensor | None, written: list[int] | None) -> list[int] | None:
-    """Which of S key slots hold the probe's P positions, in the order of the queries: the call's query positions
-    when they index a cache of S slots and agree with what the probe wrote, else the slots it wrote."""
-    if query_positions is not None:
-        positions = [int(p) for p in query_positions.flatten()[-P:].tolist()]
-        if (
-            len(positions) == P
-            and 0 <= min(positions)
-            and max(positions) < S
-            and (written is None or sorted(positions) == written)
-        ):
-            return positions
-    if written is not None and len(written) == P:
-        return written
-    return None
 
 
 def position_found(seen, hold: Hold, points: dict[str, str], tables: set[str], tol: float) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fwdcheck.checks.rope import Rotation, analyze, pair_indices
+from fwdcheck.checks.rotation import Rotation, analyze, pair_indices
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest, Rotary, model_code
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
