@@ -30,7 +30,9 @@ from torch.overrides import TorchFunctionMode
 
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import _SDPA_SIGNATURE, MASKED_BELOW, code_location
+from fwdcheck.observe.kernels.sdpa import _SDPA_SIGNATURE
+from fwdcheck.observe.locations import code_location
+from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view
 from fwdcheck.run.compare import logit_scale, position_change

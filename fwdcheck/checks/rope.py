@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest, model_code
-from fwdcheck.observe.observer import Observation, first_tensor
+from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.records import Api, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import logit_scale, position_change, relative_error
 from fwdcheck.run.session import Session
@@ -997,7 +998,7 @@ def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, tor
         if call.query is None or call.key is None or call.query.dim() < 2 or getattr(call, "cross", False):
             continue
         q, k = call.query, call.key
-        if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
+        if call.api == Api.MHA:  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
             q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
         found.append((call.seq, call.module, q, k, call.query_positions, call.key_positions))
     for mm in observation.matmuls:
