@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from fwdcheck.checks.rotation import analyze, toeplitz_error
 from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer, apply_rope
-from fwdcheck.observe.observer import _read_mask, observing
+from fwdcheck.observe.masks import _read_mask
+from fwdcheck.observe.observer import observing
 from tests.conftest import run_checks
 
 SCORES = torch.tensor([math.log(2), 0.0, 0.0])

@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck.observe.observer import _PositionsSeen, _shared_positions, observing
+from fwdcheck.observe.frames import _PositionsSeen, _shared_positions
+from fwdcheck.observe.observer import observing
 
 VOCAB, WIDTH, HEADS, LAYERS, SLOTS = 32, 16, 2, 2, 32
 

@@ -29,7 +29,8 @@ import torch.nn as nn
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import MASKED_BELOW, Observation
+from fwdcheck.observe.masks import MASKED_BELOW
+from fwdcheck.observe.records import Api, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.session import Session
 from fwdcheck.run.tolerances import TOLERANCES
@@ -136,14 +137,14 @@ is learned, not a bug. Skips when no call's scale could be measured."""
         declared = declared_scales(model)
         calls = Calls(declared=sorted(declared))
         for call in seen.attention:
-            if call.api == "sdpa":
+            if call.api == Api.SDPA:
                 assert call.query is not None  # an SDPA call's q is kept when the observation keeps tensors
                 recorded = next(sdpa, None)
                 if recorded is None or recorded.arguments["query"].shape != call.query.shape:
                     calls.unmeasured.append(f"{call.module}: its SDPA arguments were not recorded")
                     continue
                 measured = self._sdpa(recorded.arguments)
-            elif call.api == "softmax" and call.matmul is not None:
+            elif call.api == Api.SOFTMAX and call.matmul is not None:
                 measured = self._eager(seen, call, session)
             else:
                 calls.unmeasured.append(f"{call.module or 'model'}: {call.api} computes q and k inside torch")

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised
-from fwdcheck.observe.observer import first_tensor
+from fwdcheck.observe.frames import first_tensor
 from fwdcheck.run.compare import relative_error
 
 

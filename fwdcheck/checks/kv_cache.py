@@ -31,7 +31,8 @@ import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest, extract_logits, model_code, model_frame
-from fwdcheck.observe.observer import ZeroAttentionDropout, first_tensor
+from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.observer import ZeroAttentionDropout
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.session import Session

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import code_location, first_tensor
+from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.locations import code_location
 from fwdcheck.run.session import Session
 from fwdcheck.run.tolerances import TOLERANCES
 

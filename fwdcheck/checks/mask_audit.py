@@ -27,7 +27,7 @@ import torch
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import AttentionCall, Observation
+from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.code_paths import path_cells
 from fwdcheck.run.session import Session
@@ -130,7 +130,7 @@ def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
             "encoder over a fixed source), not judged for causality",
         )
     if call.unread is not None:
-        kind = call.mask_values if call.api == "kernel" else "mask not read"  # the kernel's name
+        kind = call.mask_values if call.api == Api.KERNEL else "mask not read"  # the kernel's name
         return NotJudged(kind, f"not judged: {call.unread}")
     if call.query_positions is None:
         return NotJudged(
@@ -413,7 +413,7 @@ the attention module's forward as input_pos or cache_position."""
                     f"{where}: {call.empty_rows} rows",
                 )
             )
-        if call.api == "sdpa" and call.is_causal and call.mask_kind not in ("none", "is_causal"):
+        if call.api == Api.SDPA and call.is_causal and call.mask_kind not in ("none", "is_causal"):
             findings.append(
                 Finding(
                     "FWD206",
@@ -451,13 +451,13 @@ def _blind_to_themselves(call: AttentionCall) -> list[int]:
     return positions[inside][closed].tolist()
 
 
-API_NAMES = {
-    "sdpa": "scaled_dot_product_attention",
-    "mha": "nn.MultiheadAttention",
-    "softmax": "eager softmax",
-    "flex": "flex_attention",
-    "flash": "flash-attn",
-    "xformers": "xformers memory_efficient_attention",
+API_NAMES: dict[str, str] = {
+    Api.SDPA: "scaled_dot_product_attention",
+    Api.MHA: "nn.MultiheadAttention",
+    Api.SOFTMAX: "eager softmax",
+    Api.FLEX: "flex_attention",
+    Api.FLASH: "flash-attn",
+    Api.XFORMERS: "xformers memory_efficient_attention",
 }
 
 
@@ -467,7 +467,7 @@ def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, w
     L, S = call.allowed.shape
     if shape is MayRead.BIDIRECTIONAL:
         how = {
-            "none": "no block_mask or score_mod" if call.api == "flex" else "no attn_mask and is_causal=False",
+            "none": "no block_mask or score_mod" if call.api == Api.FLEX else "no attn_mask and is_causal=False",
             "scores": "no score is masked",
         }.get(call.mask_kind, f"the {call.mask_kind} mask {call.mask_values} masks nothing")
         every = (
@@ -479,7 +479,7 @@ def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, w
     if shape is MayRead.INVERTED and call.mask_kind.startswith("bool"):
         convention = (
             "True = may attend, but this mask is True on the future (nn.MultiheadAttention's convention)"
-            if call.api == "sdpa"
+            if call.api == Api.SDPA
             else "True = masked out, but this mask is True on the past (SDPA's convention)"
         )
         return Finding(

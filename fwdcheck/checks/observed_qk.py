@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from fwdcheck.observe.records import Api
+
 
 def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """(where, q (.., L, d_h), k (.., S, d_h), the call's query positions and its key slots' positions when known)
@@ -19,7 +21,7 @@ def attention_qk(observation) -> list[tuple[str, torch.Tensor, torch.Tensor, tor
         if call.query is None or call.key is None or call.query.dim() < 2 or getattr(call, "cross", False):
             continue
         q, k = call.query, call.key
-        if call.api == "mha":  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
+        if call.api == Api.MHA:  # the functional form is sequence-first: (L, N, E) -> (N, L, E)
             q, k = (q.transpose(0, 1), k.transpose(0, 1)) if q.dim() == 3 else (q[None], k[None])
         found.append((call.seq, call.module, q, k, call.query_positions, call.key_positions))
     for mm in observation.matmuls:

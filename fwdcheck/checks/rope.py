@@ -31,7 +31,7 @@ from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, wr
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.under_test import ModelUnderTest, model_code
-from fwdcheck.observe.observer import Observation
+from fwdcheck.observe.records import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import logit_scale, position_change, relative_error
 from fwdcheck.run.session import Session

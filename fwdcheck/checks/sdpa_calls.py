@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fwdcheck.observe.observer import _SDPA_SIGNATURE, code_location
+from fwdcheck.observe.kernels.sdpa import _SDPA_SIGNATURE
+from fwdcheck.observe.locations import code_location
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 from fwdcheck.checks.shape_ledger_view import LedgerData, LedgerEntry
 from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.observe.observer import ModuleCall, Observation
+from fwdcheck.observe.records import Api, ModuleCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.session import Session
 
@@ -357,7 +357,7 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
     per_module: dict[str, int] = {}
     calls_at: list[str] = []
     for attn in obs.attention:
-        if attn.api == "kernel":  # a kernel fwdcheck does not know: its arguments' layout is its own
+        if attn.api == Api.KERNEL:  # a kernel fwdcheck does not know: its arguments' layout is its own
             continue
         n = per_module[attn.module] = per_module.get(attn.module, -1) + 1
         where = f"{attn.module or 'model'}" + (f"#{n}" if n else "")
@@ -371,14 +371,14 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
             cross=attn.cross,
             learned_query=attn.reads_input is False,
         )
-        if attn.api in ("sdpa", "flex"):  # both take q, k, v as (B, h, T, d_h)
+        if attn.api in (Api.SDPA, Api.FLEX):  # both take q, k, v as (B, h, T, d_h)
             assert attn.key_shape is not None and attn.value_shape is not None  # their k and v are always seen
             entries += [
                 Entry(f"{where} q", "q", attn.query_shape, **at),
                 Entry(f"{where} k", "k", attn.key_shape, **at),
                 Entry(f"{where} v", "v", attn.value_shape, **at),
             ]
-        elif attn.api == "mha":
+        elif attn.api == Api.MHA:
             entries.append(Entry(f"{where} query (MHA input)", "mha_in", attn.query_shape, **at))
         entries.append(
             Entry(
@@ -388,7 +388,7 @@ def _attention_entries(obs: Observation) -> tuple[list[Entry], list[str]]:
                 softmax_dim=attn.softmax_dim,
                 row_sum_error=attn.row_sum_error,
                 nonfinite_rows=attn.nonfinite_rows,
-                implied=attn.api != "softmax",
+                implied=attn.api != Api.SOFTMAX,
                 **at,
             )
         )

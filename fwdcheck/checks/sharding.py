@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
 from fwdcheck.model.under_test import extract_logits, layer_stack_of
-from fwdcheck.observe.observer import code_location, first_tensor
+from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.locations import code_location
 from fwdcheck.process.distributed import UNSHARDED_RAISES, ParameterLayout, full, rank_context
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, position_change

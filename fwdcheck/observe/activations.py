@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from fwdcheck.observe.observer import first_tensor
+from fwdcheck.observe.frames import first_tensor
 
 SAMPLED = 4  # values at fixed indices: the first element, two between, the last
 DIGEST_ROWS = 4  # +-1 patterns

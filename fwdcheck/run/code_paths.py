@@ -64,7 +64,7 @@ import torch
 
 from fwdcheck.config.schema import CodePaths
 from fwdcheck.model.under_test import ModelUnderTest, extract_logits
-from fwdcheck.observe.observer import Observation
+from fwdcheck.observe.records import Observation
 from fwdcheck.run.compare import logit_scale, position_change
 from fwdcheck.run.session import Session
 from fwdcheck.run.settings import Settings

@@ -20,7 +20,7 @@ from fwdcheck.errors import WAITED_FOR_A_RANK, CheckLoadError, ModelRaised, Skip
 from fwdcheck.model.sources import load_model
 from fwdcheck.model.under_test import ModelUnderTest, model_code
 from fwdcheck.model.zero_weights import woken
-from fwdcheck.observe.observer import code_location
+from fwdcheck.observe.locations import code_location
 from fwdcheck.registry import CheckEntry, selected
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst

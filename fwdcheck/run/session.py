@@ -25,7 +25,8 @@ import torch.nn as nn
 from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageError, first_line
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.under_test import ModelUnderTest, model_code
-from fwdcheck.observe.observer import Observation, ZeroAttentionDropout, observing
+from fwdcheck.observe.observer import ZeroAttentionDropout, observing
+from fwdcheck.observe.records import Observation
 
 # position_change, nonfinite_positions and logit_scale are documented for checks here (docs/writing-checks.md): they
 # live in fwdcheck/run/compare.py, as do the settings and the model's state in settings.py and model_state.py.
