@@ -752,7 +752,7 @@ def render_text(outcome: Outcome, fmt: Format) -> str:
     reports = outcome.reports
     if fmt == Format.json:
         from fwdcheck import __version__
-        from fwdcheck.report import SCHEMA_VERSION
+        from fwdcheck.report.record import SCHEMA_VERSION
 
         document = (
             {

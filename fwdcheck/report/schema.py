@@ -3,7 +3,7 @@ new fields are added without a schema_version bump; removing or changing one bum
 
 from __future__ import annotations
 
-from fwdcheck.report import SCHEMA_VERSION
+from fwdcheck.report.record import SCHEMA_VERSION
 
 STATUS = {"enum": ["pass", "warn", "fail", "skip", "error"]}
 

@@ -25,8 +25,8 @@ from rich.panel import Panel
 from rich.rule import Rule
 from rich.text import Text
 
-from fwdcheck.report import Report
 from fwdcheck.report.layout import FitColumn, FitTable
+from fwdcheck.report.record import ReportRecord
 from fwdcheck.result import CheckResult, Finding, Status
 
 STYLE = {
@@ -54,7 +54,7 @@ class Verbosity(str, Enum):
 
 
 def render(
-    report: Report,
+    report: ReportRecord,
     console: Console,
     debug: bool = False,
     verbosity: Verbosity | str = Verbosity.DEFAULT,
@@ -76,7 +76,7 @@ def render(
 
 
 def parts(
-    report: Report,
+    report: ReportRecord,
     debug: bool = False,
     verbosity: Verbosity = Verbosity.DEFAULT,
     durations: bool = True,
@@ -130,7 +130,7 @@ class ModelError:
     checks: list[str]  # the checks it stopped
 
 
-def shared_model_error(report: Report) -> ModelError | None:
+def shared_model_error(report: ReportRecord) -> ModelError | None:
     """The model's exception when two or more checks errored on it alone (the same FWD002 finding, nothing else):
     every check needs a forward, so a forward that raises stops each of them the same way."""
     stopped = [
@@ -150,7 +150,7 @@ def shared_model_error(report: Report) -> ModelError | None:
     return ModelError(message, at, [r.name for r in stopped])
 
 
-def model_error_panel(raised: ModelError, report: Report, debug: bool) -> Panel:
+def model_error_panel(raised: ModelError, report: ReportRecord, debug: bool) -> Panel:
     """The model's exception once, where it was raised, and what it stopped."""
     n = len(raised.checks)
     text = Text(raised.message)
@@ -165,7 +165,7 @@ def model_error_panel(raised: ModelError, report: Report, debug: bool) -> Panel:
     return Panel(Group(*parts), title=title, title_align="left", border_style=STYLE[Status.ERROR].split()[-1])
 
 
-def short_summary(report: Report, raised: ModelError | None = None) -> list[Text]:
+def short_summary(report: ReportRecord, raised: ModelError | None = None) -> list[Text]:
     """What failed the run, one line a finding: status, check, code, the module and the model code's file:line it
     concerns, and its message; the model's shared exception once. Nothing for a run that passed."""
     if report.exit_code in (0, 5):  # passed, or nothing ran: nothing failed
@@ -197,7 +197,7 @@ def short_summary(report: Report, raised: ModelError | None = None) -> list[Text
     return lines
 
 
-def counted(report: Report) -> list[CheckResult]:
+def counted(report: ReportRecord) -> list[CheckResult]:
     """The checks whose status decided a failing exit code."""
     return [
         r
@@ -206,7 +206,7 @@ def counted(report: Report) -> list[CheckResult]:
     ]
 
 
-def verdict(report: Report) -> tuple[str, str]:
+def verdict(report: ReportRecord) -> tuple[str, str]:
     """The word for the exit code, and its style."""
     return report.verdict, VERDICT_STYLE[report.verdict]
 
@@ -218,7 +218,7 @@ def shows_detail(result: CheckResult, verbosity: Verbosity) -> bool:
     return result.status in (Status.WARN, Status.FAIL, Status.ERROR)
 
 
-def one_line(report: Report, durations: bool, name: str | None = None) -> Text:
+def one_line(report: ReportRecord, durations: bool, name: str | None = None) -> Text:
     """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · 2.1 s': what decided the exit
     code, then what else a reader should know (warnings that did not count, skipped and ignored checks). The model's
     exception, when it stopped every check it names, is said in full, once. `name` leads the line ('fwdcheck
