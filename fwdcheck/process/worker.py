@@ -127,10 +127,12 @@ def run_job(job: Job, events: Events) -> None:
     """The job's run (or `fwdcheck diff`'s comparison), its events sent; whatever it raises becomes an event too."""
     try:
         if job.compare_with is not None:
-            from fwdcheck.run.diff import STEPS, compare_job
+            from fwdcheck.run.diff import STEPS, compare_files
 
             events.send(Plan(list(STEPS), []))
-            events.send(Compared(compare_job(job, progress=lambda step: events.send(Progress(step)))))
+            assert job.config is not None  # a diff job names both configs
+            compared = compare_files(job.config, job.compare_with, job.rename, lambda step: events.send(Progress(step)))
+            events.send(Compared(compared))
             return
         from fwdcheck.registry import select
         from fwdcheck.run.runner import per_code_path

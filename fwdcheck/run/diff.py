@@ -38,7 +38,6 @@ from fwdcheck.config.rename import Rule, renamed
 from fwdcheck.config.schema import Config
 from fwdcheck.errors import UsageError, about_config
 from fwdcheck.observe.activations import LOGITS, recorded_forward
-from fwdcheck.process.events import Job
 from fwdcheck.run.overrides import Overrides
 from fwdcheck.run.runner import Run
 from fwdcheck.run.session import Session
@@ -147,15 +146,16 @@ class Diff:
 STEPS = ("weights", "forward A", "forward B", "pairing")
 
 
-def compare_job(job: Job, progress: Callable[[str], None] = lambda step: None) -> dict:
-    """The comparison a `fwdcheck diff` job asks for (in the worker process): A's config, B's (`compare_with`),
-    B's config's rename rules then the command line's (validated by the command already)."""
+def compare_files(
+    path_a: str, path_b: str, rename: list[str], progress: Callable[[str], None] = lambda step: None
+) -> dict:
+    """The comparison a `fwdcheck diff` job asks for (in the worker process): A's config, B's, B's config's rename
+    rules then the command line's (validated by the command already)."""
     from fwdcheck.config.rename import parse_rule
     from fwdcheck.config.schema import load_config
 
-    assert job.config is not None and job.compare_with is not None  # a diff job names both
-    config_a, config_b = load_config(job.config), load_config(job.compare_with)
-    rules = [parse_rule(text) for text in [*config_b.diff.rename, *job.rename]]
+    config_a, config_b = load_config(path_a), load_config(path_b)
+    rules = [parse_rule(text) for text in [*config_b.diff.rename, *rename]]
     return diff_configs(config_a, config_b, rules, progress).to_dict()
 
 
