@@ -62,6 +62,7 @@ from fwdcheck.errors import (
     FwdcheckError,
     ModelLoadError,
     ModelRaised,
+    Own,
     UsageError,
     about_config,
     first_line,
@@ -72,7 +73,7 @@ from fwdcheck.process import interpreter
 from fwdcheck.process.events import CheckDone, Event, ModelLoaded, Progress, decode, encode, sent_by
 from fwdcheck.process.heard import Heard, WorkerError
 from fwdcheck.process.lifetime import die_with_parent
-from fwdcheck.registry import distributed_openers
+from fwdcheck.registry import distributed_ending_codes, distributed_openers
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.run.overrides import Overrides
@@ -80,7 +81,6 @@ from fwdcheck.run.runner import CheckTimeout, Run, environment_summary, model_su
 from fwdcheck.run.settings import DTYPES
 
 FWDCHECK_FAILED = "fwdcheck's own error on this rank"  # how a rank that stops for an internal error says so
-UNSHARDED_RAISES = "FWD983"  # the sharding check's code for a sharded model that raises where the unsharded one runs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -423,8 +423,8 @@ def _failure_code(failure) -> str:
     otherwise (a signal, an exit)."""
     message = _recorded(failure)
     if RankEnded.__name__ not in message:
-        return "FWD005"
-    return "FWD003" if FWDCHECK_FAILED in message else "FWD002"
+        return Own.PROCESS_DIED
+    return Own.INTERNAL_ERROR if FWDCHECK_FAILED in message else Own.MODEL_RAISED
 
 
 def merge(reports: dict[int, Report]) -> Report:
@@ -513,7 +513,12 @@ def rank_context() -> RankContext | None:
 
 
 class _ShardedModelRaises(BaseException):
-    """The sharding check found that the sharded model raises where the unsharded one runs: the run stops there."""
+    """The sharding check found that the sharded model raises where the unsharded one runs: the run stops there.
+    `check` is the check that found it, `code` the code it declares for it (Check.ends_distributed_runs)."""
+
+    def __init__(self, check: str, code: str):
+        super().__init__(check, code)
+        self.check, self.code = check, code
 
 
 class RankEnded(Exception):
@@ -530,7 +535,7 @@ class RankStopped(BaseException):
     collective it will not join. A BaseException of fwdcheck's, which no check takes for the model's failure.
     `check` is the check it stopped in, `code` the finding that stopped it."""
 
-    def __init__(self, message: str, check: str | None = None, code: str = "FWD002", at: float | None = None):
+    def __init__(self, message: str, check: str | None = None, code: str = Own.MODEL_RAISED, at: float | None = None):
         super().__init__(message)
         self.check, self.code = check, code
         self.at = at if at is not None else time.time()  # when the trouble began: the model's raise, or now
@@ -641,6 +646,7 @@ def checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_re
     device = cast(RankContext, _CONTEXT).device
     settings = run.settings.model_copy(update={"device": str(device)})
     entries = in_rank_order(run.entries)
+    ending_codes = distributed_ending_codes(entries)  # Check.ends_distributed_runs: the sharding check's
     finished: list[CheckResult] = []
 
     def finish(result: CheckResult) -> None:
@@ -651,22 +657,27 @@ def checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_re
         # another that hangs), or fwdcheck failed on this rank: the ranks can no longer be sure to meet at the same
         # collectives.
         agreed = cast(RankZeroLogits, model.forward_adapter).take_agreed_raises()  # as sharded() made it
-        stopped = next((f for f in result.findings if f.code == "FWD004" or (f.code == "FWD002" and not agreed)), None)
+        stopped = next(
+            (f for f in result.findings if f.code == Own.TIMED_OUT or (f.code == Own.MODEL_RAISED and not agreed)), None
+        )
         if stopped is not None:
             raise RankStopped(f"{result.name}: {stopped.message}", check=result.name, code=stopped.code)
         if result.internal_error:
-            raise RankStopped(f"{result.name}: {FWDCHECK_FAILED} ({result.summary})", check=result.name, code="FWD003")
-        if any(f.code == UNSHARDED_RAISES and f.status == Status.FAIL for f in result.findings):
-            raise _ShardedModelRaises()
+            raise RankStopped(
+                f"{result.name}: {FWDCHECK_FAILED} ({result.summary})", check=result.name, code=Own.INTERNAL_ERROR
+            )
+        ending = ending_codes.get(result.name)
+        if ending is not None and any(f.code == ending and f.status == Status.FAIL for f in result.findings):
+            raise _ShardedModelRaises(result.name, ending)
 
     try:
         return run_model(model, settings, entries, progress=progress, on_result=finish)
-    except _ShardedModelRaises:  # every other check would only meet the same error: they do not run
+    except _ShardedModelRaises as ended:  # every other check would only meet the same error: they do not run
         rest = [
             CheckResult(
                 e.name,
                 Status.SKIP,
-                f"not run: the sharded model raises where the unsharded one runs (sharding {UNSHARDED_RAISES})",
+                f"not run: the sharded model raises where the unsharded one runs ({ended.check} {ended.code})",
             )
             for e in entries[len(finished) :]
         ]

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fwdcheck.errors import WAITED_FOR_A_RANK, ExitCode, FwdcheckError, UsageError, about_config
+from fwdcheck.errors import WAITED_FOR_A_RANK, ExitCode, FwdcheckError, Own, UsageError, about_config
 
 if TYPE_CHECKING:
     from fwdcheck.report import Report
@@ -291,10 +291,10 @@ def _stop(report: Report, timeout_s: float) -> dict | None:
         return stopped
     for result in report.results:  # a worker that died or hung: the supervisor's partial report
         for finding in result.findings:
-            if finding.code in ("FWD004", "FWD005") and finding.message.startswith("while this check ran"):
+            if finding.code in (Own.TIMED_OUT, Own.PROCESS_DIED) and finding.message.startswith("while this check ran"):
                 how = finding.message.removeprefix("while this check ran, ")
                 # a worker killed for its silence: its trouble began when its time limit passed, the grace before
-                at = time.time() - (grace(timeout_s) if finding.code == "FWD004" else 0.0)
+                at = time.time() - (grace(timeout_s) if finding.code == Own.TIMED_OUT else 0.0)
                 return {"check": result.name, "code": finding.code, "how": how, "at": at, "peer": False}
     return None
 
@@ -348,7 +348,7 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
         _, rank, code, how, check = min(own_trouble)
         what = f"{launched.named(rank, coordinator.node(rank))} stopped the run: {how}"
     elif missing:
-        rank, code, check = missing[0], "FWD004", None
+        rank, code, check = missing[0], Own.TIMED_OUT, None
         node = coordinator.node(rank)
         what = f"{launched.named(rank, node)} " + (
             "sent no outcome within the wait (its fwdcheck run died, or hangs outside the model)"
@@ -437,7 +437,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
         missing = _every_rank_here(this_run, rank, run.settings.timeout_s)
         if missing:
             how, never_came = missing
-            partial = heard.partial_report(f"{how}; this rank did not join the process group", "FWD004")
+            partial = heard.partial_report(f"{how}; this rank did not join the process group", Own.TIMED_OUT)
             partial.environment = {
                 **environment_summary(run.settings, run.settings.device),
                 "distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}},
@@ -504,7 +504,7 @@ def _every_rank_here(store, rank: LaunchedRank, timeout_s: float) -> tuple[str, 
 
 def _peer_stop(check: str | None, how: str) -> dict:
     """A stop that was another rank's doing: never the rank named."""
-    return {"check": check, "code": "FWD004", "how": how, "at": time.time(), "peer": True}
+    return {"check": check, "code": Own.TIMED_OUT, "how": how, "at": time.time(), "peer": True}
 
 
 def job_fields(launched: LaunchedRank, index: int) -> dict:

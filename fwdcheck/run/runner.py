@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from fwdcheck.config.schema import Config, RunConfig
-from fwdcheck.errors import WAITED_FOR_A_RANK, CheckLoadError, ModelRaised, SkipCheck, UsageError, interrupts_heard
+from fwdcheck.errors import (
+    WAITED_FOR_A_RANK,
+    CheckLoadError,
+    ModelRaised,
+    Own,
+    SkipCheck,
+    UsageError,
+    interrupts_heard,
+)
 from fwdcheck.model.sources import load_model
 from fwdcheck.model.under_test import ModelUnderTest, model_code
 from fwdcheck.model.zero_weights import woken
@@ -243,7 +251,7 @@ def environment_summary(settings: Settings, device: str) -> dict:
 def model_raised(exc: ModelRaised) -> Finding:
     """FWD002, pointing at the line of model code that raised when there is one."""
     source = code_location(exc.frame[0], exc.frame[1]) if exc.frame else None
-    return Finding("FWD002", Status.ERROR, str(exc), exc.where, source=source)
+    return Finding(Own.MODEL_RAISED, Status.ERROR, str(exc), exc.where, source=source)
 
 
 def locate(finding: Finding, model: ModelUnderTest) -> str | None:
@@ -375,7 +383,7 @@ def run_path(
 
 def _model_raised(run: CellRun) -> bool:
     """Whether some check of the cell could not run at all because the model raised (FWD002)."""
-    return any(f.code == "FWD002" for result in run.results for f in result.findings)
+    return any(f.code == Own.MODEL_RAISED for result in run.results for f in result.findings)
 
 
 def per_code_path(entry: CheckEntry) -> bool:
@@ -716,11 +724,13 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); " + (
             f"waiting in a collective: {WAITED_FOR_A_RANK}" if timeout.in_collective else "a forward that hangs?"
         )
-        result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
+        result = CheckResult(entry.name, Status.ERROR, message, [Finding(Own.TIMED_OUT, Status.ERROR, message)])
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))
     except CheckLoadError as exc:
-        result = CheckResult(entry.name, Status.ERROR, str(exc), [Finding("FWD001", Status.ERROR, str(exc))])
+        result = CheckResult(
+            entry.name, Status.ERROR, str(exc), [Finding(Own.CHECK_NOT_LOADED, Status.ERROR, str(exc))]
+        )
     except ModelRaised as exc:
         result = CheckResult(entry.name, Status.ERROR, str(exc), [model_raised(exc)])
     except Exception as exc:  # a bug of fwdcheck's (or of a plugin's), not of the model: exit 3
@@ -729,7 +739,7 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
             entry.name,
             Status.ERROR,
             message,
-            [Finding("FWD003", Status.ERROR, message)],
+            [Finding(Own.INTERNAL_ERROR, Status.ERROR, message)],
             data={"traceback": traceback.format_exc()},
             internal_error=True,
         )
@@ -739,7 +749,7 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
 
 def report_parameter_writes(result: CheckResult, written: list[str], session: Session, during: str = "") -> None:
     """FWD006 on the result of the check whose forwards wrote these parameters in place (none: nothing to say)."""
-    if not written or any(f.code == "FWD006" for f in result.findings):
+    if not written or any(f.code == Own.WROTE_PARAMETERS for f in result.findings):
         return
     parameters = dict(session.model.module.named_parameters())
     if all(session.runs_on_copy(parameters[name]) for name in written):
@@ -754,5 +764,5 @@ def report_parameter_writes(result: CheckResult, written: list[str], session: Se
         f"the forward wrote parameter{'s' if len(written) > 1 else ''} {shown} in place{during}: a forward in "
         f"eval mode should not change the weights, and the forwards after it ran another model; {after}"
     )
-    result.findings.append(Finding("FWD006", Status.FAIL, message, written[0].rpartition(".")[0] or None))
+    result.findings.append(Finding(Own.WROTE_PARAMETERS, Status.FAIL, message, written[0].rpartition(".")[0] or None))
     result.status = worst([result.status, Status.FAIL])
