@@ -7,7 +7,6 @@ Expected problems print one red line and exit with their documented code; a trac
 from __future__ import annotations
 
 import difflib
-import io
 import json
 import os
 import re
@@ -27,6 +26,16 @@ from typer.core import TyperCommand
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
 from fwdcheck.process.launched import launched_rank
+from fwdcheck.report.formats import (
+    Format,
+    StdoutConsole,
+    Verbosity,
+    recorded,
+    render_stdout,
+    render_text,
+    report_width,
+    without_trailing_spaces,
+)
 from fwdcheck.report.outputs import (
     check_appended,
     check_outputs,
@@ -80,14 +89,6 @@ class DType(str, Enum):
     float16 = "float16"
 
 
-class Format(str, Enum):
-    rich = "rich"
-    json = "json"
-    junit = "junit"
-    github = "github"
-    markdown = "markdown"
-
-
 class FailOn(str, Enum):
     fail = "fail"
     warn = "warn"
@@ -107,12 +108,6 @@ def _root(
     ] = None,
 ) -> None:
     """Forward-pass sanity checks for transformer code."""
-
-
-class Verbosity(str, Enum):  # the terminal report's views (fwdcheck.report.terminal.Verbosity)
-    quiet = "quiet"
-    default = "default"
-    verbose = "verbose"
 
 
 DEFAULT_CONFIG = Path("fwdcheck.yaml")  # what `fwdcheck init` and the pre-commit hook write
@@ -683,56 +678,6 @@ def save_check_file(report, flag: str, path: Path) -> None:
     write_whole(path, text, what=flag)
 
 
-class StdoutConsole(Console):
-    """rich ends the process with exit 1 when the reader of stdout goes away; here that is write_stdout's to
-    handle (the run's exit code stands)."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        raise BrokenPipeError
-
-
-def report_width(stream) -> int | None:
-    """A terminal's own width; elsewhere COLUMNS when set (rich reads it), else 120 (a CI log is wide)."""
-    return None if isatty(stream) or os.environ.get("COLUMNS", "").isdigit() else 120
-
-
-def render_stdout(outcome: Outcome, stream, verbosity: Verbosity, debug: bool) -> None:
-    """The terminal report on stdout. On a terminal, as rich draws it for the window. Off one (a pipe, a file, a CI
-    log) every text is whole, and no line ends in the spaces rich pads a table's lines with."""
-    if isatty(stream):
-        render_terminal(outcome, StdoutConsole(file=stream), verbosity, debug)
-        return
-    buffer = io.StringIO()
-    render_terminal(outcome, Console(file=buffer, width=report_width(stream)), verbosity, debug, terminal=False)
-    stream.write(without_trailing_spaces(buffer.getvalue()))
-
-
-def without_trailing_spaces(text: str) -> str:
-    """Each line's trailing spaces gone, also before the style codes that end a coloured line."""
-    return re.sub(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$", r"\1", text, flags=re.MULTILINE)
-
-
-def render_terminal(
-    outcome: Outcome, console: Console, verbosity: Verbosity, debug: bool, terminal: bool | None = None
-) -> None:
-    """Each config's terminal report; with several, a last line with each one's verdict and the exit code, and
-    each quiet line led by its config's name."""
-    from fwdcheck.report.terminal import render
-
-    for i, report in enumerate(outcome.reports):
-        if i and verbosity != Verbosity.quiet:
-            console.print()
-        name = Path(report.config_path or report.model.get("label", "?")).name if outcome.several else None
-        render(report, console, debug=debug, verbosity=verbosity.value, name=name, terminal=terminal)
-    if outcome.several:
-        each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
-        each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
-        console.print(
-            escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}", soft_wrap=True
-        )
-
-
 def append_job_summary(report) -> None:
     """GitHub's job summary is a courtesy on top of the reports: a file there that cannot be appended to (read-only,
     a directory, a full disk) is a warning line on stderr, never the run's exit code."""
@@ -744,46 +689,6 @@ def append_job_summary(report) -> None:
         target = os.environ.get("GITHUB_STEP_SUMMARY", "")
         line = f"$GITHUB_STEP_SUMMARY {target}: cannot append the job summary ({why_not(exc)}); the reports are written"
         err.print(f"[bold yellow]warning:[/] {escape(line)}")
-
-
-def render_text(outcome: Outcome, fmt: Format) -> str:
-    """The report in a text format. Several configs: JSON holds `reports` (each one config's report) and `not_run`,
-    JUnit one testsuite per config, GitHub and markdown one after another."""
-    reports = outcome.reports
-    if fmt == Format.json:
-        from fwdcheck import __version__
-        from fwdcheck.report import SCHEMA_VERSION
-
-        document = (
-            {
-                "schema_version": SCHEMA_VERSION,
-                "fwdcheck_version": __version__,
-                "exit_code": outcome.exit_code,
-                "reports": [r.to_dict() for r in reports],
-                "not_run": outcome.not_run,
-            }
-            if outcome.several
-            else reports[0].to_dict()
-        )
-        return json.dumps(document, indent=2, default=str) + "\n"
-    if fmt == Format.junit:
-        from fwdcheck.report.junit import to_junit
-
-        return to_junit(*reports)
-    if fmt == Format.github:
-        from fwdcheck.report.github import to_github
-
-        return "".join(to_github(r) for r in reports)
-    from fwdcheck.report.markdown import to_markdown
-
-    return "\n".join(to_markdown(r) for r in reports)
-
-
-def recorded(outcome: Outcome, verbosity: Verbosity, debug: bool, terminal: bool = True) -> Console:
-    """The terminal report rendered into a recording console, for text, HTML and SVG export."""
-    console = Console(file=io.StringIO(), record=True, width=120, force_terminal=True, color_system="truecolor")
-    render_terminal(outcome, console, verbosity, debug, terminal=terminal)
-    return console
 
 
 @contextmanager
