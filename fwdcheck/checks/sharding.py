@@ -1,6 +1,6 @@
 """sharding: the model sharded across processes computes what the unsharded model computes.
 
-It runs only in a distributed run (`distributed: {nproc: N}`, `--nproc N`; fwdcheck/process/distributed.py), first, on
+It runs only in a distributed run (`distributed: {nproc: N}`, `--nproc N`; fwdcheck/process/launch.py), first, on
 every rank: one forward of the session's inputs through the sharded model, with forward hooks on the blocks of its layer
 stack, the same on every rank (the collectives inside need them all). Then:
   - every rank's own logits against rank 0's: ranks whose outputs should be replicated but are not (a reduction
@@ -29,7 +29,7 @@ import torch.nn as nn
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
 from fwdcheck.model.under_test import extract_logits, layer_stack_of
 from fwdcheck.observe.observer import code_location, first_tensor
-from fwdcheck.process.distributed import ParameterLayout, full, rank_context
+from fwdcheck.process.sharding import ParameterLayout, full, rank_context
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, position_change
 from fwdcheck.run.tolerances import TOLERANCES

@@ -3,7 +3,7 @@
 The launcher has started one `fwdcheck run` per rank, on every node of the job, and said which rank each is in the
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; SLURM's SLURM_PROCID, SLURM_NTASKS and
 SLURM_LOCALID). fwdcheck starts no rank of its own then: each process is a rank, and runs as `--nproc` ranks do
-(fwdcheck/process/distributed.py: the same model from the same seed, sharded, the sharding check first, rank 0's logits
+(fwdcheck/process/rank.py: the same model from the same seed, sharded, the sharding check first, rank 0's logits
 on every rank), in its supervised worker as any run.
 
 What the job says, one store says it. The ranks meet at the launcher's store (torchrun's agent holds one at
@@ -306,8 +306,8 @@ def lost_peer(text: str) -> bool:
 
 def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[int, dict], fail_on) -> Report:
     """The job's report, made on rank 0 from every rank's outcome."""
-    from fwdcheck.process.distributed import merge
     from fwdcheck.process.heard import WorkerError
+    from fwdcheck.process.launch import merge
     from fwdcheck.report import Report
 
     reports = {
@@ -371,7 +371,7 @@ def _partial(reports: dict[int, Report], check: str | None, what: str, code: str
     """Rank 0's report (or the lowest rank's that has one) up to the check the run stopped in, merged with the
     other ranks' where they finished it too; that check an error saying which rank stopped the run and how, the
     checks after it not run."""
-    from fwdcheck.process.distributed import merge
+    from fwdcheck.process.launch import merge
     from fwdcheck.report import Report
     from fwdcheck.result import CheckResult, Finding, Status
 
@@ -424,16 +424,17 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
 
     import torch.distributed as dist
 
-    from fwdcheck.process import distributed
     from fwdcheck.process.heard import Heard
+    from fwdcheck.process.rank import checks_on_rank, in_rank_order, join_and_shard, ran_as
+    from fwdcheck.process.sharding import RankStopped, rank_context, rank_device
     from fwdcheck.run.runner import environment_summary
 
     rank = LaunchedRank(**launched["rank"])
     this_run = run_store(rank, launched["index"], run.settings.timeout_s)
     heard = Heard(job)
-    heard.checks = [e.name for e in distributed.in_rank_order(run.entries)]
+    heard.checks = [e.name for e in in_rank_order(run.entries)]
     with about_config(Path(job.config) if job.config is not None else None):
-        distributed.rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
+        rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
         missing = _every_rank_here(this_run, rank, run.settings.timeout_s)
         if missing:
             how, never_came = missing
@@ -444,7 +445,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             }
             return partial
         group_store = dist.PrefixStore("group/", this_run)
-        model, backend = distributed.join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
+        model, backend = join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
 
     def result_done(result) -> None:
         heard.results[result.name] = result
@@ -457,8 +458,8 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             on_model(summary)
 
     try:
-        report = distributed.checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
-    except distributed.RankStopped as exc:
+        report = checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
+    except RankStopped as exc:
         peer = lost_peer(str(exc))
         dist.destroy_process_group()  # peers waiting for this rank at a collective fail now
         check = exc.check or next((name for name in heard.checks if name not in heard.results), None)
@@ -467,13 +468,13 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
         how = str(exc).removeprefix(f"{check}: ") if check else str(exc)
         partial = heard.partial_report(f"{rank.named(rank.rank, rank.node)} stopped: {how}", exc.code)
         partial.environment = {
-            **environment_summary(run.settings, str(distributed.rank_context().device)),  # type: ignore[union-attr]
+            **environment_summary(run.settings, str(rank_context().device)),  # type: ignore[union-attr]
             "distributed": {
                 "stopped": {"check": check, "code": exc.code, "how": how, "at": exc.at, "peer": peer},
             },
         }
         return partial
-    report.environment["distributed"] = distributed.ran_as(rank.world, backend)
+    report.environment["distributed"] = ran_as(rank.world, backend)
     dist.destroy_process_group()
     return report
 
