@@ -31,7 +31,8 @@ from fwdcheck.errors import (
     model_failure,
 )
 from fwdcheck.model.under_test import ModelUnderTest, describe, extract_logits
-from fwdcheck.run.runner import CheckTimeout, Run
+from fwdcheck.run.limits import CheckTimeout
+from fwdcheck.run.runner import Run
 from fwdcheck.run.settings import DTYPES
 
 
