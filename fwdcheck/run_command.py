@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # for annotations only: imported where they are used
     from fwdcheck.process.events import Job
 
 
+# The values `fwdcheck run`'s options take (cli.py offers them; RunOptions holds them).
 class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -55,8 +56,6 @@ class FailOn(str, Enum):
 
 
 DEFAULT_CONFIG = Path("fwdcheck.yaml")  # what `fwdcheck init` and the pre-commit hook write
-
-
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 

@@ -49,10 +49,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from fwdcheck.config.schema import Config
-from fwdcheck.errors import (
-    Own,
-    first_line,
-)
+from fwdcheck.errors import Own, first_line
 from fwdcheck.process import interpreter
 from fwdcheck.process.events import CheckDone, ModelLoaded, Progress, decode, sent_by
 from fwdcheck.process.heard import Heard, WorkerError
@@ -162,7 +159,7 @@ def launch(
 # rank would; a launcher that has imported one does not fork. A forked server has the checks' modules too (a
 # config's own checks, installed plugins): the launcher imported them to read what they declare. torch._dynamo is
 # imported by DTensor's first distribute_tensor, the start of any sharding: most of a second, once a launch instead
-# of once a rank.
+# of once a rank. fwdcheck.process.rank is rank_main's module (with sharding.py, which it imports).
 RANK_PRELOAD = [
     "fwdcheck.process.rank_server",
     "torch",

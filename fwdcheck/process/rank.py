@@ -18,14 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fwdcheck.config.schema import config_for
-from fwdcheck.errors import (
-    ExitCode,
-    FwdcheckError,
-    Own,
-    UsageError,
-    about_config,
-    first_line,
-)
+from fwdcheck.errors import ExitCode, FwdcheckError, Own, UsageError, about_config, first_line
 from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.process.events import CheckDone, Event, ModelLoaded, Progress, encode
 from fwdcheck.process.lifetime import die_with_parent
