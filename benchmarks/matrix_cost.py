@@ -34,7 +34,8 @@ from fwdcheck.model.sources import load_model
 from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.run.code_paths import path_cells, runs_per_code_path, verdicts_for
-from fwdcheck.run.runner import run_one, run_path, shared_from
+from fwdcheck.run.matrix import shared_from
+from fwdcheck.run.runner import run_one, run_path
 from fwdcheck.run.session import Session
 from fwdcheck.run.settings import Settings
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import builtins
 from contextlib import contextmanager
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
 
 WAITED_FOR_A_RANK = "another rank did not join it"  # a time limit that struck in torch.distributed's collective
@@ -41,14 +41,34 @@ _VERDICTS = {
 }
 
 
-# The finding codes of fwdcheck itself (a check's own codes are in its `codes`; `fwdcheck explain CODE` reads both).
-OWN_CODES = {
-    "FWD001": "the check could not be loaded (its plugin does not import, or has no run method)",
-    "FWD002": "the model raised, or returned something the check cannot compare, while the check ran it",
-    "FWD003": "internal error: fwdcheck's (or a plugin check's) own code raised; please report it",
-    "FWD004": "the check ran past timeout_s (the forward hangs, or ignores the time limit and was killed)",
-    "FWD005": "the model's process died (an exit, a segfault, the out-of-memory killer) or was interrupted",
-    "FWD006": "the run's forwards wrote the model's parameters in place (a forward in eval mode changed its weights)",
+class Own(str, Enum):
+    """The finding codes of fwdcheck itself, each by what it says: the one place a core module finds them (a check's
+    own codes are in its `codes`). A str, so that a finding's code is its value in every report (JSON, JUnit, text)."""
+
+    CHECK_NOT_LOADED = "FWD001"
+    MODEL_RAISED = "FWD002"
+    INTERNAL_ERROR = "FWD003"
+    TIMED_OUT = "FWD004"
+    PROCESS_DIED = "FWD005"
+    WROTE_PARAMETERS = "FWD006"
+
+    # The code itself wherever it is written (an f-string, str()), as StrEnum (Python 3.11 on) does.
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
+# What each of fwdcheck's own codes means (`fwdcheck explain CODE` reads these and each check's `codes`).
+OWN_CODES: dict[str, str] = {
+    Own.CHECK_NOT_LOADED: "the check could not be loaded (its plugin does not import, or has no run method)",
+    Own.MODEL_RAISED: "the model raised, or returned something the check cannot compare, while the check ran it",
+    Own.INTERNAL_ERROR: "internal error: fwdcheck's (or a plugin check's) own code raised; please report it",
+    Own.TIMED_OUT: "the check ran past timeout_s (the forward hangs, or ignores the time limit and was killed)",
+    Own.PROCESS_DIED: "the model's process died (an exit, a segfault, the out-of-memory killer) or was interrupted",
+    Own.WROTE_PARAMETERS: "the run's forwards wrote the model's parameters in place (a forward in eval mode changed "
+    "its weights)",
 }
 
 

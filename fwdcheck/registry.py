@@ -86,6 +86,7 @@ class CheckInfo:
     one_process: str | None = None  # why a distributed run cannot run it
     opens_distributed_runs: bool = False  # a distributed run starts with it
     former_keys: dict[str, str] = field(default_factory=dict)  # former top-level config key -> the option it sets
+    ends_distributed_runs: str | None = None  # its code that, failed, ends a distributed run's checks
 
 
 def info(entry: CheckEntry) -> CheckInfo:
@@ -110,6 +111,7 @@ def info(entry: CheckEntry) -> CheckInfo:
         getattr(check, "one_process", None),
         bool(getattr(check, "opens_distributed_runs", False)),
         dict(getattr(check, "former_keys", {})),
+        getattr(check, "ends_distributed_runs", None),
     )
 
 
@@ -173,6 +175,7 @@ _INFO_FIELDS: dict[str, type | tuple[type, ...]] = {
     "one_process": (str, type(None)),
     "opens_distributed_runs": bool,
     "former_keys": dict,
+    "ends_distributed_runs": (str, type(None)),
 }
 
 
@@ -306,6 +309,13 @@ def selected(names: list[str] | None, nproc: int = 1) -> list[CheckEntry]:
 def distributed_openers() -> list[CheckEntry]:
     """The registered checks a distributed run starts with (Check.opens_distributed_runs)."""
     return [entry for entry in available().values() if _declared(entry, "opens_distributed_runs", False)]
+
+
+def distributed_ending_codes(entries: list[CheckEntry]) -> dict[str, str]:
+    """Each of these checks that declares a code ending a distributed run's checks (Check.ends_distributed_runs: the
+    sharding check's, for a sharded model that raises where the unsharded one runs) -> that code."""
+    codes = {entry.name: _declared(entry, "ends_distributed_runs", None) for entry in entries}
+    return {name: code for name, code in codes.items() if code is not None}
 
 
 def former_keys() -> dict[str, list[tuple[str, str]]]:

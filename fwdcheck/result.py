@@ -171,6 +171,9 @@ class Check:
     files: ClassVar[dict[str, dict[str, Any]]] = {}
     one_process: ClassVar[str | None] = None  # why a distributed run cannot run it; None: it can
     opens_distributed_runs: ClassVar[bool] = False  # True: a distributed run starts with it, named or not
+    # A code of its own that, failed, ends a distributed run's checks there: the ones after it would only meet the
+    # same error (the sharding check's, for a sharded model that raises where the unsharded one runs)
+    ends_distributed_runs: ClassVar[str | None] = None
     # Top-level config keys of former releases that now set one of its options: key -> option (`exhaustive:`)
     former_keys: ClassVar[dict[str, str]] = {}
 

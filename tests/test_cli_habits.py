@@ -19,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fwdcheck import __version__
-from fwdcheck.cli import app, paragraphs, signals_deferred, worst_exit
+from fwdcheck.cli import app, paragraphs
+from fwdcheck.run_command import signals_deferred, worst_exit
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "sample_configs" / "toy.yaml"

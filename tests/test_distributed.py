@@ -297,7 +297,7 @@ def test_the_fork_has_the_signal_handlers_and_descriptors_of_a_new_interpreter(t
     the launcher holds open (and locked) is not held by the fork: its descriptor is /dev/null there."""
     import fcntl
 
-    from fwdcheck.process.distributed import _as_new_interpreter
+    from fwdcheck.process.launch import _as_new_interpreter
 
     def handler(signum, frame):
         pass
@@ -341,7 +341,7 @@ def test_a_fork_that_cannot_be_made_leaves_the_server_to_multiprocessing(monkeyp
     import multiprocessing.forkserver
     from multiprocessing import resource_tracker, util
 
-    from fwdcheck.process import distributed
+    from fwdcheck.process import launch as distributed
 
     def cannot_fork():
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")

@@ -200,7 +200,7 @@ def test_a_hugging_face_model_needs_parallelize_for_a_mesh_its_plans_do_not_name
 
 def test_placements_are_written_per_mesh_dimension():
     from fwdcheck.checks.sharding import placement_words
-    from fwdcheck.process.distributed import ParameterLayout
+    from fwdcheck.run.sharding import ParameterLayout
 
     def words(placements, mesh, run=("dp_shard", "tp")):
         return placement_words(ParameterLayout("w", placements, mesh, [4, 4], [2, 4]), run)
@@ -221,7 +221,7 @@ def test_a_call_a_check_makes_itself_gets_rank_0s_tensors_in_the_models_own_outp
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from fwdcheck.process.distributed import _output_tensors, _with_tensors
+    from fwdcheck.run.sharding import _output_tensors, _with_tensors
 
     own, shared, loss, cache = torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.tensor(2.0), object()
     output = CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=own, past_key_values=cache)

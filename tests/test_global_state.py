@@ -14,8 +14,9 @@ import torch.nn as nn
 from fwdcheck.config.schema import Inputs
 from fwdcheck.model.under_test import ModelUnderTest
 from fwdcheck.registry import select
+from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.model_state import GlobalState
-from fwdcheck.run.runner import CheckTimeout, run_model, time_limit
+from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 
 backends = torch.backends

@@ -99,7 +99,7 @@ def test_a_collectives_error_when_a_peer_went_away_reads_as_a_lost_peer():
 def test_a_time_limit_that_strikes_in_a_collective_says_the_rank_waited_for_another():
     """Where the limit struck tells a rank that waited for a peer from the rank that hung: torch.distributed's code
     (reached through torch's own calls) is waiting; model code is not, whatever called it."""
-    from fwdcheck.run.runner import CheckTimeout, time_limit
+    from fwdcheck.run.limits import CheckTimeout, time_limit
 
     def waits_in(path: Path):
         namespace: dict = {}

@@ -1,6 +1,6 @@
 """sharding: the model sharded across processes computes what the unsharded model computes.
 
-It runs only in a distributed run (`distributed: {nproc: N}`, `--nproc N`; fwdcheck/process/distributed.py), first, on
+It runs only in a distributed run (`distributed: {nproc: N}`, `--nproc N`; fwdcheck/process/launch.py), first, on
 every rank: one forward of the session's inputs through the sharded model, with forward hooks on the blocks of its layer
 stack, the same on every rank (the collectives inside need them all). Then:
   - every rank's own logits against rank 0's: ranks whose outputs should be replicated but are not (a reduction
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,9 @@ from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
 from fwdcheck.model.under_test import extract_logits, layer_stack_of
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.locations import code_location
-from fwdcheck.process.distributed import UNSHARDED_RAISES, ParameterLayout, full, rank_context
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, position_change
+from fwdcheck.run.sharding import ParameterLayout, full, rank_context
 from fwdcheck.run.tolerances import TOLERANCES
 
 PLACEMENTS_SHOWN = 64  # parameters listed by name in the result's data; every one is counted
@@ -43,11 +43,13 @@ class Sharding(Check):
     default = False  # a distributed run adds it, first; elsewhere there is nothing to shard
     order = 95  # after the other built-ins; a distributed run puts it first (registry.selected)
     opens_distributed_runs = True
+    # A sharded model that raises where the unsharded one runs: the other checks would only meet the same error
+    ends_distributed_runs: ClassVar[str] = "FWD983"
     description = "the model sharded across processes gives the unsharded model's logits, on every rank"
     codes = {
         "FWD981": "the sharded model's logits differ from the unsharded model's",
         "FWD982": "the ranks' logits differ from each other where they should be the same (replicated)",
-        "FWD983": "the sharded model raises where the unsharded model runs",  # UNSHARDED_RAISES
+        "FWD983": "the sharded model raises where the unsharded model runs",  # ends_distributed_runs
         "FWD984": "with the sequence split across the ranks (context parallelism) the logits differ",
     }
     explain = """\
@@ -106,7 +108,7 @@ loss): ranks that disagree are this check's finding, not theirs."""
         if "failed" in shared[0]:
             raise RuntimeError(f"the sharding check failed on rank 0: {shared[0]['failed']}")
         result = CheckResult.from_dict(shared[0])
-        if raised is not None and not any(f.code == UNSHARDED_RAISES for f in result.findings):
+        if raised is not None and not any(f.code == self.ends_distributed_runs for f in result.findings):
             raise raised  # the unsharded model raises too: the model's own error, not the sharding's
         return result
 
@@ -198,7 +200,7 @@ loss): ranks that disagree are this check's finding, not theirs."""
         """FWD983: the sharded model raises where the unsharded one runs, which is the sharding's doing."""
         where = raised.where or ""
         finding = Finding(
-            UNSHARDED_RAISES,
+            self.ends_distributed_runs,
             Status.FAIL,
             f"the sharded model raises where the unsharded "
             f"one runs: {first_line(raised)} ({context.parallelized_by} over "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fwdcheck.errors import FwdcheckError
+from fwdcheck.errors import FwdcheckError, Own
 from fwdcheck.process.events import (
     CheckDone,
     Compared,
@@ -160,7 +160,7 @@ class Heard:
         )
 
 
-def end_of_run(how: str, code: str = "FWD005", status: Status = Status.ERROR) -> CheckResult:
+def end_of_run(how: str, code: str = Own.PROCESS_DIED, status: Status = Status.ERROR) -> CheckResult:
     """An error on what follows the last check: the results streamed before it are no verdict of a run that did not
     end cleanly."""
     message = f"after the last check, {how}"

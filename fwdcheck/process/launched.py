@@ -3,7 +3,7 @@
 The launcher has started one `fwdcheck run` per rank, on every node of the job, and said which rank each is in the
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; SLURM's SLURM_PROCID, SLURM_NTASKS and
 SLURM_LOCALID). fwdcheck starts no rank of its own then: each process is a rank, and runs as `--nproc` ranks do
-(fwdcheck/process/distributed.py: the same model from the same seed, sharded, the sharding check first, rank 0's logits
+(fwdcheck/process/rank.py: the same model from the same seed, sharded, the sharding check first, rank 0's logits
 on every rank), in its supervised worker as any run.
 
 What the job says, one store says it. The ranks meet at the launcher's store (torchrun's agent holds one at
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fwdcheck.errors import WAITED_FOR_A_RANK, ExitCode, FwdcheckError, UsageError, about_config
+from fwdcheck.errors import WAITED_FOR_A_RANK, ExitCode, FwdcheckError, Own, UsageError, about_config
 
 if TYPE_CHECKING:
     from fwdcheck.report import Report
@@ -291,10 +291,10 @@ def _stop(report: Report, timeout_s: float) -> dict | None:
         return stopped
     for result in report.results:  # a worker that died or hung: the supervisor's partial report
         for finding in result.findings:
-            if finding.code in ("FWD004", "FWD005") and finding.message.startswith("while this check ran"):
+            if finding.code in (Own.TIMED_OUT, Own.PROCESS_DIED) and finding.message.startswith("while this check ran"):
                 how = finding.message.removeprefix("while this check ran, ")
                 # a worker killed for its silence: its trouble began when its time limit passed, the grace before
-                at = time.time() - (grace(timeout_s) if finding.code == "FWD004" else 0.0)
+                at = time.time() - (grace(timeout_s) if finding.code == Own.TIMED_OUT else 0.0)
                 return {"check": result.name, "code": finding.code, "how": how, "at": at, "peer": False}
     return None
 
@@ -306,8 +306,8 @@ def lost_peer(text: str) -> bool:
 
 def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[int, dict], fail_on) -> Report:
     """The job's report, made on rank 0 from every rank's outcome."""
-    from fwdcheck.process.distributed import merge
     from fwdcheck.process.heard import WorkerError
+    from fwdcheck.process.launch import merge
     from fwdcheck.report import Report
 
     reports = {
@@ -348,7 +348,7 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
         _, rank, code, how, check = min(own_trouble)
         what = f"{launched.named(rank, coordinator.node(rank))} stopped the run: {how}"
     elif missing:
-        rank, code, check = missing[0], "FWD004", None
+        rank, code, check = missing[0], Own.TIMED_OUT, None
         node = coordinator.node(rank)
         what = f"{launched.named(rank, node)} " + (
             "sent no outcome within the wait (its fwdcheck run died, or hangs outside the model)"
@@ -371,7 +371,7 @@ def _partial(reports: dict[int, Report], check: str | None, what: str, code: str
     """Rank 0's report (or the lowest rank's that has one) up to the check the run stopped in, merged with the
     other ranks' where they finished it too; that check an error saying which rank stopped the run and how, the
     checks after it not run."""
-    from fwdcheck.process.distributed import merge
+    from fwdcheck.process.launch import merge
     from fwdcheck.report import Report
     from fwdcheck.result import CheckResult, Finding, Status
 
@@ -424,27 +424,28 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
 
     import torch.distributed as dist
 
-    from fwdcheck.process import distributed
     from fwdcheck.process.heard import Heard
+    from fwdcheck.process.rank import checks_on_rank, in_rank_order, join_and_shard, ran_as
     from fwdcheck.run.runner import environment_summary
+    from fwdcheck.run.sharding import RankStopped, rank_context, rank_device
 
     rank = LaunchedRank(**launched["rank"])
     this_run = run_store(rank, launched["index"], run.settings.timeout_s)
     heard = Heard(job)
-    heard.checks = [e.name for e in distributed.in_rank_order(run.entries)]
+    heard.checks = [e.name for e in in_rank_order(run.entries)]
     with about_config(Path(job.config) if job.config is not None else None):
-        distributed.rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
+        rank_device(run.settings.device, rank.local_rank)  # this rank's own usage error, before it waits
         missing = _every_rank_here(this_run, rank, run.settings.timeout_s)
         if missing:
             how, never_came = missing
-            partial = heard.partial_report(f"{how}; this rank did not join the process group", "FWD004")
+            partial = heard.partial_report(f"{how}; this rank did not join the process group", Own.TIMED_OUT)
             partial.environment = {
                 **environment_summary(run.settings, run.settings.device),
                 "distributed": {"stopped": {**_peer_stop(None, how), "never_came": never_came}},
             }
             return partial
         group_store = dist.PrefixStore("group/", this_run)
-        model, backend = distributed.join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
+        model, backend = join_and_shard(run, rank.rank, rank.world, rank.local_rank, group_store)
 
     def result_done(result) -> None:
         heard.results[result.name] = result
@@ -457,8 +458,8 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
             on_model(summary)
 
     try:
-        report = distributed.checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
-    except distributed.RankStopped as exc:
+        report = checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
+    except RankStopped as exc:
         peer = lost_peer(str(exc))
         dist.destroy_process_group()  # peers waiting for this rank at a collective fail now
         check = exc.check or next((name for name in heard.checks if name not in heard.results), None)
@@ -467,13 +468,13 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
         how = str(exc).removeprefix(f"{check}: ") if check else str(exc)
         partial = heard.partial_report(f"{rank.named(rank.rank, rank.node)} stopped: {how}", exc.code)
         partial.environment = {
-            **environment_summary(run.settings, str(distributed.rank_context().device)),  # type: ignore[union-attr]
+            **environment_summary(run.settings, str(rank_context().device)),  # type: ignore[union-attr]
             "distributed": {
                 "stopped": {"check": check, "code": exc.code, "how": how, "at": exc.at, "peer": peer},
             },
         }
         return partial
-    report.environment["distributed"] = distributed.ran_as(rank.world, backend)
+    report.environment["distributed"] = ran_as(rank.world, backend)
     dist.destroy_process_group()
     return report
 
@@ -504,7 +505,7 @@ def _every_rank_here(store, rank: LaunchedRank, timeout_s: float) -> tuple[str, 
 
 def _peer_stop(check: str | None, how: str) -> dict:
     """A stop that was another rank's doing: never the rank named."""
-    return {"check": check, "code": "FWD004", "how": how, "at": time.time(), "peer": True}
+    return {"check": check, "code": Own.TIMED_OUT, "how": how, "at": time.time(), "peer": True}
 
 
 def job_fields(launched: LaunchedRank, index: int) -> dict:

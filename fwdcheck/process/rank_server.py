@@ -1,5 +1,5 @@
 """Imported by the fork server that a distributed run's ranks are forked from (multiprocessing's, preloaded with
-fwdcheck.process.distributed.RANK_PRELOAD), and meant for it alone: importing it ties the importing process's life to
+fwdcheck.process.launch.RANK_PRELOAD), and meant for it alone: importing it ties the importing process's life to
 its parent's, here the launcher that started the server. (A server forked from the launcher, on the CPU, is tied to it
 before it imports anything.)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
 
-from fwdcheck.errors import ExitCode
+from fwdcheck.errors import ExitCode, Own
 from fwdcheck.process import interpreter
 from fwdcheck.process.events import Job
 from fwdcheck.process.forkserver import ForkedWorker, start_worker
@@ -60,7 +60,7 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
             run.report.results.append(end_of_run(f"the model process {ended(worker)} after sending its report"))
         return run.report
     if received:
-        report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", "FWD005")
+        report = run.partial_report(f"interrupted by {signal.Signals(received[0]).name}", Own.PROCESS_DIED)
         report.interrupted, report.interrupted_exit = True, exit_for(received[0])
     elif run.error is not None:
         raise run.error
@@ -69,10 +69,10 @@ def run_supervised(job: Job, *, timeout_s: float | None, progress: Callable[[str
         report = run.partial_report(
             f"the model process stayed silent past timeout_s ({limit}) and was killed (a "
             "forward that ignores the time limit, or hangs in native code)",
-            "FWD004",
+            Own.TIMED_OUT,
         )
     else:
-        report = run.partial_report(f"the model process {ended(worker)}", "FWD005")
+        report = run.partial_report(f"the model process {ended(worker)}", Own.PROCESS_DIED)
     report.notes += left
     return report
 

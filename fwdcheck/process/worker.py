@@ -55,7 +55,7 @@ def execute(
         with about_config(config_path):
             return join(run, job, job.launched, progress=progress, on_model=on_model, on_result=on_result)
     if run.config.distributed.nproc > 1:  # the ranks load the model, each its own copy
-        from fwdcheck.process.distributed import launch
+        from fwdcheck.process.launch import launch
 
         with about_config(config_path):
             return launch(run, job, progress=progress, on_model=on_model, on_result=on_result)

@@ -25,6 +25,7 @@ from rich.panel import Panel
 from rich.rule import Rule
 from rich.text import Text
 
+from fwdcheck.errors import Own
 from fwdcheck.report.layout import FitColumn, FitTable
 from fwdcheck.report.record import ReportRecord
 from fwdcheck.result import CheckResult, Finding, Status
@@ -136,7 +137,7 @@ def shared_model_error(report: ReportRecord) -> ModelError | None:
     stopped = [
         r
         for r in report.results
-        if r.status == Status.ERROR and r.findings and all(f.code == "FWD002" for f in r.findings)
+        if r.status == Status.ERROR and r.findings and all(f.code == Own.MODEL_RAISED for f in r.findings)
     ]
     said = {(f.message, f.where, f.source) for r in stopped for f in r.findings}
     if len(stopped) < 2 or len(said) != 1:
@@ -177,7 +178,7 @@ def short_summary(report: ReportRecord, raised: ModelError | None = None) -> lis
         lines.append(
             Text.assemble(
                 ("ERROR", STYLE[Status.ERROR]),
-                f" FWD002 {raised.message}{at}; every check needs a forward: {n} checks not run",
+                f" {Own.MODEL_RAISED} {raised.message}{at}; every check needs a forward: {n} checks not run",
             )
         )
     for r in counted(report):

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import platform
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from fwdcheck.config.schema import Config, RunConfig
-from fwdcheck.errors import WAITED_FOR_A_RANK, CheckLoadError, ModelRaised, SkipCheck, UsageError, interrupts_heard
+from fwdcheck.errors import (
+    WAITED_FOR_A_RANK,
+    CheckLoadError,
+    ModelRaised,
+    Own,
+    SkipCheck,
+    UsageError,
+    interrupts_heard,
+)
 from fwdcheck.model.sources import load_model
 from fwdcheck.model.under_test import ModelUnderTest, model_code
 from fwdcheck.model.zero_weights import woken
@@ -28,12 +32,10 @@ from fwdcheck.run.code_paths import (
     RAN_ALONE,
     CodePath,
     LogitsAnchor,
-    SameLogits,
     Verdicts,
     cell_length,
     cell_settings,
     path_cells,
-    path_signature,
     path_view,
     plain_view,
     rows_ran_alone,
@@ -41,6 +43,8 @@ from fwdcheck.run.code_paths import (
     verdict_from_logits,
     verdicts_for,
 )
+from fwdcheck.run.limits import CheckTimeout, time_limit
+from fwdcheck.run.matrix import CellRun, merge_cells, observed_signature, same_logits_verdict
 from fwdcheck.run.model_state import ParameterWatch
 from fwdcheck.run.overrides import Overrides
 from fwdcheck.run.session import Session
@@ -243,7 +247,7 @@ def environment_summary(settings: Settings, device: str) -> dict:
 def model_raised(exc: ModelRaised) -> Finding:
     """FWD002, pointing at the line of model code that raised when there is one."""
     source = code_location(exc.frame[0], exc.frame[1]) if exc.frame else None
-    return Finding("FWD002", Status.ERROR, str(exc), exc.where, source=source)
+    return Finding(Own.MODEL_RAISED, Status.ERROR, str(exc), exc.where, source=source)
 
 
 def locate(finding: Finding, model: ModelUnderTest) -> str | None:
@@ -257,20 +261,6 @@ def locate(finding: Finding, model: ModelUnderTest) -> str | None:
         return code_location(source, line) if source is not None else None
     except (TypeError, OSError):
         return None
-
-
-@dataclass
-class CellRun:
-    """One cell of the matrix: each per-path check's result there, and the forward tokens (rows x positions) each
-    ran, the cell's shared passes counted on the first check that asked for them."""
-
-    cell: CodePath
-    seq_len: int  # tokens per row of the cell's inputs
-    results: list[CheckResult]
-    forward_tokens: list[int]
-    note: str | None = None  # how the cell came to run as it did, when not as planned
-    shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
-    refused: bool = False  # the model could not run the cell's path at all (the train path: train mode raised)
 
 
 def run_code_paths(
@@ -375,7 +365,7 @@ def run_path(
 
 def _model_raised(run: CellRun) -> bool:
     """Whether some check of the cell could not run at all because the model raised (FWD002)."""
-    return any(f.code == "FWD002" for result in run.results for f in result.findings)
+    return any(f.code == Own.MODEL_RAISED for result in run.results for f in result.findings)
 
 
 def per_code_path(entry: CheckEntry) -> bool:
@@ -430,7 +420,7 @@ def run_cell(
             # A digest only where it can be shared: with an earlier cell, or by a later one (the train path's cell
             # comes last); else the observation pass runs for the checks alone.
             digest = verdicts is not None and (not cell.train or bool(verdicts.by_signature))
-            signature = _signature(session) if digest else None
+            signature = observed_signature(session) if digest else None
             if cell.train:
                 session.reference()  # the train path's first forward: ModelRaised when the model cannot train
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
@@ -462,7 +452,7 @@ def run_cell(
                     if follows_logits and verdicts is not None and logits is not None
                     else None
                 )
-                result = _same_logits_verdict(entry, shared, cell.train) if shared else run_one(entry, view, session)
+                result = same_logits_verdict(entry, shared, cell.train) if shared else run_one(entry, view, session)
                 results.append(result)
                 tokens.append(session.forward_tokens - before + observed)
                 observed = 0
@@ -489,211 +479,6 @@ def run_cell(
     return run
 
 
-def _same_logits_verdict(entry: CheckEntry, same: SameLogits, train: bool = False) -> CheckResult:
-    """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: this cell's measurement is
-    the comparison that vouches for it; the pass it takes is named, its numbers not copied. On the train path's cell
-    (`train`) the comparison is also the train path held to the eval path's logits."""
-    anchor, passed = same.anchor, same.anchor.result
-    summary = (
-        f"{'train vs eval: ' if train else ''}the same logits as {anchor.label} (max difference "
-        f"{same.difference:.2g} vs tolerance {same.tolerance:.2g}): its verdict, {passed.summary}"
-    )
-    metrics = {"same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
-    if train:
-        metrics["train_eval_change"] = same.difference
-    return CheckResult(
-        entry.name,
-        passed.status,
-        summary,
-        metrics=metrics,
-        data={"same_logits_as": anchor.label},
-        key_number=f"{same.difference:.2g} / {same.tolerance:.2g}",
-    )
-
-
-def _signature(session: Session) -> str | None:
-    """The path_signature of the session's observation pass, which this runs (and the session keeps for its
-    checks); None when the pass cannot vouch for anything. A pass that raised or hung is left to the checks, which
-    ask for it again and report it as they would have (the model's error is kept; a hang costs its time limit
-    once more, in the first check)."""
-    try:
-        with time_limit(session.settings.timeout_s):
-            return path_signature(session.observation(), session.observed_logits, session.inputs)
-    except (CheckTimeout, Exception):
-        return None
-
-
-def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) -> CheckResult:
-    """Keep the default path's detail (leak map, mask table); add one row per cell (its path, length and verdict)
-    and, for each finding code that failed somewhere, one finding naming the cells. `cells`: each cell's run with
-    this check's result there."""
-    rows = [
-        {
-            "path": run.cell.label,
-            "status": r.status.value,
-            "summary": r.summary,
-            "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
-            "seq_len": run.seq_len,
-            **({"note": run.note} if run.note else {}),
-            **({"shares": shared} if (shared := shared_from(run, r)) else {}),
-        }
-        for run, r in cells
-    ]
-    by_code: dict[str, tuple[Finding, list[str]]] = {}
-    for run, r in cells:
-        for f in r.findings:
-            if f.status in (Status.PASS, Status.SKIP):
-                continue
-            first, where = by_code.setdefault(f.code, (f, []))
-            where.append(run.cell.label)
-    # A code the default path found too keeps the default path's finding (its measurement at the run's own length,
-    # the module and line it names), with the cells that fail the same way added to where it was seen.
-    on_default = {f.code: f for f in default.findings if f.status not in (Status.PASS, Status.SKIP)}
-    seen_where = {}
-    for code, (_, where) in by_code.items():
-        shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
-        seen_where[code] = f"{len(where)} of {len(cells)} code paths: {shown}"
-    findings = [
-        f
-        if f.code not in by_code
-        else dataclasses.replace(f, where="; also on ".join(filter(None, [f.where, seen_where[f.code]])))
-        for f in default.findings
-        if f.code not in by_code or f is on_default.get(f.code)
-    ]
-    for code, (first, _) in by_code.items():
-        cells_where = seen_where[code]
-        if code in on_default:
-            continue
-        findings.append(
-            Finding(
-                code,
-                first.status,
-                first.message,
-                cells_where + (f" (first at {first.where})" if first.where else ""),
-                source=first.source,
-                module=first.module,
-            )
-        )
-    failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
-    status = worst([default.status, *(r.status for _, r in cells)])
-    lengths = sorted({run.seq_len for run, _ in cells})
-    at = f"T={lengths[0]}" if len(lengths) == 1 else f"T={lengths[0]} to {lengths[-1]}"
-    train_only = len(cells) == 1 and cells[0][0].cell.train
-    if failing and default.status in (Status.FAIL, Status.ERROR):  # the default path's own verdict leads
-        also = "the train path fails too" if train_only else f"{len(failing)} of {len(cells)} code paths fail too"
-        summary = f"{default.summary}; {also}"
-    elif failing:
-        first_path, first_result = failing[0]
-        summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
-    else:
-        passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
-        summary = f"{default.summary}; {passed} ({at})"
-    return CheckResult(
-        default.name,
-        status,
-        summary,
-        findings,
-        dict(
-            default.metrics,
-            code_paths=len(cells),
-            failing_code_paths=len(failing),
-            default_path_fails=int(default.status in (Status.FAIL, Status.ERROR)),
-        ),
-        {**default.data, "paths": rows},
-        default.duration_s + sum(r.duration_s for _, r in cells),
-        default.internal_error or any(r.internal_error for _, r in cells),
-        default.key_number,
-    )
-
-
-def shared_from(run: CellRun, result: CheckResult) -> dict | None:
-    """A check's `shares` on a cell: the cell whose verdict it took and by which rule; None when it ran its own."""
-    if run.shares:
-        return {"cell": run.shares, "by": "code path"}
-    if "same_logits_as" in result.data:
-        return {"cell": result.data["same_logits_as"], "by": "logits"}
-    return None
-
-
-class CheckTimeout(BaseException):
-    """Raised inside a check that ran past its time limit. A BaseException, so that a model's own
-    `except Exception` cannot swallow it."""
-
-    def __init__(self, seconds: float, interrupted=None):
-        super().__init__(seconds)
-        self.seconds = seconds
-        self.in_collective = _in_collective(interrupted)
-
-
-def _in_collective(frame) -> bool:
-    """Whether the frame a time limit interrupted is torch's code, called by torch.distributed's (a collective, a
-    DTensor's redistribution, a functional collective's wait): this process waited for another rank. The calls
-    are followed out from the interrupted frame for as long as they are torch's own; model code ends the search."""
-    import torch
-
-    root = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    distributed = os.path.join(root, "distributed") + os.sep
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
-        if os.path.abspath(frame.f_code.co_filename).startswith(distributed):
-            return True
-        frame = frame.f_back
-    return False
-
-
-# Longer limits (inf included) are no limit: setitimer cannot count them on every platform (OverflowError).
-_LONGEST_LIMIT = 1e8  # seconds, three years
-_SOON = 1e-4  # seconds: an enclosing timer whose time ran out during the block fires at once (0 would disarm it)
-
-
-@contextmanager
-def time_limit(seconds: float | None):
-    """Interrupt the block after `seconds` with CheckTimeout. It uses SIGALRM, so it works in the main thread of
-    a Unix process and reaches Python code (a hung kernel returns control only when it ends); elsewhere no limit.
-
-    A process has one such timer, and the code around the run may be using it (pytest-timeout's signal method, an
-    enclosing time_limit). That timer keeps its deadline: while the block runs, the timer is armed for whichever
-    deadline comes first, and when it is the enclosing one's, its handler runs then, as it would have, while the
-    block's own limit carries on. An enclosing timer without a Python handler to call fires as soon as the block
-    ends. Afterwards it is armed again with the time it had left, its handler back in place."""
-    usable = (
-        seconds
-        and seconds < _LONGEST_LIMIT
-        and hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-    )
-    if not usable or seconds is None:  # (usable implies a number)
-        yield
-        return
-    deadline = time.monotonic() + seconds
-    previous = signal.getsignal(signal.SIGALRM)
-    delay, interval = signal.getitimer(signal.ITIMER_REAL)
-    enclosing = time.monotonic() + delay if delay else None  # when the enclosing timer fires next, if it is armed
-
-    def arm():
-        due = deadline if enclosing is None or not callable(previous) else min(deadline, enclosing)
-        signal.setitimer(signal.ITIMER_REAL, max(due - time.monotonic(), _SOON))
-
-    def expire(signum, frame):
-        nonlocal enclosing
-        if enclosing is not None and enclosing < deadline and callable(previous):  # the enclosing timer's turn
-            enclosing = enclosing + interval if interval else None
-            arm()
-            previous(signum, frame)
-            return
-        raise CheckTimeout(seconds, frame)
-
-    signal.signal(signal.SIGALRM, expire)
-    try:
-        arm()
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        # a handler installed outside Python (getsignal says None) cannot be put back; the default is the nearest
-        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-        if enclosing is not None:
-            signal.setitimer(signal.ITIMER_REAL, max(enclosing - time.monotonic(), _SOON), interval)
-
-
 def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> CheckResult:
     """One check, whatever happens: skip raised, model errors and fwdcheck's own errors become results."""
     start = time.perf_counter()
@@ -716,11 +501,13 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
         message = f"timed out after {timeout.seconds:g} s (timeout_s in the config); " + (
             f"waiting in a collective: {WAITED_FOR_A_RANK}" if timeout.in_collective else "a forward that hangs?"
         )
-        result = CheckResult(entry.name, Status.ERROR, message, [Finding("FWD004", Status.ERROR, message)])
+        result = CheckResult(entry.name, Status.ERROR, message, [Finding(Own.TIMED_OUT, Status.ERROR, message)])
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))
     except CheckLoadError as exc:
-        result = CheckResult(entry.name, Status.ERROR, str(exc), [Finding("FWD001", Status.ERROR, str(exc))])
+        result = CheckResult(
+            entry.name, Status.ERROR, str(exc), [Finding(Own.CHECK_NOT_LOADED, Status.ERROR, str(exc))]
+        )
     except ModelRaised as exc:
         result = CheckResult(entry.name, Status.ERROR, str(exc), [model_raised(exc)])
     except Exception as exc:  # a bug of fwdcheck's (or of a plugin's), not of the model: exit 3
@@ -729,7 +516,7 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
             entry.name,
             Status.ERROR,
             message,
-            [Finding("FWD003", Status.ERROR, message)],
+            [Finding(Own.INTERNAL_ERROR, Status.ERROR, message)],
             data={"traceback": traceback.format_exc()},
             internal_error=True,
         )
@@ -739,7 +526,7 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
 
 def report_parameter_writes(result: CheckResult, written: list[str], session: Session, during: str = "") -> None:
     """FWD006 on the result of the check whose forwards wrote these parameters in place (none: nothing to say)."""
-    if not written or any(f.code == "FWD006" for f in result.findings):
+    if not written or any(f.code == Own.WROTE_PARAMETERS for f in result.findings):
         return
     parameters = dict(session.model.module.named_parameters())
     if all(session.runs_on_copy(parameters[name]) for name in written):
@@ -754,5 +541,5 @@ def report_parameter_writes(result: CheckResult, written: list[str], session: Se
         f"the forward wrote parameter{'s' if len(written) > 1 else ''} {shown} in place{during}: a forward in "
         f"eval mode should not change the weights, and the forwards after it ran another model; {after}"
     )
-    result.findings.append(Finding("FWD006", Status.FAIL, message, written[0].rpartition(".")[0] or None))
+    result.findings.append(Finding(Own.WROTE_PARAMETERS, Status.FAIL, message, written[0].rpartition(".")[0] or None))
     result.status = worst([result.status, Status.FAIL])

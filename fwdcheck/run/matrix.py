@@ -1,0 +1,153 @@
+"""The verdicts of the code-path matrix's cells: a cell that takes another's (the same code path, by the signature
+of its observation pass; the same logits, for a check whose verdict follows from them: code_paths.py says why
+both hold), and each per-path check's cells merged into one result that lists every cell."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fwdcheck.registry import CheckEntry
+from fwdcheck.result import CheckResult, Finding, Status, worst
+from fwdcheck.run.code_paths import CodePath, SameLogits, path_signature
+from fwdcheck.run.limits import CheckTimeout, time_limit
+from fwdcheck.run.session import Session
+
+
+@dataclass
+class CellRun:
+    """One cell of the matrix: each per-path check's result there, and the forward tokens (rows x positions) each
+    ran, the cell's shared passes counted on the first check that asked for them."""
+
+    cell: CodePath
+    seq_len: int  # tokens per row of the cell's inputs
+    results: list[CheckResult]
+    forward_tokens: list[int]
+    note: str | None = None  # how the cell came to run as it did, when not as planned
+    shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
+    refused: bool = False  # the model could not run the cell's path at all (the train path: train mode raised)
+
+
+def same_logits_verdict(entry: CheckEntry, same: SameLogits, train: bool = False) -> CheckResult:
+    """A check's pass on an earlier cell, taken by a cell whose logits are that cell's: this cell's measurement is
+    the comparison that vouches for it; the pass it takes is named, its numbers not copied. On the train path's cell
+    (`train`) the comparison is also the train path held to the eval path's logits."""
+    anchor, passed = same.anchor, same.anchor.result
+    summary = (
+        f"{'train vs eval: ' if train else ''}the same logits as {anchor.label} (max difference "
+        f"{same.difference:.2g} vs tolerance {same.tolerance:.2g}): its verdict, {passed.summary}"
+    )
+    metrics = {"same_logits_difference": same.difference, "same_logits_tolerance": same.tolerance}
+    if train:
+        metrics["train_eval_change"] = same.difference
+    return CheckResult(
+        entry.name,
+        passed.status,
+        summary,
+        metrics=metrics,
+        data={"same_logits_as": anchor.label},
+        key_number=f"{same.difference:.2g} / {same.tolerance:.2g}",
+    )
+
+
+def observed_signature(session: Session) -> str | None:
+    """The path_signature of the session's observation pass, which this runs (and the session keeps for its
+    checks); None when the pass cannot vouch for anything. A pass that raised or hung is left to the checks, which
+    ask for it again and report it as they would have (the model's error is kept; a hang costs its time limit
+    once more, in the first check)."""
+    try:
+        with time_limit(session.settings.timeout_s):
+            return path_signature(session.observation(), session.observed_logits, session.inputs)
+    except (CheckTimeout, Exception):
+        return None
+
+
+def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) -> CheckResult:
+    """Keep the default path's detail (leak map, mask table); add one row per cell (its path, length and verdict)
+    and, for each finding code that failed somewhere, one finding naming the cells. `cells`: each cell's run with
+    this check's result there."""
+    rows = [
+        {
+            "path": run.cell.label,
+            "status": r.status.value,
+            "summary": r.summary,
+            "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
+            "seq_len": run.seq_len,
+            **({"note": run.note} if run.note else {}),
+            **({"shares": shared} if (shared := shared_from(run, r)) else {}),
+        }
+        for run, r in cells
+    ]
+    by_code: dict[str, tuple[Finding, list[str]]] = {}
+    for run, r in cells:
+        for f in r.findings:
+            if f.status in (Status.PASS, Status.SKIP):
+                continue
+            first, where = by_code.setdefault(f.code, (f, []))
+            where.append(run.cell.label)
+    # A code the default path found too keeps the default path's finding (its measurement at the run's own length,
+    # the module and line it names), with the cells that fail the same way added to where it was seen.
+    on_default = {f.code: f for f in default.findings if f.status not in (Status.PASS, Status.SKIP)}
+    seen_where = {}
+    for code, (_, where) in by_code.items():
+        shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
+        seen_where[code] = f"{len(where)} of {len(cells)} code paths: {shown}"
+    findings = [
+        f
+        if f.code not in by_code
+        else dataclasses.replace(f, where="; also on ".join(filter(None, [f.where, seen_where[f.code]])))
+        for f in default.findings
+        if f.code not in by_code or f is on_default.get(f.code)
+    ]
+    for code, (first, _) in by_code.items():
+        cells_where = seen_where[code]
+        if code in on_default:
+            continue
+        findings.append(
+            Finding(
+                code,
+                first.status,
+                first.message,
+                cells_where + (f" (first at {first.where})" if first.where else ""),
+                source=first.source,
+                module=first.module,
+            )
+        )
+    failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
+    status = worst([default.status, *(r.status for _, r in cells)])
+    lengths = sorted({run.seq_len for run, _ in cells})
+    at = f"T={lengths[0]}" if len(lengths) == 1 else f"T={lengths[0]} to {lengths[-1]}"
+    train_only = len(cells) == 1 and cells[0][0].cell.train
+    if failing and default.status in (Status.FAIL, Status.ERROR):  # the default path's own verdict leads
+        also = "the train path fails too" if train_only else f"{len(failing)} of {len(cells)} code paths fail too"
+        summary = f"{default.summary}; {also}"
+    elif failing:
+        first_path, first_result = failing[0]
+        summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
+    else:
+        passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
+        summary = f"{default.summary}; {passed} ({at})"
+    return dataclasses.replace(
+        default,
+        status=status,
+        summary=summary,
+        findings=findings,
+        metrics=dict(
+            default.metrics,
+            code_paths=len(cells),
+            failing_code_paths=len(failing),
+            default_path_fails=int(default.status in (Status.FAIL, Status.ERROR)),
+        ),
+        data={**default.data, "paths": rows},
+        duration_s=default.duration_s + sum(r.duration_s for _, r in cells),
+        internal_error=default.internal_error or any(r.internal_error for _, r in cells),
+    )
+
+
+def shared_from(run: CellRun, result: CheckResult) -> dict | None:
+    """A check's `shares` on a cell: the cell whose verdict it took and by which rule; None when it ran its own."""
+    if run.shares:
+        return {"cell": run.shares, "by": "code path"}
+    if "same_logits_as" in result.data:
+        return {"cell": result.data["same_logits_as"], "by": "logits"}
+    return None
