@@ -26,6 +26,7 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
+from fwdcheck.model.sources import starter_config, starters
 from fwdcheck.process.launched import launched_rank
 from fwdcheck.report.outputs import (
     check_appended,
@@ -993,15 +994,13 @@ def init(
             "--source",
             "-s",
             metavar="SOURCE",
-            help="The model source the config describes: reference | python | hf | checkpoint.",
+            help=f"The model source the config describes: {' | '.join(starters())}.",
         ),
     ] = "reference",
 ) -> None:
     """Write a commented starter config, valid as written, for one model source."""
 
     def action():
-        from fwdcheck.config.templates import starter_config
-
         text = starter_config(source, str(path))  # an unknown source is its one line before anything is written
         if path.exists() and not force:
             raise UsageError(f"{path} exists; pass --force to overwrite it")
