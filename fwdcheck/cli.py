@@ -23,6 +23,7 @@ from typer.core import TyperCommand
 
 from fwdcheck import __version__
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text
+from fwdcheck.model.sources import starter_config, starters
 from fwdcheck.report.formats import (
     Format,
     StdoutConsole,
@@ -423,15 +424,13 @@ def init(
             "--source",
             "-s",
             metavar="SOURCE",
-            help="The model source the config describes: reference | python | hf | checkpoint.",
+            help=f"The model source the config describes: {' | '.join(starters())}.",
         ),
     ] = "reference",
 ) -> None:
     """Write a commented starter config, valid as written, for one model source."""
 
     def action():
-        from fwdcheck.config.templates import starter_config
-
         text = starter_config(source, str(path))  # an unknown source is its one line before anything is written
         if path.exists() and not force:
             raise UsageError(f"{path} exists; pass --force to overwrite it")

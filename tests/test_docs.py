@@ -147,7 +147,7 @@ def test_the_broken_configs_are_the_bugs_the_default_checks_catch():
 
 
 def test_the_starter_config_says_what_an_omitted_checks_key_runs():
-    from fwdcheck.config.templates import starter_config
+    from fwdcheck.model.sources import starter_config
     from fwdcheck.registry import select
 
     line = next(row for row in starter_config("reference", "x").splitlines() if row.startswith("# checks:"))

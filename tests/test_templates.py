@@ -14,9 +14,8 @@ from typer.testing import CliRunner
 
 from fwdcheck.cli import app
 from fwdcheck.config.schema import load_config
-from fwdcheck.config.templates import SOURCES, starter_config
 from fwdcheck.errors import UsageError
-from fwdcheck.model.sources import load_model
+from fwdcheck.model.sources import SOURCES, load_model, starter_config
 from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings

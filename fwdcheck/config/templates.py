@@ -1,24 +1,24 @@
-"""The starter configs `fwdcheck init` writes: one per model source, each valid exactly as written.
+"""The starter configs `fwdcheck init` writes: each source's model section, valid exactly as written, and the
+sections every source shares.
 
-Every template runs as written except the checkpoint one, which names a weights file the user replaces: it
-validates, and until then its run stops with one exit-2 line naming the missing file. The keys a user changes are
-commented, and each key left commented out validates once uncommented (hf's `path:` in place of `config:`), so that
-editing a template never starts from an error.
+A source's record (fwdcheck/model/sources/__init__.py) names its model section here, so `init` offers exactly the
+sources whose record has one; `compose` puts a whole config together. Every template runs as written except the
+checkpoint one, which names a weights file the user replaces: it validates, and until then its run stops with one
+exit-2 line naming the missing file. The keys a user changes are commented, and each key left commented out
+validates once uncommented (hf's `path:` in place of `config:`), so that editing a template never starts from an
+error.
 """
 
 from __future__ import annotations
 
-from fwdcheck.errors import UsageError
-
-SOURCES = ("reference", "python", "hf", "checkpoint")
+from collections.abc import Sequence
 
 _HEADER = """\
 # fwdcheck config: `fwdcheck run {name}`
 # Other model sources: `fwdcheck init --source {others}` writes their starter config.
 """
 
-_MODELS = {
-    "reference": """\
+REFERENCE = """\
 model:
   source: reference        # fwdcheck's built-in transformer, readable in fwdcheck/model/reference.py
   vocab_size: 16
@@ -31,8 +31,9 @@ model:
   attention: sdpa          # sdpa | eager
   mask: bool               # bool | float | is_causal: three correct ways to pass the causal mask
   bugs: []                 # plant one to watch a check fail: no-causal-mask, inverted-bool-mask, float-mask-01, ...
-""",
-    "python": """\
+"""
+
+PYTHON = """\
 model:
   source: python
   # Replace the factory with your own: 'package.module:callable' returning an nn.Module whose forward(input_ids)
@@ -46,8 +47,9 @@ model:
   # vocab_size: 16         # when neither model.config.vocab_size nor an nn.Embedding tells it
   # forward: "mypkg.adapters:logits"     # (model, input_ids, **kw) -> logits, for another call convention
   # rope: {base: 10000, pairing: half}   # declared rotary settings, compared with what the rope check measures
-""",
-    "hf": """\
+"""
+
+HF = """\
 model:
   source: hf               # a Hugging Face transformers model, built offline (pip install 'fwdcheck[hf]')
   # path: my-model         # a directory with config.json (and weights, optionally), instead of `config:`
@@ -64,8 +66,9 @@ model:
   causal: true             # false for bidirectional encoders: future-token then skips its causal part
 # future-token and mask-audit run over every code path the model offers (attention implementation, output_attentions,
 # attention_mask, batch size); narrow them with e.g. `code_paths: {attention_mask: [ones], batch_size: [2]}`.
-""",
-    "checkpoint": """\
+"""
+
+CHECKPOINT = """\
 model:
   source: checkpoint
   # Replace with your weights: a .safetensors file or a .pt/.pth state dict, relative to this file. Until the file
@@ -78,8 +81,7 @@ model:
   python_path: []          # directories put on sys.path first, relative to this file (its own folder always is)
   strict: true             # false: a missing or unexpected key is a warning, not an error
   trust_checkpoint: false  # true allows a pickle that runs code when it is loaded: only for files you trust
-""",
-}
+"""
 
 _COMMON = """\
 inputs:
@@ -94,9 +96,7 @@ dtype: float32             # float32 | bfloat16 | float16; tolerances follow the
 """
 
 
-def starter_config(source: str, name: str) -> str:
-    """The commented starter config for a model source; `name` is the file it is written to, for its run line."""
-    if source not in SOURCES:
-        raise UsageError(f"unknown source {source!r}; known: {', '.join(SOURCES)}")
-    others = "|".join(s for s in SOURCES if s != source)
-    return _HEADER.format(name=name, others=others) + _MODELS[source] + _COMMON
+def compose(model: str, name: str, others: Sequence[str]) -> str:
+    """A whole starter config: the header (its run line, `name` being the file it is written to, and the other
+    sources `init` offers), the source's model section, and the sections every source shares."""
+    return _HEADER.format(name=name, others="|".join(others)) + model + _COMMON

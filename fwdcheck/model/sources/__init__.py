@@ -1,43 +1,99 @@
-"""Model sources: each `source:` a config can name is one module here, turning its config into a ModelUnderTest.
+"""Model sources: each `source:` a config can name is one row in SOURCES and one module here, whose loader turns its
+config into a ModelUnderTest.
 
     reference   fwdcheck's built-in transformer                          reference.py
     python      the user's factory, randomly initialised                 python.py
     checkpoint  the user's factory, filled from a weights file           checkpoint.py
     hf          a Hugging Face transformers model, built offline         hf.py
 
+A `Source` record holds all that fwdcheck knows of a source: its name, its config class, its loader, its starter
+config (`fwdcheck init --source NAME`) and its rules for `fwdcheck shrink`. Everything that lists the sources is read
+off SOURCES: load_model's dispatch, the starter configs `init` offers and the command line's `--source` help, and
+shrink's dispatch (shrink.py). A record names code as a 'module:name' string, imported when it is used, so the table
+is read without torch or pydantic: `fwdcheck --help` reads it for `init --source`'s help.
+
 factory.py holds what the factory-based sources share; detect.py reads capabilities off the module itself (a
 transformers model or the reference transformer is driven as one whichever source built it); shrink.py writes a
-small copy of each source's config (`fwdcheck shrink`). Loaders never judge the model; they only build it, fill in
-its capabilities (fwdcheck/model/capabilities.py) and say clearly (ModelLoadError, exit 2) when they cannot. Nothing
-outside this package names a source: checks ask the capabilities (tests/test_layout.py holds the rule).
+small copy of a source's config by the rules its record names. Loaders never judge the model; they only build it,
+fill in its capabilities (fwdcheck/model/capabilities.py) and say clearly (ModelLoadError, exit 2) when they cannot.
+Nothing outside this package names a source: checks ask the capabilities (tests/test_layout.py holds the rule).
 
-Adding a source takes one config class in fwdcheck/config/schema.py (a ModelSpec with a `source: Literal["name"]` field,
-added to the ModelSource union; `resolve_paths` and `files_read` if it names files), one module here whose loader
-turns that class and the Config into a ModelUnderTest, and its row in LOADERS. tests/test_sources.py holds LOADERS
-and the union to the same sources. (`fwdcheck init --source` offers the new source once fwdcheck/config/templates.py has
-a starter config for it; `fwdcheck shrink` once shrink.py has rules for it.)
+Adding a source takes its config class in fwdcheck/config/schema.py (a ModelSpec with a `source: Literal["name"]`
+field, added to the ModelSource union; `resolve_paths` and `files_read` if it names files), one module here whose
+loader turns that class and the Config into a ModelUnderTest, and its row in SOURCES: with a starter config, `init`
+offers it; with rules (a torch-free function, as shrink.py's), `shrink` shrinks it. The union stays written out in
+schema.py, since pydantic and the type checker read a discriminated union off its annotation and the config layer
+sits below this one; tests/test_sources.py holds the union and SOURCES to the same sources.
 """
 
 from __future__ import annotations
 
 import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fwdcheck.config.schema import Config, Dims, FactoryModel, HFModel, RopeSpec
+from fwdcheck.config import templates
+from fwdcheck.errors import UsageError
 
-if TYPE_CHECKING:  # the package itself stays torch-free: `fwdcheck shrink` (sources/shrink.py) never loads torch
+if TYPE_CHECKING:  # the package itself stays torch- and pydantic-free: `fwdcheck --help`, `init` and `shrink` read it
     import torch.nn as nn
 
+    from fwdcheck.config.schema import Config, ModelSpec
     from fwdcheck.model.under_test import ModelUnderTest
 
-# Each source's loader, (spec, config) -> ModelUnderTest, as 'module:function': imported when a config names the
-# source. (transformers and safetensors are imported by the hf and checkpoint loaders themselves, when they run.)
-LOADERS = {
-    "reference": "fwdcheck.model.sources.reference:load_reference",
-    "python": "fwdcheck.model.sources.python:load_python",
-    "checkpoint": "fwdcheck.model.sources.checkpoint:load_checkpoint",
-    "hf": "fwdcheck.model.sources.hf:load_hf",
+
+@dataclass(frozen=True)
+class Source:
+    """One `source:` a config can name. What it refers to is a 'module:name' string, imported when used (or the object
+    itself, for a source defined where it is registered)."""
+
+    name: str  # the `source:` value
+    spec: str | type[ModelSpec]  # its config class: a ModelSpec subclass, a member of the config's ModelSource union
+    loader: str | Callable[[Any, Config], ModelUnderTest]  # (spec, config) -> ModelUnderTest, importing torch itself
+    template: str | None = None  # the model section of its starter config; None: `fwdcheck init` does not offer it
+    shrink: str | Callable[..., Any] | None = None  # shrink.py's `(Original) -> (model section, Edits)`; None: no rules
+
+
+def resolve(reference: str | Any) -> Any:
+    """What a record refers to: a 'module:name' string imported now, or the object itself."""
+    return pkgutil.resolve_name(reference) if isinstance(reference, str) else reference
+
+
+# Every source, by its `source:` value, in the order `fwdcheck init` lists them. transformers and safetensors are
+# imported by the hf and checkpoint loaders themselves, when they run; the shrink rules import no torch.
+SOURCES: dict[str, Source] = {
+    source.name: source
+    for source in (
+        Source(
+            "reference",
+            spec="fwdcheck.config.schema:ReferenceModel",
+            loader="fwdcheck.model.sources.reference:load_reference",
+            template=templates.REFERENCE,
+            shrink="fwdcheck.model.sources.shrink:shrink_reference",
+        ),
+        Source(
+            "python",
+            spec="fwdcheck.config.schema:PythonModel",
+            loader="fwdcheck.model.sources.python:load_python",
+            template=templates.PYTHON,
+            shrink="fwdcheck.model.sources.shrink:shrink_factory",
+        ),
+        Source(
+            "hf",
+            spec="fwdcheck.config.schema:HFModel",
+            loader="fwdcheck.model.sources.hf:load_hf",
+            template=templates.HF,
+            shrink="fwdcheck.model.sources.shrink:shrink_hf",
+        ),
+        Source(
+            "checkpoint",
+            spec="fwdcheck.config.schema:CheckpointModel",
+            loader="fwdcheck.model.sources.checkpoint:load_checkpoint",
+            template=templates.CHECKPOINT,
+            shrink="fwdcheck.model.sources.shrink:shrink_factory",  # the same factory, randomly initialised
+        ),
+    )
 }
 
 
@@ -45,9 +101,28 @@ def load_model(config: Config) -> ModelUnderTest:
     """Build the model the config names. Raises ModelLoadError (exit 2) when it cannot be built at all."""
     import torch
 
+    loader = resolve(SOURCES[config.model.source].loader)
     with torch.random.fork_rng(devices=[]):  # the user's RNG state is not ours to advance
         torch.manual_seed(config.inputs.seed)
-        return pkgutil.resolve_name(LOADERS[config.model.source])(config.model, config)
+        return loader(config.model, config)
+
+
+def starters() -> dict[str, str]:
+    """The sources `fwdcheck init --source` offers, in the table's order, with their model sections."""
+    return {name: source.template for name, source in SOURCES.items() if source.template is not None}
+
+
+def starter_config(source: str, name: str) -> str:
+    """The commented starter config for a model source; `name` is the file it is written to, for its run line."""
+    offered = starters()
+    if source not in offered:
+        known = f"known: {', '.join(offered)}"
+        raise UsageError(
+            f"`source: {source}` has no starter config; {known}"
+            if source in SOURCES
+            else f"unknown source {source!r}; {known}"
+        )
+    return templates.compose(offered[source], name, [other for other in offered if other != source])
 
 
 def from_module(
@@ -62,6 +137,7 @@ def from_module(
 ) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly (fwdcheck.check_model): a transformers model keeps its
     config's description unless a forward adapter drives it; any other module is read as a factory's would be."""
+    from fwdcheck.config.schema import Dims, FactoryModel, HFModel, RopeSpec
     from fwdcheck.model.sources.factory import FactoryParts, model_from_module
     from fwdcheck.model.sources.hf import hf_model_under_test, is_transformers_model
 

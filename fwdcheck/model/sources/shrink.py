@@ -15,6 +15,9 @@ the same factory, randomly initialised.
 The shrunk config is written where the user is (the working directory) by default, so paths in it that pointed
 next to the original (a factory's modules, `path:` entries) are rewritten to still find them from there.
 
+Each source's record (fwdcheck/model/sources/__init__.py) names its rules here: a function of the `Original` config
+returning the shrunk model section and its `Edits`; a source whose record names none is refused in one line.
+
 Nothing heavy at import time: torch and transformers (and fwdcheck.model.sources.hf, which imports torch) are imported
 by the functions that need them.
 """
@@ -33,7 +36,6 @@ from fwdcheck.config.schema import (
     HF_WEIGHT_FILES,
     CheckpointModel,
     Dims,
-    FactoryModel,
     HFModel,
     Inputs,
     PythonModel,
@@ -43,6 +45,7 @@ from fwdcheck.config.schema import (
 )
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.model.config_keys import CONFIG_KEYS, Spellings, extended
+from fwdcheck.model.sources import SOURCES, resolve
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
 MAX_KV_HEADS = 2  # two kv groups: a head mixed into the wrong group shows
@@ -105,6 +108,22 @@ class Shrunk:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Original:
+    """The config being shrunk, as a source's rules read it: its file, its YAML document as written, its validated
+    model section, and where the shrunk copy is written (paths in it are rewritten to be found from there)."""
+
+    path: Path
+    raw: dict[str, Any]
+    spec: Any  # the source's config class (a ModelSpec)
+    output: Path
+
+    @property
+    def model(self) -> dict[str, Any]:
+        """The model section as written."""
+        return self.raw["model"]
+
+
 class Edits:
     """A config dictionary being rewritten, remembering every value it changes."""
 
@@ -145,15 +164,10 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
     """Read and validate a fwdcheck config; return the shrunk one (nothing is written here)."""
     config = load_config(config_path)  # every validation problem is reported as for `fwdcheck run`
     raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    model = config.model
-    if isinstance(model, HFModel):
-        block, edits = _shrink_hf_block(raw["model"], model, _seq_len(raw))
-    elif isinstance(model, ReferenceModel):
-        block, edits = _shrink_reference_block(raw["model"])
-    elif isinstance(model, FactoryModel):
-        block, edits = _shrink_factory_block(raw["model"], model, config_path, output)
-    else:  # a source added without shrink rules of its own
-        raise UsageError(f"{config_path}: fwdcheck shrink has no rules for `source: {model.source}` models")
+    rules = SOURCES[config.model.source].shrink
+    if rules is None:  # a source whose record names no rules of its own
+        raise UsageError(f"{config_path}: fwdcheck shrink has no rules for `source: {config.model.source}` models")
+    block, edits = resolve(rules)(Original(config_path, raw, config.model, output))
     document = {key: value for key, value in raw.items() if key != "meta"}  # a shrunk config runs with values
     document["model"] = block
     changes, notes = edits.changes, edits.notes
@@ -509,7 +523,10 @@ def _resample_factors(params: dict, old_head: int, new_head: int, partial: float
     return out
 
 
-def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict, Edits]:
+def shrink_hf(original: Original) -> tuple[dict, Edits]:
+    """`source: hf`: the transformers config (inline or a directory's config.json), shrunk and written inline."""
+    raw_model, spec = original.model, original.spec
+    assert isinstance(spec, HFModel)  # the record's own config class
     if spec.trust_remote_code:
         raise UsageError(
             f"{spec.path or 'the inline config'}: shrink does not run a model's own code "
@@ -518,12 +535,12 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
     hf_config = load_hf_config(spec)
     data = {k: v for k, v in hf_config.to_dict().items() if k not in DROPPED_KEYS}
     listed = set(hf_config.to_diff_dict())  # what the config sets apart from the library's defaults
-    original = copy.deepcopy(data)
-    edits = shrink_hf_dict(data, seq_len)
+    before = copy.deepcopy(data)
+    edits = shrink_hf_dict(data, _seq_len(original.raw))
     # The written config: the keys the original set, plus every key the rules changed; model_type first.
     config = {"model_type": data["model_type"]}
     config.update(
-        {k: v for k, v in data.items() if k != "model_type" and (k in listed or k not in original or v != original[k])}
+        {k: v for k, v in data.items() if k != "model_type" and (k in listed or k not in before or v != before[k])}
     )
     block: dict[str, Any] = {"source": "hf"}
     for key in ("class", "causal"):
@@ -531,7 +548,7 @@ def _shrink_hf_block(raw_model: dict, spec: HFModel, seq_len: int) -> tuple[dict
             block[key] = raw_model[key]
     if raw_model.get("rope") is not None:  # the user's own declaration: an absolute rotary dim scales as above
         rope = dict(raw_model["rope"])
-        old_head = original.get("head_dim") or _head_of(original)
+        old_head = before.get("head_dim") or _head_of(before)
         new_head = data.get("head_dim") or _head_of(data)
         if rope.get("rotary_dim") and old_head and new_head:
             new_rotary = even_rotary(rope["rotary_dim"], old_head, new_head)
@@ -620,8 +637,9 @@ def shrink_reference_dict(data: dict[str, Any]) -> Edits:
     return e
 
 
-def _shrink_reference_block(raw_model: dict) -> tuple[dict, Edits]:
-    block = dict(raw_model)
+def shrink_reference(original: Original) -> tuple[dict, Edits]:
+    """`source: reference`: its own fields, shrunk."""
+    block = dict(original.model)
     edits = shrink_reference_dict(block)
     return block, edits
 
@@ -696,10 +714,10 @@ def shrink_sizes(data: dict[str, Any], keys: Spellings, partial: float | None = 
     return e
 
 
-def _shrink_factory_block(
-    raw_model: dict, spec: PythonModel | CheckpointModel, config_path: Path, output: Path
-) -> tuple[dict, Edits]:
+def shrink_factory(original: Original) -> tuple[dict, Edits]:
     """A python (or checkpoint) model block with its factory's size kwargs shrunk, as a `source: python` block."""
+    raw_model, spec, config_path, output = original.model, original.spec, original.path, original.output
+    assert isinstance(spec, (PythonModel, CheckpointModel))  # the records' own config classes
     known = [key for key in spec.kwargs if any(key in names for names in KWARG_KEYS.values())]
     if not known:
         given = f"its kwargs ({', '.join(spec.kwargs)}) name" if spec.kwargs else "it has no `kwargs:`, so it names"
