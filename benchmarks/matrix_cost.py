@@ -29,9 +29,9 @@ import time
 
 import torch
 
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.result import Status
 from fwdcheck.run.code_paths import path_cells, runs_per_code_path, verdicts_for
 from fwdcheck.run.matrix import shared_from

@@ -32,9 +32,9 @@ import time
 
 import torch
 
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model, run_one
 from fwdcheck.run.session import Session
 from fwdcheck.run.settings import Settings

@@ -88,7 +88,7 @@ class RunCommand(TyperCommand):
     (Check.flags, as pytest's addoption), read from the registry only when the help is shown."""
 
     def format_epilog(self, ctx, formatter) -> None:
-        from fwdcheck.registry import command_line_flags, file_flags
+        from fwdcheck.config.registry import command_line_flags, file_flags
 
         try:
             flags, files = command_line_flags(), list(file_flags().values())
@@ -127,7 +127,7 @@ def split_check_flags(items: list[str]) -> CheckFlags:
     if not any(item.startswith("-") for item in items):
         found.configs = [Path(item) for item in items]
         return found
-    from fwdcheck.registry import command_line_flags, file_flags
+    from fwdcheck.config.registry import command_line_flags, file_flags
 
     declared = {flag.flag: flag for flag in command_line_flags()}
     files = file_flags()
@@ -307,7 +307,7 @@ def list_checks() -> None:
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import available, info
+        from fwdcheck.config.registry import available, info
 
         table = Table(box=None, pad_edge=False)
         table.add_column("check", no_wrap=True)
@@ -352,7 +352,7 @@ def explain(
     from rich.table import Table
 
     def action():
-        from fwdcheck.registry import available, info, select
+        from fwdcheck.config.registry import available, info, select
 
         console = Console()
         if FINDING_CODE.match(what) and what not in available():
@@ -375,8 +375,8 @@ def explain(
         return 0
 
     def explain_code(code: str, console: Console) -> None:
+        from fwdcheck.config.registry import code_owners, info
         from fwdcheck.errors import OWN_CODES
-        from fwdcheck.registry import code_owners, info
 
         if code in OWN_CODES:
             console.print(escape(f"{code} (fwdcheck itself): {OWN_CODES[code]}"))
@@ -395,7 +395,7 @@ def options_table(entry, flags: dict[str, str]):
     """A check's options as `explain` lists them (name, default, flag, meaning); None for a check without any."""
     from rich.table import Table
 
-    from fwdcheck.registry import options_model
+    from fwdcheck.config.registry import options_model
 
     model = options_model(entry)
     if model is None or not model.model_fields:

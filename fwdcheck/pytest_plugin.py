@@ -238,9 +238,9 @@ class ConfigFile(pytest.File):
     """One fwdcheck config: an item per selected check; the model is built and run once for all of them."""
 
     def collect(self):
+        from fwdcheck.config.registry import select
         from fwdcheck.config.schema import load_config
         from fwdcheck.errors import FwdcheckError
-        from fwdcheck.registry import select
 
         self.shown = _shown(Path(os.path.abspath(self.path)), self.config.invocation_params.dir)
         try:
@@ -269,7 +269,7 @@ class ConfigFile(pytest.File):
     def _expected_beside(self) -> dict[str, dict]:
         """The files beside the config that checks compare with (Check.files' `beside`: gpt.golden.json beside
         gpt.yaml, as --expect-golden), each read and checked against the run it is for: flag -> document."""
-        from fwdcheck.registry import file_flags
+        from fwdcheck.config.registry import file_flags
 
         self.beside: dict[str, tuple[str, str]] = {}  # flag -> (its check, the file as shown)
         expected = {}

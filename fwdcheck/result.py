@@ -8,7 +8,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from fwdcheck.model.under_test import ModelUnderTest
+    from fwdcheck.model.tested import ModelUnderTest
     from fwdcheck.run.session import Session
 
 

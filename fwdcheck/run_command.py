@@ -211,7 +211,7 @@ def default_config() -> Path:
 
 def file_flag(flag: str):
     """The check's file flag (registry.FileFlag) of this name."""
-    from fwdcheck.registry import file_flags
+    from fwdcheck.config.registry import file_flags
 
     return file_flags()[flag]
 
@@ -228,9 +228,9 @@ def read_expected(files: dict[str, Path]) -> dict[str, dict]:
 
 def plan(o: RunOptions, path: Path | None, expected: dict[str, dict]) -> Planned:
     """Read and validate one config with the command line's choices: its Job for the worker."""
+    from fwdcheck.config.registry import check_options
     from fwdcheck.config.schema import config_for
     from fwdcheck.process.events import Job
-    from fwdcheck.registry import check_options
     from fwdcheck.run.overrides import Overrides
 
     config = config_for(path, o.model)
@@ -262,7 +262,7 @@ def planned_checks(o: RunOptions, path: Path | None, config) -> list:
     """The checks one config runs: --check narrows the config's own selection (a name outside it is refused), a
     distributed run starts with the checks that open one (the sharding check), and a check's file flag selects its
     check when it says so (--save-golden) or needs it selected (--save-ledger)."""
-    from fwdcheck.registry import DIRECT, select, selected
+    from fwdcheck.config.registry import DIRECT, select, selected
 
     selection = o.checks if o.checks else config.checks
     # an unknown name is reported as unknown (with the known ones), not as outside the config
@@ -303,7 +303,7 @@ def refuse_impossible_runs(o: RunOptions, run_config, entries: list, expected: d
     """The combinations no run can make, each one line: a check that runs on one process in a distributed run, the
     meta device sharded, a file flag of a check that needs values on the meta device, a file made for another run
     than this one (`run_config`, overrides in: a golden file made at other inputs)."""
-    from fwdcheck.registry import info
+    from fwdcheck.config.registry import info
 
     nproc = run_config.distributed.nproc
     for entry in entries if nproc > 1 else []:

@@ -47,8 +47,8 @@ def cell(text: str) -> str:
 
 
 def codes_section() -> str:
+    from fwdcheck.config.registry import _is_builtin, available, info
     from fwdcheck.errors import OWN_CODES
-    from fwdcheck.registry import _is_builtin, available, info
 
     rows = ["| code | check | meaning |", "| --- | --- | --- |"]
     rows += [f"| `{code}` | fwdcheck itself | {cell(meaning)} |" for code, meaning in OWN_CODES.items()]

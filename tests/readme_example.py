@@ -23,9 +23,9 @@ from pathlib import Path
 from rich.console import Console
 
 from fwdcheck.checks.golden_file import golden_text, read_golden
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import load_config
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.report.terminal import render, render_diff
 from fwdcheck.run.overrides import Overrides
 from fwdcheck.run.runner import Run, run_model

@@ -119,9 +119,9 @@ def test_saturated_attention_at_initialisation_warns():
     over as a python model may hold trained weights, and is measured, not judged."""
     import dataclasses
 
+    from fwdcheck.config.registry import select
     from fwdcheck.config.schema import config_from_dict
     from fwdcheck.model.sources import load_model
-    from fwdcheck.registry import select
     from fwdcheck.run.runner import run_model
     from fwdcheck.run.settings import Settings
 

@@ -152,9 +152,9 @@ def test_python_model_without_sdpa_or_switch_skips():
 
 
 def test_switch_is_put_back(reference):
+    from fwdcheck.config.registry import select
     from fwdcheck.config.schema import config_from_dict
     from fwdcheck.model.sources import load_model
-    from fwdcheck.registry import select
     from fwdcheck.run.runner import run_model
     from fwdcheck.run.settings import Settings
 
@@ -165,7 +165,7 @@ def test_switch_is_put_back(reference):
 
 
 def test_registered_and_not_default():
-    from fwdcheck.registry import available, info
+    from fwdcheck.config.registry import available, info
 
     entry = available()["backends"]
     assert not info(entry).default

@@ -536,9 +536,9 @@ def test_model_failing_oddly_is_an_error_of_every_check(kind, tmp_path, forget_o
 
 @pytest.mark.parametrize("kind", ["MetaLogits", "Cancelled", "RaisesUnprintable"])
 def test_model_failing_oddly_is_left_as_found(kind, tmp_path, forget_odd_models):
+    from fwdcheck.config.registry import select
     from fwdcheck.config.schema import config_from_dict
     from fwdcheck.model.sources import load_model
-    from fwdcheck.registry import select
     from fwdcheck.run.runner import run_model
     from fwdcheck.run.settings import Settings
     from tests.test_model_state import assert_same, snapshot

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from fwdcheck.config.callables import on_sys_path, resolve_callable
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 from tests.corpus import DIMS as TORCHTUNE_DIMS  # not from torchtune_models: importing torchtune takes seconds

@@ -101,8 +101,8 @@ def test_the_checks_table_of_the_site_is_the_readme_s():
 
 
 def test_the_codes_page_lists_every_code_explain_knows():
+    from fwdcheck.config.registry import _is_builtin, code_owners
     from fwdcheck.errors import OWN_CODES
-    from fwdcheck.registry import _is_builtin, code_owners
 
     page = docs_pages.codes_section()
     known = [code for code, (entry, _) in code_owners().items() if _is_builtin(entry)] + list(OWN_CODES)
@@ -147,8 +147,8 @@ def test_the_broken_configs_are_the_bugs_the_default_checks_catch():
 
 
 def test_the_starter_config_says_what_an_omitted_checks_key_runs():
+    from fwdcheck.config.registry import select
     from fwdcheck.model.sources import starter_config
-    from fwdcheck.registry import select
 
     line = next(row for row in starter_config("reference", "x").splitlines() if row.startswith("# checks:"))
     listed = re.search(r"\[(.*?)\]", line).group(1).split(", ")
@@ -157,7 +157,7 @@ def test_the_starter_config_says_what_an_omitted_checks_key_runs():
 
 
 def test_the_checks_table_lists_every_built_in_check_and_which_run_by_default():
-    from fwdcheck.registry import _is_builtin, available, info
+    from fwdcheck.config.registry import _is_builtin, available, info
 
     rows = re.findall(r"^\| `([a-z-]+)`( \([^)]*\))? \|", read_section(README, "checks"), re.M)
     assert rows, "the README's checks table"

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import Inputs
-from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.registry import select
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.model_state import GlobalState
 from fwdcheck.run.runner import run_model

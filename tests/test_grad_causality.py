@@ -337,7 +337,7 @@ def test_model_left_as_found():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_model_left_as_found_for_the_checks_after(dtype):
-    from fwdcheck.registry import select
+    from fwdcheck.config.registry import select
     from fwdcheck.run.runner import run_model
     from tests.test_model_state import assert_same, reference_model, snapshot
 

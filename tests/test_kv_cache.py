@@ -14,11 +14,11 @@ import torch
 from pydantic import ValidationError
 
 import fwdcheck
+from fwdcheck.config.registry import available, info
 from fwdcheck.config.schema import PythonModel, config_from_dict
 from fwdcheck.errors import ConfigError
 from fwdcheck.model.reference import KVCache, build
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import available, info
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 from tests.conftest import run_checks
@@ -213,7 +213,7 @@ def test_gpt_fast_passes_and_is_left_as_found():
 
     config = config_from_dict({"model": GPT_FAST, "checks": CHECK})
     model = load_model(config)
-    report = run_model(model, Settings.from_config(config), fwdcheck.registry.select(CHECK))
+    report = run_model(model, Settings.from_config(config), fwdcheck.config.registry.select(CHECK))
     clean_pass(report.result("kv-cache"))
     assert report.result("kv-cache").data["cache_call"] == "setup_caches, then forward(input_ids, input_pos)"
     # the caches the check and the `forward:` adapter set up (8, then 8 + 20 tokens rounded up to 32 slots) are taken

@@ -307,3 +307,82 @@ prefix = "FWD"
         "the literal 'FWD983'",
         "writes FWD002 into an f-string",
     ]
+
+
+# The layers, from the top down (docs/architecture.md draws them): a module imports from its own layer and the ones
+# below it. A layer is a folder of fwdcheck/, or a few modules at the top.
+LAYERS = [
+    {"cli", "run_command", "api", "pytest_plugin", "__main__"},
+    {"process"},
+    {"checks"},
+    {"run"},
+    {"report"},
+    {"model"},
+    {"observe"},
+    {"config"},
+    {"result", "errors"},
+]
+# Imports that point up on purpose: the package's lazy `check_model`, and the types in Check.run's signature.
+UPWARD_ON_PURPOSE = {
+    ("fwdcheck", "fwdcheck.api"),
+    ("fwdcheck.result", "fwdcheck.model.tested"),
+    ("fwdcheck.result", "fwdcheck.run.session"),
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a dotted fwdcheck module: its folder's, or its own at the top; None for the package itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def upward_imports(tree: ast.AST, module: str) -> list[str]:
+    """Where `module` imports from a layer above its own, anywhere in its file (inside functions and under
+    TYPE_CHECKING too)."""
+    own = layer_of(module)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [node.module]
+        else:
+            continue
+        for target in targets:
+            if not target.startswith("fwdcheck.") or (module, target) in UPWARD_ON_PURPOSE:
+                continue
+            theirs = layer_of(target)
+            if own is None or (theirs is not None and theirs < own):
+                found.append(f"line {node.lineno}: imports {target}")
+    return found
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_imports_from_a_layer_above_its_own(path):
+    assert upward_imports(ast.parse(path.read_text(encoding="utf-8")), module_name(path)) == []
+
+
+def test_every_module_is_in_a_layer():
+    """A new folder or top-level module is placed in the layers before it lands."""
+    placed = set().union(*LAYERS)
+    names = [module_name(p) for p in MODULES if module_name(p) != "fwdcheck"]
+    assert [name for name in names if name.split(".")[1] not in placed] == []
+
+
+def test_the_rule_finds_an_import_from_above():
+    planted = """
+from fwdcheck.run.session import Session
+from fwdcheck.config.schema import Config
+import fwdcheck.process.worker
+def late():
+    from fwdcheck.cli import app
+"""
+    found = [line.split(": ", 1)[1] for line in upward_imports(ast.parse(planted), "fwdcheck.model.tested")]
+    assert found == ["imports fwdcheck.run.session", "imports fwdcheck.process.worker", "imports fwdcheck.cli"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from fwdcheck.checks.ledger_file import ledger_from_dict
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 

@@ -37,9 +37,9 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 from tests.test_model_state import assert_same, snapshot

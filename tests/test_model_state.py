@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import Inputs, config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.model.under_test import ModelUnderTest
-from fwdcheck.registry import select
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fwdcheck.registry import CheckEntry
+from fwdcheck.config.registry import CheckEntry
 from tests.conftest import run_checks
 from tests.models import GPT, Block, CausalSelfAttention, GPTConfig
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fwdcheck.config.registry import direct, select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import direct, select
 from fwdcheck.result import Check, CheckResult, Status
 from fwdcheck.run.code_paths import CELL_LENGTH, CodePath, cell_length, path_cells, runs_per_code_path
 from fwdcheck.run.runner import run_cell

@@ -342,7 +342,7 @@ def test_a_plugin_cannot_replace_a_builtin(tmp_path, monkeypatch):
     site = tmp_path / "site"
     write_dist_info(site, "acme-shadow", {"rope": "acme_shadow:Rope"})
     monkeypatch.syspath_prepend(str(site))
-    from fwdcheck.registry import available
+    from fwdcheck.config.registry import available
 
     assert available()["rope"].label == "fwdcheck[rope]"
 
@@ -375,7 +375,7 @@ def opt_in_plugin(tmp_path, monkeypatch):
 
 
 def test_a_check_outside_the_default_runs_only_when_named(opt_in_plugin, tmp_path):
-    from fwdcheck.registry import select
+    from fwdcheck.config.registry import select
 
     assert [e.name for e in select(None)] == BUILTINS
     assert [e.name for e in select(["default"])] == BUILTINS

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fwdcheck
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
 
 transformers = pytest.importorskip("transformers")

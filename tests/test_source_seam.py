@@ -37,7 +37,7 @@ from typing import Literal
 from fwdcheck.config.schema import Config, ModelSpec
 from fwdcheck.model.reference import build
 from fwdcheck.model.sources import from_module
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 
 class ToyModel(ModelSpec):

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import load_config
 from fwdcheck.errors import UsageError
 from fwdcheck.model.sources import SOURCES, load_model, starter_config
-from fwdcheck.registry import select
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 

@@ -15,9 +15,9 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import fwdcheck
+from fwdcheck.config.registry import select
 from fwdcheck.config.schema import load_config
 from fwdcheck.model.sources import load_model
-from fwdcheck.registry import select
 from fwdcheck.report import Report
 from fwdcheck.report.terminal import Verbosity, render
 from fwdcheck.run.runner import run_model

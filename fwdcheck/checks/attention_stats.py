@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.observe.records import Api, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.code_paths import CELL_LENGTH, LEFT_PADDING, CodePath, path_view

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.session import Session
 

@@ -55,7 +55,7 @@ from fwdcheck.checks.perturbed_rows import Plan
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import span
 from fwdcheck.errors import ModelRaised, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.session import Session, prefix_lengths

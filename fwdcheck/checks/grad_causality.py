@@ -42,7 +42,7 @@ from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
 from fwdcheck.errors import SkipCheck, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import nonfinite_positions

@@ -27,7 +27,7 @@ import torch
 from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.wording import listed
 from fwdcheck.errors import SkipCheck, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.model_state import ModelState
 from fwdcheck.run.session import Session

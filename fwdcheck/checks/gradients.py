@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fwdcheck.errors import ModelRaised
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits
+from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.run.session import Session
 
 

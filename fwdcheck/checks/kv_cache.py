@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits, model_code, model_frame
+from fwdcheck.model.tested import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.observer import ZeroAttentionDropout
 from fwdcheck.result import Check, CheckResult, Finding, Status

@@ -20,7 +20,7 @@ import torch
 
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.capabilities import Loss
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits
+from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import logit_scale
 from fwdcheck.run.session import Session

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.locations import code_location
 from fwdcheck.run.session import Session

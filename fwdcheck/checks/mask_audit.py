@@ -26,7 +26,7 @@ import torch
 
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.code_paths import path_cells

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits
+from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.session import Session

@@ -30,7 +30,7 @@ from fwdcheck.checks.held_input import Hold, hold_points, relative_spread
 from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, written_slots
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
 from fwdcheck.errors import SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest, model_code
+from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.observe.records import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import logit_scale, position_change, relative_error

@@ -22,7 +22,7 @@ import torch
 
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model.under_test import ModelUnderTest, Rotary, model_code
+from fwdcheck.model.tested import ModelUnderTest, Rotary, model_code
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import relative_error
 from fwdcheck.run.session import Session

@@ -22,7 +22,7 @@ from typing import Any
 
 from fwdcheck.checks.shape_ledger_view import LedgerData, LedgerEntry
 from fwdcheck.errors import ModelRaised, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, ModuleCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.session import Session

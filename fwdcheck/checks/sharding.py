@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line, model_failure
-from fwdcheck.model.under_test import extract_logits, layer_stack_of
+from fwdcheck.model.tested import extract_logits, layer_stack_of
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.locations import code_location
 from fwdcheck.result import Check, CheckResult, Finding, Status

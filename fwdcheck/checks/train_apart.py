@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.checks.leak_entry import first_apart, kept_outputs
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.result import Finding, Status
 from fwdcheck.run.session import Session
 

@@ -516,7 +516,7 @@ class RunConfig(Strict):
         known = {*cls.model_fields, "paths"}  # `paths`: code_paths' former name, an alias
         if not isinstance(data, dict) or all(key in known for key in data):
             return data
-        from fwdcheck.registry import former_keys
+        from fwdcheck.config.registry import former_keys
 
         former = former_keys()
         data = dict(data)

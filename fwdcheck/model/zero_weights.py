@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 SHOWN = 4  # weights named in the note
 

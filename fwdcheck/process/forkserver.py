@@ -434,11 +434,11 @@ def main(argv: list[str]) -> None:
     # fwdcheck's own checks declare (cached by the version of each file); no plugin is imported.
     import torch
 
+    import fwdcheck.config.registry
     import fwdcheck.process.worker  # noqa: F401
-    import fwdcheck.registry
     import fwdcheck.run.runner  # noqa: F401
 
-    fwdcheck.registry.read_builtin_declarations()
+    fwdcheck.config.registry.read_builtin_declarations()
     if torch.cuda.is_initialized():  # a fork of this process could not use CUDA: never say ready
         os._exit(0)
     sock.send(b"ready")

@@ -17,12 +17,12 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fwdcheck.config.registry import distributed_ending_codes, distributed_openers
 from fwdcheck.config.schema import config_for
 from fwdcheck.errors import ExitCode, FwdcheckError, Own, UsageError, about_config, first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.process.events import CheckDone, Event, ModelLoaded, Progress, encode
 from fwdcheck.process.lifetime import die_with_parent
-from fwdcheck.registry import distributed_ending_codes, distributed_openers
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Status
 from fwdcheck.run.overrides import Overrides

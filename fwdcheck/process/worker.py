@@ -134,7 +134,7 @@ def run_job(job: Job, events: Events) -> None:
             compared = compare_files(job.config, job.compare_with, job.rename, lambda step: events.send(Progress(step)))
             events.send(Compared(compared))
             return
-        from fwdcheck.registry import select
+        from fwdcheck.config.registry import select
         from fwdcheck.run.runner import per_code_path
 
         entries = select(job.overrides.checks)

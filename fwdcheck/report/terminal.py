@@ -516,7 +516,7 @@ def code_paths(rows: list[dict]) -> RenderableType:
 def detail_view(check: str) -> Callable[[CheckResult], RenderableType] | None:
     """The function a check names (Check.detail_view) to draw its data in its panel; None when it names none, or
     is not installed here (a report read from a file), or its view does not import: the findings still show."""
-    from fwdcheck.registry import view_of
+    from fwdcheck.config.registry import view_of
 
     reference = view_of(check)
     if reference is None:

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from fwdcheck.config.schema import CodePaths
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits
+from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.observe.records import Observation
 from fwdcheck.run.compare import logit_scale, position_change
 from fwdcheck.run.session import Session

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fwdcheck.registry import CheckEntry
+from fwdcheck.config.registry import CheckEntry
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.run.code_paths import CodePath, SameLogits, path_signature
 from fwdcheck.run.limits import CheckTimeout, time_limit

@@ -27,7 +27,7 @@ import os
 import torch
 
 from fwdcheck.errors import first_line
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 # How many times the measured rounding a change must exceed to count (see the module's docstring).
 ROUNDING_FACTOR = 4.0

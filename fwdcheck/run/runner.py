@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from fwdcheck.config.registry import CheckEntry, selected
 from fwdcheck.config.schema import Config, RunConfig
 from fwdcheck.errors import (
     WAITED_FOR_A_RANK,
@@ -22,10 +23,9 @@ from fwdcheck.errors import (
     interrupts_heard,
 )
 from fwdcheck.model.sources import load_model
-from fwdcheck.model.under_test import ModelUnderTest, model_code
+from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.model.zero_weights import woken
 from fwdcheck.observe.locations import code_location
-from fwdcheck.registry import CheckEntry, selected
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Finding, Status, worst
 from fwdcheck.run.code_paths import (

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageError, first_line
 from fwdcheck.model.library_logs import kept_as_notes
-from fwdcheck.model.under_test import ModelUnderTest, model_code
+from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.observe.observer import ZeroAttentionDropout, observing
 from fwdcheck.observe.records import Observation
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from fwdcheck.config.registry import check_options, selected
 from fwdcheck.config.schema import RunConfig
 from fwdcheck.errors import DeviceError
-from fwdcheck.registry import check_options, selected
 from fwdcheck.run.overrides import Overrides
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

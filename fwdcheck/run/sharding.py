@@ -23,7 +23,7 @@ import torch.nn as nn
 from fwdcheck.config.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config.schema import Config, Distributed
 from fwdcheck.errors import ModelLoadError, ModelRaised, Own, UsageError, first_line, model_failure
-from fwdcheck.model.under_test import ModelUnderTest, describe, extract_logits
+from fwdcheck.model.tested import ModelUnderTest, describe, extract_logits
 from fwdcheck.run.limits import CheckTimeout
 from fwdcheck.run.runner import Run
 from fwdcheck.run.settings import DTYPES

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from fwdcheck.model.under_test import model_code
+from fwdcheck.model.tested import model_code
 from fwdcheck.observe.observer import ZeroAttentionDropout
 
 

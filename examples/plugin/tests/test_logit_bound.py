@@ -104,7 +104,7 @@ def test_registered():
         importlib.metadata.distribution("fwdcheck-logit-bound")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("fwdcheck-logit-bound is not installed (pip install -e examples/plugin)")
-    from fwdcheck.registry import available
+    from fwdcheck.config.registry import available
 
     entry = available()["logit-bound"]
     assert entry.label == "fwdcheck-logit-bound[logit-bound]"

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the package itself stays torch- and pydantic-free: `fwdchec
     import torch.nn as nn
 
     from fwdcheck.config.schema import Config, ModelSpec
-    from fwdcheck.model.under_test import ModelUnderTest
+    from fwdcheck.model.tested import ModelUnderTest
 
 
 @dataclass(frozen=True)

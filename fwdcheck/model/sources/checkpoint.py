@@ -32,7 +32,7 @@ from fwdcheck.config.callables import on_sys_path, search_dirs
 from fwdcheck.config.schema import CheckpointModel, Config, regular_file
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model.sources.factory import FactoryParts, call_factory, import_factory_parts, model_from_module
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 SAFETENSORS = (".safetensors",)
 TORCH = (".pt", ".pth", ".bin", ".ckpt")

@@ -11,7 +11,7 @@ from fwdcheck.model.capabilities import AttentionSwitch
 from fwdcheck.model.reference import ReferenceTransformer
 from fwdcheck.model.sources.hf import add_transformers_capabilities, is_transformers_model
 from fwdcheck.model.sources.reference import add_reference_capabilities
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 
 def detect_capabilities(model: ModelUnderTest) -> ModelUnderTest:

@@ -15,7 +15,7 @@ from fwdcheck.config.schema import FactoryModel
 from fwdcheck.errors import ModelLoadError, model_failure
 from fwdcheck.model.config_keys import CONFIG_KEYS, extended
 from fwdcheck.model.sources.detect import detect_capabilities
-from fwdcheck.model.under_test import ModelUnderTest, Rotary, describe
+from fwdcheck.model.tested import ModelUnderTest, Rotary, describe
 
 # Where the `config` of a factory's module keeps its sizes (nanoGPT's GPTConfig, gpt-fast's ModelArgs, litgpt's Config,
 # a Hugging Face config): the shared spellings, those of nanoGPT and gpt-fast (block_size, n_local_heads) and litgpt

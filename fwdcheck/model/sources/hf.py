@@ -40,7 +40,7 @@ from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.model.config_keys import CONFIG_KEYS
 from fwdcheck.model.library_logs import kept_as_notes
-from fwdcheck.model.under_test import ModelUnderTest, extract_logits, layer_stack_of
+from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
 # The largest model built with random weights. Random weights check the model's code, and the code is the same at

@@ -11,7 +11,7 @@ from fwdcheck.config.callables import search_dirs
 from fwdcheck.config.schema import Config, PythonModel
 from fwdcheck.model.capabilities import Cache, Loss, Packing
 from fwdcheck.model.sources.factory import call_factory, import_factory_parts, model_from_module
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 
 def load_python(spec: PythonModel, config: Config) -> ModelUnderTest:

@@ -13,7 +13,7 @@ from fwdcheck.config.schema import Config, ReferenceModel, RopeSpec
 from fwdcheck.errors import ModelLoadError, first_line
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing
 from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer, apply_rope
-from fwdcheck.model.under_test import ModelUnderTest
+from fwdcheck.model.tested import ModelUnderTest
 
 
 def load_reference(spec: ReferenceModel, config: Config) -> ModelUnderTest:
