@@ -37,7 +37,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fwdcheck.config.schema import MAX_DEPTH, RunConfig, describe_validation_error, nesting_depth, read_json_file
+from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, read_json_file
+from fwdcheck.config.schema import RunConfig, describe_validation_error
 from fwdcheck.errors import UsageError
 
 VERSION = 1

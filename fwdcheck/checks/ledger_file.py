@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from fwdcheck.config.schema import MAX_DEPTH, describe_validation_error, nesting_depth, read_json_file
+from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, read_json_file
+from fwdcheck.config.schema import describe_validation_error
 from fwdcheck.errors import UsageError
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.config.callables import on_sys_path, search_dirs
-from fwdcheck.config.schema import CheckpointModel, Config, regular_file
+from fwdcheck.config.reading import regular_file
+from fwdcheck.config.schema import CheckpointModel, Config
 from fwdcheck.errors import ModelLoadError
 from fwdcheck.model.sources.factory import FactoryParts, call_factory, import_factory_parts, model_from_module
 from fwdcheck.model.tested import ModelUnderTest

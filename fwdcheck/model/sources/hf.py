@@ -26,16 +26,8 @@ import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
-from fwdcheck.config.schema import (
-    HF_WEIGHT_FILES,
-    MAX_DEPTH,
-    Config,
-    HFModel,
-    RopeSpec,
-    describe_validation_error,
-    nesting_depth,
-    regular_file,
-)
+from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, regular_file
+from fwdcheck.config.schema import HF_WEIGHT_FILES, Config, HFModel, RopeSpec, describe_validation_error
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.model.config_keys import CONFIG_KEYS
