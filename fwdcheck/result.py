@@ -1,9 +1,10 @@
-"""The small types every check and renderer shares: Status, Finding, CheckResult and the Check base class."""
+"""The small types every check and renderer shares: Status, Finding, CheckResult (with the code-path matrix's rows,
+PathMatrix) and the Check base class."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -79,6 +80,102 @@ def first_per_code(findings: list[Finding], more: Callable[[Finding, int], None]
     return kept
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The cell whose verdict a cell of the code-path matrix took, and by which rule: "code path" (it saw exactly
+    what that cell saw) or "logits" (a check whose verdict follows from logits, on the same logits)."""
+
+    cell: str
+    by: str
+
+
+@dataclass(frozen=True)
+class PathRow:
+    """One cell of the code-path matrix as one per-path check judged it."""
+
+    path: str  # the cell's label
+    status: Status
+    summary: str
+    codes: tuple[str, ...]  # the codes that did not pass there, sorted
+    seq_len: int  # tokens per row of the cell's inputs
+    note: str | None = None  # how the cell came to run as it did, when not as planned
+    shares: Shared | None = None  # the cell whose verdict it took; None: it ran its own
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PathRow:
+        shares = d.get("shares")
+        return cls(
+            path=d["path"],
+            status=Status(d["status"]),
+            summary=d["summary"],
+            codes=tuple(d.get("codes", [])),
+            seq_len=d["seq_len"],
+            note=d.get("note"),
+            shares=Shared(shares["cell"], shares["by"]) if shares else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as the JSON report's `data.paths` holds it: `note` and `shares` only when there is one."""
+        d: dict[str, Any] = {
+            "path": self.path,
+            "status": self.status.value,
+            "summary": self.summary,
+            "codes": list(self.codes),
+            "seq_len": self.seq_len,
+        }
+        if self.note:
+            d["note"] = self.note
+        if self.shares:
+            d["shares"] = {"cell": self.shares.cell, "by": self.shares.by}
+        return d
+
+    def ignoring(self, ignores: dict[str, str]) -> PathRow:
+        """A cell that failed (or warned) only by codes the config ignores is no failure either: it passes, naming
+        the codes it ignored, as a check's own findings are marked."""
+        if self.status not in (Status.FAIL, Status.WARN) or not self.codes or not set(self.codes) <= set(ignores):
+            return self
+        return replace(self, status=Status.PASS, summary=f"{self.summary} [ignored: {', '.join(sorted(self.codes))}]")
+
+    def texts(self, fix: Callable[[str], str]) -> PathRow:
+        """Every text of the row passed through `fix` (a cell's summary and note may hold the model's text)."""
+        shares = Shared(fix(self.shares.cell), fix(self.shares.by)) if self.shares else None
+        note = fix(self.note) if self.note is not None else None
+        codes = tuple(fix(c) for c in self.codes)
+        return replace(self, path=fix(self.path), summary=fix(self.summary), codes=codes, note=note, shares=shares)
+
+
+@dataclass(frozen=True)
+class PathMatrix:
+    """A per-path check's verdicts on the cells of the code-path matrix, filled in by the run when it merges the
+    cells into the check's result. The check's own `data` and `metrics` stay as it returned them; the JSON report
+    writes the rows under `data.paths` and the counts under `metrics` (to_dict), where its schema has them."""
+
+    rows: tuple[PathRow, ...]
+    failing: int  # cells that failed or raised, counted as they were merged (before the config's ignores)
+    default_fails: bool  # whether the default path's own verdict was a failure (or an error)
+
+    # The JSON report's keys under `metrics`, in the order it writes them
+    METRICS: ClassVar[tuple[str, ...]] = ("code_paths", "failing_code_paths", "default_path_fails")
+
+    def metrics(self) -> dict[str, int]:
+        return dict(zip(self.METRICS, (len(self.rows), self.failing, int(self.default_fails)), strict=True))
+
+    @classmethod
+    def taken_from(cls, metrics: dict[str, Any], data: dict[str, Any]) -> PathMatrix | None:
+        """The matrix a JSON report wrote into a check's `metrics` and `data` (to_dict), its keys removed from both;
+        None (both left as they are) when the check did not run over the matrix."""
+        if "paths" not in data or not all(key in metrics for key in cls.METRICS):
+            return None
+        counts = [metrics.pop(key) for key in cls.METRICS]
+        return cls(tuple(PathRow.from_dict(row) for row in data.pop("paths")), counts[1], bool(counts[2]))
+
+    def ignoring(self, ignores: dict[str, str]) -> PathMatrix:
+        return replace(self, rows=tuple(row.ignoring(ignores) for row in self.rows))
+
+    def texts(self, fix: Callable[[str], str]) -> PathMatrix:
+        return replace(self, rows=tuple(row.texts(fix) for row in self.rows))
+
+
 @dataclass
 class CheckResult:
     name: str
@@ -90,6 +187,8 @@ class CheckResult:
     duration_s: float = 0.0
     internal_error: bool = False  # an exception of fwdcheck's own, not of the model: exit 3
     key_number: str = ""  # the measurement the verdict rests on, in a few characters (Check.key_number)
+    # Its verdict on each cell of the code-path matrix, for a check that declares per_code_path (the run fills it in)
+    paths: PathMatrix | None = None
 
     @classmethod
     def from_findings(cls, name: str, findings: list[Finding], summary: str, **kw) -> CheckResult:
@@ -97,7 +196,10 @@ class CheckResult:
         return cls(name=name, status=worst(f.status for f in findings), summary=summary, findings=findings, **kw)
 
     def apply_ignores(self, ignores: dict[str, str]) -> None:
-        """Mark findings whose code the config ignores; the status then comes from the others alone."""
+        """Mark findings whose code the config ignores; the status then comes from the others alone. A cell of the
+        code-path matrix that failed only by ignored codes passes (PathRow.ignoring)."""
+        if self.paths is not None:
+            self.paths = self.paths.ignoring(ignores)
         marked = [f for f in self.findings if f.code in ignores]
         if not marked:
             return
@@ -109,24 +211,33 @@ class CheckResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], internal_error: bool = False) -> CheckResult:
-        """The inverse of to_dict, which leaves internal_error out of the JSON report."""
+        """The inverse of to_dict, which leaves internal_error out of the JSON report; the code-path matrix's rows
+        and counts go back from `data` and `metrics` into `paths`."""
+        metrics, data = dict(d.get("metrics", {})), dict(d.get("data", {}))
         return cls(
             name=d["name"],
             status=Status(d["status"]),
             summary=d["summary"],
             findings=[Finding.from_dict(f) for f in d.get("findings", [])],
-            metrics=d.get("metrics", {}),
-            data=d.get("data", {}),
+            paths=PathMatrix.taken_from(metrics, data),
+            metrics=metrics,
+            data=data,
             duration_s=d.get("duration_s", 0.0),
             key_number=d.get("key_number", ""),
             internal_error=internal_error,
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON report's check (report/schema.py): the code-path matrix's rows last in `data` (`paths`), its
+        counts last in `metrics`, as the published schema has them."""
         d = asdict(self)
         d["status"] = self.status.value
         d["findings"] = [f.to_dict() for f in self.findings]
         d.pop("internal_error")
+        d.pop("paths")
+        if self.paths is not None:
+            d["metrics"] = {**d["metrics"], **self.paths.metrics()}
+            d["data"] = {**d["data"], "paths": [row.to_dict() for row in self.paths.rows]}
         return d
 
 

@@ -213,8 +213,8 @@ def test_a_block_mask_for_other_lengths_handed_to_the_kernel_fails(built_for, st
         assert "built for 8 queries over 8 keys, but the call has 12 over 12" in audit.findings[0].message
     assert report.result("future-token").status.value == "pass"
     # The train path's cell runs 8 tokens: a mask built once for 12 and reused there is told as well
-    (train,) = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12).result("mask-audit").data["paths"]
-    assert train["codes"] == ([] if built_for == 8 else ["FWD209"]), train
+    (train,) = fwdcheck.check_model(model, vocab_size=VOCAB, seq_len=12).result("mask-audit").paths.rows
+    assert train.codes == (() if built_for == 8 else ("FWD209",)), train
 
 
 def test_a_block_mask_for_a_shorter_length_is_the_models_own_error():
@@ -297,7 +297,7 @@ WITH_FLEX = {"attn_implementation": ["eager", "sdpa", "flex_attention"]}
 
 
 def flex_rows(result):
-    return [r for r in result.data["paths"] if r["path"].startswith("flex_attention")]
+    return [r for r in result.paths.rows if r.path.startswith("flex_attention")]
 
 
 def test_transformers_flex_path_runs_only_when_named():
@@ -309,7 +309,7 @@ def test_transformers_flex_path_joins_the_matrix_and_passes():
     report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"], code_paths=WITH_FLEX)
     for result in report.results:
         rows = flex_rows(result)
-        assert len(rows) == 3 and {r["status"] for r in rows} == {"pass"}, (result.name, rows)
+        assert len(rows) == 3 and {r.status.value for r in rows} == {"pass"}, (result.name, rows)
         assert result.status.value == "pass"
 
 
@@ -326,8 +326,8 @@ def test_transformers_flex_path_that_drops_the_mask_fails_there(monkeypatch):
     report = fwdcheck.check_model(tiny_llama(), checks=["future-token", "mask-audit"], code_paths=WITH_FLEX)
     audit = report.result("mask-audit")
     assert audit.status.value == "fail"
-    failing = {r["path"] for r in audit.data["paths"] if r["status"] == "fail"}
-    assert failing == {r["path"] for r in flex_rows(audit)}
+    failing = {r.path for r in audit.paths.rows if r.status.value == "fail"}
+    assert failing == {r.path for r in flex_rows(audit)}
     # every key read, the padding keys of the left-padded cell among them
     assert {f.code for f in audit.findings if f.status.value == "fail"} == {"FWD201", "FWD208"}
     assert report.result("future-token").status.value == "fail"

@@ -48,10 +48,10 @@ def test_readme_table_is_what_the_tests_verified():
 @pytest.mark.slow
 def test_hf_matrix_runs_every_code_path_by_default():
     report = compat.report("Llama (GQA)")
-    rows = report.result("future-token").data["paths"]
-    labels = {r["path"] for r in rows}
+    rows = report.result("future-token").paths.rows
+    labels = {r.path for r in rows}
     assert len(rows) == 2 * 2 * 3 * 2 + 1  # flex_attention only when code_paths names it; the train path
-    assert rows[-1]["path"] == "train mode, default attention, mask absent, B=2"
+    assert rows[-1].path == "train mode, default attention, mask absent, B=2"
     assert "eager, mask left-pad, output_attentions=True, B=1" in labels
     assert "sdpa, mask ones, output_attentions=False, B=2" in labels
 
@@ -59,7 +59,7 @@ def test_hf_matrix_runs_every_code_path_by_default():
 @pytest.mark.slow
 def test_bert_fails_on_every_path_and_says_where():
     result = compat.report("BERT (BertForMaskedLM)").result("future-token")
-    assert {r["status"] for r in result.data["paths"]} == {"fail"}
+    assert {r.status.value for r in result.paths.rows} == {"fail"}
     leak = next(f for f in result.findings if f.code == "FWD101")
     assert "also on 25 of 25 code paths" in leak.where  # the train path among them
 
@@ -204,9 +204,9 @@ def test_falcon_output_attentions_path_leaks_exactly_where_plain_torch_says_it_d
     leaks = compat.falcon_leaks(8)
     assert not leaks[False]  # the default path of every release is causal
     report = run_checks(compat.FALCON, ["future-token", "shape-ledger"])
-    rows = report.result("future-token").data["paths"]
-    flagged = {r["path"] for r in rows if "FWD101" in r["codes"]}
-    assert flagged == {r["path"] for r in rows if leaks["output_attentions=True" in r["path"]]}
+    rows = report.result("future-token").paths.rows
+    flagged = {r.path for r in rows if "FWD101" in r.codes}
+    assert flagged == {r.path for r in rows if leaks["output_attentions=True" in r.path]}
     assert report.result("shape-ledger").status.value == "pass"  # multi-query: k and v have one head (h_kv=1)
 
 

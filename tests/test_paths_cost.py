@@ -103,11 +103,11 @@ def test_a_plugin_check_runs_over_the_matrix_when_it_declares_so():
         code_paths={"enabled": True},
         inputs={"batch_size": 2, "seq_len": 32},
     )
-    rows = report.result("cell-probe").data["paths"]
-    assert len(rows) == 12 + 1 and {r["status"] for r in rows} == {"pass"}  # and the train path
-    assert {r["summary"] for r in rows} == {f"B=1, T={CELL_LENGTH}", f"B=2, T={CELL_LENGTH}"}
-    assert {r["seq_len"] for r in rows} == {CELL_LENGTH}
-    assert "paths" not in report.result("once-probe").data
+    rows = report.result("cell-probe").paths.rows
+    assert len(rows) == 12 + 1 and {r.status.value for r in rows} == {"pass"}  # and the train path
+    assert {r.summary for r in rows} == {f"B=1, T={CELL_LENGTH}", f"B=2, T={CELL_LENGTH}"}
+    assert {r.seq_len for r in rows} == {CELL_LENGTH}
+    assert report.result("once-probe").paths is None
 
 
 def test_one_session_per_cell_shared_by_its_checks():
@@ -183,7 +183,7 @@ def test_ctrl_c_during_the_matrix_keeps_the_default_results():
     )
     assert report.interrupted
     assert [r.status for r in report.results] == [Status.PASS, Status.PASS]
-    assert "paths" not in report.result("future-token").data
+    assert report.result("future-token").paths is None
     assert any("code-path matrix" in note for note in report.notes)
 
 
@@ -195,10 +195,10 @@ def test_a_cell_the_model_refuses_at_the_short_length_runs_at_the_full_one():
         inputs={"batch_size": 2, "seq_len": 32},
     )
     for check in ("future-token", "mask-audit"):
-        rows = report.result(check).data["paths"]
-        assert {r["status"] for r in rows} == {"pass"}, rows
-        assert {r["seq_len"] for r in rows} == {32}
-        assert all(f"raised at T={CELL_LENGTH}" in r["note"] for r in rows)
+        rows = report.result(check).paths.rows
+        assert {r.status.value for r in rows} == {"pass"}, rows
+        assert {r.seq_len for r in rows} == {32}
+        assert all(f"raised at T={CELL_LENGTH}" in r.note for r in rows)
     assert report.exit_code == 0
 
 
@@ -212,9 +212,9 @@ def test_short_cells_of_a_long_run_fail_exactly_on_their_paths(bug, check, code,
         code_paths={"enabled": True},
         inputs={"batch_size": 2, "seq_len": 64},
     )
-    rows = report.result(check).data["paths"]
-    assert {r["seq_len"] for r in rows} == {CELL_LENGTH}
-    assert {r["path"] for r in rows if code in r["codes"]} == {r["path"] for r in rows if fails_on(r["path"])}
+    rows = report.result(check).paths.rows
+    assert {r.seq_len for r in rows} == {CELL_LENGTH}
+    assert {r.path for r in rows if code in r.codes} == {r.path for r in rows if fails_on(r.path)}
 
 
 @pytest.mark.slow
@@ -226,7 +226,7 @@ def test_falcon_output_attentions_leak_shows_in_short_cells_of_a_long_run():
 
     leaks = compat.falcon_leaks(CELL_LENGTH)
     report = run_checks(compat.FALCON, ["future-token", "mask-audit"], inputs={"batch_size": 2, "seq_len": 32})
-    rows = report.result("future-token").data["paths"]
-    assert len(rows) == 24 + 1 and {r["seq_len"] for r in rows} == {CELL_LENGTH}  # and the train path
-    flagged = {r["path"] for r in rows if "FWD101" in r["codes"]}
-    assert flagged == {r["path"] for r in rows if leaks["output_attentions=True" in r["path"]]}
+    rows = report.result("future-token").paths.rows
+    assert len(rows) == 24 + 1 and {r.seq_len for r in rows} == {CELL_LENGTH}  # and the train path
+    flagged = {r.path for r in rows if "FWD101" in r.codes}
+    assert flagged == {r.path for r in rows if leaks["output_attentions=True" in r.path]}

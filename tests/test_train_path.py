@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
+from fwdcheck.result import PathRow, Shared
 from fwdcheck.run import code_paths
 from tests import compat
 from tests.conftest import run_checks
@@ -29,8 +30,8 @@ def gate(module: nn.Module, **kw):
         return fwdcheck.check_model(module, **kw)  # the default checks, as `fwdcheck run` with no check list
 
 
-def train_row(report, check: str) -> dict:
-    return next(row for row in report.result(check).data["paths"] if row["path"].startswith("train mode"))
+def train_row(report, check: str) -> PathRow:
+    return next(row for row in report.result(check).paths.rows if row.path.startswith("train mode"))
 
 
 # =====================================================================================================================
@@ -42,13 +43,13 @@ def test_mask_dropped_only_on_the_train_path_fails_the_default_run(leak):
     report = gate(TinyCausalLM(leak))
     assert report.exit_code == 1
     future, audit = train_row(report, "future-token"), train_row(report, "mask-audit")
-    assert future["path"] == TRAIN_ROW
-    assert {"FWD101", "FWD108"} <= set(future["codes"]), future
-    assert audit["codes"] == ["FWD201"], audit  # no causal restriction in the call the train path makes
+    assert future.path == TRAIN_ROW
+    assert {"FWD101", "FWD108"} <= set(future.codes), future
+    assert audit.codes == ("FWD201",), audit  # no causal restriction in the call the train path makes
     # the default path, eval without gradients, has its mask: only the train cell fails
     for check in ("future-token", "mask-audit"):
         result = report.result(check)
-        assert [row["status"] for row in result.data["paths"]] == ["fail"]
+        assert [row.status.value for row in result.paths.rows] == ["fail"]
         assert all("1 of 1 code paths" in f.where for f in result.findings if f.status.value == "fail")
     apart = next(f for f in report.result("future-token").findings if f.code == "FWD108")
     assert apart.module == "proj"  # the first module after the attention call that reads the future
@@ -66,7 +67,7 @@ def test_a_train_only_branch_that_reads_no_future_is_named_by_its_module():
     report = gate(TrainOnlyScaling())
     future = report.result("future-token")
     assert future.status.value == "fail"
-    assert train_row(report, "future-token")["codes"] == ["FWD108"]  # no leak: the cuts and the batch pass
+    assert train_row(report, "future-token").codes == ("FWD108",)  # no leak: the cuts and the batch pass
     apart = next(f for f in future.findings if f.code == "FWD108")
     assert apart.module == "head" and "first seen at the output of head" in apart.message
     assert report.result("mask-audit").status.value == "pass"
@@ -80,9 +81,9 @@ def test_correct_tiny_model_passes_with_train_and_eval_logits_equal():
     report = gate(TinyCausalLM())  # nn.Dropout(0.5) and SDPA's dropout_p=0.5 in training: zeroed on the train path
     assert report.exit_code == 0
     row = train_row(report, "future-token")
-    assert row["status"] == "pass" and "train vs eval" in row["summary"], row
+    assert row.status.value == "pass" and "train vs eval" in row.summary, row
     assert "the train path passes" in report.result("future-token").summary
-    assert train_row(report, "mask-audit")["status"] == "pass"
+    assert train_row(report, "mask-audit").status.value == "pass"
 
 
 CORRECT = {
@@ -102,7 +103,7 @@ def test_correct_models_pass_the_default_run_with_its_train_cell(name):
     assert report.exit_code == 0, [(r.name, r.summary) for r in report.results]
     for check in ("future-token", "mask-audit"):
         row = train_row(report, check)
-        assert row["status"] == "pass", (check, row)
+        assert row.status.value == "pass", (check, row)
 
 
 THIRD_PARTY = {name: THIRD_PARTY_CORRECT[name] for name in ("x-transformers", "litgpt-llama")}
@@ -116,7 +117,7 @@ def test_third_party_models_pass_the_train_cell(name):
         warnings.simplefilter("ignore")
         report = run_checks(spec, None)
     assert report.exit_code == 0, [(r.name, r.summary) for r in report.results]
-    assert train_row(report, "future-token")["status"] == "pass"
+    assert train_row(report, "future-token").status.value == "pass"
 
 
 # =====================================================================================================================
@@ -130,9 +131,9 @@ def test_at_the_default_length_the_cell_runs_on_the_eval_paths_rows_and_takes_it
     report = gate(TinyCausalLM(), seq_len=LONG)
     assert report.exit_code == 0
     row = train_row(report, "future-token")
-    assert row["seq_len"] == 16 and row["shares"] == {"cell": code_paths.RAN_ALONE, "by": "logits"}, row
-    assert row["summary"].startswith("train vs eval: the same logits as"), row
-    assert train_row(report, "mask-audit")["status"] == "pass"
+    assert row.seq_len == 16 and row.shares == Shared(code_paths.RAN_ALONE, "logits"), row
+    assert row.summary.startswith("train vs eval: the same logits as"), row
+    assert train_row(report, "mask-audit").status.value == "pass"
 
 
 @pytest.mark.parametrize("leak", ["grad-only", "train-only"])
@@ -141,13 +142,13 @@ def test_at_the_default_length_a_mask_dropped_on_the_train_path_still_fails_in_f
     report = gate(TinyCausalLM(leak), seq_len=LONG)
     assert report.exit_code == 1
     future = train_row(report, "future-token")
-    assert {"FWD101", "FWD108"} <= set(future["codes"]) and "shares" not in future, future
-    assert train_row(report, "mask-audit")["codes"] == ["FWD201"]
+    assert {"FWD101", "FWD108"} <= set(future.codes) and future.shares is None, future
+    assert train_row(report, "mask-audit").codes == ("FWD201",)
 
 
 def test_at_the_default_length_a_train_only_branch_is_named_by_its_module():
     report = gate(TrainOnlyScaling(), seq_len=LONG)
-    assert train_row(report, "future-token")["codes"] == ["FWD108"]
+    assert train_row(report, "future-token").codes == ("FWD108",)
     apart = next(f for f in report.result("future-token").findings if f.code == "FWD108")
     assert apart.module == "head"
 
@@ -164,7 +165,7 @@ class BatchStatistics(TinyCausalLM):
 def test_at_the_default_length_samples_read_each_other_on_the_train_path_fails():
     report = gate(BatchStatistics(), seq_len=LONG)
     future = train_row(report, "future-token")
-    assert future["status"] == "fail" and "FWD108" in future["codes"], future
+    assert future.status.value == "fail" and "FWD108" in future.codes, future
 
 
 # =====================================================================================================================
@@ -177,15 +178,15 @@ def test_flex_attention_on_cpu_runs_the_train_cell_without_gradients_and_says_so
     assert report.exit_code == 0
     for check in ("future-token", "mask-audit"):
         row = train_row(report, check)
-        assert row["status"] == "pass", row
-        assert "run without gradients" in row["note"] and "backward" in row["note"], row
+        assert row.status.value == "pass", row
+        assert "run without gradients" in row.note and "backward" in row.note, row
 
 
 @pytest.mark.slow
 def test_a_wrong_flex_mask_still_fails_on_the_train_cell_without_gradients():
     report = gate(FlexModel("window-one-ahead"), vocab_size=VOCAB, seq_len=12)
     row = train_row(report, "mask-audit")
-    assert row["status"] == "fail" and "FWD204" in row["codes"]
+    assert row.status.value == "fail" and "FWD204" in row.codes
 
 
 class NeedsLabelsToTrain(TinyCausalLM):
@@ -200,15 +201,15 @@ def test_a_model_that_cannot_run_in_train_mode_skips_the_cell_with_its_reason():
     assert report.exit_code == 0
     for check in ("future-token", "mask-audit"):
         row = train_row(report, check)
-        assert row["status"] == "skip"
-        assert "cannot run in train mode" in row["summary"] and "labels are required in training" in row["summary"]
+        assert row.status.value == "skip"
+        assert "cannot run in train mode" in row.summary and "labels are required in training" in row.summary
         assert report.result(check).status.value == "pass"  # the default path's verdict stands
 
 
 def test_train_false_leaves_the_train_cell_out():
     report = gate(TinyCausalLM("train-only"), code_paths={"train": False})
     assert report.exit_code == 0  # the eval path alone cannot see the train-only branch
-    assert "paths" not in report.result("future-token").data
+    assert report.result("future-token").paths is None
 
 
 # =====================================================================================================================
@@ -246,4 +247,4 @@ def test_a_functional_dropout_in_training_is_zeroed_on_the_train_path():
 
     report = gate(FunctionalDropout())
     assert report.exit_code == 0
-    assert train_row(report, "future-token")["status"] == "pass"
+    assert train_row(report, "future-token").status.value == "pass"

@@ -24,13 +24,9 @@ def testsuite(report: Report) -> ET.Element:
     cases = []
     for result in report.results:
         cases.append(_case(result.name, result.name, result.status, result.summary, result.findings, result.duration_s))
-        for row in result.data.get("paths", []):  # each cell of the code-path matrix is a test of its own
-            findings = [f for f in result.findings if f.code in row.get("codes", [])]
-            cases.append(
-                _case(
-                    result.name, f"{result.name} [{row['path']}]", Status(row["status"]), row["summary"], findings, 0.0
-                )
-            )
+        for row in result.paths.rows if result.paths else ():  # each cell of the code-path matrix is a test of its own
+            findings = [f for f in result.findings if f.code in row.codes]
+            cases.append(_case(result.name, f"{result.name} [{row.path}]", row.status, row.summary, findings, 0.0))
     suite = ET.Element(
         "testsuite",
         name=str(name),

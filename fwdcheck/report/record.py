@@ -35,6 +35,8 @@ class ReportRecord:
         """The model's text made safe for every format, here where it enters the report (fwdcheck/report/text.py)."""
         for result in self.results:
             result.summary, result.data = clean(result.summary), cleaned(result.data)
+            if result.paths is not None:  # a cell's summary and note may quote the model
+                result.paths = result.paths.texts(clean)
             for finding in result.findings:
                 for name in ("message", "where", "source", "module", "ignored"):
                     value = getattr(finding, name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -28,7 +28,7 @@ from rich.text import Text
 from fwdcheck.errors import Own
 from fwdcheck.report.layout import FitColumn, FitTable
 from fwdcheck.report.record import ReportRecord
-from fwdcheck.result import CheckResult, Finding, Status
+from fwdcheck.result import CheckResult, Finding, PathRow, Status
 
 STYLE = {
     Status.PASS: "bold green",
@@ -293,8 +293,8 @@ def key_number(r: CheckResult) -> str:
     the code-path matrix alone, how much of it failed; nothing for a skipped check, which measured nothing."""
     if r.status == Status.SKIP:
         return ""
-    if r.metrics.get("failing_code_paths") and not r.metrics.get("default_path_fails"):
-        return f"{r.metrics['failing_code_paths']} of {r.metrics['code_paths']} paths"
+    if r.paths is not None and r.paths.failing and not r.paths.default_fails:
+        return f"{r.paths.failing} of {len(r.paths.rows)} paths"
     return r.key_number
 
 
@@ -303,10 +303,12 @@ def detail(r: CheckResult, debug: bool, durations: bool = True) -> Panel:
     if r.findings:
         parts.append(findings_table(r.findings))
     render_data = detail_view(r.name)
-    if render_data is not None and r.data:
+    # A result merged over the code-path matrix goes to its view even when the check's own data is empty, as it
+    # did while the rows were in its data.
+    if render_data is not None and (r.data or r.paths is not None):
         parts.append(render_data(r))
-    if r.data.get("paths"):
-        parts.append(code_paths(r.data["paths"]))
+    if r.paths is not None and r.paths.rows:
+        parts.append(code_paths(r.paths.rows))
     if debug and r.data.get("traceback"):
         parts.append(Text(r.data["traceback"], style="dim"))
     if not parts:
@@ -487,18 +489,13 @@ def difference_plot(pairs: list[dict], width: int) -> Text:
     return text
 
 
-def code_paths(rows: list[dict]) -> RenderableType:
+def code_paths(rows: Sequence[PathRow]) -> RenderableType:
     """Every cell of the code-path matrix that did not pass; one line when all did."""
-    bad = [row for row in rows if row["status"] != "pass"]
+    bad = [row for row in rows if row.status != Status.PASS]
     if not bad:
-        return Text(f"all {len(rows)} code paths pass" if len(rows) != 1 else f"{rows[0]['path']}: pass", style="green")
+        return Text(f"all {len(rows)} code paths pass" if len(rows) != 1 else f"{rows[0].path}: pass", style="green")
     cells = [
-        [
-            Text(row["path"]),
-            Text(row["status"], STYLE[Status(row["status"])]),
-            Text(", ".join(row.get("codes", []))),
-            Text(row["summary"]),
-        ]
+        [Text(row.path), Text(row.status.value, STYLE[row.status]), Text(", ".join(row.codes)), Text(row.summary)]
         for row in bad
     ]
     columns = [FitColumn("path"), FitColumn("status", whole=True), FitColumn("codes"), FitColumn("summary")]

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fwdcheck.config.registry import CheckEntry
-from fwdcheck.result import CheckResult, Finding, Status, worst
+from fwdcheck.result import CheckResult, Finding, PathMatrix, PathRow, Shared, Status, worst
 from fwdcheck.run.code_paths import CodePath, SameLogits, path_signature
 from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.session import Session
@@ -63,21 +63,21 @@ def observed_signature(session: Session) -> str | None:
 
 
 def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) -> CheckResult:
-    """Keep the default path's detail (leak map, mask table); add one row per cell (its path, length and verdict)
-    and, for each finding code that failed somewhere, one finding naming the cells. `cells`: each cell's run with
-    this check's result there."""
-    rows = [
-        {
-            "path": run.cell.label,
-            "status": r.status.value,
-            "summary": r.summary,
-            "codes": sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)}),
-            "seq_len": run.seq_len,
-            **({"note": run.note} if run.note else {}),
-            **({"shares": shared} if (shared := shared_from(run, r)) else {}),
-        }
+    """Keep the default path's detail (leak map, mask table): its `data` and `metrics` are the check's own, as it
+    returned them; add one row per cell (its path, length and verdict) in `paths` and, for each finding code that
+    failed somewhere, one finding naming the cells. `cells`: each cell's run with this check's result there."""
+    rows = tuple(
+        PathRow(
+            path=run.cell.label,
+            status=r.status,
+            summary=r.summary,
+            codes=tuple(sorted({f.code for f in r.findings if f.status not in (Status.PASS, Status.SKIP)})),
+            seq_len=run.seq_len,
+            note=run.note,
+            shares=shared_from(run, r),
+        )
         for run, r in cells
-    ]
+    )
     by_code: dict[str, tuple[Finding, list[str]]] = {}
     for run, r in cells:
         for f in r.findings:
@@ -132,22 +132,17 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
         status=status,
         summary=summary,
         findings=findings,
-        metrics=dict(
-            default.metrics,
-            code_paths=len(cells),
-            failing_code_paths=len(failing),
-            default_path_fails=int(default.status in (Status.FAIL, Status.ERROR)),
-        ),
-        data={**default.data, "paths": rows},
+        paths=PathMatrix(rows, failing=len(failing), default_fails=default.status in (Status.FAIL, Status.ERROR)),
         duration_s=default.duration_s + sum(r.duration_s for _, r in cells),
         internal_error=default.internal_error or any(r.internal_error for _, r in cells),
     )
 
 
-def shared_from(run: CellRun, result: CheckResult) -> dict | None:
-    """A check's `shares` on a cell: the cell whose verdict it took and by which rule; None when it ran its own."""
+def shared_from(run: CellRun, result: CheckResult) -> Shared | None:
+    """A check's `shares` on a cell: the cell whose verdict it took and by which rule; None when it ran its own.
+    (`same_logits_as`: what same_logits_verdict writes into the result it makes in the check's place.)"""
     if run.shares:
-        return {"cell": run.shares, "by": "code path"}
+        return Shared(run.shares, "code path")
     if "same_logits_as" in result.data:
-        return {"cell": result.data["same_logits_as"], "by": "logits"}
+        return Shared(result.data["same_logits_as"], "logits")
     return None

@@ -160,7 +160,6 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         ]
     for result in results:
         result.apply_ignores(settings.ignored)
-        ignore_in_cells(result, settings.ignored)
         for finding in result.findings:
             finding.source = finding.source or locate(finding, model)
     return Report(
@@ -172,16 +171,6 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
         fail_on=fail_on,
         interrupted=interrupted,
     )
-
-
-def ignore_in_cells(result: CheckResult, ignores: dict[str, str]) -> None:
-    """A cell of the code-path matrix that failed only by codes the config ignores is no failure either: its row
-    passes, naming the codes it ignored (as the check's own findings are marked)."""
-    for row in result.data.get("paths", []):
-        codes = set(row.get("codes", []))
-        if row["status"] in ("fail", "warn") and codes and codes <= set(ignores):
-            row["status"] = "pass"
-            row["summary"] += f" [ignored: {', '.join(sorted(codes))}]"
 
 
 def materialize_lazy(model: ModelUnderTest, settings: Settings) -> None:
@@ -400,16 +389,10 @@ def run_cell(
     exactly what an earlier one saw takes that cell's verdicts, a check whose verdict follows from logits takes its
     pass on a cell with the same logits (code_paths.py says why both hold), and what this cell runs in full is added
     to them."""
+    own, inputs = _settings_and_rows(cell, model, settings, shortest, max_rows, inputs)
     results: list[CheckResult] = []
     tokens: list[int] = []
-    if inputs is not None:  # given rows: the cell is as long as they are
-        shortest = max(shortest, inputs.shape[1])
-    own = cell_settings(settings, model, cell, shortest, max_rows)  # the cell's batch size and length
-    if inputs is not None and tuple(inputs.shape) != (own.inputs.batch_size, own.inputs.seq_len):
-        inputs = None  # not the cell's shape (a model's positions end sooner): its own rows, drawn from the seed
-    signature = None
-    anchors = []
-    note = None
+    signature, anchors, note = None, [], None
     try:
         view = path_view(model, cell)
         session = Session(view, own, train=cell.train, inputs=inputs)
@@ -417,56 +400,20 @@ def run_cell(
             session.unpadded = plain_view(model, cell)
         with model.using_attention(cell.attn_implementation), session.active():
             started = time.perf_counter()
-            # A digest only where it can be shared: with an earlier cell, or by a later one (the train path's cell
-            # comes last); else the observation pass runs for the checks alone.
-            digest = verdicts is not None and (not cell.train or bool(verdicts.by_signature))
+            digest = _digest_wanted(cell, verdicts)
             signature = observed_signature(session) if digest else None
             if cell.train:
                 session.reference()  # the train path's first forward: ModelRaised when the model cannot train
             same = verdicts.by_signature.get(signature) if signature and verdicts is not None else None
             if same is not None:
-                spent = time.perf_counter() - started
-                results = [
-                    dataclasses.replace(r, duration_s=spent if i == 0 else 0.0) for i, r in enumerate(same.results)
-                ]
-                tokens = [session.forward_tokens] + [0] * (len(entries) - 1)  # the shared pass, on the first check
-                return CellRun(
-                    cell,
-                    own.inputs.seq_len,
-                    results,
-                    tokens,
-                    note=f"the same code path as {same.cell.label} (the same calls, masks and logits): its verdict",
-                    shares=same.cell.label,
-                )
-            # The observation pass's logits, while they are the model's (not dice: dropout live in eval mode), where
-            # the pass could vouch for them (a digest was taken of it, or none was wanted) and they hold values.
-            observed_logits = session.observed_logits if verdicts is not None and (signature or not digest) else None
-            logits = observed_logits if observed_logits is not None and not observed_logits.is_meta else None
-            observed = session.forward_tokens  # the observation pass run above: on the first check, which asks first
-            for entry in entries:
-                before = session.forward_tokens
-                follows_logits = logits is not None and _declares(entry, verdict_from_logits)
-                # (logits are kept only with verdicts)
-                shared = (
-                    verdicts.same_logits(entry.name, session, logits)
-                    if follows_logits and verdicts is not None and logits is not None
-                    else None
-                )
-                result = same_logits_verdict(entry, shared, cell.train) if shared else run_one(entry, view, session)
-                results.append(result)
-                tokens.append(session.forward_tokens - before + observed)
-                observed = 0
-                if follows_logits and logits is not None and not shared and result.status == Status.PASS:
-                    # a pass later cells may take
-                    anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
+                return _same_path(cell, own, entries, session, same, time.perf_counter() - started)
+            logits = _vouched_logits(session, verdicts, signature, digest)
+            anchors = _check_cell(cell, entries, view, session, verdicts, logits, results, tokens)
             if session.gradients_refused:
                 note = f"run without gradients: with them the model raised {session.gradients_refused}"
     except Exception as exc:  # the cell could not be set up (switching the implementation, its inputs)
         if cell.train and isinstance(exc, ModelRaised):
-            # train() or a train-mode forward raised: the model cannot run the train path, no verdict on it
-            why = f"the model cannot run in train mode (dropout off): {exc}"
-            results = [CheckResult(entry.name, Status.SKIP, why) for entry in entries]
-            return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why, refused=True)
+            return _train_refused(cell, entries, own, exc)
         message = f"{type(exc).__name__}: {exc}"
         for entry in entries[len(results) :]:
             results.append(CheckResult(entry.name, Status.ERROR, message))
@@ -477,6 +424,97 @@ def run_cell(
         verdicts.by_signature.setdefault(signature, run)
         verdicts.anchors += anchors
     return run
+
+
+def _settings_and_rows(
+    cell: CodePath,
+    model: ModelUnderTest,
+    settings: Settings,
+    shortest: int,
+    max_rows: int | None,
+    inputs: torch.Tensor | None,
+) -> tuple[Settings, torch.Tensor | None]:
+    """The cell's settings (its batch size and length) and the rows it runs: the given ones, which make the cell as
+    long as they are, when they are of its shape; else None, and the cell draws its own from the seed."""
+    if inputs is not None:
+        shortest = max(shortest, inputs.shape[1])
+    own = cell_settings(settings, model, cell, shortest, max_rows)
+    if inputs is not None and tuple(inputs.shape) != (own.inputs.batch_size, own.inputs.seq_len):
+        inputs = None  # not the cell's shape (a model's positions end sooner)
+    return own, inputs
+
+
+def _digest_wanted(cell: CodePath, verdicts: Verdicts | None) -> bool:
+    """Whether the cell's observation pass is digested: only where it can be shared, with an earlier cell or by a
+    later one (the train path's cell comes last); else the observation pass runs for the checks alone."""
+    return verdicts is not None and (not cell.train or bool(verdicts.by_signature))
+
+
+def _same_path(
+    cell: CodePath, own: Settings, entries: list[CheckEntry], session: Session, same: CellRun, spent: float
+) -> CellRun:
+    """A cell that took the same code path as an earlier one: that cell's verdicts, the time and tokens of the
+    shared observation pass on the first check."""
+    results = [dataclasses.replace(r, duration_s=spent if i == 0 else 0.0) for i, r in enumerate(same.results)]
+    tokens = [session.forward_tokens] + [0] * (len(entries) - 1)
+    return CellRun(
+        cell,
+        own.inputs.seq_len,
+        results,
+        tokens,
+        note=f"the same code path as {same.cell.label} (the same calls, masks and logits): its verdict",
+        shares=same.cell.label,
+    )
+
+
+def _vouched_logits(
+    session: Session, verdicts: Verdicts | None, signature: str | None, digest: bool
+) -> torch.Tensor | None:
+    """The observation pass's logits, while they are the model's (not dice: dropout live in eval mode), where the
+    pass could vouch for them (a digest was taken of it, or none was wanted) and they hold values; None without
+    verdicts, which alone keep logits."""
+    observed = session.observed_logits if verdicts is not None and (signature or not digest) else None
+    return observed if observed is not None and not observed.is_meta else None
+
+
+def _check_cell(
+    cell: CodePath,
+    entries: list[CheckEntry],
+    view: ModelUnderTest,
+    session: Session,
+    verdicts: Verdicts | None,
+    logits: torch.Tensor | None,
+    results: list[CheckResult],
+    tokens: list[int],
+) -> list[LogitsAnchor]:
+    """Each check on the cell, its result and forward tokens appended as it ends (a cell that raises halfway keeps
+    the ones before): a check whose verdict follows from logits takes a pass on the same logits when `verdicts`
+    hold one. Returns the passes later cells may take."""
+    anchors = []
+    observed = session.forward_tokens  # the observation pass run before: on the first check, which asks first
+    for entry in entries:
+        before = session.forward_tokens
+        follows_logits = logits is not None and _declares(entry, verdict_from_logits)
+        shared = (
+            verdicts.same_logits(entry.name, session, logits)
+            if follows_logits and verdicts is not None and logits is not None
+            else None
+        )
+        result = same_logits_verdict(entry, shared, cell.train) if shared else run_one(entry, view, session)
+        results.append(result)
+        tokens.append(session.forward_tokens - before + observed)
+        observed = 0
+        if follows_logits and logits is not None and not shared and result.status == Status.PASS:
+            anchors.append(LogitsAnchor(cell.label, entry.name, result, session.inputs, logits))
+    return anchors
+
+
+def _train_refused(cell: CodePath, entries: list[CheckEntry], own: Settings, exc: ModelRaised) -> CellRun:
+    """The train path's cell when train() or a train-mode forward raised: the model cannot run the path, no
+    verdict on it."""
+    why = f"the model cannot run in train mode (dropout off): {exc}"
+    results = [CheckResult(entry.name, Status.SKIP, why) for entry in entries]
+    return CellRun(cell, own.inputs.seq_len, results, [0] * len(entries), note=why, refused=True)
 
 
 def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> CheckResult:
