@@ -255,7 +255,7 @@ only when the model refused every comparison."""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         live_dropout = self._observe_dropout(session)
-        findings = self._live_dropout(live_dropout)
+        findings = _live_dropout(live_dropout)
         broken = self._broken_reference(session)
         if broken is not None:
             return self._nonfinite_baseline(findings, broken)
@@ -337,12 +337,12 @@ only when the model refused every comparison."""
             judged.data["reference"] = evidence.reference_note
         if live_dropout:
             judged.metrics["live_dropout_calls"] = len(live_dropout)
-        judged.add(self._noise(session, noise, tolerance, threshold))
+        judged.add(_noise(session, noise, tolerance, threshold))
         if measured.padding is not None:
-            judged.add(self._padding(measured.padding, threshold))
+            judged.add(_padding(measured.padding, threshold))
         cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, model.causal
         if cuts is not None:
-            batch = self._batch(plan, cuts, threshold)
+            batch = _batch(plan, cuts, threshold)
             judged.add(batch)
             if batch.findings and causal:  # mixing contaminates every batched row: judge causality one row at a time
                 rerun = evidence.refusals.attempt(
@@ -438,80 +438,6 @@ only when the model refused every comparison."""
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
-    @staticmethod
-    def _live_dropout(live_dropout: list[tuple[str, str | None]]) -> list[Finding]:
-        """Dropout live in eval mode (_observe_dropout) is a finding in itself; the comparisons run with it forced
-        to zero."""
-        if not live_dropout:
-            return []
-        spots = [spot for spot, _ in live_dropout]
-        return [
-            Finding(
-                "FWD103",
-                Status.FAIL,
-                f"dropout is live in eval mode at {len(live_dropout)} "
-                "call(s); forced to zero for the comparisons below",
-                where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
-                source=live_dropout[0][1],  # the first live call's line
-            )
-        ]
-
-    @staticmethod
-    def _noise(session: Session, noise: float | None, tolerance: float, threshold: float) -> Judged:
-        """The noise floor's own findings: identical forwards that differ in eval mode, and a floor so high that
-        the comparisons are coarse. None: not measured, since nothing moved beyond the tolerance."""
-        if noise is None:
-            return Judged(
-                data={
-                    "noise_floor": "not measured: nothing moved beyond the tolerance, where no noise floor can "
-                    "change the verdict"
-                }
-            )
-        findings = []
-        mode = "train mode with dropout off" if session.train else "eval mode"
-        if noise > tolerance:
-            findings.append(
-                Finding(
-                    "FWD103",
-                    Status.FAIL,
-                    f"two identical forwards in {mode} differ by "
-                    f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                    f"in {mode}",
-                )
-            )
-        if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
-            findings.append(
-                Finding(
-                    "FWD106",
-                    Status.WARN,
-                    f"noise floor {noise:.3g} is over 10x the dtype "
-                    f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen",
-                )
-            )
-        return Judged(findings, {"noise_floor": noise})
-
-    @staticmethod
-    def _batch(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
-        """Part (b), samples reading each other: sample 0, unchanged, must keep its logits beside other companions.
-        changes: (rows, T), each row's change from its sample's reference."""
-        # The control row's every position, or, when the first forward vouched alone, the first row's before its
-        # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
-        control = plan.control if plan.control < len(changes) else 0
-        control_change = changes[control, : plan.cut_of.get(control, changes.shape[1])].tolist()
-        moved = [p for p, c in enumerate(control_change) if c > threshold]
-        metrics = {"batch_max_change": max(control_change)}
-        if not moved:
-            return Judged(metrics=metrics)
-        finding = Finding(
-            "FWD102",
-            Status.FAIL,
-            f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
-            f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read "
-            "each other",
-            where=f"sample 0, positions {span(moved)}",
-        )
-        return Judged([finding], metrics)
-
     def _leaks(
         self,
         plan: Plan,
@@ -523,9 +449,9 @@ only when the model refused every comparison."""
     ) -> Judged:
         """Part (a), the model reading the future: the cut rows, the prefix ladder and the single row, a leak that
         both the batched cuts and the single row show reported once."""
-        by_cut = self._causal(plan, cuts, threshold) if cuts is not None else Judged()
-        by_prefix = self._prefix(prefix, threshold)
-        by_row = self._single_row(single, plan, alone, threshold)
+        by_cut = _causal(plan, cuts, threshold) if cuts is not None else Judged()
+        by_prefix = _prefix(prefix, threshold)
+        by_row = _single_row(single, plan, alone, threshold)
         leaks = Judged()
         for part in (by_cut, by_prefix, by_row):
             leaks.metrics.update(part.metrics)
@@ -633,23 +559,6 @@ only when the model refused every comparison."""
         return changes
 
     @staticmethod
-    def _padding(change: torch.Tensor, threshold: float) -> Judged:
-        """change: (B, T) of the left-padded real tokens from the same tokens run without padding."""
-        metrics = {"padding_max_change": float(change.max())}
-        if not bool((change > threshold).any()):
-            return Judged(metrics=metrics)
-        moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
-        finding = Finding(
-            "FWD107",
-            Status.FAIL,
-            f"left padding moves the real tokens' logits by up to "
-            f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
-            "the positions count them",
-            where=f"real positions {span(moved)}",
-        )
-        return Judged([finding], metrics)
-
-    @staticmethod
     def _observe_dropout(session) -> list[tuple[str, str | None]]:
         """Where dropout is live in eval (e.g. dropout_p handed to SDPA regardless of training): a finding in itself;
         the comparisons then run with it forced to zero so they measure the mask, not the dice."""
@@ -657,57 +566,6 @@ only when the model refused every comparison."""
             return session.observation().active_dropout
         except Exception:  # the observer cannot follow every model; the behavioural checks still stand
             return []
-
-    @staticmethod
-    def _causal(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
-        """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
-        findings = []
-        columns: list[LeakColumn] = []
-        worst = 0.0
-        leaked_pairs: list[tuple[int, int]] = []
-        nan_pairs: list[tuple[int, int]] = []
-        exhaustive = plan.exhaustive
-        ran = [row for row in plan.cut_rows if row < len(changes)]
-        cuts = [plan.cut_of[row] for row in ran]
-        for row, k in zip(ran, cuts, strict=True):
-            sample = plan.sources[row]
-            change = changes[row, :k].tolist()  # k values: the positions before the cut
-            columns.append({"k": k, "sample": sample, "change": change})
-            worst = max([worst] + [c for c in change if math.isfinite(c)])
-            for p, c in enumerate(change):
-                if not math.isfinite(c):
-                    nan_pairs.append((p, k))
-                elif c > threshold:
-                    leaked_pairs.append((p, k))
-        what = "token {k} changed" if exhaustive else "tokens >= {k} changed"
-        if leaked_pairs:
-            by_cut: dict[int, list[int]] = {}
-            for p, k in leaked_pairs:
-                by_cut.setdefault(k, []).append(p)
-            first_k = min(by_cut)
-            findings.append(
-                Finding(
-                    "FWD101",
-                    Status.FAIL,
-                    f"earlier logits moved by up to {worst:.3g} (threshold {threshold:.3g}) at {len(leaked_pairs)} "
-                    f"(query, perturbed) pairs: the model reads the future",
-                    where=f"positions {span(by_cut[first_k])} when {what.format(k=first_k)}"
-                    + (f"; {len(by_cut) - 1} more column(s) in the leak map" if len(by_cut) > 1 else ""),
-                )
-            )
-        if nan_pairs:
-            p, k = nan_pairs[0]
-            findings.append(
-                Finding(
-                    "FWD104",
-                    Status.FAIL,
-                    f"NaN or Inf appeared at {len(nan_pairs)} earlier "
-                    "(query, perturbed) pairs when later tokens changed",
-                    where=f"position {p} when {what.format(k=k)}",
-                )
-            )
-        leak_map: LeakMap = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
-        return Judged(findings, {"max_change_before_cut": worst, "cuts": cuts}, {"leak_map": leak_map})
 
     @staticmethod
     def _run_prefix(session, reference: torch.Tensor, refusals: Refusals) -> Prefix:
@@ -736,32 +594,6 @@ only when the model refused every comparison."""
         return prefix
 
     @staticmethod
-    def _prefix(prefix: Prefix, threshold: float) -> Judged:
-        """The first k tokens run alone must give the full run's logits there."""
-        worst, moved = 0.0, []
-        for k, change in zip(prefix.ran, prefix.changes, strict=True):
-            values = change.tolist()  # k values, inf for NaN
-            worst = max([worst, *values])
-            if max(values) > threshold:
-                moved.append((k, [p for p, c in enumerate(values) if c > threshold]))
-        metrics = {"prefix_lengths": prefix.ran, **({"prefix_max_change": worst} if prefix.ran else {})}
-        if not moved:
-            return Judged(metrics=metrics)
-        k, positions = moved[0]
-        return Judged(
-            [
-                Finding(
-                    "FWD105",
-                    Status.FAIL,
-                    f"the first k tokens run alone differ from the full run by up "
-                    f"to {worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
-                    where=f"sample 0, positions {span(positions)} with the first {k} tokens alone",
-                )
-            ],
-            metrics,
-        )
-
-    @staticmethod
     def _run_single_row(
         plan: Plan, session, prefix: Prefix, reference: torch.Tensor, refusals: Refusals
     ) -> SingleRow | None:
@@ -780,46 +612,217 @@ only when the model refused every comparison."""
         change = position_change(logits[:, :cut], against[:, :cut])[0]  # (cut,)
         return SingleRow(L, cut, "prefix" if prefix.longest is not None else "baseline", change)
 
-    @staticmethod
-    def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold: float) -> Judged:
-        if plan.single_row_skipped or alone:
-            return Judged(
-                data={
-                    "single_row": plan.single_row_skipped
-                    or "not needed: the comparisons above already ran one row beside several"
-                }
+
+# -- each comparison judged against the threshold ----------------------------------------------------------------------
+
+
+def _live_dropout(live_dropout: list[tuple[str, str | None]]) -> list[Finding]:
+    """Dropout live in eval mode (FutureToken._observe_dropout) is a finding in itself; the comparisons run with it
+    forced to zero."""
+    if not live_dropout:
+        return []
+    spots = [spot for spot, _ in live_dropout]
+    return [
+        Finding(
+            "FWD103",
+            Status.FAIL,
+            f"dropout is live in eval mode at {len(live_dropout)} call(s); forced to zero for the comparisons below",
+            where="; ".join(spots[:4]) + (" ..." if len(spots) > 4 else ""),
+            source=live_dropout[0][1],  # the first live call's line
+        )
+    ]
+
+
+def _noise(session: Session, noise: float | None, tolerance: float, threshold: float) -> Judged:
+    """The noise floor's own findings: identical forwards that differ in eval mode, and a floor so high that
+    the comparisons are coarse. None: not measured, since nothing moved beyond the tolerance."""
+    if noise is None:
+        return Judged(
+            data={
+                "noise_floor": "not measured: nothing moved beyond the tolerance, where no noise floor can "
+                "change the verdict"
+            }
+        )
+    findings = []
+    mode = "train mode with dropout off" if session.train else "eval mode"
+    if noise > tolerance:
+        findings.append(
+            Finding(
+                "FWD103",
+                Status.FAIL,
+                f"two identical forwards in {mode} differ by "
+                f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
+                f"in {mode}",
             )
-        if single is None:  # refused: a note says so
-            return Judged()
-        L, cut, change = single.length, single.cut, single.change.tolist()
-        largest = max([0.0] + [c for c in change if math.isfinite(c)])
-        nan = [p for p, c in enumerate(change) if not math.isfinite(c)]
-        moved = [p for p, c in enumerate(change) if math.isfinite(c) and c > threshold]
-        where = f"sample 0 run alone (T={L}), positions {span(moved or nan)} when tokens >= {cut} changed"
-        findings = []
-        if moved:
-            findings.append(
-                Finding(
-                    "FWD101",
-                    Status.FAIL,
-                    f"with one row run alone (batch size 1), earlier logits "
-                    f"moved by up to {largest:.3g} (threshold {threshold:.3g}) when later tokens "
-                    "changed: the single-row path reads the future",
-                    where=where,
-                )
+        )
+    if session.settings.tolerance.noise_factor * noise > 10 * tolerance:
+        findings.append(
+            Finding(
+                "FWD106",
+                Status.WARN,
+                f"noise floor {noise:.3g} is over 10x the dtype "
+                f"tolerance {tolerance:.3g}: only changes above {threshold:.3g} are seen",
             )
-        if nan:
-            findings.append(
-                Finding(
-                    "FWD104",
-                    Status.FAIL,
-                    f"with one row run alone (batch size 1), NaN or Inf "
-                    f"appeared at {len(nan)} earlier positions when later tokens changed",
-                    where=where,
-                )
+        )
+    return Judged(findings, {"noise_floor": noise})
+
+
+def _padding(change: torch.Tensor, threshold: float) -> Judged:
+    """change: (B, T) of the left-padded real tokens from the same tokens run without padding."""
+    metrics = {"padding_max_change": float(change.max())}
+    if not bool((change > threshold).any()):
+        return Judged(metrics=metrics)
+    moved = sorted({p for p in (change > threshold).nonzero()[:, 1].tolist()})
+    finding = Finding(
+        "FWD107",
+        Status.FAIL,
+        f"left padding moves the real tokens' logits by up to "
+        f"{float(change.max()):.3g} (threshold {threshold:.3g}): the pads are not masked out, or "
+        "the positions count them",
+        where=f"real positions {span(moved)}",
+    )
+    return Judged([finding], metrics)
+
+
+def _batch(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
+    """Part (b), samples reading each other: sample 0, unchanged, must keep its logits beside other companions.
+    changes: (rows, T), each row's change from its sample's reference."""
+    # The control row's every position, or, when the first forward vouched alone, the first row's before its
+    # cut (sample 0 with its last token replaced, beside a companion replaced in all but its first token).
+    control = plan.control if plan.control < len(changes) else 0
+    control_change = changes[control, : plan.cut_of.get(control, changes.shape[1])].tolist()
+    moved = [p for p, c in enumerate(control_change) if c > threshold]
+    metrics = {"batch_max_change": max(control_change)}
+    if not moved:
+        return Judged(metrics=metrics)
+    finding = Finding(
+        "FWD102",
+        Status.FAIL,
+        f"sample 0 is unchanged but its logits moved by up to {max(control_change):.3g} "
+        f"(threshold {threshold:.3g}) when the other rows of its batch changed: samples read "
+        "each other",
+        where=f"sample 0, positions {span(moved)}",
+    )
+    return Judged([finding], metrics)
+
+
+def _causal(plan: Plan, changes: torch.Tensor, threshold: float) -> Judged:
+    """changes: (rows, T), each row's change from its sample's reference; compared before each row's cut."""
+    findings = []
+    columns: list[LeakColumn] = []
+    worst = 0.0
+    leaked_pairs: list[tuple[int, int]] = []
+    nan_pairs: list[tuple[int, int]] = []
+    exhaustive = plan.exhaustive
+    ran = [row for row in plan.cut_rows if row < len(changes)]
+    cuts = [plan.cut_of[row] for row in ran]
+    for row, k in zip(ran, cuts, strict=True):
+        sample = plan.sources[row]
+        change = changes[row, :k].tolist()  # k values: the positions before the cut
+        columns.append({"k": k, "sample": sample, "change": change})
+        worst = max([worst] + [c for c in change if math.isfinite(c)])
+        for p, c in enumerate(change):
+            if not math.isfinite(c):
+                nan_pairs.append((p, k))
+            elif c > threshold:
+                leaked_pairs.append((p, k))
+    what = "token {k} changed" if exhaustive else "tokens >= {k} changed"
+    if leaked_pairs:
+        by_cut: dict[int, list[int]] = {}
+        for p, k in leaked_pairs:
+            by_cut.setdefault(k, []).append(p)
+        first_k = min(by_cut)
+        findings.append(
+            Finding(
+                "FWD101",
+                Status.FAIL,
+                f"earlier logits moved by up to {worst:.3g} (threshold {threshold:.3g}) at {len(leaked_pairs)} "
+                f"(query, perturbed) pairs: the model reads the future",
+                where=f"positions {span(by_cut[first_k])} when {what.format(k=first_k)}"
+                + (f"; {len(by_cut) - 1} more column(s) in the leak map" if len(by_cut) > 1 else ""),
             )
-        shown: SingleRowShown = {"length": L, "cut": cut, "against": single.against, "change": change}
-        return Judged(findings, {"single_row_max_change": largest}, {"single_row": shown})
+        )
+    if nan_pairs:
+        p, k = nan_pairs[0]
+        findings.append(
+            Finding(
+                "FWD104",
+                Status.FAIL,
+                f"NaN or Inf appeared at {len(nan_pairs)} earlier (query, perturbed) pairs when later tokens changed",
+                where=f"position {p} when {what.format(k=k)}",
+            )
+        )
+    leak_map: LeakMap = {"kind": "token" if exhaustive else "cut", "threshold": threshold, "columns": columns}
+    return Judged(findings, {"max_change_before_cut": worst, "cuts": cuts}, {"leak_map": leak_map})
+
+
+def _prefix(prefix: Prefix, threshold: float) -> Judged:
+    """The first k tokens run alone must give the full run's logits there."""
+    worst, moved = 0.0, []
+    for k, change in zip(prefix.ran, prefix.changes, strict=True):
+        values = change.tolist()  # k values, inf for NaN
+        worst = max([worst, *values])
+        if max(values) > threshold:
+            moved.append((k, [p for p, c in enumerate(values) if c > threshold]))
+    metrics = {"prefix_lengths": prefix.ran, **({"prefix_max_change": worst} if prefix.ran else {})}
+    if not moved:
+        return Judged(metrics=metrics)
+    k, positions = moved[0]
+    return Judged(
+        [
+            Finding(
+                "FWD105",
+                Status.FAIL,
+                f"the first k tokens run alone differ from the full run by up "
+                f"to {worst:.3g} (threshold {threshold:.3g}) for k in {[m[0] for m in moved]}",
+                where=f"sample 0, positions {span(positions)} with the first {k} tokens alone",
+            )
+        ],
+        metrics,
+    )
+
+
+def _single_row(single: SingleRow | None, plan: Plan, alone: bool, threshold: float) -> Judged:
+    """One row run alone (batch size 1) must keep its logits before its cut: FWD101, FWD104 for NaN or Inf. Not
+    judged when the plan skipped it or the comparisons already ran one row at a time."""
+    if plan.single_row_skipped or alone:
+        return Judged(
+            data={
+                "single_row": plan.single_row_skipped
+                or "not needed: the comparisons above already ran one row beside several"
+            }
+        )
+    if single is None:  # refused: a note says so
+        return Judged()
+    L, cut, change = single.length, single.cut, single.change.tolist()
+    largest = max([0.0] + [c for c in change if math.isfinite(c)])
+    nan = [p for p, c in enumerate(change) if not math.isfinite(c)]
+    moved = [p for p, c in enumerate(change) if math.isfinite(c) and c > threshold]
+    where = f"sample 0 run alone (T={L}), positions {span(moved or nan)} when tokens >= {cut} changed"
+    findings = []
+    if moved:
+        findings.append(
+            Finding(
+                "FWD101",
+                Status.FAIL,
+                f"with one row run alone (batch size 1), earlier logits "
+                f"moved by up to {largest:.3g} (threshold {threshold:.3g}) when later tokens "
+                "changed: the single-row path reads the future",
+                where=where,
+            )
+        )
+    if nan:
+        findings.append(
+            Finding(
+                "FWD104",
+                Status.FAIL,
+                f"with one row run alone (batch size 1), NaN or Inf "
+                f"appeared at {len(nan)} earlier positions when later tokens changed",
+                where=where,
+            )
+        )
+    shown: SingleRowShown = {"length": L, "cut": cut, "against": single.against, "change": change}
+    return Judged(findings, {"single_row_max_change": largest}, {"single_row": shown})
 
 
 def _with_single_row(findings: list[Finding], single: list[Finding], single_change: float | None) -> list[Finding]:

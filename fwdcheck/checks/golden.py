@@ -151,22 +151,29 @@ difference is in it. Dropout left alive in eval is recorded with the seed's dice
             closest=closest,
             logits_moved=logits_moved,
         )
-        bad = [f for f in findings if f.status != Status.PASS]
-        if bad:
-            summary = f"{len(bad)} difference(s) from the golden file; first: {bad[0].message}; {logits_words}"
-        elif output_diff.added or output_diff.removed:
-            summary = (
-                f"structure only: {_listed('new', output_diff.added)}"
-                f"{'; ' if output_diff.added and output_diff.removed else ''}{_listed('gone', output_diff.removed)}; "
-                f"{logits_words}; every other module output and parameter within tolerance"
-            )
-        else:
-            summary = (
-                f"{len(outputs)} module outputs and {len(parameters)} parameters within tolerance of the "
-                f"golden file (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g}); the closest came to "
-                f"{closest:.2g} of its tolerance; {logits_words}"
-            )
+        summary = _summary(findings, output_diff, metrics, tolerance, closest, logits_words)
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
+
+
+def _summary(
+    findings: list[Finding], output_diff: Comparison, metrics: dict, tolerance: dict, closest: float, logits_words: str
+) -> str:
+    """The result's one line: the first difference, the structure that changed alone, or how close everything came
+    (metrics: the outputs and parameters counted)."""
+    bad = [f for f in findings if f.status != Status.PASS]
+    if bad:
+        return f"{len(bad)} difference(s) from the golden file; first: {bad[0].message}; {logits_words}"
+    if output_diff.added or output_diff.removed:
+        return (
+            f"structure only: {_listed('new', output_diff.added)}"
+            f"{'; ' if output_diff.added and output_diff.removed else ''}{_listed('gone', output_diff.removed)}; "
+            f"{logits_words}; every other module output and parameter within tolerance"
+        )
+    return (
+        f"{metrics['outputs']} module outputs and {metrics['parameters']} parameters within tolerance of the "
+        f"golden file (rtol {tolerance['rtol']:g}, atol {tolerance['atol']:g}); the closest came to "
+        f"{closest:.2g} of its tolerance; {logits_words}"
+    )
 
 
 def record(model, session) -> dict:

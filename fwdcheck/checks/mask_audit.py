@@ -364,77 +364,93 @@ the attention module's forward as input_pos or cache_position."""
         mask beside is_causal, dropout in eval mode. Each points at the line of model code that made the call."""
         where = f"{call.module or 'model'} ({call.api})"
         api = API_NAMES.get(call.api, call.api)
-        findings = []
-        if call.mask_lengths is not None:
-            findings.append(
-                Finding(
-                    "FWD209",
-                    Status.FAIL,
-                    f"the BlockMask handed to {api} was built for {call.mask_lengths[0]} queries over "
-                    f"{call.mask_lengths[1]} keys, but the call has {call.query_len} over {call.key_len}: a mask "
-                    "built for another length and reused (build it for each call's lengths)",
-                    where,
-                )
-            )
-        if call.float_01:
-            findings.append(
-                Finding(
-                    "FWD203",
-                    Status.FAIL,
-                    f"0/1 float mask {call.mask_values} handed to {api}: "
-                    "added to the scores it masks nothing (a boolean turned into float?)",
-                    where,
-                )
-            )
-        elif causal and future_pairs:
-            findings.append(_reads_future(call, shape, future_pairs, api, where))
-        elif causal and (blind := _blind_to_themselves(call)):
-            findings.append(
-                Finding(
-                    "FWD210",
-                    Status.FAIL,
-                    f"{len(blind)} queries may not read their own position, e.g. "
-                    f"{', '.join(map(str, blind[:4]))}: "
-                    + (
-                        "a strict causal mask (q > kv where q >= kv is meant)"
-                        if call.self_attention
-                        else "a causal mask aligned top left over a cache (causal_upper_left, is_causal with fewer "
-                        "queries than keys) where the queries are the last ones (causal_lower_right)"
-                    ),
-                    where,
-                )
-            )
-        if call.empty_rows:
-            findings.append(
-                Finding(
-                    "FWD205",
-                    Status.WARN,
-                    "(batch, head, query) rows with every key masked: their attention output is NaN or zero",
-                    f"{where}: {call.empty_rows} rows",
-                )
-            )
-        if call.api == Api.SDPA and call.is_causal and call.mask_kind not in ("none", "is_causal"):
-            findings.append(
-                Finding(
-                    "FWD206",
-                    Status.FAIL,
-                    "attn_mask passed together with is_causal=True: backends disagree on which wins; pass one of them",
-                    where,
-                )
-            )
-        if call.dropout_p > 0:
-            findings.append(
-                Finding(
-                    "FWD207",
-                    Status.FAIL,
-                    f"dropout_p={call.dropout_p:g} handed to {api} with the "
-                    "model in eval mode: pass dropout_p=p if self.training else 0.0",
-                    where,
-                )
-            )
+        findings = _mask_findings(call, shape, future_pairs, causal, api, where) + _argument_findings(call, api, where)
         for f in findings:  # each is about this call: it points at the line of model code that made it
             f.source, f.module = call.source, call.module
         return findings
+
+
+def _mask_findings(
+    call: AttentionCall, shape: MayRead, future_pairs, causal: bool, api: str, where: str
+) -> list[Finding]:
+    """What one call's mask says: built for other lengths (FWD209), a 0/1 float mask (FWD203), and, for a causal
+    model, keys it opens in the future or own positions it closes (FWD210)."""
+    findings = []
+    if call.mask_lengths is not None:
+        findings.append(
+            Finding(
+                "FWD209",
+                Status.FAIL,
+                f"the BlockMask handed to {api} was built for {call.mask_lengths[0]} queries over "
+                f"{call.mask_lengths[1]} keys, but the call has {call.query_len} over {call.key_len}: a mask "
+                "built for another length and reused (build it for each call's lengths)",
+                where,
+            )
+        )
+    if call.float_01:
+        findings.append(
+            Finding(
+                "FWD203",
+                Status.FAIL,
+                f"0/1 float mask {call.mask_values} handed to {api}: "
+                "added to the scores it masks nothing (a boolean turned into float?)",
+                where,
+            )
+        )
+    elif causal and future_pairs:
+        findings.append(_reads_future(call, shape, future_pairs, api, where))
+    elif causal and (blind := _blind_to_themselves(call)):
+        findings.append(
+            Finding(
+                "FWD210",
+                Status.FAIL,
+                f"{len(blind)} queries may not read their own position, e.g. "
+                f"{', '.join(map(str, blind[:4]))}: "
+                + (
+                    "a strict causal mask (q > kv where q >= kv is meant)"
+                    if call.self_attention
+                    else "a causal mask aligned top left over a cache (causal_upper_left, is_causal with fewer "
+                    "queries than keys) where the queries are the last ones (causal_lower_right)"
+                ),
+                where,
+            )
+        )
+    return findings
+
+
+def _argument_findings(call: AttentionCall, api: str, where: str) -> list[Finding]:
+    """What one call's other arguments say: rows with every key masked (FWD205), a mask beside is_causal (FWD206),
+    dropout handed over in eval mode (FWD207)."""
+    findings = []
+    if call.empty_rows:
+        findings.append(
+            Finding(
+                "FWD205",
+                Status.WARN,
+                "(batch, head, query) rows with every key masked: their attention output is NaN or zero",
+                f"{where}: {call.empty_rows} rows",
+            )
+        )
+    if call.api == Api.SDPA and call.is_causal and call.mask_kind not in ("none", "is_causal"):
+        findings.append(
+            Finding(
+                "FWD206",
+                Status.FAIL,
+                "attn_mask passed together with is_causal=True: backends disagree on which wins; pass one of them",
+                where,
+            )
+        )
+    if call.dropout_p > 0:
+        findings.append(
+            Finding(
+                "FWD207",
+                Status.FAIL,
+                f"dropout_p={call.dropout_p:g} handed to {api} with the "
+                "model in eval mode: pass dropout_p=p if self.training else 0.0",
+                where,
+            )
+        )
+    return findings
 
 
 def _blind_to_themselves(call: AttentionCall) -> list[int]:

@@ -236,52 +236,14 @@ position_ids alone leave a causal model reading the earlier documents, by design
         findings = []
         spans = rows.spans
         if measured["leak"] > threshold:
-            a, T = spans["document 2"][0], spans["document 3"][1]
-            findings.append(
-                Finding(
-                    "FWD601",
-                    Status.FAIL,
-                    f"changing document 1 moves the logits of the documents "
-                    f"after it by {measured['leak']:.3g} (threshold {threshold:.3g}): {way.name} "
-                    "does not isolate them"
-                    + (
-                        f"; the state of its {way.carries_state} runs along the whole row, across the boundary"
-                        if way.carries_state
-                        else ""
-                    ),
-                    where=f"positions {a}..{T - 1}",
-                )
-            )
+            findings.append(_leak(way, spans, measured["leak"], threshold))
         # A leak explains later documents that differ from their runs alone; without one, a difference is positions.
         differ = [name for name in spans if measured[name] > threshold and (name == "document 1" or not findings)]
         if differ:
             differ, confirmed = self._confirm(session, rows, packed, differ, threshold, metrics, data)
         for name in differ:
-            start, end = spans[name]
-            where = f"positions {start}..{end - 1}"
-            if name == "document 1":
-                findings.append(
-                    Finding(
-                        "FWD603",
-                        Status.FAIL,
-                        f"document 1 ({where}, as in the unpacked row) differs "
-                        f"from its tokens run alone by {confirmed[name]:.3g} when packed (threshold "
-                        f"{threshold:.3g}): the packed path computes it differently",
-                        where=where,
-                    )
-                )
-            elif not any(f.code == "FWD602" for f in findings):
-                findings.append(
-                    Finding(
-                        "FWD602",
-                        Status.FAIL,
-                        f"{name} ({where}) differs from its tokens run alone "
-                        f"by {confirmed[name]:.3g} (threshold {threshold:.3g}) while changes to "
-                        "document 1 do not reach it: positions do not restart at the document "
-                        "boundary",
-                        where=where,
-                    )
-                )
+            if name == "document 1" or not any(f.code == "FWD602" for f in findings):
+                findings.append(_differs_alone(name, spans[name], confirmed[name], threshold))
         return findings
 
     def _confirm(
@@ -346,3 +308,46 @@ position_ids alone leave a causal model reading the earlier documents, by design
                 alone = session.logits(torch.stack([tokens, session.inputs[0, : len(tokens)]]))[0]  # (len, V)
                 found[name] = float(position_change(packed[0, start:end], alone).max())
         return found
+
+
+def _leak(way: Way, spans: dict[str, tuple[int, int]], leak: float, threshold: float) -> Finding:
+    """FWD601: changing document 1 moved the documents after it in the packed row."""
+    a, T = spans["document 2"][0], spans["document 3"][1]
+    return Finding(
+        "FWD601",
+        Status.FAIL,
+        f"changing document 1 moves the logits of the documents "
+        f"after it by {leak:.3g} (threshold {threshold:.3g}): {way.name} "
+        "does not isolate them"
+        + (
+            f"; the state of its {way.carries_state} runs along the whole row, across the boundary"
+            if way.carries_state
+            else ""
+        ),
+        where=f"positions {a}..{T - 1}",
+    )
+
+
+def _differs_alone(name: str, span: tuple[int, int], confirmed: float, threshold: float) -> Finding:
+    """A packed document that differs from its tokens run alone, confirmed: FWD603 for document 1 (the packed path
+    computes it differently), FWD602 for a later one that no change to document 1 reaches (positions)."""
+    start, end = span
+    where = f"positions {start}..{end - 1}"
+    if name == "document 1":
+        return Finding(
+            "FWD603",
+            Status.FAIL,
+            f"document 1 ({where}, as in the unpacked row) differs "
+            f"from its tokens run alone by {confirmed:.3g} when packed (threshold "
+            f"{threshold:.3g}): the packed path computes it differently",
+            where=where,
+        )
+    return Finding(
+        "FWD602",
+        Status.FAIL,
+        f"{name} ({where}) differs from its tokens run alone "
+        f"by {confirmed:.3g} (threshold {threshold:.3g}) while changes to "
+        "document 1 do not reach it: positions do not restart at the document "
+        "boundary",
+        where=where,
+    )

@@ -222,7 +222,7 @@ or correct the declaration."""
         self._judge_presence(model, probe, component, findings)
         measured = probe.q if probe.rotates else component
         if declared is not None and measured is not None and measured.pairing:
-            findings += self._against_declared(declared, measured, model)
+            findings += _against_declared(declared, measured, model)
         shift_measured = self._logits_shift_if_sound(model, session, probe, findings, metrics, data)
         if rounded_in is not None:
             dtype = str(rounded_in).removeprefix("torch.")
@@ -244,7 +244,7 @@ or correct the declaration."""
         if model.rotary is None:
             return None
         try:
-            return self._component(model, session, tol, findings, data)
+            return _component(model, session, tol, self.noise, findings, data)
         except Exception as exc:
             if not model.rotary_discovered:
                 raise  # a rotary_function the config names must work
@@ -403,7 +403,7 @@ or correct the declaration."""
                 "toeplitz_error": toeplitz,
                 "head_dim": judged[0].head_dim,
             }
-            specific = self._compare_qk(results, tol, P)
+            specific = _compare_qk(results, tol, P)
             findings += specific
             if toeplitz > tol and not specific and probe.rotates:
                 findings.append(
@@ -495,54 +495,6 @@ or correct the declaration."""
                 call.k = k.reshape(-1, *k.shape[-2:])
             calls.append(call)
         return Look(calls, seen, rows, moved)
-
-    @staticmethod
-    def _compare_qk(results, tol: float, positions: int) -> list[Finding]:
-        findings = []
-        for r in results:
-            where, q, k, toeplitz = r.where, r.q, r.k, r.toeplitz
-            if q.rotates != k.rotates:
-                still, moving = ("k", "q") if q.rotates else ("q", "k")
-                findings.append(
-                    Finding(
-                        "FWD301",
-                        Status.FAIL,
-                        f"{moving} is rotated by position but {still} is "
-                        f"not: the rotary embedding is missing on {still}",
-                        where,
-                        module=where,
-                    )
-                )
-            elif q.rotates and (q.pairing is None or k.pairing is None):
-                if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
-                    findings.append(
-                        Finding(
-                            "FWD306",
-                            Status.FAIL,
-                            "q/k change with position but no pairing keeps "
-                            f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
-                            f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
-                            "rotation",
-                            where,
-                            module=where,
-                        )
-                    )
-            elif q.rotates and q.pairing != k.pairing:
-                findings.append(
-                    Finding(
-                        "FWD302",
-                        Status.FAIL,
-                        f"q is rotated with {q.pairing} pairing, k with "
-                        f"{k.pairing}: their dot product loses the relative property",
-                        where,
-                        module=where,
-                    )
-                )
-            elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
-                findings.append(
-                    Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where, module=where)
-                )
-        return _first_per_code(findings, len(results))
 
     def _probe_shift(self, model, session, token, look, P, tol, points, hold, blocks, data) -> list[Finding]:
         offset = min(SHIFT, (model.max_positions or P + SHIFT) - P)
@@ -645,86 +597,140 @@ or correct the declaration."""
             ]
         return []
 
-    # -- the rotary function alone -----------------------------------------------------------------------------------
 
-    def _component(self, model, session, tol, findings, data) -> Rotation | None:
-        D = model.dims.get("d_h") or data.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
-        if not D:
+# -- what the probe's calls show, and the rotary function alone ------------------------------------------------------
+
+
+def _compare_qk(results: list[Measured], tol: float, positions: int) -> list[Finding]:
+    """FWD301, FWD302 and FWD306 at each judged call: q and k must both turn, with one pairing and the same
+    frequencies; the same bug in every layer is reported once."""
+    findings = []
+    for r in results:
+        where, q, k, toeplitz = r.where, r.q, r.k, r.toeplitz
+        if q.rotates != k.rotates:
+            still, moving = ("k", "q") if q.rotates else ("q", "k")
             findings.append(
                 Finding(
-                    "FWD308",
-                    Status.WARN,
-                    "the rotary function was not tested alone: the head size "
-                    "is unknown (no attention call seen); set rope.rotary_dim",
-                    "rotary function",
+                    "FWD301",
+                    Status.FAIL,
+                    f"{moving} is rotated by position but {still} is not: the rotary embedding is missing on {still}",
+                    where,
+                    module=where,
                 )
             )
-            return None
-        P = 32
-        g = torch.Generator().manual_seed(session.settings.inputs.seed)
-        q, k = torch.randn(2, D, generator=g).to(session.device, session.dtype)
-        positions = torch.arange(P, device=session.device)
-
-        def rotate(x):  # the same vector at every position: (P, D) of R(m) x
-            # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
-            with model_code("the rotary function raised"):
-                rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
-            return rotated[0, 0].double()
-
-        Rq, Rk = rotate(q), rotate(k)
-        # Some rotary embeddings scale cos and sin by an attention factor (longrope, yarn): R(m) = s * rotation.
-        # A uniform s is no bug; divide it out and report it.
-        ratios = Rq.norm(dim=-1) / q.double().norm()
-        scale = float(ratios.mean())
-        if abs(scale - 1) > tol and float((ratios - scale).abs().max()) <= tol * scale:
-            Rq, Rk = Rq / scale, Rk / scale
-            data["component_scale"] = scale
-        lhs = Rq @ Rk.T  # <R(m)q, R(n)k>
-        rhs = torch.empty_like(lhs)  # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
-        for m in range(P):
-            for n in range(P):
-                rhs[m, n] = Rq[0] @ Rk[n - m] if n >= m else Rq[m - n] @ Rk[0]
-        identity = relative_error(rhs, lhs)
-        norms = relative_error(Rq.norm(dim=-1), q.double().norm())
-        origin = relative_error(Rq[0], q.double())
-        rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, self.noise)
-        data["component"] = {
-            "identity_error": identity,
-            "norm_error": norms,
-            "position0_error": origin,
-            **asdict(rotation),
-        }
-        checked = [
-            f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
-            f"norms change by {norms:.3g}" if norms > tol else None,
-            f"R(0) is not the identity ({origin:.3g})" if origin > tol else None,
-        ]
-        problems = [p for p in checked if p]
-        if problems:
+        elif q.rotates and (q.pairing is None or k.pairing is None):
+            if toeplitz > tol:  # a scaled rotation (xPos) keeps no pair norm but still gives relative scores
+                findings.append(
+                    Finding(
+                        "FWD306",
+                        Status.FAIL,
+                        "q/k change with position but no pairing keeps "
+                        f"pair norms constant (drift {max(q.norm_error, k.norm_error):.3g}) "
+                        f"and q . k depends on more than n - m ({toeplitz:.3g}): not a "
+                        "rotation",
+                        where,
+                        module=where,
+                    )
+                )
+        elif q.rotates and q.pairing != k.pairing:
             findings.append(
-                Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}", "rotary function")
+                Finding(
+                    "FWD302",
+                    Status.FAIL,
+                    f"q is rotated with {q.pairing} pairing, k with "
+                    f"{k.pairing}: their dot product loses the relative property",
+                    where,
+                    module=where,
+                )
             )
-        return rotation
+        elif q.rotates and not _same_frequencies(q, k, r.q_seen, r.k_seen, tol):
+            findings.append(
+                Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where, module=where)
+            )
+    return _first_per_code(findings, len(results))
 
-    @staticmethod
-    def _against_declared(declared, measured: Rotation, model) -> list[Finding]:
-        wanted_dim = declared.rotary_dim or model.dims.get("d_h")
-        differences = []
-        if declared.pairing and measured.rotary_dim > 2 and measured.pairing != declared.pairing:
-            differences.append(f"pairing {measured.pairing} (declared {declared.pairing})")
-        tail = bool(wanted_dim) and _undetectable_tail(measured, declared, wanted_dim)
-        if wanted_dim and measured.rotary_dim != wanted_dim and not tail:
-            differences.append(f"rotary dim {measured.rotary_dim} (declared {wanted_dim})")
-        # The base from the frequencies' decay over the rotated pairs: the declared width when only pairs too slow to
-        # see are missing, else the measured one (a rotary dim that differs is its own finding, not the base's).
-        base = math.exp(measured.decay * (wanted_dim if tail else measured.rotary_dim) / 2) if measured.decay else None
-        if base and declared.base and abs(math.log(base / declared.base)) > 0.02:
-            differences.append(f"base ~{base:.4g} (declared {declared.base:g})")
-        if not differences:
-            return []
-        origin = model.origins.get("rope")
-        declared_by = f"; declared by {origin}" if origin else ""
-        return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences) + declared_by, "rotary embedding")]
+
+def _component(model, session, tol, noise, findings, data) -> Rotation | None:
+    """The rotary function alone on random q, k (FWD308: the identity <R(m)q, R(n)k> = <q, R(n-m)k>, norms kept,
+    R(0) the identity), and the rotation it applies; below `noise` a dim counts as still."""
+    D = model.dims.get("d_h") or data.get("head_dim") or (model.rope.rotary_dim if model.rope else None)
+    if not D:
+        findings.append(
+            Finding(
+                "FWD308",
+                Status.WARN,
+                "the rotary function was not tested alone: the head size "
+                "is unknown (no attention call seen); set rope.rotary_dim",
+                "rotary function",
+            )
+        )
+        return None
+    P = 32
+    g = torch.Generator().manual_seed(session.settings.inputs.seed)
+    q, k = torch.randn(2, D, generator=g).to(session.device, session.dtype)
+    positions = torch.arange(P, device=session.device)
+
+    def rotate(x):  # the same vector at every position: (P, D) of R(m) x
+        # the user's own code: its exception is the model's error (exit 1), not fwdcheck's (exit 3)
+        with model_code("the rotary function raised"):
+            rotated = model.rotary(x.expand(1, 1, P, D).contiguous(), positions)
+        return rotated[0, 0].double()
+
+    Rq, Rk = rotate(q), rotate(k)
+    # Some rotary embeddings scale cos and sin by an attention factor (longrope, yarn): R(m) = s * rotation.
+    # A uniform s is no bug; divide it out and report it.
+    ratios = Rq.norm(dim=-1) / q.double().norm()
+    scale = float(ratios.mean())
+    if abs(scale - 1) > tol and float((ratios - scale).abs().max()) <= tol * scale:
+        Rq, Rk = Rq / scale, Rk / scale
+        data["component_scale"] = scale
+    lhs = Rq @ Rk.T  # <R(m)q, R(n)k>
+    rhs = torch.empty_like(lhs)  # <q, R(n-m)k> for n >= m, <R(m-n)q, k> otherwise: no negative positions needed
+    for m in range(P):
+        for n in range(P):
+            rhs[m, n] = Rq[0] @ Rk[n - m] if n >= m else Rq[m - n] @ Rk[0]
+    identity = relative_error(rhs, lhs)
+    norms = relative_error(Rq.norm(dim=-1), q.double().norm())
+    origin = relative_error(Rq[0], q.double())
+    rotation = analyze(Rq, tol, model.rope.pairing if model.rope else None, noise)
+    data["component"] = {
+        "identity_error": identity,
+        "norm_error": norms,
+        "position0_error": origin,
+        **asdict(rotation),
+    }
+    checked = [
+        f"<R(m)q, R(n)k> - <q, R(n-m)k> reaches {identity:.3g}" if identity > tol else None,
+        f"norms change by {norms:.3g}" if norms > tol else None,
+        f"R(0) is not the identity ({origin:.3g})" if origin > tol else None,
+    ]
+    problems = [p for p in checked if p]
+    if problems:
+        findings.append(
+            Finding("FWD308", Status.FAIL, f"the rotary function alone: {'; '.join(problems)}", "rotary function")
+        )
+    return rotation
+
+
+def _against_declared(declared, measured: Rotation, model) -> list[Finding]:
+    """FWD305: the measured pairing, rotary dim and base against those the model declares."""
+    wanted_dim = declared.rotary_dim or model.dims.get("d_h")
+    differences = []
+    if declared.pairing and measured.rotary_dim > 2 and measured.pairing != declared.pairing:
+        differences.append(f"pairing {measured.pairing} (declared {declared.pairing})")
+    tail = bool(wanted_dim) and _undetectable_tail(measured, declared, wanted_dim)
+    if wanted_dim and measured.rotary_dim != wanted_dim and not tail:
+        differences.append(f"rotary dim {measured.rotary_dim} (declared {wanted_dim})")
+    # The base from the frequencies' decay over the rotated pairs: the declared width when only pairs too slow to
+    # see are missing, else the measured one (a rotary dim that differs is its own finding, not the base's).
+    base = math.exp(measured.decay * (wanted_dim if tail else measured.rotary_dim) / 2) if measured.decay else None
+    if base and declared.base and abs(math.log(base / declared.base)) > 0.02:
+        differences.append(f"base ~{base:.4g} (declared {declared.base:g})")
+    if not differences:
+        return []
+    origin = model.origins.get("rope")
+    declared_by = f"; declared by {origin}" if origin else ""
+    return [Finding("FWD305", Status.FAIL, "measured " + ", ".join(differences) + declared_by, "rotary embedding")]
 
 
 def _slice(measured: Rotation) -> str:

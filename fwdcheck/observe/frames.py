@@ -294,6 +294,36 @@ class _PositionsSeen:
         return positions
 
 
+def _follow_sequences(frame: _Frame, x: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    """A module handed a hidden state x and other sequences of its batch and rank (a cross-attention's memory):
+    mark each, so that the frame follows what each is computed into (frame.own, frame.others)."""
+    others = [
+        t
+        for t in (*args, *kwargs.values())
+        if isinstance(t, torch.Tensor)
+        and t is not x
+        and t.is_floating_point()
+        and t.dim() == x.dim()
+        and t.shape[0] == x.shape[0]
+    ]
+    if others:  # a hidden state and another sequence: follow what each is computed into
+        frame.own, frame.others = _Identities(), _Identities()
+        frame.own[x] = True
+        for t in others:
+            frame.others[t] = True
+
+
+def _module_call(name: str, module: nn.Module, x: torch.Tensor | None, keep: bool) -> ModuleCall:
+    """The record of one module call as it starts: its input's shape, and a copy of the input when kept."""
+    return ModuleCall(
+        name,
+        type(module).__name__,
+        tuple(x.shape) if x is not None else None,
+        None,
+        x.detach().clone() if keep and x is not None else None,
+    )
+
+
 @contextmanager
 def module_tracking(
     model: nn.Module,
@@ -320,28 +350,9 @@ def module_tracking(
             with torch._C.DisableTorchFunction():
                 frame = _frame(name, reading, args, kwargs, from_input, positions_of)
             if name and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 3:
-                others = [
-                    t
-                    for t in (*args, *kwargs.values())
-                    if isinstance(t, torch.Tensor)
-                    and t is not x
-                    and t.is_floating_point()
-                    and t.dim() == x.dim()
-                    and t.shape[0] == x.shape[0]
-                ]
-                if others:  # a hidden state and another sequence: follow what each is computed into
-                    frame.own, frame.others = _Identities(), _Identities()
-                    frame.own[x] = True
-                    for t in others:
-                        frame.others[t] = True
+                _follow_sequences(frame, x, args, kwargs)
             where.append(frame)
-            call = ModuleCall(
-                name,
-                type(module).__name__,
-                tuple(x.shape) if x is not None else None,
-                None,
-                x.detach().clone() if name in keep_inputs_of and x is not None else None,
-            )
+            call = _module_call(name, module, x, keep=name in keep_inputs_of)
             record.modules.append(call)
             running.setdefault(name, []).append(call)
 

@@ -70,15 +70,10 @@ def launch(
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> Report:
     """The report of `job` (its config built into `run`) run on run.config.distributed.nproc ranks."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     nproc = run.config.distributed.nproc
-    # Ranks that end by an exception leave semaphores behind, and the resource tracker (a process of its own, started
-    # with this interpreter's -W options, before the ranks' server) would warn of them on stderr after the report's
-    # one line.
-    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
-    if quiet_tracker not in sys.warnoptions:
-        sys.warnoptions.append(quiet_tracker)
+    _quiet_resource_tracker()
     # DTensor, what any sharding builds on (the parallelize function's module imports it, to validate it below): a
     # second and a half, paid once here, before a fork of this process becomes the ranks' server, not again there.
     import torch.distributed.tensor  # noqa: F401
@@ -91,16 +86,7 @@ def launch(
             parallelize_function(cast(Config, run.config))  # a distributed run is a whole config's
         for local_rank in range(nproc):
             rank_device(run.settings.device, local_rank)
-        heard = Heard(job)
-        heard.checks = [e.name for e in run.entries]
-        heard.environment = {
-            **environment_summary(run.settings, run.settings.device),
-            "distributed": {
-                "nproc": nproc,
-                "parallelize": run.config.distributed.parallelize,
-                "mesh": run.config.distributed.mesh or {"ranks": nproc},
-            },
-        }
+        heard = _heard(run, job)
         authkey = secrets.token_bytes(16)
         listener = Listener(family="AF_UNIX", authkey=authkey)
         relay = threading.Thread(
@@ -110,28 +96,10 @@ def launch(
             name="fwdcheck-rank-0-events",
         )
         relay.start()
-        rank_job = {
-            "config": job.config,
-            "factory": job.factory,
-            "overrides": dataclasses.asdict(job.overrides),
-            "sys_path": [p for p in sys.path if p],
-            "package_root": interpreter.package_root(),
-        }
+        rank_job = _rank_job(job)
         try:
             with _launcher_logs_quiet(), _package_first():
-                config = LaunchConfig(
-                    min_nodes=1,
-                    max_nodes=1,
-                    nproc_per_node=nproc,
-                    max_restarts=0,
-                    run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
-                    rdzv_backend="c10d",
-                    # port 0: the rendezvous store binds a port the OS picks and holds it, as torchrun --standalone
-                    # does; a port probed free and released before the store binds it could be taken in between
-                    rdzv_endpoint="127.0.0.1:0",
-                    monitor_interval=0.1,
-                    start_method=start_method,
-                )
+                config = _launch_config(nproc, start_method)
                 returned = elastic_launch(config, rank_main)(rank_job, listener.address, authkey)
         except ChildFailedError as exc:
             relay.join(timeout=5)
@@ -149,6 +117,62 @@ def launch(
                 for rank, (report, flags) in returned.items()
             }
         )
+
+
+def _quiet_resource_tracker() -> None:
+    """Ranks that end by an exception leave semaphores behind, and the resource tracker (a process of its own, started
+    with this interpreter's -W options, before the ranks' server) would warn of them on stderr after the report's
+    one line: its warnings are turned off here."""
+    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet_tracker not in sys.warnoptions:
+        sys.warnoptions.append(quiet_tracker)
+
+
+def _heard(run: Run, job) -> Heard:
+    """What rank 0's events will fill in, started with what this process knows: the checks and the environment,
+    the distributed settings included."""
+    nproc = run.config.distributed.nproc
+    heard = Heard(job)
+    heard.checks = [e.name for e in run.entries]
+    heard.environment = {
+        **environment_summary(run.settings, run.settings.device),
+        "distributed": {
+            "nproc": nproc,
+            "parallelize": run.config.distributed.parallelize,
+            "mesh": run.config.distributed.mesh or {"ranks": nproc},
+        },
+    }
+    return heard
+
+
+def _rank_job(job) -> dict:
+    """What every rank is handed to build the same run: the job, and this interpreter's import path."""
+    return {
+        "config": job.config,
+        "factory": job.factory,
+        "overrides": dataclasses.asdict(job.overrides),
+        "sys_path": [p for p in sys.path if p],
+        "package_root": interpreter.package_root(),
+    }
+
+
+def _launch_config(nproc: int, start_method: str):
+    """torch's elastic launcher for nproc ranks on this machine, restarting none."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        max_restarts=0,
+        run_id=f"fwdcheck-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        # port 0: the rendezvous store binds a port the OS picks and holds it, as torchrun --standalone
+        # does; a port probed free and released before the store binds it could be taken in between
+        rdzv_endpoint="127.0.0.1:0",
+        monitor_interval=0.1,
+        start_method=start_method,
+    )
 
 
 # The ranks are forked from one process that has imported these (multiprocessing's fork server) rather than each

@@ -307,7 +307,6 @@ def lost_peer(text: str) -> bool:
 def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[int, dict], fail_on) -> Report:
     """The job's report, made on rank 0 from every rank's outcome."""
     from fwdcheck.process.heard import WorkerError
-    from fwdcheck.process.launch import merge
     from fwdcheck.report import Report
 
     reports = {
@@ -321,24 +320,9 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
         raise WorkerError(errors[0]["error"]["message"], errors[0]["error"]["exit_code"])  # every rank's, alike
     missing = [rank for rank in range(launched.world) if rank not in outcomes]
     if not stops and not errors and not missing:
-        report = merge(reports)
-        distributed = report.environment.setdefault("distributed", {})
-        nodes = {coordinator.node(rank) for rank in range(launched.world)}
-        distributed.update({"launcher": launched.launcher, "nodes": len(nodes)})
-        started = f"{launched.world} ranks on {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
-        report.notes.append(f"distributed: {started}, started by {launched.launcher}")
-        return report
+        return _every_rank_finished(reports, launched, coordinator)
     # The rank that stopped the run: the first whose trouble was its own (not a lost peer), by when it began.
-    own_trouble = [
-        (stop["at"], rank, stop["code"], stop["how"], stop["check"])
-        for rank, stop in stops.items()
-        if not stop.get("peer")
-    ]
-    own_trouble += [
-        (o["at"], rank, "error", o["error"]["message"], None)
-        for rank, o in errors.items()
-        if not lost_peer(o["error"]["message"])
-    ]
+    own_trouble = _own_trouble(stops, errors)
     if own_trouble and min(own_trouble)[2] == "error":  # the run could not be made on that rank: its error line
         _, rank, _, message, _ = min(own_trouble)
         raise WorkerError(
@@ -365,6 +349,34 @@ def _concluded(launched: LaunchedRank, coordinator: Coordinator, outcomes: dict[
             errors[rank]["error"]["exit_code"],
         )
     return _partial(reports, check, what, code, launched)
+
+
+def _every_rank_finished(reports: dict[int, Report], launched: LaunchedRank, coordinator: Coordinator) -> Report:
+    """The ranks' reports merged, saying how many ranks ran on how many nodes and what started them."""
+    from fwdcheck.process.launch import merge
+
+    report = merge(reports)
+    distributed = report.environment.setdefault("distributed", {})
+    nodes = {coordinator.node(rank) for rank in range(launched.world)}
+    distributed.update({"launcher": launched.launcher, "nodes": len(nodes)})
+    started = f"{launched.world} ranks on {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
+    report.notes.append(f"distributed: {started}, started by {launched.launcher}")
+    return report
+
+
+def _own_trouble(stops: dict[int, dict], errors: dict[int, dict]) -> list[tuple]:
+    """(when it began, rank, code, how, check) of each rank whose trouble was its own, not a lost peer's."""
+    own_trouble = [
+        (stop["at"], rank, stop["code"], stop["how"], stop["check"])
+        for rank, stop in stops.items()
+        if not stop.get("peer")
+    ]
+    own_trouble += [
+        (o["at"], rank, "error", o["error"]["message"], None)
+        for rank, o in errors.items()
+        if not lost_peer(o["error"]["message"])
+    ]
+    return own_trouble
 
 
 def _partial(reports: dict[int, Report], check: str | None, what: str, code: str, launched: LaunchedRank) -> Report:
@@ -427,7 +439,7 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     from fwdcheck.process.heard import Heard
     from fwdcheck.process.rank import checks_on_rank, in_rank_order, join_and_shard, ran_as
     from fwdcheck.run.runner import environment_summary
-    from fwdcheck.run.sharding import RankStopped, rank_context, rank_device
+    from fwdcheck.run.sharding import RankStopped, rank_device
 
     rank = LaunchedRank(**launched["rank"])
     this_run = run_store(rank, launched["index"], run.settings.timeout_s)
@@ -460,23 +472,32 @@ def join(run: Run, job, launched: dict, *, progress, on_model, on_result) -> Rep
     try:
         report = checks_on_rank(run, model, progress=progress, on_model=model_loaded, on_result=result_done)
     except RankStopped as exc:
-        peer = lost_peer(str(exc))
         dist.destroy_process_group()  # peers waiting for this rank at a collective fail now
-        check = exc.check or next((name for name in heard.checks if name not in heard.results), None)
-        heard.results.pop(check or "", None)  # its result stopped the run: the job's report says how
-        heard.current = check
-        how = str(exc).removeprefix(f"{check}: ") if check else str(exc)
-        partial = heard.partial_report(f"{rank.named(rank.rank, rank.node)} stopped: {how}", exc.code)
-        partial.environment = {
-            **environment_summary(run.settings, str(rank_context().device)),  # type: ignore[union-attr]
-            "distributed": {
-                "stopped": {"check": check, "code": exc.code, "how": how, "at": exc.at, "peer": peer},
-            },
-        }
-        return partial
+        return _stopped(run, heard, rank, exc)
     report.environment["distributed"] = ran_as(rank.world, backend)
     dist.destroy_process_group()
     return report
+
+
+def _stopped(run: Run, heard, rank: LaunchedRank, exc) -> Report:
+    """The report of a rank that stopped the run (exc, a RankStopped): the checks that finished, the one it stopped
+    in left to the job's report, and how and when it stopped, for rank 0 to tell which rank's trouble came first."""
+    from fwdcheck.run.runner import environment_summary
+    from fwdcheck.run.sharding import rank_context
+
+    peer = lost_peer(str(exc))
+    check = exc.check or next((name for name in heard.checks if name not in heard.results), None)
+    heard.results.pop(check or "", None)  # its result stopped the run: the job's report says how
+    heard.current = check
+    how = str(exc).removeprefix(f"{check}: ") if check else str(exc)
+    partial = heard.partial_report(f"{rank.named(rank.rank, rank.node)} stopped: {how}", exc.code)
+    partial.environment = {
+        **environment_summary(run.settings, str(rank_context().device)),  # type: ignore[union-attr]
+        "distributed": {
+            "stopped": {"check": check, "code": exc.code, "how": how, "at": exc.at, "peer": peer},
+        },
+    }
+    return partial
 
 
 def _every_rank_here(store, rank: LaunchedRank, timeout_s: float) -> tuple[str, bool] | None:

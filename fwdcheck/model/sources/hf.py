@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
@@ -118,6 +118,37 @@ def hf_model_under_test(
     # A multimodal model keeps its language model's settings in a config of their own (text_config); its sizes,
     # positions and rope are that one's. get_text_config() is the config itself for a text-only model.
     cfg: Any = text_config(top)
+    dims = config_dims(cfg, top.model_type)
+    # A sentinel (XLNet's -1: no limit) or an absent field is no limit on the length.
+    max_positions = config_size(cfg, "max_position_embeddings", "n_positions")
+    where = str(spec.path) if spec.path else "inline config"
+    config_file = str(spec.path / "config.json") if spec.path else "the inline config"
+    origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
+    rope, origins["rope"] = model_rope(module, spec, cfg, config_file)
+    model = ModelUnderTest(
+        module=module,
+        label=f"{top.model_type} {type(module).__name__} ({where})",
+        source="hf",
+        vocab_size=dims["V"],
+        max_positions=max_positions,
+        causal=spec.causal,
+        dims={k: v for k, v in dims.items() if v},
+        declared_dims=set(),  # all read off the config by fwdcheck
+        rope=rope,
+        rotary=find_rotary(module),
+        rotary_discovered=True,
+        forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
+        weights_at_init=weights_at_init,
+        origins=origins,
+        extra={"notes": notes, "model_type": top.model_type},
+    )
+    add_transformers_capabilities(model)
+    return model
+
+
+def config_dims(cfg: Any, model_type: str) -> dict[str, int]:
+    """The sizes a (text) config gives, by the names a report shows (V, d, h, h_kv, d_h, d_ff, L); the vocabulary
+    size is required, the others only where the config states them."""
     # By transformers' standard names (attribute_map answers them for every architecture it ships) and a few older
     # spellings, not by all of CONFIG_KEYS: its others would add dims (T5's d_ff) these models' reports do not show.
     heads = config_size(cfg, "num_attention_heads", "n_head")
@@ -125,7 +156,7 @@ def hf_model_under_test(
     vocab_size = config_size(cfg, "vocab_size")
     if vocab_size is None:
         raise ModelLoadError(
-            f"{top.model_type}'s config gives no vocabulary size ({type(cfg).__name__}.vocab_size is "
+            f"{model_type}'s config gives no vocabulary size ({type(cfg).__name__}.vocab_size is "
             f"{getattr(cfg, 'vocab_size', None)!r}); fwdcheck needs it to draw input ids"
         )
     dims = {"V": vocab_size}
@@ -143,12 +174,13 @@ def hf_model_under_test(
     layers = config_size(cfg, "num_hidden_layers", "n_layer")
     if layers:
         dims["L"] = layers
-    # A sentinel (XLNet's -1: no limit) or an absent field is no limit on the length.
-    max_positions = config_size(cfg, "max_position_embeddings", "n_positions")
-    where = str(spec.path) if spec.path else "inline config"
-    config_file = str(spec.path / "config.json") if spec.path else "the inline config"
-    origins = {"dims": f"{config_file} (transformers' {type(cfg).__name__})"}
-    rope, origins["rope"] = (
+    return dims
+
+
+def model_rope(module: nn.Module, spec: HFModel, cfg: Any, config_file: str) -> tuple[RopeSpec | None, str]:
+    """The rotary embedding the model declares, and where that came from: the config's `rope:`, else its Hugging
+    Face config's settings (declared_rope), but only for a model that builds a rotary embedding."""
+    rope, origin = (
         (spec.rope, "the config's `rope:`") if spec.rope else declared_rope(cfg, config_file, settings_read(module))
     )
     if rope is not None and not spec.rope and not builds_rotary(module):
@@ -156,29 +188,11 @@ def hf_model_under_test(
         # embeddings off (Granite MoE hybrid's position_embedding_type None, Zamba 2's use_mem_rope False): only a
         # model that builds one declares one.
         rope = None
-        origins["rope"] = (
+        origin = (
             f"none declared: {config_file} holds rope settings, but {type(module).__name__} builds no rotary "
             "embedding (the config switches it off)"
         )
-    model = ModelUnderTest(
-        module=module,
-        label=f"{top.model_type} {type(module).__name__} ({where})",
-        source="hf",
-        vocab_size=vocab_size,
-        max_positions=max_positions,
-        causal=spec.causal,
-        dims={k: v for k, v in dims.items() if v},
-        declared_dims=set(),  # all read off the config by fwdcheck
-        rope=rope,
-        rotary=find_rotary(module),
-        rotary_discovered=True,
-        forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
-        weights_at_init=weights_at_init,
-        origins=origins,
-        extra={"notes": notes, "model_type": top.model_type},
-    )
-    add_transformers_capabilities(model)
-    return model
+    return rope, origin
 
 
 def text_config(config: Any) -> Any:
@@ -376,36 +390,10 @@ def declared_rope(cfg, where: str = "the model config", read: set[str] | None = 
     rotary_dim = setting("rotary_dim")
     if theta is None and rotary_dim is None:
         return None, f"none declared: {where} gives no rope settings"  # learned or sinusoidal positions, ALiBi, ...
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     rope_type = params.get("rope_type", params.get("type", "default"))
     try:
-        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-        partial_key, partial = next(
-            (
-                (k, v)
-                for k, v in (
-                    ("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
-                    ("partial_rotary_factor", setting("partial_rotary_factor")),
-                    ("rotary_pct", setting("rotary_pct")),
-                )
-                if v
-            ),
-            (None, None),
-        )
-        dim_origin = f"rotary dim {rotary_dim} from rotary_dim" if rotary_dim is not None else "rotary dim: head size"
-        if rotary_dim is None and partial and head_dim:
-            rotary_dim = int(head_dim * partial)
-            dim_origin = f"rotary dim {rotary_dim} from head size {head_dim} x {partial_key} {partial}"
-        # rescaled frequencies (llama3, yarn, ...) have no single base to compare
-        base = float(theta) if theta is not None and rope_type == "default" else None
-        base_origin = (
-            f"base {base:g} from {theta_key}"
-            if base is not None
-            else f"base not compared (rope_type {rope_type} rescales the frequencies)"
-            if theta is not None
-            else "base not stated"
-        )
+        rotary_dim, dim_origin = _declared_rotary_dim(cfg, params, setting, rotary_dim)
+        base, base_origin = _declared_base(theta_key, theta, rope_type)
         spec = RopeSpec(base=base, pairing=None, rotary_dim=rotary_dim)
     except ValidationError as exc:
         problem = describe_validation_error(exc)
@@ -420,6 +408,46 @@ def declared_rope(cfg, where: str = "the model config", read: set[str] | None = 
             "`rope:` in the config to declare them yourself"
         ) from None
     return spec, f"read off {where}: {base_origin}, {dim_origin}; pairing not stated (measured, not compared)"
+
+
+def _declared_rotary_dim(cfg, params: dict, setting: Callable[[str], Any], rotary_dim: Any) -> tuple[Any, str]:
+    """The rotary dim a config states (rotary_dim), else the head size times a partial rotary factor where it gives
+    one, and where it came from: 'rotary dim: head size' when it states neither. Raises TypeError or ValueError on
+    values that are no sizes (declared_rope names them)."""
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    partial_key, partial = next(
+        (
+            (k, v)
+            for k, v in (
+                ("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
+                ("partial_rotary_factor", setting("partial_rotary_factor")),
+                ("rotary_pct", setting("rotary_pct")),
+            )
+            if v
+        ),
+        (None, None),
+    )
+    dim_origin = f"rotary dim {rotary_dim} from rotary_dim" if rotary_dim is not None else "rotary dim: head size"
+    if rotary_dim is None and partial and head_dim:
+        rotary_dim = int(head_dim * partial)
+        dim_origin = f"rotary dim {rotary_dim} from head size {head_dim} x {partial_key} {partial}"
+    return rotary_dim, dim_origin
+
+
+def _declared_base(theta_key: str, theta: Any, rope_type: str) -> tuple[float | None, str]:
+    """The base a config states, and where it came from; None where it gives none or rescales the frequencies."""
+    # rescaled frequencies (llama3, yarn, ...) have no single base to compare
+    base = float(theta) if theta is not None and rope_type == "default" else None
+    base_origin = (
+        f"base {base:g} from {theta_key}"
+        if base is not None
+        else f"base not compared (rope_type {rope_type} rescales the frequencies)"
+        if theta is not None
+        else "base not stated"
+    )
+    return base, base_origin
 
 
 def settings_read(module: nn.Module) -> set[str] | None:
