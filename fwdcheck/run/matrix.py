@@ -78,6 +78,21 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
         )
         for run, r in cells
     )
+    failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
+    return dataclasses.replace(
+        default,
+        status=worst([default.status, *(r.status for _, r in cells)]),
+        summary=_merged_summary(default, cells, failing),
+        findings=_merged_findings(default, cells),
+        paths=PathMatrix(rows, failing=len(failing), default_fails=default.status in (Status.FAIL, Status.ERROR)),
+        duration_s=default.duration_s + sum(r.duration_s for _, r in cells),
+        internal_error=default.internal_error or any(r.internal_error for _, r in cells),
+    )
+
+
+def _merged_findings(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) -> list[Finding]:
+    """The default path's findings, then one finding per code that failed only on other cells, each saying on which
+    cells it was seen."""
     by_code: dict[str, tuple[Finding, list[str]]] = {}
     for run, r in cells:
         for f in r.findings:
@@ -113,29 +128,24 @@ def merge_cells(default: CheckResult, cells: list[tuple[CellRun, CheckResult]]) 
                 module=first.module,
             )
         )
-    failing = [(run.cell, r) for run, r in cells if r.status in (Status.FAIL, Status.ERROR)]
-    status = worst([default.status, *(r.status for _, r in cells)])
+    return findings
+
+
+def _merged_summary(
+    default: CheckResult, cells: list[tuple[CellRun, CheckResult]], failing: list[tuple[CodePath, CheckResult]]
+) -> str:
+    """The default path's summary leads when it fails; else the first failing cell's, or how many cells passed."""
     lengths = sorted({run.seq_len for run, _ in cells})
     at = f"T={lengths[0]}" if len(lengths) == 1 else f"T={lengths[0]} to {lengths[-1]}"
     train_only = len(cells) == 1 and cells[0][0].cell.train
     if failing and default.status in (Status.FAIL, Status.ERROR):  # the default path's own verdict leads
         also = "the train path fails too" if train_only else f"{len(failing)} of {len(cells)} code paths fail too"
-        summary = f"{default.summary}; {also}"
-    elif failing:
+        return f"{default.summary}; {also}"
+    if failing:
         first_path, first_result = failing[0]
-        summary = f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
-    else:
-        passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
-        summary = f"{default.summary}; {passed} ({at})"
-    return dataclasses.replace(
-        default,
-        status=status,
-        summary=summary,
-        findings=findings,
-        paths=PathMatrix(rows, failing=len(failing), default_fails=default.status in (Status.FAIL, Status.ERROR)),
-        duration_s=default.duration_s + sum(r.duration_s for _, r in cells),
-        internal_error=default.internal_error or any(r.internal_error for _, r in cells),
-    )
+        return f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
+    passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
+    return f"{default.summary}; {passed} ({at})"
 
 
 def shared_from(run: CellRun, result: CheckResult) -> Shared | None:
