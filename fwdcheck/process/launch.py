@@ -111,9 +111,8 @@ def launch(
         )
         relay.start()
         rank_job = {
-            "config": job.config,
-            "factory": job.factory,
-            "overrides": dataclasses.asdict(job.overrides),
+            "config": job.config,  # what its errors name
+            "plan": run.plan.to_wire(),  # the run the ranks make, as the worker was handed it
             "sys_path": [p for p in sys.path if p],
             "package_root": interpreter.package_root(),
         }
@@ -145,7 +144,7 @@ def launch(
         relay.join(timeout=5)
         return merge(
             {
-                rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
+                rank: Report.from_dict(report, internal_errors=flags, fail_on=run.fail_on)
                 for rank, (report, flags) in returned.items()
             }
         )
