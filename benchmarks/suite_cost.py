@@ -120,7 +120,7 @@ def cost(args) -> None:
     # code-path matrix's train cell (code_paths: {train: false}), what the cell costs. Each is run `--repeats` times,
     # interleaved, each run's time over the plain forwards timed just before and after it; the medians are printed
     # (one run on a shared machine moves by several percent).
-    no_train = settings.model_copy(update={"code_paths": settings.code_paths.model_copy(update={"train": False})})
+    no_train = settings.with_config(code_paths=settings.code_paths.model_copy(update={"train": False}))
     with_cell, without_cell = [], []
     for _ in range(args.repeats):
         for runs, chosen in ((with_cell, settings), (without_cell, no_train)):

@@ -16,6 +16,7 @@ from fwdcheck.errors import UsageError
 from fwdcheck.model.sources import from_module
 from fwdcheck.report import Report
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run
 
 
@@ -71,7 +72,7 @@ def check_model(
         )
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
-    run = Run.build(config, Overrides(checks=checks, fail_on=fail_on))
+    run = Run.build(resolve(config, Overrides(checks=checks, fail_on=fail_on)))
     return run.check(
         from_module(
             model,

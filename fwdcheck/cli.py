@@ -576,13 +576,12 @@ def diff_command(
         from fwdcheck.process.events import Job
         from fwdcheck.process.supervisor import compare_supervised
         from fwdcheck.report.terminal import render_diff
-        from fwdcheck.run.overrides import Overrides
 
         # Both models run in a supervised worker (its prints relayed to stderr), each step under A's timeout_s.
         job = Job(
             config=str(config_a),
             factory=None,
-            overrides=Overrides(checks=[]),
+            plan=None,  # the worker reads both configs: a comparison is no run of checks
             sys_path=[p for p in sys.path if p],
             compare_with=str(config_b),
             rename=list(rename or []),

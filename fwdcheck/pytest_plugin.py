@@ -323,13 +323,14 @@ class ConfigFile(pytest.File):
         from fwdcheck.process.events import Job
         from fwdcheck.process.heard import END_OF_RUN
         from fwdcheck.process.supervisor import run_supervised
+        from fwdcheck.run.plan import resolve
 
         selected = {item.name for item in self.session.items if item.parent is self}
         entries = [e for e in self.entries if e.name in selected] or self.entries
         job = Job(
             config=str(self.path),
             factory=None,
-            overrides=self.overrides(checks=[e.name for e in entries], expected=self.expected),
+            plan=resolve(self.fwd_config, self.overrides(checks=[e.name for e in entries], expected=self.expected)),
             sys_path=[p for p in sys.path if p],
         )
         report = run_supervised(job, timeout_s=self.fwd_config.timeout_s)

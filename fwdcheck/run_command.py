@@ -227,11 +227,12 @@ def read_expected(files: dict[str, Path]) -> dict[str, dict]:
 
 
 def plan(o: RunOptions, path: Path | None, expected: dict[str, dict]) -> Planned:
-    """Read and validate one config with the command line's choices: its Job for the worker."""
-    from fwdcheck.config.registry import check_options
+    """Read and validate one config with the command line's choices: its Job for the worker, which carries the run's
+    plan (fwdcheck/run/plan.py) resolved here, once."""
     from fwdcheck.config.schema import config_for
     from fwdcheck.process.events import Job
     from fwdcheck.run.overrides import Overrides
+    from fwdcheck.run.plan import RunPlan
 
     config = config_for(path, o.model)
     entries = planned_checks(o, path, config)
@@ -246,13 +247,14 @@ def plan(o: RunOptions, path: Path | None, expected: dict[str, dict]) -> Planned
         fail_on=o.fail_on.value,
         nproc=o.nproc,
     )
-    refuse_impossible_runs(o, overrides.applied(config), entries, expected)
+    run_config = overrides.applied(config)
+    refuse_impossible_runs(o, run_config, entries, expected)
     with about_config(path, ""):  # each check's options, before any model loads
-        check_options(overrides.applied(config).options, o.check_flags, entries)
+        run_plan = RunPlan.made(run_config, entries, overrides)
     job = Job(
         config=str(path) if path is not None else None,
         factory=o.model,
-        overrides=overrides,
+        plan=run_plan,
         sys_path=[p for p in sys.path if p],
     )
     return Planned(path, config, job)

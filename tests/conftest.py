@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.report import Report
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run
 
 
@@ -20,7 +21,7 @@ def run_checks(model: dict, checks: list[str] | None = None, **top) -> Report:
     """Run the named checks (the config's, else the default ones, when None) on the model a config dict describes,
     as the command line's worker runs a config file."""
     document = {"model": model, "inputs": top.pop("inputs", {"batch_size": 2, "seq_len": 8}), **top}
-    run = Run.build(config_from_dict(document), Overrides(checks=checks))
+    run = Run.build(resolve(config_from_dict(document), Overrides(checks=checks)))
     return run.check(run.load())
 
 

@@ -28,6 +28,7 @@ from fwdcheck.config.schema import load_config
 from fwdcheck.model.sources import load_model
 from fwdcheck.report.terminal import render, render_diff
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run, run_model
 from fwdcheck.run.settings import Settings
 from tests.doc_sections import DOCS, README, ROOT, read_section, write_sections
@@ -72,7 +73,7 @@ def golden_example() -> str:
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "golden.json"
         config = load_config(ROOT / GOLDEN_MAIN)
-        run = Run.build(config, Overrides(checks=[*config.checks, "golden"]))
+        run = Run.build(resolve(config, Overrides(checks=[*config.checks, "golden"])))
         saved = run.check(run.load(), config_path=GOLDEN_MAIN)
         path.write_text(golden_text(saved.result("golden"), saved))
         size = path.stat().st_size
@@ -81,7 +82,8 @@ def golden_example() -> str:
     render(saved, console, durations=False, verbosity="quiet")
     saving = _lines(console)
     config = load_config(ROOT / GOLDEN_BRANCH)
-    run = Run.build(config, Overrides(checks=[*config.checks, "golden"], expected={"--expect-golden": expected}))
+    overrides = Overrides(checks=[*config.checks, "golden"], expected={"--expect-golden": expected})
+    run = Run.build(resolve(config, overrides))
     console = _console()
     render(run.check(run.load(), config_path=GOLDEN_BRANCH), console, durations=False)
     lines = _lines(console)

@@ -416,9 +416,10 @@ def test_sharding_skips_outside_a_distributed_run():
 def test_the_python_api_refuses_a_distributed_run():
     from fwdcheck.config.schema import config_from_dict
     from fwdcheck.errors import UsageError
+    from fwdcheck.run.plan import resolve
     from fwdcheck.run.runner import Run
 
-    run = Run.build(config_from_dict({"model": {"source": "reference"}, "distributed": {"nproc": 2}}))
+    run = Run.build(resolve(config_from_dict({"model": {"source": "reference"}, "distributed": {"nproc": 2}})))
     assert [e.name for e in run.entries][0] == "sharding"
     with pytest.raises(UsageError, match="starts processes of its own"):
         run.check(run.load())

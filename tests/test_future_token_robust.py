@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from fwdcheck.api import check_model
 from fwdcheck.checks.future_token import FutureToken, prefix_lengths
-from fwdcheck.config.schema import FactoryModel, Inputs
+from fwdcheck.config.schema import FactoryModel, Inputs, RunConfig
 from fwdcheck.model.sources.factory import FactoryParts, model_from_module
 from fwdcheck.result import Status
 from fwdcheck.run.session import Session
@@ -156,12 +156,12 @@ def test_the_session_learns_the_refused_length_for_the_checks_after():
     under_test = model_from_module(
         module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None), source="python"
     )
-    session = Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
+    session = Session(under_test, Settings(RunConfig(inputs=Inputs(batch_size=2, seq_len=8))))
     assert session.min_seq_len == 1
     with session.active():
         FutureToken().run(under_test, session)
     assert session.min_seq_len == 2
-    declared = Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8, min_seq_len=4)))
+    declared = Session(under_test, Settings(RunConfig(inputs=Inputs(batch_size=2, seq_len=8, min_seq_len=4))))
     assert declared.min_seq_len == 4
 
 
@@ -325,7 +325,7 @@ def session_for(module: nn.Module) -> tuple:
     under_test = model_from_module(
         module, spec, FactoryParts(factory=lambda: module, forward=None, rotary=None), source="python"
     )
-    return under_test, Session(under_test, Settings(inputs=Inputs(batch_size=2, seq_len=8)))
+    return under_test, Session(under_test, Settings(RunConfig(inputs=Inputs(batch_size=2, seq_len=8))))
 
 
 def test_a_clean_run_compares_with_the_observed_logits_and_measures_no_noise_floor():

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.config.registry import select
-from fwdcheck.config.schema import Inputs
+from fwdcheck.config.schema import Inputs, RunConfig
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.model_state import GlobalState
@@ -71,7 +71,7 @@ class FlipsSwitches(nn.Module):
 def test_switches_a_forward_flips_are_put_back():
     before = switches()
     model = ModelUnderTest(module=FlipsSwitches(), label="flips", source="python", vocab_size=16)
-    report = run_model(model, Settings(inputs=Inputs(seq_len=4)), select(["shape-ledger"]))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=4))), select(["shape-ledger"]))
     assert report.exit_code == 0, report.results[0].summary
     assert switches() == before
     notes = " ".join(report.notes)

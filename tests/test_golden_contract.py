@@ -23,6 +23,7 @@ from fwdcheck.checks.golden_file import golden_from_dict
 from fwdcheck.cli import app
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run
 from tests import models
 from tests.test_cli import plain, usage_error
@@ -46,8 +47,10 @@ EIGHT_LAYERS = {
 def golden_run(model: dict, expected: dict | None = None, dtype: str = "float32", inputs: dict = INPUTS):
     """The golden check's result on the model a config dict describes, compared with `expected` when given."""
     run = Run.build(
-        config_from_dict({"model": model, "inputs": inputs, "dtype": dtype}),
-        Overrides(checks=["golden"], expected={"--expect-golden": expected} if expected is not None else None),
+        resolve(
+            config_from_dict({"model": model, "inputs": inputs, "dtype": dtype}),
+            Overrides(checks=["golden"], expected={"--expect-golden": expected} if expected is not None else None),
+        )
     )
     return run.check(run.load()).result("golden")
 

@@ -342,7 +342,7 @@ def test_reference_model_left_as_found_for_the_checks_after(dtype):
     from tests.test_model_state import assert_same, reference_model, snapshot
 
     model, settings = reference_model()  # dropout 0.2
-    settings.dtype = dtype
+    settings = settings.with_config(dtype=dtype)
     module = model.module
     module.train()  # found in training mode: it must go back to training mode
     module.layers[0].attn.q_proj.weight.grad = torch.ones_like(module.layers[0].attn.q_proj.weight)

@@ -16,6 +16,7 @@ from fwdcheck.checks.ledger_file import ledger_from_dict
 from fwdcheck.config.registry import select
 from fwdcheck.config.schema import config_from_dict
 from fwdcheck.model.sources import load_model
+from fwdcheck.run.overrides import Overrides
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 
@@ -26,8 +27,8 @@ INPUTS = {"batch_size": 3, "seq_len": 10}  # no size the reference above uses (d
 def ledger(model: dict, inputs: dict | None = None, expect: dict | None = None):
     """The shape-ledger result of the reference model with these fields changed, compared with `expect` if given."""
     config = config_from_dict({"model": {**REFERENCE, **model}, "inputs": {**INPUTS, **(inputs or {})}})
-    settings = Settings.from_config(config)
-    settings.expected = {"--expect-ledger": ledger_from_dict(expect, "the saved ledger")} if expect is not None else {}
+    expected = {"--expect-ledger": ledger_from_dict(expect, "the saved ledger")} if expect is not None else {}
+    settings = Settings.from_config(config, Overrides(expected=expected))
     return run_model(load_model(config), settings, select(["shape-ledger"])).result("shape-ledger")
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.config.registry import select
-from fwdcheck.config.schema import Inputs, config_from_dict
+from fwdcheck.config.schema import Inputs, RunConfig, config_from_dict
 from fwdcheck.model.sources import load_model
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.runner import run_model
@@ -68,7 +68,7 @@ def reference_model(**fields) -> tuple[ModelUnderTest, Settings]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_left_as_found(bug, dtype):
     model, settings = reference_model(bugs=[bug] if bug else [])
-    settings.dtype = dtype
+    settings = settings.with_config(dtype=dtype)
     module = model.module
     module.train()  # found in training mode: it must go back to training mode
     module.layers[0].attn.q_proj.weight.grad = torch.ones_like(module.layers[0].attn.q_proj.weight)
@@ -107,7 +107,7 @@ def test_model_left_as_found_when_it_raises_midway():
     module = RaisesOnThirdCall().train()
     model = ModelUnderTest(module=module, label="raises", source="python", vocab_size=16, max_positions=64)
     before = snapshot(module)
-    report = run_model(model, Settings(inputs=Inputs(seq_len=8)), select(None))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=8))), select(None))
     assert any(r.status.value == "error" for r in report.results)
     assert report.exit_code == 1
     module.calls = 0
@@ -125,7 +125,7 @@ def test_every_check_reports_when_the_forward_always_raises():
             raise ValueError("boom")
 
     model = ModelUnderTest(module=Broken(), label="broken", source="python", vocab_size=16)
-    report = run_model(model, Settings(inputs=Inputs(seq_len=4)), select(None))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=4))), select(None))
     assert [r.status.value for r in report.results] == ["error"] * 4
     assert all("ValueError: boom" in r.summary for r in report.results)
     assert report.results[0].findings[0].where.endswith("in forward")  # the model-code frame that raised
@@ -166,7 +166,7 @@ def test_buffers_written_in_place_come_back_as_found():
     module, model = writes_in_place()
     module.cache.normal_()  # found holding something: it must hold exactly that again
     before = snapshot(module)
-    report = run_model(model, Settings(inputs=Inputs(seq_len=8)), select(["shape-ledger", "future-token"]))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=8))), select(["shape-ledger", "future-token"]))
     assert report.exit_code == 0, [r.summary for r in report.results]
     assert_same(before, snapshot(module))  # contents bitwise, in their own storage
     assert int(module.steps) == 0
@@ -178,7 +178,7 @@ def test_a_forward_that_writes_its_weights_fails_the_run():
     parameter, its module and that its values stay as written."""
     module, model = writes_in_place(drift=True)
     bias = module.head.bias.detach().clone()
-    report = run_model(model, Settings(inputs=Inputs(seq_len=8)), select(["shape-ledger", "future-token"]))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=8))), select(["shape-ledger", "future-token"]))
     first = report.results[0]
     (finding,) = [f for f in first.findings if f.code == "FWD006"]
     assert first.status.value == "fail" and finding.status.value == "fail"
@@ -192,7 +192,7 @@ def test_a_forward_that_writes_its_weights_fails_the_run():
 def test_weights_written_in_a_cast_copy_are_intact():
     module, model = writes_in_place(drift=True)
     before = snapshot(module)
-    report = run_model(model, Settings(inputs=Inputs(seq_len=8), dtype="bfloat16"), select(["shape-ledger"]))
+    report = run_model(model, Settings(RunConfig(inputs=Inputs(seq_len=8), dtype="bfloat16")), select(["shape-ledger"]))
     (finding,) = [f for f in report.results[0].findings if f.code == "FWD006"]
     assert "the model's own values are intact: the run worked on a copy" in finding.message
     assert_same(before, snapshot(module))

@@ -19,20 +19,22 @@ the dicts. Free of torch and pydantic: the supervisor imports it.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import RunPlan
 
 
 @dataclass
 class Job:
-    """What to run: the command line's choices once the supervisor has validated them."""
+    """What to run: the run's plan, resolved and validated by the process that hands it over (the command line,
+    the pytest plugin), which the worker takes as it is."""
 
-    config: str | None  # the config file, or None with `factory`
+    config: str | None  # the config file (what errors and the report name), or None with `factory`
     factory: str | None  # --model pkg.module:factory
-    overrides: Overrides  # the command line's flags, its check selection validated
+    plan: RunPlan | None  # the run (None: a `fwdcheck diff` job, which reads its two configs itself)
     sys_path: list[str] = field(default_factory=list)  # the supervisor's import path, so modules resolve alike
     # `fwdcheck diff`: `config` is A, this is B's config and these are --rename's rules; the worker compares them
     compare_with: str | None = None
@@ -40,14 +42,27 @@ class Job:
     # a rank an outside launcher started (torchrun, srun): fwdcheck/process/launched.py's job_fields
     launched: dict | None = None
 
-    def __post_init__(self):
-        if isinstance(self.overrides, dict):  # as it arrives on the worker's stdin
-            self.overrides = Overrides(**self.overrides)
+    @property
+    def overrides(self) -> Overrides:
+        """What the caller asked of the run, as it asked it (a diff job asks nothing): the report of a run that ends
+        before the model loads says so."""
+        return self.plan.overrides if self.plan is not None else Overrides()
 
     @property
     def label(self) -> str:
         """What the model is called before it has loaded (a partial report of a run that died early)."""
         return self.factory or Path(self.config or "model").stem
+
+    def to_wire(self) -> dict[str, Any]:
+        """The job as JSON takes it, for the worker's stdin: the plan as RunPlan.to_wire's text."""
+        return {**asdict(replace(self, plan=None)), "plan": self.plan.to_wire() if self.plan is not None else None}
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> Job:
+        """The job to_wire sent; the plan is read where the job's import path is in place (a plugin's options model
+        imports from it)."""
+        plan = message.get("plan")
+        return cls(**{**message, "plan": RunPlan.from_wire(plan) if plan is not None else None})
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def launch(
             name="fwdcheck-rank-0-events",
         )
         relay.start()
-        rank_job = _rank_job(job)
+        rank_job = _rank_job(job, run)
         try:
             with _launcher_logs_quiet(), _package_first():
                 config = _launch_config(nproc, start_method)
@@ -113,7 +113,7 @@ def launch(
         relay.join(timeout=5)
         return merge(
             {
-                rank: Report.from_dict(report, internal_errors=flags, fail_on=job.overrides.fail_on)
+                rank: Report.from_dict(report, internal_errors=flags, fail_on=run.fail_on)
                 for rank, (report, flags) in returned.items()
             }
         )
@@ -145,12 +145,12 @@ def _heard(run: Run, job) -> Heard:
     return heard
 
 
-def _rank_job(job) -> dict:
-    """What every rank is handed to build the same run: the job, and this interpreter's import path."""
+def _rank_job(job, run: Run) -> dict:
+    """What every rank is handed to build the same run: the plan the worker was handed, and this interpreter's
+    import path."""
     return {
-        "config": job.config,
-        "factory": job.factory,
-        "overrides": dataclasses.asdict(job.overrides),
+        "config": job.config,  # what its errors name
+        "plan": run.plan.to_wire(),  # the run the ranks make, as the worker was handed it
         "sys_path": [p for p in sys.path if p],
         "package_root": interpreter.package_root(),
     }

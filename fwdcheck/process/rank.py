@@ -18,14 +18,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fwdcheck.config.registry import distributed_ending_codes, distributed_openers
-from fwdcheck.config.schema import config_for
 from fwdcheck.errors import ExitCode, FwdcheckError, Own, UsageError, about_config, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.process.events import CheckDone, Event, ModelLoaded, Progress, encode
 from fwdcheck.process.lifetime import die_with_parent
 from fwdcheck.report import Report
 from fwdcheck.result import CheckResult, Status
-from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import RunPlan
 from fwdcheck.run.runner import Run, environment_summary, model_summary, run_model
 from fwdcheck.run.sharding import RankContext, RankStopped, RankZeroLogits, rank_context, rank_device, sharded
 
@@ -154,7 +153,7 @@ def checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_re
     RankStopped where the ranks can no longer be sure to meet at the same collectives."""
     on_model(model_summary(model))
     device = cast(RankContext, rank_context()).device
-    settings = run.settings.model_copy(update={"device": str(device)})
+    settings = run.settings.with_config(device=str(device))
     entries = in_rank_order(run.entries)
     ending_codes = distributed_ending_codes(entries)  # Check.ends_distributed_runs: the sharding check's
     finished: list[CheckResult] = []
@@ -202,5 +201,5 @@ def checks_on_rank(run: Run, model: ModelUnderTest, *, progress, on_model, on_re
 
 
 def _build(job: dict) -> Run:
-    """The run a rank makes: the config read as the worker read it, with the command line's overrides."""
-    return Run.build(config_for(job["config"], job["factory"]), Overrides(**job["overrides"]))
+    """The run a rank makes: the plan its launcher's worker was handed, as it was handed over."""
+    return Run.build(RunPlan.from_wire(job["plan"]))

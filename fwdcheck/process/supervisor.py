@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
-from dataclasses import asdict
 
 from fwdcheck.errors import ExitCode, Own
 from fwdcheck.process import interpreter
@@ -169,7 +168,7 @@ def supervised(
         run = Heard(job)
         assert worker.stdin is not None  # a pipe, either way it started
         try:
-            worker.stdin.write(json.dumps(asdict(job)).encode())
+            worker.stdin.write(json.dumps(job.to_wire()).encode())
             worker.stdin.close()
         except OSError:  # it died at once; what it printed says why
             pass

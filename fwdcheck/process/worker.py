@@ -44,11 +44,11 @@ def execute(
 ):
     """Load the model and run the checks: the Report. Warnings (torch's, the model's) become the report's notes;
     on an error they travel on the exception as `warning_notes`, for --debug."""
-    from fwdcheck.config.schema import config_for
     from fwdcheck.run.runner import Run, model_summary
 
+    assert job.plan is not None  # a run's job carries its plan (a diff job's goes to compare_files)
     config_path = Path(job.config) if job.config is not None else None
-    run = Run.build(config_for(config_path, job.factory), job.overrides)
+    run = Run.build(job.plan)
     if job.launched is not None:  # this process is a rank of the user's launcher: it joins, it launches nothing
         from fwdcheck.process.launched import join
 
@@ -110,22 +110,24 @@ def main(argv: list[str]) -> None:
     die_with_parent(parent)
     # Model code's prints go where the supervisor relays them (its stderr), never onto a report on stdout.
     os.dup2(2, 1)
-    job = Job(**json.loads(sys.stdin.read()))
+    message = json.loads(sys.stdin.read())
     sys.stdin.close()
-    for entry in reversed(job.sys_path):
+    for entry in reversed(message["sys_path"]):  # before the plan is read: a plugin's options model imports from it
         if entry not in sys.path:
             sys.path.insert(0, entry)
     events = Events(events_fd)
     with interrupts_heard():  # a KeyboardInterrupt the model raises itself is its error, not an interruption
-        run_job(job, events)
+        run_job(message, events)
     # Model code may have left threads running or exit hooks registered: none of them may delay or change the end.
     sys.stderr.flush()
     os._exit(0)
 
 
-def run_job(job: Job, events: Events) -> None:
-    """The job's run (or `fwdcheck diff`'s comparison), its events sent; whatever it raises becomes an event too."""
+def run_job(message: dict, events: Events) -> None:
+    """The job's run (or `fwdcheck diff`'s comparison), its events sent; whatever it raises, reading the job (the
+    message on stdin, events.Job.to_wire) included, becomes an event too."""
     try:
+        job = Job.from_wire(message)
         if job.compare_with is not None:
             from fwdcheck.run.diff import STEPS, compare_files
 
@@ -134,10 +136,10 @@ def run_job(job: Job, events: Events) -> None:
             compared = compare_files(job.config, job.compare_with, job.rename, lambda step: events.send(Progress(step)))
             events.send(Compared(compared))
             return
-        from fwdcheck.config.registry import select
         from fwdcheck.run.runner import per_code_path
 
-        entries = select(job.overrides.checks)
+        assert job.plan is not None
+        entries = job.plan.entries
         events.send(Plan([e.name for e in entries], [e.name for e in entries if per_code_path(e)]))
         report = execute(
             job,

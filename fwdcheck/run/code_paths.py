@@ -216,7 +216,8 @@ def cell_settings(
     inputs = settings.inputs.model_copy(
         update={"batch_size": cell.batch_size, "seq_len": length, "min_seq_len": length}
     )
-    return settings.model_copy(update={"inputs": inputs, "max_rows": max(rows * settings.inputs.seq_len // length, 1)})
+    budget = max(rows * settings.inputs.seq_len // length, 1)  # rows of this length in the run's tokens per forward
+    return dataclasses.replace(settings.with_config(inputs=inputs), max_rows=budget)
 
 
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:

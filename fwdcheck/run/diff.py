@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from fwdcheck.config.schema import Config
 from fwdcheck.errors import UsageError, about_config
 from fwdcheck.observe.activations import LOGITS, recorded_forward
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run
 from fwdcheck.run.session import Session
 from fwdcheck.run.tolerances import TOLERANCES
@@ -167,8 +168,8 @@ def diff_configs(
     for config, path in ((config_a, path_a), (config_b, path_b)):
         if config.meta:
             raise UsageError(f"{path}: meta: true builds no weights; fwdcheck diff compares values")
-    run_a = Run.build(config_a, Overrides(checks=[]))
-    run_b = Run.build(config_b, Overrides(checks=[], device=config_a.device, dtype=config_a.dtype))
+    run_a = Run.build(resolve(config_a, Overrides(checks=[])))
+    run_b = Run.build(resolve(config_b, Overrides(checks=[], device=config_a.device, dtype=config_a.dtype)))
     with about_config(path_a):
         model_a = run_a.load()
     with about_config(path_b):
@@ -184,9 +185,9 @@ def diff_configs(
     progress("weights")
     notes += transfer(model_a.module, model_b.module, rules, path_b)
     # both in the config's dtype, float32 unless named: two models compared must run in one dtype
-    session_a = Session(model_a, run_a.settings.model_copy(update={"dtype_declared": True}))
+    session_a = Session(model_a, replace(run_a.settings, dtype_declared=True))
     with about_config(path_b):  # B runs A's inputs: they must fit it
-        settings_b = run_b.settings.model_copy(update={"inputs": run_a.settings.inputs, "dtype_declared": True})
+        settings_b = replace(run_b.settings.with_config(inputs=run_a.settings.inputs), dtype_declared=True)
         session_b = Session(model_b, settings_b)
     with session_a.active(), session_b.active():
         progress("forward A")

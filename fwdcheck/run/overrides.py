@@ -1,7 +1,7 @@
 """Overrides: what a caller changes on a config for one run.
 
 Its own module, free of pydantic and torch: the command line builds one before anything heavy is imported, and
-sends it to the worker process inside its Job.
+resolves its run's plan with it (plan.py), which keeps it for the report of a run that ends early.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from fwdcheck.config.registry import CheckEntry, selected
+from fwdcheck.config.registry import CheckEntry
 from fwdcheck.config.schema import Config, RunConfig
 from fwdcheck.errors import (
     WAITED_FOR_A_RANK,
@@ -46,7 +46,7 @@ from fwdcheck.run.code_paths import (
 from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.matrix import CellRun, merge_cells, observed_signature, same_logits_verdict
 from fwdcheck.run.model_state import ParameterWatch
-from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import RunPlan
 from fwdcheck.run.session import Session
 from fwdcheck.run.settings import Settings
 
@@ -54,23 +54,31 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """One run, built the same way by the command line's worker, the pytest plugin and the Python API: a config (a
-    whole Config, or the RunConfig the API makes of its keyword arguments) with the caller's overrides, the settings
-    the checks see, and the selected checks."""
+    """One run, built the same way by the command line's worker, a distributed run's ranks, the pytest plugin and
+    the Python API: its plan (fwdcheck/run/plan.py), resolved once by the process that validated it, and the
+    settings the checks see."""
 
-    config: RunConfig  # with the overrides applied: a loader reads `meta` here
+    plan: RunPlan
     settings: Settings
-    entries: list[CheckEntry]
-    fail_on: str = "fail"
 
     @classmethod
-    def build(cls, config: RunConfig, overrides: Overrides | None = None) -> Run:
-        overrides = overrides or Overrides()
-        config = overrides.applied(config)
-        entries = selected(config.checks, config.distributed.nproc)
-        return cls(config, Settings.from_config(config, overrides), entries, overrides.fail_on)
+    def build(cls, plan: RunPlan) -> Run:
+        return cls(plan, Settings.of(plan))
+
+    @property
+    def config(self) -> RunConfig:
+        """The plan's config, the overrides in it: a loader reads `meta` here."""
+        return self.plan.config
+
+    @property
+    def entries(self) -> list[CheckEntry]:
+        return list(self.plan.entries)
+
+    @property
+    def fail_on(self) -> str:
+        return self.plan.fail_on
 
     def load(self) -> ModelUnderTest:
         """The model the config names (a Config's `model:` section), its lazy modules materialised."""

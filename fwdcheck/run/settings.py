@@ -1,42 +1,51 @@
-"""Settings: how one run checks the model (the config's run section with the caller's Overrides and each check's
-validated options), and the device and dtype it runs on."""
+"""Settings: how one run checks the model (its plan's config, each check's validated options, the files they
+compare with), and the device and dtype it runs on."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from fwdcheck.config.registry import check_options, selected
-from fwdcheck.config.schema import RunConfig
+from fwdcheck.config.schema import CodePaths, Distributed, Ignore, Inputs, RunConfig, Tolerance
 from fwdcheck.errors import DeviceError
 from fwdcheck.run.overrides import Overrides
+from fwdcheck.run.plan import RunPlan, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Settings(RunConfig):
-    """How one run checks the model: the config's run section with the caller's Overrides applied, and what only a
-    run knows. The command line's worker, the pytest plugin and the Python API build it the same way
-    (fwdcheck.run.runner.Run); a cell of the code-path matrix derives its own from it (code_paths.cell_settings)."""
+@dataclass(frozen=True)
+class Settings:
+    """How one run checks the model: its plan's config, held as it is, and what only a run knows. Run.build makes
+    them of the plan; a cell of the code-path matrix (code_paths.cell_settings), a rank and a model kept in its own
+    dtype derive theirs with `dataclasses.replace`.
 
-    expected: dict[str, Any] = {}  # a check's reading flag -> the file's document (Check.expected_in)
-    max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
-    check_options: dict[str, Any] = {}  # check name -> its options, validated (Check.options_in)
+    The config's keys (but `model:`) read as the settings' own (`settings.inputs.seed`, `settings.tolerance`): the
+    checks, a plugin's too, read them so (docs/writing-checks.md)."""
+
+    config: RunConfig  # the caller's overrides in it
+    check_options: Mapping[str, Any] = field(default_factory=dict)  # check name -> its options (Check.options_in)
+    expected: Mapping[str, Any] = field(default_factory=dict)  # a check's reading flag -> the file's document
     # whether the config or the command line named the dtype; if not, the run keeps the model's own (own_dtype)
     dtype_declared: bool = True
+    max_rows: int | None = None  # rows per forward; default the baseline's batch size (at least 2)
+
+    @classmethod
+    def of(cls, plan: RunPlan) -> Settings:
+        return cls(plan.config, plan.options, plan.expected, plan.dtype_declared)
 
     @classmethod
     def from_config(cls, config: RunConfig, overrides: Overrides | None = None) -> Settings:
-        overrides = overrides or Overrides()
-        run = overrides.applied(config)
-        entries = selected(run.checks, run.distributed.nproc)
-        return cls(
-            **{name: getattr(run, name) for name in RunConfig.model_fields},
-            expected=overrides.expected or {},
-            check_options=check_options(run.options, overrides.options or {}, entries),
-            dtype_declared="dtype" in config.model_fields_set or overrides.dtype is not None,
-        )
+        """The settings of `config` run with `overrides`, its plan resolved here (a run made outside the three ways
+        in: a test's, a benchmark's)."""
+        return cls.of(resolve(config, overrides))
+
+    def with_config(self, **keys: Any) -> Settings:
+        """These settings with some of the config's keys changed (a cell's inputs, a rank's device)."""
+        return replace(self, config=self.config.model_copy(update=keys))
 
     def in_own_dtype(self, module: torch.nn.Module) -> tuple[Settings, str | None]:
         """These settings in the model's own dtype when no dtype was named, and the note that says so (None when
@@ -49,7 +58,7 @@ class Settings(RunConfig):
         own = own_dtype(module)
         if own is None or own == self.dtype:
             return self, None
-        return self.model_copy(update={"dtype": own}), (
+        return self.with_config(dtype=own), (
             f"no dtype in the config: run in the model's own {own}, as it was handed over (dtype: float32 casts it)"
         )
 
@@ -57,6 +66,51 @@ class Settings(RunConfig):
     def ignored(self) -> dict[str, str]:
         """Finding code -> the config's reason for ignoring it."""
         return {i.code: i.reason for i in self.ignore}
+
+    # The config's keys, read through: one property each, so that every read is typed.
+    @property
+    def inputs(self) -> Inputs:
+        return self.config.inputs
+
+    @property
+    def device(self) -> str:
+        return self.config.device
+
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def checks(self) -> list[str] | None:
+        return self.config.checks
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return self.config.tolerance
+
+    @property
+    def options(self) -> dict[str, dict[str, Any] | None]:
+        return self.config.options
+
+    @property
+    def code_paths(self) -> CodePaths:
+        return self.config.code_paths
+
+    @property
+    def meta(self) -> bool:
+        return self.config.meta
+
+    @property
+    def ignore(self) -> list[Ignore]:
+        return self.config.ignore
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.timeout_s
+
+    @property
+    def distributed(self) -> Distributed:
+        return self.config.distributed
 
 
 def own_dtype(module: torch.nn.Module) -> str | None:
