@@ -60,3 +60,17 @@ def rope_on_q_only(monkeypatch):
             monkeypatch.setattr(module, name, q_only)
 
     return plant
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_worker(request, monkeypatch):
+    """The inner loop (`pytest -m "not slow"`) runs in its own process: a test that starts a supervised worker (a
+    `fwdcheck run` or `diff` through the command line without --in-process) costs a process a run, and a new
+    interpreter per test process, and belongs to the slow tier (tests/test_tiers.py says what else does)."""
+    if request.node.get_closest_marker("slow") is None:
+        from fwdcheck.process import supervisor
+
+        def refused(*args, **kwargs):
+            pytest.fail("this test starts a supervised worker: mark it @pytest.mark.slow", pytrace=False)
+
+        monkeypatch.setattr(supervisor, "supervised", refused)

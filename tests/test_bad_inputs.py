@@ -319,6 +319,7 @@ def test_bad_input_gets_one_clear_line(case: Case, tmp_path, forget_corpus_modul
 
 
 @pytest.mark.parametrize("name", ["unknown-nested-key", "factory-raises", "seq-len-beyond-max", "unknown-check"])
+@pytest.mark.slow
 def test_json_format_errors_the_same_way(name, forget_corpus_modules):
     """--format json promises a report on stdout; a config that cannot run gives none (no half document), only the
     same one line on stderr."""
@@ -327,6 +328,7 @@ def test_json_format_errors_the_same_way(name, forget_corpus_modules):
     assert_one_line_error(result, case.path, case.expect)
 
 
+@pytest.mark.slow
 def test_relative_config_path_is_named_as_given(monkeypatch, forget_corpus_modules):
     """Run from the corpus folder with a bare file name: the error names the file as the user typed it, and the
     config's own relative paths still resolve against the file, not the working directory."""

@@ -195,6 +195,7 @@ def renamed_state(seed: int = 7) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow
 def test_renamed_key_without_strict_is_a_warning_and_the_run_proceeds(tmp_path):
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
     loaded = load(checkpoint_model(path, strict=False))
@@ -221,6 +222,7 @@ def test_renamed_key_without_strict_is_a_warning_and_the_run_proceeds(tmp_path):
 
 
 @pytest.mark.parametrize("strict", [{}, {"strict": True}], ids=["by-default", "said"])
+@pytest.mark.slow
 def test_renamed_key_exits_2_naming_it(tmp_path, strict):
     """As load_state_dict's own default: a 3-layer factory over a 2-layer checkpoint is no model to check."""
     path = save(renamed_state(), tmp_path / "renamed.safetensors")
@@ -267,12 +269,14 @@ def test_missing_key_without_strict_keeps_seeded_init(tmp_path):
     assert torch.equal(loaded.module.wte.weight, state["wte.weight"])
 
 
+@pytest.mark.slow
 def test_more_layers_than_the_checkpoint_exits_2_by_default(tmp_path):
     path = save(reference_state(), tmp_path / "two-layers.safetensors")
     line = one_line_error(cli(tmp_path, checkpoint_model(path, kwargs={**REF, "n_layers": 3})), "missing 'layers.2.")
     assert "`strict: false` loads it anyway" in line
 
 
+@pytest.mark.slow
 def test_shape_mismatch_exits_2_naming_key_and_shapes(tmp_path):
     path = save(reference_state(d_ff=48), tmp_path / "wide.safetensors")
     line = one_line_error(
@@ -285,6 +289,7 @@ def test_shape_mismatch_exits_2_naming_key_and_shapes(tmp_path):
 # Pickles that need code
 
 
+@pytest.mark.slow
 def test_pickled_module_is_refused_without_trust(tmp_path):
     torch.manual_seed(7)
     path = tmp_path / "whole.pt"
@@ -298,6 +303,7 @@ def test_pickled_module_is_refused_without_trust(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_pickled_module_loads_with_trust(tmp_path):
     torch.manual_seed(7)
     model = build(**REF)
@@ -316,6 +322,7 @@ def test_trust_is_not_needed_for_a_plain_state_dict(tmp_path):
     assert not any("weights_only=False" in note for note in loaded.extra["notes"])  # still loaded the safe way
 
 
+@pytest.mark.slow
 def test_pickle_calling_into_os_is_refused_even_when_trusted(tmp_path):
     class CallsSystem:  # unpickles by calling os.system (with a command that does nothing, should it ever run)
         def __reduce__(self):
@@ -331,6 +338,7 @@ def test_pickle_calling_into_os_is_refused_even_when_trusted(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_pickle_protocol_the_safe_loader_does_not_read_is_named_and_loads_when_trusted(tmp_path):
     saved = reference_state()
     path = tmp_path / "p5.pt"
@@ -409,6 +417,7 @@ def test_unloadable_file_is_one_line_exit_2(tmp_path, case):
         load(checkpoint_model(path))
 
 
+@pytest.mark.slow
 def test_sharded_index_with_a_missing_shard_names_it(tmp_path):
     save(reference_state(), tmp_path / "model-00001-of-00002.safetensors")
     index = tmp_path / "model.safetensors.index.json"
@@ -429,6 +438,7 @@ def test_sharded_index_with_a_missing_shard_names_it(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_load_error_keeps_every_key_torch_names(tmp_path, helpers):
     """torch puts the keys on the lines after "Error(s) in loading state_dict for X:"; the one line keeps them."""
     torch.manual_seed(3)
@@ -439,6 +449,7 @@ def test_load_error_keeps_every_key_torch_names(tmp_path, helpers):
     )
 
 
+@pytest.mark.slow
 def test_meta_tensors_and_duplicate_safetensors_keys_are_refused(tmp_path):
     with torch.device("meta"):
         meta_state = build(**REF).state_dict()
@@ -631,6 +642,7 @@ def test_factory_that_cannot_run_on_meta_builds_on_cpu(tmp_path, helpers):
     assert_same_tensors(loaded.module, saved)
 
 
+@pytest.mark.slow
 def test_sample_config_runs_clean():
     """sample_configs/checkpoint/reference.yaml: a committed 23 KB safetensors file, loaded strictly, passes."""
     sample = Path(__file__).resolve().parents[1] / "sample_configs" / "checkpoint" / "reference.yaml"

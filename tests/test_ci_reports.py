@@ -26,6 +26,7 @@ def invoke(*args):
     return CliRunner().invoke(app, ["run", *map(str, args)])
 
 
+@pytest.mark.slow
 def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
     result = invoke(BROKEN, "--junit", tmp_path / "r.xml", "--json", tmp_path / "r.json")
     assert result.exit_code == 1
@@ -51,6 +52,7 @@ def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 1  # written in the same run
 
 
+@pytest.mark.slow
 def test_junit_lists_every_code_path_cell(tmp_path):
     config = tmp_path / "paths.yaml"
     config.write_text(
@@ -83,6 +85,7 @@ def test_github_caps_annotations_and_counts_the_rest():
     assert any(line.startswith("::notice") and "5 more errors" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_github_format_appends_the_step_summary(tmp_path, monkeypatch):
     summary = tmp_path / "summary.md"
     summary.write_text("earlier step\n")
@@ -93,6 +96,7 @@ def test_github_format_appends_the_step_summary(tmp_path, monkeypatch):
     assert text.startswith("earlier step\n") and "| future-token | ✅ pass |" in text
 
 
+@pytest.mark.slow
 def test_markdown_html_and_svg_exports(tmp_path):
     result = invoke(BROKEN, "--markdown", tmp_path / "r.md", "--html", tmp_path / "r.html", "--svg", tmp_path / "r.svg")
     assert result.exit_code == 1
@@ -114,6 +118,7 @@ def test_json_report_validates_against_the_published_schema(tmp_path):
         jsonschema.validate({"schema_version": 1}, schema)
 
 
+@pytest.mark.slow
 def test_ignored_codes_still_show_but_do_not_count(tmp_path):
     config = tmp_path / "ignore.yaml"
     config.write_text(

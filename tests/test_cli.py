@@ -228,6 +228,7 @@ def helpers(tmp_path, monkeypatch):
 # run: the sample configs
 
 
+@pytest.mark.slow
 def test_toy_passes_with_every_check_in_the_summary():
     result = invoke("run", TOY)
     out = plain(result.stdout)
@@ -262,6 +263,7 @@ def test_broken_config_fails_with_its_expected_checks(config):
         assert failing and all(re.fullmatch(r"FWD\d{3}", f["code"]) for f in failing), failing
 
 
+@pytest.mark.slow
 def test_broken_config_rich_report_says_failed():
     config = SAMPLES / "broken" / "no-causal-mask.yaml"
     result = invoke("run", config)
@@ -370,6 +372,7 @@ def test_usage_error_is_one_line_exit_2(tmp_path, helpers, make_args, fragments)
     usage_error(result, *fragments)
 
 
+@pytest.mark.slow
 def test_usage_error_line_is_not_wrapped_even_when_long(tmp_path):
     """stderr is not a terminal under CliRunner (nor in CI logs): the error must stay on one line anyway."""
     name = "a_module_name_long_enough_that_the_error_line_runs_well_past_eighty_columns_xyz"
@@ -388,6 +391,7 @@ def test_debug_shows_the_traceback(tmp_path):
 # run: python-source models that misbehave while being checked
 
 
+@pytest.mark.slow
 def test_model_raising_in_forward_is_an_error_of_every_check(helpers):
     result, report = run_json(helpers("build_boom"))
     assert result.exit_code == 1, result.output
@@ -408,6 +412,7 @@ def test_model_raising_in_forward_is_an_error_of_every_check(helpers):
     assert "Traceback" not in rich.output
 
 
+@pytest.mark.slow
 def test_logits_of_the_last_position_only_need_an_adapter(helpers):
     result, report = run_json(helpers("build_last_only"))
     assert result.exit_code == 1, result.output
@@ -422,6 +427,7 @@ def test_logits_of_the_last_position_only_need_an_adapter(helpers):
     assert "logits for 1 positions of 4 ([2, 1, 16])" in check(report, "future-token")["summary"]
 
 
+@pytest.mark.slow
 def test_forward_adapter_returning_every_position_passes(helpers):
     config = helpers("build_last_only", extra=f'forward: "{HELPERS}:every_position"\n')
     result, report = run_json(config, "--check", "future-token", "--check", "shape-ledger")
@@ -429,6 +435,7 @@ def test_forward_adapter_returning_every_position_passes(helpers):
     assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass"), ("shape-ledger", "pass")]
 
 
+@pytest.mark.slow
 def test_learned_positions_pass_and_rope_skips(helpers):
     result, report = run_json(helpers("build_learned"))
     assert result.exit_code == 0, result.output
@@ -437,6 +444,7 @@ def test_learned_positions_pass_and_rope_skips(helpers):
     assert "no rotary embedding" in check(report, "rope")["summary"]
 
 
+@pytest.mark.slow
 def test_nothing_ran_exits_5(helpers):
     config = helpers("build_learned")
     result, report = run_json(config, "--check", "rope")
@@ -450,6 +458,7 @@ def test_nothing_ran_exits_5(helpers):
     assert "nothing ran (exit 5)" in plain(rich.stdout)
 
 
+@pytest.mark.slow
 def test_model_flag_resolves_from_the_working_directory(helpers, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result, report = run_json("--model", f"{HELPERS}:build_learned", "--check", "future-token")
@@ -460,6 +469,7 @@ def test_model_flag_resolves_from_the_working_directory(helpers, tmp_path, monke
     assert [(c["name"], c["status"]) for c in report["checks"]] == [("future-token", "pass")]
 
 
+@pytest.mark.slow
 def test_fail_on_warn(helpers):
     # A noise floor between 1/10 and 1x the float32 tolerance: with noise_factor 100, FWD106 warns (FWD103 does not
     # fail, the noise being under the tolerance).
@@ -552,6 +562,7 @@ def test_model_failing_oddly_is_left_as_found(kind, tmp_path, forget_odd_models)
     assert_same(before, snapshot(model.module))
 
 
+@pytest.mark.slow
 def test_model_whose_eval_raises_is_an_error_of_every_check(tmp_path, forget_odd_models):
     config = tmp_path / "eval.yaml"
     config.write_text(json.dumps(odd_document("EvalRaises")))
@@ -566,6 +577,7 @@ def test_model_whose_eval_raises_is_an_error_of_every_check(tmp_path, forget_odd
 # run: the JSON report and --output
 
 
+@pytest.mark.slow
 def test_json_report_schema():
     result, report = run_json(TOY)
     assert result.exit_code == 0, result.output
@@ -617,6 +629,7 @@ def test_check_outside_the_configs_selection(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_output_json_file_is_written_whole(tmp_path):
     out = tmp_path / "report.json"
     result = invoke("run", TOY, "--format", "json", "--output", out)
@@ -630,6 +643,7 @@ def test_output_json_file_is_written_whole(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's 0600
 
 
+@pytest.mark.slow
 def test_output_rich_goes_to_the_file_only(tmp_path):
     out = tmp_path / "report.txt"
     result = invoke("run", TOY, "--output", out)
@@ -667,6 +681,7 @@ def _device_link(tmp_path: Path, device: str) -> Path:
     return link
 
 
+@pytest.mark.slow
 def test_output_to_dev_null_leaves_the_device_a_device(tmp_path):
     null = _device_link(tmp_path, os.devnull)
     result = invoke("run", TOY, "--check", "shape-ledger", "--format", "json", "--output", null)
@@ -716,6 +731,7 @@ def test_output_to_dev_stdout_reaches_stdout(stream, tmp_path):
     assert proc.stderr == ""
 
 
+@pytest.mark.slow
 def test_output_to_a_fifo_reaches_its_reader(tmp_path):
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)
@@ -729,6 +745,7 @@ def test_output_to_a_fifo_reaches_its_reader(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+@pytest.mark.slow
 def test_output_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -814,6 +831,7 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path, helpers, where
     assert not marker.exists(), "the model was built although no report could be written"
 
 
+@pytest.mark.slow
 def test_unwritable_step_summary_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a directory: no file can be appended to, root or not
     result = invoke("run", TOY, "--check", "shape-ledger", "--format", "github", "--json", tmp_path / "r.json")
@@ -975,6 +993,7 @@ def test_explain_future_token():
     assert "leak map" in out
 
 
+@pytest.mark.slow
 def test_init_writes_a_config_that_passes_and_refuses_to_overwrite(tmp_path):
     path = tmp_path / "fwdcheck.yaml"
     result = invoke("init", path)

@@ -44,6 +44,7 @@ def fwdcheck(*args, env: dict | None = None, cwd: Path | None = None) -> subproc
     )
 
 
+@pytest.mark.slow
 def test_run_without_a_config_uses_fwdcheck_yaml_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     missing = invoke("run")
@@ -216,6 +217,7 @@ def test_ctrl_c_while_the_reports_are_written_is_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+@pytest.mark.slow
 def test_terminal_findings_name_the_model_codes_file_and_line():
     """The attention call that misbehaved, as file:line, in the terminal as in every other report."""
     out = invoke("run", BROKEN, "--check", "mask-audit").stdout

@@ -89,6 +89,7 @@ def test_a_dotted_factory_gets_the_colon_spelling():
     assert message.count("mypkg.models.build_gpt") == 1  # the value named once
 
 
+@pytest.mark.slow
 def test_a_misnamed_factory_gets_a_did_you_mean(tmp_path, monkeypatch):
     (tmp_path / "words_model.py").write_text(
         "import torch.nn as nn\n\n\ndef build_model():\n    return nn.Linear(2, 2)\n"
@@ -123,6 +124,7 @@ def write_python_config(tmp_path, key: str) -> object:
 
 
 @pytest.mark.parametrize("key", ["python_path", "path"])
+@pytest.mark.slow
 def test_python_path_as_checkpoint_names_it_and_the_former_path_still_read(tmp_path, monkeypatch, key):
     monkeypatch.delitem(sys.modules, "words_tiny", raising=False)
     config = write_python_config(tmp_path, key)

@@ -145,6 +145,7 @@ def test_gpt2_and_nanogpt_share_names_and_differ_in_layout(tmp_path):
     assert report["unpaired_b"] == ["transformer.h.0.attn.attn_dropout", "transformer.h.1.attn.attn_dropout"]
 
 
+@pytest.mark.slow
 def test_a_refactor_against_its_original(tmp_path):
     """The reference model against itself with two heads swapped: the first pair to part is the output projection,
     every shape and mask alike."""
@@ -189,6 +190,7 @@ def test_names_that_do_not_match_are_one_line(tmp_path):
     assert "29 of B's have none in A: tok_emb.weight, " in line and "--rename" in line
 
 
+@pytest.mark.slow
 def test_rules_that_map_two_names_to_one_are_one_line(tmp_path):
     a = write(tmp_path, "a.yaml", REFERENCE)
     usage_error(
@@ -211,6 +213,7 @@ def test_a_rename_option_that_is_no_rule_is_one_line(tmp_path, rule, said):
     usage_error(runner.invoke(app, ["diff", str(a), str(a), "--rename", rule], catch_exceptions=False), said)
 
 
+@pytest.mark.slow
 def test_a_config_that_cannot_run_is_one_line(tmp_path):
     a = write(tmp_path, "a.yaml", REFERENCE)
     usage_error(
@@ -288,6 +291,7 @@ def build(raises=False):
 """
 
 
+@pytest.mark.slow
 def test_a_model_that_raises_is_exit_1_and_one_line(tmp_path):
     (tmp_path / "diff_tiny_model.py").write_text(TINY)
     a = write(tmp_path, "a.yaml", {"source": "python", "factory": "diff_tiny_model:build"})
@@ -299,6 +303,7 @@ def test_a_model_that_raises_is_exit_1_and_one_line(tmp_path):
     assert line.startswith("error: ") and "shape mismatch in the rewrite" in line, line
 
 
+@pytest.mark.slow
 def test_outputs_paired_by_order_that_differ_while_what_follows_agrees_are_not_a_parting(tmp_path):
     """act (GELU) and drop (an identity in eval) share a shape and a place: paired by order, they differ, and the
     projection after them agrees, so the models compute the same thing and the pair is named as mispaired."""
@@ -320,6 +325,7 @@ def test_outputs_paired_by_order_that_differ_while_what_follows_agrees_are_not_a
         ("InfLogits", "(logits)", "A and B"),  # an Inf equal in both is a value, but never in the logits
     ],
 )
+@pytest.mark.slow
 def test_nan_or_inf_logits_are_never_equal(tmp_path, factory, parting, sides):
     a = write(tmp_path, "a.yaml", {"source": "python", "path": [str(REPO)], "factory": f"tests.diff_models:{factory}"})
     code, report, _ = diff(a, a)
@@ -329,6 +335,7 @@ def test_nan_or_inf_logits_are_never_equal(tmp_path, factory, parting, sides):
     assert f"they part at A {parting}: A and B hold NaN or Inf there" in " ".join(shown.split())
 
 
+@pytest.mark.slow
 def test_an_inf_both_models_hold_in_a_module_output_is_equal(tmp_path):
     """A float mask's -inf is an exact value: the same in both, it does not part."""
     a = write(

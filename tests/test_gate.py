@@ -128,6 +128,7 @@ def nasty_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("in_process", [False, True])
+@pytest.mark.slow
 def test_every_report_format_is_valid_for_any_text(nasty_model, in_process):
     import json
     import xml.etree.ElementTree as ET

@@ -410,6 +410,7 @@ def test_the_file_holds_what_fingerprints_hold():
     )
 
 
+@pytest.mark.slow
 def test_a_missing_file_or_a_directory_is_one_line(tmp_path, saved_file):
     config, _ = saved_file
     usage_error(

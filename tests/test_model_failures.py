@@ -346,6 +346,7 @@ def test_sigint_ends_with_130_and_the_report_so_far(tmp_path):
 # A rotary function on a model that declares no head size
 
 
+@pytest.mark.slow
 def test_rotary_function_without_a_known_head_size_is_not_an_internal_error(tmp_path):
     """The head size then comes from the attention calls the probe saw; the raising function is the model's error."""
     mode = Mode(

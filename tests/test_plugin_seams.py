@@ -130,6 +130,7 @@ def run_json(*args):
     return result, {c["name"]: c for c in json.loads(result.stdout)["checks"]} if result.stdout.strip() else {}
 
 
+@pytest.mark.slow
 def test_a_plugins_options_come_from_its_own_section_and_its_flag(plugin, tmp_path):
     tight = config(tmp_path / "tight.yaml", **toy(checks=["acme-bound"], options={"acme-bound": {"limit": 1e-6}}))
     result, checks = run_json(tight)
@@ -141,6 +142,7 @@ def test_a_plugins_options_come_from_its_own_section_and_its_flag(plugin, tmp_pa
     assert run_json(defaults)[1]["acme-bound"]["data"]["bound"]["limit"] == 100.0
 
 
+@pytest.mark.slow
 def test_a_plugins_view_flag_and_codes_are_the_command_lines(plugin, tmp_path):
     tight = config(tmp_path / "tight.yaml", **toy(checks=["acme-bound"], options={"acme-bound": {"limit": 1e-6}}))
     shown = " ".join(invoke("run", tight).stdout.split())
@@ -170,6 +172,7 @@ def test_a_wrong_plugin_option_is_one_line_naming_it(plugin, tmp_path):
     "code, why",
     [("FWD101", "the FWD prefix is fwdcheck's own"), ("ACME101", "which acme-bound[acme-bound] already declares")],
 )
+@pytest.mark.slow
 def test_a_plugin_cannot_take_another_checks_code(plugin, tmp_path, monkeypatch, code, why):
     site = tmp_path / "thief"
     write_dist_info(site, "acme-thief", {"acme-thief": "acme_thief:Thief"})

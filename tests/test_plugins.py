@@ -228,6 +228,7 @@ def project(tmp_path, monkeypatch):
     sys.modules.pop("acme_direct", None)
 
 
+@pytest.mark.slow
 def test_config_names_a_check_class_directly(project):
     path = config(project / "direct.yaml", **toy(checks=["shape-ledger", "acme_direct:VocabularyUsed"]))
     result = invoke("run", path, "--format", "json")
@@ -237,6 +238,7 @@ def test_config_names_a_check_class_directly(project):
     assert checks[1]["status"] == "pass" and checks[1]["findings"][0]["code"] == "ACME101"
 
 
+@pytest.mark.slow
 def test_check_flag_names_a_class_directly(project):
     result = invoke("run", TOY, "--check", "acme_direct:VocabularyUsed", "--format", "json")
     assert result.exit_code == 0, result.output
@@ -245,6 +247,7 @@ def test_check_flag_names_a_class_directly(project):
     assert result.exit_code == 0 and "ACME101" in result.stdout
 
 
+@pytest.mark.slow
 def test_direct_class_that_does_not_import_is_an_error_naming_it(project):
     path = config(project / "direct.yaml", **toy(checks=["shape-ledger", "acme_nowhere:Check"]))
     result = invoke("run", path, "--format", "json")
@@ -257,6 +260,7 @@ def test_direct_class_that_does_not_import_is_an_error_naming_it(project):
     assert "No module named 'acme_nowhere'" in failed["summary"]
 
 
+@pytest.mark.slow
 def test_a_check_whose_run_returns_none_is_its_own_internal_error(project):
     """A plugin's run() that forgets its return value: that check errors (FWD003, exit 3: a bug in check code, not in
     the model) and the checks before and after it still run and are reported."""
@@ -308,6 +312,7 @@ def broken_plugins(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+@pytest.mark.slow
 def test_broken_plugins_error_by_name_and_the_rest_runs(broken_plugins, tmp_path):
     path = config(tmp_path / "toy-all.yaml", **toy())
     result = invoke("run", path, "--format", "json")
@@ -374,6 +379,7 @@ def opt_in_plugin(tmp_path, monkeypatch):
     sys.modules.pop("acme_opt_in", None)
 
 
+@pytest.mark.slow
 def test_a_check_outside_the_default_runs_only_when_named(opt_in_plugin, tmp_path):
     from fwdcheck.config.registry import select
 

@@ -68,6 +68,7 @@ def raising(tmp_path, monkeypatch):
     sys.modules.pop("raising_model", None)
 
 
+@pytest.mark.slow
 def test_a_failing_run_ends_with_one_line_per_finding():
     result = run(BROKEN)
     assert result.exit_code == 1
@@ -84,6 +85,7 @@ def test_a_failing_run_ends_with_one_line_per_finding():
     ]
 
 
+@pytest.mark.slow
 def test_a_passing_run_has_no_summary():
     result = run(TOY)
     assert result.exit_code == 0
@@ -118,6 +120,7 @@ def test_off_a_terminal_nothing_is_cut_and_no_line_ends_in_spaces():
         assert "every query of 9 reads every key" in re.sub(r"\s+", " ", out.split("short summary")[1])
 
 
+@pytest.mark.slow
 def test_output_file_is_whole_and_stripped(tmp_path):
     target = tmp_path / "report.txt"
     assert run(BROKEN, "--output", target).exit_code == 1
@@ -126,6 +129,7 @@ def test_output_file_is_whole_and_stripped(tmp_path):
     assert not [line for line in text.splitlines() if line != line.rstrip()]
 
 
+@pytest.mark.slow
 def test_a_model_that_raises_is_said_once(raising):
     result = run(raising)
     assert result.exit_code == 1
@@ -138,6 +142,7 @@ def test_a_model_that_raises_is_said_once(raising):
     assert "shape-ledger   error" not in out  # no row a check, each repeating it
 
 
+@pytest.mark.slow
 def test_quiet_shows_the_exception_once(raising):
     result = run("-q", raising)
     assert result.exit_code == 1
@@ -148,6 +153,7 @@ def test_quiet_shows_the_exception_once(raising):
     assert "FWD002, " not in line
 
 
+@pytest.mark.slow
 def test_a_model_error_in_one_check_only_stays_in_its_row(raising):
     result = run(raising, "--check", "rope")
     out = ANSI.sub("", result.stdout)
@@ -156,6 +162,7 @@ def test_a_model_error_in_one_check_only_stays_in_its_row(raising):
     assert "not run" not in out
 
 
+@pytest.mark.slow
 def test_quiet_with_several_configs_names_each_file(raising):
     result = run("-q", raising, TOY)
     lines = ANSI.sub("", result.stdout).splitlines()
@@ -164,6 +171,7 @@ def test_quiet_with_several_configs_names_each_file(raising):
     assert lines[2] == "2 configs: raises.yaml failed, toy.yaml passed → exit 1"
 
 
+@pytest.mark.slow
 def test_quiet_with_one_config_stays_as_it_was():
     line = ANSI.sub("", run("-q", TOY).stdout)
     assert line.startswith("fwdcheck: passed (exit 0)")

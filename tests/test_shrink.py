@@ -314,6 +314,7 @@ def make(**sizes):
 """
 
 
+@pytest.mark.slow
 def test_python_kwargs_shrink_by_name_and_the_copy_finds_the_factory_from_the_working_directory(tmp_path):
     project = tmp_path / "project"
     (project / "src").mkdir(parents=True)
@@ -368,6 +369,7 @@ def test_python_kwargs_shrink_by_name_and_the_copy_finds_the_factory_from_the_wo
     assert report["model"]["dims"]["d_h"] == 16
 
 
+@pytest.mark.slow
 def test_checkpoint_becomes_the_factory_randomly_initialised_and_the_samples_stay_unwritten():
     config = REPO / "sample_configs" / "checkpoint" / "reference.yaml"
     out, document, printed = shrink(config)
@@ -395,6 +397,7 @@ def test_a_factory_without_size_kwargs_is_one_line(tmp_path, kwargs, says):
     assert not Path("factory.shrunk.yaml").exists()
 
 
+@pytest.mark.slow
 def test_reference_toy_is_already_small_and_still_runs(tmp_path):
     config = tmp_path / "toy.yaml"
     config.write_text((REPO / "sample_configs" / "toy.yaml").read_text(encoding="utf-8"), encoding="utf-8")
@@ -406,6 +409,7 @@ def test_reference_toy_is_already_small_and_still_runs(tmp_path):
     assert code == 0 and set(statuses(report).values()) == {"pass"}, report
 
 
+@pytest.mark.slow
 def test_reference_big_config_keeps_ratio_rope_and_planted_bugs(tmp_path):
     config = tmp_path / "big.yaml"
     config.write_text(

@@ -3,7 +3,9 @@
 The slow tier must hold what costs seconds a test by its nature: every file whose tests launch ranks through the
 distributed launcher (`--nproc`, `distributed: {nproc: N}`, the models of tests/distributed_models.py), the fuzzers
 and the third-party corpus, each marked as a whole (`pytestmark = pytest.mark.slow`). Read from the sources, not
-collected, so that this test costs milliseconds.
+collected, so that this test costs milliseconds. A test that starts a supervised worker is slow too: in the inner
+loop the worker is refused (tests/conftest.py `fast_tier_starts_no_worker`), so that such a test fails there until
+it is marked.
 """
 
 from __future__ import annotations
