@@ -93,6 +93,21 @@ class Planned:
     job: Job
 
 
+def outputs_checked(o: RunOptions, plans: list[Planned]) -> None:
+    """An unwritable report, or one over what the run reads (a config, a weights file, the model's code): refused
+    now, before any model loads, not after the run."""
+    outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
+    outputs += [(flag, path) for flag, path in o.check_files.items() if file_flag(flag).writes]
+    inputs = [i for p in plans for i in run_inputs(o, p.path, p.config)]
+    model_code = [model_code_files(p.config, p.path) for p in plans]
+    inputs += [file for files, _ in model_code for file in files]
+    code_dirs = [directory for _, dirs in model_code for directory in dirs]
+    check_outputs(outputs, inputs, to_stdout=o.output is None, code_dirs=code_dirs)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY") if o.format == Format.github else None
+    if summary:  # appended to, after the reports
+        check_appended(f"$GITHUB_STEP_SUMMARY {summary}", Path(summary), outputs, inputs)
+
+
 def run_configs(o: RunOptions) -> int:
     """Every config planned before any model loads, each run, the reports written: the exit code of them all."""
     if o.configs and o.model is not None:
@@ -114,17 +129,7 @@ def run_configs(o: RunOptions) -> int:
         o.nproc = launched.world
     expected = read_expected(o.check_files)
     plans = [plan(o, path, expected) for path in paths]  # every config validated before any model loads
-    outputs = [(option, getattr(o, attribute)) for option, attribute in OUTPUTS if getattr(o, attribute) is not None]
-    outputs += [(flag, path) for flag, path in o.check_files.items() if file_flag(flag).writes]
-    inputs = [i for p in plans for i in run_inputs(o, p.path, p.config)]
-    model_code = [model_code_files(p.config, p.path) for p in plans]
-    inputs += [file for files, _ in model_code for file in files]
-    code_dirs = [directory for _, dirs in model_code for directory in dirs]
-    # an unwritable report, or one over what the run reads: now, not after the run
-    check_outputs(outputs, inputs, to_stdout=o.output is None, code_dirs=code_dirs)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY") if o.format == Format.github else None
-    if summary:  # appended to, after the reports
-        check_appended(f"$GITHUB_STEP_SUMMARY {summary}", Path(summary), outputs, inputs)
+    outputs_checked(o, plans)
     outcome = Outcome(several=len(plans) > 1)
     reporting = launched is None or launched.rank == 0  # rank 0 writes the job's report, the other ranks nothing
     shown = reporting and o.format == Format.rich and o.output is None and isatty(sys.stdout)
