@@ -255,3 +255,21 @@ def test_a_plugins_former_top_level_key_sets_its_option(plugin, tmp_path):
 
     config_ = config_from_dict({"model": {"source": "reference"}, "bound_limit": 3.0})
     assert config_.options == {"acme-bound": {"limit": 3.0}}
+
+
+def test_what_a_check_declares_is_one_list():
+    """CheckInfo's fields are what a check declares: the Check base class has each, with the same default, and the
+    reader of a class body's literals takes its types from them (a field added there is read everywhere)."""
+    import dataclasses
+    import typing
+
+    from fwdcheck.config.registry import _INFO_DEFAULTS, _INFO_FIELDS, CheckInfo
+    from fwdcheck.result import Check
+
+    fields = {f.name for f in dataclasses.fields(CheckInfo)}
+    assert set(_INFO_FIELDS) == fields and set(_INFO_DEFAULTS) == fields - {"description"}
+    assert {"description", "explain"} <= set(typing.get_type_hints(Check))  # declared by every check, no default
+    assert {name: getattr(Check, name) for name in fields - {"description", "explain"}} == {
+        name: _INFO_DEFAULTS[name] for name in fields - {"description", "explain"}
+    }
+    assert _INFO_FIELDS["order"] == (int,) and _INFO_FIELDS["options"] == (str, type(None))

@@ -97,22 +97,14 @@ def info(entry: CheckEntry) -> CheckInfo:
     if literal is not None:
         return literal
     check = entry.load()
-    return CheckInfo(
-        check.description,
-        getattr(check, "explain", ""),
-        dict(getattr(check, "codes", {})),
-        bool(getattr(check, "default", True)),
-        int(getattr(check, "order", LAST)),
-        getattr(check, "detail_view", None),
-        getattr(check, "options", None),
-        dict(getattr(check, "flags", {})),
-        dict(getattr(check, "files", {})),
-        bool(getattr(check, "needs_values", True)),
-        getattr(check, "one_process", None),
-        bool(getattr(check, "opens_distributed_runs", False)),
-        dict(getattr(check, "former_keys", {})),
-        getattr(check, "ends_distributed_runs", None),
-    )
+    declared: dict[str, Any] = {"description": check.description}
+    for name, default in _INFO_DEFAULTS.items():
+        value, kinds = getattr(check, name, default), _INFO_FIELDS[name]
+        # a mapping declared as any Mapping is read as a dict, an order as an int, a flag's truth as a bool
+        declared[name] = (
+            dict(value) if dict in kinds else int(value) if int in kinds else bool(value) if bool in kinds else value
+        )
+    return CheckInfo(**declared)
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
@@ -160,23 +152,37 @@ def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
     return found
 
 
-# What CheckInfo reads off a class body, and the type each literal must have.
-_INFO_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "description": str,
-    "explain": str,
-    "codes": dict,
-    "default": bool,
-    "order": int,
-    "detail_view": (str, type(None)),
-    "options": (str, type(None)),
-    "flags": dict,
-    "files": dict,
-    "needs_values": bool,
-    "one_process": (str, type(None)),
-    "opens_distributed_runs": bool,
-    "former_keys": dict,
-    "ends_distributed_runs": (str, type(None)),
-}
+def _field_kinds(hint: Any) -> tuple[type, ...]:
+    """The types a value of a CheckInfo field may have, from its annotation: `dict[str, str]` -> (dict,),
+    `str | None` -> (str, NoneType)."""
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(kind for arg in typing.get_args(hint) for kind in _field_kinds(arg))
+    return (typing.get_origin(hint) or hint,)
+
+
+def _info_fields() -> tuple[dict[str, tuple[type, ...]], dict[str, Any]]:
+    """What CheckInfo reads off a check, read off CheckInfo itself: each field's types and its default. One list
+    (CheckInfo's fields) says what a check declares; the literal reader and the loaded check's both follow it."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(CheckInfo)
+    fields = dataclasses.fields(CheckInfo)
+    kinds = {f.name: _field_kinds(hints[f.name]) for f in fields}
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in fields
+        if f.name != "description"  # the one a check must declare
+    }
+    return kinds, defaults
+
+
+# What CheckInfo reads off a class body: the types each literal may have, and each field's default (description has
+# none: a check declares it).
+_INFO_FIELDS, _INFO_DEFAULTS = _info_fields()
 
 
 def _literal_attributes(node) -> dict[str, Any]:
