@@ -238,21 +238,23 @@ class ConfigFile(pytest.File):
     """One fwdcheck config: an item per selected check; the model is built and run once for all of them."""
 
     def collect(self):
-        from fwdcheck.config.registry import select
+        """The config read, the command line's options applied to it and its checks selected, each once: the items
+        are the selection, and the run's plan (_run) is made of the items that are selected."""
+        from fwdcheck.config.registry import DEFAULT, selected
         from fwdcheck.config.schema import load_config
         from fwdcheck.errors import FwdcheckError
 
         self.shown = _shown(Path(os.path.abspath(self.path)), self.config.invocation_params.dir)
         try:
             self.fwd_config = load_config(self.path)
-            self.entries = select(self.fwd_config.checks)
+            self.applied = self.overrides().applied(self.fwd_config)
             self.expected = self._expected_beside()
+            # a file beside the config selects its check, as its flag does: after the config's own, as `--check`
+            named = self.applied.checks if self.applied.checks is not None else [DEFAULT]
+            beside = [self.beside[flag][0] for flag in self.expected]
+            self.entries = selected([*named, *beside], self.applied.distributed.nproc)
         except FwdcheckError as exc:
             raise self.CollectError(self.message(exc)) from None
-        for flag in self.expected:  # a file beside the config selects its check, as its flag does
-            check = self.beside[flag][0]
-            if check not in [e.name for e in self.entries]:
-                self.entries += select([check])
         self._outcome: Any = None
         for entry in self.entries:
             yield CheckItem.from_parent(self, name=entry.name, entry=entry)
@@ -279,7 +281,7 @@ class ConfigFile(pytest.File):
                 continue
             shown = _shown(Path(os.path.abspath(path)), self.config.invocation_params.dir)
             expected[flag] = does.call("reads", path, shown)
-            does.call("fits", expected[flag], self.overrides().applied(self.fwd_config), shown)
+            does.call("fits", expected[flag], self.applied, shown)
             self.beside[flag] = (does.check, shown)
         return expected
 
@@ -323,14 +325,21 @@ class ConfigFile(pytest.File):
         from fwdcheck.process.events import Job
         from fwdcheck.process.heard import END_OF_RUN
         from fwdcheck.process.supervisor import run_supervised
-        from fwdcheck.run.plan import resolve
+        from fwdcheck.run.plan import RunPlan
 
-        selected = {item.name for item in self.session.items if item.parent is self}
-        entries = [e for e in self.entries if e.name in selected] or self.entries
+        # The items a -k or a node id selects, as `fwdcheck run CONFIG --check ...` would run them: the checks
+        # selected at collection, kept, not selected again.
+        chosen = {item.name for item in self.session.items if item.parent is self}
+        entries = [e for e in self.entries if e.name in chosen] or self.entries
+        names = [e.name for e in entries]
         job = Job(
             config=str(self.path),
             factory=None,
-            plan=resolve(self.fwd_config, self.overrides(checks=[e.name for e in entries], expected=self.expected)),
+            plan=RunPlan.made(
+                self.applied.model_copy(update={"checks": names}),
+                entries,
+                self.overrides(checks=names, expected=self.expected),
+            ),
             sys_path=[p for p in sys.path if p],
         )
         report = run_supervised(job, timeout_s=self.fwd_config.timeout_s)

@@ -9,6 +9,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from fwdcheck.model.tested import ModelUnderTest
     from fwdcheck.run.session import Session
 
@@ -287,6 +289,17 @@ class Check:
     ends_distributed_runs: ClassVar[str | None] = None
     # Top-level config keys of former releases that now set one of its options: key -> option (`exhaustive:`)
     former_keys: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, declared: DataclassInstance | None = None, **kwargs: Any) -> None:
+        """`class Golden(Check, declared=SPEC)`: the class attributes above, each set from the field of that name of
+        a CheckInfo written in a torch-free module of its own (fwdcheck's own checks': fwdcheck/checks/<name>_spec.py),
+        which `fwdcheck list` and `explain` import instead of the check."""
+        super().__init_subclass__(**kwargs)
+        if declared is not None:
+            for declaration in fields(declared):
+                if declaration.name in vars(cls):  # one place for each value: two could drift apart
+                    raise TypeError(f"{cls.__name__} sets {declaration.name} both in its class body and in `declared`")
+                setattr(cls, declaration.name, getattr(declared, declaration.name))
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:  # pragma: no cover - interface
         raise NotImplementedError

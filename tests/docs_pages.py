@@ -80,7 +80,7 @@ def type_name(annotation: object) -> str:
     if origin is dict:
         return "mapping"
     if is_model(annotation):
-        return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
+        return " or ".join(f"[{model.__name__}](#{model.__name__.lower()})" for model in nested(annotation))
     if annotation is typing.Any:
         return "any"
     if isinstance(annotation, type):
@@ -109,7 +109,11 @@ def former_names(field) -> str:
 
 
 def nested(annotation: object) -> list[type[BaseModel]]:
-    """The section models a field's type names, in order."""
+    """The section models a field's type names, in order: for the `model:` section, each source's class."""
+    from fwdcheck.config.schema import ModelSpec, model_classes
+
+    if annotation is ModelSpec:  # validated as the class its `source:` names, through the table of sources
+        return list(model_classes().values())
     if is_model(annotation):
         return [typing.cast(type[BaseModel], annotation)]
     return [model for arg in typing.get_args(annotation) for model in nested(arg)]

@@ -1058,3 +1058,30 @@ def test_help_and_version_do_not_import_torch():
     assert "Exit codes" in proc.stdout  # the help really was printed
     assert f"fwdcheck {__version__}" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1] == "torch imported: False"
+
+
+@pytest.mark.slow
+def test_list_and_explain_import_no_torch_and_no_check():
+    """`list` and `explain` read what the built-ins declare from their spec modules (fwdcheck/checks/<name>_spec.py),
+    imported as any module is: neither torch nor a check's own module is loaded."""
+    script = textwrap.dedent("""\
+        import sys
+        from fwdcheck.cli import main
+
+        for argv in (["list"], ["explain", "FWD101"], ["explain", "golden"]):
+            sys.argv = ["fwdcheck", *argv]
+            try:
+                main()
+            except SystemExit as exc:
+                assert exc.code in (0, None), (argv, exc.code)
+        checks = sorted(m for m in sys.modules if m.startswith("fwdcheck.checks.") and not m.endswith("_spec"))
+        print("torch imported:", "torch" in sys.modules, "checks imported:", checks)
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "shape-ledger" in proc.stdout and "sharding" in proc.stdout  # the list was printed
+    assert "logits at earlier positions moved when later tokens changed" in proc.stdout  # FWD101 explained
+    assert "--expect-golden" in proc.stdout  # golden explained
+    assert proc.stdout.rstrip().splitlines()[-1] == "torch imported: False checks imported: []"

@@ -242,6 +242,39 @@ def late():
     ]
 
 
+def private_imports(tree: ast.AST) -> list[str]:
+    """The names with a leading underscore a module of the checks package imports from outside it: another layer's
+    private name, which a change there may drop."""
+    return [
+        f"line {node.lineno}: imports {node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        if not (node.module == CHECKS_PACKAGE or node.module.startswith(f"{CHECKS_PACKAGE}."))
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(CHECKS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_check_imports_a_private_name_of_another_layer(path):
+    """What the checks read of the observer, the run and the model is public (the observer's SDPA_SIGNATURE)."""
+    assert private_imports(ast.parse(path.read_text(encoding="utf-8"))) == []
+
+
+def test_the_rule_finds_a_private_import():
+    planted = """
+from fwdcheck.observe.kernels.sdpa import SDPA_SIGNATURE, _sdpa
+from fwdcheck.checks.rotation import _pairs
+from __future__ import annotations
+def late():
+    from fwdcheck.observe.masks import _read_mask as read
+"""
+    assert private_imports(ast.parse(planted)) == [
+        "line 2: imports fwdcheck.observe.kernels.sdpa._sdpa",
+        "line 6: imports fwdcheck.observe.masks._read_mask",
+    ]
+
+
 # No module over 900 lines: one that long holds more than one job.
 MAX_LINES = 900
 MODULES = sorted((ROOT / "fwdcheck").rglob("*.py"))

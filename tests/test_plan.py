@@ -15,6 +15,8 @@ from fwdcheck.cli import app
 from fwdcheck.config import registry, schema
 from fwdcheck.run.overrides import Overrides
 
+pytest_plugins = ["pytester"]
+
 CONFIG = """\
 model: {source: reference, vocab_size: 16, d_model: 8, n_heads: 2, n_layers: 1, d_ff: 16}
 inputs: {batch_size: 2, seq_len: 4}
@@ -72,6 +74,35 @@ def test_the_api_resolves_a_run_once(counts):
     report = fwdcheck.check_model(model, ["shape-ledger"], seq_len=4)
     assert report.exit_code == 0
     assert tally(counts) == {"applies overrides": 1, "selects checks": 1, "validates options": 1, "parses YAML": 0}
+
+
+def test_the_pytest_plugin_resolves_a_run_once(pytester: pytest.Pytester, monkeypatch, counts):
+    """Collection reads the config, applies the command line's options and selects the checks (the items, a golden
+    file beside the config adding its check) once; the run's plan is made of the items -k keeps, nothing selected or
+    applied again. The supervised worker is replaced by a run in this process, which takes the plan as it is."""
+    from fwdcheck.process import supervisor
+    from fwdcheck.process.worker import execute
+
+    config = pytester.path / "fwdcheck-tiny.yaml"
+    config.write_text(CONFIG)
+    golden = config.with_suffix(".golden.json")
+    saved = CliRunner().invoke(app, ["run", str(config), "--in-process", "--save-golden", str(golden)])
+    assert saved.exit_code == 0 and golden.exists(), saved.output
+    for calls in counts.values():  # what saving the golden file cost is not the plugin's
+        calls[0] = 0
+
+    plans = []
+
+    def in_this_process(job, timeout_s=None, progress=None):
+        plans.append(job.plan)
+        return execute(job, progress=progress)
+
+    monkeypatch.setattr(supervisor, "run_supervised", in_this_process)
+    result = pytester.runpytest_inprocess("--fwdcheck", str(config), "-k", "not future", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, deselected=1)
+    assert [[entry.name for entry in plan.entries] for plan in plans] == [["shape-ledger", "golden"]]
+    assert plans[0].config.checks == ["shape-ledger", "golden"] and "--expect-golden" in plans[0].expected
+    assert tally(counts) == {"applies overrides": 1, "selects checks": 1, "validates options": 1, "parses YAML": 1}
 
 
 def test_the_plan_travels_as_it_was_made(tmp_path: Path):

@@ -273,3 +273,38 @@ def test_what_a_check_declares_is_one_list():
         name: _INFO_DEFAULTS[name] for name in fields - {"description", "explain"}
     }
     assert _INFO_FIELDS["order"] == (int,) and _INFO_FIELDS["options"] == (str, type(None))
+
+
+def test_each_builtin_is_declared_by_its_spec_module_which_its_class_reads():
+    """fwdcheck's own checks declare CheckInfo's fields once, in fwdcheck/checks/<name>_spec.py: what `list` and
+    `explain` import instead of the check is what the loaded check holds, every field of it."""
+    import dataclasses
+
+    from fwdcheck.config.registry import CheckInfo, available, info, spec_of
+
+    builtins = [entry for entry in available().values() if entry.value.startswith("fwdcheck.checks.")]
+    assert len(builtins) >= 15
+    for entry in builtins:
+        declared = spec_of(entry)
+        assert isinstance(declared, CheckInfo), entry.name
+        assert info(entry) is declared
+        check = entry.load()
+        for declaration in dataclasses.fields(CheckInfo):  # the spec's own values, not copies that could drift
+            assert getattr(check, declaration.name) is getattr(declared, declaration.name), (entry.name, declaration)
+
+
+def test_a_declared_value_written_again_in_the_class_body_is_refused():
+    from fwdcheck.config.registry import CheckInfo
+    from fwdcheck.result import Check
+
+    declared = CheckInfo("one line", order=5)
+
+    class Declared(Check, declared=declared):
+        name = "declared"
+
+    assert Declared.order == 5 and Declared.description == "one line" and Declared.default is True
+    with pytest.raises(TypeError, match="sets order both in its class body and in `declared`"):
+
+        class Twice(Check, declared=declared):
+            name = "twice"
+            order = 6

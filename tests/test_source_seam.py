@@ -1,18 +1,16 @@
-"""A new model source is one module and one row in SOURCES: load_model loads it, `fwdcheck init` and `--source`'s help
-offer it, and `fwdcheck shrink` refuses it in one line when its record names no rules, with no edit elsewhere.
+"""A new model source is one module and one row in SOURCES: a config file naming it validates (its errors said as any
+source's are), load_model loads it and `fwdcheck run` checks it, `fwdcheck init` and `--source`'s help offer it, and
+`fwdcheck shrink` refuses it in one line when its record names no rules, with no edit elsewhere.
 
 The toy source's module (its config class and its loader) is written to tmp_path, and its record is put in the table
-for the test and taken out after. One edit this cannot spare: a config *file* naming `source: toy` validates only
-once fwdcheck/config/schema.py's ModelSource union names ToyModel. pydantic reads a discriminated union off the
-`model:` field's annotation, and the config layer sits below the sources, so the union cannot read the table; the
-test shows the refusal, and tests/test_sources.py holds the union and the table to the same sources. What does not
-go through a config file is proven here: the loader, the starter config, the help, and shrink's dispatch through a
-record (on the reference source's row with its rules taken away).
+for the test and taken out after; without the row, the same file is an unknown source. Shrink's dispatch through a
+record is shown on the reference source's row with its rules taken away.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
@@ -24,9 +22,10 @@ import yaml
 from typer.testing import CliRunner
 
 from fwdcheck.cli import app
-from fwdcheck.config.schema import config_from_dict, load_config
+from fwdcheck.config.schema import load_config
+from fwdcheck.config.sources import SOURCES, Source, resolve
 from fwdcheck.errors import ConfigError
-from fwdcheck.model.sources import SOURCES, Source, load_model, resolve, starter_config
+from fwdcheck.model.sources import load_model, starter_config
 
 # The whole of the new source's code: its config class and its loader, in a module of its own.
 TOY_MODULE = '''\
@@ -67,22 +66,14 @@ def toy_module(tmp_path, monkeypatch):
     sys.modules.pop("toy_source", None)
 
 
-def test_a_new_source_is_loaded_and_offered_through_its_row(toy_module, monkeypatch):
+def test_a_new_source_is_read_from_a_config_file_loaded_and_offered_through_its_row(toy_module):
     before = dict(SOURCES)
+    path = toy_module / "toy.yaml"
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(SOURCES, "toy", TOY)
-        assert "toy_source" not in sys.modules  # the row names its code; nothing is imported until a model loads
-
-        # load_model dispatches through the row: a config (its model section swapped for the toy's, since a config
-        # file cannot name it, see above) builds the toy's model, the module imported only now.
-        spec = resolve(TOY.spec)(source="toy", width=16)
-        config = config_from_dict({"model": {"source": "reference"}}).model_copy(update={"model": spec})
-        model = load_model(config)
-        assert model.source == "toy" and model.dims["d"] == 16
-        assert tuple(model.logits(torch.zeros(2, 8, dtype=torch.long)).shape) == (2, 8, 16)
+        assert "toy_source" not in sys.modules  # the row names its code; nothing is imported until it is used
 
         # `fwdcheck init --source toy` writes its starter config, and the others' starters name it.
-        path = toy_module / "toy.yaml"
         result = CliRunner().invoke(app, ["init", "--source", "toy", str(path)], catch_exceptions=False)
         assert result.exit_code == 0, result.output
         text = path.read_text(encoding="utf-8")
@@ -90,10 +81,38 @@ def test_a_new_source_is_loaded_and_offered_through_its_row(toy_module, monkeypa
         assert "`fwdcheck init --source reference|python|hf|checkpoint`" in text
         assert "--source python|hf|checkpoint|toy`" in starter_config("reference", "x.yaml")
 
-        # The one edit elsewhere: the config union in schema.py, which the written file waits for.
-        with pytest.raises(ConfigError, match="toy"):
+        # The YAML file names `source: toy`: its section is validated as the row's class, and load_model dispatches
+        # through the row to the toy's loader.
+        path.write_text(text.replace("width: 8", "width: 16"), encoding="utf-8")
+        config = load_config(path)
+        assert type(config.model) is resolve(TOY.spec) and config.model.model_dump() == {"source": "toy", "width": 16}
+        model = load_model(config)
+        assert model.source == "toy" and model.dims["d"] == 16
+        assert tuple(model.logits(torch.zeros(2, 8, dtype=torch.long)).shape) == (2, 8, 16)
+
+        # Its mistakes are said as any source's are: in one line, located, with a did-you-mean from its own class.
+        path.write_text(text.replace("width: 8", "widht: 16"), encoding="utf-8")
+        with pytest.raises(ConfigError, match=r"model\.widht: unknown key; did you mean 'width'\?"):
             load_config(path)
+        path.write_text(text.replace("width: 8", "width: wide"), encoding="utf-8")
+        with pytest.raises(ConfigError, match=r"model\.width: expected a whole number \(got 'wide'\)"):
+            load_config(path)
+
+        # And `fwdcheck run` checks it from the file.
+        path.write_text(text, encoding="utf-8")
+        result = CliRunner().invoke(
+            app, ["run", str(path), "--in-process", "--check", "shape-ledger", "--format", "json"]
+        )
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["model"]["source"] == "toy" and [c["status"] for c in report["checks"]] == ["pass"]
+
+    # Without its row, the same file names an unknown source.
     assert SOURCES == before and "toy" not in SOURCES
+    with pytest.raises(
+        ConfigError, match="model.source: unknown source 'toy'; known: reference, python, hf, checkpoint"
+    ):
+        load_config(path)
 
 
 def test_the_command_line_help_lists_a_registered_source(toy_module):
@@ -102,7 +121,7 @@ def test_the_command_line_help_lists_a_registered_source(toy_module):
     script = textwrap.dedent("""\
         import sys
         from typer.testing import CliRunner
-        from fwdcheck.model.sources import SOURCES, Source
+        from fwdcheck.config.sources import SOURCES, Source
 
         SOURCES["toy"] = Source("toy", spec="toy_source:ToyModel", loader="toy_source:load_toy", template="model:\\n")
         from fwdcheck.cli import app

@@ -1,4 +1,5 @@
-"""The model sources: one record per member of the config's ModelSource union, each loader imported only when used."""
+"""The model sources: one record per source in SOURCES, naming the config class a config file's `model:` section is
+validated as, each loader imported only when used."""
 
 from __future__ import annotations
 
@@ -6,21 +7,24 @@ import inspect
 import subprocess
 import sys
 import textwrap
+from typing import get_args
 
 import pytest
 
 from fwdcheck.config.callables import resolve_callable
-from fwdcheck.config.schema import MODEL_CLASSES
-from fwdcheck.model.sources import SOURCES, resolve
+from fwdcheck.config.schema import ModelSpec, model_classes
+from fwdcheck.config.sources import SOURCES, resolve
 
 
-def test_every_source_has_a_record_and_every_record_a_source():
-    """The union in schema.py is written out for pydantic and the type checker; SOURCES is the table everything else
-    reads (load_model, `init`, `--source`'s help, `shrink`): both name the same sources, with the same classes."""
-    assert set(SOURCES) == set(MODEL_CLASSES)
+def test_each_record_names_a_config_class_that_declares_its_source():
+    """SOURCES is the one list of the sources: the config's `model:` section is validated as the class its `source:`
+    key names through it (model_classes), as load_model, `init`, `--source`'s help and `shrink` read it; each row's
+    class is a ModelSpec whose `source` is the row's name."""
+    assert model_classes() == {name: resolve(source.spec) for name, source in SOURCES.items()}
     for name, source in SOURCES.items():
         assert source.name == name
-        assert resolve(source.spec) is MODEL_CLASSES[name], source.spec
+        spec = resolve(source.spec)
+        assert issubclass(spec, ModelSpec) and get_args(spec.model_fields["source"].annotation) == (name,), spec
 
 
 def test_each_loader_is_its_own_module_taking_its_config_class():
@@ -30,7 +34,7 @@ def test_each_loader_is_its_own_module_taking_its_config_class():
         loader = resolve_callable(reference, what="loader")
         assert loader.__module__ == f"fwdcheck.model.sources.{source}", reference
         assert list(inspect.signature(loader).parameters) == ["spec", "config"], reference
-        assert inspect.get_annotations(loader)["spec"] == MODEL_CLASSES[source].__name__, reference
+        assert inspect.get_annotations(loader)["spec"] == model_classes()[source].__name__, reference
 
 
 def test_each_shrink_rule_is_a_function_of_the_original_in_the_torch_free_shrink_module():

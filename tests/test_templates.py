@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from fwdcheck.cli import app
 from fwdcheck.config.registry import select
 from fwdcheck.config.schema import load_config
+from fwdcheck.config.sources import SOURCES
 from fwdcheck.errors import UsageError
-from fwdcheck.model.sources import SOURCES, load_model, starter_config
+from fwdcheck.model.sources import load_model, starter_config
 from fwdcheck.run.runner import run_model
 from fwdcheck.run.settings import Settings
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fwdcheck.checks.held_input import Hold, hold_points, relative_spread
 from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, written_slots
+from fwdcheck.checks.rope_spec import SPEC
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, model_code
@@ -139,59 +140,8 @@ class Probe:
         return f"none of {len(self.calls)} attention calls could be judged: {'; '.join(notes)}"
 
 
-class Rope(Check):
+class Rope(Check, declared=SPEC):
     name = "rope"
-    description = "rotated q.k must depend only on n - m; reports the pairing and frequencies actually used"
-    codes = {
-        "FWD301": "one of q and k is rotated by position, the other is not",
-        "FWD302": "q and k are rotated with different pairings or frequencies",
-        "FWD303": "rotated q.k depends on more than n - m: the relative-position identity fails",
-        "FWD304": "shifting every position changes the scores or logits: an absolute offset reaches q and k "
-        "differently",
-        "FWD305": "the measured pairing, rotary dim or base differs from what the model declares",
-        "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
-        "FWD307": "the model declares a rotary embedding but q and k do not change with position",
-        "FWD308": "the rotary function on its own breaks the identity, the norms or position 0 = identity",
-    }
-    explain = """\
-Skips, with the reason, when the model has no rotary embedding: q and k do not turn with position in the probe and
-nothing declares one. Absolute position encodings (a learned table such as GPT-2's wpe, sinusoids, anything added to
-the residual stream) are not RoPE: the skip names what was found. When the config declares rope (`rope:`, a
-`rotary_function`, a Hugging Face rope_theta) and q and k do not turn, that is FWD307, again saying what was found.
-Otherwise:
-  probe: one token repeated, and the hidden state entering each attention module held the same at every position
-    (a learned table, sinusoids or tokens mixed with their neighbours would otherwise vary it); q and k at the call
-    are then the rotation alone. fwdcheck measures which dims rotate, the pairing (half = rotate_half, dim i with
-    i + r/2, as GPT-NeoX and Llama; interleaved = dim 2i with 2i+1, as GPT-J, RoFormer and complex-number RoPE), the
-    frequency of each pair and the base they imply, and checks q_m . k_n depends on n - m only. With a KV cache
-    longer than the input only the key slots holding the probe's positions are read (the call's query positions
-    when known, else the slots the probe wrote, found by running a second token); a forward that runs attention in
-    steps (a prefill, then one token at a time) is measured over its steps together. The probe runs again with
-    every position shifted, from the same held input: scores must not change.
-  logits: when forward takes position_ids, shifting every position by an offset must leave the logits unchanged:
-    the first sample's first 16 tokens (all of a shorter sequence) run alone at positions 17.. against the same
-    tokens at 0.., a forward future-token's prefix pass shares. Not measured when positions also enter absolutely
-    (the held input moved with the shift) or when the model reads a KV cache kept between calls (shifted positions
-    would read what the cache holds below them).
-  component: for the reference model, or a `rotary_function` named in the config, the identity
-    <R(m)q, R(n)k> = <q, R(n-m)k> on random q, k, norm preservation and R(0) = identity.
-A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
-not be held and q, k do not turn as rotations, its key slots cannot be told apart) and no logits shift was measured,
-it skips with the reason; a rotary function tested alone says nothing of how the model uses it.
-Why: RoPE applied to q but not k, q and k paired differently or turned in opposite directions, or a position offset
-that reaches only q all train without an error; the relative-position property is simply gone.
-Limit: the identity compares q with k. A pairing that is consistently wrong (both q and k interleaved where the
-checkpoint was trained with half) satisfies it perfectly. Only the declared settings can catch that: fwdcheck reports
-the measured pairing, rotary dim and base and fails FWD305 when they differ from the config (the reference model's
-`rope:`, a python model's `rope:` block). A scaled rotation (xPos) keeps no pair norm constant; it is accepted as
-long as q . k depends on n - m only.
-How to fix: FWD301 -> apply the rotation to both q and k. FWD302 -> use one rotate function, with the same
-positions and sign, for both. FWD303 -> rotate by angles linear in the position (no wrapped or restarted
-positions). FWD304 -> pass the same positions (offset included) to q and k. FWD307 -> apply the rotary embedding,
-or correct the declaration."""
-
-    order = 40
-    detail_view = "fwdcheck.checks.rope_view:rope_numbers"
 
     def key_number(self, result: CheckResult) -> str:
         """A failed position shift by how far it moved the logits; otherwise the base the probe found."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fwdcheck.observe.kernels.sdpa import _SDPA_SIGNATURE
+from fwdcheck.observe.kernels.sdpa import SDPA_SIGNATURE
 from fwdcheck.observe.locations import code_location
 
 
@@ -36,7 +36,7 @@ class RecordSdpa(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+            bound = SDPA_SIGNATURE.bind(*args, **kwargs)
             kept = {
                 name: value.detach().clone() if isinstance(value, torch.Tensor) else value
                 for name, value in bound.arguments.items()

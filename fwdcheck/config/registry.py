@@ -71,7 +71,9 @@ class CheckEntry:
 
 @dataclass(frozen=True)
 class CheckInfo:
-    """What `fwdcheck list` and `explain` show of a check."""
+    """What a check declares, and `fwdcheck list` and `explain` show of it. fwdcheck's own checks write theirs as one
+    CheckInfo in a torch-free module beside each check (spec_of); a plugin's are its class attributes of these
+    names."""
 
     description: str
     explain: str = ""
@@ -90,24 +92,50 @@ class CheckInfo:
 
 
 def info(entry: CheckEntry) -> CheckInfo:
-    """A check's description, explanation and finding codes. Read from its module's source when the class writes
-    them as literals (the built-ins do): importing a check imports torch, seconds that `list` and `explain` need not
-    spend. Otherwise (a computed attribute, an inherited one, a module:Class named directly) the check is loaded."""
-    literal = _literal_info(entry) if entry.distribution != DIRECT else None
-    if literal is not None:
-        return literal
+    """A check's description, explanation, finding codes and the rest of its declaration, without importing the check
+    where it can be helped: importing a check imports torch, seconds that `list` and `explain` need not spend.
+    fwdcheck's own checks' are imported from their spec modules (spec_of); a registered plugin's are read from its
+    module's source when the class writes them as literals. Otherwise (a computed attribute, an inherited one, a
+    module:Class named directly) the check is loaded."""
+    declared = spec_of(entry)
+    if declared is None and entry.distribution != DIRECT:
+        declared = _literal_info(entry)
+    if declared is not None:
+        return declared
     check = entry.load()
-    declared: dict[str, Any] = {"description": check.description}
+    attributes: dict[str, Any] = {"description": check.description}
     for name, default in _INFO_DEFAULTS.items():
         value, kinds = getattr(check, name, default), _INFO_FIELDS[name]
         # a mapping declared as any Mapping is read as a dict, an order as an int, a flag's truth as a bool
-        declared[name] = (
+        attributes[name] = (
             dict(value) if dict in kinds else int(value) if int in kinds else bool(value) if bool in kinds else value
         )
-    return CheckInfo(**declared)
+    return CheckInfo(**attributes)
+
+
+SPEC_OF = "_spec"  # fwdcheck.checks.golden:Golden is declared by fwdcheck.checks.golden_spec:SPEC
+BUILTIN_PACKAGE = "fwdcheck.checks."
+
+
+def spec_of(entry: CheckEntry) -> CheckInfo | None:
+    """What one of fwdcheck's own checks declares: `fwdcheck.checks.NAME:Class` is declared by the CheckInfo `SPEC`
+    of `fwdcheck.checks.NAME_spec`, a torch-free module imported as any other (the class reads it: `class
+    Class(Check, declared=SPEC)`). None for any other check, or a built-in without one (it is then loaded)."""
+    import importlib
+
+    module = entry.value.partition(":")[0]
+    if not module.startswith(BUILTIN_PACKAGE):
+        return None
+    try:
+        declared = getattr(importlib.import_module(module + SPEC_OF), "SPEC", None)
+    except ImportError:
+        return None
+    return declared if isinstance(declared, CheckInfo) else None
 
 
 def _literal_info(entry: CheckEntry) -> CheckInfo | None:
+    """A plugin's declaration when its class body writes it as literals, read off the module's source (not imported:
+    listing a hundred plugins imports none of them); None otherwise."""
     import importlib.util
 
     module_name, _, class_name = entry.value.partition(":")
@@ -124,17 +152,17 @@ def _literal_info(entry: CheckEntry) -> CheckInfo | None:
 
 
 def read_builtin_declarations() -> None:
-    """Read (and cache) what fwdcheck's own checks declare, as select() reads it, importing no plugin: what a fork
-    server does once for the workers it forks (fwdcheck/process/forkserver.py)."""
+    """Import what fwdcheck's own checks declare (their spec modules), as select() reads it, importing no plugin: what
+    a fork server does once for the workers it forks (fwdcheck/process/forkserver.py)."""
     for entry in _registered():
         if _is_builtin(entry):
-            _literal_info(entry)
+            spec_of(entry)
 
 
 @functools.lru_cache(maxsize=256)
 def _literal_classes(path: str, version: tuple) -> dict[str, CheckInfo]:
-    """The CheckInfo of each class in the file whose attributes are literals: the file parsed once per version of it
-    (selecting the checks asks for each one's order and default more than once)."""
+    """The CheckInfo of each class in a plugin's file whose attributes are literals: the file parsed once per version
+    of it (selecting the checks asks for each one's order and default more than once)."""
     import ast
 
     try:
@@ -164,8 +192,9 @@ def _field_kinds(hint: Any) -> tuple[type, ...]:
 
 
 def _info_fields() -> tuple[dict[str, tuple[type, ...]], dict[str, Any]]:
-    """What CheckInfo reads off a check, read off CheckInfo itself: each field's types and its default. One list
-    (CheckInfo's fields) says what a check declares; the literal reader and the loaded check's both follow it."""
+    """What CheckInfo reads off a plugin's check, read off CheckInfo itself: each field's types and its default. One
+    list (CheckInfo's fields) says what a check declares; the built-ins' spec modules are CheckInfos, and the literal
+    reader and the loaded check's both follow it."""
     import dataclasses
     import typing
 
@@ -180,8 +209,8 @@ def _info_fields() -> tuple[dict[str, tuple[type, ...]], dict[str, Any]]:
     return kinds, defaults
 
 
-# What CheckInfo reads off a class body: the types each literal may have, and each field's default (description has
-# none: a check declares it).
+# What CheckInfo reads off a plugin's class body: the types each literal may have, and each field's default
+# (description has none: a check declares it).
 _INFO_FIELDS, _INFO_DEFAULTS = _info_fields()
 
 
@@ -258,8 +287,8 @@ def _entries_on(path_state: tuple) -> tuple[CheckEntry, ...]:
 def _order(entry: CheckEntry) -> int:
     """A check's declared order, read without importing it: a plugin whose order is not a literal (or that does
     not load) goes after the built-ins, as listing must not import a hundred plugins to sort them."""
-    literal = _literal_info(entry)
-    return literal.order if literal is not None else LAST
+    declared = spec_of(entry) or _literal_info(entry)
+    return declared.order if declared is not None else LAST
 
 
 def view_of(name: str) -> str | None:

@@ -8,11 +8,13 @@ equal to 2 (got 1)`.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
+import operator
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -22,6 +24,8 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
+    SerializeAsAny,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -31,6 +35,7 @@ from fwdcheck.config.bugs import BUGS
 from fwdcheck.config.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
+from fwdcheck.config.sources import SOURCES, resolve
 from fwdcheck.config.validation_words import in_plain_words
 from fwdcheck.errors import ConfigError
 
@@ -85,6 +90,10 @@ class ModelSpec(Strict):
     # Whether the models this source builds shard themselves over ranks (a tensor-parallel plan of their own), so
     # that a distributed run needs no `distributed.parallelize`: known from the config, before any model loads.
     shards_itself: ClassVar[bool] = False
+    if TYPE_CHECKING:  # each source's class declares the field, `source: Literal["name"]`, which pydantic reads
+
+        @property
+        def source(self) -> str: ...
 
     def resolve_paths(self, base: Path) -> None:
         """Make the paths this section names absolute, relative to `base` (the config file's folder)."""
@@ -369,11 +378,19 @@ class HFModel(ModelSpec):
         return files
 
 
-ModelSource = Annotated[ReferenceModel | PythonModel | CheckpointModel | HFModel, Field(discriminator="source")]
-# source name -> its config class, read off the union (each class's `source` Literal): the one list of the sources.
-MODEL_CLASSES: dict[str, type[BaseModel]] = {
-    get_args(cls.model_fields["source"].annotation)[0]: cls for cls in get_args(get_args(ModelSource)[0])
-}
+def model_classes() -> dict[str, type[ModelSpec]]:
+    """Each `source:` a config can name -> its config class (a ModelSpec with `source: Literal["name"]`), read off the
+    table of sources (config/sources.py) in its order: a row added there is a source a config file can name."""
+    return {name: resolve(source.spec) for name, source in SOURCES.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _model_by_source(classes: tuple[type[ModelSpec], ...]) -> TypeAdapter[Any]:
+    """The `model:` section validated as pydantic's union of the sources' classes discriminated by `source:`: the
+    class the key names validates the section, and an unknown or missing key is the union's own error, each error
+    located in the section as before. Built once per set of sources."""
+    union: Any = functools.reduce(operator.or_, classes)
+    return TypeAdapter(Annotated[union, Field(discriminator="source")])
 
 
 class CodePaths(Strict):
@@ -570,7 +587,15 @@ class DiffSpec(Strict):
 
 
 class _ModelSection(Strict):
-    model: ModelSource
+    # The config class of the source the section's `source:` names, chosen through the table of sources; serialized
+    # as that class, not as the base the field is typed with.
+    model: SerializeAsAny[ModelSpec]
+
+    @field_validator("model", mode="plain")
+    @classmethod
+    def _by_source(cls, value: Any) -> ModelSpec:
+        spec: ModelSpec = _model_by_source(tuple(model_classes().values())).validate_python(value)
+        return spec
 
 
 # _ModelSection last among the bases puts `model` first among the fields: in the schema and in lists of valid keys.
@@ -676,10 +701,10 @@ def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
     if error["type"] == "union_tag_invalid":
         return (
             f"{loc or 'model'}.source: unknown source {error['input'].get('source')!r}; "
-            f"known: {', '.join(MODEL_CLASSES)}"
+            f"known: {', '.join(model_classes())}"
         )
     if error["type"] == "union_tag_not_found":
-        return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(MODEL_CLASSES)})"
+        return f"{loc or 'model'}: the 'source' key is missing ({' | '.join(model_classes())})"
     got = error.get("input")
     shown = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
     if error["type"] == "value_error":  # fwdcheck's own words, the value named once
@@ -693,8 +718,9 @@ def _describe_problem(error: ErrorDetails, listed: set[tuple]) -> str:
 def _yaml_loc(loc: tuple) -> str:
     """pydantic's location as a YAML path, without the discriminator tag it inserts: model.bugs[0]."""
     text = ""
+    sources = model_classes()
     for i, part in enumerate(loc):
-        if i == 1 and loc[0] == "model" and part in MODEL_CLASSES:
+        if i == 1 and loc[0] == "model" and part in sources:
             continue
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
@@ -709,7 +735,7 @@ def _did_you_mean(loc: tuple, *, name_valid_keys: bool) -> str:
     while path and cls is not None:
         part = path.pop(0)
         if cls is Config and part == "model":
-            cls = MODEL_CLASSES.get(path.pop(0)) if path else None
+            cls = model_classes().get(path.pop(0)) if path else None
             continue
         annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
         candidates = getattr(annotation, "__args__", (annotation,))

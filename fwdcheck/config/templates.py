@@ -1,7 +1,7 @@
 """The starter configs `fwdcheck init` writes: each source's model section, valid exactly as written, and the
 sections every source shares.
 
-A source's record (fwdcheck/model/sources/__init__.py) names its model section here, so `init` offers exactly the
+A source's record (fwdcheck/config/sources.py) names its model section here, so `init` offers exactly the
 sources whose record has one; `compose` puts a whole config together. Every template runs as written except the
 checkpoint one, which names a weights file the user replaces: it validates, and until then its run stops with one
 exit-2 line naming the missing file. The keys a user changes are commented, and each key left commented out

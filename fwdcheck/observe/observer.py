@@ -37,7 +37,7 @@ import fwdcheck.observe.kernels  # noqa: F401  (fills the kernel table)
 from fwdcheck.observe.dispatcher import Observer
 from fwdcheck.observe.frames import _Frame, _Identities, module_tracking
 from fwdcheck.observe.kernels.mha import _MHA_SIGNATURE
-from fwdcheck.observe.kernels.sdpa import _SDPA_SIGNATURE
+from fwdcheck.observe.kernels.sdpa import SDPA_SIGNATURE
 from fwdcheck.observe.records import Observation
 from fwdcheck.observe.table import KERNELS
 
@@ -79,7 +79,7 @@ class ZeroAttentionDropout(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+            bound = SDPA_SIGNATURE.bind(*args, **kwargs)
             bound.arguments["dropout_p"] = 0.0
             return func(**bound.arguments)
         if func is F.multi_head_attention_forward:

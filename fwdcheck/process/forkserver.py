@@ -431,7 +431,7 @@ def main(argv: list[str]) -> None:
     if os.getppid() != supervisor:  # it ended before the pidfd was taken
         os._exit(0)
     # What every worker imports before the model's code runs (fwdcheck.process.worker.main), once, here, and what
-    # fwdcheck's own checks declare (cached by the version of each file); no plugin is imported.
+    # fwdcheck's own checks declare (their torch-free spec modules); no plugin is imported.
     import torch
 
     import fwdcheck.config.registry

@@ -1,5 +1,5 @@
-"""Model sources: each `source:` a config can name is one row in SOURCES and one module here, whose loader turns its
-config into a ModelUnderTest.
+"""Model sources: each `source:` a config can name is one row in SOURCES (fwdcheck/config/sources.py) and one module
+here, whose loader turns its config into a ModelUnderTest.
 
     reference   fwdcheck's built-in transformer                          reference.py
     python      the user's factory, randomly initialised                 python.py
@@ -8,9 +8,9 @@ config into a ModelUnderTest.
 
 A `Source` record holds all that fwdcheck knows of a source: its name, its config class, its loader, its starter
 config (`fwdcheck init --source NAME`) and its rules for `fwdcheck shrink`. Everything that lists the sources is read
-off SOURCES: load_model's dispatch, the starter configs `init` offers and the command line's `--source` help, and
-shrink's dispatch (shrink.py). A record names code as a 'module:name' string, imported when it is used, so the table
-is read without torch or pydantic: `fwdcheck --help` reads it for `init --source`'s help.
+off SOURCES: the config's `model:` section (validated as the class its `source:` names), load_model's dispatch, the
+starter configs `init` offers and the command line's `--source` help, and shrink's dispatch (shrink.py). The table
+sits in the config layer, below this package, because a config file is validated through it.
 
 factory.py holds what the factory-based sources share; detect.py reads capabilities off the module itself (a
 transformers model or the reference transformer is driven as one whichever source built it); shrink.py writes a
@@ -18,83 +18,26 @@ small copy of a source's config by the rules its record names. Loaders never jud
 fill in its capabilities (fwdcheck/model/capabilities.py) and say clearly (ModelLoadError, exit 2) when they cannot.
 Nothing outside this package names a source: checks ask the capabilities (tests/test_layout.py holds the rule).
 
-Adding a source takes its config class in fwdcheck/config/schema.py (a ModelSpec with a `source: Literal["name"]`
-field, added to the ModelSource union; `resolve_paths` and `files_read` if it names files), one module here whose
-loader turns that class and the Config into a ModelUnderTest, and its row in SOURCES: with a starter config, `init`
-offers it; with rules (a torch-free function, as shrink.py's), `shrink` shrinks it. The union stays written out in
-schema.py, since pydantic and the type checker read a discriminated union off its annotation and the config layer
-sits below this one; tests/test_sources.py holds the union and SOURCES to the same sources.
+Adding a source is one module (its config class, a ModelSpec with a `source: Literal["name"]` field and
+`resolve_paths` / `files_read` if it names files, and its loader, which turns that class and the Config into a
+ModelUnderTest) and its row in SOURCES: a config file naming it validates and load_model loads it; with a starter
+config, `init` offers it; with rules (a torch-free function, as shrink.py's), `shrink` shrinks it.
 """
 
 from __future__ import annotations
 
-import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fwdcheck.config import templates
+from fwdcheck.config.sources import SOURCES, resolve
 from fwdcheck.errors import UsageError
 
 if TYPE_CHECKING:  # the package itself stays torch- and pydantic-free: `fwdcheck --help`, `init` and `shrink` read it
     import torch.nn as nn
 
-    from fwdcheck.config.schema import Config, ModelSpec
+    from fwdcheck.config.schema import Config
     from fwdcheck.model.tested import ModelUnderTest
-
-
-@dataclass(frozen=True)
-class Source:
-    """One `source:` a config can name. What it refers to is a 'module:name' string, imported when used (or the object
-    itself, for a source defined where it is registered)."""
-
-    name: str  # the `source:` value
-    spec: str | type[ModelSpec]  # its config class: a ModelSpec subclass, a member of the config's ModelSource union
-    loader: str | Callable[[Any, Config], ModelUnderTest]  # (spec, config) -> ModelUnderTest, importing torch itself
-    template: str | None = None  # the model section of its starter config; None: `fwdcheck init` does not offer it
-    shrink: str | Callable[..., Any] | None = None  # shrink.py's `(Original) -> (model section, Edits)`; None: no rules
-
-
-def resolve(reference: str | Any) -> Any:
-    """What a record refers to: a 'module:name' string imported now, or the object itself."""
-    return pkgutil.resolve_name(reference) if isinstance(reference, str) else reference
-
-
-# Every source, by its `source:` value, in the order `fwdcheck init` lists them. transformers and safetensors are
-# imported by the hf and checkpoint loaders themselves, when they run; the shrink rules import no torch.
-SOURCES: dict[str, Source] = {
-    source.name: source
-    for source in (
-        Source(
-            "reference",
-            spec="fwdcheck.config.schema:ReferenceModel",
-            loader="fwdcheck.model.sources.reference:load_reference",
-            template=templates.REFERENCE,
-            shrink="fwdcheck.model.sources.shrink:shrink_reference",
-        ),
-        Source(
-            "python",
-            spec="fwdcheck.config.schema:PythonModel",
-            loader="fwdcheck.model.sources.python:load_python",
-            template=templates.PYTHON,
-            shrink="fwdcheck.model.sources.shrink:shrink_factory",
-        ),
-        Source(
-            "hf",
-            spec="fwdcheck.config.schema:HFModel",
-            loader="fwdcheck.model.sources.hf:load_hf",
-            template=templates.HF,
-            shrink="fwdcheck.model.sources.shrink:shrink_hf",
-        ),
-        Source(
-            "checkpoint",
-            spec="fwdcheck.config.schema:CheckpointModel",
-            loader="fwdcheck.model.sources.checkpoint:load_checkpoint",
-            template=templates.CHECKPOINT,
-            shrink="fwdcheck.model.sources.shrink:shrink_factory",  # the same factory, randomly initialised
-        ),
-    )
-}
 
 
 def load_model(config: Config) -> ModelUnderTest:

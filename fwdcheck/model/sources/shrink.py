@@ -15,7 +15,7 @@ the same factory, randomly initialised.
 The shrunk config is written where the user is (the working directory) by default, so paths in it that pointed
 next to the original (a factory's modules, `path:` entries) are rewritten to still find them from there.
 
-Each source's record (fwdcheck/model/sources/__init__.py) names its rules here: a function of the `Original` config
+Each source's record (fwdcheck/config/sources.py) names its rules here: a function of the `Original` config
 returning the shrunk model section and its `Edits`; a source whose record names none is refused in one line.
 
 Nothing heavy at import time: torch and transformers (and fwdcheck.model.sources.hf, which imports torch) are imported
@@ -43,9 +43,9 @@ from fwdcheck.config.schema import (
     config_from_dict,
     load_config,
 )
+from fwdcheck.config.sources import SOURCES, resolve
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.model.config_keys import CONFIG_KEYS, Spellings, extended
-from fwdcheck.model.sources import SOURCES, resolve
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
 MAX_KV_HEADS = 2  # two kv groups: a head mixed into the wrong group shows

@@ -14,7 +14,9 @@ from fwdcheck.observe.masks import CausalBias, MaskRead, _read_causal_bias, _rea
 from fwdcheck.observe.records import Api, AttentionCall
 from fwdcheck.observe.table import KERNELS
 
-_SDPA_SIGNATURE = inspect.Signature(
+# F.scaled_dot_product_attention's parameters, to bind a call's arguments by name: the reader below, the observer's
+# ZeroAttentionDropout, and the checks that record SDPA calls themselves (fwdcheck/checks/sdpa_calls.py).
+SDPA_SIGNATURE = inspect.Signature(
     [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value")]
     + [
         inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
@@ -31,7 +33,7 @@ _SDPA_SIGNATURE = inspect.Signature(
 
 @KERNELS.reader(F.scaled_dot_product_attention)
 def read_sdpa(observer: Observer, func, args, kwargs):
-    bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+    bound = SDPA_SIGNATURE.bind(*args, **kwargs)
     observer.record.attention.append(_sdpa(observer, bound.arguments, observer.module()))
     if observer.zero_dropout:
         bound.arguments["dropout_p"] = 0.0

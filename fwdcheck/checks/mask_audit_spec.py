@@ -1,0 +1,74 @@
+"""What the mask-audit check declares (CheckInfo's fields), torch-free: `fwdcheck list` and `explain` import
+this module, not the check; the check's class (fwdcheck/checks/mask_audit.py) reads it: `declared=SPEC`."""
+
+from fwdcheck.config.registry import CheckInfo
+
+SPEC = CheckInfo(
+    description="reads every attention call's mask in its own convention and compares the keys it allows with causal",
+    codes={
+        "FWD201": "no causal restriction: every query reads every key",
+        "FWD202": "a boolean mask in the other API's convention: its True region is the future",
+        "FWD203": "a 0/1 float mask: added to the scores it shifts them by 1 and masks nothing",
+        "FWD204": "the mask lets some queries read future keys (or, over a cache, slots not yet written)",
+        "FWD205": "rows in which every key is masked: NaN or all-zero attention output",
+        "FWD206": "attn_mask passed together with is_causal=True",
+        "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
+        "FWD208": "with left padding, real tokens may read the padding keys",
+        "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
+        "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
+    },
+    explain="""\
+Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
+matmul, bmm, baddbmm or einsum whose scores, scaled, masked or biased, reach a softmax; a softmax over anything else,
+such as a router's logits, is not attention), records the mask's kind (bool / float / none / is_causal), shape and
+values, and derives the [L queries, S keys] set of keys each query may read under the API's own convention:
+  SDPA bool: True = may attend.   nn.MultiheadAttention bool: True = masked out.   float (both): added to the scores,
+  0 keeps, -inf (or very negative) drops.   is_causal: lower-triangular, aligned top left (also when L != S).
+  eager: keys whose score is -inf or more than 80 below the row's maximum get no weight.
+  torch's causal_upper_left / causal_lower_right (handed to SDPA as attn_mask): the diagonal aligned top left / bottom
+  right. flex_attention: the BlockMask's mask_mod evaluated at every (batch, head, query, key) index the call covers,
+  and the score_mod applied to a probe of zero scores (a score it makes -inf is masked); a BlockMask built for other
+  (query, key) lengths than the call's is FWD209. flash-attn (flash_attn::_flash_attn_forward and
+  _flash_attn_varlen_forward): causal and window_size (left, right) aligned bottom right, each packed sequence of
+  cu_seqlens_q / cu_seqlens_k reading only its own keys. xformers (memory_efficient_attention's CUTLASS op,
+  xformers::efficient_attention_forward_cutlass): the attn_bias as lowered to custom_mask_type (1 causal aligned top
+  left: LowerTriangularMask, BlockDiagonalCausalMask; 2 bottom right: ...FromBottomRight...), window_size, the
+  block-diagonal cu_seqlens and an additive bias tensor. Any other custom op named for attention is listed as
+  "not judged: <kernel name>", never passed. torch.compile'd code runs eagerly while observed.
+For a causal model, query i may read key slot j only if j <= p_i, its own position on the key axis:
+  square calls (L = S): the sequence against itself, p_i = i.
+  KV caches, chunked prefill, decode steps (L != S): p_i from an input_pos / cache_position / position_ids of L
+  positions handed to the model's or the attention module's forward (key slot j holds position j); else from the L
+  slots of S the attention module (or one around it) just wrote in place (index_copy_, scatter_, cache[..., idx] =),
+  their positions the integer tensor it was handed that the slots are, or are modulo S (a ring buffer, Mistral's
+  reference: slot j then holds the position last written there, and causal reads the slots holding positions
+  <= p_i), or the slots themselves while none was written twice; else, when S is
+  exactly the number of tokens that attention has been run with in this forward (a cache that grows by concatenation),
+  the queries are the last L (bottom-right alignment, as Hugging Face and flash-attention use). Otherwise the call is
+  reported "not judged: query positions unknown" - never counted as a pass. A mask that opens cache slots after p_i
+  fails whether they hold future tokens or were never written (a correct mask closes both).
+  cross-attention (keys from another sequence: within a module handed its hidden state and other tensors of its
+  rank, q computed from its own input and k from the others only, followed op by op; nn.MultiheadAttention handed a
+  key other than its query; or an attention module handed context / encoder_hidden_states / key_value_states / y /
+  xa other than its input), and
+  attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
+  from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
+  still checked.
+Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
+1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
+If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
+call; FWD204 shows (query position, key slot) pairs.
+Why: the two boolean conventions are opposite, and `mask.float()` of a boolean mask gives 0/1, which added to the
+scores masks nothing. Both run without an error and train to a good-looking loss.
+How to fix: FWD202 -> pass ~mask, or build the mask for the API you call (SDPA: torch.ones(T, T).tril().bool();
+MHA: torch.triu(torch.ones(T, T), 1).bool() or nn.Transformer.generate_square_subsequent_mask(T)); over a cache,
+slice the rows of the causal mask by the query positions (causal_mask[None, None, input_pos]). FWD203 -> keep the
+mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
+dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
+mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
+BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
+here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
+the attention module's forward as input_pos or cache_position.""",
+    order=30,
+    detail_view="fwdcheck.checks.mask_audit_view:mask_table",
+)
