@@ -214,7 +214,7 @@ partial backwards to find where it enters."""
                 session.notes.append(
                     f"grad-causality: the train-mode forward wrote {listed(written)} in place; put back as found"
                 )
-        findings += self._train_apart(model, session, train_logits, metrics)
+        findings += self._train_apart(model, session, train_logits, metrics, written)
         metrics["cuts"] = cuts
         data["notes"] = [
             f"train() mode, dropout forced to zero, gradients at the output of {embedding_name} "
@@ -228,13 +228,17 @@ partial backwards to find where it enters."""
 
     # -- the train path against eval ---------------------------------------------------------------------------------
 
-    def _train_apart(self, model, session, train_logits: torch.Tensor, metrics: dict) -> list[Finding]:
+    def _train_apart(
+        self, model, session, train_logits: torch.Tensor, metrics: dict, updated: list[str]
+    ) -> list[Finding]:
         """The train path's logits against eval's (dropout off on both), judged as future-token judges a change
-        (fwdcheck/checks/train_apart.py)."""
+        (fwdcheck/checks/train_apart.py); `updated`: the buffers the train-mode forward wrote."""
         if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
         change, scale = session.change_from_reference(train_logits)  # (B, T)
-        return train_apart("FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics)
+        return train_apart(
+            "FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics, updated
+        )
 
     def _first_apart(self, model, session) -> str | None:
         """One eval and one train forward of the first row, every module's output kept."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
@@ -39,8 +40,14 @@ def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iter
 
 
 def layer_stack_of(module: nn.Module) -> str | None:
-    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None."""
-    lists = [(n, len(m)) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None. A parametrization's list
+    (torch.nn.utils.parametrize: spectral_norm, weight_norm, orthogonal) computes a weight, not the hidden states:
+    never the layer stack."""
+    lists = [
+        (n, len(m))
+        for n, m in module.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) and not isinstance(m, ParametrizationList)
+    ]
     return max(lists, key=lambda item: item[1])[0] if lists else None
 
 

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 import fwdcheck.observe.kernels  # noqa: F401  (fills the kernel table)
 from fwdcheck.observe.dispatcher import Observer
+from fwdcheck.observe.dropouts import RANDOM_FORMS, as_in_eval
 from fwdcheck.observe.frames import _Frame, _Identities, module_tracking
 from fwdcheck.observe.kernels.mha import _MHA_SIGNATURE
 from fwdcheck.observe.kernels.sdpa import _SDPA_SIGNATURE
@@ -73,8 +74,10 @@ def compiled_eagerly():
 
 
 class ZeroAttentionDropout(TorchFunctionMode):
-    """Forces dropout_p=0 in attention calls and makes functional dropout the identity: for models that apply
-    dropout in eval mode, so that a comparison measures the mask and not the dice."""
+    """Forces dropout_p=0 in attention calls and makes every functional dropout the identity (F.dropout,
+    alpha and feature dropout, dropout1d/2d/3d, torch.dropout and their in-place forms; rrelu its mean slope): for
+    models that apply dropout in eval mode, and on the train path, so that a comparison measures the mask and not
+    the dice."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -86,6 +89,6 @@ class ZeroAttentionDropout(TorchFunctionMode):
             bound = _MHA_SIGNATURE.bind(*args, **kwargs)
             bound.arguments["dropout_p"] = 0.0
             return func(**bound.arguments)
-        if func is F.dropout:
-            return args[0] if args else kwargs["input"]
+        if func in RANDOM_FORMS:
+            return as_in_eval(func, args, kwargs)
         return func(*args, **kwargs)

@@ -13,14 +13,33 @@ overridden train()): what it raises is the model's error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
 
+from fwdcheck.errors import ModelRaised, first_line
 from fwdcheck.model.tested import model_code
 from fwdcheck.observe.observer import ZeroAttentionDropout
+
+Result = TypeVar("Result")
+
+
+def gradients_or_not(forward: Callable[[], Result]) -> tuple[Result, str | None]:
+    """forward() with gradients recorded, and None; when it raises with them but runs without them (a kernel with
+    no backward on this device: flex_attention on the CPU), its result without them and why they were refused (the
+    first line of what the model raised). That is the environment's limit, not a bug of the model's: the train path
+    runs on without gradients, and a check that needs them skips saying so. When forward() raises without
+    gradients too, that is the model's own error, and it propagates."""
+    try:
+        with torch.enable_grad():
+            return forward(), None
+    except ModelRaised as exc:
+        with torch.no_grad():
+            result = forward()
+        return result, first_line(exc)
 
 
 @contextmanager
