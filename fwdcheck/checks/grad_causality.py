@@ -43,7 +43,7 @@ from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
 from fwdcheck.errors import SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
-from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.frames import output_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import nonfinite_positions
 from fwdcheck.run.model_state import ModelState
@@ -264,7 +264,7 @@ partial backwards to find where it enters."""
         outputs: list[tuple[str, torch.Tensor]] = []
 
         def keep(name: str, output: object) -> None:
-            tensor = first_tensor(output)
+            tensor = output_tensor(output)
             if tensor is not None and tensor.requires_grad and tuple(tensor.shape[:2]) == tuple(ids.shape):
                 outputs.append((name, tensor))
 

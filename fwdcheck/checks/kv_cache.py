@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.calling import call_convention_hint
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.observer import ZeroAttentionDropout
@@ -89,7 +90,7 @@ class Plan:
 
 def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
-    with model_code(f"{what} raised", frame=_model_line):
+    with model_code(f"{what} raised", frame=_model_line, hint=call_convention_hint):
         return fn(*args, **kwargs)
 
 
@@ -422,7 +423,8 @@ them); the reference transformer through its past_key_values; a python model thr
   cache: {style: gpt-fast, setup: setup_caches}
                         model.setup_caches(max_batch_size, max_seq_length), then forward(input_ids, input_pos) with
                         input_pos the positions [T_new] (litgpt: setup: set_kv_cache).
-The cached calls go to the module itself, not through a `forward:` adapter; the full forward is the shared baseline.
+The cached calls go to the module itself, by the cache protocol declared for it; a `forward:` adapter is the full
+forward they are compared with (the shared baseline), as a prefill through the cache is.
 Attributes, modules and buffers a cache setup adds are removed afterwards.
 Findings (each names the first sample and position that parts and, from a replay with forward hooks on the layer
 stack, the first layer whose output parts there):

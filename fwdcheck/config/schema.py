@@ -165,7 +165,11 @@ class FactoryModel(ModelSpec):
 
     factory: str = Field(description="'package.module:callable' returning an nn.Module")
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    forward: str | None = Field(None, description="'module:callable' adapter (model, input_ids, **kw) -> logits")
+    forward: str | None = Field(
+        None,
+        description="'module:callable' adapter (model, input_ids, **extras) -> logits, which every check "
+        "calls (extras: position_ids, labels, document ids, cache keywords)",
+    )
     vocab_size: PositiveInt | None = None
     max_positions: PositiveInt | None = None
     causal: bool = Field(True, description="false for bidirectional encoders: future-token then skips part (a)")

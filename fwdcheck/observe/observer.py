@@ -68,9 +68,18 @@ def observing(
 def compiled_eagerly():
     """torch.compile'd code runs as plain Python inside the block (torch.compiler.set_stance("force_eager"), torch
     2.6 on): the observer then sees inside it, and nothing is compiled while it is active. flex_attention, compiled
-    or not, still ends in its one kernel call, which computes its mask's math exactly."""
+    or not, still ends in its one kernel call, which computes its mask's math exactly. A session holds every check
+    in it: model code compiled at import (torchtitan's flex_attention and create_block_mask) would otherwise compile
+    for each new shape, minutes on a CPU."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else nullcontext()
+
+
+def compiled_as_compiled():
+    """Inside, torch.compile compiles again (the default stance), within a block of compiled_eagerly: for the
+    check whose subject is what the compiled model computes."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("default") if set_stance is not None else nullcontext()
 
 
 class ZeroAttentionDropout(TorchFunctionMode):

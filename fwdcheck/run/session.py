@@ -26,7 +26,7 @@ from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageEr
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.observe.dropouts import RandomDraws
-from fwdcheck.observe.observer import ZeroAttentionDropout, observing
+from fwdcheck.observe.observer import ZeroAttentionDropout, compiled_eagerly, observing
 from fwdcheck.observe.records import Observation
 
 # position_change, nonfinite_positions and logit_scale are documented for checks here (docs/writing-checks.md): they
@@ -105,6 +105,10 @@ class Session:
             stack.callback(lambda: self.notes.extend(process.restore()))
             stack.callback(lambda: self._restore(state))
             stack.enter_context(kept_as_notes(self.model.library_loggers, self.notes))
+            # torch.compile'd model code (compiled at import, as torchtitan compiles flex_attention and
+            # create_block_mask) runs eagerly in every check: the same math, without a compile for every new shape
+            # (206 s for a first CPU forward); the compile check compiles on purpose (compiled_as_compiled)
+            stack.enter_context(compiled_eagerly())
             # eval() runs model code too (an overridden train()): what it raises is the model's error
             with model_code("the model cannot be put in eval mode:"):
                 module.eval()
