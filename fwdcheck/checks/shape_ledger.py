@@ -28,10 +28,10 @@ from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.session import Session
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
-NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
+NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h", "d_v")
 # Sizes a library's config gives that a tensor may contradict without a bug: its fields mean different things per
 # architecture. V is not among them (logits narrower than the vocabulary cannot score every token), nor B and T.
-FREE_SIZES = frozenset({"d", "d_ff", "h", "h_kv", "d_h", "g"})
+FREE_SIZES = frozenset({"d", "d_ff", "h", "h_kv", "d_h", "d_v", "g"})
 LOOSE: list[str] = ["(sizes of its own)"]  # Namer.name's layout for a tensor that fits only with free sizes
 
 
@@ -68,6 +68,9 @@ _KEYS = [
     ["B", "h_kv", "1", "S", "d_h"],
     ["B", "h_kv", "g", "S", "d_h"],
 ]
+# Values as wide as queries and keys, or of a width of their own, d_v (multi-head latent attention: DeepSeek V3's
+# v_head_dim is narrower than its qk head), stated by the config or `dims:`, else read off the first v.
+_VALUES = _KEYS + [[*layout[:-1], "d_v"] for layout in _KEYS]
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
     "embedding": [["B", "T", "d"], ["T", "B", "d"], ["B", "T", "*"], ["T", "B", "*"]],
@@ -75,12 +78,12 @@ TEMPLATES: dict[str, list[list[str]]] = {
     "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"], ["B", "T", "*", "d"]],
     "q": _QUERIES,
     "k": _KEYS,
-    "v": _KEYS,
+    "v": _VALUES,
     "mha_in": [["T", "B", "d"], ["T", "d"]],
     "scores_q": _QUERIES,
     # k^T in q @ k^T; k itself, should an einsum's operand ('bhid,bhjd->bhij') be recorded as it was written
     "scores_k": [[*k[:-2], k[-1], k[-2]] for k in _KEYS] + _KEYS,
-    "scores_v": _KEYS,
+    "scores_v": _VALUES,
     "weights": [["B", "h", "T", "S"], ["B*h", "T", "S"], ["B", "T", "S"], ["B", "h_kv", "g", "T", "S"]],
     "ffn": [["B", "T", "d_ff"], ["T", "B", "d_ff"], ["B*T", "d_ff"]],  # OPT flattens the tokens before its MLP
     "logits": [["B", "T", "V"]],
@@ -109,7 +112,8 @@ class ShapeLedger(Check):
 Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call (SDPA,
 nn.MultiheadAttention, eager q @ k^T), attention weights, the feed-forward hidden state and the logits, and names each
 axis with a symbolic dimension: B batch, T sequence, S keys (T, or a KV cache's slots), d model width, h query heads,
-h_kv key/value heads, d_h head size, V vocabulary, d_ff feed-forward width.
+h_kv key/value heads, d_h head size, d_v value head size (where it differs: MLA), V vocabulary, d_ff feed-forward
+width.
 How axes are named: by behaviour and position, not by size. A second small pass with other B and T shows which axes
 follow them (so T = d_h = 4 in the seed's toy is no ambiguity); the other axes are named by where they sit in the
 layout the tensor's role requires. Roles come from what a tensor is, not from its width: the feed-forward state is
@@ -122,7 +126,9 @@ is shown by its size (a prefill chunk of 4, a decode step of 1, a value embeddin
 model that refuses the naming pass's batch size (a cache allocated for max_batch_size) is named at its own; one that
 refuses the pass altogether is named by position and size, with a note saying what that cannot tell.
 Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q handed to attention [B,h,T,d_h]; k/v
-[B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots); weights [B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
+[B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots; v may be [B,h_kv,S,d_v], narrower than q and k as multi-head
+latent attention makes them: v_head_dim in the config or `dims: {d_v: ...}`, else read off the first v); weights
+[B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
 Logits wider than the vocabulary are a padded vocabulary (V_pad, a note); narrower ones are a fail. The softmax must
 run along the keys (the last axis of q @ k^T), so each row of weights sums to 1.
 Why: a missing transpose(1, 2) hands SDPA [B,T,h,d_h], and attention then mixes heads instead of positions: nothing

@@ -71,7 +71,10 @@ class Dims(Strict):
     d: PositiveInt | None = Field(None, description="model width")
     h: PositiveInt | None = Field(None, description="query heads")
     h_kv: PositiveInt | None = Field(None, description="key/value heads (GQA, multi-query); default h")
-    d_h: PositiveInt | None = Field(None, description="head size; default d / h")
+    d_h: PositiveInt | None = Field(None, description="head size (of queries and keys); default d / h")
+    d_v: PositiveInt | None = Field(
+        None, description="value head size, where it differs from d_h (MLA's v_head_dim); default d_h"
+    )
     d_ff: PositiveInt | None = Field(None, description="feed-forward width")
     V: PositiveInt | None = Field(None, description="vocabulary (the logits' last axis)")
 
