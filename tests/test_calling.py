@@ -267,6 +267,34 @@ def logits_only(model, input_ids, **_):
     return model(input_ids)
 
 
+def torchtitan_llama3() -> nn.Module:
+    """torchtitan's llama3 debug model (flex attention, its packed-document masks made from the positions)."""
+    from torchtitan.models.llama3 import model_registry
+
+    torch.manual_seed(0)
+    model = model_registry("debugmodel", attn_backend="flex").model.build()
+    model.init_weights()
+    return model
+
+
+@pytest.mark.slow
+def test_torchtitan_llama3_through_its_adapter():
+    """Where torchtitan is installed (not a test dependency: its datasets<4.8 pins huggingface-hub<2, which
+    transformers 5.25 refuses), its own Decoder passes future-token and packing through the adapter above, and
+    grad-causality skips: flex_attention has no backward on the CPU. Compiled at import, it runs eagerly."""
+    pytest.importorskip("torchtitan")
+    config = {
+        **titan_config(),
+        "factory": "tests.test_calling:torchtitan_llama3",
+        "kwargs": {},
+        "vocab_size": 2048,
+    }
+    report = run_checks(config, ["future-token", "packing", "grad-causality"], inputs={"batch_size": 2, "seq_len": 16})
+    assert report.result("future-token").status.value == "pass", report.result("future-token").findings
+    assert report.result("packing").status.value == "pass", report.result("packing").summary
+    assert report.result("grad-causality").status.value in ("skip", "pass"), report.result("grad-causality").summary
+
+
 # =====================================================================================================================
 # 9. Model code compiled at import runs eagerly in every check
 
