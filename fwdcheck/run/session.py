@@ -215,16 +215,21 @@ class Session:
         # What a train-mode forward updates as it runs (spectral norm's vectors, BatchNorm's running statistics, a
         # step counter) is put back after each one: every forward of the path starts from the same model, and two
         # identical forwards differ only by randomness.
-        self._kept = self._kept or KeptBuffers(self.model.module)
+        kept = self._kept = self._kept or KeptBuffers(self.model.module)
+
+        def from_the_model_as_found():  # a try with gradients that raised may have written some of it
+            kept.put_back()
+            return forward()
+
         try:
             with ZeroAttentionDropout():
                 if self.gradients_refused is None:
-                    result, self.gradients_refused = gradients_or_not(forward)
+                    result, self.gradients_refused = gradients_or_not(from_the_model_as_found)
                     return result
                 with torch.no_grad():
                     return forward()
         finally:
-            self._kept.put_back()
+            kept.put_back()
 
     @property
     def updated_state(self) -> set[str]:
