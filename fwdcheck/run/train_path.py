@@ -3,8 +3,11 @@
 A training job runs the model in train() mode with autograd recording, and model code may branch on either: `if
 self.training:` (a mask skipped, another kernel, a cache bypassed), `torch.is_grad_enabled()` (a fused kernel only
 without gradients), or a kernel's `dropout_p=self.attention_dropout if self.training else 0.0`. The checks judge
-that path as they judge eval's once its randomness is off: dropout modules at p=0 (the session sets them),
-functional dropout the identity and every attention call's dropout_p 0.0 (ZeroAttentionDropout).
+that path as they judge eval's once its randomness is off: dropout modules at p=0 (the session sets them, nn.RNN,
+LSTM and GRU's `dropout` too), every functional form of dropout called as in eval and every attention call's
+dropout_p 0.0 (ZeroAttentionDropout, fwdcheck/observe/dropouts.py). What a train-mode forward writes as it runs
+(running statistics, spectral norm's vectors, counters) the session puts back after each forward (KeptBuffers), so
+that two identical forwards differ only by randomness the model draws itself.
 
 Some models cannot record gradients on every path (torch's flex_attention has no backward on the CPU in torch 2.13):
 they run the train path without gradients, and the caller says so. What changes the modes is model code (an
