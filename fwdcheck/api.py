@@ -43,12 +43,14 @@ def check_model(
     paths: dict[str, Any] | None = None,
 ) -> Report:
     """Run fwdcheck's checks (the default ones when `checks` is None) on an nn.Module whose forward takes
-    input_ids [B, T] and returns logits [B, T, V] (a tensor, .logits, or a tuple led by them).
+    input_ids [B, T] (by keyword where it takes no positional argument) and returns logits [B, T, V] (a tensor,
+    .logits, a mapping's "logits", or a tuple led by them).
 
     The model is left as found: mode, device, dtype, parameters, dropout probabilities, hooks and RNG state.
     device None means the device the model's parameters are on; dtype None, the dtype they are in (as the model
-    was handed over). `forward` is an optional adapter (model, input_ids, **kw) -> logits for unusual call
-    conventions. `dims` declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
+    was handed over). `forward` is an optional adapter (model, input_ids, **extras) -> logits
+    for other call conventions, which every check calls (docs/configuration.md: the adapter contract). `dims`
+    declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
     `min_seq_len` the shortest sequence forward accepts. Hugging Face models get the code-path matrix by default,
     as from the command line; `code_paths` narrows it ({"enabled": False} turns it off; `paths` is its former name,
     still taken). `options` are the checks' own, as a config's `options:`

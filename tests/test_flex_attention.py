@@ -331,3 +331,17 @@ def test_transformers_flex_path_that_drops_the_mask_fails_there(monkeypatch):
     # every key read, the padding keys of the left-padded cell among them
     assert {f.code for f in audit.findings if f.status.value == "fail"} == {"FWD201", "FWD208"}
     assert report.result("future-token").status.value == "fail"
+
+
+def test_gradient_checks_skip_flex_attention_without_a_backward_on_the_cpu():
+    """torch's flex_attention has no backward on the CPU: the environment's limit, not the model's bug. grad-causality
+    and grad-reach skip saying so, as the train path's cell runs on without gradients; the run exits 0."""
+    if torch.cuda.is_available():
+        pytest.skip("flex_attention has a backward on this machine's GPU")
+    checks = ["future-token", "mask-audit", "grad-causality", "grad-reach"]
+    report = fwdcheck.check_model(FlexModel("causal"), checks, vocab_size=VOCAB, seq_len=12)
+    for check in ("grad-causality", "grad-reach"):
+        result = report.result(check)
+        assert result.status.value == "skip", result.findings
+        assert "FlexAttention does not support backward on CPU" in result.summary and "environment" in result.summary
+    assert report.exit_code == 0, [(r.name, r.status.value) for r in report.results]

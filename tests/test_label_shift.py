@@ -48,9 +48,11 @@ def nanogpt(double_shift: bool = False) -> nn.Module:
     return NanoGPT(double_shift)
 
 
-def every_position(model: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    """The `forward:` adapter nanoGPT needs for logits of every position: targets given (any), loss ignored."""
-    return model(input_ids, torch.zeros_like(input_ids))[0]
+def every_position(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor | None = None, **extras):
+    """The `forward:` adapter nanoGPT needs for logits of every position: targets given (any), loss ignored; with
+    the targets label-shift hands it (the adapter contract's extra), the (logits, loss) forward returns for them."""
+    logits, loss = model(input_ids, targets if targets is not None else torch.zeros_like(input_ids))
+    return logits if targets is None else (logits, loss)
 
 
 def nanogpt_spec(factory: str = "nanogpt", **kwargs) -> dict:

@@ -25,6 +25,7 @@ from fwdcheck.checks.compile_spec import SPEC
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
+from fwdcheck.observe.observer import compiled_as_compiled
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.session import Session
 
@@ -47,7 +48,8 @@ class Compile(Check, declared=SPEC):
         module = cast(nn.Module, torch.compile(model.module, backend=BACKEND, dynamic=False))
         compiled_model = dataclasses.replace(model, module=module)
         try:
-            compiled = session.logits(session.inputs, model=compiled_model)  # (B, T, V)
+            with compiled_as_compiled():  # the session runs compiled code eagerly; this check compiles it
+                compiled = session.logits(session.inputs, model=compiled_model)  # (B, T, V)
         except ModelRaised as exc:  # the eager forward ran: what fails here is the compile
             raise SkipCheck(f"torch.compile could not run the model: {_reason(exc)}") from None
         finally:

@@ -324,7 +324,9 @@ class FutureToken(Check, declared=SPEC):
 
             return first_module_apart(model, evaluate, lambda: session.logits(row))
 
-        judged.findings = train_apart("FWD108", model, session, change, scale, locate, judged.metrics)
+        judged.findings = train_apart(
+            "FWD108", model, session, change, scale, locate, judged.metrics, session.updated_state
+        )
         return judged
 
     @staticmethod
@@ -581,15 +583,22 @@ def _noise(session: Session, noise: float | None, tolerance: float, threshold: f
             }
         )
     findings = []
-    mode = "train mode with dropout off" if session.train else "eval mode"
+    mode = "train mode (every dropout zeroed)" if session.train else "eval mode"
     if noise > tolerance:
+        draws = session.random_draws()
+        cause = (
+            f"the model draws random numbers itself ({', '.join(name for name, _ in draws[:3])}), which no "
+            "zeroing of dropout turns off"
+            if draws
+            else f"the forward is not deterministic in {mode}"
+        )
         findings.append(
             Finding(
                 "FWD103",
                 Status.FAIL,
-                f"two identical forwards in {mode} differ by "
-                f"{noise:.3g} (tolerance {tolerance:.3g}): the forward is not deterministic "
-                f"in {mode}",
+                f"two identical forwards in {mode} differ by {noise:.3g} (tolerance {tolerance:.3g}): {cause}",
+                where="; ".join(f"{name} at {line}" for name, line in draws[:4] if line) or None,
+                source=next((line for _, line in draws if line), None),
             )
         )
     if session.settings.tolerance.noise_factor * noise > 10 * tolerance:

@@ -8,8 +8,8 @@ SPEC = CheckInfo(
     codes={
         "FWD101": "logits at earlier positions moved when later tokens changed: the model reads the future",
         "FWD102": "a sample's logits moved when the other samples of its batch changed: samples read each other",
-        "FWD103": "dropout or other randomness is live in eval mode (on the train path: with dropout off): identical "
-        "forwards differ",
+        "FWD103": "identical forwards differ: dropout or other randomness is live in eval mode, or (on the train "
+        "path, every dropout zeroed) the model draws random numbers itself",
         "FWD104": "the logits hold NaN or Inf",
         "FWD105": "the first k tokens run alone give other logits than the full run: the prefix depends on what "
         "follows it",
@@ -33,7 +33,9 @@ How changes are judged: a change counts when it exceeds both the dtype tolerance
 defaults as torch.testing.assert_close), noise_factor x the run-to-run noise floor measured by running the
 identical input twice, and 4 x the model's own rounding, measured against a float64 copy of the model: a prefix or a
 row run alone reorders the arithmetic, which moves the logits of a model whose hidden states run far above them by
-more than the dtype tolerance. NaN or Inf is reported where it appears, never passed.
+more than the dtype tolerance. NaN or Inf is reported where it appears, never passed; a masked vocabulary (-inf
+on entries the model never emits) is no broken logit: -inf where both sides hold -inf is equal, and the finite
+entries are compared.
 What it runs: the comparisons start from the logits the observation pass already computed, with no noise floor.
 Only when some change exceeds the tolerance (where the noise floor could matter) does it run the untouched model on
 the session's inputs, and again for the noise floor, and judge against those; a pass rests on every untouched forward
@@ -44,7 +46,10 @@ a cell where this check passed on the same tokens (SDPA against eager, left padd
 against the larger batch's first row) takes that pass, its summary naming the cell; a path that computes other logits
 runs every comparison itself, and a failure is never taken over this way.
 The train path: the code-path matrix's train cell (every source) runs these comparisons with the model in train()
-mode, every dropout zeroed and gradients on, and holds its logits to the eval-mode logits of the same tokens at the
+mode, every dropout zeroed (dropout modules, nn.RNN/LSTM/GRU's `dropout`, every functional form) and gradients on,
+the state a train-mode forward updates (running statistics, spectral norm's vectors, a step counter) put back after
+each forward, so that only randomness the model draws itself (torch.rand_like in its forward, named) is FWD103 there;
+and holds its logits to the eval-mode logits of the same tokens at the
 same threshold (FWD108), naming the first module whose output differs. FWD108 -> a branch on self.training or
 torch.is_grad_enabled() (a mask, a cache, another kernel), a train-only scaling or noise; a norm with batch
 statistics is a warning, by design.

@@ -44,7 +44,7 @@ from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
 from fwdcheck.errors import SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
-from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.frames import output_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import nonfinite_positions
 from fwdcheck.run.model_state import ModelState
@@ -173,7 +173,7 @@ class GradCausality(Check, declared=SPEC):
                 session.notes.append(
                     f"grad-causality: the train-mode forward wrote {listed(written)} in place; put back as found"
                 )
-        findings += self._train_apart(model, session, train_logits, metrics)
+        findings += self._train_apart(model, session, train_logits, metrics, written)
         metrics["cuts"] = cuts
         data["notes"] = [
             f"train() mode, dropout forced to zero, gradients at the output of {embedding_name} "
@@ -187,13 +187,17 @@ class GradCausality(Check, declared=SPEC):
 
     # -- the train path against eval ---------------------------------------------------------------------------------
 
-    def _train_apart(self, model, session, train_logits: torch.Tensor, metrics: dict) -> list[Finding]:
+    def _train_apart(
+        self, model, session, train_logits: torch.Tensor, metrics: dict, updated: list[str]
+    ) -> list[Finding]:
         """The train path's logits against eval's (dropout off on both), judged as future-token judges a change
-        (fwdcheck/checks/train_apart.py)."""
+        (fwdcheck/checks/train_apart.py); `updated`: the buffers the train-mode forward wrote."""
         if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
         change, scale = session.change_from_reference(train_logits)  # (B, T)
-        return train_apart("FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics)
+        return train_apart(
+            "FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics, updated
+        )
 
     def _first_apart(self, model, session) -> str | None:
         """One eval and one train forward of the first row, every module's output kept."""
@@ -219,7 +223,7 @@ class GradCausality(Check, declared=SPEC):
         outputs: list[tuple[str, torch.Tensor]] = []
 
         def keep(name: str, output: object) -> None:
-            tensor = first_tensor(output)
+            tensor = output_tensor(output)
             if tensor is not None and tensor.requires_grad and tuple(tensor.shape[:2]) == tuple(ids.shape):
                 outputs.append((name, tensor))
 

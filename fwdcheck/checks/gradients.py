@@ -1,21 +1,30 @@
 """What the gradient checks share: one forward whose logits keep their autograd graph, counted among the session's
-forwards. grad-causality backpropagates from it to the input embeddings, grad-reach to every parameter.
+forwards. grad-causality backpropagates from it to the input embeddings, grad-reach to every parameter. A model
+that cannot record gradients on this device (a kernel without a backward there) makes both skip, saying why, as the
+train path's cell runs on without them (fwdcheck/run/train_path.py: gradients_or_not).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fwdcheck.errors import ModelRaised
+from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.run.session import Session
+from fwdcheck.run.train_path import gradients_or_not
 
 
 def logits_with_graph(model: ModelUnderTest, session: Session, ids: torch.Tensor, handles: list) -> torch.Tensor:
     """The logits [B, T, V] of one forward of ids [B, T] with their autograd graph, counted among the session's
     forwards; the hooks behind `handles` removed however the forward ends."""
     try:
-        logits = extract_logits(model.forward(ids), keep_graph=True)
+        output, refused = gradients_or_not(lambda: model.forward(ids))
+        if refused is not None:
+            raise SkipCheck(
+                f"the model cannot record gradients here ({refused}; without them it runs): the environment's "
+                "limit, not a bug of the model's; run on a device where its kernels have a backward"
+            )
+        logits = extract_logits(output, keep_graph=True)
     finally:
         for handle in handles:
             handle.remove()

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from fwdcheck.checks.kv_cache_spec import SPEC
 from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.calling import call_convention_hint
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.observer import ZeroAttentionDropout
@@ -90,7 +91,7 @@ class Plan:
 
 def call_model(what: str, fn: Callable, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); an exception from model code becomes ModelRaised naming the line that raised."""
-    with model_code(f"{what} raised", frame=_model_line):
+    with model_code(f"{what} raised", frame=_model_line, hint=call_convention_hint):
         return fn(*args, **kwargs)
 
 

@@ -32,7 +32,8 @@ them); the reference transformer through its past_key_values; a python model thr
   cache: {style: gpt-fast, setup: setup_caches}
                         model.setup_caches(max_batch_size, max_seq_length), then forward(input_ids, input_pos) with
                         input_pos the positions [T_new] (litgpt: setup: set_kv_cache).
-The cached calls go to the module itself, not through a `forward:` adapter; the full forward is the shared baseline.
+The cached calls go to the module itself, by the cache protocol declared for it; a `forward:` adapter is the full
+forward they are compared with (the shared baseline), as a prefill through the cache is.
 Attributes, modules and buffers a cache setup adds are removed afterwards.
 Findings (each names the first sample and position that parts and, from a replay with forward hooks on the layer
 stack, the first layer whose output parts there):

@@ -33,7 +33,8 @@ ignore_index -100. The reference model: the same, returning (logits, loss). Pyth
 section, e.g. nanoGPT (targets already shifted by the data loader, returns (logits, loss), ignore_index -1):
   loss: {argument: targets, shifted_by: caller, output: 1, ignore_index: -1}
 For shifted_by: caller the check draws one token more than seq_len and passes targets[t] = token t + 1. The call goes
-to the module's own forward, not to a `forward:` adapter. Without a known or declared convention the check skips.
+through the config's `forward:` adapter when it names one, as every check's does (labels as an extra, under
+loss.argument; the adapter returns the loss beside the logits). Without a known or declared convention the check skips.
 Why: a loss on the wrong shift trains without an error to a plausible curve; shift 0 even reaches a near-zero loss
 (copying the input), shift 2 a high one.
 How to fix: FWD701 -> compare logits[..., :-1, :] with labels[..., 1:] (or let the data loader shift, not both).

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.model.tested import ModelUnderTest
-from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.frames import first_tensor, output_tensor
 from fwdcheck.observe.locations import code_location
 from fwdcheck.run.session import Session
 from fwdcheck.run.tolerances import TOLERANCES
@@ -108,7 +108,7 @@ def kept_outputs(model: ModelUnderTest, forward: Callable[[], object]) -> list[K
     def after(name):
         def hook(module, args, output):
             stack = inputs.get(id(module)) or [None]
-            kept.append(Kept(name, stack.pop(), _copy(first_tensor(output))))
+            kept.append(Kept(name, stack.pop(), _copy(output_tensor(output))))
 
         return hook
 

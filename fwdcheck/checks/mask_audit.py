@@ -281,7 +281,7 @@ class MaskAudit(Check, declared=SPEC):
             Finding(
                 "FWD207",
                 Status.FAIL,
-                f"F.dropout(p={d.p:g}, training=True) with the model in eval mode: pass training=self.training",
+                f"{d.api}(p={d.p:g}, training=True) with the model in eval mode: pass training=self.training",
                 where=d.module or "model",
                 source=d.source,
                 module=d.module,

@@ -12,7 +12,8 @@ SPEC = CheckInfo(
         "FWD204": "the mask lets some queries read future keys (or, over a cache, slots not yet written)",
         "FWD205": "rows in which every key is masked: NaN or all-zero attention output",
         "FWD206": "attn_mask passed together with is_causal=True",
-        "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or F.dropout with training=True)",
+        "FWD207": "dropout is live in eval mode (dropout_p > 0 handed to attention, or a functional dropout of any "
+        "form with training=True)",
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",

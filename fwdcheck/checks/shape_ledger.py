@@ -29,10 +29,10 @@ from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.session import Session
 
 # Which constant a size is named after, in a tensor that fits no layout, when several share it.
-NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h")
+NAME_PRIORITY = ("d", "V", "d_ff", "h", "h_kv", "d_h", "d_v")
 # Sizes a library's config gives that a tensor may contradict without a bug: its fields mean different things per
 # architecture. V is not among them (logits narrower than the vocabulary cannot score every token), nor B and T.
-FREE_SIZES = frozenset({"d", "d_ff", "h", "h_kv", "d_h", "g"})
+FREE_SIZES = frozenset({"d", "d_ff", "h", "h_kv", "d_h", "d_v", "g"})
 LOOSE: list[str] = ["(sizes of its own)"]  # Namer.name's layout for a tensor that fits only with free sizes
 
 
@@ -69,6 +69,9 @@ _KEYS = [
     ["B", "h_kv", "1", "S", "d_h"],
     ["B", "h_kv", "g", "S", "d_h"],
 ]
+# Values as wide as queries and keys, or of a width of their own, d_v (multi-head latent attention: DeepSeek V3's
+# v_head_dim is narrower than its qk head), stated by the config or `dims:`, else read off the first v.
+_VALUES = _KEYS + [[*layout[:-1], "d_v"] for layout in _KEYS]
 TEMPLATES: dict[str, list[list[str]]] = {
     "ids": [["B", "T"]],
     "embedding": [["B", "T", "d"], ["T", "B", "d"], ["B", "T", "*"], ["T", "B", "*"]],
@@ -76,12 +79,12 @@ TEMPLATES: dict[str, list[list[str]]] = {
     "hidden": [["B", "T", "d"], ["T", "B", "d"], ["B*T", "d"], ["B", "T", "*", "d"]],
     "q": _QUERIES,
     "k": _KEYS,
-    "v": _KEYS,
+    "v": _VALUES,
     "mha_in": [["T", "B", "d"], ["T", "d"]],
     "scores_q": _QUERIES,
     # k^T in q @ k^T; k itself, should an einsum's operand ('bhid,bhjd->bhij') be recorded as it was written
     "scores_k": [[*k[:-2], k[-1], k[-2]] for k in _KEYS] + _KEYS,
-    "scores_v": _KEYS,
+    "scores_v": _VALUES,
     "weights": [["B", "h", "T", "S"], ["B*h", "T", "S"], ["B", "T", "S"], ["B", "h_kv", "g", "T", "S"]],
     "ffn": [["B", "T", "d_ff"], ["T", "B", "d_ff"], ["B*T", "d_ff"]],  # OPT flattens the tokens before its MLP
     "logits": [["B", "T", "V"]],

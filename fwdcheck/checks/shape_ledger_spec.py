@@ -20,7 +20,8 @@ SPEC = CheckInfo(
 Records the shapes of input ids, embeddings, each block's output, per-head q/k/v at every attention call (SDPA,
 nn.MultiheadAttention, eager q @ k^T), attention weights, the feed-forward hidden state and the logits, and names each
 axis with a symbolic dimension: B batch, T sequence, S keys (T, or a KV cache's slots), d model width, h query heads,
-h_kv key/value heads, d_h head size, V vocabulary, d_ff feed-forward width.
+h_kv key/value heads, d_h head size, d_v value head size (where it differs: MLA), V vocabulary, d_ff feed-forward
+width.
 How axes are named: by behaviour and position, not by size. A second small pass with other B and T shows which axes
 follow them (so T = d_h = 4 in the seed's toy is no ambiguity); the other axes are named by where they sit in the
 layout the tensor's role requires. Roles come from what a tensor is, not from its width: the feed-forward state is
@@ -33,7 +34,9 @@ is shown by its size (a prefill chunk of 4, a decode step of 1, a value embeddin
 model that refuses the naming pass's batch size (a cache allocated for max_batch_size) is named at its own; one that
 refuses the pass altogether is named by position and size, with a note saying what that cannot tell.
 Expected: ids [B,T]; hidden [B,T,d] (or sequence-first [T,B,d]); q handed to attention [B,h,T,d_h]; k/v
-[B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots); weights [B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
+[B,h_kv,S,d_h] (GQA: h_kv heads; a cache: S slots; v may be [B,h_kv,S,d_v], narrower than q and k as multi-head
+latent attention makes them: v_head_dim in the config or `dims: {d_v: ...}`, else read off the first v); weights
+[B,h,T,S]; feed-forward [B,T,d_ff]; logits [B,T,V].
 Logits wider than the vocabulary are a padded vocabulary (V_pad, a note); narrower ones are a fail. The softmax must
 run along the keys (the last axis of q @ k^T), so each row of weights sums to 1.
 Why: a missing transpose(1, 2) hands SDPA [B,T,h,d_h], and attention then mixes heads instead of positions: nothing

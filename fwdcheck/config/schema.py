@@ -76,7 +76,10 @@ class Dims(Strict):
     d: PositiveInt | None = Field(None, description="model width")
     h: PositiveInt | None = Field(None, description="query heads")
     h_kv: PositiveInt | None = Field(None, description="key/value heads (GQA, multi-query); default h")
-    d_h: PositiveInt | None = Field(None, description="head size; default d / h")
+    d_h: PositiveInt | None = Field(None, description="head size (of queries and keys); default d / h")
+    d_v: PositiveInt | None = Field(
+        None, description="value head size, where it differs from d_h (MLA's v_head_dim); default d_h"
+    )
     d_ff: PositiveInt | None = Field(None, description="feed-forward width")
     V: PositiveInt | None = Field(None, description="vocabulary (the logits' last axis)")
 
@@ -174,7 +177,11 @@ class FactoryModel(ModelSpec):
 
     factory: str = Field(description="'package.module:callable' returning an nn.Module")
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    forward: str | None = Field(None, description="'module:callable' adapter (model, input_ids, **kw) -> logits")
+    forward: str | None = Field(
+        None,
+        description="'module:callable' adapter (model, input_ids, **extras) -> logits, which every check "
+        "calls (extras: position_ids, labels, document ids, cache keywords)",
+    )
     vocab_size: PositiveInt | None = None
     max_positions: PositiveInt | None = None
     causal: bool = Field(True, description="false for bidirectional encoders: future-token then skips part (a)")

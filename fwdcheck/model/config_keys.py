@@ -31,3 +31,23 @@ CONFIG_KEYS: Spellings = {
 def extended(table: Spellings, **more: tuple[str, ...]) -> Spellings:
     """`table` with more spellings after some rows' own, for a reader that knows them."""
     return {symbol: (*names, *more.get(symbol, ())) for symbol, names in table.items()}
+
+
+def head_widths(config: object) -> dict[str, int]:
+    """The query/key and value head widths of a config that states them apart (multi-head latent attention:
+    DeepSeek V2/V3's `qk_nope_head_dim + qk_rope_head_dim` for queries and keys, or `qk_head_dim`, and `v_head_dim`
+    for values and the attention output), as d_h and d_v; {} for a config that states no such split."""
+
+    def size(name: str) -> int | None:
+        value = getattr(config, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    widths = {}
+    nope, rope = size("qk_nope_head_dim"), size("qk_rope_head_dim")
+    query_key = size("qk_head_dim") or (nope + rope if nope and rope else None)
+    if query_key:
+        widths["d_h"] = query_key
+    value = size("v_head_dim")
+    if value:
+        widths["d_v"] = value
+    return widths

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
+from fwdcheck.model.calling import adapter_takes, call_convention_hint, call_forward
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.observe.frames import logits_in
 from fwdcheck.observe.observer import compiled_eagerly
 
 # Implementations whose library compiles the kernel on first use (transformers' flex_attention: tens of seconds on
@@ -39,8 +42,14 @@ def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iter
 
 
 def layer_stack_of(module: nn.Module) -> str | None:
-    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None."""
-    lists = [(n, len(m)) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None. A parametrization's list
+    (torch.nn.utils.parametrize: spectral_norm, weight_norm, orthogonal) computes a weight, not the hidden states:
+    never the layer stack."""
+    lists = [
+        (n, len(m))
+        for n, m in module.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) and not isinstance(m, ParametrizationList)
+    ]
     return max(lists, key=lambda item: item[1])[0] if lists else None
 
 
@@ -128,19 +137,22 @@ class ModelUnderTest:
         return self.accepts("position_ids")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
-        """The model's raw output; any exception becomes ModelRaised naming the model-code frame it came from."""
+        """The model's raw output, through the config's `forward:` adapter when it names one; any exception becomes
+        ModelRaised naming the model-code frame it came from, and a call that does not fit forward's signature
+        says what to do about it."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        with model_code("the model raised"):
-            if self.forward_adapter is not None:
-                return self.forward_adapter(self.module, input_ids, **kwargs)
-            return self.module(input_ids, **kwargs)
+        with model_code("the model raised", hint=call_convention_hint):
+            return call_forward(self.module, self.forward_adapter, input_ids, **kwargs)
 
-    def call(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        """The module's own forward with keyword arguments of its own (labels, document ids, a 4-D mask): the raw
-        output, exceptions as forward() reports them. The `forward:` adapter is not used: it turns a call into
-        logits, and these calls ask forward for something else beside them."""
-        with model_code("the model raised"):
-            return self.module(input_ids, **kwargs)
+    def call(self, input_ids: torch.Tensor, **extras: Any) -> Any:
+        """The model's forward with the extras a check passes (labels, document ids, a 4-D mask), through the
+        config's `forward:` adapter when it takes them (fwdcheck/model/calling.py: the adapter contract), else the
+        module's own forward: the raw output, exceptions as forward() reports them."""
+        adapter = self.forward_adapter
+        if adapter is not None and not adapter_takes(adapter, extras):
+            adapter = None  # a logits adapter would drop them: the module takes them itself, as without one
+        with model_code("the model raised", hint=call_convention_hint):
+            return call_forward(self.module, adapter, input_ids, **extras)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""
@@ -197,11 +209,14 @@ def _unusable(logits: torch.Tensor, input_ids: torch.Tensor) -> str | None:
 
 @contextmanager
 def model_code(
-    what: str, frame: Callable[[BaseException], tuple[str, int, str] | None] | None = None
+    what: str,
+    frame: Callable[[BaseException], tuple[str, int, str] | None] | None = None,
+    hint: Callable[[BaseException], str] | None = None,
 ) -> Iterator[None]:
     """Runs model code: what it raises is the model's failure, ModelRaised(f"{what} {describe(exc)}") naming the
-    line of model code that raised (model_frame, or `frame` where a caller knows better); a ModelRaised from within,
-    Ctrl-C and fwdcheck's own exceptions (model_failure) pass through untouched.
+    line of model code that raised (model_frame, or `frame` where a caller knows better), followed by what `hint`
+    says of the exception (a call that did not fit forward's signature: fwdcheck/model/calling.py); a ModelRaised
+    from within, Ctrl-C and fwdcheck's own exceptions (model_failure) pass through untouched.
 
         with model_code("the rotary function raised"):  # "the rotary function raised ValueError: ..."
             out = model.rotary(x, positions)
@@ -212,7 +227,8 @@ def model_code(
     except BaseException as exc:
         if not model_failure(exc):
             raise
-        raise ModelRaised(f"{what} {describe(exc)}", frame=(frame or model_frame)(exc)) from exc
+        said = hint(exc) if hint is not None else ""
+        raise ModelRaised(f"{what} {describe(exc)}{said}", frame=(frame or model_frame)(exc)) from exc
     finally:
         put_back_defaults(dtype, device)
 
@@ -261,17 +277,14 @@ def extract_logits(output: Any, keep_graph: bool = False) -> torch.Tensor:
 
 
 def _extract_logits(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(getattr(output, "logits", None), torch.Tensor):
-        return output.logits
-    if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
-        return output["logits"]
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    logits = logits_in(output)  # the one rule every check reads the logits by (fwdcheck/observe/frames.py)
+    if logits is not None:
+        return logits
+    keys = f" (keys {', '.join(map(repr, list(output)[:6]))})" if isinstance(output, Mapping) else ""
     raise ModelRaised(
-        f"forward returned {type(output).__name__}; fwdcheck needs logits [B, T, V]: a tensor, "
-        "an object with .logits, or a tuple whose first item is the logits"
+        f"forward returned {type(output).__name__}{keys}; fwdcheck needs logits [B, T, V]: a tensor, an object "
+        "with .logits, a mapping with a 'logits' entry, or a tuple whose first non-scalar item is the logits "
+        "(else name a `forward:` adapter in the config that returns them)"
     )
 
 

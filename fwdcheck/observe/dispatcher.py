@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from fwdcheck.observe.dropouts import RANDOM_FORMS, as_in_eval, live
 from fwdcheck.observe.frames import POSITION_INPUTS, WRITES, _Frame, _Identities, _slot_write, _SlotWrite
 from fwdcheck.observe.locations import model_line
 from fwdcheck.observe.masks import MaskRead, _empty_rows
@@ -50,7 +50,7 @@ class Observer(TorchFunctionMode):
         # every other op only passes on what it learned about its inputs. Read from the table as the pass begins.
         self.readers: dict[Any, Reader] = {
             **KERNELS.readers,
-            F.dropout: Observer._on_dropout,
+            **dict.fromkeys(RANDOM_FORMS, Observer._on_dropout),
             **dict.fromkeys(WRITES, Observer._on_write),
         }
         self.caller: Any = None  # the frame that made the call a reader is reading: where model_line starts
@@ -141,14 +141,16 @@ class Observer(TorchFunctionMode):
         return self.plain(func, args, kwargs)
 
     def _on_dropout(self, func, args, kwargs):
-        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-        training = kwargs.get("training", args[2] if len(args) > 2 else True)
-        live = bool(training) and float(p) > 0
+        """A functional dropout (any form: fwdcheck/observe/dropouts.py): recorded, and when it draws at random,
+        with the line that made it; made as in eval when the pass zeroes dropout."""
+        drawn = live(func, args, kwargs)
+        form = RANDOM_FORMS[func]
+        p = drawn[1] if drawn is not None else 0.0
         self.record.dropouts.append(
-            DropoutCall(self.module(), float(p), bool(training), self.model_line() if live else None)
+            DropoutCall(self.module(), p, drawn is not None, self.model_line() if drawn else None, form.name)
         )
-        if self.zero_dropout and training:
-            return args[0] if args else kwargs["input"]
+        if self.zero_dropout and drawn is not None:
+            return as_in_eval(func, args, kwargs)
         return self.plain(func, args, kwargs)
 
     def _on_write(self, func, args, kwargs):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,35 @@ class _SlotWrite:
     axis: int
     positions: torch.Tensor | None = None  # (n,)
     held: torch.Tensor | None = None  # (size,) the position in each slot; None while slot j holds position j
+
+
+def logits_in(output: Any) -> torch.Tensor | None:
+    """The logits in what a forward returned, by the one rule every check reads them with: a tensor is the logits;
+    an object with a `.logits` tensor (transformers' ModelOutput, a dataclass, a namedtuple) its `.logits`; a
+    mapping its "logits" entry (`{"hidden_states": h, "logits": z}`); a tuple or list its first item that is not a
+    scalar (a loss may lead it: transformers' `(loss, logits, ...)` without return_dict). None when none of these
+    holds. Reading `.logits` runs the output's own code, which may raise."""
+    if isinstance(output, torch.Tensor):
+        return output
+    attribute = getattr(output, "logits", None)
+    if isinstance(attribute, torch.Tensor):
+        return attribute
+    if isinstance(output, Mapping):
+        entry = output.get("logits")
+        return entry if isinstance(entry, torch.Tensor) else None
+    if isinstance(output, (tuple, list)):
+        return next((item for item in output if isinstance(item, torch.Tensor) and item.dim() > 0), None)
+    return None
+
+
+def output_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor a module's output stands for: its logits where it carries them (logits_in), else its first
+    tensor (a block's hidden state before the attention weights it also returns)."""
+    try:
+        found = logits_in(output)
+    except Exception:  # a `.logits` property of the model's that raises: read the output's tensors instead
+        found = None
+    return found if found is not None else first_tensor(output)
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -367,7 +396,7 @@ def module_tracking(
             calls = running.get(name)
             if calls:  # the innermost call of this module still waiting for its output
                 call = calls.pop()
-                y = first_tensor(output)
+                y = output_tensor(output)
                 call.output_shape = tuple(y.shape) if y is not None else ()
                 call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
                 call.seq = record.tick()

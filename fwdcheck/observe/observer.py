@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 import fwdcheck.observe.kernels  # noqa: F401  (fills the kernel table)
 from fwdcheck.observe.dispatcher import Observer
+from fwdcheck.observe.dropouts import RANDOM_FORMS, as_in_eval
 from fwdcheck.observe.frames import _Frame, _Identities, module_tracking
 from fwdcheck.observe.kernels.mha import _MHA_SIGNATURE
 from fwdcheck.observe.kernels.sdpa import SDPA_SIGNATURE
@@ -67,14 +68,25 @@ def observing(
 def compiled_eagerly():
     """torch.compile'd code runs as plain Python inside the block (torch.compiler.set_stance("force_eager"), torch
     2.6 on): the observer then sees inside it, and nothing is compiled while it is active. flex_attention, compiled
-    or not, still ends in its one kernel call, which computes its mask's math exactly."""
+    or not, still ends in its one kernel call, which computes its mask's math exactly. A session holds every check
+    in it: model code compiled at import (torchtitan's flex_attention and create_block_mask) would otherwise compile
+    for each new shape, minutes on a CPU."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
+def compiled_as_compiled():
+    """Inside, torch.compile compiles again (the default stance), within a block of compiled_eagerly: for the
+    check whose subject is what the compiled model computes."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("default") if set_stance is not None else nullcontext()
+
+
 class ZeroAttentionDropout(TorchFunctionMode):
-    """Forces dropout_p=0 in attention calls and makes functional dropout the identity: for models that apply
-    dropout in eval mode, so that a comparison measures the mask and not the dice."""
+    """Forces dropout_p=0 in attention calls and makes every functional dropout the identity (F.dropout,
+    alpha and feature dropout, dropout1d/2d/3d, torch.dropout and their in-place forms; rrelu its mean slope): for
+    models that apply dropout in eval mode, and on the train path, so that a comparison measures the mask and not
+    the dice."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -86,6 +98,6 @@ class ZeroAttentionDropout(TorchFunctionMode):
             bound = _MHA_SIGNATURE.bind(*args, **kwargs)
             bound.arguments["dropout_p"] = 0.0
             return func(**bound.arguments)
-        if func is F.dropout:
-            return args[0] if args else kwargs["input"]
+        if func in RANDOM_FORMS:
+            return as_in_eval(func, args, kwargs)
         return func(*args, **kwargs)

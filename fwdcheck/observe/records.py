@@ -117,6 +117,7 @@ class DropoutCall:
     p: float
     training: bool
     source: str | None = None  # "path:line" of the model code that made a live call (training=True, p > 0)
+    api: str = "F.dropout"  # the functional form called (F.alpha_dropout, torch.dropout, ...)
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Observation:
             if c.dropout_p
         ]
         spots += [
-            (f"{d.module or 'model'} (F.dropout p={d.p:g}, training=True)", d.source)
+            (f"{d.module or 'model'} ({d.api} p={d.p:g}, training=True)", d.source)
             for d in self.dropouts
             if d.training and d.p > 0
         ]

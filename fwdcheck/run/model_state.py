@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_globals
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.rnn import RNNBase
 
 
 @dataclass
@@ -29,7 +30,10 @@ class ModelState:
     the caller, find the model as the first one did."""
 
     training: dict[nn.Module, bool] = field(default_factory=dict)
-    dropout_p: dict[_DropoutNd, float] = field(default_factory=dict)
+    # every dropout module's probability by (module, attribute): nn.Dropout and its kin (Dropout1d/2d/3d,
+    # AlphaDropout, FeatureAlphaDropout) keep it as `p`; nn.RNN, LSTM and GRU as `dropout`, applied between their
+    # layers inside the kernel, where no function mode sees it
+    dropout_p: dict[tuple[nn.Module, str], float] = field(default_factory=dict)
     # (owner, kind, name, original data, the .grad tensor, its original data)
     tensors: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
@@ -47,8 +51,9 @@ class ModelState:
         state = cls()
         for module in model.modules():
             state.training[module] = module.training
-            if isinstance(module, _DropoutNd):
-                state.dropout_p[module] = module.p
+            attribute = dropout_attribute(module)
+            if attribute is not None:
+                state.dropout_p[module, attribute] = getattr(module, attribute)
             for name, p in module._parameters.items():
                 if p is not None:
                     grad = p.grad
@@ -69,6 +74,11 @@ class ModelState:
             state.tensor_names[module] = (set(module._parameters), set(module._buffers))
         state.buffer_contents = [(name, b, b.clone()) for name, b in model.named_buffers() if readable(b)]
         return state
+
+    def zero_dropout(self) -> None:
+        """Every dropout module's probability set to 0 (restore() puts them back)."""
+        for module, attribute in self.dropout_p:
+            setattr(module, attribute, 0.0)
 
     def restore(self) -> list[str]:
         """Put everything back; the names of the buffers whose contents the run had written in place."""
@@ -117,14 +127,53 @@ class ModelState:
                         buffer.copy_(contents)  # into its own storage, where the model and its views find it
                     else:  # resized in place
                         buffer.set_(contents)  # type: ignore[call-overload]  # documented; the stubs list storages only
-        for module, p in self.dropout_p.items():
-            module.p = p
+        for (module, attribute), p in self.dropout_p.items():
+            setattr(module, attribute, p)
         for module, training in self.training.items():
             module.training = training
         return written
 
 
 _MISSING = object()
+
+
+class KeptBuffers:
+    """The buffers of a model as found, put back after each forward that wrote them: state a train-mode forward
+    updates as it runs (spectral norm's power-iteration vectors, BatchNorm's running statistics and
+    num_batches_tracked, a step counter) would make the next identical forward a different one, which is no
+    randomness of the model's. Each buffer's contents are copied once (buffers are small beside the weights); a
+    buffer the forward rebound (`self.steps = self.steps + 1`) is put back by object."""
+
+    def __init__(self, model: nn.Module):
+        self.kept = [
+            (f"{path}.{name}" if path else name, module, name, buffer, buffer.clone())
+            for path, module in model.named_modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None and readable(buffer)
+        ]
+        self.updated: set[str] = set()  # the dotted names of the buffers a forward wrote, put back each time
+
+    def put_back(self) -> None:
+        with torch.no_grad():
+            for dotted, module, name, buffer, contents in self.kept:
+                if module._buffers.get(name) is not buffer:
+                    module._buffers[name] = buffer
+                    self.updated.add(dotted)
+                if not same_bytes(buffer, contents):
+                    self.updated.add(dotted)
+                    if buffer.shape == contents.shape:
+                        buffer.copy_(contents)
+                    else:  # resized in place
+                        buffer.set_(contents.clone())
+
+
+def dropout_attribute(module: nn.Module) -> str | None:
+    """The attribute holding a module's dropout probability, or None for a module without one."""
+    if isinstance(module, _DropoutNd):
+        return "p"
+    if isinstance(module, RNNBase) and isinstance(module.dropout, float):
+        return "dropout"
+    return None
 
 
 def readable(tensor: torch.Tensor) -> bool:

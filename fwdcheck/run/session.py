@@ -25,17 +25,18 @@ import torch.nn as nn
 from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageError, first_line
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.tested import ModelUnderTest, model_code
-from fwdcheck.observe.observer import ZeroAttentionDropout, observing
+from fwdcheck.observe.dropouts import RandomDraws
+from fwdcheck.observe.observer import ZeroAttentionDropout, compiled_eagerly, observing
 from fwdcheck.observe.records import Observation
 
 # position_change, nonfinite_positions and logit_scale are documented for checks here (docs/writing-checks.md): they
 # live in fwdcheck/run/compare.py, as do the settings and the model's state in settings.py and model_state.py.
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change  # noqa: F401
-from fwdcheck.run.model_state import GlobalState, ModelState
+from fwdcheck.run.model_state import GlobalState, KeptBuffers, ModelState
 from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
 from fwdcheck.run.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.run.tolerances import TOLERANCES
-from fwdcheck.run.train_path import eval_path
+from fwdcheck.run.train_path import eval_path, gradients_or_not
 
 SHORT_LENGTH = 16  # tokens of the short forwards checks share (session.short_length)
 
@@ -85,6 +86,8 @@ class Session:
         # logits on those tokens, which the train path's cell may be held to without running them again.
         self.ran_alone: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._moved = self._cast = False  # whether active() put the model on the device or dtype as a copy
+        # The train path: the buffers as its first forward found them, put back after every forward (_run)
+        self._kept: KeptBuffers | None = None
 
     # -- lifetime -------------------------------------------------------------------------------------------------
 
@@ -102,14 +105,17 @@ class Session:
             stack.callback(lambda: self.notes.extend(process.restore()))
             stack.callback(lambda: self._restore(state))
             stack.enter_context(kept_as_notes(self.model.library_loggers, self.notes))
+            # torch.compile'd model code (compiled at import, as torchtitan compiles flex_attention and
+            # create_block_mask) runs eagerly in every check: the same math, without a compile for every new shape
+            # (206 s for a first CPU forward); the compile check compiles on purpose (compiled_as_compiled)
+            stack.enter_context(compiled_eagerly())
             # eval() runs model code too (an overridden train()): what it raises is the model's error
             with model_code("the model cannot be put in eval mode:"):
                 module.eval()
             if self.train:
                 with model_code("the model cannot be put in train mode:"):
                     module.train()
-            for dropout in state.dropout_p:
-                dropout.p = 0.0
+            state.zero_dropout()
             self._place(module)
             self.inputs = self.inputs.to(self.device)
             yield self
@@ -206,17 +212,30 @@ class Session:
         if not self.train:
             with torch.no_grad(), ZeroAttentionDropout() if self.force_zero_dropout else nullcontext():
                 return forward()
-        if self.gradients_refused is None:
-            try:
-                with torch.enable_grad(), ZeroAttentionDropout():
-                    return forward()
-            except ModelRaised as exc:
-                with torch.no_grad(), ZeroAttentionDropout():
-                    result = forward()  # the model's own error when it cannot run in train mode at all
-                self.gradients_refused = first_line(exc)
-                return result
-        with torch.no_grad(), ZeroAttentionDropout():
+        # What a train-mode forward updates as it runs (spectral norm's vectors, BatchNorm's running statistics, a
+        # step counter) is put back after each one: every forward of the path starts from the same model, and two
+        # identical forwards differ only by randomness.
+        kept = self._kept = self._kept or KeptBuffers(self.model.module)
+
+        def from_the_model_as_found():  # a try with gradients that raised may have written some of it
+            kept.put_back()
             return forward()
+
+        try:
+            with ZeroAttentionDropout():
+                if self.gradients_refused is None:
+                    result, self.gradients_refused = gradients_or_not(from_the_model_as_found)
+                    return result
+                with torch.no_grad():
+                    return forward()
+        finally:
+            kept.put_back()
+
+    @property
+    def updated_state(self) -> set[str]:
+        """The buffers (dotted names) the train path's forwards wrote as they ran, each put back after it: state
+        the model updates as it trains (spectral norm's vectors, running statistics, a step counter)."""
+        return self._kept.updated if self._kept is not None else set()
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -437,6 +456,22 @@ class Session:
             ) from exc
         self.forward_tokens += ids.numel()
         return seen, logits
+
+    def random_draws(self) -> list[tuple[str, str | None]]:
+        """The random draws the model makes itself in one forward of the session's first row on the session's path
+        (torch.rand_like, Tensor.bernoulli_, ...: (function, 'path:line') of each call site), which no zeroing of
+        dropout turns off; [] when it makes none, or cannot run so observed. Computed once."""
+
+        def compute() -> list[tuple[str, str | None]]:
+            draws = RandomDraws()
+            with draws:
+                self._run(lambda: self.model.logits(self.inputs[:1]))
+            return draws.seen
+
+        try:
+            return self._once("random draws", compute)
+        except (ModelRaised, ObservationFailed):
+            return []
 
     @staticmethod
     def _without_gradients(observed):

@@ -23,6 +23,7 @@ import torch.nn as nn
 from fwdcheck.config.callables import on_sys_path, resolve_callable, search_dirs
 from fwdcheck.config.schema import Config, Distributed
 from fwdcheck.errors import ModelLoadError, ModelRaised, Own, UsageError, first_line, model_failure
+from fwdcheck.model.calling import call_forward
 from fwdcheck.model.tested import ModelUnderTest, describe, extract_logits
 from fwdcheck.run.limits import CheckTimeout
 from fwdcheck.run.runner import Run
@@ -261,9 +262,7 @@ class RankZeroLogits:
     def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         self.forwarding = True  # the module's own output, for the broadcast below: share_output leaves it alone
         try:
-            output = (
-                self.adapter(module, input_ids, **kwargs) if self.adapter is not None else module(input_ids, **kwargs)
-            )
+            output = call_forward(module, self.adapter, input_ids, **kwargs)  # the one call convention
         except BaseException as exc:
             if not model_failure(exc):
                 raise

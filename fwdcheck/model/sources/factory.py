@@ -13,7 +13,7 @@ import torch.nn as nn
 from fwdcheck.config.callables import on_sys_path, resolve_callable
 from fwdcheck.config.schema import FactoryModel
 from fwdcheck.errors import ModelLoadError, model_failure
-from fwdcheck.model.config_keys import CONFIG_KEYS, extended
+from fwdcheck.model.config_keys import CONFIG_KEYS, extended, head_widths
 from fwdcheck.model.sources.detect import detect_capabilities
 from fwdcheck.model.tested import ModelUnderTest, Rotary, describe
 
@@ -128,6 +128,7 @@ def _dims_from_config(model_config: Any) -> dict[str, int]:
         dims["d_h"] = _first_int(model_config, MODULE_CONFIG_KEYS["d_h"]) or dims["d"] // dims["h"]
     if "h" in dims:
         dims.setdefault("h_kv", dims["h"])
+    dims.update(head_widths(model_config))  # MLA: queries and keys of one width, values of another
     return dims
 
 

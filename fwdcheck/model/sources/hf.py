@@ -30,7 +30,7 @@ from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, regular_file
 from fwdcheck.config.schema import HF_WEIGHT_FILES, Config, HFModel, RopeSpec, describe_validation_error
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
-from fwdcheck.model.config_keys import CONFIG_KEYS
+from fwdcheck.model.config_keys import CONFIG_KEYS, head_widths
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
@@ -168,6 +168,9 @@ def config_dims(cfg: Any, model_type: str) -> dict[str, int]:
         head_dim = config_size(cfg, "head_dim") or (hidden // heads if hidden else None)
         if head_dim:
             dims["d_h"] = head_dim
+    value_width = head_widths(cfg).get("d_v")  # MLA's v_head_dim: values narrower than queries and keys
+    if value_width:
+        dims["d_v"] = value_width
     d_ff = config_size(cfg, "intermediate_size", "n_inner", "ffn_dim")
     if d_ff:
         dims["d_ff"] = d_ff
