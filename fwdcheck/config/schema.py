@@ -31,6 +31,7 @@ from fwdcheck.config.bugs import BUGS
 from fwdcheck.config.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
+from fwdcheck.config.tolerance_bounds import bounded_atol, bounded_noise_factor, bounded_rtol
 from fwdcheck.config.validation_words import in_plain_words
 from fwdcheck.errors import ConfigError
 
@@ -418,9 +419,17 @@ class Inputs(Strict):
 
 
 class Tolerance(Strict):
-    rtol: float | None = Field(None, ge=0.0, description="relative to the largest |logit|; default per dtype")
-    atol: float | None = Field(None, ge=0.0, description="absolute floor; default per dtype")
-    noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
+    """A tolerance that would excuse any change is refused (fwdcheck/config/tolerance_bounds.py says the rule)."""
+
+    rtol: Annotated[float | None, AfterValidator(bounded_rtol)] = Field(
+        None, ge=0.0, description="relative to the largest |logit|, below 1; default per dtype"
+    )
+    atol: Annotated[float | None, AfterValidator(bounded_atol)] = Field(
+        None, ge=0.0, description="absolute floor, below 1; default per dtype"
+    )
+    noise_factor: Annotated[float, AfterValidator(bounded_noise_factor)] = Field(
+        10.0, ge=1.0, description="a change must exceed this many noise floors to count (1 to 1000)"
+    )
 
 
 MAX_RANKS = 256
