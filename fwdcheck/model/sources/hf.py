@@ -86,6 +86,8 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
             assert spec.path is not None  # has_weights
             regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
+        # before any meta-device block (refuse_oversized counts on meta too): import-time tensors are real ones
+        import_model_class(cls, hf_config, spec.trust_remote_code)
         try:
             if config.meta:
                 with torch.device("meta"):
@@ -324,6 +326,24 @@ def _model_class(spec: HFModel, transformers):
     if cls is None:
         raise ModelLoadError(f"transformers {transformers.__version__} has no class '{name}'")
     return cls
+
+
+def import_model_class(cls, hf_config, trust_remote_code: bool = False) -> None:
+    """Imports the module that defines the class from_config will build (an Auto class resolves it lazily, at the
+    first build), so its import-time code runs on the default device and never inside a meta-device block: on
+    transformers 4.46 a modeling file imports torchao, whose import-time tensors fail on meta, and every hf config
+    exited 2. What cannot be resolved here is left to from_config, which says why in its own words."""
+    remote = getattr(hf_config, "auto_map", None) or {}
+    try:
+        if trust_remote_code and cls.__name__ in remote:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            repo, _, reference = remote[cls.__name__].rpartition("--")  # "repo--module.Class" or "module.Class"
+            get_class_from_dynamic_module(reference, repo or hf_config.name_or_path)
+        elif type(hf_config) in getattr(cls, "_model_mapping", {}):
+            cls._model_mapping[type(hf_config)]  # the lookup imports the modeling module
+    except Exception:  # from_config raises the same, as one ModelLoadError line
+        return
 
 
 def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
