@@ -39,6 +39,7 @@ from fwdcheck.report.outputs import (
 )
 from fwdcheck.report.prose import paragraphs
 from fwdcheck.report.stderr import err, one_line, print_error
+from fwdcheck.report.stream_text import fit_stream
 from fwdcheck.run_command import Device, DType, FailOn, RunOptions, run_configs
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
@@ -618,6 +619,8 @@ def schema(
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):  # an ASCII-only stream gets the nearest text, not an encoding error
+        fit_stream(stream)
     try:
         app()
     except KeyboardInterrupt:  # outside a command's own guard
