@@ -384,6 +384,53 @@ def raises_with_padding_mask(model_type: str) -> bool:
     return False
 
 
+# DeepSeek V3.2's sparse attention and its relatives that transformers builds tiny (qwen4_exp and dots3_note are left
+# out above): an indexer keeps each query's index_topk best-scoring keys at or before it. At the sweep's length every
+# key is kept (index_topk 2048); below the row's length a query may not keep its own key, and mask-audit judges the
+# selected keys against the causal bound (a passing FWD210 note) instead of failing them as a strict causal mask.
+SPARSE_SELECTION = ("axk2", "deepseek_v32", "glm_moe_dsa")
+SELECTED_KEYS = 4
+
+
+def _selecting(model_type: str) -> dict[str, Any]:
+    built = tiny(model_type)
+    assert built.config is not None, built.left_out
+    return {**built.config, "index_topk": SELECTED_KEYS}
+
+
+def selection_skips_itself(model_type: str) -> bool:
+    """Whether, with index_topk below the row's length, the indexer's selection leaves some query without its own
+    key: its output (the [B, T, k] indices each query attends) read by a forward hook, no fwdcheck check involved."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _selecting(model_type)
+    torch.manual_seed(0)
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **rest)).eval()
+    selected: list[torch.Tensor] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer"):
+            module.register_forward_hook(lambda m, args, out: selected.append(out))
+    ids = torch.randint(0, rest["vocab_size"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+    own = torch.arange(SEQ_LEN)[None, :, None]  # (1, T, 1): each query's own position
+    return bool(selected) and any(bool((~(indices.long() == own).any(-1)).any()) for indices in selected)
+
+
+def selection_report(model_type: str):
+    """mask-audit on the tiny model with index_topk below the row's length, as the sweep runs it."""
+    from tests.conftest import run_checks
+
+    return run_checks(
+        {"source": "hf", "config": _selecting(model_type)},
+        ["mask-audit"],
+        inputs={"batch_size": 2, "seq_len": SEQ_LEN},
+        code_paths=CODE_PATHS,
+    )
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
