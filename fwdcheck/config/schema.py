@@ -380,7 +380,9 @@ MODEL_CLASSES: dict[str, type[BaseModel]] = {
 class CodePaths(Strict):
     """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
     built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
-    the default path (other models). The train path is one more cell for every model, unless `train: false`."""
+    the default path (other models). The train path is one more cell for every model, unless `train: false`. A cell
+    whose path the model cannot run (its forward raises there) is not judged, with the model's reason, and the other
+    cells still count; the model raising on the default path stays an error."""
 
     enabled: bool | None = Field(
         None, description="default: on for source hf, off otherwise (then only the train path runs); false: no cell"
