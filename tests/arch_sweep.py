@@ -431,6 +431,48 @@ def selection_report(model_type: str):
     )
 
 
+def chunk_after_prefill_moves(model_type: str, chunk: int = 2) -> bool:
+    """Whether, after a cached prefill of half the row, decoding the next `chunk` tokens in one forward through the
+    cache gives other logits than the full forward, while one token at a time does not: transformers alone."""
+    import inspect
+
+    import torch
+
+    model = _plain(model_type)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    half = SEQ_LEN // 2
+
+    def after_prefill(n: int) -> float:
+        cached = model(ids[:, :half], use_cache=True)
+        cache = getattr(cached, "cache", None) or getattr(cached, "past_key_values", None)
+        return float(
+            (model(ids[:, half : half + n], **{name: cache}, use_cache=True).logits - full[:, half : half + n])
+            .abs()
+            .max()
+        )
+
+    with torch.no_grad():
+        full = model(ids).logits
+        bar = 1e-4 * float(full.abs().max())
+        return after_prefill(1) <= bar < after_prefill(chunk)
+
+
+# kv-cache (not a default check, run alone): what it finds on the architectures the sweep looks at for it.
+# Hybrids whose generate keeps only the last position (config.num_logits_to_keep = 1: Falcon-H1, Nemotron-H) are asked
+# for every position (logits_to_keep=0) and pass; Mamba's chunked decode is the model's.
+KV_CACHE_PASSES = ("falcon_h1", "mamba2", "nemotron_h")
+MAMBA_CHUNKS = (
+    "Mamba's torch path scans several new tokens from a zero state, the cached one unread (transformers' own note: "
+    "'mamba_selective_scan does not take the past state, it is WRONG if the cache is not empty'): decoding two tokens "
+    "at once after a prefill gives other logits, one at a time does not"
+)
+KV_CACHE_FINDINGS: dict[str, Expected] = {
+    "mamba": Expected(frozenset({"FWD502"}), MAMBA_CHUNKS, lambda: chunk_after_prefill_moves("mamba")),
+}
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
@@ -557,6 +599,15 @@ def section() -> str:
         "| architecture | what the model does |",
         "| --- | --- |",
         *(f"| {name} | {e.what} |" for name, e in sorted(NOT_JUDGED.items())),
+    ]
+    lines += [
+        "",
+        f"kv-cache (not a default check), run alone: passes on {', '.join(KV_CACHE_PASSES)}; true findings, each "
+        "shown in plain torch:",
+        "",
+        "| architecture | codes | what the model does |",
+        "| --- | --- | --- |",
+        *(f"| {name} | {' '.join(sorted(e.codes))} | {e.what} |" for name, e in sorted(KV_CACHE_FINDINGS.items())),
     ]
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for (name, check), e in KNOWN.items():

@@ -16,12 +16,15 @@ from tests.arch_sweep import (
     CHECKS,
     FINDINGS,
     KNOWN,
+    KV_CACHE_FINDINGS,
+    KV_CACHE_PASSES,
     NOT_JUDGED,
     SPARSE_SELECTION,
     architectures,
     documented_section,
     entry,
     family,
+    one_check_report,
     selection_report,
     selection_skips_itself,
     skip_reason,
@@ -138,3 +141,23 @@ def test_a_code_path_the_model_cannot_run_is_not_judged_and_the_rest_counts(mode
         unjudged = [row for row in result.paths.rows if row.status.value == "skip"]
         assert unjudged and all("not judged: the model cannot run this code path" in r.summary for r in unjudged)
         assert any(row.status.value == "pass" for row in result.paths.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", KV_CACHE_PASSES)
+def test_kv_cache_passes_on_hybrids_asked_for_every_position(model_type):
+    """Falcon-H1 and Nemotron-H's generate keeps only the last position's logits (num_logits_to_keep 1): the check
+    asks for every position (logits_to_keep=0) and compares them, instead of calling the shape an error."""
+    result = one_check_report(model_type, "kv-cache").result("kv-cache")
+    assert result.status.value == "pass", result.summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(KV_CACHE_FINDINGS))
+def test_each_kv_cache_finding_is_shown_in_plain_torch(model_type):
+    finding = KV_CACHE_FINDINGS[model_type]
+    assert finding.evidence(), finding.what
+    result = one_check_report(model_type, "kv-cache").result("kv-cache")
+    assert (
+        result.status.value == "fail" and {f.code for f in result.findings if f.status.value == "fail"} <= finding.codes
+    )

@@ -240,6 +240,9 @@ class PastKeyValues(Decoder):
                 "sequence's (a mask token appended, as XLM generates): its next token is not read from the last "
                 "token's logits, so there is no cached decoding to compare with the full forward"
             )
+        for name in ("logits_to_keep", "num_logits_to_keep"):
+            if inputs.get(name):  # generate keeps the last position's logits alone (a hybrid's config says 1); the
+                inputs[name] = 0  # check compares every new token's, which 0 asks for
         output = call_model(what, self.module, **inputs)
         cache = returned_cache(output)
         if cache is None and state is None:
