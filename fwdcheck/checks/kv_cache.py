@@ -185,13 +185,19 @@ class PastKeyValues(Decoder):
     def begin(self, rows, length):
         self.tokens = None
 
+    def _made_cache(self) -> Any:
+        """The empty cache generate would make for the model; what its library raises making it (BLT's config,
+        whose layers only its sub-configs hold) is the model's error, as it is under generate, not fwdcheck's."""
+        assert self.new_cache is not None
+        return call_model("making the cache as generate does (DynamicCache(config=...))", self.new_cache, self.module)
+
     def step(self, state, ids, start):
         if self.prepare is not None:
             return self._generate_step(state, ids, start)
         B, n = ids.shape
         kwargs: dict[str, Any] = {"use_cache": True}
         if state is None and self.new_cache is not None:
-            state = self.new_cache(self.module)
+            state = self._made_cache()
         if state is not None:
             kwargs[self.cache_arg] = state
         positions = torch.arange(start, start + n, device=ids.device)
@@ -221,7 +227,7 @@ class PastKeyValues(Decoder):
         self.tokens[:, start : start + n] = ids
         so_far = self.tokens[:, : start + n].clone()  # (B, start + n)
         if state is None and self.new_cache is not None:
-            state = self.new_cache(self.module)  # None where the model makes its own cache, as generate leaves it
+            state = self._made_cache()  # None where the model makes its own cache, as generate leaves it
         what = f"forward({self.label}) at positions {start}-{start + n - 1}"
         inputs = call_model(
             f"prepare_inputs_for_generation at positions {start}-{start + n - 1}",

@@ -713,6 +713,9 @@ def dynamic_cache(module: nn.Module) -> Any:
     if callable(supports) and not supports():
         return None
     config: Any = module.config  # a transformers PretrainedConfig
+    # generate's own: the decoder's text config, which holds the layers (BLT's top config has none of its own)
+    decoder = getattr(config, "get_text_config", None)
+    config = decoder(decoder=True) if callable(decoder) else config
     try:
         return DynamicCache(config=config)
     except TypeError:  # releases whose DynamicCache takes no config
