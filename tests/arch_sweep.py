@@ -459,6 +459,26 @@ def chunk_after_prefill_moves(model_type: str, chunk: int = 2) -> bool:
         return after_prefill(1) <= bar < after_prefill(chunk)
 
 
+def labels_scored_in_place(model_type: str) -> bool:
+    """Whether the model's loss for labels = input_ids is the cross-entropy of each position's logits against its
+    own token (no shift), as XLNet and the decoder-only heads of BART's family compute it: transformers alone."""
+    import torch
+    import torch.nn.functional as F
+
+    model = _plain(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        output = model(ids, labels=ids)
+        in_place = F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), ids.reshape(-1))
+    return bool(torch.isclose(output.loss, in_place, rtol=1e-5))
+
+
+# label-shift (not a default check), run alone: forwards that score labels in place (the caller shifts), read as such
+# from their source, pass; Llama's shared loss shifts them itself.
+LABELS_IN_PLACE = ("bart", "xlnet")
+
+
 # kv-cache (not a default check, run alone): what it finds on the architectures the sweep looks at for it.
 # Hybrids whose generate keeps only the last position (config.num_logits_to_keep = 1: Falcon-H1, Nemotron-H) are asked
 # for every position (logits_to_keep=0) and pass; Mamba's chunked decode is the model's.

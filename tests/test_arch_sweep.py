@@ -18,12 +18,14 @@ from tests.arch_sweep import (
     KNOWN,
     KV_CACHE_FINDINGS,
     KV_CACHE_PASSES,
+    LABELS_IN_PLACE,
     NOT_JUDGED,
     SPARSE_SELECTION,
     architectures,
     documented_section,
     entry,
     family,
+    labels_scored_in_place,
     one_check_report,
     selection_report,
     selection_skips_itself,
@@ -161,3 +163,13 @@ def test_each_kv_cache_finding_is_shown_in_plain_torch(model_type):
     assert (
         result.status.value == "fail" and {f.code for f in result.findings if f.status.value == "fail"} <= finding.codes
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [*LABELS_IN_PLACE, "llama"])
+def test_label_shift_reads_who_shifts_the_labels_off_the_forward(model_type):
+    """XLNet and BART's causal LM score each position against the label at the same position (plain torch): the
+    caller shifts, and label-shift judges them so instead of FWD701; Llama shifts them itself, and passes as such."""
+    assert labels_scored_in_place(model_type) is (model_type in LABELS_IN_PLACE)
+    result = one_check_report(model_type, "label-shift").result("label-shift")
+    assert result.status.value == "pass", result.summary

@@ -548,7 +548,7 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
         model.unavailable["loss"] = f"{reason}: its loss (if any) is not next-token cross-entropy"
         model.unavailable["packing"] = f"{reason}: documents packed for causal training do not apply"
         return
-    model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    model.loss = loss_convention(module)
     if not model.positions.given:
         model.unavailable["packing"] = (
             f"{type(module).__name__} {model.positions.origin}: fwdcheck cannot start each packed document's "
@@ -610,6 +610,33 @@ def stateful_layers(module: nn.Module) -> str | None:
     blocks = dict(module.named_modules()).get(stack) if stack else None
     kind = type(blocks[0]).__name__ if isinstance(blocks, nn.ModuleList) and len(blocks) else "layers"
     return f"{kind} layers (no attention: a recurrent or convolution mixer)"
+
+
+# A forward that shifts its labels itself: transformers' shared causal-LM loss, or the shift written out.
+_SHIFTS = re.compile(r"loss_function|shift_labels|shift_logits|\[\s*(?:\.\.\.|:)\s*,\s*1\s*:")
+_OWN_CROSS_ENTROPY = re.compile(r"CrossEntropyLoss|cross_entropy")
+
+
+def loss_convention(module: nn.Module) -> Loss:
+    """How the causal LM's forward lines its labels up, read off its source: transformers' convention (labels =
+    input ids, the model shifts them: its shared loss_function, or a shift written out), or, for a forward that
+    scores each position's logits against the label at the same position with a cross-entropy of its own (XLNet:
+    labels are the targets of each prediction, its docs say), the caller's shift."""
+    convention = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return convention
+    if _SHIFTS.search(source) or not _OWN_CROSS_ENTROPY.search(source):
+        return convention
+    return Loss(
+        "labels",
+        "caller",
+        "loss",
+        -100,
+        f"{type(module).__name__}.forward's own cross-entropy of logits against labels at the same position, no "
+        "shift: labels are the caller's next tokens",
+    )
 
 
 def own_cache_class(module: nn.Module) -> bool:
