@@ -416,3 +416,30 @@ def test_a_cache_its_library_cannot_make_is_the_models_error_not_fwdchecks():
     holder.config = transformers.BltConfig()
     with pytest.raises(ModelRaised, match="making the cache as generate does .* 'num_hidden_layers'"):
         PastKeyValues(holder, new_cache=dynamic_cache).step(None, torch.zeros(1, 2, dtype=torch.long), 0)
+
+
+REFORMER = {
+    "model_type": "reformer",
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "attention_head_size": 16,
+    "feed_forward_size": 64,
+    "vocab_size": 64,
+    "attn_layers": ["local", "lsh"],
+    "axial_pos_embds_dim": [16, 16],
+    "axial_pos_shape": [4, 4],
+    "max_position_embeddings": 16,
+    "lsh_attn_chunk_length": 4,
+    "local_attn_chunk_length": 4,
+    "num_buckets": 4,
+    "is_decoder": True,
+}
+
+
+@pytest.mark.slow  # builds a Hugging Face model
+def test_a_model_that_decodes_without_a_cache_skips_saying_so():
+    """Reformer's forward returns no cache and generate makes none for it: nothing cached to compare, a skip with the
+    reason (it was an error, FWD002)."""
+    res = result({"source": "hf", "config": REFORMER})
+    assert res.status.value == "skip", (res.summary, res.findings)
+    assert "decodes without a KV cache" in res.summary
