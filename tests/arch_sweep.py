@@ -104,7 +104,22 @@ def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(data.get(period), int) and isinstance(data.get(offset), int):
             data[period], data[offset] = 2, 1
     _per_layer_kept(data)
+    _axial_positions_fit(data)
     return data
+
+
+def _axial_positions_fit(data: dict[str, Any]) -> None:
+    """Axial position embeddings (Reformer): their two factors sum to the shrunk width, their shape covers the
+    positions kept, and attention chunks fit a row of SEQ_LEN tokens."""
+    if not isinstance(data.get("axial_pos_embds_dim"), list) or not isinstance(data.get("hidden_size"), int):
+        return
+    width = data["hidden_size"]
+    data["axial_pos_embds_dim"] = [width // 2, width - width // 2]
+    data["axial_pos_shape"] = [4, 4]
+    data["max_position_embeddings"] = 16  # the product of the shape: Reformer's positions are exactly its cells
+    for key in ("lsh_attn_chunk_length", "local_attn_chunk_length"):
+        if isinstance(data.get(key), int):
+            data[key] = SEQ_LEN // 2
 
 
 # The standard names shrink reads, and the part of an architecture's own spellings that says the same role.
