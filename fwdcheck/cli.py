@@ -22,7 +22,7 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from fwdcheck import __version__
-from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text
+from fwdcheck.errors import ExitCode, FwdcheckError, Terminated, UsageError, exception_text, terminate_raises
 from fwdcheck.model.sources import starter_config, starters
 from fwdcheck.report.formats import (
     Format,
@@ -39,6 +39,7 @@ from fwdcheck.report.outputs import (
 )
 from fwdcheck.report.prose import paragraphs
 from fwdcheck.report.stderr import err, one_line, print_error
+from fwdcheck.report.stream_text import fit_stream
 from fwdcheck.run_command import Device, DType, FailOn, RunOptions, run_configs
 
 if TYPE_CHECKING:  # for annotations only: the commands import these where they use them
@@ -287,6 +288,9 @@ def _guarded(action, debug: bool) -> int:
         return action()
     except FwdcheckError as exc:
         return print_error(exc, debug)
+    except Terminated:  # SIGTERM, raised (terminate_raises): the way out cleaned up after itself
+        err.print("[bold red]terminated[/]")
+        return ExitCode.TERMINATED
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")
         return ExitCode.INTERRUPTED
@@ -618,9 +622,14 @@ def schema(
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):  # an ASCII-only stream gets the nearest text, not an encoding error
+        fit_stream(stream)
     try:
-        app()
-    except KeyboardInterrupt:  # outside a command's own guard
+        with terminate_raises():  # SIGTERM ends the command through its cleanup, not by the signal
+            app()
+    except Terminated:  # outside a command's own guard
+        sys.exit(ExitCode.TERMINATED)
+    except KeyboardInterrupt:
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit as exc:
         # What a command printed may still sit in stdout's buffer: flush it here, where a failure (a full disk, a

@@ -174,6 +174,32 @@ def model_failure(exc: BaseException) -> bool:
     return True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM raised where the process is, as Ctrl-C raises KeyboardInterrupt (terminate_raises): every `finally`
+    and cleanup on the way out runs, and the command ends with exit 143 instead of dying by the signal mid-write."""
+
+
+@contextmanager
+def terminate_raises():
+    """While the block runs, SIGTERM raises Terminated in the main thread (elsewhere it keeps its handler)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        _interrupts.heard = True  # an interruption from outside, never the model's own error (model_failure)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 class _Interrupts:
     """Whether a run listens for SIGINT (interrupts_heard) and has heard one."""
 

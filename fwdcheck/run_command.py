@@ -31,6 +31,7 @@ from fwdcheck.report.outputs import (
     write_whole,
 )
 from fwdcheck.report.stderr import err, one_line, print_error
+from fwdcheck.report.stream_text import exact_for_xml
 
 if TYPE_CHECKING:  # for annotations only: imported where they are used
     from fwdcheck.config.schema import Config
@@ -400,7 +401,10 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
     else:
         text = render_text(outcome, o.format)
         if o.output is None:
-            attempt(write_stdout, lambda stream: stream.write(text))
+            # XML keeps what the stream cannot hold as character references (the stream's handler writes the
+            # nearest text, fwdcheck/report/stream_text.py); JSON is ASCII already
+            xml = o.format == Format.junit
+            attempt(write_stdout, lambda stream: stream.write(exact_for_xml(text, stream) if xml else text))
         else:
             attempt(write_whole, o.output, text)
     for path, fmt in ((o.json, Format.json), (o.junit, Format.junit), (o.markdown, Format.markdown)):

@@ -104,7 +104,22 @@ def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(data.get(period), int) and isinstance(data.get(offset), int):
             data[period], data[offset] = 2, 1
     _per_layer_kept(data)
+    _axial_positions_fit(data)
     return data
+
+
+def _axial_positions_fit(data: dict[str, Any]) -> None:
+    """Axial position embeddings (Reformer): their two factors sum to the shrunk width, their shape covers the
+    positions kept, and attention chunks fit a row of SEQ_LEN tokens."""
+    if not isinstance(data.get("axial_pos_embds_dim"), list) or not isinstance(data.get("hidden_size"), int):
+        return
+    width = data["hidden_size"]
+    data["axial_pos_embds_dim"] = [width // 2, width - width // 2]
+    data["axial_pos_shape"] = [4, 4]
+    data["max_position_embeddings"] = 16  # the product of the shape: Reformer's positions are exactly its cells
+    for key in ("lsh_attn_chunk_length", "local_attn_chunk_length"):
+        if isinstance(data.get(key), int):
+            data[key] = SEQ_LEN // 2
 
 
 # The standard names shrink reads, and the part of an architecture's own spellings that says the same role.
@@ -134,7 +149,36 @@ class Built:
 @functools.cache
 def tiny(model_type: str) -> Built:
     """The architecture's config class's defaults, shrunk, checked to build on the meta device within
-    MAX_PARAMETERS."""
+    MAX_PARAMETERS; where that config does not build or run, once more with the sizes it derives rederived
+    (_rederived)."""
+    built = _tiny(model_type, rederive=False)
+    if built.config is None and "shrunk default config" in (built.left_out or ""):
+        again = _tiny(model_type, rederive=True)
+        return again if again.config is not None else built
+    return built
+
+
+def _rederived(model_type: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A shrunk config's second try: sizes the config class derives from hidden_size, which its defaults' to_dict
+    states at the full width and the shrink rules do not know (Zamba 2's attention_hidden_size and mamba_headdim),
+    left out so the class derives them at the shrunk width; and a hybrid that places no attention layer
+    (attn_layer_indices unset: Bamba, whose forward then cannot build its mask) given one, its last, as released
+    configs of it place some."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    base = cls().to_dict()
+    if isinstance(base.get("hidden_size"), int):
+        wider = cls(hidden_size=2 * base["hidden_size"]).to_dict()
+        derived = {k for k in base if k != "hidden_size" and base[k] != wider.get(k)}
+        data = {k: v for k, v in data.items() if not (k in derived and v == base[k])}
+    layers = data.get("num_hidden_layers")
+    if "attn_layer_indices" in data and data["attn_layer_indices"] is None and isinstance(layers, int):
+        data["attn_layer_indices"] = [layers - 1]
+    return data
+
+
+def _tiny(model_type: str, rederive: bool) -> Built:
     import torch
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
@@ -144,6 +188,8 @@ def tiny(model_type: str) -> Built:
         warnings.simplefilter("ignore")
         try:
             data = _shrunk(_stated(CONFIG_MAPPING[model_type]().to_dict()))
+            if rederive:
+                data = _rederived(model_type, data)
             # The flag that makes an architecture's causal-LM head causal, as a user building one sets it: the
             # encoder families' is_decoder, XLM's causal, XLNet's unidirectional attention.
             for flag in ("is_decoder", "causal"):
@@ -384,6 +430,134 @@ def raises_with_padding_mask(model_type: str) -> bool:
     return False
 
 
+# DeepSeek V3.2's sparse attention and its relatives that transformers builds tiny (qwen4_exp and dots3_note are left
+# out above): an indexer keeps each query's index_topk best-scoring keys at or before it. At the sweep's length every
+# key is kept (index_topk 2048); below the row's length a query may not keep its own key, and mask-audit judges the
+# selected keys against the causal bound (a passing FWD210 note) instead of failing them as a strict causal mask.
+SPARSE_SELECTION = ("axk2", "deepseek_v32", "glm_moe_dsa")
+SELECTED_KEYS = 4
+
+
+def _selecting(model_type: str) -> dict[str, Any]:
+    built = tiny(model_type)
+    assert built.config is not None, built.left_out
+    return {**built.config, "index_topk": SELECTED_KEYS}
+
+
+def selection_skips_itself(model_type: str) -> bool:
+    """Whether, with index_topk below the row's length, the indexer's selection leaves some query without its own
+    key: its output (the [B, T, k] indices each query attends) read by a forward hook, no fwdcheck check involved."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _selecting(model_type)
+    torch.manual_seed(0)
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **rest)).eval()
+    selected: list[torch.Tensor] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer"):
+            module.register_forward_hook(lambda m, args, out: selected.append(out))
+    ids = torch.randint(0, rest["vocab_size"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+    own = torch.arange(SEQ_LEN)[None, :, None]  # (1, T, 1): each query's own position
+    return bool(selected) and any(bool((~(indices.long() == own).any(-1)).any()) for indices in selected)
+
+
+def selection_report(model_type: str):
+    """mask-audit on the tiny model with index_topk below the row's length, as the sweep runs it."""
+    from tests.conftest import run_checks
+
+    return run_checks(
+        {"source": "hf", "config": _selecting(model_type)},
+        ["mask-audit"],
+        inputs={"batch_size": 2, "seq_len": SEQ_LEN},
+        code_paths=CODE_PATHS,
+    )
+
+
+def decoding_after_prefill_moves(model_type: str) -> bool:
+    """Whether, after a cached prefill of half the row, the next token decoded alone through the cache gets other
+    logits than the full forward gives it: transformers alone."""
+    return _after_prefill(model_type, (1,))[0] > 0
+
+
+def chunk_after_prefill_moves(model_type: str, chunk: int = 2) -> bool:
+    """Whether, after a cached prefill of half the row, decoding the next `chunk` tokens in one forward through the
+    cache gives other logits than the full forward, while one token at a time does not: transformers alone."""
+    one, several = _after_prefill(model_type, (1, chunk))
+    return one == 0 and several > 0
+
+
+def _after_prefill(model_type: str, chunks: tuple[int, ...]) -> list[float]:
+    """For each chunk size n, how far the n tokens after a cached prefill of half the row, decoded in one forward
+    through the cache, part from the full forward's logits, beyond 1e-4 of their scale (0 within it)."""
+    import inspect
+
+    import torch
+
+    model = _plain(model_type)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    half = SEQ_LEN // 2
+
+    def after_prefill(n: int) -> float:
+        cached = model(ids[:, :half], use_cache=True)
+        cache = getattr(cached, "cache", None) or getattr(cached, "past_key_values", None)
+        return float(
+            (model(ids[:, half : half + n], **{name: cache}, use_cache=True).logits - full[:, half : half + n])
+            .abs()
+            .max()
+        )
+
+    with torch.no_grad():
+        full = model(ids).logits
+        bar = 1e-4 * float(full.abs().max())
+        return [moved if (moved := after_prefill(n)) > bar else 0.0 for n in chunks]
+
+
+def labels_scored_in_place(model_type: str) -> bool:
+    """Whether the model's loss for labels = input_ids is the cross-entropy of each position's logits against its
+    own token (no shift), as XLNet and the decoder-only heads of BART's family compute it: transformers alone."""
+    import torch
+    import torch.nn.functional as F
+
+    model = _plain(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        output = model(ids, labels=ids)
+        in_place = F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), ids.reshape(-1))
+    return bool(torch.isclose(output.loss, in_place, rtol=1e-5))
+
+
+# label-shift (not a default check), run alone: forwards that score labels in place (the caller shifts), read as such
+# from their source, pass; Llama's shared loss shifts them itself.
+LABELS_IN_PLACE = ("bart", "xlnet")
+
+
+# kv-cache (not a default check, run alone): what it finds on the architectures the sweep looks at for it.
+# Hybrids whose generate keeps only the last position (config.num_logits_to_keep = 1: Falcon-H1, Nemotron-H) are asked
+# for every position (logits_to_keep=0) and pass; Mamba's chunked decode is the model's.
+KV_CACHE_PASSES = ("falcon_h1", "mamba2", "nemotron_h", "zamba2")
+MAMBA_CHUNKS = (
+    "Mamba's torch path scans several new tokens from a zero state, the cached one unread (transformers' own note: "
+    "'mamba_selective_scan does not take the past state, it is WRONG if the cache is not empty'): decoding two tokens "
+    "at once after a prefill gives other logits, one at a time does not"
+)
+BAMBA_DECODE = (
+    "Bamba's cached decode: the token after a cached prefill gets other logits than the full forward gives it "
+    "(plain torch: 7.6e-3 at a logit scale of 0.85, in transformers' own cache and in generate's), while Zamba 2's "
+    "mixer of the same kind agrees to 1e-7"
+)
+KV_CACHE_FINDINGS: dict[str, Expected] = {
+    "bamba": Expected(frozenset({"FWD501", "FWD502"}), BAMBA_DECODE, lambda: decoding_after_prefill_moves("bamba")),
+    "mamba": Expected(frozenset({"FWD502"}), MAMBA_CHUNKS, lambda: chunk_after_prefill_moves("mamba")),
+}
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
@@ -418,10 +592,12 @@ FINDINGS: dict[tuple[str, str], Expected] = {
     ("deepseek_v4", "future-token"): Expected(
         frozenset({"FWD107"}), DEEPSEEK_V4_WINDOWS, lambda: left_padding_moves("deepseek_v4")
     ),
-    ("xlnet", "future-token"): Expected(
-        frozenset({"FWD002"}), XLNET_UNI_MASK, lambda: raises_with_padding_mask("xlnet")
-    ),
-    ("xlnet", "mask-audit"): Expected(frozenset({"FWD002"}), XLNET_UNI_MASK, lambda: raises_with_padding_mask("xlnet")),
+}
+
+# Code paths a model cannot run: its forward raises on the cell, which is then "not judged" with the model's reason
+# while the other cells count (fwdcheck/run/matrix.py: not_judged_where_refused). Each shown in plain torch.
+NOT_JUDGED: dict[str, Expected] = {
+    "xlnet": Expected(frozenset(), XLNET_UNI_MASK, lambda: raises_with_padding_mask("xlnet")),
 }
 
 
@@ -499,6 +675,24 @@ def section() -> str:
             f"| {name} | {check} | {' '.join(sorted(e.codes))} | {e.what} |"
             for (name, check), e in sorted(FINDINGS.items())
         ),
+    ]
+    lines += [
+        "",
+        "Code paths a model cannot run (its forward raises there): those cells are not judged, with the model's "
+        "reason, and the other cells count; each shown in plain torch:",
+        "",
+        "| architecture | what the model does |",
+        "| --- | --- |",
+        *(f"| {name} | {e.what} |" for name, e in sorted(NOT_JUDGED.items())),
+    ]
+    lines += [
+        "",
+        f"kv-cache (not a default check), run alone: passes on {', '.join(KV_CACHE_PASSES)}; true findings, each "
+        "shown in plain torch:",
+        "",
+        "| architecture | codes | what the model does |",
+        "| --- | --- | --- |",
+        *(f"| {name} | {' '.join(sorted(e.codes))} | {e.what} |" for name, e in sorted(KV_CACHE_FINDINGS.items())),
     ]
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for (name, check), e in KNOWN.items():

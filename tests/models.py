@@ -614,6 +614,8 @@ class PathBugAttention(nn.Module):
 
     def forward(self, x, attention_mask=None, output_attentions=False):
         B, T, C = x.shape
+        if "refuses-weights" in self.bug.split(",") and output_attentions:  # not a bug: a path it does not have
+            raise NotImplementedError("this attention computes no weights to return; call it without them")
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T) True = may attend
@@ -622,7 +624,7 @@ class PathBugAttention(nn.Module):
         else:
             padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T): keys that are real tokens
             mask = padding if self.bug == "mask-drops-causal" else causal & padding
-            if self.bug == "mask-ignored":
+            if "mask-ignored" in self.bug.split(","):
                 mask = causal
         if self.bug == "batch1-no-mask" and B == 1:
             mask = None  # a "single sequence" shortcut that forgot the causal mask

@@ -16,10 +16,19 @@ from tests.arch_sweep import (
     CHECKS,
     FINDINGS,
     KNOWN,
+    KV_CACHE_FINDINGS,
+    KV_CACHE_PASSES,
+    LABELS_IN_PLACE,
+    NOT_JUDGED,
+    SPARSE_SELECTION,
     architectures,
     documented_section,
     entry,
     family,
+    labels_scored_in_place,
+    one_check_report,
+    selection_report,
+    selection_skips_itself,
     skip_reason,
     sweep_report,
     tiny,
@@ -106,3 +115,61 @@ def test_the_plain_torch_evidence_shows_nothing_on_a_correct_model():
     assert reads_padding("llama") is False
     assert left_padding_moves("llama") is False
     assert raises_with_padding_mask("llama") is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SPARSE_SELECTION)
+def test_a_sparse_indexer_that_skips_its_own_key_is_judged_within_the_causal_bound(model_type):
+    """DeepSeek V3.2's indexer keeps each query's top-k keys: in plain torch some query does not keep its own, and
+    mask-audit says so as a key selection within the causal bound instead of failing FWD210 (a strict causal mask,
+    which the flex and fused-kernel tests still fail)."""
+    assert selection_skips_itself(model_type)
+    result = selection_report(model_type).result("mask-audit")
+    assert result.status.value == "pass", result.summary
+    notes = [f.message for f in result.findings if f.code == "FWD210"]
+    assert notes and all("key selection within the causal bound" in m for m in notes), notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(NOT_JUDGED))
+def test_a_code_path_the_model_cannot_run_is_not_judged_and_the_rest_counts(model_type):
+    """XLNet's causal attention raises on any attention_mask over two rows (plain torch): those cells are not judged,
+    with the model's reason, and the check's verdict is the other cells' (not an error for the whole check)."""
+    assert NOT_JUDGED[model_type].evidence(), NOT_JUDGED[model_type].what
+    report = sweep_report(model_type)
+    for check in ("future-token", "mask-audit"):
+        result = report.result(check)
+        assert result.status.value == "pass", result.summary
+        unjudged = [row for row in result.paths.rows if row.status.value == "skip"]
+        assert unjudged and all("not judged: the model cannot run this code path" in r.summary for r in unjudged)
+        assert any(row.status.value == "pass" for row in result.paths.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", KV_CACHE_PASSES)
+def test_kv_cache_passes_on_hybrids_asked_for_every_position(model_type):
+    """Falcon-H1 and Nemotron-H's generate keeps only the last position's logits (num_logits_to_keep 1): the check
+    asks for every position (logits_to_keep=0) and compares them, instead of calling the shape an error."""
+    result = one_check_report(model_type, "kv-cache").result("kv-cache")
+    assert result.status.value == "pass", result.summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(KV_CACHE_FINDINGS))
+def test_each_kv_cache_finding_is_shown_in_plain_torch(model_type):
+    finding = KV_CACHE_FINDINGS[model_type]
+    assert finding.evidence(), finding.what
+    result = one_check_report(model_type, "kv-cache").result("kv-cache")
+    assert (
+        result.status.value == "fail" and {f.code for f in result.findings if f.status.value == "fail"} <= finding.codes
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [*LABELS_IN_PLACE, "llama"])
+def test_label_shift_reads_who_shifts_the_labels_off_the_forward(model_type):
+    """XLNet and BART's causal LM score each position against the label at the same position (plain torch): the
+    caller shifts, and label-shift judges them so instead of FWD701; Llama shifts them itself, and passes as such."""
+    assert labels_scored_in_place(model_type) is (model_type in LABELS_IN_PLACE)
+    result = one_check_report(model_type, "label-shift").result("label-shift")
+    assert result.status.value == "pass", result.summary

@@ -362,6 +362,11 @@ BAD_FILES = {
         lambda d: {**d, "tolerance": {"rtol": -1, "atol": 0}},
         "tolerance.rtol: must be at least 0",
     ),
+    # A tolerance a hand edit raised until it excuses any change would pass every model (tolerance_bounds.py).
+    "tolerance-excuses-any-change": (
+        lambda d: {**d, "tolerance": {"rtol": 1e9, "atol": 0}},
+        "tolerance.rtol: must be below 1",
+    ),
     # Cut short, a file would compare fewer numbers (zip stops at the shorter): a model with rows swapped could pass.
     "values-emptied": (
         lambda d: {**d, "outputs": [{**e, "values": []} for e in d["outputs"]]},

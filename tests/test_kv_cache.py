@@ -382,3 +382,64 @@ def test_each_model_is_stepped_as_its_own_generate_steps_it(model_type, status, 
     result = run_checks({"source": "hf", "config": tiny(model_type).config}, ["kv-cache"]).result("kv-cache")
     assert result.status.value == status, result.summary
     assert said in result.summary or any(said in f.message for f in result.findings), result.summary
+
+
+# =====================================================================================================================
+# The cache generate makes
+
+
+def test_the_cache_is_made_from_the_decoder_text_config_as_generate_makes_it():
+    """generate makes its DynamicCache from config.get_text_config(decoder=True): a multimodal model's top config
+    holds no layers of its own, its text config does."""
+    transformers = pytest.importorskip("transformers")
+    from fwdcheck.model.sources.hf import dynamic_cache
+
+    holder = torch.nn.Module()
+    holder.config = transformers.Gemma3Config(text_config={"num_hidden_layers": 3, "sliding_window": 4})
+    made = dynamic_cache(holder)
+    assert made is not None and len(made.layers) == 3
+
+
+def test_a_cache_its_library_cannot_make_is_the_models_error_not_fwdchecks():
+    """BLT's top config holds no num_hidden_layers (its sub-configs do), and transformers' DynamicCache(config=...)
+    raises AttributeError on it, under generate too: the model's error (FWD002), never fwdcheck's internal one."""
+    transformers = pytest.importorskip("transformers")
+    from fwdcheck.checks.kv_cache import PastKeyValues
+    from fwdcheck.errors import ModelRaised
+    from fwdcheck.model.sources.hf import dynamic_cache
+
+    class Holder(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    holder = Holder()
+    holder.config = transformers.BltConfig()
+    with pytest.raises(ModelRaised, match="making the cache as generate does .* 'num_hidden_layers'"):
+        PastKeyValues(holder, new_cache=dynamic_cache).step(None, torch.zeros(1, 2, dtype=torch.long), 0)
+
+
+REFORMER = {
+    "model_type": "reformer",
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "attention_head_size": 16,
+    "feed_forward_size": 64,
+    "vocab_size": 64,
+    "attn_layers": ["local", "lsh"],
+    "axial_pos_embds_dim": [16, 16],
+    "axial_pos_shape": [4, 4],
+    "max_position_embeddings": 16,
+    "lsh_attn_chunk_length": 4,
+    "local_attn_chunk_length": 4,
+    "num_buckets": 4,
+    "is_decoder": True,
+}
+
+
+@pytest.mark.slow  # builds a Hugging Face model
+def test_a_model_that_decodes_without_a_cache_skips_saying_so():
+    """Reformer's forward returns no cache and generate makes none for it: nothing cached to compare, a skip with the
+    reason (it was an error, FWD002)."""
+    res = result({"source": "hf", "config": REFORMER})
+    assert res.status.value == "skip", (res.summary, res.findings)
+    assert "decodes without a KV cache" in res.summary

@@ -73,6 +73,30 @@ def ran_in_full(rows: Sequence[PathRow]) -> list[str]:
     return [r.path for r in rows if r.shares is None]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["refuses-weights", "mask-ignored,refuses-weights"])
+def test_a_cell_the_model_cannot_run_is_not_judged_and_the_others_still_count(bug):
+    """A model that raises on one code path (here: asked for attention weights it does not compute) is not judged on
+    those cells, with its reason; the other cells still count, a padding bug on them included."""
+    report = run_path_bug(bug)
+    for check in CHECKS:
+        result = report.result(check)
+        rows = result.paths.rows
+        refused = [r for r in rows if "output_attentions=True" in r.path]
+        assert refused and all(r.status.value == "skip" for r in refused)
+        assert all("not judged: the model cannot run this code path" in r.summary for r in refused)
+        assert all("computes no weights" in r.summary for r in refused)
+        judged = [r for r in rows if r not in refused]
+        if bug == "refuses-weights":
+            assert result.status.value == "pass" and {r.status.value for r in judged} == {"pass"}
+            assert "not judged (the model cannot run them)" in result.summary
+        else:  # the padding bug still fails on its cells
+            assert result.status.value == "fail"
+            assert {r.path for r in judged if r.status.value == "fail"} == {
+                r.path for r in judged if "left-pad" in r.path
+            }
+
+
 def test_cells_computing_the_logits_of_a_pass_share_it():
     """On a correct model future-token runs its comparisons on the first cell only: every other cell computes the
     same logits from the same tokens (batch size 1 is the first row of 2, left padding leaves the real tokens' logits,

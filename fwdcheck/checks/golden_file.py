@@ -35,10 +35,11 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, read_json_file
 from fwdcheck.config.schema import RunConfig, describe_validation_error
+from fwdcheck.config.tolerance_bounds import bounded_atol, bounded_rtol
 from fwdcheck.errors import UsageError
 
 VERSION = 1
@@ -102,8 +103,10 @@ class RunRecord(BaseModel):
 class Tolerance(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    rtol: Finite = Field(ge=0)
-    atol: Finite = Field(ge=0)
+    """A tolerance that would excuse any change is refused, as in a config (fwdcheck/config/tolerance_bounds.py)."""
+
+    rtol: Annotated[float, Field(ge=0), AfterValidator(bounded_rtol)]
+    atol: Annotated[float, Field(ge=0), AfterValidator(bounded_atol)]
 
 
 class Golden(BaseModel):

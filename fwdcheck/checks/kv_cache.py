@@ -187,13 +187,19 @@ class PastKeyValues(Decoder):
     def begin(self, rows, length):
         self.tokens = None
 
+    def _made_cache(self) -> Any:
+        """The empty cache generate would make for the model; what its library raises making it (BLT's config,
+        whose layers only its sub-configs hold) is the model's error, as it is under generate, not fwdcheck's."""
+        assert self.new_cache is not None
+        return call_model("making the cache as generate does (DynamicCache(config=...))", self.new_cache, self.module)
+
     def step(self, state, ids, start):
         if self.prepare is not None:
             return self._generate_step(state, ids, start)
         B, n = ids.shape
         kwargs: dict[str, Any] = {"use_cache": True}
         if state is None and self.new_cache is not None:
-            state = self.new_cache(self.module)
+            state = self._made_cache()
         if state is not None:
             kwargs[self.cache_arg] = state
         positions = torch.arange(start, start + n, device=ids.device)
@@ -223,7 +229,7 @@ class PastKeyValues(Decoder):
         self.tokens[:, start : start + n] = ids
         so_far = self.tokens[:, : start + n].clone()  # (B, start + n)
         if state is None and self.new_cache is not None:
-            state = self.new_cache(self.module)  # None where the model makes its own cache, as generate leaves it
+            state = self._made_cache()  # None where the model makes its own cache, as generate leaves it
         what = f"forward({self.label}) at positions {start}-{start + n - 1}"
         inputs = call_model(
             f"prepare_inputs_for_generation at positions {start}-{start + n - 1}",
@@ -242,10 +248,16 @@ class PastKeyValues(Decoder):
                 "sequence's (a mask token appended, as XLM generates): its next token is not read from the last "
                 "token's logits, so there is no cached decoding to compare with the full forward"
             )
+        for name in ("logits_to_keep", "num_logits_to_keep"):
+            if inputs.get(name):  # generate keeps the last position's logits alone (a hybrid's config says 1); the
+                inputs[name] = 0  # check compares every new token's, which 0 asks for
         output = call_model(what, self.module, **inputs)
         cache = returned_cache(output)
-        if cache is None and state is None:
-            raise ModelRaised(f"{what} returned no cache and none was made for it: nothing to decode through")
+        if cache is None and state is None:  # generate then runs the whole sequence at every step (Reformer)
+            raise SkipCheck(
+                f"{what} returned no cache and generate makes none for it: {type(self.module).__name__} decodes "
+                "without a KV cache, so there is no cached path to compare with the full forward"
+            )
         logits = extract_logits(output)
         if logits.dim() == 3 and logits.shape[0] == B and logits.shape[1] >= n:
             logits = logits[:, -n:]  # the new tokens' (forward may return the prefix's too)

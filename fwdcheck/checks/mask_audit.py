@@ -332,7 +332,9 @@ def _mask_findings(
         )
     elif causal and future_pairs:
         findings.append(_reads_future(call, shape, future_pairs, api, where))
-    elif causal and (blind := _blind_to_themselves(call)):
+    elif causal and (blind := _blind_to_themselves(call)) and (selection := _key_selection(call, blind)):
+        findings.append(Finding("FWD210", Status.PASS, selection, where))
+    elif causal and blind:
         findings.append(
             Finding(
                 "FWD210",
@@ -398,6 +400,28 @@ def _blind_to_themselves(call: AttentionCall) -> list[int]:
     rows = torch.arange(L)[inside]
     closed = ~call.allowed[rows, positions[inside].to(call.allowed.device)].cpu()
     return positions[inside][closed].tolist()
+
+
+def _key_selection(call: AttentionCall, blind: list[int]) -> str | None:
+    """What a call whose queries miss their own key reads, when that is a key selection within the causal bound
+    (DeepSeek V3.2's sparse attention: an indexer keeps the k best-scoring keys at or before each query, its own not
+    always among them), said as a passing note; None when the mask is not one. The caller has found no key after
+    its query; a selection also lets the first token read itself (its only key: any selection keeps it) and every
+    query read some key. A strict causal mask (q > kv) fails that: its first query reads nothing. So does a causal
+    mask aligned top left over a cache: its queries are the last ones, none at position 0, and each misses itself."""
+    positions = call.query_positions
+    if positions is None or call.allowed.shape[1] == 0:
+        return None
+    allowed = call.allowed.cpu()  # (L, S)
+    first = (positions == 0).nonzero().flatten().tolist()
+    if not first or not bool(allowed[first[0], 0]) or not bool(allowed.any(dim=-1).all()):
+        return None
+    return (
+        "a key selection within the causal bound: every key a query reads is at or before it, the first reads "
+        f"itself and every query reads some key; {len(blind)} queries (e.g. {', '.join(map(str, blind[:4]))}) "
+        "did not select their own key, the selection's choice (a sparse-attention indexer's top-k), not a strict "
+        "causal mask"
+    )
 
 
 API_NAMES: dict[str, str] = {

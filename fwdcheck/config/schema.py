@@ -36,6 +36,7 @@ from fwdcheck.config.hub_cache import NotCached, cached_snapshot, looks_like_hub
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
 from fwdcheck.config.sources import SOURCES, resolve
+from fwdcheck.config.tolerance_bounds import bounded_atol, bounded_noise_factor, bounded_rtol
 from fwdcheck.config.validation_words import in_plain_words
 from fwdcheck.errors import ConfigError
 
@@ -403,7 +404,9 @@ def _model_by_source(classes: tuple[type[ModelSpec], ...]) -> TypeAdapter[Any]:
 class CodePaths(Strict):
     """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
     built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
-    the default path (other models). The train path is one more cell for every model, unless `train: false`."""
+    the default path (other models). The train path is one more cell for every model, unless `train: false`. A cell
+    whose path the model cannot run (its forward raises there) is not judged, with the model's reason, and the other
+    cells still count; the model raising on the default path stays an error."""
 
     enabled: bool | None = Field(
         None, description="default: on for source hf, off otherwise (then only the train path runs); false: no cell"
@@ -442,9 +445,17 @@ class Inputs(Strict):
 
 
 class Tolerance(Strict):
-    rtol: float | None = Field(None, ge=0.0, description="relative to the largest |logit|; default per dtype")
-    atol: float | None = Field(None, ge=0.0, description="absolute floor; default per dtype")
-    noise_factor: float = Field(10.0, ge=1.0, description="a change must exceed this many noise floors to count")
+    """A tolerance that would excuse any change is refused (fwdcheck/config/tolerance_bounds.py says the rule)."""
+
+    rtol: Annotated[float | None, AfterValidator(bounded_rtol)] = Field(
+        None, ge=0.0, description="relative to the largest |logit|, below 1; default per dtype"
+    )
+    atol: Annotated[float | None, AfterValidator(bounded_atol)] = Field(
+        None, ge=0.0, description="absolute floor, below 1; default per dtype"
+    )
+    noise_factor: Annotated[float, AfterValidator(bounded_noise_factor)] = Field(
+        10.0, ge=1.0, description="a change must exceed this many noise floors to count (1 to 1000)"
+    )
 
 
 MAX_RANKS = 256

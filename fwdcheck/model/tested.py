@@ -24,6 +24,7 @@ from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
 from fwdcheck.model.calling import adapter_takes, call_convention_hint, call_forward
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.model.default_device import global_default_device, set_global_default_device
 from fwdcheck.observe.frames import logits_in
 from fwdcheck.observe.observer import compiled_eagerly
 
@@ -221,7 +222,7 @@ def model_code(
         with model_code("the rotary function raised"):  # "the rotary function raised ValueError: ..."
             out = model.rotary(x, positions)
     """
-    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    dtype, device = torch.get_default_dtype(), global_default_device()
     try:
         yield
     except BaseException as exc:
@@ -233,7 +234,7 @@ def model_code(
         put_back_defaults(dtype, device)
 
 
-def put_back_defaults(dtype: torch.dtype, device: torch.device) -> None:
+def put_back_defaults(dtype: torch.dtype, device: torch.device | None) -> None:
     """torch's default dtype and device as they were before model code ran: a model that sets the default device to
     meta (or the default dtype to float64) as it runs must not move fwdcheck's own tensors, nor the next forward's.
     Said as a warning (a run's notes)."""
@@ -241,12 +242,10 @@ def put_back_defaults(dtype: torch.dtype, device: torch.device) -> None:
     if torch.get_default_dtype() != dtype:
         changed.append(f"torch.get_default_dtype() ({dtype} -> {torch.get_default_dtype()})")
         torch.set_default_dtype(dtype)
-    now = torch.get_default_device()
+    now = global_default_device()  # never a `with torch.device()` block's: that one ends by itself
     if now != device:
-        changed.append(f"torch.get_default_device() ({device} -> {now})")
-        torch.set_default_device(None)  # the model's torch.set_default_device undone
-        if torch.get_default_device() != device:  # it had set one over the caller's
-            torch.set_default_device(device)
+        changed.append(f"torch's default device ({device or 'none'} -> {now or 'none'})")
+        set_global_default_device(device)  # the model's torch.set_default_device undone
     if changed:
         warnings.warn(
             f"the model changed {' and '.join(changed)} as it ran; put back after it", RuntimeWarning, stacklevel=2

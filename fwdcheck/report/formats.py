@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fwdcheck.report.outputs import isatty
+from fwdcheck.report.stream_text import rendering_buffer
 
 
 class Format(str, Enum):
@@ -70,7 +71,7 @@ def render_stdout(outcome: RunReports, stream, verbosity: Verbosity, debug: bool
     if isatty(stream):
         render_terminal(outcome, StdoutConsole(file=stream), verbosity, debug)
         return
-    buffer = io.StringIO()
+    buffer = rendering_buffer(stream)  # rich draws what the stream holds (ASCII boxes on an ASCII stream)
     render_terminal(outcome, Console(file=buffer, width=report_width(stream)), verbosity, debug, terminal=False)
     stream.write(without_trailing_spaces(buffer.getvalue()))
 

@@ -11,6 +11,8 @@ import re
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,15 +180,37 @@ def module_file(name: str, search: list[str]) -> Path | None:
     return Path(spec.origin)
 
 
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP held (blocked, not lost) while a temporary file exists beside an output: one that
+    arrives then is delivered when the block ends, the temporary file removed or renamed by then, so an interruption
+    never leaves one behind (a handler that raises between creating the file and the `try` that removes it would).
+    Where signals cannot be held (no pthread_sigmask), the block's own cleanup is all there is."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - every POSIX Python has it
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def probe_directory(directory: Path, label: str) -> None:
     """Create and remove a temporary file where the output will be written: the one test that holds for every
     reason a write can fail (permissions, a read-only file system, root or not)."""
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fwdcheck-probe.", suffix=".tmp")
-    except OSError as exc:
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    os.close(fd)
-    Path(probe).unlink(missing_ok=True)
+    with signals_held():
+        try:
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".fwdcheck-probe.", suffix=".tmp")
+        except OSError as exc:
+            raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+        try:
+            os.close(fd)
+        finally:
+            Path(probe).unlink(missing_ok=True)
 
 
 def isatty(stream) -> bool:
@@ -242,21 +266,23 @@ def write_whole(path: Path, text: str, what: str = "--output") -> None:
         except OSError as exc:
             raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
         return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        # mkstemp creates the file 0600; give it the mode an ordinary open() would (umask), or the replaced file's.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, target.path.stat().st_mode & 0o7777 if target.path.exists() else 0o666 & ~umask)
-        os.replace(tmp, target.path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with signals_held():  # an interruption lands before the temporary file exists or after it is renamed
+        try:
+            fd, tmp = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            # mkstemp creates the file 0600; give it the mode an ordinary open() would (umask), or the replaced
+            # file's.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, target.path.stat().st_mode & 0o7777 if target.path.exists() else 0o666 & ~umask)
+            os.replace(tmp, target.path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise UsageError(f"{label}: cannot write there ({why_not(exc)})") from None
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fwdcheck.config.registry import CheckEntry
+from fwdcheck.errors import Own
 from fwdcheck.result import CheckResult, Finding, PathMatrix, PathRow, Shared, Status, worst
 from fwdcheck.run.code_paths import CodePath, SameLogits, path_signature
 from fwdcheck.run.limits import CheckTimeout, time_limit
@@ -26,6 +27,24 @@ class CellRun:
     note: str | None = None  # how the cell came to run as it did, when not as planned
     shares: str | None = None  # the cell whose verdicts it took, having taken the same code path
     refused: bool = False  # the model could not run the cell's path at all (the train path: train mode raised)
+
+
+def not_judged_where_refused(run: CellRun) -> CellRun:
+    """A check the model could not run on this cell, its forward raising there (FWD002 and nothing else: XLNet's
+    causal attention on any attention_mask over two rows, Reformer on left padding), is not judged on the cell, with
+    the model's reason: the cell's path is one the model does not take, and the default path and the other cells
+    still count. The model raising on the default path stays an error (the run made it first)."""
+    results = []
+    for r in run.results:
+        raised = [f for f in r.findings if f.code == Own.MODEL_RAISED]
+        others = [f for f in r.findings if f.code != Own.MODEL_RAISED and f.status not in (Status.PASS, Status.SKIP)]
+        if r.status == Status.ERROR and raised and not others and not r.internal_error:
+            why = f"not judged: the model cannot run this code path ({raised[0].message})"
+            r = CheckResult(r.name, Status.SKIP, why, duration_s=r.duration_s, data={"not_judged": why})
+            run.refused = True
+        results.append(r)
+    run.results = results
+    return run
 
 
 def same_logits_verdict(entry: CheckEntry, same: SameLogits, train: bool = False) -> CheckResult:
@@ -144,7 +163,10 @@ def _merged_summary(
     if failing:
         first_path, first_result = failing[0]
         return f"{len(failing)} of {len(cells)} code paths fail; first {first_path.label}: {first_result.summary}"
-    passed = "the train path passes" if train_only else f"{len(cells)} code paths pass"
+    unjudged = sum(r.status == Status.SKIP for _, r in cells)
+    passed = "the train path passes" if train_only else f"{len(cells) - unjudged} code paths pass"
+    if unjudged and not train_only:
+        passed += f", {unjudged} not judged (the model cannot run them)"
     return f"{default.summary}; {passed} ({at})"
 
 

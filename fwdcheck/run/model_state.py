@@ -14,6 +14,8 @@ import torch.nn.modules.module as module_globals
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.rnn import RNNBase
 
+from fwdcheck.model.default_device import global_default_device, set_global_default_device
+
 
 @dataclass
 class ModelState:
@@ -279,12 +281,8 @@ def _switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
         ),
         ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
         ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-        # no default device reads as the CPU; putting it back as None installs no device context
-        (
-            "torch.get_default_device()",
-            torch.get_default_device,
-            lambda device: torch.set_default_device(None if device == torch.device("cpu") else device),
-        ),
+        # the global default alone (None: none set), never an enclosing `with torch.device()` block's
+        ("torch.set_default_device()", global_default_device, set_global_default_device),
     ]
     for kernel in ("flash", "mem_efficient", "math", "cudnn"):
         found.append(

@@ -44,7 +44,13 @@ from fwdcheck.run.code_paths import (
     verdicts_for,
 )
 from fwdcheck.run.limits import CheckTimeout, time_limit
-from fwdcheck.run.matrix import CellRun, merge_cells, observed_signature, same_logits_verdict
+from fwdcheck.run.matrix import (
+    CellRun,
+    merge_cells,
+    not_judged_where_refused,
+    observed_signature,
+    same_logits_verdict,
+)
 from fwdcheck.run.model_state import ParameterWatch
 from fwdcheck.run.plan import RunPlan
 from fwdcheck.run.session import Session
@@ -356,8 +362,8 @@ def run_path(
         again.note = "; ".join(
             filter(None, [f"the model raised at T={run.seq_len}; the cell ran at T={again.seq_len}", again.note])
         )
-        return again
-    return run
+        return not_judged_where_refused(again)
+    return not_judged_where_refused(run)
 
 
 def _model_raised(run: CellRun) -> bool:

@@ -86,6 +86,8 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
             assert spec.path is not None  # has_weights
             regular_file(spec.path / name, str(spec.path / name), ModelLoadError, what="weights file")
+        # before any meta-device block (refuse_oversized counts on meta too): import-time tensors are real ones
+        import_model_class(cls, hf_config, spec.trust_remote_code)
         try:
             if config.meta:
                 with torch.device("meta"):
@@ -329,6 +331,24 @@ def _model_class(spec: HFModel, transformers):
     return cls
 
 
+def import_model_class(cls, hf_config, trust_remote_code: bool = False) -> None:
+    """Imports the module that defines the class from_config will build (an Auto class resolves it lazily, at the
+    first build), so its import-time code runs on the default device and never inside a meta-device block: on
+    transformers 4.46 a modeling file imports torchao, whose import-time tensors fail on meta, and every hf config
+    exited 2. What cannot be resolved here is left to from_config, which says why in its own words."""
+    remote = getattr(hf_config, "auto_map", None) or {}
+    try:
+        if trust_remote_code and cls.__name__ in remote:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            repo, _, reference = remote[cls.__name__].rpartition("--")  # "repo--module.Class" or "module.Class"
+            get_class_from_dynamic_module(reference, repo or hf_config.name_or_path)
+        elif type(hf_config) in getattr(cls, "_model_mapping", {}):
+            cls._model_mapping[type(hf_config)]  # the lookup imports the modeling module
+    except Exception:  # from_config raises the same, as one ModelLoadError line
+        return
+
+
 def _from_config(cls, hf_config, spec: HFModel) -> nn.Module:
     if hasattr(cls, "from_config"):  # the Auto classes
         return cls.from_config(hf_config, trust_remote_code=spec.trust_remote_code)
@@ -531,7 +551,7 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
         model.unavailable["loss"] = f"{reason}: its loss (if any) is not next-token cross-entropy"
         model.unavailable["packing"] = f"{reason}: documents packed for causal training do not apply"
         return
-    model.loss = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    model.loss = loss_convention(module)
     if not model.positions.given:
         model.unavailable["packing"] = (
             f"{type(module).__name__} {model.positions.origin}: fwdcheck cannot start each packed document's "
@@ -593,6 +613,33 @@ def stateful_layers(module: nn.Module) -> str | None:
     blocks = dict(module.named_modules()).get(stack) if stack else None
     kind = type(blocks[0]).__name__ if isinstance(blocks, nn.ModuleList) and len(blocks) else "layers"
     return f"{kind} layers (no attention: a recurrent or convolution mixer)"
+
+
+# A forward that shifts its labels itself: transformers' shared causal-LM loss, or the shift written out.
+_SHIFTS = re.compile(r"loss_function|shift_labels|shift_logits|\[\s*(?:\.\.\.|:)\s*,\s*1\s*:")
+_OWN_CROSS_ENTROPY = re.compile(r"CrossEntropyLoss|cross_entropy")
+
+
+def loss_convention(module: nn.Module) -> Loss:
+    """How the causal LM's forward lines its labels up, read off its source: transformers' convention (labels =
+    input ids, the model shifts them: its shared loss_function, or a shift written out), or, for a forward that
+    scores each position's logits against the label at the same position with a cross-entropy of its own (XLNet:
+    labels are the targets of each prediction, its docs say), the caller's shift."""
+    convention = Loss("labels", "model", "loss", -100, "transformers' causal-LM convention (labels = input ids)")
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return convention
+    if _SHIFTS.search(source) or not _OWN_CROSS_ENTROPY.search(source):
+        return convention
+    return Loss(
+        "labels",
+        "caller",
+        "loss",
+        -100,
+        f"{type(module).__name__}.forward's own cross-entropy of logits against labels at the same position, no "
+        "shift: labels are the caller's next tokens",
+    )
 
 
 def own_cache_class(module: nn.Module) -> bool:
@@ -696,6 +743,9 @@ def dynamic_cache(module: nn.Module) -> Any:
     if callable(supports) and not supports():
         return None
     config: Any = module.config  # a transformers PretrainedConfig
+    # generate's own: the decoder's text config, which holds the layers (BLT's top config has none of its own)
+    decoder = getattr(config, "get_text_config", None)
+    config = decoder(decoder=True) if callable(decoder) else config
     try:
         return DynamicCache(config=config)
     except TypeError:  # releases whose DynamicCache takes no config

@@ -17,9 +17,9 @@ from fwdcheck.model.tested import ModelUnderTest
 def load_python(spec: PythonModel, config: Config) -> ModelUnderTest:
     """Import the factory and build its model (on the meta device with `meta: true`), with what the config declares
     for the checks that drive forward in ways of its own."""
+    search = search_dirs(spec.python_path, config.source_path)
+    parts = import_factory_parts(spec, search)  # before the meta device: import-time tensors are real ones
     with torch.device("meta") if config.meta else nullcontext():
-        search = search_dirs(spec.python_path, config.source_path)
-        parts = import_factory_parts(spec, search)
         loaded = model_from_module(call_factory(spec, parts, search), spec, parts, source="python")
         declare_interfaces(loaded, spec)
         if spec.former_spellings:

@@ -581,7 +581,7 @@ def verify_hf(config: dict, model_class: str | None) -> None:
     """Refuse to write a shrunk config transformers cannot build: read it back and build it on the meta device."""
     import torch  # on use: shrinking a reference or factory config needs none
 
-    from fwdcheck.model.sources.hf import offline, require_transformers
+    from fwdcheck.model.sources.hf import import_model_class, offline, require_transformers
 
     transformers = require_transformers()
     rest = dict(config)
@@ -591,6 +591,7 @@ def verify_hf(config: dict, model_class: str | None) -> None:
         with offline():
             hf_config = transformers.AutoConfig.for_model(model_type, **rest)
             cls = getattr(transformers, name)
+            import_model_class(cls, hf_config)  # before the meta device: import-time tensors are real ones
             with torch.device("meta"):
                 cls.from_config(hf_config) if hasattr(cls, "from_config") else cls(hf_config)
     except Exception as exc:
