@@ -71,45 +71,46 @@ def factor(x: torch.Tensor, projections: dict[str, torch.Tensor], scope: str) ->
         return None, f"no linear layer in {scope or 'the model'} has an output of {T} tokens in chunks of {d_h}"
     if T < MIN_TOKENS:
         return None, f"{T} tokens are too few to tell a constant factor"
-    found: list[tuple[float, str]] = []
-    for head in at_call:  # (T,)
-        match = _matching_chunk(head, candidates, d_h, T, tolerance)
-        if match is None:
-            return None, (
-                "a head of it is no constant multiple of any linear layer's output (a norm, a bias or a per-token "
-                "factor between the projection and the call)"
-            )
-        found.append(match)
-    factors = torch.tensor([f for f, _ in found], dtype=torch.float64)
+    norms = {name: y.double().reshape(T, -1, d_h).norm(dim=-1).T for name, y in candidates.items()}  # (chunks, T)
+    found = _matching_chunks(at_call, norms, tolerance)
+    if found is None:
+        return None, (
+            "a head of it is no constant multiple of any linear layer's output (a norm, a bias or a per-token "
+            "factor between the projection and the call)"
+        )
+    factors, where = found
     if float((factors.max() - factors.min()) / factors.mean()) > tolerance:
         return (
             None,
             f"its heads are multiplied by different factors ({float(factors.min()):.4g} to {float(factors.max()):.4g})",
         )
-    return float(factors.mean()), found[0][1]
+    return float(factors.mean()), where
 
 
-def _matching_chunk(
-    head: torch.Tensor, candidates: dict[str, torch.Tensor], d_h: int, T: int, tolerance: float
-) -> tuple[float, str] | None:
-    """(factor, projection name) of the d_h chunk whose norm the head's is a constant multiple of, at every token.
-    A token where both are zero (a padding token's zero embedding, projected without bias) says nothing; one where
-    only one of them is zero rules the chunk out."""
-    best: tuple[float, float, str] | None = None  # (spread, factor, name)
-    for name, y in candidates.items():
-        chunks = y.double().reshape(T, -1, d_h).norm(dim=-1).T  # (chunks, T)
-        live = (chunks > 0) & (head[None, :] > 0)  # (chunks, T)
-        consistent = (live | ((chunks == 0) & (head[None, :] == 0))).all(-1) & (live.sum(-1) >= MIN_TOKENS)
-        if not bool(consistent.any()):
-            continue
-        ratio = head[None, :] / chunks.where(live, torch.ones_like(chunks))  # (chunks, T)
+def _matching_chunks(
+    heads: torch.Tensor, norms: dict[str, torch.Tensor], tolerance: float
+) -> tuple[torch.Tensor, str] | None:
+    """Each head's factor (heads,) and the projection its chunks came from: for every head (heads: (heads, T) norms at
+    the call), the d_h chunk whose norm (norms: per linear layer, (chunks, T)) the head's is a constant multiple of at
+    every token; None when some head has none. A token where both are zero (a padding token's zero embedding,
+    projected without bias) says nothing; one where only one of them is zero rules the chunk out."""
+    best_spread = torch.full((heads.shape[0],), torch.inf, dtype=torch.float64)  # (heads,)
+    best_factor = torch.zeros_like(best_spread)
+    best_name = [""] * heads.shape[0]
+    for name, chunks in norms.items():
+        h, c = heads[:, None, :], chunks[None, :, :]  # (heads, 1, T), (1, chunks, T)
+        live = (c > 0) & (h > 0)  # (heads, chunks, T)
+        consistent = (live | ((c == 0) & (h == 0))).all(-1) & (live.sum(-1) >= MIN_TOKENS)  # (heads, chunks)
+        ratio = h / c.where(c > 0, torch.ones_like(c))  # (heads, chunks, T)
         top = ratio.where(live, torch.full_like(ratio, -torch.inf)).amax(-1)
         bottom = ratio.where(live, torch.full_like(ratio, torch.inf)).amin(-1)
-        mean = ratio.where(live, torch.zeros_like(ratio)).sum(-1) / live.sum(-1).clamp_min(1)
-        spread = ((top - bottom) / mean).where(consistent, torch.full_like(mean, torch.inf))  # (chunks,)
-        i = int(spread.argmin())
-        if best is None or float(spread[i]) < best[0]:
-            best = (float(spread[i]), float(mean[i]), name)
-    if best is None or best[0] > tolerance:
+        mean = ratio.where(live, torch.zeros_like(ratio)).sum(-1) / live.sum(-1).clamp_min(1)  # (heads, chunks)
+        spread = ((top - bottom) / mean).where(consistent, torch.full_like(mean, torch.inf))  # (heads, chunks)
+        spread_here, chunk = spread.min(-1)  # (heads,)
+        better = spread_here < best_spread
+        best_spread = torch.where(better, spread_here, best_spread)
+        best_factor = torch.where(better, mean.gather(-1, chunk[:, None])[:, 0], best_factor)
+        best_name = [name if b else n for b, n in zip(better.tolist(), best_name, strict=True)]
+    if not bool((best_spread <= tolerance).all()):
         return None
-    return best[1], best[2]
+    return best_factor, best_name[0]
