@@ -36,6 +36,8 @@ def check_model(
     rope: dict[str, Any] | None = None,
     dims: dict[str, int] | None = None,
     forward: Any = None,
+    window: int | list[int | None] | None = None,
+    scale: float | None = None,
     exhaustive: bool = False,
     options: dict[str, dict[str, Any]] | None = None,
     code_paths: dict[str, Any] | None = None,
@@ -51,11 +53,13 @@ def check_model(
     was handed over). `forward` is an optional adapter (model, input_ids, **extras) -> logits
     for other call conventions, which every check calls (docs/configuration.md: the adapter contract). `dims`
     declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
-    `min_seq_len` the shortest sequence forward accepts. Hugging Face models get the code-path matrix by default,
+    `min_seq_len` the shortest sequence forward accepts. `window` declares the sliding attention window (keys a
+    query may read, itself included; a list: one per layer, None for full attention) and `scale` the factor
+    attention applies to q . k when it is not 1/sqrt(d_h). Hugging Face models get the code-path matrix by default,
     as from the command line; `code_paths` narrows it ({"enabled": False} turns it off; `paths` is its former name,
-    still taken). `options` are the checks' own, as a config's `options:`
-    section ({"future-token": {"exhaustive": True}}, which `exhaustive=True` still sets). The arguments are
-    validated as a config file's keys are: a wrong one is a UsageError naming it.
+    still taken). `options` are the checks' own, as a config's `options:` section ({"future-token": {"exhaustive":
+    True}}, which `exhaustive=True` still sets). The arguments are validated as a config file's keys are: a wrong
+    one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
@@ -84,5 +88,7 @@ def check_model(
             rope=rope,
             dims=dims,
             forward=forward,
+            window=window,
+            scale=scale,
         )
     )

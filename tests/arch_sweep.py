@@ -558,6 +558,24 @@ KV_CACHE_FINDINGS: dict[str, Expected] = {
 }
 
 
+def reads_past_window(model_type: str) -> bool:
+    """Whether the first token moves the logits of positions its config's sliding window keeps it from reaching:
+    through L layers of a window of W keys a token reaches (W - 1) L positions ahead at most, so changing token 0
+    must leave every position after that alone. Transformers alone, no fwdcheck check involved."""
+    import torch
+
+    model = _plain(model_type)
+    config = model.config.get_text_config()
+    reach = (config.sliding_window - 1) * config.num_hidden_layers
+    assert reach < SEQ_LEN - 1, f"a window of {config.sliding_window} over {config.num_hidden_layers} layers"
+    ids = torch.randint(0, config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % config.vocab_size
+    with torch.no_grad():
+        before, after = model(ids).logits, model(changed).logits
+    return bool((after[:, reach + 1 :] - before[:, reach + 1 :]).abs().max() > 1e-4 * before.abs().max())
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
@@ -579,7 +597,12 @@ DEEPSEEK_V4_WINDOWS = (
     "DeepSeek V4's compressed attention pools every compress_rate tokens into one key from the start of the row, "
     "attention_mask unread: a left pad shifts the windows and enters the compressed keys, moving the real tokens"
 )
+MOSHI_WINDOW = (
+    "Moshi's config declares sliding_window (3000 by default) and its attention keeps it, but its decoder builds the "
+    "plain causal mask (create_causal_mask): every layer reads every earlier key, tokens past the window included"
+)
 FINDINGS: dict[tuple[str, str], Expected] = {
+    ("moshi", "mask-audit"): Expected(frozenset({"FWD211"}), MOSHI_WINDOW, lambda: reads_past_window("moshi")),
     ("cpmant", "future-token"): Expected(frozenset({"FWD101", "FWD105"}), CPMANT_PREFIX, lambda: future_leak("cpmant")),
     ("cpmant", "mask-audit"): Expected(
         frozenset({"FWD204", "FWD205", "FWD208"}), CPMANT_PREFIX, lambda: future_leak("cpmant")

@@ -232,6 +232,31 @@ class SlidingWindowAttention(CausalSelfAttention):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=may_attend)
 
 
+class ScaledAttention(CausalSelfAttention):
+    """nanoGPT's attention, flash or eager (its non-flash branch), scaled as written (`scaling`: "once"), with q
+    multiplied by 1/sqrt(hs) too before a kernel that scales again ("twice", OPT's shipped bug), or with no scale
+    anywhere ("none": the eager branch's `* (1.0 / math.sqrt(k.size(-1)))` dropped, SDPA handed scale=1.0)."""
+
+    def __init__(self, cfg: GPTConfig, scaling: str = "once", eager: bool = False):
+        super().__init__(cfg)
+        self.scaling, self.eager = scaling, eager
+        T = cfg.block_size
+        self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T), persistent=False)
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        T, hs = q.size(-2), q.size(-1)
+        if self.scaling == "twice":
+            q = q * (1.0 / math.sqrt(hs))
+        if not self.eager:
+            scale = 1.0 if self.scaling == "none" else None  # None: SDPA's own 1/sqrt(hs)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        att = q @ k.transpose(-2, -1)  # (B, nh, T, T)
+        if self.scaling != "none":
+            att = att * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v  # (B, nh, T, hs)
+
+
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """The ALiBi paper's geometric slopes 2^(-8/n), 2^(-16/n), ... (n a power of two)."""
     start = 2 ** (-8 / n_heads)
@@ -371,6 +396,11 @@ def eager_softmax_over_queries() -> nn.Module:
 def sliding_window() -> nn.Module:
     torch.manual_seed(0)
     return GPT(GPTConfig(), SlidingWindowAttention)
+
+
+def nanogpt_scaled(scaling: str = "once", eager: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(), ScaledAttention, scaling=scaling, eager=eager)
 
 
 def alibi() -> nn.Module:

@@ -34,6 +34,8 @@ EXPECTED = {
     "label-double-shift": {"label-shift": {"FWD702", "FWD703"}},
     "packing-no-document-mask": {"packing": {"FWD601"}},
     "packing-positions-not-reset": {"packing": {"FWD602"}},
+    "sliding-window-one-wider": {"mask-audit": {"FWD211"}},
+    "scale-applied-twice": {"attention-stats": {"FWD955"}},
 }
 # Bugs that only show at long positions in low precision run there: (model fields, dtype). In float32, or at 64
 # positions, rope angles computed in the activations' dtype are what correct code computes.
@@ -41,6 +43,8 @@ BUG_RUN = {
     "rope-angles-in-model-dtype": ({"max_seq_len": 4096}, "bfloat16"),
     # with rotary positions, isolated documents at continuing positions give the same logits: learned ones
     "packing-positions-not-reset": ({"positional": "learned"}, "float32"),
+    # a band one key wider needs a band: a window of 4 under the run's 8 tokens
+    "sliding-window-one-wider": ({"window": 4}, "float32"),
 }
 # How each mask mistake reads, by code path: SDPA's mask is seen in its own convention; eager code only leaves
 # its scores, so an inverted mask is "future keys readable" and a 0/1 mask "no restriction".
@@ -93,6 +97,8 @@ CLEAN = {
     "learned": {"positional": "learned"},
     "no-positions": {"positional": "none"},
     "dropout-train-only": {"dropout": 0.3},
+    "sliding-window": {"window": 4},
+    "sliding-window-is-causal": {"window": 4, "mask": "is_causal"},
 }
 
 

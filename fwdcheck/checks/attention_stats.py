@@ -1,15 +1,21 @@
-"""attention-stats: the scale each attention call applies to q . k, and what its softmax looks like. Warns, never fails.
+"""attention-stats: the effective scale of q . k, from the projections' outputs to the softmax, and what the softmax
+looks like.
 
 The scale is measured, not guessed from statistics. With unit-variance q and k the product q . k has variance d_h,
 and 1/sqrt(d_h) brings the scores back to unit variance (Attention Is All You Need, section 3.2.1); a missing scale
 leaves them sqrt(d_h) times too wide, one applied twice (1/d_h) sqrt(d_h) times too narrow. Whether q and k have
 unit variance depends on the weights, so the spread of the scores alone proves nothing on a trained model; the
-scale does not depend on the weights:
-  SDPA: the `scale` argument of the call (None: 1/sqrt(d_h), what SDPA applies).
-  eager attention: the weights the model computed, compared with softmax(c . q . k) over the keys it left unmasked
-    for c = 1/sqrt(d_h), 1/d_h, 1, and what the model's config declares; the c that reproduces them is the scale
-    it applied. When none does (a bias such as ALiBi, soft-capping), the call's scale is not measured.
-A scale applied to q before the call (q * scale, then SDPA's default again) looks like a weight and is not seen here.
+scale does not depend on the weights. It is the product of:
+  the kernel's: SDPA's `scale` argument (None: 1/sqrt(d_h), what SDPA applies); for eager attention, the c for which
+    softmax(c . q . k) over the keys it left unmasked reproduces the weights the model computed (1/sqrt(d_h), 1/d_h,
+    1, else fitted); when none does (a bias such as ALiBi, soft-capping), the call's scale is not measured;
+  and the factors q and k were multiplied by between their projections and the call (scale_chain.py): OPT's
+    q_proj(x) * scaling, then an SDPA that scales again, is 1/d_h however right the kernel's argument looks.
+That effective scale is judged against what the model declares (a config's `scale:`, else its attention module's
+own `scaling`, else its config's knobs, else 1 for an architecture that folds the scale into its initialisation),
+or 1/sqrt(d_h) where it declares nothing: applied twice (FWD955) or not at all (FWD956) fails, and so does another
+than a declared one (FWD957). Where the factors cannot be measured (a q/k norm or a bias between projection and
+kernel), what came before the call is unknown: the kernel's scale alone is judged, and only warns (FWD951-FWD953).
 
 The statistics (std of q . k / sqrt(d_h), softmax entropy, the share of rows whose largest weight exceeds 0.99) are
 reported per layer for every model, and judged only at initialisation (the reference model, or a Hugging Face model
@@ -21,12 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
-import torch.nn as nn
 
 from fwdcheck.checks.attention_stats_spec import SPEC
+from fwdcheck.checks.scale_chain import factor, keep_projections
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.errors import SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
@@ -38,8 +43,13 @@ from fwdcheck.run.tolerances import TOLERANCES
 
 SATURATED = 0.99  # a row whose largest weight exceeds this reads one key
 SATURATED_SHARE = 0.5  # at initialisation, more rows than this reading one key is worth a look
-# Names under which attention modules keep their query projection (Hugging Face, fairseq, x-transformers, Llama).
-QUERY_PROJECTIONS = {"q_proj", "query", "q_lin", "wq", "to_q", "q"}
+# The attributes under which libraries' attention modules declare the scale they apply: transformers' `scaling`, MPT's
+# and flash-attn's `softmax_scale`, Falcon's and Bloom's `inv_norm_factor`. A bare `scale` is not read: in a model
+# written by hand it is what the code hands its kernel, the measurement itself rather than a statement of intent.
+SCALE_ATTRIBUTES = ("scaling", "softmax_scale", "inv_norm_factor")
+# Architectures that fold 1/sqrt(d_h) into the initialisation of q and apply no scale, by design (T5's Mesh
+# TensorFlow initialisation), as transformers' configs name them: their declared scale is 1.
+FOLDED_SCALE = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"}
 
 # Tokens of the one row observed: enough key positions for the statistics, a fraction of a forward of long inputs.
 LENGTH = 64
@@ -71,14 +81,9 @@ class AttentionStats(Check, declared=SPEC):
     @staticmethod
     def _observe(model: ModelUnderTest, session: Session) -> tuple[Observation, list[SdpaCall], dict]:
         """One observed forward of the first row with q and k kept: the observation, SDPA's own arguments (scale,
-        mask) in the order the observer sees the calls, and the size of each query projection's output."""
+        mask) in the order the observer sees the calls, and the output of every linear layer (scale_chain.py)."""
         recorder = RecordSdpa()
-        projections: dict[str, tuple[float, int]] = {}  # query projection -> (sum of squares of its output, numel)
-        handles = [
-            m.register_forward_hook(partial(keep_size, projections, name))
-            for name, m in model.module.named_modules()
-            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS
-        ]
+        projections, handles = keep_projections(model.module, model.vocab_size)
         # The first row, at most LENGTH tokens: a scale shows at any length, and keeping q, k and every weight of
         # the session's whole batch would cost more than the forward itself at long sequences.
         ids = session.inputs[:1, : max(LENGTH, session.min_seq_len)]
@@ -96,13 +101,14 @@ class AttentionStats(Check, declared=SPEC):
         session: Session,
         seen: Observation,
         sdpa_calls: list[SdpaCall],
-        projections: dict[str, tuple[float, int]],
+        projections: dict[str, torch.Tensor],
     ) -> Calls:
         """Each attention call's scale, measured with its statistics, and judged against 1/sqrt(d_h) and the scales
         the model's config declares; why the others were not measured."""
         sdpa = iter(sdpa_calls)
-        declared = declared_scales(model)
-        calls = Calls(declared=sorted(declared))
+        knobs = declared_scales(model)
+        rope = _rope_attention_scaling(model.module)
+        calls = Calls(declared=sorted(knobs))
         for call in seen.attention:
             if call.api == Api.SDPA:
                 assert call.query is not None  # an SDPA call's q is kept when the observation keeps tensors
@@ -119,9 +125,9 @@ class AttentionStats(Check, declared=SPEC):
             if measured is None:
                 calls.unmeasured.append(f"{call.module}: q, k or the weights were not kept")
                 continue
-            raw, weights, allowed, scale_used, how, d_h, q = measured
-            layer = layer_index(model, call.module)
-            expected = {"1/sqrt(d_h)": d_h**-0.5, **{name: f(d_h, layer) for name, f in declared.items()}}
+            raw, weights, allowed, scale_used, how, d_h, q, k = measured
+            layer = model.layer_of(call.module)
+            declared = declared_scale(model, call.module, layer, d_h, knobs)
             row = {
                 "module": call.module,
                 "api": call.api,
@@ -129,20 +135,39 @@ class AttentionStats(Check, declared=SPEC):
                 "scale": scale_used,
                 "measured_by": how,
                 "scale_ratio": scale_used * math.sqrt(d_h) if scale_used else None,
+                "declared": {name: value for name, value in declared},
                 **statistics(raw, weights, allowed, d_h, scale_used),
             }
             calls.rows.append(row)
             if scale_used is None:
                 calls.unmeasured.append(f"{call.module}: {how}")
-            elif not matches(scale_used, expected):
-                # q multiplied by the scale before the call (OPT, BART: q_proj(x) * scaling, then scale 1): the
-                # call's q is that factor times its projection's output, whose norm a hook kept
-                before = prescaled(q, call.module, projections)
-                if before is not None and matches(scale_used * before, expected):
-                    row["q_scaled_before_call"] = before
-                    row["scale_ratio"] = scale_used * before * math.sqrt(d_h)  # what q . k is scaled by in all
-                else:
-                    calls.findings.append(judge_scale(scale_used, d_h, expected, call.module, model))
+                continue
+            # The factors q and k were multiplied by between their projections and the call (scale_chain.py).
+            block = model.block_of(call.module)
+            scope = f"{block}." if block else (f"{call.module}." if call.module else "")
+            q_factor, q_from = factor(q, projections, scope)
+            k_factor, k_from = factor(k, projections, scope)
+            row["q_factor"], row["k_factor"] = q_factor, k_factor
+            if q_factor is not None and k_factor is not None:
+                effective = scale_used * q_factor * k_factor
+                row["effective_scale"] = effective
+                row["scale_ratio"] = effective * math.sqrt(d_h)  # what q . k of the projections is scaled by
+                row["chain"] = f"q from {q_from}, k from {k_from}"
+                finding = judge_effective(effective, d_h, declared, call.module, scale_used, q_factor, k_factor, rope)
+            else:
+                row["chain"] = f"not measured: q {q_from if q_factor is None else 'measured'}; k " + (
+                    k_from if k_factor is None else "measured"
+                )
+                # Only the part that was measured: a warning at most, what came before the call being unknown.
+                partial_scale = scale_used * (q_factor or 1.0) * (k_factor or 1.0)
+                conventional = acceptable([("1/sqrt(d_h)", d_h**-0.5), *declared], rope)
+                finding = (
+                    None
+                    if matches(partial_scale, conventional)
+                    else judge_scale(partial_scale, d_h, conventional, call.module, model)
+                )
+            if finding is not None:
+                calls.findings.append(finding)
         return calls
 
     @staticmethod
@@ -227,7 +252,7 @@ class AttentionStats(Check, declared=SPEC):
                 bias = mask.double().nan_to_num(neginf=0.0).masked_fill(~allowed, 0.0)  # a finite additive bias
         allowed = allowed.expand_as(raw)
         weights = (raw * scale + bias).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
-        return raw, weights, allowed, scale, "argument", d_h, arguments["query"]
+        return raw, weights, allowed, scale, "argument", d_h, arguments["query"], arguments["key"]
 
     @staticmethod
     def _eager(seen, call, session):
@@ -246,7 +271,7 @@ class AttentionStats(Check, declared=SPEC):
         allowed = weights > tiny  # the keys the model left a weight on: masked ones carry none
         tolerance = TOLERANCES[dtype].attention_weights if dtype in TOLERANCES else 2e-2
         scale, how = reproducing_scale(raw, weights, allowed, d_h, tolerance)
-        return raw, weights, allowed, scale, how, d_h, scores.a
+        return raw, weights, allowed, scale, how, d_h, scores.a, scores.b.transpose(-2, -1)
 
 
 def reproducing_scale(raw, weights, allowed, d_h: int, tolerance: float) -> tuple[float | None, str]:
@@ -311,22 +336,6 @@ def matches(scale: float, expected: dict[str, float]) -> bool:
     return any(abs(scale / value - 1) <= 1e-2 for value in expected.values())
 
 
-def keep_size(sizes: dict, name: str, module, args, output) -> None:
-    """Forward hook: the sum of squares and the number of elements of a projection's output."""
-    if isinstance(output, torch.Tensor) and output.is_floating_point():
-        sizes[name] = (float(output.detach().double().square().sum()), output.numel())
-
-
-def prescaled(q: torch.Tensor, module: str, projections: dict[str, tuple[float, int]]) -> float | None:
-    """The factor q was multiplied by between its projection and the attention call: the ratio of their norms
-    (rotary embeddings keep norms). None without a query projection of the same size inside the module."""
-    squares = float(q.double().square().sum())
-    for name, (projected, numel) in projections.items():
-        if name.startswith(f"{module}." if module else "") and numel == q.numel() and projected > 0:
-            return math.sqrt(squares / projected)
-    return None
-
-
 def judge_scale(scale: float, d_h: int, expected: dict[str, float], module: str, model) -> Finding:
     """The warning that names a scale the model should not apply."""
     ratio = scale * math.sqrt(d_h)
@@ -355,6 +364,83 @@ def judge_scale(scale: float, d_h: int, expected: dict[str, float], module: str,
     return Finding("FWD953", Status.WARN, f"{said}: neither 1/sqrt(d_h) nor a declared scale ({declared})", module)
 
 
+def judge_effective(
+    effective: float,
+    d_h: int,
+    declared: list[tuple[str, float]],
+    module: str,
+    kernel: float,
+    q_factor: float,
+    k_factor: float,
+    rope: float | None,
+) -> Finding | None:
+    """The effective scale of q . k (the kernel's, times what q and k were multiplied by after their projections)
+    against the scale the model declares, or 1/sqrt(d_h) where it declares none. Applied twice or not at all is a
+    failure; another scale than a declared one too; another one where none is declared a warning (FWD953)."""
+    expected = declared or [("1/sqrt(d_h)", d_h**-0.5)]
+    if matches(effective, acceptable(expected, rope)):
+        return None
+    name, value = expected[0]
+    parts = f"the kernel's {kernel:.4g}" + "".join(
+        f" x {which} multiplied by {f:.4g} after its projection"
+        for which, f in (("q", q_factor), ("k", k_factor))
+        if abs(f - 1) > 1e-2
+    )
+    said = (
+        f"q . k of the projections' outputs reaches the softmax scaled by {effective:.4g} ({parts}) where "
+        f"{name} = {value:.4g} is meant (d_h = {d_h})"
+    )
+    if abs(value - 1) > 1e-2 and matches(effective, {"twice": value * value}):
+        return Finding("FWD955", Status.FAIL, f"{said}: the scale applied twice", module)
+    if abs(value - 1) > 1e-2 and matches(effective, {"none": 1.0}):
+        return Finding("FWD956", Status.FAIL, f"{said}: no scale applied at all", module)
+    if declared:
+        return Finding("FWD957", Status.FAIL, f"{said}: another scale than the model declares", module)
+    return Finding("FWD953", Status.WARN, f"{said}: neither 1/sqrt(d_h) nor a declared scale", module)
+
+
+def declared_scale(
+    model, module: str, layer: int | None, d_h: int, knobs: dict[str, Callable[..., float]]
+) -> list[tuple[str, float]]:
+    """The scales the model declares for one attention call, the first the one it is judged against: a config's
+    `scale:`; else the attention module's own attribute (transformers' `scaling`, ...); else its config's knobs; else
+    1 for an architecture that folds the scale into its initialisation. Nothing: the convention, 1/sqrt(d_h)."""
+    found: list[tuple[str, float]] = []
+    if model.scale is not None:
+        found.append((f"the scale {model.origins.get('scale', 'declared')}", model.scale))
+    else:
+        attention = _attention_module(model, module)
+        for attribute in SCALE_ATTRIBUTES:
+            value = getattr(attention, attribute, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append((f"{type(attention).__name__}.{attribute}", float(value)))
+                break
+        found += [(name, f(d_h, layer)) for name, f in knobs.items()]
+        model_type = getattr(getattr(model.module, "config", None), "model_type", None)
+        if not found and model_type in FOLDED_SCALE:
+            found.append((f"{model_type}'s scale folded into its initialisation", 1.0))
+    return found
+
+
+def acceptable(expected: list[tuple[str, float]], rope: float | None) -> dict[str, float]:
+    """The scales that pass: those expected and, under a rotary embedding that scales cos and sin (YaRN's
+    attention_scaling, which multiplies q and k both), each times its square."""
+    scales = dict(expected)
+    if rope is not None:
+        scales.update({f"{name} x rotary attention_scaling^2": value * rope**2 for name, value in expected})
+    return scales
+
+
+def _rope_attention_scaling(module) -> float | None:
+    """The factor a rotary embedding multiplies cos and sin by (transformers' attention_scaling: YaRN's, LongRoPE's),
+    when it is not 1."""
+    for child in module.modules():
+        value = getattr(child, "attention_scaling", None)
+        if isinstance(value, float) and abs(value - 1) > 1e-6:
+            return value
+    return None
+
+
 def declared_scales(model) -> dict:
     """Scales the model's config asks for besides 1/sqrt(d_h), as functions of (d_h, layer index)."""
     config = getattr(model.module, "config", None)
@@ -370,11 +456,6 @@ def declared_scales(model) -> dict:
     if isinstance(multiplier, (int, float)) and multiplier > 0:
         found["attention_multiplier"] = lambda d_h, layer, m=multiplier: float(m)
     return found
-
-
-def layer_index(model, module: str) -> int | None:
-    block = model.block_of(module)
-    return int(block.rsplit(".", 1)[1]) if block else None
 
 
 def _attention_module(model, name: str):

@@ -26,6 +26,7 @@ import torch
 
 from fwdcheck.checks.mask_audit_spec import SPEC
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
+from fwdcheck.checks.window_band import judge_window
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
@@ -242,7 +243,7 @@ class MaskAudit(Check, declared=SPEC):
             )
         also = " (alike at B=1)" if data.get("batch1") == "observed" and len(rows) == len(data["calls"]) else ""
         summary = (
-            f"{len(rows)} attention call(s){also}: {_patterns(rows)}"
+            f"{len(rows)} attention call(s){also}: {_patterns(rows)}{_widths(rows)}"
             if not bad
             else f"{self.codes[bad[0].code]} ({bad[0].where})"
         )
@@ -277,6 +278,12 @@ class MaskAudit(Check, declared=SPEC):
             rows.append(_row(call, reason, shape))
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.causal)
+            if shape is not None and model.causal and not shape.reads_future and model.windows is not None:
+                where = f"{call.module or 'model'} ({call.api})"
+                rows[-1]["window"], wrong = judge_window(call, model.windows, model.layer_of(call.module), where)
+                if wrong is not None:
+                    wrong.source, wrong.module = call.source, call.module
+                    findings.append(wrong)
         findings += [
             Finding(
                 "FWD207",
@@ -500,6 +507,20 @@ def _patterns(rows: list[CallRow]) -> str:
             why = NotJudged(r["not_judged"] or "", r["pattern"]).in_summary
             counts[why] = counts.get(why, 0) + 1
     return ", ".join(judged + [f"{n} not judged: {why}" for why, n in counts.items()])
+
+
+def _widths(rows: list[CallRow]) -> str:
+    """What the declared windows showed, when the model declares any: how many calls were judged on width, and why
+    the others were not (the first reason)."""
+    bands = [r["window"] for r in rows if r.get("window")]
+    judged = [b for b in bands if b["judged"]]
+    waiting = [b["note"] for b in bands if not b["judged"] and b["note"].startswith("width not judged")]
+    if not bands:
+        return ""
+    said = f"; sliding windows as declared at {len(judged)} call(s)" if judged else ""
+    if waiting:
+        said += f"; {len(waiting)} call(s) {waiting[0]}"
+    return said
 
 
 def _group(findings: list[Finding]) -> list[Finding]:

@@ -17,6 +17,8 @@ SPEC = CheckInfo(
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
+        "FWD211": "a sliding-window layer's band is wider or narrower than the window the model declares (or a "
+        "layer declared full attention reads a band)",
     },
     explain="""\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -67,9 +69,21 @@ slice the rows of the causal mask by the query positions (causal_mask[None, None
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
 dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
 mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
-BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
-here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
-the attention module's forward as input_pos or cache_position.""",
+BlockMask for each call's lengths.
+Declared windows (FWD211): where the model declares a sliding window (a config's `window:`; transformers' sliding_window
+on every layer, or on the layers its layer_types call sliding_attention, use_sliding_window false turning it off;
+GPT-Neo's window_size on its "local" layers), the band each judged call's mask allows is compared with its layer's
+window, counted as the keys a query may read itself included (transformers' masks keep key j for query i when
+j > i - sliding_window: W keys). Rows whose query has more earlier keys than the window must read exactly W; one
+key wider or narrower fails, naming the layer, the declared and the measured width. A layer declared full attention
+beside sliding ones must read every earlier key past the widest window. A kernel's window argument (flash-attn's
+window_size, xformers' attn_bias) is measured as the band it allows: window_size=(W, 0) reads W + 1 keys. The width
+is "not judged" when the run's longest query does not reach past the window (raise inputs.seq_len above it); a model
+that declares no window is not judged on width. FWD211 -> build the band as the config says: keep key j when
+j > i - W (or flash-attn's window_size=(W - 1, 0)), and the sliding mask only on sliding layers.
+A model without attention calls fwdcheck can read (custom kernels) is skipped here; future-token still tests its
+behaviour. For a cached forward whose calls are not judged, hand the positions to the attention module's forward as
+input_pos or cache_position.""",
     order=30,
     detail_view="fwdcheck.checks.mask_audit_view:mask_table",
 )

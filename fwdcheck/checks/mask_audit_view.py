@@ -25,6 +25,16 @@ class Convention(TypedDict):
     flag: str
 
 
+class WindowRow(TypedDict):
+    """A call's band against its layer's declared window."""
+
+    layer: int | None
+    declared: int | None  # keys a query may read, itself included; None: full causal attention
+    measured: int | None  # the width the mask allows in the rows that show the band (the furthest from declared)
+    judged: bool
+    note: str  # as declared, or what differs, or why it was not judged
+
+
 class CallRow(TypedDict, total=False):
     """One attention call as the audit saw it."""
 
@@ -47,6 +57,7 @@ class CallRow(TypedDict, total=False):
     reads_future: bool
     may_read: list[list[int]] | None  # [L, S]: 1 where the query may read the key slot (None past 64 x 64)
     source: str | None
+    window: WindowRow  # the band against the layer's declared window, when the model declares one
 
 
 class MaskAuditData(TypedDict, total=False):
@@ -98,6 +109,11 @@ def mask_table(r: CheckResult) -> RenderableType:
         if not c.get("judged", True):
             reasons[c["pattern"]] = reasons.get(c["pattern"], 0) + 1
     parts += notes(reason + (f" ({n} calls)" if n > 1 else "") for reason, n in reasons.items())
+    bands = [c["window"] for c in rows if c.get("window")]
+    widths = sorted({b["note"] for b in bands if not b["judged"] or b["measured"] != b["declared"]})
+    if bands:
+        judged = sum(b["judged"] for b in bands)
+        parts += notes([f"declared windows: {judged} of {len(bands)} calls judged on width", *widths])
     sources = sorted({c["positions_from"] for c in rows if c.get("positions_from") not in (None, "", "square")})
     if sources:
         parts += notes([f"query positions (L x S at ...) from: {', '.join(sources)}"])

@@ -34,6 +34,12 @@ BUGS: dict[str, str] = {
     "V), labels.view(-1))) instead of logits[:, :-1] with labels[:, 1:]",
     "label-double-shift": "labels shifted once on the flattened batch (flat[1:]) and again per row (labels[:, 1:]): "
     "each position is scored two tokens ahead, and the last of each row against the next row's first label",
+    "sliding-window-one-wider": "the sliding band built as torch.ones(T, S).tril() & ~torch.ones(T, S)"
+    ".tril(-window - 1): each query reads window + 1 keys, one more than the declared window (needs the model's "
+    "window set)",
+    "scale-applied-twice": "q multiplied by 1/sqrt(d) after its projection (q = q_proj(x) * self.scaling) and handed "
+    "to an attention that scales by 1/sqrt(d) again (SDPA's default, or the eager path's own): the scores are "
+    "q . k / d",
     "packing-positions-not-reset": "packed documents run at position_ids = torch.arange(T): positions continue "
     "across document boundaries instead of restarting at 0",
     "packing-no-document-mask": "packed documents get the plain causal mask: document_ids never reach the "

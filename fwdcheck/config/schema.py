@@ -156,6 +156,9 @@ class ReferenceModel(ModelSpec):
         "embeddings drawn from normal(0, init_std) (GPT-2 uses 0.02); default PyTorch's "
         "own initialisation",
     )
+    window: PositiveInt | None = Field(
+        None, description="a sliding attention window: each query reads itself and the window - 1 keys before it"
+    )
     bugs: list[Bug] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -192,6 +195,18 @@ class FactoryModel(ModelSpec):
     )
     dims: Dims | None = Field(
         None, description="declared sizes (d, h, h_kv, d_h, d_ff, V) where no model config object says them"
+    )
+    window: PositiveInt | list[PositiveInt | None] | None = Field(
+        None,
+        description="the sliding attention window: the keys a query may read, itself included (a list: one per "
+        "layer, null for full causal attention); mask-audit compares each layer's mask with it",
+    )
+    scale: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="the factor attention applies to q . k when it is not 1/sqrt(d_h) (1 for a model that folds the "
+        "scale into its weights, as T5); attention-stats judges the effective scale against it",
     )
 
     def code(self) -> list[tuple[str, str]]:
@@ -349,6 +364,12 @@ class HFModel(ModelSpec):
     trust_remote_code: bool = False
     causal: bool = True
     rope: RopeSpec | None = Field(None, description="override what the config declares about its rotary embedding")
+    window: PositiveInt | list[PositiveInt | None] | None = Field(
+        None, description="override the sliding window the config declares (as a python model's window:)"
+    )
+    scale: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="override the attention scale (as a python model's scale:)"
+    )
 
     @model_validator(mode="after")
     def _one_origin(self) -> HFModel:

@@ -104,6 +104,39 @@ class Loss:
         return 1 if self.shifted_by == "caller" else 0
 
 
+@dataclass(frozen=True)
+class Windows:
+    """The sliding attention window the model declares, per layer (mask-audit compares the band each call's mask
+    allows with it). A width counts the keys a query may read, itself included: transformers' `sliding_window` (its
+    masks keep key j for query i when j > i - sliding_window), GPT-Neo's `window_size`, flash-attn's window_size
+    left + 1, and a config's own `window:`."""
+
+    origin: str  # where fwdcheck read it, for the report
+    every: int | None = None  # one width for every attention layer (layers left empty)
+    # Per layer index: a width, None for full causal attention, or a str saying why the layer's pattern is no band
+    # fwdcheck judges (chunked attention, a recurrent layer).
+    layers: tuple[int | str | None, ...] = ()
+
+    def of(self, layer: int | None) -> int | str | None:
+        """The declared width of a layer (None: full attention; a str: why it is not judged)."""
+        if not self.layers:
+            return self.every
+        if layer is None or not 0 <= layer < len(self.layers):
+            return f"the window is declared per layer, and this call's layer index is {layer}"
+        return self.layers[layer]
+
+    @classmethod
+    def declared(cls, window: int | list[int | None], origin: str) -> Windows:
+        """A config's `window:`: one width for every layer, or a list of one per layer."""
+        return cls(origin, every=window) if isinstance(window, int) else cls(origin, layers=tuple(window))
+
+    @property
+    def widest(self) -> int | None:
+        """The widest window any layer declares."""
+        widths = [w for w in (self.every, *self.layers) if isinstance(w, int)]
+        return max(widths, default=None)
+
+
 # How forward is told where packed documents are:
 #   document_ids   <argument>=[N, T] integer ids, one per document
 #   mask           <argument>=[N, 1, T, T] booleans, True = may attend, causal within each document

@@ -47,6 +47,7 @@ class ReferenceConfig:
     dropout: float = 0.0
     bias: bool = False
     init_std: float | None = None  # None: PyTorch's default initialisation; a number: GPT-2's normal(0, init_std)
+    window: int | None = None  # a sliding window: each query reads itself and the window - 1 keys before it
     bugs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -203,6 +204,8 @@ class CausalSelfAttention(nn.Module):
             q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if "scale-applied-twice" in self.bugs:
+            q = q * hs**-0.5  # OPT's q_proj(x) * self.scaling, before an attention that scales again
 
         if self.cfg.positional == "rope":
             rope_positions = position_ids
@@ -253,11 +256,15 @@ class CausalSelfAttention(nn.Module):
     def causal_mask(self, T: int, device, dtype, past_len: int = 0) -> tuple[torch.Tensor | None, bool]:
         """The causal mask of T new queries over past_len cached keys and their own, in the configured encoding, or
         the planted mistake. Returns (attn_mask, is_causal)."""
-        if past_len and T == 1:
+        window = self.cfg.window
+        if past_len and T == 1 and window is None:
             return None, False  # one new token reads every cached key and itself: nothing to mask
         S = past_len + T
         # (T, S) aligned bottom-right: query i, at position past_len + i, reads keys 0 .. past_len + i
         may_attend = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=past_len)
+        if window is not None:  # and only the `window` keys up to its own: key j when j > past_len + i - window
+            band = window + 1 if "sliding-window-one-wider" in self.bugs else window
+            may_attend &= ~torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=past_len - band)
         if "kv-cache-mask-top-left" in self.bugs:
             may_attend = torch.ones(T, S, dtype=torch.bool, device=device).tril()  # query i reads keys 0 .. i
         if "no-causal-mask" in self.bugs:
@@ -266,7 +273,7 @@ class CausalSelfAttention(nn.Module):
             return ~may_attend, False  # True = masked out: right for nn.MultiheadAttention, inverted for SDPA
         if "float-mask-01" in self.bugs:
             return may_attend.float().to(dtype), False  # 1 on allowed keys, 0 elsewhere: added, it masks nothing
-        if self.cfg.mask == "is_causal" and (past_len == 0 or "kv-cache-mask-top-left" in self.bugs):
+        if self.cfg.mask == "is_causal" and window is None and (past_len == 0 or "kv-cache-mask-top-left" in self.bugs):
             return None, True  # torch aligns is_causal top-left: right only while queries and keys start together
         if self.cfg.mask == "float":
             zeros = torch.zeros(T, S, dtype=dtype, device=device)

@@ -23,7 +23,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
 from fwdcheck.model.calling import adapter_takes, call_convention_hint, call_forward
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions, Windows
 from fwdcheck.model.default_device import global_default_device, set_global_default_device
 from fwdcheck.observe.frames import logits_in
 from fwdcheck.observe.observer import compiled_eagerly
@@ -84,6 +84,10 @@ class ModelUnderTest:
     packing: Packing | None = None  # documents packed into one row, isolated
     positions: Positions | None = None  # how forward learns positions; None: position_ids when forward takes them
     rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
+    windows: Windows | None = None  # the sliding attention window it declares; None: full causal attention
+    # The factor attention should apply to q . k when it is not 1/sqrt(d_h) (a config's `scale:`), where it came from
+    # in origins["scale"]; None: what the model's own config says, else 1/sqrt(d_h)
+    scale: float | None = None
     weights_at_init: bool = False  # the weights are known to be as initialised (random), not trained or loaded
     weights_loaded: bool = False  # the weights were read from a file (a checkpoint, a pretrained directory)
     library_loggers: tuple[str, ...] = ()  # loggers of the model's library, whose messages become the run's notes
@@ -128,6 +132,11 @@ class ModelUnderTest:
             return None
         index = module_name[len(stack) + 1 :].split(".")[0]
         return f"{stack}.{index}" if index.isdigit() else None
+
+    def layer_of(self, module_name: str) -> int | None:
+        """The index of the block a submodule belongs to (3 for 'layers.3.attn'), or None."""
+        block = self.block_of(module_name)
+        return int(block.rsplit(".", 1)[1]) if block else None
 
     @property
     def accepts_position_ids(self) -> bool:

@@ -37,8 +37,9 @@ CHECK = {
         "data": {
             "type": "object",
             "description": "structured detail; shape-ledger: entries [{name, shape, dims}], "
-            "future-token: leak_map, mask-audit: calls, code-path checks: paths [{path, status, summary, "
-            "codes}]",
+            "future-token: leak_map, mask-audit: calls (with window {layer, declared, measured, judged, note} "
+            "where the model declares one), attention-stats: calls (with scale, q_factor, k_factor, "
+            "effective_scale, chain, declared), code-path checks: paths [{path, status, summary, codes}]",
         },
         "duration_s": {"type": "number"},
         "key_number": {

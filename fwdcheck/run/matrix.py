@@ -118,20 +118,24 @@ def _merged_findings(default: CheckResult, cells: list[tuple[CellRun, CheckResul
             if f.status in (Status.PASS, Status.SKIP):
                 continue
             first, where = by_code.setdefault(f.code, (f, []))
-            where.append(run.cell.label)
+            if run.cell.label not in where:  # a cell with the code at several calls (layers) counts once
+                where.append(run.cell.label)
     # A code the default path found too keeps the default path's finding (its measurement at the run's own length,
     # the module and line it names), with the cells that fail the same way added to where it was seen.
-    on_default = {f.code: f for f in default.findings if f.status not in (Status.PASS, Status.SKIP)}
+    # (The first of each code: the others, at other calls or layers, stay as they are.)
+    on_default: dict[str, Finding] = {}
+    for f in default.findings:
+        if f.status not in (Status.PASS, Status.SKIP):
+            on_default.setdefault(f.code, f)
     seen_where = {}
     for code, (_, where) in by_code.items():
         shown = "; ".join(where[:4]) + (f"; and {len(where) - 4} more" if len(where) > 4 else "")
         seen_where[code] = f"{len(where)} of {len(cells)} code paths: {shown}"
     findings = [
         f
-        if f.code not in by_code
+        if f is not on_default.get(f.code) or f.code not in by_code
         else dataclasses.replace(f, where="; also on ".join(filter(None, [f.where, seen_where[f.code]])))
         for f in default.findings
-        if f.code not in by_code or f is on_default.get(f.code)
     ]
     for code, (first, _) in by_code.items():
         cells_where = seen_where[code]

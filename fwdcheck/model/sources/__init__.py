@@ -77,6 +77,8 @@ def from_module(
     rope: dict[str, Any] | None = None,
     dims: dict[str, int] | None = None,
     forward: Callable[..., Any] | None = None,
+    window: int | list[int | None] | None = None,
+    scale: float | None = None,
 ) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly (fwdcheck.check_model): a transformers model keeps its
     config's description unless a forward adapter drives it; any other module is read as a factory's would be."""
@@ -87,7 +89,14 @@ def from_module(
     declared_rope = RopeSpec(**rope) if rope else None
     if forward is None and is_transformers_model(module):
         hf_config: Any = module.config  # a transformers PretrainedConfig
-        hf_spec = HFModel(source="hf", config={"model_type": hf_config.model_type}, causal=causal, rope=declared_rope)
+        hf_spec = HFModel(
+            source="hf",
+            config={"model_type": hf_config.model_type},
+            causal=causal,
+            rope=declared_rope,
+            window=window,
+            scale=scale,
+        )
         return hf_model_under_test(module, hf_spec, notes=[])
     spec = FactoryModel(
         factory="api:check_model",
@@ -96,6 +105,8 @@ def from_module(
         causal=causal,
         rope=declared_rope,
         dims=Dims(**dims) if dims else None,
+        window=window,
+        scale=scale,
     )
     parts = FactoryParts(factory=lambda: module, forward=forward, rotary=None)
     return model_from_module(module, spec, parts, source="python", label=type(module).__name__)

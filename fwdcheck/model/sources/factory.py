@@ -14,6 +14,7 @@ from fwdcheck.config.callables import on_sys_path, resolve_callable
 from fwdcheck.config.schema import FactoryModel
 from fwdcheck.errors import ModelLoadError, model_failure
 from fwdcheck.model.config_keys import CONFIG_KEYS, extended, head_widths
+from fwdcheck.model.sources.attention_declared import declare_attention
 from fwdcheck.model.sources.detect import detect_capabilities
 from fwdcheck.model.tested import ModelUnderTest, Rotary, describe
 
@@ -95,7 +96,7 @@ def model_from_module(
         )
     if spec.rope is not None:
         origins["rope"] = "declared in the config (model.rope)"
-    return detect_capabilities(
+    model = detect_capabilities(
         ModelUnderTest(
             module=module,
             label=label or spec.factory,
@@ -110,6 +111,8 @@ def model_from_module(
             origins=origins,
         )
     )
+    declare_attention(model, spec)
+    return model
 
 
 def _first_int(model_config: Any, names: tuple[str, ...]) -> int | None:

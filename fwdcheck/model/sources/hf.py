@@ -32,6 +32,7 @@ from fwdcheck.errors import ModelLoadError, UsageError, first_line
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.model.config_keys import CONFIG_KEYS, head_widths
 from fwdcheck.model.library_logs import kept_as_notes
+from fwdcheck.model.sources.attention_declared import declare_attention, transformers_windows
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
@@ -145,6 +146,7 @@ def hf_model_under_test(
         extra={"notes": notes, "model_type": top.model_type},
     )
     add_transformers_capabilities(model)
+    declare_attention(model, spec)
     return model
 
 
@@ -536,6 +538,7 @@ def add_transformers_capabilities(model: ModelUnderTest) -> None:
     causal-LM loss, its tensor-parallel plan, the way it isolates packed documents, and its library's log."""
     module = model.module
     model.attention = AttentionSwitch.on(module)
+    model.windows = transformers_windows(text_config(module.config), f"transformers' {type(module.config).__name__}")
     model.matrix_by_default = True  # attention implementation, output_attentions and attention_mask pick its path
     model.library_loggers = LOGGERS
     if own_cache_class(module):  # generate makes no cache for these: the model makes its own on the first call

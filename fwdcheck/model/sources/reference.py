@@ -11,7 +11,7 @@ import torch
 
 from fwdcheck.config.schema import Config, ReferenceModel, RopeSpec
 from fwdcheck.errors import ModelLoadError, first_line
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing
+from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Windows
 from fwdcheck.model.reference import ReferenceConfig, ReferenceTransformer, apply_rope
 from fwdcheck.model.tested import ModelUnderTest
 
@@ -73,5 +73,7 @@ def add_reference_capabilities(model: ModelUnderTest) -> None:
     model.loss = Loss("labels", "model", 1, -100, "the reference model's (labels = input ids, (logits, loss))")
     model.packing = Packing("document_ids", "document_ids (the reference model's packed path)", argument="document_ids")
     model.attention = AttentionSwitch.on(module)
+    if module.config.window is not None:
+        model.windows = Windows.declared(module.config.window, "the reference model's window")
     if module.config.positional == "rope":
         model.rotary_in_layers = module.rotary  # in the layers' precision, planted bugs included

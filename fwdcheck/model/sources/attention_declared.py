@@ -1,0 +1,66 @@
+"""What a model declares about its attention: the sliding window of each layer and the scale, as a config's own
+`window:` and `scale:` say them (they win), or as a transformers config does (read here for the window; the scale's
+knobs are read by attention-stats beside the attention module's own `scaling`).
+
+A transformers config's window is read as transformers 5's models read it.
+
+A width counts the keys a query may read, itself included: transformers' masking_utils keeps key j for query i
+when `j > i - sliding_window` (sliding_window_overlay), so `sliding_window: 4` reads the query and the three tokens
+before it, whichever model uses it (Mistral, Qwen2, Phi-3, Gemma 2 and 3, Cohere2, Starcoder2, ...). GPT-Neo's
+local layers keep the same band, `window_size` keys (tril(bias) xor tril(bias, -window_size)).
+
+Which layers slide:
+  `layer_types` (the per-layer list transformers 5 configs carry: Qwen2 builds it from use_sliding_window and
+    max_window_layers, Gemma 2 alternates): "sliding_attention" reads `sliding_window`, "full_attention" every earlier
+    key; another kind (chunked attention, a recurrent or linear mixer) is not a band, and not judged.
+  no `layer_types`, `sliding_window` set (Mistral, Phi-3, Mixtral): every layer slides, as their models build one
+    sliding mask for all layers; `use_sliding_window: false` turns it off where the config has that switch.
+  GPT-Neo: `attention_layers` ("local" / "global") with `window_size`.
+Longformer's and LED's `attention_window` is two-sided over an encoder: not a causal band, not read here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fwdcheck.model.capabilities import Windows
+from fwdcheck.model.tested import ModelUnderTest
+
+FULL_KINDS = {"full_attention", "attention", "global"}
+SLIDING_KINDS = {"sliding_attention", "local"}
+
+
+def transformers_windows(config: Any, where: str) -> Windows | None:
+    """The windows the config declares, or None when it declares none (every layer full causal attention)."""
+    width = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        width = None
+    kinds = getattr(config, "layer_types", None)
+    if not isinstance(kinds, (list, tuple)):
+        kinds = getattr(config, "attention_layers", None)  # GPT-Neo
+        width = getattr(config, "window_size", None) if isinstance(kinds, (list, tuple)) else width
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+        return None
+    if not isinstance(kinds, (list, tuple)):
+        return Windows(f"{where}: sliding_window {width}, every layer", every=width)
+    layers: list[int | str | None] = []
+    for kind in kinds:
+        if kind in SLIDING_KINDS:
+            layers.append(width)
+        elif kind in FULL_KINDS:
+            layers.append(None)
+        else:
+            layers.append(f"a {kind} layer: no sliding band to judge")
+    if not any(isinstance(w, int) for w in layers):
+        return None
+    return Windows(f"{where}: sliding_window {width} on the layers its layer kinds call sliding", layers=tuple(layers))
+
+
+def declare_attention(model: ModelUnderTest, spec: Any) -> None:
+    """A config section's own `window:` and `scale:`, over whatever the model's library declared."""
+    window, scale = getattr(spec, "window", None), getattr(spec, "scale", None)
+    if window is not None:
+        model.windows = Windows.declared(window, "declared in the config (model.window)")
+    if scale is not None:
+        model.scale = float(scale)
+        model.origins["scale"] = "declared in the config (model.scale)"
