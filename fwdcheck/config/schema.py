@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from fwdcheck.config.bugs import BUGS
-from fwdcheck.config.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
+from fwdcheck.config.hub_cache import NotCached, cached_snapshot, fetch_command, looks_like_hub_id
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
 from fwdcheck.config.validation_words import in_plain_words
@@ -356,7 +356,7 @@ class HFModel(ModelSpec):
         except NotCached as exc:
             raise ConfigError(
                 f"model.path: '{given}' is no directory here ({local}) and {exc}; fwdcheck never downloads: fetch "
-                f"it with `huggingface-cli download {given}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
+                f"it with `{fetch_command(given)}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
             ) from None
 
     def files_read(self) -> list[tuple[str, Path]]:
