@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from fwdcheck import __version__
 from fwdcheck.cli import app, paragraphs
+from fwdcheck.report.formats import shortest_names
 from fwdcheck.run_command import signals_deferred, worst_exit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,28 @@ def test_several_configs_make_one_report_and_the_worst_exit_code(tmp_path):
     assert lines[0].startswith("fwdcheck toy.yaml: passed (exit 0)")
     assert lines[1].startswith("fwdcheck inverted-bool-mask.yaml: failed (exit 1)")
     assert lines[-1] == "2 configs: toy.yaml passed, inverted-bool-mask.yaml failed → exit 1"
+
+
+def test_configs_of_one_name_are_told_apart_by_their_folders(tmp_path):
+    """A monorepo's `fwdcheck.yaml` in two folders (the name `init` and the pre-commit hook default to): each is
+    named by the shortest path that tells them apart."""
+    for folder, source in [("a", TOY), ("b", BROKEN)]:
+        (tmp_path / "models" / folder).mkdir(parents=True)
+        shutil.copy(source, tmp_path / "models" / folder / "fwdcheck.yaml")
+    a, b = (tmp_path / "models" / f / "fwdcheck.yaml" for f in "ab")
+    lines = invoke("run", a, b, "-q", "--in-process").stdout.strip().splitlines()
+    assert lines[0].startswith("fwdcheck a/fwdcheck.yaml: passed (exit 0)")
+    assert lines[1].startswith("fwdcheck b/fwdcheck.yaml: failed (exit 1)")
+    assert lines[-1] == "2 configs: a/fwdcheck.yaml passed, b/fwdcheck.yaml failed → exit 1"
+
+
+def test_shortest_names():
+    assert shortest_names(["x/toy.yaml", "y/other.yaml"]) == {"x/toy.yaml": "toy.yaml", "y/other.yaml": "other.yaml"}
+    assert shortest_names(["r/a/c/f.yaml", "r/b/c/f.yaml", "f.yaml"]) == {
+        "r/a/c/f.yaml": "a/c/f.yaml",
+        "r/b/c/f.yaml": "b/c/f.yaml",
+        "f.yaml": "f.yaml",
+    }
 
 
 @pytest.mark.slow

@@ -87,17 +87,33 @@ def render_terminal(
     each quiet line led by its config's name."""
     from fwdcheck.report.terminal import render
 
+    given = [str(r.config_path or r.model.get("label", "?")) for r in outcome.reports]
+    names = shortest_names(given + [str(n["config"]) for n in outcome.not_run])
     for i, report in enumerate(outcome.reports):
         if i and verbosity != Verbosity.quiet:
             console.print()
-        name = Path(report.config_path or report.model.get("label", "?")).name if outcome.several else None
+        name = names[given[i]] if outcome.several else None
         render(report, console, debug=debug, verbosity=verbosity.value, name=name, terminal=terminal)
     if outcome.several:
-        each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
-        each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
+        each = [f"{names[g]} {r.verdict}" for g, r in zip(given, outcome.reports, strict=True)]
+        each += [f"{names[str(n['config'])]} not run (exit {n['exit_code']})" for n in outcome.not_run]
         console.print(
             escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}", soft_wrap=True
         )
+
+
+def shortest_names(paths: list[str]) -> dict[str, str]:
+    """Each path by the fewest of its last parts that tell it from the others: `fwdcheck.yaml` alone, but
+    `models/a/fwdcheck.yaml` and `models/b/fwdcheck.yaml` as `a/fwdcheck.yaml` and `b/fwdcheck.yaml`."""
+    parts = {p: Path(p).parts or (p,) for p in paths}
+    names = {}
+    for path, own in parts.items():
+        others = [theirs for other, theirs in parts.items() if other != path]
+        n = 1
+        while n < len(own) and any(theirs[-n:] == own[-n:] for theirs in others):
+            n += 1
+        names[path] = Path(*own[-n:]).as_posix()
+    return names
 
 
 def recorded(outcome: RunReports, verbosity: Verbosity, debug: bool, terminal: bool = True) -> Console:
