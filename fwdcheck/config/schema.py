@@ -316,7 +316,8 @@ HF_WEIGHT_FILES = (
 
 
 class HFModel(ModelSpec):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # protected_namespaces: pydantic before 2.10 warns at import that `model_class` starts with `model_`
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
     shards_itself: ClassVar[bool] = True  # transformers' tp_plan
 
     source: Literal["hf"]
