@@ -22,6 +22,7 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from fwdcheck import __version__
+from fwdcheck.config.dtypes import dtype_named
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, exception_text
 from fwdcheck.model.sources import starter_config, starters
 from fwdcheck.report.formats import (
@@ -65,6 +66,14 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+def _dtype(value: str) -> DType:
+    """--dtype as a config's dtype: bf16 as bfloat16, the others refused naming what is taken."""
+    try:
+        return DType(dtype_named(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _version(value: bool) -> None:
@@ -184,7 +193,14 @@ def run(
         ),
     ] = None,
     device: Annotated[Device | None, typer.Option(help="Override the config's device.")] = None,
-    dtype: Annotated[DType | None, typer.Option(help="Override the config's dtype.")] = None,
+    dtype: Annotated[
+        DType | None,
+        typer.Option(
+            metavar="<float32|bfloat16|float16>",
+            parser=_dtype,
+            help="Override the config's dtype; bf16, fp16, fp32 and half are taken as in a config.",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Override the config's input seed.")] = None,
     output_format: Annotated[
         Format, typer.Option("--format", help="Report format on stdout (or --output).")

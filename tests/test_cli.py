@@ -1058,3 +1058,16 @@ def test_help_and_version_do_not_import_torch():
     assert "Exit codes" in proc.stdout  # the help really was printed
     assert f"fwdcheck {__version__}" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1] == "torch imported: False"
+
+
+def test_dtype_on_the_command_line_takes_the_configs_spellings():
+    """`--dtype bf16` as `dtype: bf16` in a config: the run is in bfloat16; a dtype no spelling names is refused with
+    one line saying what is taken, exit 2."""
+    result = runner.invoke(app, ["run", str(TOY), "--dtype", "bf16", "--in-process", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["environment"]["dtype"] == "bfloat16"
+    refused = runner.invoke(app, ["run", str(TOY), "--dtype", "int8"])
+    assert refused.exit_code == 2
+    assert "'int8' is no dtype fwdcheck runs in: float32, bfloat16, float16 (or bf16, fp16, fp32, half)" in (
+        refused.output
+    )

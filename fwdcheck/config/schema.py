@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from fwdcheck.config.bugs import BUGS
+from fwdcheck.config.dtypes import DTYPE_SPELLINGS
 from fwdcheck.config.hub_cache import NotCached, cached_snapshot, fetch_command, looks_like_hub_id
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
@@ -545,14 +546,6 @@ class RunConfig(Strict):
     def _dtype_spellings(cls, value: Any) -> Any:
         """bf16, fp16, fp32 and torch's own spellings (torch.bfloat16, half) as the names they stand for."""
         return DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
-
-
-# The other ways a dtype is written (mixed-precision flags, torch's names), by the name fwdcheck takes
-DTYPE_SPELLINGS = {
-    **{spelling: "float32" for spelling in ("fp32", "f32", "float", "torch.float32", "torch.float")},
-    **{spelling: "bfloat16" for spelling in ("bf16", "torch.bfloat16")},
-    **{spelling: "float16" for spelling in ("fp16", "f16", "half", "torch.float16", "torch.half")},
-}
 
 
 def _rename_rule(rule: str) -> str:
