@@ -1071,3 +1071,15 @@ def test_dtype_on_the_command_line_takes_the_configs_spellings():
     assert "'int8' is no dtype fwdcheck runs in: float32, bfloat16, float16 (or bf16, fp16, fp32, half)" in (
         refused.output
     )
+
+
+def test_a_module_not_found_says_where_it_looked_and_what_is_there(tmp_path):
+    """`factory: models:build` beside a model.py: one line naming the folder looked in and the module there whose
+    name is close; from another folder, `--model models:build` names the working directory it looked in."""
+    (tmp_path / "model.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(2, 2)\n")
+    (tmp_path / "fwdcheck.yaml").write_text("model: {source: python, factory: 'models:build'}\n")
+    result = runner.invoke(app, ["run", str(tmp_path / "fwdcheck.yaml"), "--in-process"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "factory 'models:build': cannot import 'models': No module named 'models'; did you mean 'model'?" in line
+    assert f"(looked in {tmp_path} and the installed packages: run from the module's folder" in line

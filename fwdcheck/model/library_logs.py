@@ -2,8 +2,8 @@
 
 A model names its library's loggers (ModelUnderTest.library_loggers, filled in by its source: transformers' for a
 transformers model). What it says of what fwdcheck itself asked for (transformers' "`sdpa` attention does not support
-`output_attentions=True`" when the code-path matrix asks for attentions) is dropped: `asked_for`. Python warnings, the library's or the model's, are the caller's to collect:
-the command line makes them notes too.
+`output_attentions=True`" when the code-path matrix asks for attentions) is dropped: `asked_for`. Python warnings,
+the library's or the model's, are the caller's to collect: the command line makes them notes too.
 """
 
 from __future__ import annotations
