@@ -392,10 +392,15 @@ def explain(
 
     def explain_code(code: str, console: Console) -> None:
         from fwdcheck.config.registry import code_owners, info
-        from fwdcheck.errors import OWN_CODES
+        from fwdcheck.errors import OWN_CODES, Own
 
         if code in OWN_CODES:
             console.print(escape(f"{code} (fwdcheck itself): {OWN_CODES[code]}"))
+            if code == Own.MODEL_RAISED:  # how to fix it: the model, or the call (a forward adapter)
+                from fwdcheck.model.call_convention import FIX
+
+                console.print()
+                console.print(FIX, highlight=False, markup=False)
             return
         owner = code_owners().get(code)  # every registered check's, plugins' included
         if owner is None:

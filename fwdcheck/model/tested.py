@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
+from fwdcheck.model.call_convention import adapter_hint, call_for, is_call_convention
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
 from fwdcheck.observe.observer import compiled_eagerly
 
@@ -130,10 +131,16 @@ class ModelUnderTest:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
         """The model's raw output; any exception becomes ModelRaised naming the model-code frame it came from."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        with model_code("the model raised"):
-            if self.forward_adapter is not None:
-                return self.forward_adapter(self.module, input_ids, **kwargs)
-            return self.module(input_ids, **kwargs)
+        try:
+            with model_code("the model raised"):
+                if self.forward_adapter is not None:
+                    return self.forward_adapter(self.module, input_ids, **kwargs)
+                return self.module(input_ids, **kwargs)
+        except ModelRaised as exc:
+            cause = exc.__cause__
+            if self.forward_adapter is None and cause is not None and is_call_convention(cause):  # another call
+                raise ModelRaised(f"{exc}{adapter_hint(call_for(cause))}", frame=exc.frame) from cause
+            raise
 
     def call(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The module's own forward with keyword arguments of its own (labels, document ids, a 4-D mask): the raw
@@ -269,9 +276,12 @@ def _extract_logits(output: Any) -> torch.Tensor:
         return output["logits"]
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
+    keys = list(output)[:8] if isinstance(output, dict) else []
+    call = f"model(input_ids)[{keys[0]!r}]" if keys else "model(input_ids)..."
+    listed = f" (keys {', '.join(map(repr, keys))})" if keys else ""
     raise ModelRaised(
-        f"forward returned {type(output).__name__}; fwdcheck needs logits [B, T, V]: a tensor, "
-        "an object with .logits, or a tuple whose first item is the logits"
+        f"forward returned {type(output).__name__}{listed}; fwdcheck needs logits [B, T, V]: a tensor, an object "
+        f"with .logits, a dict with a 'logits' key, or a tuple whose first item is the logits{adapter_hint(call)}"
     )
 
 
