@@ -7,6 +7,7 @@ Expected problems print one red line and exit with their documented code; a trac
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import re
 import sys
@@ -30,6 +31,7 @@ from fwdcheck.report.formats import (
     StdoutConsole,
     Verbosity,
     report_width,
+    without_trailing_spaces,
 )
 from fwdcheck.report.outputs import (
     isatty,
@@ -317,6 +319,22 @@ def _guarded(action, debug: bool) -> int:
         return ExitCode.INTERNAL
 
 
+def _printed(draw) -> None:
+    """What a command prints on stdout, as a run's report is printed: on a terminal as rich draws it; elsewhere (a
+    pipe, a file) whole lines without the spaces rich pads a table's lines with; a reader that goes away (`| head -1`)
+    is no error."""
+
+    def write(stream) -> None:
+        if isatty(stream):
+            draw(StdoutConsole(file=stream))
+            return
+        buffer = io.StringIO()
+        draw(Console(file=buffer, width=report_width(stream)))
+        stream.write(without_trailing_spaces(buffer.getvalue()))
+
+    write_stdout(write)
+
+
 @app.command("list")
 def list_checks() -> None:
     """List the registered checks: name, where each comes from, what it verifies."""
@@ -338,14 +356,17 @@ def list_checks() -> None:
                 description, default = f"[red]{escape(str(exc))}[/red]", "yes"
             # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
             table.add_row(escape(entry.name), escape(entry.label), default, description)
-        console = Console()
-        console.print(table)
-        console.print(
-            "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
-            "`checks: [all]` runs every check.",
-            highlight=False,
-            markup=False,
-        )
+
+        def draw(console: Console) -> None:
+            console.print(table)
+            console.print(
+                "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
+                "`checks: [all]` runs every check.",
+                highlight=False,
+                markup=False,
+            )
+
+        _printed(draw)
         return 0
 
     raise typer.Exit(_guarded(action, False))
@@ -370,12 +391,15 @@ def explain(
     def action():
         from fwdcheck.config.registry import available, info, select
 
-        console = Console()
         if FINDING_CODE.match(what) and what not in available():
-            explain_code(what.upper(), console)
+            _printed(lambda console: explain_code(what.upper(), console))
             return 0
         entry = select([what])[0]
         about = info(entry)
+        _printed(lambda console: explain_check(entry, about, console))
+        return 0
+
+    def explain_check(entry, about, console: Console) -> None:
         console.print(f"[bold]{escape(entry.name)}[/bold] ({escape(entry.label)}) — {escape(about.description)}\n")
         console.print(paragraphs(about.explain), highlight=False, markup=False)
         table = Table(box=None, pad_edge=False, title="finding codes", title_justify="left")
@@ -388,7 +412,6 @@ def explain(
         if options is not None:
             console.print(f"\n[bold]options[/bold] (`options: {{{escape(entry.name)}: {{...}}}}` in a config)")
             console.print(options)
-        return 0
 
     def explain_code(code: str, console: Console) -> None:
         from fwdcheck.config.registry import code_owners, info

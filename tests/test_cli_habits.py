@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -245,3 +246,22 @@ def test_terminal_findings_name_the_model_codes_file_and_line():
     """The attention call that misbehaved, as file:line, in the terminal as in every other report."""
     out = invoke("run", BROKEN, "--check", "mask-audit").stdout
     assert re.search(r"fwdcheck/model/reference\.py:\d+", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["list", "explain mask-audit", "explain FWD002"])
+def test_list_and_explain_piped_end_cleanly_and_without_trailing_spaces(command):
+    """`fwdcheck list | head -1` exited 1 in about half the tries (rich's exit on a broken pipe), and every line
+    piped ended in the spaces rich pads a table with."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for _ in range(3):
+        piped = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {shlex.quote(sys.executable)} -m fwdcheck {command} | head -1"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    whole = fwdcheck(*command.split())
+    assert whole.returncode == 0
+    assert [line for line in whole.stdout.splitlines() if line != line.rstrip()] == []

@@ -165,3 +165,9 @@ def test_the_checks_table_lists_every_built_in_check_and_which_run_by_default():
     assert {name for name, _ in rows} == set(builtins)
     for name, remark in rows:
         assert info(builtins[name]).default == (remark == ""), (name, remark)
+
+
+def test_the_pages_a_user_reads_name_no_seed_notes():
+    """The README once called the toy "the seed notes' toy configuration": notes a user of the package never sees."""
+    pages = [README, *DOCS.glob("*.md"), *(ROOT / "sample_configs").rglob("*.yaml")]
+    assert [p.name for p in pages if "seed notes" in p.read_text(encoding="utf-8")] == []

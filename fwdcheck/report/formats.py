@@ -7,6 +7,7 @@ Nothing heavy is imported here: each renderer's module is imported when its form
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -114,6 +115,18 @@ def shortest_names(paths: list[str]) -> dict[str, str]:
             n += 1
         names[path] = Path(*own[-n:]).as_posix()
     return names
+
+
+def html_page(outcome: RunReports) -> str:
+    """rich's HTML page with a <title>: the configs and their verdicts, as a browser's tab and history name it."""
+    from rich._export_format import CONSOLE_HTML_FORMAT
+
+    given = [str(r.config_path or r.model.get("label", "?")) for r in outcome.reports]
+    names = shortest_names(given)
+    verdicts = ", ".join(dict.fromkeys(str(r.verdict) for r in outcome.reports))
+    title = html.escape(f"fwdcheck {', '.join(names[g] for g in given)}: {verdicts}")
+    title = title.replace("{", "{{").replace("}", "}}")  # the page is a str.format template
+    return CONSOLE_HTML_FORMAT.replace("<head>\n", f"<head>\n<title>{title}</title>\n", 1)
 
 
 def recorded(outcome: RunReports, verbosity: Verbosity, debug: bool, terminal: bool = True) -> Console:
