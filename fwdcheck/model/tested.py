@@ -165,15 +165,15 @@ class ModelUnderTest:
                 f"forward returned a tensor of shape {list(logits.shape)} for input_ids {[B, T]}; "
                 f"fwdcheck needs logits [B, T, V]{hint}"
             )
-        if logits.shape[1] != T:
-            hint = (
-                " (nanoGPT-style models return only the last position unless targets are given; "
-                "name a `forward:` adapter in the config that returns every position)"
-                if logits.shape[1] == 1
-                else ""
-            )
+        if logits.shape[1] == 1 and T > 1:  # said alike at every length: one finding, not one per check
             raise ModelRaised(
-                f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}){hint}; "
+                "forward returned the logits of the last position only ([B, 1, V] for input_ids [B, T]), as "
+                "nanoGPT-style models do unless targets are given; checking them would compare the wrong positions"
+                + adapter_hint("model(input_ids, targets=input_ids)[0]")
+            )
+        if logits.shape[1] != T:
+            raise ModelRaised(
+                f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}); "
                 "checking them would compare the wrong positions"
             )
         unusable = _unusable(logits, input_ids)
