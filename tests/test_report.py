@@ -424,3 +424,12 @@ def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
     assert masked(readme_example.documented_example(name)) == masked(readme_example.EXAMPLES[name]()), (
         "run `python -m tests.readme_example --write` and commit docs/what-changed.md"
     )
+
+
+@pytest.mark.parametrize(("bug", "shown"), [("no-causal-mask", False), ("inverted-bool-mask", True)])
+def test_the_conventions_table_comes_with_a_convention_finding_only(bug, shown):
+    """A missing mask's panel is the calls and the finding; a mask in the other API's convention (FWD202) is where
+    the table of each API's convention is what the reader needs."""
+    text = rendered(run_checks({"source": "reference", "bugs": [bug]}, ["mask-audit"]), Verbosity.DEFAULT)
+    assert "what each call used" in text
+    assert ("True = may attend" in text) is shown and ("conventions" in text.split("what each call used")[0]) is shown
