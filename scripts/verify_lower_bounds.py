@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,11 @@ def in_venv(venv: Path, pins: list[str]) -> int:
     pins = [*pins, *(p for p in lowest_pins() if p.split("==")[0] not in {q.split("==")[0] for q in pins})]
     pip = [str(python), "-m", "pip", "install", "--quiet", "--no-compile"]  # bytecode on first import: 3x faster
     subprocess.run([*pip, *pins, "numpy", "safetensors"], check=True)
-    subprocess.run([*pip, "--no-deps", str(REPO)], check=True)
+    with tempfile.TemporaryDirectory() as tmp:  # built from a copy: pip's build/ and egg-info stay out of the tree
+        source = Path(tmp) / "fwdcheck"
+        skip = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*_cache", ".venv", "site")
+        shutil.copytree(REPO, source, ignore=skip)
+        subprocess.run([*pip, "--no-deps", str(source)], check=True)
     return subprocess.run([str(python), str(Path(__file__).resolve())], cwd=tempfile.gettempdir()).returncode
 
 
