@@ -7,6 +7,7 @@ Expected problems print one red line and exit with their documented code; a trac
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import re
 import sys
@@ -22,6 +23,7 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from fwdcheck import __version__
+from fwdcheck.config.dtypes import dtype_named
 from fwdcheck.errors import ExitCode, FwdcheckError, Terminated, UsageError, exception_text, terminate_raises
 from fwdcheck.model.sources import starter_config, starters
 from fwdcheck.report.formats import (
@@ -29,6 +31,7 @@ from fwdcheck.report.formats import (
     StdoutConsole,
     Verbosity,
     report_width,
+    without_trailing_spaces,
 )
 from fwdcheck.report.outputs import (
     isatty,
@@ -66,6 +69,14 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+def _dtype(value: str) -> DType:
+    """--dtype as a config's dtype: bf16 as bfloat16, the others refused naming what is taken."""
+    try:
+        return DType(dtype_named(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _version(value: bool) -> None:
@@ -185,7 +196,14 @@ def run(
         ),
     ] = None,
     device: Annotated[Device | None, typer.Option(help="Override the config's device.")] = None,
-    dtype: Annotated[DType | None, typer.Option(help="Override the config's dtype.")] = None,
+    dtype: Annotated[
+        DType | None,
+        typer.Option(
+            metavar="<float32|bfloat16|float16>",
+            parser=_dtype,
+            help="Override the config's dtype; bf16, fp16, fp32 and half are taken as in a config.",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Override the config's input seed.")] = None,
     output_format: Annotated[
         Format, typer.Option("--format", help="Report format on stdout (or --output).")
@@ -305,6 +323,22 @@ def _guarded(action, debug: bool) -> int:
         return ExitCode.INTERNAL
 
 
+def _printed(draw) -> None:
+    """What a command prints on stdout, as a run's report is printed: on a terminal as rich draws it; elsewhere (a
+    pipe, a file) whole lines without the spaces rich pads a table's lines with; a reader that goes away (`| head -1`)
+    is no error."""
+
+    def write(stream) -> None:
+        if isatty(stream):
+            draw(StdoutConsole(file=stream))
+            return
+        buffer = io.StringIO()
+        draw(Console(file=buffer, width=report_width(stream)))
+        stream.write(without_trailing_spaces(buffer.getvalue()))
+
+    write_stdout(write)
+
+
 @app.command("list")
 def list_checks() -> None:
     """List the registered checks: name, where each comes from, what it verifies."""
@@ -326,14 +360,17 @@ def list_checks() -> None:
                 description, default = f"[red]{escape(str(exc))}[/red]", "yes"
             # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
             table.add_row(escape(entry.name), escape(entry.label), default, description)
-        console = Console()
-        console.print(table)
-        console.print(
-            "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
-            "`checks: [all]` runs every check.",
-            highlight=False,
-            markup=False,
-        )
+
+        def draw(console: Console) -> None:
+            console.print(table)
+            console.print(
+                "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
+                "`checks: [all]` runs every check.",
+                highlight=False,
+                markup=False,
+            )
+
+        _printed(draw)
         return 0
 
     raise typer.Exit(_guarded(action, False))
@@ -358,12 +395,15 @@ def explain(
     def action():
         from fwdcheck.config.registry import available, info, select
 
-        console = Console()
         if FINDING_CODE.match(what) and what not in available():
-            explain_code(what.upper(), console)
+            _printed(lambda console: explain_code(what.upper(), console))
             return 0
         entry = select([what])[0]
         about = info(entry)
+        _printed(lambda console: explain_check(entry, about, console))
+        return 0
+
+    def explain_check(entry, about, console: Console) -> None:
         console.print(f"[bold]{escape(entry.name)}[/bold] ({escape(entry.label)}) — {escape(about.description)}\n")
         console.print(paragraphs(about.explain), highlight=False, markup=False)
         table = Table(box=None, pad_edge=False, title="finding codes", title_justify="left")
@@ -376,14 +416,18 @@ def explain(
         if options is not None:
             console.print(f"\n[bold]options[/bold] (`options: {{{escape(entry.name)}: {{...}}}}` in a config)")
             console.print(options)
-        return 0
 
     def explain_code(code: str, console: Console) -> None:
         from fwdcheck.config.registry import code_owners, info
-        from fwdcheck.errors import OWN_CODES
+        from fwdcheck.errors import OWN_CODES, Own
 
         if code in OWN_CODES:
             console.print(escape(f"{code} (fwdcheck itself): {OWN_CODES[code]}"))
+            if code == Own.MODEL_RAISED:  # how to fix it: the model, or the call (a forward adapter)
+                from fwdcheck.model.call_convention import FIX
+
+                console.print()
+                console.print(FIX, highlight=False, markup=False)
             return
         owner = code_owners().get(code)  # every registered check's, plugins' included
         if owner is None:

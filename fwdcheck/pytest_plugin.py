@@ -10,8 +10,10 @@
 
 Under a directory, a file named as the `fwdcheck_files` ini option says (default `fwdcheck*.yaml *.fwdcheck.yaml`
 and their .yml spellings, as pytest's `python_files` names test modules) is a config, and its errors are collection
-errors; any other YAML file is collected only when it is a valid fwdcheck config, and otherwise left alone (a
-Hydra-style `configs/train.yaml` with a `model:` key of its own is not an error: the run's summary names it). A file
+errors; so is any other YAML file whose `model:` names a `source:` (a mistyped key in it is an error, never a config
+dropped from the gate). Any other YAML file is collected only when it is a valid fwdcheck config, and otherwise left
+alone (a Hydra-style `configs/train.yaml` with a `model:` key of its own is not an error: the run's summary names it;
+a YAML file without a `model:` key is not named). A file
 named directly is always read as a config. Each check the config selects is one item: it passes,
 fails with the check's findings, or skips with the check's reason. A golden file beside the config (gpt.golden.json
 for gpt.yaml, written by `fwdcheck run gpt.yaml --save-golden gpt.golden.json`) adds the item `golden`, which compares
@@ -181,7 +183,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     path = Path(os.path.abspath(file_path))
     named = [r for r in roots if r == path]
     under = [r for r in roots if r in path.parents]
-    if not named and not (under and (_named_as_config(path, parent.config) or _valid_config(path, parent.config))):
+    if not named and not (under and (_named_as_config(path, parent.config) or _is_config(path, parent.config))):
         return None
     found = parent.config.stash[_FOUND]
     for root in named or under:
@@ -194,11 +196,16 @@ def _named_as_config(path: Path, config: pytest.Config) -> bool:
     return any(fnmatch.fnmatch(path.name, pattern) for pattern in config.getini("fwdcheck_files"))
 
 
-def _valid_config(path: Path, config: pytest.Config) -> bool:
-    """Another name: a config only when it is a valid one. A mapping with a `model` key that does not validate is
-    another tool's file (a Hydra config's `model:`), left alone and named in the run's summary."""
-    if not _has_model_key(path):
+def _is_config(path: Path, config: pytest.Config) -> bool:
+    """Another name: a config when its `model:` names a `source:` (what only a fwdcheck config says: its errors are
+    collection errors, so that a typo never drops it from the gate), or when it validates. A mapping with a `model`
+    key of another shape that does not validate is another tool's file (a Hydra config's `model:`), left alone and
+    named in the run's summary; a YAML file without a `model` key is not named."""
+    model = _model_section(path)
+    if model is _NO_MODEL:
         return False
+    if isinstance(model, dict) and "source" in model:
+        return True
     from fwdcheck.config.schema import load_config
     from fwdcheck.errors import FwdcheckError, first_line
 
@@ -210,21 +217,25 @@ def _valid_config(path: Path, config: pytest.Config) -> bool:
     return True
 
 
-def _has_model_key(path: Path) -> bool:
-    """A mapping with a `model` key, read without fwdcheck: what every config is."""
+_NO_MODEL = object()
+
+
+def _model_section(path: Path) -> Any:
+    """The `model` value of a YAML mapping, read without fwdcheck (every config has one), or _NO_MODEL. A file that
+    is not valid YAML but has a top-level `model:` line gives None: fwdcheck's reader says what is wrong with it."""
     try:
         if path.stat().st_size > _MAX_CONFIG_BYTES:
-            return False
+            return _NO_MODEL
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return False
+        return _NO_MODEL
     import yaml
 
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError:
-        return bool(_MODEL_KEY.search(text))
-    return isinstance(document, dict) and "model" in document
+        return None if _MODEL_KEY.search(text) else _NO_MODEL
+    return document["model"] if isinstance(document, dict) and "model" in document else _NO_MODEL
 
 
 def _shown(path: Path, base: Path) -> str:

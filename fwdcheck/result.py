@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 
 class Status(str, Enum):
+    """A check's or a finding's outcome: pass, warn, fail (the model is wrong), skip (does not apply, with the
+    reason), error (the check could not run: the model raised, or fwdcheck did)."""
+
     PASS = "pass"
     WARN = "warn"
     FAIL = "fail"
@@ -34,9 +37,11 @@ def worst(statuses, default: Status = Status.PASS) -> Status:
 
 @dataclass
 class Finding:
+    """One thing a check found, with where it is: `fwdcheck explain CODE` says what its code means."""
+
     code: str  # stable id, e.g. FWD101
     status: Status
-    message: str
+    message: str  # what was found, in one line: the measured numbers, positions, the fix when it is known
     where: str | None = None  # module path, positions, layer/head
     source: str | None = None  # "file:line" of the model code it concerns, when fwdcheck can tell
     ignored: str | None = None  # the config's reason for ignoring this code; an ignored finding does not count
@@ -50,6 +55,7 @@ class Finding:
         return cls(**{k: v for k, v in d.items() if k in known} | {"status": Status(d["status"])})
 
     def to_dict(self) -> dict[str, Any]:
+        """The finding as the JSON report holds it."""
         return {
             "code": self.code,
             "status": self.status.value,
@@ -180,13 +186,16 @@ class PathMatrix:
 
 @dataclass
 class CheckResult:
-    name: str
+    """One check's result on one model: its status (the worst of its findings'), a one-line summary, the findings,
+    and the numbers and data it measured."""
+
+    name: str  # the check's name, as `fwdcheck list` shows it
     status: Status
-    summary: str
-    findings: list[Finding] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
-    duration_s: float = 0.0
+    summary: str  # one line: what was measured and the verdict
+    findings: list[Finding] = field(default_factory=list)  # each with a code; not only failures (a pass may say why)
+    metrics: dict[str, Any] = field(default_factory=dict)  # the numbers measured, by name
+    data: dict[str, Any] = field(default_factory=dict)  # structured payload: the ledger, the leak map, the calls
+    duration_s: float = 0.0  # the check's own time
     internal_error: bool = False  # an exception of fwdcheck's own, not of the model: exit 3
     key_number: str = ""  # the measurement the verdict rests on, in a few characters (Check.key_number)
     # Its verdict on each cell of the code-path matrix, for a check that declares per_code_path (the run fills it in)

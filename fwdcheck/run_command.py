@@ -20,7 +20,15 @@ from rich.markup import escape
 
 from fwdcheck.errors import ExitCode, FwdcheckError, UsageError, about_config, exception_text
 from fwdcheck.process.launched import launched_rank
-from fwdcheck.report.formats import Format, Verbosity, recorded, render_stdout, render_text, without_trailing_spaces
+from fwdcheck.report.formats import (
+    Format,
+    Verbosity,
+    html_page,
+    recorded,
+    render_stdout,
+    render_text,
+    without_trailing_spaces,
+)
 from fwdcheck.report.outputs import (
     check_appended,
     check_outputs,
@@ -413,7 +421,8 @@ def write_reports(outcome: Outcome, o: RunOptions) -> None:
     if o.html is not None or o.svg is not None:  # artifacts to read later: every panel
         console = recorded(outcome, Verbosity.verbose, o.debug)
         if o.html is not None:
-            attempt(write_whole, o.html, console.export_html(clear=False), what="--html")
+            page = console.export_html(clear=False, code_format=html_page(outcome))
+            attempt(write_whole, o.html, page, what="--html")
         if o.svg is not None:
             attempt(write_whole, o.svg, console.export_svg(title="fwdcheck", clear=False), what="--svg")
     for flag, path in o.check_files.items():

@@ -3,6 +3,7 @@
     python -m tests.docs_pages            # print them
     python -m tests.docs_pages --write    # rewrite them
 
+docs/api.md is the Python API's reference, from its types and docstrings (tests/api_page.py).
 docs/codes.md lists every finding code the built-in checks declare (the `codes` their classes hold, as `fwdcheck
 explain CODE` reads them) and fwdcheck's own; docs/config-reference.md lists every key of a config from the config's
 model (fwdcheck/config/schema.py: each key's type, default and description); docs/checks.md shows the README's checks
@@ -20,11 +21,13 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from tests import api_page
 from tests.doc_sections import DOCS, README, read_section, write_sections
 
 CODES_PAGE = DOCS / "codes.md"
 CONFIG_PAGE = DOCS / "config-reference.md"
 CHECKS_PAGE = DOCS / "checks.md"
+API_PAGE = DOCS / "api.md"
 
 CODES_LEAD = """# Finding codes
 
@@ -153,15 +156,15 @@ def checks_section() -> str:
     return read_section(README, "checks").replace("](docs/", "](")
 
 
-PAGES: dict[Path, tuple[str, typing.Callable[[], str]]] = {
-    CODES_PAGE: ("codes", codes_section),
-    CONFIG_PAGE: ("config", config_section),
+PAGES: dict[Path, tuple[str, typing.Callable[[], str], str]] = {
+    CODES_PAGE: ("codes", codes_section, CODES_LEAD),
+    CONFIG_PAGE: ("config", config_section, CONFIG_LEAD),
+    API_PAGE: ("api", api_page.section, api_page.LEAD),
 }
 
 
 def page_text(path: Path) -> str:
-    name, make = PAGES[path]
-    lead = CODES_LEAD if path == CODES_PAGE else CONFIG_LEAD
+    name, make, lead = PAGES[path]
     return f"{lead}\n<!-- {name}:start -->\n{make()}\n<!-- {name}:end -->\n"
 
 

@@ -251,3 +251,23 @@ def test_fixture_style_usage_in_a_model_repo():
     fwdcheck.check_model(small(), seq_len=8).raise_for_failures()
     with pytest.raises(AssertionError, match="future-token"):
         fwdcheck.check_model(small(bugs=["batch-mix"])).raise_for_failures()
+
+
+def test_the_api_pages_example_reads_codes_off_the_failures():
+    """docs/api.md's example: `report.failures` holds check results, whose findings have the codes (a user once
+    wrote `{f.code for f in report.failures}` and met AttributeError)."""
+    from fwdcheck.result import CheckResult
+
+    report = fwdcheck.check_model(build(vocab_size=16, d_model=8, n_heads=2, n_layers=1, bugs=["no-causal-mask"]))
+    codes = {f.code for r in report.failures for f in r.findings}
+    assert "FWD101" in codes and "FWD201" in codes
+    assert all(isinstance(r, CheckResult) for r in report.failures)
+    assert not report.ok and "codes = {f.code for r in report.failures for f in r.findings}" in (
+        fwdcheck_docs_page("api.md")
+    )
+
+
+def fwdcheck_docs_page(name: str) -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "docs" / name).read_text(encoding="utf-8")

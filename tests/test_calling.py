@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fwdcheck
-from fwdcheck.model.calling import ADAPTER_EXAMPLE, adapter_takes, call_convention_hint, ids_keyword
+from fwdcheck.model.calling import adapter_takes, call_convention_hint, ids_keyword
 from tests.conftest import run_checks
 
 V, WIDTH, HEADS = 48, 16, 2
@@ -147,8 +147,11 @@ def test_a_call_that_does_not_fit_names_the_adapter_with_its_two_lines():
     assert result.status.value == "error"
     (finding,) = result.findings
     assert "missing 1 required positional argument: 'attention_masks'" in finding.message
-    assert "`forward:` adapter" in finding.message and ADAPTER_EXAMPLE in finding.message
-    assert len(ADAPTER_EXAMPLE.splitlines()) == 2
+    assert "name a `forward:` adapter in the config" in finding.message
+    assert "`def logits(model, input_ids, position_ids=None): return model(input_ids, attention_masks=...)`" in (
+        finding.message
+    )
+    assert "(`fwdcheck explain FWD002`)" in finding.message
 
 
 def test_only_a_call_convention_failure_gets_the_hint():

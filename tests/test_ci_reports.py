@@ -104,6 +104,7 @@ def test_markdown_html_and_svg_exports(tmp_path):
     assert "| mask-audit | ❌ fail |" in markdown and "| FWD201 |" in markdown
     html = (tmp_path / "r.html").read_text()
     assert html.lstrip().startswith("<!DOCTYPE html>") and "FWD101" in html and "query\\k" in html
+    assert "<title>fwdcheck no-causal-mask.yaml: failed</title>" in html  # the browser tab's name
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<svg")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 
 from fwdcheck import __version__
 from fwdcheck.cli import app, paragraphs
+from fwdcheck.report.formats import shortest_names
 from fwdcheck.run_command import signals_deferred, worst_exit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +71,28 @@ def test_several_configs_make_one_report_and_the_worst_exit_code(tmp_path):
     assert lines[0].startswith("fwdcheck toy.yaml: passed (exit 0)")
     assert lines[1].startswith("fwdcheck inverted-bool-mask.yaml: failed (exit 1)")
     assert lines[-1] == "2 configs: toy.yaml passed, inverted-bool-mask.yaml failed → exit 1"
+
+
+def test_configs_of_one_name_are_told_apart_by_their_folders(tmp_path):
+    """A monorepo's `fwdcheck.yaml` in two folders (the name `init` and the pre-commit hook default to): each is
+    named by the shortest path that tells them apart."""
+    for folder, source in [("a", TOY), ("b", BROKEN)]:
+        (tmp_path / "models" / folder).mkdir(parents=True)
+        shutil.copy(source, tmp_path / "models" / folder / "fwdcheck.yaml")
+    a, b = (tmp_path / "models" / f / "fwdcheck.yaml" for f in "ab")
+    lines = invoke("run", a, b, "-q", "--in-process").stdout.strip().splitlines()
+    assert lines[0].startswith("fwdcheck a/fwdcheck.yaml: passed (exit 0)")
+    assert lines[1].startswith("fwdcheck b/fwdcheck.yaml: failed (exit 1)")
+    assert lines[-1] == "2 configs: a/fwdcheck.yaml passed, b/fwdcheck.yaml failed → exit 1"
+
+
+def test_shortest_names():
+    assert shortest_names(["x/toy.yaml", "y/other.yaml"]) == {"x/toy.yaml": "toy.yaml", "y/other.yaml": "other.yaml"}
+    assert shortest_names(["r/a/c/f.yaml", "r/b/c/f.yaml", "f.yaml"]) == {
+        "r/a/c/f.yaml": "a/c/f.yaml",
+        "r/b/c/f.yaml": "b/c/f.yaml",
+        "f.yaml": "f.yaml",
+    }
 
 
 @pytest.mark.slow
@@ -222,3 +246,22 @@ def test_terminal_findings_name_the_model_codes_file_and_line():
     """The attention call that misbehaved, as file:line, in the terminal as in every other report."""
     out = invoke("run", BROKEN, "--check", "mask-audit").stdout
     assert re.search(r"fwdcheck/model/reference\.py:\d+", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["list", "explain mask-audit", "explain FWD002"])
+def test_list_and_explain_piped_end_cleanly_and_without_trailing_spaces(command):
+    """`fwdcheck list | head -1` exited 1 in about half the tries (rich's exit on a broken pipe), and every line
+    piped ended in the spaces rich pads a table with."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for _ in range(3):
+        piped = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {shlex.quote(sys.executable)} -m fwdcheck {command} | head -1"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    whole = fwdcheck(*command.split())
+    assert whole.returncode == 0
+    assert [line for line in whole.stdout.splitlines() if line != line.rstrip()] == []

@@ -175,7 +175,10 @@ def test_a_leak_sharding_introduces_fails_future_token_on_the_sharded_model(tmp_
     # (a sharded input is compared shard by shard, never taken for one that did not move)
     leak = next(f for f in got["future-token"]["findings"] if f["code"] == "FWD101")
     assert "look at the code of layers.0.attn that feeds it" in leak["message"]
-    assert leak["source"].endswith("distributed_models.py:34")
+    # and it comes through the attention call whose mask reads ahead: its line, as mask-audit's FWD201 names it
+    assert "comes through layers.0.attn's attention, whose mask lets queries read later keys" in leak["message"]
+    mask = next(f for f in got["mask-audit"]["findings"] if f["code"] == "FWD201")
+    assert leak["source"] == mask["source"] and leak["source"].endswith("distributed_models.py:43")
 
 
 def test_fully_sharded_model_passes(tmp_path):

@@ -165,3 +165,27 @@ def test_the_checks_table_lists_every_built_in_check_and_which_run_by_default():
     assert {name for name, _ in rows} == set(builtins)
     for name, remark in rows:
         assert info(builtins[name]).default == (remark == ""), (name, remark)
+
+
+def test_the_pages_a_user_reads_name_no_seed_notes():
+    """The README once called the toy "the seed notes' toy configuration": notes a user of the package never sees."""
+    pages = [README, *DOCS.glob("*.md"), *(ROOT / "sample_configs").rglob("*.yaml")]
+    assert [p.name for p in pages if "seed notes" in p.read_text(encoding="utf-8")] == []
+
+
+def test_the_front_pages_checks_table_is_a_line_per_check_linking_to_its_details():
+    """The README says what each check verifies in a line and links to how it is checked (docs/checks.md, a section
+    per check), instead of a column of whole paragraphs; every built-in check has both."""
+    from fwdcheck.config.registry import _is_builtin, available
+
+    rows = [line for line in read_section(README, "checks").splitlines() if line.startswith("| `")]
+    details = (DOCS / "checks.md").read_text(encoding="utf-8")
+    named = []
+    for row in rows:
+        name = row.split("`")[1]
+        named.append(name)
+        verifies, how = [cell.strip(" |") for cell in row.split(" | ")[1:3]]
+        assert len(verifies) <= 160, (name, verifies)
+        assert how == f"[how](docs/checks.md#{name})", (name, how)
+        assert f"\n### {name}\n" in details, name
+    assert set(named) == {e.name for e in available().values() if _is_builtin(e)}

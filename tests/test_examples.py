@@ -95,7 +95,7 @@ def precommit_commands(document: dict) -> list[str]:
     lines = []
     for repo in document["repos"]:
         for hook in repo["hooks"]:
-            manifest = ours[hook["id"]]
+            manifest = hook if repo["repo"] == "local" else ours[hook["id"]]  # a local hook is its own manifest
             args = hook.get("args", manifest.get("args", []))
             lines.append(" ".join([manifest["entry"], *map(shlex.quote, args)]))
     return lines
@@ -340,6 +340,21 @@ def test_hook_manifest():
         }
     assert ours["fwdcheck"]["language"] == "python"
     assert ours["fwdcheck-system"]["language"] == "system"
+
+
+def test_the_pre_commit_example_can_be_used_as_written():
+    """No `rev:` naming a tag that does not exist (v0.1.0 did not): as written it is a `repo: local` hook of the
+    installed fwdcheck, every key one pre-commit's schema knows; the remote variant is a comment saying what rev
+    must name."""
+    document = yaml.safe_load((EXAMPLES / "pre-commit-config.yaml").read_text())
+    tags = subprocess.run(["git", "tag"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    for repo in document["repos"]:
+        assert repo["repo"] == "local" or repo["rev"] in tags, repo
+    (local,) = [r for r in document["repos"] if r["repo"] == "local"]
+    for hook in local["hooks"]:
+        assert hook["entry"] == "fwdcheck run" and hook["language"] == "system" and hook["pass_filenames"] is False
+        assert set(hook) <= set(hooks()["fwdcheck-system"]) | {"id", "name", "entry", "language", "stages"}
+    assert "rev: COMMIT-OR-TAG" in (EXAMPLES / "pre-commit-config.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -13,8 +13,14 @@ import torch
 import fwdcheck
 
 transformers = pytest.importorskip("transformers")
-from transformers import AttentionInterface  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError:  # transformers < 4.48 (pyproject's [hf] extra allows 4.46): no registry of attention functions
+    pytest.skip(
+        f"transformers {transformers.__version__} has no AttentionInterface registry to register functions in",
+        allow_module_level=True,
+    )
 
 from tests import test_flex_attention as flex_tests  # noqa: E402
 

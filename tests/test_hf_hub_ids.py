@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 pytest.importorskip("transformers")
 
 from fwdcheck.cli import app  # noqa: E402
+from fwdcheck.config import hub_cache  # noqa: E402
 from fwdcheck.config.schema import config_from_dict, load_config  # noqa: E402
 from fwdcheck.errors import ConfigError, ModelLoadError  # noqa: E402
 from fwdcheck.model.sources import load_model  # noqa: E402
@@ -83,7 +84,18 @@ def test_a_hub_id_not_cached_is_one_line_saying_how_to_fetch_it(tmp_path, monkey
     assert len(lines) == 1 and "Traceback" not in result.output
     assert "model.path: 'meta-llama/Llama-3.2-1B' is no directory here" in lines[0]
     assert "not in the Hugging Face cache" in lines[0] and str(tmp_path / "empty-cache") in lines[0]
-    assert "huggingface-cli download meta-llama/Llama-3.2-1B" in lines[0]
+    # the command the installed huggingface_hub has (2.x has `hf`, no `huggingface-cli`)
+    assert "fetch it with `hf download meta-llama/Llama-3.2-1B`" in lines[0]
+    assert "huggingface-cli" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("installed", "command"),
+    [("2.4.0", "hf download"), ("0.34.1", "hf download"), ("0.26.2", "huggingface-cli download")],
+)
+def test_the_fetch_command_is_the_one_the_installed_huggingface_hub_has(monkeypatch, installed, command):
+    monkeypatch.setattr(hub_cache, "version", lambda name: installed)
+    assert hub_cache.fetch_command("org/name") == f"{command} org/name"
 
 
 def test_a_local_path_that_is_not_a_hub_id_says_no_such_directory(tmp_path, monkeypatch):
@@ -165,5 +177,5 @@ def test_the_model_is_refused_before_it_is_built(monkeypatch):
 
 def test_a_hub_id_error_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ConfigError, match="huggingface-cli download org/name"):
+    with pytest.raises(ConfigError, match="hf download org/name"):
         config_from_dict({"model": {"source": "hf", "path": "org/name"}}, origin=tmp_path / "c.yaml")

@@ -82,3 +82,17 @@ def test_the_reference_models_dropped_mask_points_at_its_attention():
     (finding,) = [f for f in result.findings if f.code == "FWD101"]
     assert finding.module.startswith("layers.0.attn") and "look at the code of layers.0.attn" in finding.message
     assert "fwdcheck/model/reference.py:" in finding.source
+
+
+def test_an_off_by_one_mask_leads_to_the_line_mask_audit_names():
+    """nanoGPT with its mask buffer built one diagonal too high: the first module whose output moves is the innocent
+    attn_dropout, but the leak comes through the attention call whose mask reads ahead. FWD101 names that call's
+    line, the one mask-audit's FWD204 names, not the attention module's `def forward`."""
+    from tests.corpus.nanogpt import every_position, gpt_with
+
+    report = fwdcheck.check_model(gpt_with("block-leak"), ["future-token", "mask-audit"], forward=every_position)
+    (leaked,) = [f for f in report.result("future-token").findings if f.code == "FWD101"]
+    audited = [f for f in report.result("mask-audit").findings if f.code == "FWD204"]
+    assert audited and leaked.source == audited[0].source and leaked.module == audited[0].module
+    assert leaked.source.endswith("nanogpt.py:54")  # att = F.softmax(att, dim=-1), over the masked scores
+    assert "comes through transformer.h.0.attn's attention, whose mask lets queries read later keys" in leaked.message

@@ -253,6 +253,9 @@ def test_einsum_mask_bugs_over_the_cache_fail(bug, code, pattern):
     assert result.status.value == "fail" and code in codes(result), result.findings
     chunked = [c for c in result.data["calls"] if c["keys"] == 8]
     assert {c["pattern"] for c in chunked} == {pattern}
+    messages = [f.message for f in result.findings if f.code == code]
+    assert messages and not [m for m in messages if "MayRead" in m], messages  # the shape in words, not an enum
+    assert code != "FWD204" or f"({pattern})" in messages[0]
 
 
 def test_einsum_products_are_recorded_in_matmul_layout():

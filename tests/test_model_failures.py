@@ -163,7 +163,11 @@ MODES = [
             "fwdcheck needs logits [B, T, V] for every position", "no positions axis", "name a `forward:` adapter"
         ),
     ),
-    Mode("logits-[B,1,V]", "build_last_position_kept", every_check_errors("positions of", "name a `forward:` adapter")),
+    Mode(
+        "logits-[B,1,V]",
+        "build_last_position_kept",
+        every_check_errors("last position only", "name a `forward:` adapter"),
+    ),
     Mode("nan-logits", "build_nan_logits", nonfinite()),
     Mode("nan-at-one-position", "build_nan_at_last_position", nonfinite(where="(0, 3), (1, 3)")),
     Mode("nan-when-future-changes", "build_nan_on_new_inputs", nonfinite(where="when tokens >=")),

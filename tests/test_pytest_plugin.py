@@ -173,9 +173,9 @@ def test_configs_become_items(tester, monkeypatch):
 
     # a model that cannot be built: each of its items fails with fwdcheck's one line, and it is tried once
     assert seen["noload.yaml::shape-ledger"] == seen["noload.yaml::rope"] == "FAILED"
-    assert section(result, "rope in noload.yaml") == (
+    assert section(result, "rope in noload.yaml").startswith(
         "fwdcheck: noload.yaml: factory 'no_such_module_xyz:build': cannot import 'no_such_module_xyz': "
-        "No module named 'no_such_module_xyz'"
+        f"No module named 'no_such_module_xyz' (looked in {tester.path} and the installed packages: "
     )
 
     # a check named module:Class in the config, imported from beside it; its warning passes, as a pytest warning
@@ -235,6 +235,8 @@ def test_collection_errors_and_what_a_directory_holds(tester):
     (root / "list.yaml").write_text("- model\n- data\n")  # not a mapping
     (root / "notes.txt").write_text("model: a config by content, not by extension\n")
     (root / "half-written.fwdcheck.yaml").write_text("model:\n  source: reference\n  d_model: [8\n")  # a config, broken
+    # not named as a config, but its model names a source: a mistyped key is an error, never a config left out
+    (root / "gpt.yaml").write_text("model: {source: python, factory: 'models:build', kwarg: {n_layer: 2}}\n")
     tester.path.joinpath("bad.yaml").write_text("model:\n  source: reference\n  n_head: 2\n")
     tester.path.joinpath("typo.yaml").write_text("model: {source: reference}\nchecks: [future-tokens]\n")
     result = run(
@@ -244,9 +246,11 @@ def test_collection_errors_and_what_a_directory_holds(tester):
     assert collected == [f"configs/nested/learned.yml::{n}" for n in CHECKS] + [
         f"configs/toy.yaml::{n}" for n in CHECKS
     ]
-    result.assert_outcomes(errors=3)
+    result.assert_outcomes(errors=4)
     assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert "left alone" not in result.stdout.str()
     for title, line in [
+        ("ERROR collecting configs/gpt.yaml", "configs/gpt.yaml: model.kwarg: unknown key; did you mean 'kwargs'?*"),
         ("ERROR collecting bad.yaml", "bad.yaml: model.n_head: unknown key; did you mean 'n_heads'?"),
         ("ERROR collecting typo.yaml", "unknown check 'future-tokens'; did you mean 'future-token'? known: *"),
         (

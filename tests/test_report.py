@@ -284,7 +284,7 @@ def test_quiet_is_one_line_with_what_decided_the_exit_code():
     line = rendered(failing, Verbosity.QUIET)
     assert line.count("\n") == 1, line
     assert line.startswith("fwdcheck: failed (exit 1) — future-token FWD101 FWD105, mask-audit FWD201 · "), line
-    assert re.search(r" · \d+\.\d s$", line.rstrip())
+    assert re.search(r" · checks \d+\.\d s$", line.rstrip())
     passing = rendered(reference_run(positional="learned"), Verbosity.QUIET)
     assert passing.startswith(
         "fwdcheck: passed (exit 0) — 3 checks (shape-ledger, future-token, mask-audit); skipped: rope · "
@@ -297,6 +297,13 @@ def test_every_view_ends_with_the_exit_code_the_run_returns():
     for report in (reference_run(), reference_run("batch-mix"), reference_run(positional="learned", checks=("rope",))):
         for verbosity in Verbosity:
             assert f"(exit {report.exit_code})" in rendered(report, verbosity).splitlines()[-1]
+
+
+def test_the_quiet_line_says_its_time_is_the_checks():
+    """`-q` gave '· 0.3 s' for a run of 17 s wall time (start, imports, the model's build): the figure says what it
+    measures."""
+    line = rendered(reference_run("no-causal-mask"), Verbosity.QUIET).splitlines()[-1]
+    assert re.search(r" · checks \d+\.\d s$", line), line
 
 
 def test_durations_can_be_left_out():
@@ -417,3 +424,12 @@ def test_the_readme_examples_of_what_changed_are_what_a_run_prints(name):
     assert masked(readme_example.documented_example(name)) == masked(readme_example.EXAMPLES[name]()), (
         "run `python -m tests.readme_example --write` and commit docs/what-changed.md"
     )
+
+
+@pytest.mark.parametrize(("bug", "shown"), [("no-causal-mask", False), ("inverted-bool-mask", True)])
+def test_the_conventions_table_comes_with_a_convention_finding_only(bug, shown):
+    """A missing mask's panel is the calls and the finding; a mask in the other API's convention (FWD202) is where
+    the table of each API's convention is what the reader needs."""
+    text = rendered(run_checks({"source": "reference", "bugs": [bug]}, ["mask-audit"]), Verbosity.DEFAULT)
+    assert "what each call used" in text
+    assert ("True = may attend" in text) is shown and ("conventions" in text.split("what each call used")[0]) is shown

@@ -51,7 +51,7 @@ import torch
 from fwdcheck.checks.future_token_spec import SPEC
 from fwdcheck.checks.future_token_view import LeakColumn, LeakMap
 from fwdcheck.checks.future_token_view import SingleRow as SingleRowShown
-from fwdcheck.checks.leak_entry import describe, leak_entry
+from fwdcheck.checks.leak_entry import attention_reading_ahead, describe, leak_entry
 from fwdcheck.checks.perturbed_rows import Plan
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import span
@@ -351,6 +351,10 @@ class FutureToken(Check, declared=SPEC):
         leak.module = entry.module
         leak.source = entry.source or leak.source
         leak.message += "; " + describe(entry, moved["k"])
+        call = attention_reading_ahead(entry, session.observation().attention)
+        if call is not None:  # the leak comes through a mask that reads ahead: its call is the line to fix
+            leak.module, leak.source = call.module, call.source
+            leak.message += f"; it comes through {call.module}'s attention, whose mask lets queries read later keys"
 
     def _summarise(
         self, model: ModelUnderTest, plan: Plan, findings: list[Finding], judged: Judged, refusals: Refusals

@@ -27,6 +27,7 @@ import torch.nn as nn
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor, output_tensor
 from fwdcheck.observe.locations import code_location
+from fwdcheck.observe.records import AttentionCall
 from fwdcheck.run.session import Session
 from fwdcheck.run.tolerances import TOLERANCES
 
@@ -78,6 +79,18 @@ def describe(entry: Entry, cut: int) -> str:
             f"{entry.caller or 'the model'} that feeds it"
         )
     return f"the leak enters at {entry.module}: {moved}, its input does not"
+
+
+def attention_reading_ahead(entry: Entry, calls: list) -> AttentionCall | None:
+    """The attention call, made by the module whose code feeds the entry (or the entry itself), whose may-read set
+    reaches later keys: where a leak that enters through a mask comes from. Its line is the one to fix (the call
+    the mask is handed to, or the softmax over the masked scores), not the forward the module is defined at."""
+    owners = {entry.caller, entry.module} if entry.input_moved else {entry.module}
+    for call in calls:
+        L, S = call.allowed.shape[-2:]
+        if call.module in owners and call.source and L == S and bool(torch.triu(call.allowed, 1).any()):
+            return call
+    return None
 
 
 def first_apart(a: list[Kept], b: list[Kept]) -> str | None:

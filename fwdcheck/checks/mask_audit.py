@@ -487,7 +487,7 @@ def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, w
     return Finding(
         "FWD204",
         Status.FAIL,
-        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
+        f"the mask lets queries read {what} ({shape.value}), (query position, key) e.g. {shown}",
         where,
     )
 

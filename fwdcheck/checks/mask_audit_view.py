@@ -13,8 +13,9 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderR
 from rich.text import Text
 
 from fwdcheck.report.layout import FitColumn, FitTable, notes
-from fwdcheck.result import CheckResult
+from fwdcheck.result import CheckResult, Status
 
+CONVENTION_CODES = {"FWD202", "FWD203", "FWD206"}  # findings a reader reads beside the conventions table
 GRID_KEYS = 48  # may-read grids show at most this many key slots (two characters each), fewer on a narrow console
 
 
@@ -102,7 +103,10 @@ def mask_table(r: CheckResult) -> RenderableType:
             ]
         )
     calls = FitTable(columns, cells, title="what each call used", box=box.SIMPLE, pad_edge=False, show_edge=False)
-    parts: list[RenderableType] = [conventions, calls]
+    # The conventions are the story of a mask built for another API (FWD202), a 0/1 float mask (FWD203), a mask
+    # beside is_causal (FWD206); beside a missing or leaky mask they are noise. A passing panel (-v) shows them.
+    about_conventions = {f.code for f in r.findings if f.status != Status.PASS} & CONVENTION_CODES
+    parts: list[RenderableType] = [conventions, calls] if about_conventions or r.status == Status.PASS else [calls]
     # The reasons a call was not judged are sentences: said once each under the table, not squeezed into a column.
     reasons: dict[str, int] = {}
     for c in rows:

@@ -42,7 +42,7 @@ class RecordSdpa(TorchFunctionMode):
                 for name, value in bound.arguments.items()
             }
             self.calls.append(SdpaCall(kept, _model_line()))
-        return func(*args, **kwargs)
+        return func(*args, **kwargs)  # forwards the model's call
 
 
 def _model_line() -> str | None:

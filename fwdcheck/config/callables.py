@@ -10,7 +10,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from fwdcheck.errors import ModelLoadError, model_failure
@@ -24,14 +24,17 @@ def search_dirs(extra: list[Path], config_path: Path | None) -> list[Path]:
 _DOTTED = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*")  # what pkgutil.resolve_name accepts before the colon
 
 
-def resolve_callable(reference: str, what: str) -> Callable:
+def resolve_callable(reference: str, what: str, looked_in: list[Path] | None = None) -> Callable:
     """'package.module:attr' -> the object (pkgutil.resolve_name), with one clear ModelLoadError for each way that
-    can go wrong."""
+    can go wrong. `looked_in`: the directories put on sys.path for it, named when the module is in none of them."""
     module_name, _, attr = reference.partition(":")
     try:
         obj = pkgutil.resolve_name(reference)
     except ModuleNotFoundError as exc:
-        raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}") from exc
+        where = ""
+        if looked_in is not None and exc.name is not None and module_name.split(".")[0] == exc.name.split(".")[0]:
+            where = _where_looked(exc.name.split(".")[0], looked_in)
+        raise ModelLoadError(f"{what} '{reference}': cannot import '{module_name}': {exc}{where}") from exc
     except ValueError as exc:
         if module_name not in sys.modules and not _DOTTED.fullmatch(module_name):  # resolve_name's "invalid format"
             raise ModelLoadError(
@@ -58,6 +61,28 @@ def resolve_callable(reference: str, what: str) -> Callable:
     if not callable(obj):
         raise ModelLoadError(f"{what} '{reference}' is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _where_looked(top: str, looked_in: list[Path]) -> str:
+    """Where a module named `top` was looked for beyond the installed packages, and the modules there whose name is
+    close to it: a config beside `model.py` that says `models:build`."""
+    shown = ", ".join(str(d) for d in looked_in)
+    here: list[str] = []
+    for directory in looked_in:
+        with suppress(OSError):
+            here += [p.stem if p.suffix == ".py" else p.name for p in directory.iterdir() if _importable(p)]
+    close = difflib.get_close_matches(top, sorted(set(here)), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return (
+        f"{hint} (looked in {shown} and the installed packages: run from the module's folder, or name that folder "
+        "in the config's model.python_path)"
+    )
+
+
+def _importable(path: Path) -> bool:
+    if path.suffix == ".py":
+        return path.stem.isidentifier()
+    return path.is_dir() and path.name.isidentifier() and (path / "__init__.py").is_file()
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the hub spells repository ids
@@ -20,6 +21,16 @@ class NotCached(Exception):
 
 def looks_like_hub_id(text: str) -> bool:
     return bool(HUB_ID.fullmatch(text)) and ".." not in text
+
+
+def fetch_command(hub_id: str) -> str:
+    """The command that downloads `hub_id` with the installed huggingface_hub: `hf download` since 0.34 (the
+    version transformers 5 requires), `huggingface-cli download` before, which later releases no longer install."""
+    try:
+        release = tuple(int(part) for part in re.findall(r"\d+", version("huggingface_hub"))[:2])
+    except PackageNotFoundError:
+        release = (1, 0)  # not installed: the `[hf]` extra installs a current one
+    return f"hf download {hub_id}" if release >= (0, 34) else f"huggingface-cli download {hub_id}"
 
 
 def hub_cache() -> Path:

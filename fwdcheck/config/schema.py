@@ -32,7 +32,8 @@ from pydantic import (
 )
 
 from fwdcheck.config.bugs import BUGS
-from fwdcheck.config.hub_cache import NotCached, cached_snapshot, looks_like_hub_id
+from fwdcheck.config.dtypes import DTYPE_SPELLINGS
+from fwdcheck.config.hub_cache import NotCached, cached_snapshot, fetch_command, looks_like_hub_id
 from fwdcheck.config.reading import MAX_DEPTH, check_yaml_structure, nesting_depth, regular_file
 from fwdcheck.config.rename import parse_rule
 from fwdcheck.config.sources import SOURCES, resolve
@@ -348,7 +349,8 @@ HF_WEIGHT_FILES = (
 
 
 class HFModel(ModelSpec):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # protected_namespaces: pydantic before 2.10 warns at import that `model_class` starts with `model_`
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
     shards_itself: ClassVar[bool] = True  # transformers' tp_plan
 
     source: Literal["hf"]
@@ -394,7 +396,7 @@ class HFModel(ModelSpec):
         except NotCached as exc:
             raise ConfigError(
                 f"model.path: '{given}' is no directory here ({local}) and {exc}; fwdcheck never downloads: fetch "
-                f"it with `huggingface-cli download {given}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
+                f"it with `{fetch_command(given)}` (or set HF_HOME / HF_HUB_CACHE to the cache holding it)"
             ) from None
 
     def files_read(self) -> list[tuple[str, Path]]:
@@ -600,14 +602,6 @@ class RunConfig(Strict):
     def _dtype_spellings(cls, value: Any) -> Any:
         """bf16, fp16, fp32 and torch's own spellings (torch.bfloat16, half) as the names they stand for."""
         return DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
-
-
-# The other ways a dtype is written (mixed-precision flags, torch's names), by the name fwdcheck takes
-DTYPE_SPELLINGS = {
-    **{spelling: "float32" for spelling in ("fp32", "f32", "float", "torch.float32", "torch.float")},
-    **{spelling: "bfloat16" for spelling in ("bf16", "torch.bfloat16")},
-    **{spelling: "float16" for spelling in ("fp16", "f16", "half", "torch.float16", "torch.half")},
-}
 
 
 def _rename_rule(rule: str) -> str:

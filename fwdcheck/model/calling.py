@@ -36,14 +36,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fwdcheck.model.call_convention import adapter_hint, call_for, is_call_convention
+
 # What the ids may be called by a forward that takes them by keyword only, in the order they are tried.
 ID_KEYWORDS = ("input_ids", "tokens", "idx", "input", "ids", "x")
-
-# The two lines a call-convention failure shows: the config's key and the adapter it names.
-ADAPTER_EXAMPLE = (
-    '  model: {forward: "my_adapters:logits"}   # in the config\n'
-    "  def logits(model, input_ids, **extras): return model(tokens=input_ids, **extras)   # my_adapters.py"
-)
 
 # What Python says when a call does not fit forward's signature (torch's "takes 1 positional argument but 2 were
 # given", "got an unexpected keyword argument", "missing 1 required positional argument", ...).
@@ -96,12 +92,9 @@ def ids_keyword(module: nn.Module) -> str | None:
 
 
 def call_convention_hint(exc: BaseException) -> str:
-    """For an exception that says a call did not fit forward's signature, what to do about it (the `forward:`
-    adapter, with its two lines); "" for any other exception."""
-    if not isinstance(exc, TypeError) or not _CONVENTION.search(str(exc)):
+    """For an exception that says a call did not fit forward's signature, what to do about it: the `forward:`
+    adapter, with the call it would make (fwdcheck/model/call_convention.py words it for every such finding and for
+    `fwdcheck explain FWD002`); "" for any other exception."""
+    if not isinstance(exc, TypeError) or not (_CONVENTION.search(str(exc)) or is_call_convention(exc)):
         return ""
-    return (
-        "; the call did not fit forward's signature: fwdcheck calls forward(input_ids, **extras) (by keyword where "
-        "forward takes no positional argument); for another convention name a `forward:` adapter, "
-        "(model, input_ids, **extras) -> logits:\n" + ADAPTER_EXAMPLE
-    )
+    return adapter_hint(call_for(exc))

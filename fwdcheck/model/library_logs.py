@@ -1,9 +1,9 @@
 """What a model's library logs while the model runs becomes the run's notes, not lines on stderr ahead of the report.
 
 A model names its library's loggers (ModelUnderTest.library_loggers, filled in by its source: transformers' for a
-transformers model), e.g. transformers' "`sdpa` attention does not support `output_attentions=True`" when the
-code-path matrix asks for attentions. Python warnings, the library's or the model's, are the caller's to collect:
-the command line makes them notes too.
+transformers model). What it says of what fwdcheck itself asked for (transformers' "`sdpa` attention does not support
+`output_attentions=True`" when the code-path matrix asks for attentions) is dropped: `asked_for`. Python warnings,
+the library's or the model's, are the caller's to collect: the command line makes them notes too.
 """
 
 from __future__ import annotations
@@ -37,6 +37,34 @@ def _kept(name: str, notes: list[str]) -> Iterator[None]:
         yield
     finally:
         logger.handlers, logger.propagate = handlers, propagate
+
+
+@contextmanager
+def asked_for(loggers: tuple[str, ...], words: str) -> Iterator[None]:
+    """During the block, what the named loggers log about `words` is dropped: fwdcheck asked for it (the code-path
+    matrix passes output_attentions=True to an sdpa model, and transformers says sdpa does not support it), so it is
+    no news about the model. On the handlers, which see the library's child loggers' records too."""
+    drop = _Mentioning(words)
+    handlers = [handler for name in loggers for handler in logging.getLogger(name).handlers]
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
+
+
+class _Mentioning(logging.Filter):
+    def __init__(self, words: str):
+        super().__init__()
+        self.words = words
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return self.words not in record.getMessage()
+        except Exception:  # arguments that do not fit the message: let logging report it
+            return True
 
 
 class _NoteHandler(logging.Handler):

@@ -22,6 +22,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
+from fwdcheck.model.call_convention import adapter_hint
 from fwdcheck.model.calling import adapter_takes, call_convention_hint, call_forward
 from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions, Windows
 from fwdcheck.model.default_device import global_default_device, set_global_default_device
@@ -180,15 +181,15 @@ class ModelUnderTest:
                 f"forward returned a tensor of shape {list(logits.shape)} for input_ids {[B, T]}; "
                 f"fwdcheck needs logits [B, T, V]{hint}"
             )
-        if logits.shape[1] != T:
-            hint = (
-                " (nanoGPT-style models return only the last position unless targets are given; "
-                "name a `forward:` adapter in the config that returns every position)"
-                if logits.shape[1] == 1
-                else ""
-            )
+        if logits.shape[1] == 1 and T > 1:  # said alike at every length: one finding, not one per check
             raise ModelRaised(
-                f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}){hint}; "
+                "forward returned the logits of the last position only ([B, 1, V] for input_ids [B, T]), as "
+                "nanoGPT-style models do unless targets are given; checking them would compare the wrong positions"
+                + adapter_hint("model(input_ids, targets=input_ids)[0]")
+            )
+        if logits.shape[1] != T:
+            raise ModelRaised(
+                f"forward returned logits for {logits.shape[1]} positions of {T} ({list(logits.shape)}); "
                 "checking them would compare the wrong positions"
             )
         unusable = _unusable(logits, input_ids)
@@ -288,11 +289,13 @@ def _extract_logits(output: Any) -> torch.Tensor:
     logits = logits_in(output)  # the one rule every check reads the logits by (fwdcheck/observe/frames.py)
     if logits is not None:
         return logits
-    keys = f" (keys {', '.join(map(repr, list(output)[:6]))})" if isinstance(output, Mapping) else ""
+    keys = list(output)[:6] if isinstance(output, Mapping) else []
+    call = f"model(input_ids)[{keys[0]!r}]" if keys else "model(input_ids)..."
+    listed = f" (keys {', '.join(map(repr, keys))})" if keys else ""
     raise ModelRaised(
-        f"forward returned {type(output).__name__}{keys}; fwdcheck needs logits [B, T, V]: a tensor, an object "
-        "with .logits, a mapping with a 'logits' entry, or a tuple whose first non-scalar item is the logits "
-        "(else name a `forward:` adapter in the config that returns them)"
+        f"forward returned {type(output).__name__}{listed}; fwdcheck needs logits [B, T, V]: a tensor, an object "
+        "with .logits, a mapping with a 'logits' entry, or a tuple whose first non-scalar item is the logits"
+        f"{adapter_hint(call)}"
     )
 
 

@@ -62,7 +62,7 @@ class Observer(TorchFunctionMode):
         if torch.compiler.is_compiling():
             # torch.compile traces the function modes it runs under: it compiles the op itself, not this observer
             # (whose bookkeeping it cannot trace, and a fullgraph compile such as flex_attention's would fail on it).
-            return func(*args, **kwargs)
+            return func(*args, **kwargs)  # forwards the model's call
         reader = self.readers.get(func)
         if reader is None and (op := _custom_op(func)):
             # Custom ops of attention libraries, by name (whichever is installed registers its own): their masks are
@@ -71,10 +71,10 @@ class Observer(TorchFunctionMode):
         if reader is not None:
             caller, self.caller = self.caller, sys._getframe(1)
             try:
-                return reader(self, func, args, kwargs)
+                return reader(self, func, args, kwargs)  # forwards the model's call
             finally:
                 self.caller = caller
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs)  # forwards the model's call
         if self.from_input or self.origins:
             self._pass_on(args, kwargs, out)
         if self.streams:
@@ -207,7 +207,7 @@ class Observer(TorchFunctionMode):
     def plain(self, func, args, kwargs):
         """The op run as it would have run, and what its inputs were passed on to its result: what a reader returns
         once it has recorded the call."""
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs)  # forwards the model's call
         if self.from_input or self.origins:
             self._pass_on(args, kwargs, out)
         if self.streams:

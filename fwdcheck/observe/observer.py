@@ -93,11 +93,11 @@ class ZeroAttentionDropout(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             bound = SDPA_SIGNATURE.bind(*args, **kwargs)
             bound.arguments["dropout_p"] = 0.0
-            return func(**bound.arguments)
+            return func(**bound.arguments)  # forwards the model's call
         if func is F.multi_head_attention_forward:
             bound = _MHA_SIGNATURE.bind(*args, **kwargs)
             bound.arguments["dropout_p"] = 0.0
-            return func(**bound.arguments)
+            return func(**bound.arguments)  # forwards the model's call
         if func in RANDOM_FORMS:
             return as_in_eval(func, args, kwargs)
-        return func(*args, **kwargs)
+        return func(*args, **kwargs)  # forwards the model's call

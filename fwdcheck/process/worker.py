@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from fwdcheck.process.events import (
     encode,
 )
 from fwdcheck.process.lifetime import die_with_parent
+from fwdcheck.process.warnings_heard import Heard, warnings_heard
 from fwdcheck.report.text import clean
 
 
@@ -59,7 +59,7 @@ def execute(
 
         with about_config(config_path):
             return launch(run, job, progress=progress, on_model=on_model, on_result=on_result)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings_heard() as caught:
         try:
             with about_config(config_path):
                 loaded = run.load()
@@ -75,10 +75,14 @@ def execute(
     return report
 
 
-def warning_notes(caught: list[warnings.WarningMessage]) -> list[str]:
-    """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`."""
+def warning_notes(caught: list[Heard]) -> list[str]:
+    """Each distinct warning once, as one line: `warning: UserWarning: ... (torch/serialization.py:2221)`. A warning
+    fwdcheck's own code raised is not the model's: it is left out (tests/test_own_warnings.py holds the sample
+    configs and the planted bugs to raising none)."""
     notes: list[str] = []
     for w in caught:
+        if w.own:
+            continue
         text = first_line(w.message)
         note = f"warning: {w.category.__name__}: {text} ({Path(w.filename).name}:{w.lineno})"
         if note not in notes:

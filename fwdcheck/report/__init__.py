@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 class ChecksFailed(AssertionError):
-    """Raised by Report.raise_for_failures(); an AssertionError so test runners show it as a failed assertion."""
+    """Raised by Report.raise_for_failures(); an AssertionError so test runners show it as a failed assertion. Its
+    `report` is the Report."""
 
     def __init__(self, message: str, report: Report):
         super().__init__(message)

@@ -7,6 +7,7 @@ Nothing heavy is imported here: each renderer's module is imported when its form
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -88,17 +89,45 @@ def render_terminal(
     each quiet line led by its config's name."""
     from fwdcheck.report.terminal import render
 
+    given = [str(r.config_path or r.model.get("label", "?")) for r in outcome.reports]
+    names = shortest_names(given + [str(n["config"]) for n in outcome.not_run])
     for i, report in enumerate(outcome.reports):
         if i and verbosity != Verbosity.quiet:
             console.print()
-        name = Path(report.config_path or report.model.get("label", "?")).name if outcome.several else None
+        name = names[given[i]] if outcome.several else None
         render(report, console, debug=debug, verbosity=verbosity.value, name=name, terminal=terminal)
     if outcome.several:
-        each = [f"{Path(r.config_path or r.model.get('label', '?')).name} {r.verdict}" for r in outcome.reports]
-        each += [f"{Path(n['config']).name} not run (exit {n['exit_code']})" for n in outcome.not_run]
+        each = [f"{names[g]} {r.verdict}" for g, r in zip(given, outcome.reports, strict=True)]
+        each += [f"{names[str(n['config'])]} not run (exit {n['exit_code']})" for n in outcome.not_run]
         console.print(
             escape(f"{len(each)} configs: {', '.join(each)}") + f" → exit {outcome.exit_code}", soft_wrap=True
         )
+
+
+def shortest_names(paths: list[str]) -> dict[str, str]:
+    """Each path by the fewest of its last parts that tell it from the others: `fwdcheck.yaml` alone, but
+    `models/a/fwdcheck.yaml` and `models/b/fwdcheck.yaml` as `a/fwdcheck.yaml` and `b/fwdcheck.yaml`."""
+    parts = {p: Path(p).parts or (p,) for p in paths}
+    names = {}
+    for path, own in parts.items():
+        others = [theirs for other, theirs in parts.items() if other != path]
+        n = 1
+        while n < len(own) and any(theirs[-n:] == own[-n:] for theirs in others):
+            n += 1
+        names[path] = Path(*own[-n:]).as_posix()
+    return names
+
+
+def html_page(outcome: RunReports) -> str:
+    """rich's HTML page with a <title>: the configs and their verdicts, as a browser's tab and history name it."""
+    from rich._export_format import CONSOLE_HTML_FORMAT
+
+    given = [str(r.config_path or r.model.get("label", "?")) for r in outcome.reports]
+    names = shortest_names(given)
+    verdicts = ", ".join(dict.fromkeys(str(r.verdict) for r in outcome.reports))
+    title = html.escape(f"fwdcheck {', '.join(names[g] for g in given)}: {verdicts}")
+    title = title.replace("{", "{{").replace("}", "}}")  # the page is a str.format template
+    return CONSOLE_HTML_FORMAT.replace("<head>\n", f"<head>\n<title>{title}</title>\n", 1)
 
 
 def recorded(outcome: RunReports, verbosity: Verbosity, debug: bool, terminal: bool = True) -> Console:

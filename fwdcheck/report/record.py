@@ -22,11 +22,11 @@ class ReportRecord:
     """What one run found: each check's result, the model's and the environment's summaries, the run's notes; and
     the exit code and verdict they mean, which every renderer states."""
 
-    results: list[CheckResult]
-    model: dict[str, Any] = field(default_factory=dict)
-    environment: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    config_path: str | None = None
+    results: list[CheckResult]  # each check's, in the order they ran
+    model: dict[str, Any] = field(default_factory=dict)  # what was checked: its label, source, sizes
+    environment: dict[str, Any] = field(default_factory=dict)  # torch, python, device, dtype, seed, B, T
+    notes: list[str] = field(default_factory=list)  # what the run has to say beside the checks (warnings included)
+    config_path: str | None = None  # the config file, as given
     fail_on: str = "fail"  # fail | warn
     interrupted: bool = False  # Ctrl-C or SIGTERM: the report holds what ran
     interrupted_exit: int = ExitCode.INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
@@ -47,6 +47,7 @@ class ReportRecord:
 
     @property
     def status(self) -> Status:
+        """The worst status of the checks that ran (skip when none did)."""
         ran = [r.status for r in self.results if r.status != Status.SKIP]
         return worst(ran, default=Status.SKIP)
 
@@ -72,13 +73,17 @@ class ReportRecord:
 
     @property
     def ok(self) -> bool:
+        """Exit code 0: nothing failed (a warning counts only with fail_on="warn")."""
         return self.exit_code == ExitCode.OK
 
     @property
     def failures(self) -> list[CheckResult]:
+        """The check results that failed or errored (CheckResult, not Finding): their codes are
+        `{f.code for r in report.failures for f in r.findings}`."""
         return [r for r in self.results if r.status in (Status.FAIL, Status.ERROR)]
 
     def result(self, name: str) -> CheckResult:
+        """The result of the check named `name` (StopIteration when it did not run)."""
         return next(r for r in self.results if r.name == name)
 
     @classmethod
@@ -103,11 +108,13 @@ class ReportRecord:
         )
 
     def to_json(self, **dump_options) -> str:
+        """The JSON report, as `--json PATH` writes it (`fwdcheck schema --json-report` is its schema)."""
         import json
 
         return json.dumps(self.to_dict(), default=str, **dump_options)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON report as a dict (to_json's)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "fwdcheck_version": __version__,

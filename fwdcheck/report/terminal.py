@@ -220,7 +220,7 @@ def shows_detail(result: CheckResult, verbosity: Verbosity) -> bool:
 
 
 def one_line(report: ReportRecord, durations: bool, name: str | None = None) -> Text:
-    """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · 2.1 s': what decided the exit
+    """'fwdcheck: failed (exit 1): future-token FWD101 FWD105, mask-audit FWD202 · checks 2.1 s': what decided the exit
     code, then what else a reader should know (warnings that did not count, skipped and ignored checks). The model's
     exception, when it stopped every check it names, is said in full, once. `name` leads the line ('fwdcheck
     gpt.yaml: ...') when a run has several configs."""
@@ -254,7 +254,8 @@ def one_line(report: ReportRecord, durations: bool, name: str | None = None) -> 
         if names:
             line.append(f"; {label}: {', '.join(names)}")
     if durations:
-        line.append(f" · {sum(r.duration_s for r in report.results):.1f} s")
+        # the checks' own time: the interpreter's start and the model's import and build are not in it
+        line.append(f" · checks {sum(r.duration_s for r in report.results):.1f} s")
     return line
 
 

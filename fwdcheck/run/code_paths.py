@@ -57,12 +57,14 @@ import dataclasses
 import hashlib
 import itertools
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fwdcheck.config.schema import CodePaths
+from fwdcheck.model.library_logs import asked_for
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.observe.records import Observation
 from fwdcheck.run.compare import logit_scale, position_change
@@ -244,9 +246,13 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
             else:
                 position_ids = torch.cat([torch.ones_like(pads), position_ids], dim=1)
             kwargs["position_ids"] = position_ids
-        output = (
-            model.forward_adapter(module, input_ids, **kwargs) if model.forward_adapter else module(input_ids, **kwargs)
-        )
+        asked = asked_for(model.library_loggers, "output_attentions") if path.output_attentions else nullcontext()
+        with asked:  # what the library says of the output_attentions this cell passed is not the model's news
+            output = (
+                model.forward_adapter(module, input_ids, **kwargs)
+                if model.forward_adapter
+                else module(input_ids, **kwargs)
+            )
         return extract_logits(output)[:, padding:]  # (B, T, V): the real tokens
 
     takes = {"position_ids"} if model.accepts_position_ids else set()

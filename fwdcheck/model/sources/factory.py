@@ -47,7 +47,7 @@ def import_factory_parts(spec: FactoryModel, search: list[Path]) -> FactoryParts
     """Import the factory, forward adapter and rotary function with `search` on sys.path."""
     with on_sys_path(search):
         return FactoryParts(
-            factory=resolve_callable(spec.factory, what="factory"),
+            factory=resolve_callable(spec.factory, what="factory", looked_in=search),
             forward=resolve_callable(spec.forward, what="forward adapter") if spec.forward else None,
             rotary=resolve_callable(spec.rotary_function, what="rotary function") if spec.rotary_function else None,
         )

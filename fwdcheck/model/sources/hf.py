@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
@@ -73,6 +73,23 @@ def offline():
                 os.environ[k] = v
 
 
+@contextmanager
+def no_progress_bars(transformers) -> Iterator[None]:
+    """transformers' progress bars ("Loading weights" on stderr, ahead of the report) off while it loads, and put
+    back as found."""
+    bars = getattr(getattr(transformers, "utils", None), "logging", None)
+    if bars is None or not hasattr(bars, "is_progress_bar_enabled"):
+        yield
+        return
+    enabled = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            bars.enable_progress_bar()
+
+
 def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
     """Build the model the config's directory or inline config describes: its weights when the directory holds
     them, else seeded random ones (or none, on the meta device, with `meta: true`)."""
@@ -80,7 +97,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
     notes = []
     if spec.trust_remote_code:
         notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
-    with offline(), kept_as_notes(LOGGERS, notes):
+    with offline(), kept_as_notes(LOGGERS, notes), no_progress_bars(transformers):
         hf_config = _hf_config(spec, transformers)
         cls = _model_class(spec, transformers)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)

@@ -44,7 +44,7 @@ def _seen_function(observer: Observer, name: str, function):
     @functools.wraps(function)
     def seen(module, query, key, value, *args, **kwargs):
         before = len(observer.record.attention)
-        out = function(module, query, key, value, *args, **kwargs)
+        out = function(module, query, key, value, *args, **kwargs)  # forwards the model's call
         if len(observer.record.attention) == before and not torch.compiler.is_compiling():
             with torch._C.DisableTorchFunction():  # bookkeeping, not the model's: outside the observer
                 not_seen(observer, name, query, key, value)

@@ -49,7 +49,7 @@ class _Origin:
 
 @KERNELS.reader(*PRODUCTS)
 def read_product(observer: Observer, func, args, kwargs):
-    out = func(*args, **kwargs)
+    out = func(*args, **kwargs)  # forwards the model's call
     _product(observer, func, args, kwargs, out, observer.module())
     observer.marked(args, kwargs, out)
     return out
@@ -57,7 +57,7 @@ def read_product(observer: Observer, func, args, kwargs):
 
 @KERNELS.reader(*SOFTMAX)
 def read_softmax(observer: Observer, func, args, kwargs):
-    out = func(*args, **kwargs)
+    out = func(*args, **kwargs)  # forwards the model's call
     observer.marked(args, kwargs, out)
     x = args[0] if args else kwargs["input"]
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -142,7 +142,7 @@ def _softmax(
         may = finite & (scores - row_max > -SCORE_GAP)  # keys that get any weight after normalising over them
         allowed = may.reshape(-1, L, S).any(0)
         empty = int((~finite | (scores <= -1e4)).all(-1).sum())
-        sums = weights.float().sum(-1)  # over the key axis
+        sums = weights.detach().float().sum(-1)  # over the key axis; detached: the train cell records gradients
         ok_rows = torch.isfinite(sums)
         error = float((sums[ok_rows] - 1).abs().max()) if ok_rows.any() else float("nan")
         nonfinite = int((~torch.isfinite(weights)).any(-1).sum())
