@@ -32,7 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sample_configs"
 TOY = SAMPLES / "toy.yaml"
 BROKEN = sorted((SAMPLES / "broken").glob("*.yaml"))
-CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+# What a config without `checks:` runs: every default check, each skipping where it does not apply
+CHECKS = [
+    *("shape-ledger", "future-token", "mask-audit", "rope", "kv-cache", "packing", "label-shift", "grad-causality"),
+    *("backends", "rope-precision", "attention-stats"),
+]
 HELPERS = "fwdcheck_cli_helpers"  # the module name of the tiny test models written into tmp_path
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.observe.records import Api, Observation
@@ -57,8 +57,8 @@ class Calls:
 
 class AttentionStats(Check):
     name = "attention-stats"
-    default = False
-    order = 80  # after the default built-ins, before plugins
+    order = 80  # after the other default built-ins, before plugins
+    applies_when = "models whose attention calls the observation pass sees with q and k"
     description = "the scale each attention call applies (1/sqrt(d_h)?) and its score spread, entropy, saturation"
     codes = {
         "FWD951": "attention scores are not scaled (scale 1): their spread is sqrt(d_h) times 1/sqrt(d_h)'s",
@@ -95,6 +95,8 @@ is learned, not a bug. Skips when no call's scale could be measured."""
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         seen, sdpa, projections = self._observe(model, session)
         calls = self._calls(model, session, seen, sdpa, projections)
+        if not seen.attention:
+            raise DoesNotApply("the observation pass saw no attention call (no SDPA, softmax or attention kernel)")
         if not any(row["scale"] is not None for row in calls.rows):
             why = "; ".join(calls.unmeasured[:3]) or "no attention call with q and k was observed"
             raise SkipCheck(f"no attention call's scale could be measured: {why}")

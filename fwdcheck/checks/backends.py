@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -58,8 +58,10 @@ def switchable(model) -> tuple[list[str], str | None]:
 
 class Backends(Check):
     name = "backends"
-    default = False
-    order = 60  # after the default built-ins, before plugins
+    order = 60  # after the other default built-ins, before plugins
+    applies_when = (
+        "models with an attention switch (transformers' set_attn_implementation) or scaled_dot_product_attention calls"
+    )
     options = "fwdcheck.checks.backends_view:Options"
     flags = {"--exhaustive": "flex"}
     former_keys = {"exhaustive": "flex"}  # a former release's top-level `exhaustive: true`
@@ -115,6 +117,10 @@ Options (`options: {backends: {...}}`): flex."""
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
             with recorder:
                 session.logits(session.inputs[:1])
+        if model.attention is None and not recorder.calls:
+            raise DoesNotApply(
+                f"{data['implementations']}, and no scaled_dot_product_attention call to compare kernels on"
+            )
         kernels = self._kernels(recorder.calls, session, findings, data, metrics)
         return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
 

@@ -33,7 +33,11 @@ COMPILERS = ("c++", "g++", "clang++", "cl")  # what inductor's CPU code generati
 
 class Compile(Check):
     name = "compile"
-    default = False
+    default = False  # a compiler run: named when wanted
+    applies_when = (
+        "runs asked for it (checks: [default, compile]): torch.compile's compilation costs more than "
+        "every other check together"
+    )
     order = 61  # after backends
     one_process = "it compiles the unsharded model's forward; compiling a sharded one is the training script's own step"
     description = "the model under torch.compile (inductor) gives the logits it gives eagerly"

@@ -41,7 +41,7 @@ from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
-from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.errors import DoesNotApply, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -126,7 +126,7 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
 
 class GradCausality(Check):
     name = "grad-causality"
-    default = False  # a backward pass: named when wanted (checks: [default, grad-causality])
+    applies_when = "causal models whose gradients can be recorded (a token embedding to hook, logits with a gradient)"
     order = 56  # after the default built-ins, before plugins
     detail_view = "fwdcheck.checks.grad_causality_view:gradient_map"
     description = "train path: earlier logits get exactly zero gradient from later tokens and other samples"
@@ -179,10 +179,10 @@ partial backwards to find where it enters."""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("the model is declared bidirectional (causal: false): later positions may reach earlier")
+            raise DoesNotApply("the model is declared bidirectional (causal: false): later positions may reach earlier")
         found = token_embedding(model)
         if found is None:
-            raise SkipCheck(
+            raise DoesNotApply(
                 "no token embedding to hook (no get_input_embeddings(), no nn.Embedding): the gradient at the "
                 "inputs has nowhere to be read"
             )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.observe.observer import ZeroAttentionDropout
@@ -168,7 +168,9 @@ class PastKeyValues(Decoder):
         # transformers 5 renamed past_key_values to cache
         self.cache_arg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         if transformers and not {"cache", "past_key_values"} & set(params):
-            raise SkipCheck(f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through")
+            raise DoesNotApply(
+                f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through"
+            )
         self.label = f"{self.cache_arg}=..., use_cache=True"
         # A model counting its own positions (RoBERTa's from padding_idx + 1) learns them from its cache, as under
         # generate: 0-based position_ids would move it.
@@ -313,7 +315,7 @@ def decoder_for(model) -> Decoder:
             return InputPos(model.module, cache.setup)
         given = model.positions.given if model.positions is not None else None
         return PastKeyValues(model.module, new_cache=cache.new_cache, positions_given=given)
-    raise SkipCheck(
+    raise DoesNotApply(
         f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
         "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
         "setup_caches}` (input_pos)"
@@ -394,8 +396,8 @@ class Compared:
 
 class KVCache(Check):
     name = "kv-cache"
-    default = False
-    order = 50  # after the default built-ins, before plugins
+    order = 50  # after the other default built-ins, before plugins
+    applies_when = "causal models that decode through a KV cache (a transformers model, a declared `cache:`)"
     description = "decoding through the KV cache (token by token and in chunks) matches the full forward"
     codes = {
         "FWD501": "decoding one token at a time through the cache gives other logits than the full forward",
@@ -448,7 +450,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
+            raise DoesNotApply("model.causal is false: a bidirectional model has no incremental decoding")
         decoder = decoder_for(model)
         plan = self._plan(session)
         compared = self._compare(decoder, model, session, plan)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.capabilities import Loss
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
@@ -45,11 +45,11 @@ WRONG = {
 
 
 def convention(model) -> Loss:
-    """The model's loss interface, or SkipCheck when it offers none that fwdcheck can trust."""
+    """The model's loss interface, or DoesNotApply when it offers none that fwdcheck can trust."""
     if not model.causal:
-        raise SkipCheck("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
+        raise DoesNotApply("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
     if model.loss is None:
-        raise SkipCheck(
+        raise DoesNotApply(
             model.why_not(
                 "loss",
                 "the model declares no loss: add `loss:` to the model section (e.g. "
@@ -181,8 +181,8 @@ class NonFinite(Exception):
 
 class LabelShift(Check):
     name = "label-shift"
-    default = False
-    order = 54  # after the default built-ins, before plugins
+    order = 54  # after the other default built-ins, before plugins
+    applies_when = "causal models that compute a loss from labels (a transformers causal LM, a declared `loss:`)"
     description = "the loss forward computes from labels is the mean cross-entropy of logits[:, :-1] vs ids[:, 1:]"
     codes = {
         "FWD701": "labels not shifted: the loss scores each position against its own input token",

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
@@ -67,10 +67,10 @@ def isolation(model, session) -> Way:
     """The way this model offers to isolate packed documents (its packing capability), or SkipCheck naming why
     there is none to test."""
     if not model.causal:
-        raise SkipCheck("the model is declared bidirectional (causal: false): packing is checked on causal models")
+        raise DoesNotApply("the model is declared bidirectional (causal: false): packing is checked on causal models")
     offered = model.packing
     if offered is None:
-        raise SkipCheck(
+        raise DoesNotApply(
             model.why_not(
                 "packing",
                 "the model offers no way to isolate packed documents that fwdcheck "
@@ -112,8 +112,11 @@ class Packed:
 
 class Packing(Check):
     name = "packing"
-    default = False
-    order = 52  # after the default built-ins, before plugins
+    order = 52  # after the other default built-ins, before plugins
+    applies_when = (
+        "causal models that offer a way to keep packed documents apart (document ids, a mask keyword, a "
+        "declared `packing:`)"
+    )
     description = "documents packed in one row give the logits of each run alone; none reads another"
     codes = {
         "FWD601": "documents are not isolated: changing one document moves the logits of the documents after it",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices
-from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, Rotary, model_code
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import relative_error
@@ -76,8 +76,11 @@ class RotaryAlone:
 
 class RopePrecision(Check):
     name = "rope-precision"
-    default = False
-    order = 70  # after the default built-ins, before plugins
+    order = 70  # after the other default built-ins, before plugins
+    applies_when = (
+        "models with a rotary function fwdcheck can call alone and a context length "
+        "(max_position_embeddings, a declared `max_positions:`)"
+    )
     description = "rotary angles and the relative identity at long positions (1k-128k): run dtype vs float64"
     codes = {
         "FWD901": "the rotary angles of long positions are off: computed in low precision (bfloat16/float16)",
@@ -85,7 +88,7 @@ class RopePrecision(Check):
     }
     explain = """\
 Verifies that the rotary embedding turns q and k by the right angle at long positions in the run's dtype: at 1k, 8k,
-32k and 128k (capped at the model's maximum positions; the ladder up to 128k when it declares none), the rotary
+32k and 128k (capped at the model's maximum positions; a model that declares none is not judged), the rotary
 function alone, in the run's dtype and in float64, on a probe whose pairs read out cos and sin (the angle per pair)
 and on random q, k (the relative identity over a window of 8 positions ending there).
   FWD901: the largest angle error over the pairs at a position exceeds 0.02 rad plus what float32 arithmetic loses
@@ -108,6 +111,11 @@ is the reference (a float32 run then skips)."""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         rotary = self._rotary_alone(model, session)
+        if model.max_positions is None:  # the positions a model is meant for: past them no precision is promised
+            raise DoesNotApply(
+                "the model declares no context length (max_position_embeddings, or `max_positions:` in the model "
+                "section): the long positions its rotary angles must hold are not known"
+            )
         positions = long_positions(model.max_positions)
         g = torch.Generator().manual_seed(session.settings.inputs.seed)
         q, k = torch.randn(2, rotary.head_size, generator=g, dtype=torch.float64)
@@ -129,7 +137,7 @@ is the reference (a float32 run then skips)."""
                 if model.rope is not None
                 else "no rotary embedding"
             )
-            raise SkipCheck(f"{why} (name one with `rotary_function:` in the config)")
+            raise DoesNotApply(f"{why} (name one with `rotary_function:` in the config)")
         D = model.dims.get("d_h") or (model.rope.rotary_dim if model.rope else None)
         if not D:
             raise SkipCheck("the head size is unknown: the rotary function cannot be run alone")
