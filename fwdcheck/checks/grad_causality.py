@@ -12,8 +12,9 @@ backward multiplies by it, so the gradient is exactly 0.0. Any nonzero bit is a 
 enabled or only in train mode (`if self.training:`), a kernel whose backward reads what its forward did not. There is
 no threshold to tune and no noise floor to measure.
 
-What runs, for a correct model: one forward of the session's inputs (B rows) and one backward. Row b's loss is a
-random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given to the rows in turn (as
+What runs, for a correct model: one forward of the session's inputs (B rows, at most 64 tokens each) and one
+backward. Row b's loss is a random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given
+to the rows in turn (as
 future-token's cuts: every position against the last token, position 0 against every later one, the first half
 against the second). The one backward asks for the gradient of the summed losses with respect to the embeddings
 alone: no weight's gradient is computed, which is most of a training step's backward (grad-reach asks for those).
@@ -41,11 +42,11 @@ from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
-from fwdcheck.errors import DoesNotApply, SkipCheck, first_line
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.run.compare import nonfinite_positions
+from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.model_state import ModelState
 from fwdcheck.run.session import Session
 from fwdcheck.run.train_path import train_path
@@ -124,6 +125,12 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     return ((grad != 0) & grad.isfinite()).any(-1)
 
 
+# Rows of at most this many tokens: a leak into earlier positions through the gradient shows at any length (the cuts
+# at T - 1, 1 and T/2 over the rows), and a forward with gradients and its backward cost two forwards' tokens; a
+# default check runs in every default run (at T = 128, B = 2: one forward's tokens).
+MAX_LENGTH = 64
+
+
 class GradCausality(Check):
     name = "grad-causality"
     applies_when = "causal models whose gradients can be recorded (a token embedding to hook, logits with a gradient)"
@@ -140,7 +147,8 @@ class GradCausality(Check):
     explain = """\
 Verifies causality exactly, on the path that trains: the model in train() mode with every dropout forced to zero
 (dropout modules at p=0, dropout_p of attention calls and F.dropout zeroed) and gradients enabled, the token
-embedding's output made a leaf of the autograd graph by a forward hook. Row b of the session's inputs backpropagates
+embedding's output made a leaf of the autograd graph by a forward hook. Row b of the session's inputs (cut to its
+first 64 tokens) backpropagates
 a random projection of its logits at positions < k (k = T-1, 1, T/2 in turn over the rows); the input embeddings at
 positions >= k of that row, and every position of the other rows no loss reached, must get a gradient of exactly
 0.0. There is no threshold: a causal mask's weights are exactly 0.0 (exp of -inf or finfo.min), and the backward
@@ -164,10 +172,12 @@ Limits: the token embedding is the model's get_input_embeddings(), else the nn.E
 a model without one, a model declared bidirectional (causal: false), and a model whose logits carry no gradient
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
 1 from position 1 on): a mix that only reads backward through the batch at the same position is left to
-future-token. A NaN or Inf at an earlier position's gradient is reported as such (FWD123), never as a pass.
-Cost: one forward with gradients and one backward to the input embeddings alone, no weight's gradient (about 2.5
-forward passes at T=128); a leak adds one backward per row, up to 32 for the map, and one forward and up to 64
-partial backwards to find where it enters."""
+future-token. A NaN or Inf at an earlier position's gradient is reported as such (FWD123), never as a pass. A leak
+that opens only past 64 positions is future-token's to see.
+Cost: one forward with gradients and one backward to the input embeddings alone, no weight's gradient, on rows of
+at most 64 tokens (about 1.1 forward passes at T=128, 2.3 uncut); where the train logits part from the eval
+logits at those positions, one eval forward of the same tokens to tell; a leak adds one backward per row, up to 32
+for the map, and one forward and up to 64 partial backwards to find where it enters."""
 
     def key_number(self, result: CheckResult) -> str:
         m = result.metrics
@@ -187,14 +197,17 @@ partial backwards to find where it enters."""
                 "inputs has nowhere to be read"
             )
         embedding_name, embedding = found
-        ids = session.inputs
+        ids = session.inputs[:, :MAX_LENGTH]  # (B, T), T at most MAX_LENGTH
         B, T = ids.shape
         cuts = cuts_for(B, T)
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         state = ModelState.take(model.module)
         try:
             with train_path(model.module):
-                graph = self._forward(model, session, embedding_name, embedding, ids)
+                try:
+                    graph = self._forward(model, session, embedding_name, embedding, ids)
+                except ModelRaised as exc:  # as the code-path matrix's train cell: no verdict on a path it cannot run
+                    raise SkipCheck(f"the model cannot run in train mode (dropout off): {exc}") from None
                 train_logits = graph.logits.detach().float().clone()  # (B, T, V): the train path's, compared below
                 losses = self._losses(graph, cuts, generator)
                 try:
@@ -233,12 +246,33 @@ partial backwards to find where it enters."""
         (fwdcheck/checks/train_apart.py)."""
         if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
-        change, scale = session.change_from_reference(train_logits)  # (B, T)
-        return train_apart("FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics)
+        T = train_logits.shape[1]
+        if T == session.inputs.shape[1]:
+            change, scale = session.change_from_reference(train_logits)  # (B, T)
+        else:
+            change, scale = self._prefix_change(session, train_logits)
+        locate = lambda: self._first_apart(model, session, T)  # noqa: E731 -- run only when they part
+        return train_apart("FWD126", model, session, change, scale, locate, metrics)
 
-    def _first_apart(self, model, session) -> str | None:
-        """One eval and one train forward of the first row, every module's output kept."""
-        row = session.inputs[:1]  # (1, T)
+    @staticmethod
+    def _prefix_change(session, train_logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The train path's logits of the rows' first T tokens against eval's: the reference's at those positions
+        (a causal model's do not depend on what follows), and once they part beyond what passes unexamined, an
+        untouched eval forward of the same T tokens, so that a model reading later tokens is not said to compute
+        otherwise in training."""
+        T = train_logits.shape[1]
+        reference = session.reference()[:, :T]  # (B, T, V)
+        scale = logit_scale(reference)
+        change = position_change(train_logits, reference)  # (B, T)
+        if session.noise_matters(float(change.max()), scale):
+            reference = session.logits(session.inputs[:, :T])  # (B, T, V)
+            scale = logit_scale(reference)
+            change = position_change(train_logits, reference)
+        return change, scale
+
+    def _first_apart(self, model, session, T: int) -> str | None:
+        """One eval and one train forward of the first row's first T tokens, every module's output kept."""
+        row = session.inputs[:1, :T]  # (1, T)
         state = ModelState.take(model.module)
         try:
             return first_module_apart(model, lambda: session.logits(row), lambda: self._train_forward(model, row))

@@ -43,6 +43,11 @@ from fwdcheck.run.session import Session
 MAX_DECODED = 4  # positions decoded in chunks, at the end of the sequence
 TOKEN_STEPS = 2  # of them decoded one token at a time
 MIN_LENGTH = 4  # a prefill of 2 and 2 decoded positions: the shortest run with a chunk of 2 over a cache
+# The decoded rows are the session's rows cut to at most this many tokens: a position off by one, rotary angles
+# restarted at 0 or a top-left mask over the cache show after any prefill, and the prefill, the one call that costs a
+# forward's tokens, then costs half of one at T = 128 (a default check runs in every default run). The full forward's
+# logits at these positions are the session's: a causal model's earlier logits do not depend on what follows.
+MAX_LENGTH = 64
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -375,7 +380,7 @@ class Changes:
         return cls(
             position_change(decoded.prefill, reference[:, :P]),
             position_change(decoded.token, reference[:, P : P + plan.tokens]),
-            position_change(decoded.chunked, reference[:, P:]),
+            position_change(decoded.chunked, reference[:, P : plan.length]),
         )
 
     def largest(self) -> float:
@@ -407,7 +412,8 @@ class KVCache(Check):
     }
     explain = """\
 Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
-forward. A prefill of the first P = T - D tokens (D = min(T/2, 4)) with the cache on, then, from copies of its cache,
+forward. On the session's rows cut to L = min(T, 64) tokens, a prefill of the first P = L - D tokens
+(D = min(L/2, 4)) with the cache on, then, from copies of its cache,
 the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
 (speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
 forward within the session's threshold (the dtype tolerance, or 10x the noise floor or 4x the model's own
@@ -439,14 +445,15 @@ stack, the first layer whose output parts there):
   FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
           (or the full forward reads future tokens: see future-token).
   FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
-Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of T - 4 tokens, 2 of one token, 2 of two), about the tokens of
-1.5 forwards at T = 8 and of 1 at long T; while the weights dominate (short T) each call costs about a forward. The
-noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward of one row and
-a replay, to name the layer.
+Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of L - 4 tokens, 2 of one token, 2 of two), about the tokens of
+1.5 forwards at T = 8, of 1 up to T = 64 and of 64/T beyond; while the weights dominate (short T) each call costs
+about a forward. The noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked
+forward of one row and a replay, to name the layer.
 Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
 4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
-paths share is not its to see (future-token, rope). Decoding starts from one prefill length, in the session's batch
-(rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled ones."""
+paths share is not its to see (future-token, rope). Decoding starts from one prefill length (at most 60), in the
+session's batch (rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled
+ones: a cache that goes wrong only past 64 positions is not seen."""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
@@ -465,14 +472,14 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
 
     @staticmethod
     def _plan(session: Session) -> Plan:
-        """The prefill and the decoding steps at the session's length; SkipCheck when the sequence is too short, or
-        the model refuses one-token forwards."""
+        """The prefill and the decoding steps at the session's length (at most MAX_LENGTH); SkipCheck when the
+        sequence is too short, or the model refuses one-token forwards."""
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
             raise SkipCheck(
                 f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it (seq_len >= {MIN_LENGTH})"
             )
-        plan = Plan.for_length(T)
+        plan = Plan.for_length(min(T, MAX_LENGTH))
         if session.min_seq_len > 1:
             raise SkipCheck(
                 f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "

@@ -110,6 +110,12 @@ class Packed:
     alone_rows: dict[str, int]  # document -> the session row whose prefix it is
 
 
+# Packed rows of at most this many tokens: documents that read each other or whose positions do not restart show at
+# any length, and a default check runs in every default run (two rows of 64 tokens: half a forward's tokens at
+# T = 128, B = 2). Each document alone is still a prefix of a session row, whose logits the session has.
+MAX_LENGTH = 64
+
+
 class Packing(Check):
     name = "packing"
     order = 52  # after the other default built-ins, before plugins
@@ -127,8 +133,9 @@ class Packing(Check):
         "FWD604": "the packed forward gives NaN or Inf",
     }
     explain = """\
-Builds two packed rows of three documents each, from the session's inputs: document 1 = row 0's first a tokens,
-document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = T - 2b, b = (T-1)//2); the second row
+Builds two packed rows of L = min(T, 64) tokens and three documents each, from the session's inputs: document 1 =
+row 0's first a tokens, document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = L - 2b,
+b = (L-1)//2); the second row
 changes every token of document 1. Both run in one forward, told where the documents are the way the model offers:
   Hugging Face, mask builder handed position_ids (Llama, Mistral, Qwen2, GPT-2, ... in transformers 5): position_ids
     restarting per document, no attention_mask, use_cache=False (transformers finds packed documents from the
@@ -185,6 +192,7 @@ position_ids alone leave a causal model reading the earlier documents, by design
         B, T = session.inputs.shape
         if T < 5:
             raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
+        T = min(T, MAX_LENGTH)
         b = (T - 1) // 2
         a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
         other = 1 % B  # the session's second row, or the first again for batch size 1
