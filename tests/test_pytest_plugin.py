@@ -144,7 +144,7 @@ def test_configs_become_items(tester, monkeypatch):
         "-rfs",
         "--junitxml=report.xml",
     )
-    result.assert_outcomes(passed=13, failed=5, skipped=1, warnings=1)
+    result.assert_outcomes(passed=24, failed=7, skipped=2, warnings=1)
     assert result.ret == 1
     out = result.stdout.str()
     seen = outcomes(result)
