@@ -197,6 +197,9 @@ for the map, and one forward and up to 64 partial backwards to find where it ent
                 "inputs has nowhere to be read"
             )
         embedding_name, embedding = found
+        # The eval path first (the session's shared logits): a model whose forward raises there too is the model's
+        # error, as every check reports it, not a train path it cannot run
+        session.reference()
         ids = session.inputs[:, :MAX_LENGTH]  # (B, T), T at most MAX_LENGTH
         B, T = ids.shape
         cuts = cuts_for(B, T)
