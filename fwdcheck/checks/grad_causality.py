@@ -33,6 +33,7 @@ back by ModelState.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ from fwdcheck.checks.wording import listed, span
 from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import first_tensor
+from fwdcheck.observe.locations import code_location
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.model_state import ModelState
@@ -60,6 +62,22 @@ def cuts_for(B: int, T: int) -> list[int]:
     turn (future-token's cuts), repeated over the rows."""
     cuts = list(dict.fromkeys(k for k in (T - 1, 1, T // 2) if 1 <= k < T))
     return [cuts[b % len(cuts)] for b in range(B)]
+
+
+def caller_line(model: ModelUnderTest, name: str) -> str | None:
+    """'path:line' of the forward of the module that calls `name`, where `name` is one of torch's own layers (an
+    nn.Linear: its file is torch's, and the code to look at feeds it); None for a module with code of the model's
+    (the report names its class) or a caller with none."""
+    modules = dict(model.module.named_modules())
+    if not type(modules[name]).__module__.startswith("torch."):
+        return None
+    caller = modules.get(name.rpartition(".")[0])
+    try:
+        forward = type(caller).forward
+        path, line = inspect.getsourcefile(forward), inspect.getsourcelines(forward)[1]
+    except (OSError, TypeError):
+        return None
+    return code_location(path, line) if path and not type(caller).__module__.startswith("torch.") else None
 
 
 def token_embedding(model: ModelUnderTest) -> tuple[str, nn.Module] | None:
@@ -223,7 +241,7 @@ for the map, and one forward and up to 64 partial backwards to find where it ent
                     del graph, losses  # the screen's graph and gradients freed first
                     row = metrics["leak_row"]
                     entry = self._entry(model, session, embedding_name, embedding, ids, row, cuts[row])
-                    self._say_entry(findings, *entry)
+                    self._say_entry(model, findings, *entry)
         finally:
             written = state.restore()
             if written:
@@ -426,12 +444,13 @@ for the map, and one forward and up to 64 partial backwards to find where it ent
         return None, len(tried)
 
     @staticmethod
-    def _say_entry(findings: list[Finding], module: str | None, tried: int) -> None:
+    def _say_entry(model: ModelUnderTest, findings: list[Finding], module: str | None, tried: int) -> None:
         leak = next(f for f in findings if f.code == "FWD121")
         if module is None:
             leak.message += f"; no module's output among the first {tried} shows it (the leak is after them)"
             return
         leak.module = module
+        leak.source = caller_line(model, module)
         leak.message += (
             f"; first seen at the output of {module} (no module that completed before it shows it: the leak is in "
             "it, or in the code between it and the module before)"

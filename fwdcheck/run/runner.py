@@ -252,8 +252,8 @@ def locate(finding: Finding, model: ModelUnderTest) -> str | None:
     """'file:line' for a finding the check gave no source: the class of the module it concerns (a finding about the
     module as a whole, not about one call in it)."""
     module = dict(model.module.named_modules()).get(finding.module) if finding.module else None
-    if module is None or type(module).__module__.split(".")[0] == "torch":
-        return None  # torch's own layer (an nn.Linear): its class's file is not the model's code to look at
+    if module is None:
+        return None
     try:
         source, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module))[1]
         return code_location(source, line) if source is not None else None
