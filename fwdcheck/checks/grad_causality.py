@@ -72,6 +72,8 @@ def caller_line(model: ModelUnderTest, name: str) -> str | None:
     if not type(modules[name]).__module__.startswith("torch."):
         return None
     caller = modules.get(name.rpartition(".")[0])
+    if caller is None:
+        return None
     try:
         forward = type(caller).forward
         path, line = inspect.getsourcefile(forward), inspect.getsourcelines(forward)[1]
