@@ -193,7 +193,7 @@ def measure(name: str, hf_config: dict, B: int, T: int, cell_length: int | None)
 
 def verdicts_taken(run) -> list[str]:
     """Per check of a cell: "" when it ran its own comparisons, else whose verdict it took and by which rule."""
-    return [f"{shared['by']} of {shared['cell']}" if (shared := shared_from(run, r)) else "" for r in run.results]
+    return [f"{shared.by} of {shared.cell}" if (shared := shared_from(run, r)) else "" for r in run.results]
 
 
 def main() -> None:

@@ -100,12 +100,18 @@ class RunCommand(TyperCommand):
     (Check.flags, as pytest's addoption), read from the registry only when the help is shown."""
 
     def format_epilog(self, ctx, formatter) -> None:
-        from fwdcheck.config.registry import command_line_flags, file_flags
+        from fwdcheck.config.registry import applicability, command_line_flags, file_flags
 
         try:
             flags, files = command_line_flags(), list(file_flags().values())
+            checks = applicability()
         except FwdcheckError:  # no check registered: `run` says so itself
-            flags, files = [], []
+            flags, files, checks = [], [], []
+        if checks:
+            # what a config without `checks:` runs, and when each applies: a model without what a check examines
+            # gets a skip reading "does not apply: <reason>"
+            with formatter.section("Checks (default: every check that applies; `checks:` or --check narrows)"):
+                formatter.write_dl([(name, applies) for name, applies in checks])
         rows = [(f.flag if f.annotation is bool else f"{f.flag} VALUE", f.help) for f in flags]
         rows += [(f"{f.flag} PATH", f"{f.check}: {f.help}") for f in files]
         if rows:
@@ -356,6 +362,7 @@ def list_checks() -> None:
             try:
                 about = info(entry)
                 description, default = escape(about.description), "yes" if about.default else "no"
+                description += f"\n[dim]applies to: {escape(about.applies_when or 'every model')}[/dim]"
             except FwdcheckError as exc:
                 description, default = f"[red]{escape(str(exc))}[/red]", "yes"
             # escaped: a label such as fwdcheck[rope] is text, not a rich markup tag
@@ -364,7 +371,8 @@ def list_checks() -> None:
         def draw(console: Console) -> None:
             console.print(table)
             console.print(
-                "A config without `checks:` runs the default ones; `checks: [default, NAME]` adds one, "
+                "A config without `checks:` runs the default ones, each where it applies (a model without what a "
+                "check examines gets a skip: 'does not apply: <reason>'); `checks: [default, NAME]` adds one, "
                 "`checks: [all]` runs every check.",
                 highlight=False,
                 markup=False,

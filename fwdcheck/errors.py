@@ -123,7 +123,13 @@ class ObservationFailed(FwdcheckError):
 
 
 class SkipCheck(Exception):
-    """Raised by a check that does not apply to this model; the message is the reason."""
+    """Raised by a check that could not measure anything here (the run's inputs too short, a kernel this machine
+    lacks, logits already NaN); the message is the reason."""
+
+
+class DoesNotApply(SkipCheck):
+    """Raised by a check whose subject the model does not have (no cache to decode through, no loss from labels, no
+    rotary function): the report says "does not apply: <reason>", apart from a skip the run's environment caused."""
 
 
 def first_line(message: object, limit: int | None = None) -> str:

@@ -31,6 +31,16 @@ class Status(str, Enum):
         return [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR].index(self)
 
 
+# How a skipped result's summary starts when the model lacks what the check examines (DoesNotApply), as against a
+# skip the run's environment caused (inputs too short, a kernel this machine lacks)
+DOES_NOT_APPLY = "does not apply: "
+
+
+def does_not_apply(result: CheckResult) -> bool:
+    """Whether a result is a skip because the check does not apply to this model."""
+    return result.status == Status.SKIP and result.summary.startswith(DOES_NOT_APPLY)
+
+
 def worst(statuses, default: Status = Status.PASS) -> Status:
     return max(statuses, key=lambda s: s.rank, default=default)
 
@@ -255,8 +265,9 @@ class CheckResult:
 class Check:
     """A forward-pass check. Subclasses set the class attributes and implement run().
 
-    run() returns a CheckResult, raises SkipCheck(reason) when the check does not apply, and lets ModelRaised
-    propagate when the model itself fails; the runner turns both into results.
+    run() returns a CheckResult, raises DoesNotApply(reason) when the model lacks what the check examines (no cache,
+    no loss from labels), SkipCheck(reason) when it could not measure here, and lets ModelRaised propagate when the
+    model itself fails; the runner turns each into a result.
     """
 
     name: ClassVar[str]
@@ -298,6 +309,9 @@ class Check:
     ends_distributed_runs: ClassVar[str | None] = None
     # Top-level config keys of former releases that now set one of its options: key -> option (`exhaustive:`)
     former_keys: ClassVar[dict[str, str]] = {}
+    # The models (or runs) it applies to, in words, for `fwdcheck list` and `run --help` ("models that decode through
+    # a KV cache"); "" when every model. A model without it gets a skip reading "does not apply: <reason>".
+    applies_when: ClassVar[str] = ""
 
     def __init_subclass__(cls, declared: DataclassInstance | None = None, **kwargs: Any) -> None:
         """`class Golden(Check, declared=SPEC)`: the class attributes above, each set from the field of that name of

@@ -17,7 +17,12 @@ from fwdcheck.errors import UsageError
 from fwdcheck.model.reference import build
 from fwdcheck.report import ChecksFailed, Report
 
-CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+# The default selection: every check applies to the reference model (it decodes through a cache, computes a loss,
+# packs documents, switches attention and turns q and k)
+CHECKS = [
+    *("shape-ledger", "future-token", "mask-audit", "rope", "kv-cache", "packing", "label-shift", "grad-causality"),
+    *("backends", "rope-precision", "attention-stats"),
+]
 
 
 def small(**fields) -> nn.Module:
@@ -44,7 +49,8 @@ def test_clean_reference_model_passes():
 def test_planted_bug_fails_with_its_findings():
     report = fwdcheck.check_model(small(bugs=["no-causal-mask"]))
     assert not report.ok and report.exit_code == 1
-    assert [r.name for r in report.failures] == ["future-token", "mask-audit"]
+    # no mask anywhere: the cached decode and the train path's gradients read the future too
+    assert [r.name for r in report.failures] == ["future-token", "mask-audit", "kv-cache", "grad-causality"]
     assert "FWD101" in {f.code for f in report.result("future-token").findings}
     assert "FWD201" in {f.code for f in report.result("mask-audit").findings}
 

@@ -1,4 +1,4 @@
-"""fwdcheck's default checks on every causal-LM architecture transformers ships (tests/arch_sweep.py builds them).
+"""fwdcheck's four causal checks on every causal-LM architecture transformers ships (tests/arch_sweep.py builds them).
 
 Each untouched model must pass or skip saying why. The exceptions are written down: misreadings of fwdcheck's that
 are known and being fixed (`KNOWN`, allowed to fail with exactly those codes, or to pass once fixed; none today), and

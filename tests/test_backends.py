@@ -164,9 +164,9 @@ def test_switch_is_put_back(reference):
     assert model.module.config.attention == "eager"
 
 
-def test_registered_and_not_default():
+def test_registered_and_default_where_it_applies():
     from fwdcheck.config.registry import available, info
 
     entry = available()["backends"]
-    assert not info(entry).default
+    assert info(entry).default and "attention switch" in info(entry).applies_when
     assert set(info(entry).codes) == {"FWD801", "FWD802", "FWD803"}

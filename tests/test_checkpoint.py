@@ -583,7 +583,11 @@ def test_rope_buffer_not_in_checkpoint_is_computed_on_cpu(tmp_path, helpers):
         assert torch.equal(block.rotary.inv_freq, expected)
     assert_same_tensors(loaded.module, saved)
     report = run_checks(helpers(path, rope={"base": 10000.0, "pairing": "half"}))
-    assert set(statuses(report).values()) == {"pass"}, statuses(report)
+    # every check passes that applies (this checkpoint's model offers no cache, loss or packing to drive)
+    assert {r.status.value for r in report.results if not r.summary.startswith("does not apply: ")} == {"pass"}, (
+        statuses(report)
+    )
+    assert {statuses(report)[name] for name in ("shape-ledger", "future-token", "mask-audit", "rope")} == {"pass"}
 
 
 def test_cpu_rebuild_of_a_bfloat16_checkpoint_says_it_converted(tmp_path, helpers):

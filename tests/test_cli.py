@@ -31,8 +31,13 @@ from fwdcheck.cli import app
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sample_configs"
 TOY = SAMPLES / "toy.yaml"
+TOY_CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]  # the toy's own `checks:`
 BROKEN = sorted((SAMPLES / "broken").glob("*.yaml"))
-CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+# What a config without `checks:` runs: every default check, each skipping where it does not apply
+CHECKS = [
+    *("shape-ledger", "future-token", "mask-audit", "rope", "kv-cache", "packing", "label-shift", "grad-causality"),
+    *("backends", "rope-precision", "attention-stats"),
+]
 HELPERS = "fwdcheck_cli_helpers"  # the module name of the tiny test models written into tmp_path
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -234,7 +239,7 @@ def test_toy_passes_with_every_check_in_the_summary():
     out = plain(result.stdout)
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
-    for name in CHECKS:
+    for name in TOY_CHECKS:
         assert re.search(rf"^\s*{name}\s+pass\b", out, re.MULTILINE), f"no passing summary row for {name}:\n{out}"
     assert "passed (exit 0)" in out
     assert "Traceback" not in result.output
@@ -398,8 +403,12 @@ def test_model_raising_in_forward_is_an_error_of_every_check(helpers):
     assert report["exit_code"] == 1
     assert report["status"] == "error"
     assert [c["name"] for c in report["checks"]] == CHECKS
-    assert [c["status"] for c in report["checks"]] == ["error"] * len(CHECKS)
-    for c in report["checks"]:
+    # every check that applies meets the error; those that do not (no cache, loss, packing, rotary) say so first
+    applies = [c for c in report["checks"] if not c["summary"].startswith("does not apply: ")]
+    assert {c["name"] for c in applies} >= {"shape-ledger", "future-token", "mask-audit", "grad-causality"}
+    assert {c["status"] for c in report["checks"] if c not in applies} == {"skip"}
+    assert [c["status"] for c in applies] == ["error"] * len(applies)
+    for c in applies:
         assert "ValueError: boom" in c["summary"]
         finding = c["findings"][0]
         assert finding["code"] == "FWD002"
@@ -417,9 +426,11 @@ def test_logits_of_the_last_position_only_need_an_adapter(helpers):
     result, report = run_json(helpers("build_last_only"))
     assert result.exit_code == 1, result.output
     assert report["status"] == "error"
-    assert [(c["name"], c["status"]) for c in report["checks"]] == [(name, "error") for name in CHECKS]
+    applies = [c for c in report["checks"] if not c["summary"].startswith("does not apply: ")]
+    assert {c["name"] for c in applies} >= {"shape-ledger", "future-token", "mask-audit", "grad-causality"}
+    assert [c["status"] for c in applies] == ["error"] * len(applies)
     messages = set()
-    for c in report["checks"]:
+    for c in applies:
         (finding,) = c["findings"]
         assert finding["code"] == "FWD002"
         assert (
@@ -446,8 +457,15 @@ def test_learned_positions_pass_and_rope_skips(helpers):
     result, report = run_json(helpers("build_learned"))
     assert result.exit_code == 0, result.output
     statuses = {c["name"]: c["status"] for c in report["checks"]}
-    assert statuses == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
-    assert "no rotary embedding" in check(report, "rope")["summary"]
+    assert {name: statuses[name] for name in TOY_CHECKS} == {
+        "shape-ledger": "pass",
+        "future-token": "pass",
+        "mask-audit": "pass",
+        "rope": "skip",
+    }
+    assert check(report, "rope")["summary"].startswith("does not apply: no rotary embedding")
+    # the others pass where they apply, and say so where they do not (no cache, loss, packing, rotary function)
+    assert all(c["status"] == "pass" or c["summary"].startswith("does not apply: ") for c in report["checks"]), statuses
 
 
 @pytest.mark.slow
@@ -543,6 +561,9 @@ def test_model_failing_oddly_is_an_error_of_every_check(kind, tmp_path, forget_o
     assert result.stderr == ""  # no traceback, no torch warning (a complex cast) ahead of the report
     assert [c["name"] for c in report["checks"]] == CHECKS
     for c in report["checks"]:
+        if c["summary"].startswith("does not apply: "):  # no cache, loss, packing or rotary: said before any forward
+            assert c["status"] == "skip"
+            continue
         assert c["status"] == "error", (c["name"], c["summary"])
         finding = c["findings"][0]
         assert finding["code"] == "FWD002", finding
@@ -599,7 +620,7 @@ def test_json_report_schema():
     env = report["environment"]
     assert env["device"] == "cpu" and env["dtype"] == "float32"
     assert (env["batch_size"], env["seq_len"], env["seed"]) == (2, 4, 0)
-    assert [c["name"] for c in report["checks"]] == CHECKS
+    assert [c["name"] for c in report["checks"]] == TOY_CHECKS
     for c in report["checks"]:
         assert {"name", "status", "summary", "findings", "metrics", "data", "duration_s"} <= set(c), c.keys()
         assert c["status"] == "pass"
@@ -642,7 +663,7 @@ def test_output_json_file_is_written_whole(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout == ""  # the report goes to the file instead of stdout
     report = json.loads(out.read_text())
-    assert report["exit_code"] == 0 and [c["name"] for c in report["checks"]] == CHECKS
+    assert report["exit_code"] == 0 and [c["name"] for c in report["checks"]] == TOY_CHECKS
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left behind
     umask = os.umask(0)
     os.umask(umask)
@@ -657,7 +678,7 @@ def test_output_rich_goes_to_the_file_only(tmp_path):
     assert result.stdout == ""
     text = out.read_text()
     assert "\x1b[" not in text
-    for name in CHECKS:
+    for name in TOY_CHECKS:
         assert re.search(rf"^\s*{name}\s+pass\b", text, re.MULTILINE), text
     assert "passed (exit 0)" in text
 

@@ -821,6 +821,17 @@ def test_verdict(case_id, check):
     assert expected.admits(r.status.value, problems(r)), f"expected {expected}, got {describe(r)}"
 
 
+@pytest.mark.parametrize("case_id", [c.id for c in CASES if c.correct])
+def test_correct_models_pass_the_other_default_checks_that_apply(case_id):
+    """The default checks beyond the four judged case by case above (kv-cache, packing, label-shift, grad-causality,
+    backends, rope-precision, attention-stats): on a correct model each passes, or skips saying why (most of this
+    code offers no cache, loss or packing fwdcheck can drive); none fails, warns or errors."""
+    others = [r for r in report(case_id).results if r.name not in CHECKS]
+    assert others, "the default selection runs more than the four checks"
+    for r in others:
+        assert r.status.value in ("pass", "skip") and r.summary, describe(r)
+
+
 @pytest.mark.parametrize("case_id", [c.id for c in CASES if c.rotation])
 def test_rope_measures_what_the_library_does(case_id):
     pairing, rotary_dim, base = BY_ID[case_id].rotation

@@ -343,10 +343,10 @@ def test_model_raising_in_the_cached_call_is_fwd002():
     assert report.exit_code == 1
 
 
-def test_registered_and_not_default():
+def test_registered_and_default_where_it_applies():
     entry = available()["kv-cache"]
     assert entry.value == "fwdcheck.checks.kv_cache:KVCache"
-    assert info(entry).default is False
+    assert info(entry).default is True and "KV cache" in info(entry).applies_when
     assert set(info(entry).codes) == {"FWD501", "FWD502", "FWD503", "FWD504"}
 
 

@@ -200,6 +200,7 @@ def document(mode: Mode) -> dict:
             **mode.model,
         },
         "inputs": {"batch_size": 2, "seq_len": 4, "seed": 0},
+        "checks": CHECKS,  # how a failure is reported, on the four checks every model gets
         **mode.top,
     }
 
@@ -295,7 +296,7 @@ def test_model_left_exactly_as_found(mode: Mode, tmp_path):
     random.seed(1234)
     process = process_state()
 
-    report = run_model(model, Settings.from_config(config), select(None), config_path=None)
+    report = run_model(model, Settings.from_config(config), select(config.checks), config_path=None)
 
     assert_process_same(process, process_state())
     assert_same(before, snapshot(module))

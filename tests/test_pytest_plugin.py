@@ -19,7 +19,12 @@ import pytest
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+CHECKS = ["shape-ledger", "future-token", "mask-audit", "rope"]  # the sample toy's `checks:`
+# what a config without `checks:` runs: every default check, each skipping where it does not apply
+DEFAULT = [
+    *("shape-ledger", "future-token", "mask-audit", "rope", "kv-cache", "packing", "label-shift", "grad-causality"),
+    *("backends", "rope-precision", "attention-stats"),
+]
 
 
 def test_entry_point_registered(pytestconfig):
@@ -139,7 +144,7 @@ def test_configs_become_items(tester, monkeypatch):
         "-rfs",
         "--junitxml=report.xml",
     )
-    result.assert_outcomes(passed=13, failed=5, skipped=1, warnings=1)
+    result.assert_outcomes(passed=24, failed=7, skipped=2, warnings=1)
     assert result.ret == 1
     out = result.stdout.str()
     seen = outcomes(result)
@@ -148,14 +153,10 @@ def test_configs_become_items(tester, monkeypatch):
     # toy: the four built-in checks, one item each, all pass
     assert {n: seen[f"sample_configs/toy.yaml::{n}"] for n in CHECKS} == dict.fromkeys(CHECKS, "PASSED")
 
-    # a planted bug: the two checks that catch it fail with their findings as the failure text
+    # a planted bug: the checks that catch it fail with their findings as the failure text
     broken = "sample_configs/broken/no-causal-mask.yaml"
-    assert {n: seen[f"{broken}::{n}"] for n in CHECKS} == {
-        "shape-ledger": "PASSED",
-        "future-token": "FAILED",
-        "mask-audit": "FAILED",
-        "rope": "PASSED",
-    }
+    failing = {"future-token", "mask-audit", "kv-cache", "grad-causality"}
+    assert {n: seen[f"{broken}::{n}"] for n in DEFAULT} == {n: "FAILED" if n in failing else "PASSED" for n in DEFAULT}
     text = section(result, f"future-token in {broken}")
     assert text.startswith(f"fwdcheck future-token on {broken}: fail - ")
     assert "\n  FWD101 fail: earlier logits moved" in text
@@ -169,7 +170,9 @@ def test_configs_become_items(tester, monkeypatch):
 
     # a check that does not apply skips with its reason
     assert seen["sample_configs/reference-learned.yaml::rope"] == "SKIPPED"
-    result.stdout.fnmatch_lines(["SKIPPED [[]1] sample_configs/reference-learned.yaml*: rope: no rotary embedding*"])
+    result.stdout.fnmatch_lines(
+        ["SKIPPED [[]1] sample_configs/reference-learned.yaml*: rope: does not apply: no rotary embedding*"]
+    )
 
     # a model that cannot be built: each of its items fails with fwdcheck's one line, and it is tried once
     assert seen["noload.yaml::shape-ledger"] == seen["noload.yaml::rope"] == "FAILED"
@@ -243,7 +246,7 @@ def test_collection_errors_and_what_a_directory_holds(tester):
         tester, "--fwdcheck", "configs", "--fwdcheck", "bad.yaml", "--fwdcheck", "typo.yaml", "--collect-only", "-q"
     )
     collected = [line for line in result.stdout.lines if line.startswith("configs/") and "::" in line]
-    assert collected == [f"configs/nested/learned.yml::{n}" for n in CHECKS] + [
+    assert collected == [f"configs/nested/learned.yml::{n}" for n in DEFAULT] + [
         f"configs/toy.yaml::{n}" for n in CHECKS
     ]
     result.assert_outcomes(errors=4)

@@ -14,6 +14,7 @@ from rich.console import Console
 
 import fwdcheck
 from fwdcheck.checks.mask_audit_view import may_read_grid
+from fwdcheck.config.registry import select
 from fwdcheck.model.reference import build
 from fwdcheck.report import Report
 from fwdcheck.report.github import to_github
@@ -259,8 +260,8 @@ def test_a_passing_run_is_its_summary_table_and_verdict():
     text = rendered(report, Verbosity.DEFAULT)
     assert "╭─" not in text, text  # no detail panel
     lines = text.splitlines()
-    assert len(lines) <= 10, text
-    for name in ("shape-ledger", "future-token", "mask-audit", "rope"):
+    assert len(lines) <= 4 + 2 * len(report.results), text  # a title, the header, its rule, the verdict: one row each
+    for name in [entry.name for entry in select(None)]:  # every default check applies to the reference model
         assert re.search(rf"^{name}\s+pass\s+\S.*\s\d+\.\d\ds\s", text, re.MULTILINE), text  # key number and time
     assert lines[-1] == "passed (exit 0)" and report.exit_code == 0
 
@@ -268,29 +269,41 @@ def test_a_passing_run_is_its_summary_table_and_verdict():
 def test_a_failing_run_details_only_the_checks_that_did_not_pass():
     report = reference_run("no-causal-mask")
     text = rendered(report, Verbosity.DEFAULT)
-    assert re.findall(r"^╭─ (\S+) (\S+)", text, re.MULTILINE) == [("future-token", "fail"), ("mask-audit", "fail")]
+    # a mask dropped everywhere: the cached decode and the gradients read the future too
+    failing = [("future-token", "fail"), ("mask-audit", "fail"), ("kv-cache", "fail"), ("grad-causality", "fail")]
+    assert re.findall(r"^╭─ (\S+) (\S+)", text, re.MULTILINE) == failing
     assert "FWD101" in text and "FWD201" in text and "query\\k" in text
     assert text.splitlines()[-1] == f"failed (exit {report.exit_code})" and report.exit_code == 1
 
 
 def test_verbose_details_every_check_that_ran():
-    report = reference_run(positional="learned")  # rope skips: nothing to detail
+    report = reference_run(positional="learned")  # rope and rope-precision do not apply: nothing to detail
     panels = re.findall(r"^╭─ (\S+) (\S+)", rendered(report), re.MULTILINE)
-    assert panels == [("shape-ledger", "pass"), ("future-token", "pass"), ("mask-audit", "pass")]
+    assert panels == [(r.name, "pass") for r in report.results if r.name not in ("rope", "rope-precision")]
+    assert len(panels) == 9
 
 
 def test_quiet_is_one_line_with_what_decided_the_exit_code():
     failing = reference_run("no-causal-mask")
     line = rendered(failing, Verbosity.QUIET)
     assert line.count("\n") == 1, line
-    assert line.startswith("fwdcheck: failed (exit 1) — future-token FWD101 FWD105, mask-audit FWD201 · "), line
+    assert line.startswith(
+        "fwdcheck: failed (exit 1) — future-token FWD101 FWD105, mask-audit FWD201, kv-cache FWD503 FWD501, "
+        "grad-causality FWD121 · "
+    ), line
     assert re.search(r" · checks \d+\.\d s$", line.rstrip())
     passing = rendered(reference_run(positional="learned"), Verbosity.QUIET)
     assert passing.startswith(
-        "fwdcheck: passed (exit 0) — 3 checks (shape-ledger, future-token, mask-audit); skipped: rope · "
+        "fwdcheck: passed (exit 0) — 9 checks (shape-ledger, future-token, mask-audit, kv-cache, packing, "
+        "label-shift, grad-causality, backends, attention-stats); did not apply: rope, rope-precision · "
     ), passing
     nothing = reference_run(positional="learned", checks=("rope",))
-    assert rendered(nothing, Verbosity.QUIET).startswith("fwdcheck: nothing ran (exit 5) — 0 checks; skipped: rope")
+    assert rendered(nothing, Verbosity.QUIET).startswith(
+        "fwdcheck: nothing ran (exit 5) — 0 checks; did not apply: rope"
+    )
+    # a skip the run's inputs cause (too short to decode after a prefill) is not a check that does not apply
+    short = run_checks({"source": "reference"}, ["kv-cache"], inputs={"batch_size": 2, "seq_len": 3})
+    assert rendered(short, Verbosity.QUIET).startswith("fwdcheck: nothing ran (exit 5) — 0 checks; skipped: kv-cache")
 
 
 def test_every_view_ends_with_the_exit_code_the_run_returns():
@@ -364,7 +377,8 @@ def test_a_skipped_check_shows_no_number():
     rope = report.result("rope")
     assert rope.status == Status.SKIP and key_number(rope) == ""
     row = re.search(r"^rope\s+skip\s+(.*)$", rendered(report, Verbosity.DEFAULT), re.MULTILINE).group(1)
-    assert row.startswith("no rotary embedding"), row  # neither a key number nor a duration before the summary
+    # neither a key number nor a duration before the summary
+    assert row.startswith("does not apply: no rotary embedding"), row
 
 
 # -- ignored findings: shown, marked with the config's reason, counted nowhere -----------------------------------------

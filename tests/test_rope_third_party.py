@@ -542,7 +542,7 @@ def test_opposite_rotation_names_the_sign():
 def test_absolute_positions_are_not_rope(model, found):
     result = rope_result(model())
     assert result.status.value == "skip", summary(result)
-    assert result.summary.startswith("no rotary embedding") and found in result.summary, result.summary
+    assert result.summary.startswith("does not apply: no rotary embedding") and found in result.summary, result.summary
 
 
 @pytest.mark.parametrize(

@@ -199,6 +199,8 @@ class NeedsLabelsToTrain(TinyCausalLM):
 def test_a_model_that_cannot_run_in_train_mode_skips_the_cell_with_its_reason():
     report = gate(NeedsLabelsToTrain())
     assert report.exit_code == 0
+    grad = report.result("grad-causality")  # its train-mode forward cannot run either: no verdict, its reason said
+    assert grad.status.value == "skip" and "labels are required in training" in grad.summary
     for check in ("future-token", "mask-audit"):
         row = train_row(report, check)
         assert row.status.value == "skip"
@@ -208,8 +210,10 @@ def test_a_model_that_cannot_run_in_train_mode_skips_the_cell_with_its_reason():
 
 def test_train_false_leaves_the_train_cell_out():
     report = gate(TinyCausalLM("train-only"), code_paths={"train": False})
-    assert report.exit_code == 0  # the eval path alone cannot see the train-only branch
-    assert report.result("future-token").paths is None
+    assert report.result("future-token").paths is None  # the eval path alone cannot see the train-only branch
+    assert report.result("future-token").status.value == "pass"
+    # grad-causality runs its own train-mode forward, cell or no cell
+    assert [r.name for r in report.failures] == ["grad-causality"]
 
 
 # =====================================================================================================================

@@ -33,7 +33,7 @@ import torch
 from fwdcheck.checks.attention_stats_spec import SPEC
 from fwdcheck.checks.scale_chain import factor, keep_projections
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.observe.records import Api, Observation
@@ -72,6 +72,8 @@ class AttentionStats(Check, declared=SPEC):
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         seen, sdpa, projections = self._observe(model, session)
         calls = self._calls(model, session, seen, sdpa, projections)
+        if not seen.attention:
+            raise DoesNotApply("the observation pass saw no attention call (no SDPA, softmax or attention kernel)")
         if not any(row["scale"] is not None for row in calls.rows):
             why = "; ".join(calls.unmeasured[:3]) or "no attention call with q and k was observed"
             raise SkipCheck(f"no attention call's scale could be measured: {why}")

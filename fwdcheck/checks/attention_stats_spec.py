@@ -4,8 +4,8 @@ this module, not the check; the check's class (fwdcheck/checks/attention_stats.p
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=80,  # after the default built-ins, before plugins
+    order=80,  # after the other default built-ins, before plugins
+    applies_when="models whose attention calls the observation pass sees with q and k",
     description=(
         "the effective scale of q . k from the projections to the softmax (twice, none, not as declared?) and "
         "the scores' spread, entropy, saturation"

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fwdcheck.checks.backends_spec import SPEC
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -77,6 +77,10 @@ class Backends(Check, declared=SPEC):
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
             with recorder:
                 session.logits(session.inputs[:1])
+        if model.attention is None and not recorder.calls:
+            raise DoesNotApply(
+                f"{data['implementations']}, and no scaled_dot_product_attention call to compare kernels on"
+            )
         kernels = self._kernels(recorder.calls, session, findings, data, metrics)
         return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
 

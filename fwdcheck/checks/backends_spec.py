@@ -4,8 +4,10 @@ this module, not the check; the check's class (fwdcheck/checks/backends.py) read
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=60,  # after the default built-ins, before plugins
+    order=60,  # after the other default built-ins, before plugins
+    applies_when=(
+        "models with an attention switch (transformers' set_attn_implementation) or scaled_dot_product_attention calls"
+    ),
     options="fwdcheck.checks.backends_view:Options",
     flags={"--exhaustive": "flex"},
     former_keys={"exhaustive": "flex"},  # a former release's top-level `exhaustive: true`

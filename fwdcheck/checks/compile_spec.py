@@ -4,7 +4,11 @@ this module, not the check; the check's class (fwdcheck/checks/compile.py) reads
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
+    default=False,  # a compiler run: named when wanted
+    applies_when=(
+        "runs asked for it (checks: [default, compile]): torch.compile's compilation costs more than "
+        "every other check together"
+    ),
     order=61,  # after backends
     one_process="it compiles the unsharded model's forward; compiling a sharded one is the training script's own step",
     description="the model under torch.compile (inductor) gives the logits it gives eagerly",

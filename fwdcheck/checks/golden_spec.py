@@ -6,6 +6,7 @@ from fwdcheck.config.registry import CheckInfo
 SPEC = CheckInfo(
     description="numeric contract: every module's output and parameter fingerprinted; --expect-golden compares",
     default=False,  # runs when named, or when --save-golden / --expect-golden adds it
+    applies_when="runs asked for a golden file (--save-golden, --expect-golden, or checks: [golden])",
     order=90,  # after the other built-ins: its forward is its own, and shares nothing
     codes={
         "FWD961": "against --expect-golden: a module's output moved beyond tolerance (the first, in the order the "

@@ -12,8 +12,9 @@ backward multiplies by it, so the gradient is exactly 0.0. Any nonzero bit is a 
 enabled or only in train mode (`if self.training:`), a kernel whose backward reads what its forward did not. There is
 no threshold to tune and no noise floor to measure.
 
-What runs, for a correct model: one forward of the session's inputs (B rows) and one backward. Row b's loss is a
-random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given to the rows in turn (as
+What runs, for a correct model: one forward of the session's inputs (B rows, at most 64 tokens each) and one
+backward. Row b's loss is a random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given
+to the rows in turn (as
 future-token's cuts: every position against the last token, position 0 against every later one, the first half
 against the second). The one backward asks for the gradient of the summed losses with respect to the embeddings
 alone: no weight's gradient is computed, which is most of a training step's backward (grad-reach asks for those).
@@ -32,6 +33,7 @@ back by ModelState.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -42,11 +44,12 @@ from fwdcheck.checks.grad_causality_view import GradientMap
 from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.train_apart import first_module_apart, train_apart
 from fwdcheck.checks.wording import listed, span
-from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.frames import output_tensor
+from fwdcheck.observe.locations import code_location
 from fwdcheck.result import Check, CheckResult, Finding, Status
-from fwdcheck.run.compare import nonfinite_positions
+from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.model_state import ModelState
 from fwdcheck.run.session import Session
 from fwdcheck.run.train_path import train_path
@@ -60,6 +63,24 @@ def cuts_for(B: int, T: int) -> list[int]:
     turn (future-token's cuts), repeated over the rows."""
     cuts = list(dict.fromkeys(k for k in (T - 1, 1, T // 2) if 1 <= k < T))
     return [cuts[b % len(cuts)] for b in range(B)]
+
+
+def caller_line(model: ModelUnderTest, name: str) -> str | None:
+    """'path:line' of the forward of the module that calls `name`, where `name` is one of torch's own layers (an
+    nn.Linear: its file is torch's, and the code to look at feeds it); None for a module with code of the model's
+    (the report names its class) or a caller with none."""
+    modules = dict(model.module.named_modules())
+    if not type(modules[name]).__module__.startswith("torch."):
+        return None
+    caller = modules.get(name.rpartition(".")[0])
+    if caller is None:
+        return None
+    try:
+        forward = type(caller).forward
+        path, line = inspect.getsourcefile(forward), inspect.getsourcelines(forward)[1]
+    except (OSError, TypeError):
+        return None
+    return code_location(path, line) if path and not type(caller).__module__.startswith("torch.") else None
 
 
 def token_embedding(model: ModelUnderTest) -> tuple[str, nn.Module] | None:
@@ -125,6 +146,12 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     return ((grad != 0) & grad.isfinite()).any(-1)
 
 
+# Rows of at most this many tokens: a leak into earlier positions through the gradient shows at any length (the cuts
+# at T - 1, 1 and T/2 over the rows), and a forward with gradients and its backward cost two forwards' tokens; a
+# default check runs in every default run (at T = 128, B = 2: one forward's tokens).
+MAX_LENGTH = 64
+
+
 class GradCausality(Check, declared=SPEC):
     name = "grad-causality"
 
@@ -138,22 +165,28 @@ class GradCausality(Check, declared=SPEC):
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("the model is declared bidirectional (causal: false): later positions may reach earlier")
+            raise DoesNotApply("the model is declared bidirectional (causal: false): later positions may reach earlier")
         found = token_embedding(model)
         if found is None:
-            raise SkipCheck(
+            raise DoesNotApply(
                 "no token embedding to hook (no get_input_embeddings(), no nn.Embedding): the gradient at the "
                 "inputs has nowhere to be read"
             )
         embedding_name, embedding = found
-        ids = session.inputs
+        # The eval path first (the session's shared logits): a model whose forward raises there too is the model's
+        # error, as every check reports it, not a train path it cannot run
+        session.reference()
+        ids = session.inputs[:, :MAX_LENGTH]  # (B, T), T at most MAX_LENGTH
         B, T = ids.shape
         cuts = cuts_for(B, T)
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         state = ModelState.take(model.module)
         try:
             with train_path(model.module):
-                graph = self._forward(model, session, embedding_name, embedding, ids)
+                try:
+                    graph = self._forward(model, session, embedding_name, embedding, ids)
+                except ModelRaised as exc:  # as the code-path matrix's train cell: no verdict on a path it cannot run
+                    raise SkipCheck(f"the model cannot run in train mode (dropout off): {exc}") from None
                 train_logits = graph.logits.detach().float().clone()  # (B, T, V): the train path's, compared below
                 losses = self._losses(graph, cuts, generator)
                 try:
@@ -166,7 +199,7 @@ class GradCausality(Check, declared=SPEC):
                     del graph, losses  # the screen's graph and gradients freed first
                     row = metrics["leak_row"]
                     entry = self._entry(model, session, embedding_name, embedding, ids, row, cuts[row])
-                    self._say_entry(findings, *entry)
+                    self._say_entry(model, findings, *entry)
         finally:
             written = state.restore()
             if written:
@@ -194,14 +227,33 @@ class GradCausality(Check, declared=SPEC):
         (fwdcheck/checks/train_apart.py); `updated`: the buffers the train-mode forward wrote."""
         if nonfinite_positions(session.reference()):
             return []  # eval's own logits hold NaN or Inf: nothing to hold the train path to (future-token says so)
-        change, scale = session.change_from_reference(train_logits)  # (B, T)
-        return train_apart(
-            "FWD126", model, session, change, scale, lambda: self._first_apart(model, session), metrics, updated
-        )
+        T = train_logits.shape[1]
+        if T == session.inputs.shape[1]:
+            change, scale = session.change_from_reference(train_logits)  # (B, T)
+        else:
+            change, scale = self._prefix_change(session, train_logits)
+        locate = lambda: self._first_apart(model, session, T)  # noqa: E731 -- run only when they part
+        return train_apart("FWD126", model, session, change, scale, locate, metrics, updated)
 
-    def _first_apart(self, model, session) -> str | None:
-        """One eval and one train forward of the first row, every module's output kept."""
-        row = session.inputs[:1]  # (1, T)
+    @staticmethod
+    def _prefix_change(session, train_logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The train path's logits of the rows' first T tokens against eval's: the reference's at those positions
+        (a causal model's do not depend on what follows), and once they part beyond what passes unexamined, an
+        untouched eval forward of the same T tokens, so that a model reading later tokens is not said to compute
+        otherwise in training."""
+        T = train_logits.shape[1]
+        reference = session.reference()[:, :T]  # (B, T, V)
+        scale = logit_scale(reference)
+        change = position_change(train_logits, reference)  # (B, T)
+        if session.noise_matters(float(change.max()), scale):
+            reference = session.logits(session.inputs[:, :T])  # (B, T, V)
+            scale = logit_scale(reference)
+            change = position_change(train_logits, reference)
+        return change, scale
+
+    def _first_apart(self, model, session, T: int) -> str | None:
+        """One eval and one train forward of the first row's first T tokens, every module's output kept."""
+        row = session.inputs[:1, :T]  # (1, T)
         state = ModelState.take(model.module)
         try:
             return first_module_apart(model, lambda: session.logits(row), lambda: self._train_forward(model, row))
@@ -352,12 +404,13 @@ class GradCausality(Check, declared=SPEC):
         return None, len(tried)
 
     @staticmethod
-    def _say_entry(findings: list[Finding], module: str | None, tried: int) -> None:
+    def _say_entry(model: ModelUnderTest, findings: list[Finding], module: str | None, tried: int) -> None:
         leak = next(f for f in findings if f.code == "FWD121")
         if module is None:
             leak.message += f"; no module's output among the first {tried} shows it (the leak is after them)"
             return
         leak.module = module
+        leak.source = caller_line(model, module)
         leak.message += (
             f"; first seen at the output of {module} (no module that completed before it shows it: the leak is in "
             "it, or in the code between it and the module before)"

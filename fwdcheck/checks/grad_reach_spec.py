@@ -4,7 +4,11 @@ this module, not the check; the check's class (fwdcheck/checks/grad_reach.py) re
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,  # a training step's backward: named when wanted (checks: [default, grad-reach])
+    default=False,  # a training step's backward through every parameter: named when wanted
+    applies_when=(
+        "runs asked for it (checks: [default, grad-reach]): a backward through every parameter costs about 3 "
+        "forwards, more than the default run's whole budget (grad-causality's backward to the embeddings is in it)"
+    ),
     order=57,  # beside grad-causality, before plugins
     description="train path: every parameter that requires grad gets a finite gradient from the logits",
     codes={

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from fwdcheck.checks.kv_cache_spec import SPEC
-from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck
 from fwdcheck.model.calling import call_convention_hint
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, model_code, model_frame
 from fwdcheck.observe.frames import first_tensor
@@ -45,6 +45,11 @@ from fwdcheck.run.session import Session
 MAX_DECODED = 4  # positions decoded in chunks, at the end of the sequence
 TOKEN_STEPS = 2  # of them decoded one token at a time
 MIN_LENGTH = 4  # a prefill of 2 and 2 decoded positions: the shortest run with a chunk of 2 over a cache
+# The decoded rows are the session's rows cut to at most this many tokens: a position off by one, rotary angles
+# restarted at 0 or a top-left mask over the cache show after any prefill, and the prefill, the one call that costs a
+# forward's tokens, then costs half of one at T = 128 (a default check runs in every default run). The full forward's
+# logits at these positions are the session's: a causal model's earlier logits do not depend on what follows.
+MAX_LENGTH = 64
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -170,7 +175,9 @@ class PastKeyValues(Decoder):
         # transformers 5 renamed past_key_values to cache
         self.cache_arg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         if transformers and not {"cache", "past_key_values"} & set(params):
-            raise SkipCheck(f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through")
+            raise DoesNotApply(
+                f"{type(module).__name__}.forward takes no past_key_values: no KV cache to decode through"
+            )
         self.label = f"{self.cache_arg}=..., use_cache=True"
         # A model counting its own positions (RoBERTa's from padding_idx + 1) learns them from its cache, as under
         # generate: 0-based position_ids would move it.
@@ -327,7 +334,7 @@ def decoder_for(model) -> Decoder:
             return InputPos(model.module, cache.setup)
         given = model.positions.given if model.positions is not None else None
         return PastKeyValues(model.module, new_cache=cache.new_cache, positions_given=given)
-    raise SkipCheck(
+    raise DoesNotApply(
         f"no KV-cache path fwdcheck knows how to drive in {type(model.module).__name__}: declare one in "
         "the model config, `cache: {style: hf}` (past_key_values) or `cache: {style: gpt-fast, setup: "
         "setup_caches}` (input_pos)"
@@ -387,7 +394,7 @@ class Changes:
         return cls(
             position_change(decoded.prefill, reference[:, :P]),
             position_change(decoded.token, reference[:, P : P + plan.tokens]),
-            position_change(decoded.chunked, reference[:, P:]),
+            position_change(decoded.chunked, reference[:, P : plan.length]),
         )
 
     def largest(self) -> float:
@@ -411,7 +418,7 @@ class KVCache(Check, declared=SPEC):
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
+            raise DoesNotApply("model.causal is false: a bidirectional model has no incremental decoding")
         decoder = decoder_for(model)
         plan = self._plan(session)
         compared = self._compare(decoder, model, session, plan)
@@ -426,14 +433,14 @@ class KVCache(Check, declared=SPEC):
 
     @staticmethod
     def _plan(session: Session) -> Plan:
-        """The prefill and the decoding steps at the session's length; SkipCheck when the sequence is too short, or
-        the model refuses one-token forwards."""
+        """The prefill and the decoding steps at the session's length (at most MAX_LENGTH); SkipCheck when the
+        sequence is too short, or the model refuses one-token forwards."""
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
             raise SkipCheck(
                 f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it (seq_len >= {MIN_LENGTH})"
             )
-        plan = Plan.for_length(T)
+        plan = Plan.for_length(min(T, MAX_LENGTH))
         if session.min_seq_len > 1:
             raise SkipCheck(
                 f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "

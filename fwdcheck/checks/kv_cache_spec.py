@@ -4,8 +4,8 @@ this module, not the check; the check's class (fwdcheck/checks/kv_cache.py) read
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=50,  # after the default built-ins, before plugins
+    order=50,  # after the other default built-ins, before plugins
+    applies_when="causal models that decode through a KV cache (a transformers model, a declared `cache:`)",
     description="decoding through the KV cache (token by token and in chunks) matches the full forward",
     codes={
         "FWD501": "decoding one token at a time through the cache gives other logits than the full forward",
@@ -15,7 +15,8 @@ SPEC = CheckInfo(
     },
     explain="""\
 Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
-forward. A prefill of the first P = T - D tokens (D = min(T/2, 4)) with the cache on, then, from copies of its cache,
+forward. On the session's rows cut to L = min(T, 64) tokens, a prefill of the first P = L - D tokens
+(D = min(L/2, 4)) with the cache on, then, from copies of its cache,
 the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
 (speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
 forward within the session's threshold (the dtype tolerance, or 10x the noise floor or 4x the model's own
@@ -48,12 +49,13 @@ stack, the first layer whose output parts there):
   FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
           (or the full forward reads future tokens: see future-token).
   FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
-Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of T - 4 tokens, 2 of one token, 2 of two), about the tokens of
-1.5 forwards at T = 8 and of 1 at long T; while the weights dominate (short T) each call costs about a forward. The
-noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward of one row and
-a replay, to name the layer.
+Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of L - 4 tokens, 2 of one token, 2 of two), about the tokens of
+1.5 forwards at T = 8, of 1 up to T = 64 and of 64/T beyond; while the weights dominate (short T) each call costs
+about a forward. The noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked
+forward of one row and a replay, to name the layer.
 Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
 4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
-paths share is not its to see (future-token, rope). Decoding starts from one prefill length, in the session's batch
-(rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled ones.""",
+paths share is not its to see (future-token, rope). Decoding starts from one prefill length (at most 60), in the
+session's batch (rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled
+ones: a cache that goes wrong only past 64 positions is not seen.""",
 )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fwdcheck.checks.label_shift_spec import SPEC
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.capabilities import Loss
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
@@ -46,11 +46,11 @@ WRONG = {
 
 
 def convention(model) -> Loss:
-    """The model's loss interface, or SkipCheck when it offers none that fwdcheck can trust."""
+    """The model's loss interface, or DoesNotApply when it offers none that fwdcheck can trust."""
     if not model.causal:
-        raise SkipCheck("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
+        raise DoesNotApply("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
     if model.loss is None:
-        raise SkipCheck(
+        raise DoesNotApply(
             model.why_not(
                 "loss",
                 "the model declares no loss: add `loss:` to the model section (e.g. "

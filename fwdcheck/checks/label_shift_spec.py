@@ -4,8 +4,8 @@ this module, not the check; the check's class (fwdcheck/checks/label_shift.py) r
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=54,  # after the default built-ins, before plugins
+    order=54,  # after the other default built-ins, before plugins
+    applies_when="causal models that compute a loss from labels (a transformers causal LM, a declared `loss:`)",
     description="the loss forward computes from labels is the mean cross-entropy of logits[:, :-1] vs ids[:, 1:]",
     codes={
         "FWD701": "labels not shifted: the loss scores each position against its own input token",

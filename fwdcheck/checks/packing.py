@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fwdcheck.checks.packing_spec import SPEC
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
@@ -68,10 +68,10 @@ def isolation(model, session) -> Way:
     """The way this model offers to isolate packed documents (its packing capability), or SkipCheck naming why
     there is none to test."""
     if not model.causal:
-        raise SkipCheck("the model is declared bidirectional (causal: false): packing is checked on causal models")
+        raise DoesNotApply("the model is declared bidirectional (causal: false): packing is checked on causal models")
     offered = model.packing
     if offered is None:
-        raise SkipCheck(
+        raise DoesNotApply(
             model.why_not(
                 "packing",
                 "the model offers no way to isolate packed documents that fwdcheck "
@@ -111,6 +111,12 @@ class Packed:
     alone_rows: dict[str, int]  # document -> the session row whose prefix it is
 
 
+# Packed rows of at most this many tokens: documents that read each other or whose positions do not restart show at
+# any length, and a default check runs in every default run (two rows of 64 tokens: half a forward's tokens at
+# T = 128, B = 2). Each document alone is still a prefix of a session row, whose logits the session has.
+MAX_LENGTH = 64
+
+
 class Packing(Check, declared=SPEC):
     name = "packing"
 
@@ -146,6 +152,7 @@ class Packing(Check, declared=SPEC):
         B, T = session.inputs.shape
         if T < 5:
             raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
+        T = min(T, MAX_LENGTH)
         b = (T - 1) // 2
         a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
         other = 1 % B  # the session's second row, or the first again for batch size 1

@@ -4,8 +4,11 @@ this module, not the check; the check's class (fwdcheck/checks/packing.py) reads
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=52,  # after the default built-ins, before plugins
+    order=52,  # after the other default built-ins, before plugins
+    applies_when=(
+        "causal models that offer a way to keep packed documents apart (document ids, a mask keyword, a "
+        "declared `packing:`)"
+    ),
     description="documents packed in one row give the logits of each run alone; none reads another",
     codes={
         "FWD601": "documents are not isolated: changing one document moves the logits of the documents after it",
@@ -16,8 +19,9 @@ SPEC = CheckInfo(
         "FWD604": "the packed forward gives NaN or Inf",
     },
     explain="""\
-Builds two packed rows of three documents each, from the session's inputs: document 1 = row 0's first a tokens,
-document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = T - 2b, b = (T-1)//2); the second row
+Builds two packed rows of L = min(T, 64) tokens and three documents each, from the session's inputs: document 1 =
+row 0's first a tokens, document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = L - 2b,
+b = (L-1)//2); the second row
 changes every token of document 1. Both run in one forward, told where the documents are the way the model offers:
   Hugging Face, mask builder handed position_ids (Llama, Mistral, Qwen2, GPT-2, ... in transformers 5): position_ids
     restarting per document, no attention_mask, use_cache=False (transformers finds packed documents from the

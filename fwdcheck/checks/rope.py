@@ -30,7 +30,7 @@ from fwdcheck.checks.held_input import Hold, hold_points, relative_spread
 from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, written_slots
 from fwdcheck.checks.rope_spec import SPEC
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
-from fwdcheck.errors import SkipCheck
+from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.observe.records import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
@@ -226,7 +226,7 @@ class Rope(Check, declared=SPEC):
                     )
                 )
             elif not failing:
-                raise SkipCheck(
+                raise DoesNotApply(
                     f"no rotary embedding: q and k do not turn with position at any of "
                     f"{len(probe.judged)} attention calls and the model declares none; {probe.found}"
                 )

@@ -22,7 +22,7 @@ import torch
 
 from fwdcheck.checks.rope_precision_spec import SPEC
 from fwdcheck.checks.rotation import Rotation, analyze, pair_indices
-from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest, Rotary, model_code
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
 from fwdcheck.run.compare import relative_error
@@ -80,6 +80,11 @@ class RopePrecision(Check, declared=SPEC):
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         rotary = self._rotary_alone(model, session)
+        if model.max_positions is None:  # the positions a model is meant for: past them no precision is promised
+            raise DoesNotApply(
+                "the model declares no context length (max_position_embeddings, or `max_positions:` in the model "
+                "section): the long positions its rotary angles must hold are not known"
+            )
         positions = long_positions(model.max_positions)
         g = torch.Generator().manual_seed(session.settings.inputs.seed)
         q, k = torch.randn(2, rotary.head_size, generator=g, dtype=torch.float64)
@@ -101,7 +106,7 @@ class RopePrecision(Check, declared=SPEC):
                 if model.rope is not None
                 else "no rotary embedding"
             )
-            raise SkipCheck(f"{why} (name one with `rotary_function:` in the config)")
+            raise DoesNotApply(f"{why} (name one with `rotary_function:` in the config)")
         D = model.dims.get("d_h") or (model.rope.rotary_dim if model.rope else None)
         if not D:
             raise SkipCheck("the head size is unknown: the rotary function cannot be run alone")

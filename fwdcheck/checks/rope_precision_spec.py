@@ -4,8 +4,11 @@ this module, not the check; the check's class (fwdcheck/checks/rope_precision.py
 from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
-    default=False,
-    order=70,  # after the default built-ins, before plugins
+    order=70,  # after the other default built-ins, before plugins
+    applies_when=(
+        "models with a rotary function fwdcheck can call alone and a context length "
+        "(max_position_embeddings, a declared `max_positions:`)"
+    ),
     description="rotary angles and the relative identity at long positions (1k-128k): run dtype vs float64",
     codes={
         "FWD901": "the rotary angles of long positions are off: computed in low precision (bfloat16/float16)",
@@ -13,7 +16,7 @@ SPEC = CheckInfo(
     },
     explain="""\
 Verifies that the rotary embedding turns q and k by the right angle at long positions in the run's dtype: at 1k, 8k,
-32k and 128k (capped at the model's maximum positions; the ladder up to 128k when it declares none), the rotary
+32k and 128k (capped at the model's maximum positions; a model that declares none is not judged), the rotary
 function alone, in the run's dtype and in float64, on a probe whose pairs read out cos and sin (the angle per pair)
 and on random q, k (the relative identity over a window of 8 positions ending there).
   FWD901: the largest angle error over the pairs at a position exceeds 0.02 rad plus what float32 arithmetic loses

@@ -5,6 +5,9 @@ from fwdcheck.config.registry import CheckInfo
 
 SPEC = CheckInfo(
     default=False,  # a distributed run adds it, first; elsewhere there is nothing to shard
+    applies_when=(
+        "distributed runs (--nproc N, or a launcher's ranks), which add it first: one process has nothing to shard"
+    ),
     order=95,  # after the other built-ins; a distributed run puts it first (registry.selected)
     opens_distributed_runs=True,
     # A sharded model that raises where the unsharded one runs: the other checks would only meet the same error

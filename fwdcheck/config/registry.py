@@ -89,6 +89,7 @@ class CheckInfo:
     opens_distributed_runs: bool = False  # a distributed run starts with it
     former_keys: dict[str, str] = field(default_factory=dict)  # former top-level config key -> the option it sets
     ends_distributed_runs: str | None = None  # its code that, failed, ends a distributed run's checks
+    applies_when: str = ""  # the models (or runs) it applies to, in words; "" when it applies to every model
 
 
 def info(entry: CheckEntry) -> CheckInfo:
@@ -325,6 +326,21 @@ def in_default_selection(entry: CheckEntry) -> bool:
         return info(entry).default
     except CheckLoadError:
         return True
+
+
+def applicability() -> list[tuple[str, str]]:
+    """Each registered check and the models it applies to, in words: "every model", the check's own `applies_when`
+    for a default one, "when asked: ..." for one outside the default selection (from its declaration too)."""
+    rows = []
+    for name, entry in available().items():
+        try:
+            about = info(entry)
+        except CheckLoadError as exc:
+            rows.append((name, str(exc)))
+            continue
+        applies = about.applies_when or "every model"
+        rows.append((name, applies if about.default else f"not in the default: {applies}"))
+    return rows
 
 
 # Words a `checks:` list may use beside check names: the default selection, and every registered check.

@@ -90,7 +90,7 @@ inputs:
   seed: 0
 device: cpu                # cpu | cuda | auto (cuda when available)
 dtype: float32             # float32 | bfloat16 | float16; tolerances follow the dtype
-# checks: [shape-ledger, future-token, mask-audit, rope]   # omitted: the default checks (`fwdcheck list`)
+# checks: [default, grad-reach]   # omitted: the default checks, each where it applies (`fwdcheck list`)
 # tolerance: {rtol: 1.3e-6, atol: 1e-5, noise_factor: 10}
 # ignore: [{code: FWD203, reason: "why this finding does not count"}]
 """

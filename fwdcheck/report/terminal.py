@@ -28,7 +28,7 @@ from rich.text import Text
 from fwdcheck.errors import Own
 from fwdcheck.report.layout import FitColumn, FitTable
 from fwdcheck.report.record import ReportRecord
-from fwdcheck.result import CheckResult, Finding, PathRow, Status
+from fwdcheck.result import CheckResult, Finding, PathRow, Status, does_not_apply
 
 STYLE = {
     Status.PASS: "bold green",
@@ -248,9 +248,10 @@ def one_line(report: ReportRecord, durations: bool, name: str | None = None) -> 
     warned = [
         " ".join([r.name, *_counted_codes(r)]) for r in report.results if r.status == Status.WARN and r not in failing
     ]
-    skipped = [r.name for r in report.results if r.status == Status.SKIP]
+    absent = [r.name for r in report.results if does_not_apply(r)]
+    skipped = [r.name for r in report.results if r.status == Status.SKIP and not does_not_apply(r)]
     ignored = list(dict.fromkeys(f"{r.name} {f.code}" for r in report.results for f in r.findings if f.ignored))
-    for label, names in (("warn", warned), ("skipped", skipped), ("ignored", ignored)):
+    for label, names in (("warn", warned), ("skipped", skipped), ("did not apply", absent), ("ignored", ignored)):
         if names:
             line.append(f"; {label}: {', '.join(names)}")
     if durations:

@@ -16,6 +16,7 @@ from fwdcheck.config.schema import Config, RunConfig
 from fwdcheck.errors import (
     WAITED_FOR_A_RANK,
     CheckLoadError,
+    DoesNotApply,
     ModelRaised,
     Own,
     SkipCheck,
@@ -27,7 +28,7 @@ from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.model.zero_weights import woken
 from fwdcheck.observe.locations import code_location
 from fwdcheck.report import Report
-from fwdcheck.result import CheckResult, Finding, Status, worst
+from fwdcheck.result import DOES_NOT_APPLY, CheckResult, Finding, Status, worst
 from fwdcheck.run.code_paths import (
     RAN_ALONE,
     CodePath,
@@ -554,6 +555,8 @@ def run_one(entry: CheckEntry, model: ModelUnderTest, session: Session) -> Check
             f"waiting in a collective: {WAITED_FOR_A_RANK}" if timeout.in_collective else "a forward that hangs?"
         )
         result = CheckResult(entry.name, Status.ERROR, message, [Finding(Own.TIMED_OUT, Status.ERROR, message)])
+    except DoesNotApply as absent:
+        result = CheckResult(entry.name, Status.SKIP, DOES_NOT_APPLY + str(absent))
     except SkipCheck as skip:
         result = CheckResult(entry.name, Status.SKIP, str(skip))
     except CheckLoadError as exc:
