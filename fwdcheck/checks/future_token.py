@@ -224,8 +224,13 @@ earlier position moved, and its file:line: the module's own forward when its inp
 the module that called it (a roll, a reshape or a norm over the sequence after the attention call).
 How to fix: read the leak map (query position x perturbed position). A full upper triangle means no causal mask; a
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
-`fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set
-`model.causal: false`: part (a) is then skipped, part (b) still runs. A leak shown only by the row run alone is a
+`fwdcheck explain mask-audit` to see which attention call received which mask.
+The attention pattern by design: a bidirectional encoder (read off a transformers model's is_causal flags or masked-LM
+class, or declared `model.attention: {pattern: bidirectional}`, formerly `causal: false`) reads the future by
+design: part (a) is not judged, and the summary says so; part (b), determinism and left padding still are. A
+prefix-LM (`attention: {pattern: prefix, prefix_length: P}`) is cut only at k >= P: the prefix must be blind to the
+suffix (the cut at P) and the suffix causal (the later cuts); the prefix ladder starts at P. An encoder-decoder's
+tokens under test are its decoder's, causal. A leak shown only by the row run alone is a
 shortcut taken for a single sequence; the code-path matrix (`code_paths:`) names such paths one by one.
 Sizes the model refuses: a forward that raises at some length or row count is noted ("prefix pass at k=1 skipped:
 the model raised AssertionError at T=1") and the other passes still judge; the prefix pass goes on with longer
@@ -340,7 +345,7 @@ only when the model refused every comparison."""
         judged.add(_noise(session, noise, tolerance, threshold))
         if measured.padding is not None:
             judged.add(_padding(measured.padding, threshold))
-        cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, model.causal
+        cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, plan.causal
         if cuts is not None:
             batch = _batch(plan, cuts, threshold)
             judged.add(batch)
@@ -358,8 +363,8 @@ only when the model refused every comparison."""
         if causal:
             judged.add(self._leaks(plan, cuts, prefix, measured.single, alone, threshold))
             self._locate(model, session, plan, judged)
-        elif not model.causal:
-            judged.data["note"] = "model.causal is false: part (a) skipped"
+        elif not plan.causal:
+            judged.data["note"] = _not_judged_by_design(model)
         if session.train:
             judged.add(self._train_against_eval(model, session))
         return judged
@@ -431,8 +436,10 @@ only when the model refused every comparison."""
             n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
             ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged_names]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
-            if not model.causal:
-                summary += "; part (a) skipped: model.causal is false"
+            if not plan.causal:
+                summary += f"; {_not_judged_by_design(model)}"
+            elif model.pattern.kind == "prefix":
+                summary += f"; cuts from {plan.first} on: {model.pattern.describe()}"
         if refusals.notes:
             more = len(refusals.notes) - 1
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
@@ -483,7 +490,7 @@ only when the model refused every comparison."""
             if rest is not None:
                 measured.cuts = torch.cat([measured.cuts, rest])
         if plan.causal:
-            measured.prefix = self._run_prefix(session, reference[:1], refusals)
+            measured.prefix = self._run_prefix(session, reference[:1], refusals, plan.first or 1)
             if plan.single_row_wanted:
                 measured.single = self._run_single_row(plan, session, measured.prefix, reference, refusals)
         return measured
@@ -496,7 +503,7 @@ only when the model refused every comparison."""
         changes = torch.zeros(len(plan.rows), session.inputs.shape[1])  # (rows, T); the control row is not rerun
         for i in plan.cut_rows:
             changes[i] = position_change(session.logits(plan.rows[i][None])[0], alone[plan.sources[i]][0])
-        return changes, FutureToken._run_prefix(session, alone[0], Refusals())
+        return changes, FutureToken._run_prefix(session, alone[0], Refusals(), plan.first or 1)
 
     def _nonfinite_baseline(self, findings: list[Finding], baseline: torch.Tensor) -> CheckResult:
         broken = nonfinite_positions(baseline)
@@ -568,14 +575,16 @@ only when the model refused every comparison."""
             return []
 
     @staticmethod
-    def _run_prefix(session, reference: torch.Tensor, refusals: Refusals) -> Prefix:
+    def _run_prefix(session, reference: torch.Tensor, refusals: Refusals, first: int = 1) -> Prefix:
         """The first k tokens of sample 0 run alone, compared with reference [1, T, V] there. A length the model
         refuses (code that asserts T > 1) is a note, and the ladder goes on with the longer ones. Keeps the logits
-        of the longest prefix of two or more tokens that ran, which the single-row pass compares with."""
+        of the longest prefix of two or more tokens that ran, which the single-row pass compares with. A prefix-LM's
+        rungs start at its prefix's length (`first`): a shorter run cuts into the prefix, which reads itself both
+        ways by design."""
         T = reference.shape[1]
         prefix = Prefix()
         refused = []
-        for k in prefix_lengths(T, session.min_seq_len, session.short_length):
+        for k in [k for k in prefix_lengths(T, session.min_seq_len, session.short_length) if k >= first]:
             try:
                 alone = session.prefix_logits(k)  # (1, k, V); the short length is shared with other checks
             except ModelRaised as exc:
@@ -604,7 +613,9 @@ only when the model refused every comparison."""
         row is the full sequence and is compared with the baseline."""
         against = prefix.longest if prefix.longest is not None else reference[:1]  # (1, L, V)
         L = against.shape[1]
-        cut = L // 2
+        cut = plan.single_cut(L)
+        if cut >= L:  # a prefix-LM whose prefix fills the row: nothing after it to change
+            return None
         row = plan.single_row(L)
         logits = refusals.attempt(lambda: session.row_logits(row), "single-row pass skipped", f"B=1, T={L}")
         if logits is None:
@@ -614,6 +625,15 @@ only when the model refused every comparison."""
 
 
 # -- each comparison judged against the threshold ----------------------------------------------------------------------
+
+
+def _not_judged_by_design(model: ModelUnderTest) -> str:
+    """Why part (a) did not run, and what was judged instead: the model's pattern lets every token (or, for a
+    prefix as long as the sequence, every prefix token) read the tokens after it."""
+    return (
+        f"part (a) not judged: {model.pattern.describe()}, so later tokens may move earlier logits; judged instead: "
+        "samples independent, deterministic forwards, left padding where the code paths add it"
+    )
 
 
 def _live_dropout(live_dropout: list[tuple[str, str | None]]) -> list[Finding]:

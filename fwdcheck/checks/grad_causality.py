@@ -179,7 +179,7 @@ partial backwards to find where it enters."""
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("the model is declared bidirectional (causal: false): later positions may reach earlier")
+            raise SkipCheck(f"{model.pattern.describe()}: later positions may reach earlier ones by design")
         found = token_embedding(model)
         if found is None:
             raise SkipCheck(

@@ -448,7 +448,7 @@ paths share is not its to see (future-token, rope). Decoding starts from one pre
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise SkipCheck("model.causal is false: a bidirectional model has no incremental decoding")
+            raise SkipCheck(f"{model.pattern.describe()}: only a causal model decodes incrementally")
         decoder = decoder_for(model)
         plan = self._plan(session)
         compared = self._compare(decoder, model, session, plan)

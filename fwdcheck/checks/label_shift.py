@@ -47,7 +47,7 @@ WRONG = {
 def convention(model) -> Loss:
     """The model's loss interface, or SkipCheck when it offers none that fwdcheck can trust."""
     if not model.causal:
-        raise SkipCheck("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
+        raise SkipCheck(f"{model.pattern.describe()}: its loss is not next-token prediction on every token")
     if model.loss is None:
         raise SkipCheck(
             model.why_not(

@@ -26,6 +26,7 @@ import torch
 
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
 from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.capabilities import ASSUMED_CAUSAL, AttentionPattern
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
@@ -74,25 +75,45 @@ class MayRead(str, Enum):
     BIDIRECTIONAL = "bidirectional: every key"
     INVERTED = "inverted: the future only"
     LEAKY = "leaky: some future keys"
+    FULL = "bidirectional by design: every key"
+    PARTIAL = "bidirectional by design, restricted (padding, window or sparse)"
+    PREFIX = "prefix-LM: the prefix both ways, causal after it"
+    SOURCE = "cross-attention: every source position"
+    PART_OF_SOURCE = "cross-attention: part of the source only"
 
     @property
     def reads_future(self) -> bool:
-        return self not in (MayRead.CAUSAL, MayRead.RESTRICTED)
+        return self not in (
+            MayRead.CAUSAL,
+            MayRead.RESTRICTED,
+            MayRead.FULL,
+            MayRead.PARTIAL,
+            MayRead.PREFIX,
+            MayRead.SOURCE,
+            MayRead.PART_OF_SOURCE,
+        )
 
 
 def pattern(
-    allowed: torch.Tensor, positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+    allowed: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    prefix: int = 0,
 ) -> tuple[MayRead, list[tuple[int, int]]]:
     """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
 
     positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i.
     key_positions[j], when given, is the position key slot j holds (a ring buffer past its wrap; -1 for a slot not
-    written yet): causal then reads the slots holding a position <= p_i."""
+    written yet): causal then reads the slots holding a position <= p_i. With a prefix of `prefix` positions (a
+    prefix-LM), a query inside it may also read the rest of the prefix, and nothing after it."""
     L, S = allowed.shape
     positions = torch.arange(L) if positions is None else positions
     held = torch.arange(S) if key_positions is None else key_positions
     held = held.to(allowed.device)
-    past_and_self = (held[None, :] >= 0) & (held[None, :] <= positions.to(allowed.device)[:, None])  # (L, S)
+    query = positions.to(allowed.device)[:, None]  # (L, 1)
+    past_and_self = (held[None, :] >= 0) & (held[None, :] <= query)  # (L, S)
+    if prefix:
+        past_and_self |= (query < prefix) & (held[None, :] >= 0) & (held[None, :] < prefix)  # the prefix both ways
     future = allowed & ~past_and_self
     pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
     if not pairs:
@@ -114,16 +135,28 @@ class NotJudged:
 
     @property
     def in_summary(self) -> str:
-        return "over another sequence" if self.kind == "another sequence" else self.kind
+        return {"another sequence": "over another sequence", "encoder": "encoder over the source"}.get(
+            self.kind, self.kind
+        )
 
 
-def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
+def not_judged(
+    call: AttentionCall, input_followed: bool, design: AttentionPattern = ASSUMED_CAUSAL
+) -> NotJudged | None:
     """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
     ids were followed into some attention call of the pass, so a call they did not reach attends over another
-    sequence (when they reached none, the following itself failed, and says nothing)."""
-    if call.cross:
+    sequence (when they reached none, the following itself failed, and says nothing). An encoder-decoder's
+    cross-attention is judged: it must read all of the source (FWD211)."""
+    if call.cross and design.kind != "encoder-decoder":
         return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
+    if call.cross:
+        return None if call.unread is None else NotJudged("mask not read", f"not judged: {call.unread}")
     if input_followed and call.reads_input is False:
+        if design.kind == "encoder-decoder":
+            return NotJudged(
+                "encoder",
+                "encoder self-attention over the source held fixed: full attention by design, not judged for causality",
+            )
         return NotJudged(
             "another sequence",
             "another sequence: queries not computed from the input tokens (an "
@@ -155,6 +188,27 @@ def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
         key_positions=None if call.key_positions is None else call.key_positions[pad:] - pad,
     )
     return real, reads_padding
+
+
+def by_design(call: AttentionCall, design: AttentionPattern) -> tuple[MayRead, list[tuple[int, int]]]:
+    """The shape of a judged call's may-read set against the model's attention pattern, and the (query position, key
+    slot) pairs it may not read: an encoder-decoder's cross-attention reads every source position it was given
+    (the source is held fixed, unpadded); a bidirectional model's self-attention may read every key; a prefix-LM's
+    the prefix both ways and causal after it; a causal model's (and a decoder's) only its past and itself."""
+    if call.cross:
+        return (MayRead.SOURCE if bool(call.allowed.all()) else MayRead.PART_OF_SOURCE), []
+    if design.kind == "bidirectional":
+        return (MayRead.FULL if bool(call.allowed.all()) else MayRead.PARTIAL), []
+    prefix = design.prefix_length or 0 if design.kind == "prefix" else 0
+    shape, pairs = pattern(call.allowed, call.query_positions, call.key_positions, prefix)
+    if (
+        prefix
+        and shape is MayRead.CAUSAL
+        and call.query_positions is not None
+        and bool(call.query_positions.min() < prefix)
+    ):
+        shape = MayRead.PREFIX
+    return shape, pairs
 
 
 def _row(call: AttentionCall, reason: NotJudged | None, shape: MayRead | None) -> CallRow:
@@ -199,6 +253,8 @@ class MaskAudit(Check):
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
+        "FWD211": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
+        "truncated cross-attention mask)",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -237,6 +293,14 @@ For a causal model, query i may read key slot j only if j <= p_i, its own positi
   attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
   from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
   still checked.
+The model's attention pattern by design (model.attention, or read off the model: is_encoder_decoder, is_decoder,
+its attention modules' is_causal) decides what each call may read instead of plain causal:
+  bidirectional (an encoder: BERT, a masked LM): self-attention may read every key; only the mask's encoding and
+  padding are judged.   prefix (prefix_length P): queries before P read the prefix both ways and nothing after
+  it, queries from P on are causal; the prefix reading the suffix is FWD204.   encoder-decoder: the decoder's
+  self-attention is causal; the encoder's, over the source held fixed, is full attention and not judged; and
+  cross-attention must let every decoder position read every source position it was given (the source is unpadded):
+  a causal or truncated cross-attention mask is FWD211.
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
@@ -249,9 +313,10 @@ slice the rows of the causal mask by the query positions (causal_mask[None, None
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
 dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
 mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
-BlockMask for each call's lengths. A model without attention calls fwdcheck can read (custom kernels) is skipped
-here; future-token still tests its behaviour. For a cached forward whose calls are not judged, hand the positions to
-the attention module's forward as input_pos or cache_position."""
+BlockMask for each call's lengths. FWD211 -> hand cross-attention the source's padding mask only
+(encoder_attention_mask, memory_key_padding_mask), never the decoder's causal mask. A model without attention calls
+fwdcheck can read (custom kernels) is skipped here; future-token still tests its behaviour. For a cached forward whose
+calls are not judged, hand the positions to the attention module's forward as input_pos or cache_position."""
 
     order = 30
     detail_view = "fwdcheck.checks.mask_audit_view:mask_table"
@@ -337,13 +402,11 @@ the attention module's forward as input_pos or cache_position."""
                             module=call.module,
                         )
                     )
-            reason = not_judged(call, input_followed)
-            shape, future_pairs = (
-                (None, []) if reason else pattern(call.allowed, call.query_positions, call.key_positions)
-            )
+            reason = not_judged(call, input_followed, model.pattern)
+            shape, future_pairs = (None, []) if reason else by_design(call, model.pattern)
             rows.append(_row(call, reason, shape))
             if shape is not None:
-                findings += self.judge(call, shape, future_pairs, model.causal)
+                findings += self.judge(call, shape, future_pairs, model.pattern.kind != "bidirectional")
         findings += [
             Finding(
                 "FWD207",
@@ -397,6 +460,8 @@ def _mask_findings(
                 where,
             )
         )
+    elif shape is MayRead.PART_OF_SOURCE:
+        findings.append(_part_of_source(call, api, where))
     elif causal and future_pairs:
         findings.append(_reads_future(call, shape, future_pairs, api, where))
     elif causal and (blind := _blind_to_themselves(call)):
@@ -416,6 +481,31 @@ def _mask_findings(
             )
         )
     return findings
+
+
+def _part_of_source(call: AttentionCall, api: str, where: str) -> Finding:
+    """An encoder-decoder's cross-attention that keeps some decoder positions from some of the source they were
+    given: a causal mask handed to cross-attention (decoder position i reads source positions <= i), or a source
+    truncated or padded out by a mask built for another length."""
+    L, S = call.allowed.shape
+    closed = ~call.allowed  # (L, S)
+    rows = int(closed.any(-1).sum())
+    lower = bool(torch.equal(call.allowed, torch.ones_like(call.allowed).tril(diagonal=max(S - L, 0))))
+    upper = bool(torch.equal(call.allowed, torch.ones_like(call.allowed).tril())) if L <= S else False
+    how = (
+        "a causal mask handed to cross-attention (decoder position i reads source positions <= i)"
+        if lower or upper
+        else f"{int(closed.all(0).sum())} source position(s) closed to every decoder position"
+        if bool(closed.all(0).any())
+        else "a mask that closes some source positions to some decoder positions"
+    )
+    return Finding(
+        "FWD211",
+        Status.FAIL,
+        f"cross-attention ({api}) keeps {rows} of {L} decoder positions from part of the {S} source positions they "
+        f"were given: {how}; the decoder must read all of its source",
+        where,
+    )
 
 
 def _argument_findings(call: AttentionCall, api: str, where: str) -> list[Finding]:
@@ -523,7 +613,7 @@ def _reads_future(call: AttentionCall, shape: MayRead, future_pairs, api: str, w
     return Finding(
         "FWD204",
         Status.FAIL,
-        f"the mask lets queries read {what} ({shape}), (query position, key) e.g. {shown}",
+        f"the mask lets queries read {what} ({shape.value}), (query position, key) e.g. {shown}",
         where,
     )
 

@@ -21,7 +21,15 @@ import torch.nn as nn
 
 from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.model.capabilities import (
+    ASSUMED_CAUSAL,
+    AttentionPattern,
+    AttentionSwitch,
+    Cache,
+    Loss,
+    Packing,
+    Positions,
+)
 from fwdcheck.observe.observer import compiled_eagerly
 
 # Implementations whose library compiles the kernel on first use (transformers' flex_attention: tens of seconds on
@@ -51,7 +59,9 @@ class ModelUnderTest:
     source: str  # the config's `source:`, for the report only: checks ask the capabilities below, never this
     vocab_size: int
     max_positions: int | None = None
-    causal: bool = True
+    # The attention pattern by design (capabilities.AttentionPattern): declared by the config, read off the model by
+    # its source or detection, else assumed causal. Every check judges against it.
+    pattern: AttentionPattern = ASSUMED_CAUSAL
     dims: dict[str, int] = field(default_factory=dict)  # known symbolic dimensions: d, h, h_kv, d_h, V, d_ff, L
     # The dims the user declared; None: all of `dims`. The others were read off a library's config: the shape ledger
     # names axes by them, but a tensor that differs from them is no finding.
@@ -93,6 +103,12 @@ class ModelUnderTest:
         if implementation in COMPILING_IMPLEMENTATIONS:
             return _both(self.attention.using(implementation), compiled_eagerly())
         return self.attention.using(implementation)
+
+    @property
+    def causal(self) -> bool:
+        """Whether every token under test reads only itself and earlier tokens: a causal model, or the decoder of
+        an encoder-decoder (not a bidirectional encoder, nor a prefix-LM's prefix)."""
+        return self.pattern.causal
 
     def why_not(self, capability: str, default: str) -> str:
         """Why the model does not offer a capability: its source's reason, else `default`."""

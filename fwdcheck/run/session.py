@@ -418,7 +418,7 @@ class Session:
         def observed() -> tuple[Observation, torch.Tensor]:
             # on the train path dropout is zeroed inside the observer, which sees the calls as they then run
             with (
-                observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen,
+                observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of, tokens=ids) as seen,
                 ZeroAttentionDropout() if self.train else nullcontext(),
             ):
                 logits = self.model.logits(ids, position_ids)

@@ -130,7 +130,8 @@ def from_module(
     *,
     vocab_size: int | None = None,
     max_positions: int | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
+    attention: Any = None,
     rope: dict[str, Any] | None = None,
     dims: dict[str, int] | None = None,
     forward: Callable[..., Any] | None = None,
@@ -144,13 +145,20 @@ def from_module(
     declared_rope = RopeSpec(**rope) if rope else None
     if forward is None and is_transformers_model(module):
         hf_config: Any = module.config  # a transformers PretrainedConfig
-        hf_spec = HFModel(source="hf", config={"model_type": hf_config.model_type}, causal=causal, rope=declared_rope)
+        hf_spec = HFModel(
+            source="hf",
+            config={"model_type": hf_config.model_type},
+            causal=causal,
+            attention=attention,
+            rope=declared_rope,
+        )
         return hf_model_under_test(module, hf_spec, notes=[])
     spec = FactoryModel(
         factory="api:check_model",
         vocab_size=vocab_size,
         max_positions=max_positions,
         causal=causal,
+        attention=attention,
         rope=declared_rope,
         dims=Dims(**dims) if dims else None,
     )

@@ -29,9 +29,18 @@ from pydantic import ValidationError
 from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, regular_file
 from fwdcheck.config.schema import HF_WEIGHT_FILES, Config, HFModel, RopeSpec, describe_validation_error
 from fwdcheck.errors import ModelLoadError, UsageError, first_line
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.model.capabilities import (
+    ASSUMED_CAUSAL,
+    AttentionSwitch,
+    Cache,
+    Loss,
+    Packing,
+    Positions,
+    declared_pattern,
+)
 from fwdcheck.model.config_keys import CONFIG_KEYS
 from fwdcheck.model.library_logs import kept_as_notes
+from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
@@ -131,7 +140,7 @@ def hf_model_under_test(
         source="hf",
         vocab_size=dims["V"],
         max_positions=max_positions,
-        causal=spec.causal,
+        pattern=declared_pattern(spec.causal, spec.attention) or ASSUMED_CAUSAL,
         dims={k: v for k, v in dims.items() if v},
         declared_dims=set(),  # all read off the config by fwdcheck
         rope=rope,
@@ -142,6 +151,7 @@ def hf_model_under_test(
         origins=origins,
         extra={"notes": notes, "model_type": top.model_type},
     )
+    fill_pattern(model)
     add_transformers_capabilities(model)
     return model
 

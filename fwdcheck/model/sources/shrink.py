@@ -543,7 +543,7 @@ def shrink_hf(original: Original) -> tuple[dict, Edits]:
         {k: v for k, v in data.items() if k != "model_type" and (k in listed or k not in before or v != before[k])}
     )
     block: dict[str, Any] = {"source": "hf"}
-    for key in ("class", "causal"):
+    for key in ("class", "causal", "attention"):
         if key in raw_model:
             block[key] = raw_model[key]
     if raw_model.get("rope") is not None:  # the user's own declaration: an absolute rotary dim scales as above
