@@ -32,7 +32,7 @@ from fwdcheck.observe.records import Observation
 # live in fwdcheck/run/compare.py, as do the settings and the model's state in settings.py and model_state.py.
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change  # noqa: F401
 from fwdcheck.run.model_state import GlobalState, ModelState
-from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
+from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin, rounding_bound
 from fwdcheck.run.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.run.tolerances import TOLERANCES
 from fwdcheck.run.train_path import eval_path
@@ -345,6 +345,17 @@ class Session:
             change = float(position_change(baseline, exact).max())
             if not math.isfinite(change):  # the twin overflowed or broke where the model did not: no measurement
                 self.notes.append("rounding not measured: the float64 twin's logits are not finite")
+                return 0.0
+            scale = logit_scale(baseline)
+            dtypes = {baseline.dtype, *(p.dtype for p in self.model.module.parameters() if p.is_floating_point())}
+            bound = rounding_bound(scale, *dtypes)
+            if change > bound:  # a difference of computations, which must excuse no leak
+                self.notes.append(
+                    f"rounding not used: the float64 twin's logits differ from the run's by {change:.3g}, "
+                    f"{change / scale:.2g} of the logits' scale, more than rounding can be ({bound:.3g}): the twin "
+                    "computed something else (a tensor drawn or built in the default dtype, which the twin runs in "
+                    "float64; an input that changes from call to call), so it raises no threshold"
+                )
                 return 0.0
             return change
 
