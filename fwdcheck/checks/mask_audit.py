@@ -31,6 +31,7 @@ from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.code_paths import path_cells
+from fwdcheck.run.compare import position_change
 from fwdcheck.run.session import Session
 
 CONVENTIONS: list[Convention] = [
@@ -149,6 +150,12 @@ def not_judged(
     cross-attention is judged: it must read all of the source (FWD211)."""
     if call.cross and design.kind != "encoder-decoder":
         return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
+    if call.cross and call.keys_read_input:
+        return NotJudged(
+            "cross-attention",
+            "cross-attention over the tokens' own streams (keys computed from the input tokens, not the source): "
+            "not judged",
+        )
     if call.cross:
         return None if call.unread is None else NotJudged("mask not read", f"not judged: {call.unread}")
     if input_followed and call.reads_input is False:
@@ -255,6 +262,7 @@ class MaskAudit(Check):
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
         "FWD211": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
         "truncated cross-attention mask)",
+        "FWD212": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -300,7 +308,9 @@ its attention modules' is_causal) decides what each call may read instead of pla
   it, queries from P on are causal; the prefix reading the suffix is FWD204.   encoder-decoder: the decoder's
   self-attention is causal; the encoder's, over the source held fixed, is full attention and not judged; and
   cross-attention must let every decoder position read every source position it was given (the source is unpadded):
-  a causal or truncated cross-attention mask is FWD211.
+  a causal or truncated cross-attention mask is FWD211. An encoder-decoder built from `source: hf` with its source
+  held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD212 (a dead
+  cross-attention).
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
@@ -327,6 +337,8 @@ calls are not judged, hand the positions to the attention module's forward as in
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings, rows = self.audit(session.observation(), model)
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
+        if model.held is not None and model.forward_adapter is None and not session.train:
+            findings += _reads_its_source(model, session, data)
         B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Not on the train path: a
@@ -481,6 +493,33 @@ def _mask_findings(
             )
         )
     return findings
+
+
+def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditData) -> list[Finding]:
+    """An encoder-decoder whose source is held fixed: the session's tokens run once more beside another source, and
+    the decoder's logits must move beyond the run-to-run noise (FWD212 where they do not: the cross-attention reads
+    nothing of the source, or its output is dropped). Not the dtype tolerance: a randomly initialised tiny decoder
+    reads its source faintly (Marian's logits move by 2.5e-5 at a tolerance of 1e-5), while one that reads none of it
+    computes the same logits bit for bit. The table's cross-attention calls say what each may read; this says that
+    what they read reaches the logits."""
+    held = model.held
+    assert held is not None  # run() asks
+    logits = session.logits(session.inputs)  # (B, T, V) with the source held fixed
+    other = session.logits(session.inputs, model=dataclasses.replace(model, source_variant=1))  # another source
+    moved = float(position_change(logits, other).max())
+    noise = session.repeat_change()
+    data["source"] = {"held_fixed": held.description, "change_with_another_source": moved, "noise_floor": noise}
+    if moved > noise:
+        return []
+    return [
+        Finding(
+            "FWD212",
+            Status.FAIL,
+            f"the decoder's logits moved by {moved:.3g} (run-to-run noise {noise:.3g}) when its source was replaced "
+            "by another: the cross-attention reads nothing of the source (dead, or its output dropped)",
+            "the decoder's cross-attention",
+        )
+    ]
 
 
 def _part_of_source(call: AttentionCall, api: str, where: str) -> Finding:

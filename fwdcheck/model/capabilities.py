@@ -214,3 +214,18 @@ def declared_pattern(causal: bool | None, attention: Any = None) -> AttentionPat
     if causal:
         return AttentionPattern("causal", "model.causal: true in the config")
     return AttentionPattern("bidirectional", "model.causal: false in the config")
+
+
+@dataclass(frozen=True)
+class HeldSource:
+    """An encoder-decoder driven without an adapter: the tokens under test are its decoder's, handed over as
+    `argument`, while its source goes in as `keyword`, held fixed. `draw(rows, variant)` gives the source for a
+    forward of that many rows: one row drawn once (seeded) and repeated, so that every decoder row reads the same
+    source wherever it sits in a batch; variant 1 is another source, to show that the decoder reads it."""
+
+    argument: str  # the keyword of the tokens under test: decoder_input_ids
+    keyword: str  # the keyword of the source: input_ids
+    mask_argument: str  # where an attention_mask for the tokens under test goes: decoder_attention_mask
+    draw: Callable[[int, int], Any]  # (rows, variant) -> the source [rows, S]
+    description: str  # what was held fixed, for the report
+    fixed: tuple[tuple[str, Any], ...] = ()  # keyword arguments every call takes as they are (use_cache=False)

@@ -26,6 +26,7 @@ from fwdcheck.model.capabilities import (
     AttentionPattern,
     AttentionSwitch,
     Cache,
+    HeldSource,
     Loss,
     Packing,
     Positions,
@@ -90,6 +91,10 @@ class ModelUnderTest:
     # (module, the mesh's {dimension: size}) -> the sharded module and how, in words
     tensor_parallel: Callable[[nn.Module, dict[str, int]], tuple[nn.Module, str]] | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
+    # An encoder-decoder driven without an adapter: its decoder's tokens are under test, its source held fixed
+    # (capabilities.HeldSource); source_variant 1 runs it on another source.
+    held: HeldSource | None = None
+    source_variant: int = 0
 
     def using_attention(self, implementation: str | None) -> AbstractContextManager[None]:
         """The block runs this attention implementation (None: whichever runs now), the original put back after."""
@@ -149,14 +154,24 @@ class ModelUnderTest:
         with model_code("the model raised"):
             if self.forward_adapter is not None:
                 return self.forward_adapter(self.module, input_ids, **kwargs)
-            return self.module(input_ids, **kwargs)
+            return self.drive(self.module, input_ids, **kwargs)
 
     def call(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """The module's own forward with keyword arguments of its own (labels, document ids, a 4-D mask): the raw
         output, exceptions as forward() reports them. The `forward:` adapter is not used: it turns a call into
         logits, and these calls ask forward for something else beside them."""
         with model_code("the model raised"):
-            return self.module(input_ids, **kwargs)
+            return self.drive(self.module, input_ids, **kwargs)
+
+    def drive(self, module: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """`module` called on the tokens under test: as its first argument, or, for an encoder-decoder whose source
+        is held fixed, as its decoder's tokens beside that source (an attention_mask then is the decoder's)."""
+        if self.held is None:
+            return module(input_ids, **kwargs)
+        if "attention_mask" in kwargs:
+            kwargs[self.held.mask_argument] = kwargs.pop("attention_mask")
+        source = self.held.draw(input_ids.shape[0], self.source_variant).to(input_ids.device)  # (B, S)
+        return module(**{self.held.keyword: source, self.held.argument: input_ids}, **dict(self.held.fixed), **kwargs)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""

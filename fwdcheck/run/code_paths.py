@@ -245,7 +245,9 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
                 position_ids = torch.cat([torch.ones_like(pads), position_ids], dim=1)
             kwargs["position_ids"] = position_ids
         output = (
-            model.forward_adapter(module, input_ids, **kwargs) if model.forward_adapter else module(input_ids, **kwargs)
+            model.forward_adapter(module, input_ids, **kwargs)
+            if model.forward_adapter
+            else model.drive(module, input_ids, **kwargs)
         )
         return extract_logits(output)[:, padding:]  # (B, T, V): the real tokens
 

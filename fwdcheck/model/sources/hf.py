@@ -41,6 +41,7 @@ from fwdcheck.model.capabilities import (
 from fwdcheck.model.config_keys import CONFIG_KEYS
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.sources.pattern import fill_pattern
+from fwdcheck.model.sources.seq2seq import hold_source, seq2seq_class
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
@@ -90,7 +91,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
     with offline(), kept_as_notes(LOGGERS, notes):
         hf_config = _hf_config(spec, transformers)
-        cls = _model_class(spec, transformers)
+        cls = _model_class(spec, transformers, hf_config)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
         for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
             assert spec.path is not None  # has_weights
@@ -153,6 +154,7 @@ def hf_model_under_test(
     )
     fill_pattern(model)
     add_transformers_capabilities(model)
+    hold_source(model)
     return model
 
 
@@ -328,8 +330,9 @@ def _config_code(cls: type) -> str:
     return "\n".join(texts)
 
 
-def _model_class(spec: HFModel, transformers):
-    name = spec.model_class or "AutoModelForCausalLM"
+def _model_class(spec: HFModel, transformers, hf_config: Any):
+    """The class the config names, else AutoModelForSeq2SeqLM for an encoder-decoder, else AutoModelForCausalLM."""
+    name = spec.model_class or seq2seq_class(hf_config) or "AutoModelForCausalLM"
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ModelLoadError(f"transformers {transformers.__version__} has no class '{name}'")

@@ -29,10 +29,10 @@ def read_pattern(module: nn.Module) -> AttentionPattern | None:
     if config is None or modeling is None or not isinstance(module, modeling.PreTrainedModel):
         return None
     config_name = type(config).__name__
+    if _in_mapping(name, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):  # BartForCausalLM: the decoder alone
+        return AttentionPattern("causal", f"{name} is one of transformers' causal language models")
     if getattr(config, "is_encoder_decoder", False) is True:
         return AttentionPattern("encoder-decoder", f"{config_name}.is_encoder_decoder is True")
-    if _in_mapping(name, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
-        return AttentionPattern("causal", f"{name} is one of transformers' causal language models")
     if getattr(config, "is_decoder", False) is True:
         return AttentionPattern("causal", f"{config_name}.is_decoder is True")
     flags: dict[str, bool] = {}

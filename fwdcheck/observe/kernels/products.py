@@ -35,6 +35,7 @@ class _Product:
     reads_input: bool | None  # q was computed from the input ids
     recorded: bool = False
     cross: bool = False  # k was computed from another sequence than q (Observer.cross)
+    keys_read_input: bool | None = None  # k was computed from the input ids
 
 
 @dataclass
@@ -112,7 +113,12 @@ def _product(observer: Observer, func, args, kwargs, out, module: str) -> None:
     call = MatmulCall(
         module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=observer.record.tick(), op=op
     )
-    observer.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input, cross=observer.cross(q, k_t)))
+    observer.origins[out] = _Origin(
+        "scores",
+        product=_Product(
+            call, q, k_t, reads_input, cross=observer.cross(q, k_t), keys_read_input=observer.reads_input(k_t)
+        ),
+    )
 
 
 # -- a softmax over scores: the attention call, its mask read off the scores ----------------------------------
@@ -174,6 +180,7 @@ def _softmax(
         written=written,
         matmul=matmul,
         reads_input=product.reads_input,
+        keys_read_input=product.keys_read_input,
         source=observer.model_line(),
     )
 
