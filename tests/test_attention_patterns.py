@@ -324,3 +324,82 @@ def test_a_declared_pattern_contradicting_causal_is_refused():
         check_model(nn.Linear(2, 2), causal=False, attention={"pattern": "causal"})
     with pytest.raises(UsageError, match="prefix_length"):
         check_model(nn.Linear(2, 2), attention={"pattern": "prefix"})
+
+
+# -- PaliGemma: the prefix from token_type_ids ------------------------------------------------------------------------
+
+
+def paligemma(inverted: bool = False) -> nn.Module:
+    """A tiny PaliGemma run on text: token_type_ids 0 mark the prompt (read both ways), 1 the suffix (causal).
+    `inverted` reads the convention the other way round (1 = prefix): the suffix reads its future."""
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(
+            model_type="gemma",
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=128,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        ),
+        image_token_index=V - 1,
+        projection_dim=32,
+        hidden_size=32,
+        vocab_size=V,
+    )
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    if inverted:
+        model.register_forward_pre_hook(
+            lambda m, a, kw: (a, {**kw, "token_type_ids": 1 - kw["token_type_ids"]}), with_kwargs=True
+        )
+    return model
+
+
+def with_token_types(model: nn.Module, ids: torch.Tensor, **kw) -> torch.Tensor:
+    token_types = torch.ones_like(ids)
+    token_types[:, :PREFIX] = 0  # the prompt
+    return model(input_ids=ids, token_type_ids=token_types, **kw).logits
+
+
+def run_paligemma(model: nn.Module):
+    declared = {"pattern": "prefix", "prefix_length": PREFIX}
+    # ids drawn below the image token: a text-only run
+    return check_model(
+        model, CHECKS, forward=with_token_types, vocab_size=V - 1, attention=declared, code_paths={"enabled": False}
+    )
+
+
+def test_paligemma_with_its_prompt_as_prefix_passes():
+    ids = torch.randint(0, V - 1, (1, T), generator=torch.Generator().manual_seed(2))
+    changed = ids.clone()
+    changed[:, PREFIX - 1] = (changed[:, PREFIX - 1] + 1) % (V - 1)
+    with torch.no_grad():  # plain torch: the prompt reads itself both ways, by design
+        moved = (with_token_types(paligemma(), ids) - with_token_types(paligemma(), changed))[:, 0].abs().max()
+    assert float(moved) > 1e-4
+    report = run_paligemma(paligemma())
+    assert {r.status.value for r in report.results} == {"pass"}, [r.summary for r in report.results]
+    assert "prefix-LM" in report.result("mask-audit").summary
+
+
+def test_paligemma_reading_its_token_types_inverted_is_caught():
+    ids = torch.randint(0, V - 1, (1, T), generator=torch.Generator().manual_seed(2))
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % (V - 1)
+    with torch.no_grad():  # plain torch: the suffix, read both ways, moves when its last token changes
+        moved = (with_token_types(paligemma(True), ids) - with_token_types(paligemma(True), changed))[:, PREFIX:-1]
+    assert float(moved.abs().max()) > 1e-4
+    report = run_paligemma(paligemma(inverted=True))
+    assert "FWD101" in codes(report, "future-token")
+    assert codes(report, "mask-audit") & {"FWD201", "FWD204"}
