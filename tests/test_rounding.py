@@ -106,28 +106,53 @@ class ImagePrefixLM(torch.nn.Module):
 
 def draws_its_image(model: torch.nn.Module, ids: torch.Tensor, **_) -> torch.Tensor:
     """The adapter the issue met: a seeded image drawn with torch.randn in the default dtype, which the float64 twin
-    runs as float64, drawing other values."""
+    ran with the default dtype at float64, drawing other values."""
     torch.manual_seed(1)
     return model(ids, torch.randn(ids.shape[0], 4, 32))
 
 
-def test_a_twin_that_computed_something_else_excuses_no_leak():
-    leaky = ImagePrefixLM(leak=0.02).eval()
-    # Plain torch: the twin, run as the session runs it (default dtype float64), sees another image, so its logits
-    # lie far from the run's: taken for rounding, ROUNDING_FACTOR times that would be the threshold.
+def draws_in_the_models_dtype(model: torch.nn.Module, ids: torch.Tensor, **_) -> torch.Tensor:
+    """A seeded image drawn in the dtype of the model's parameters: the float64 twin draws another one, whatever the
+    default dtype."""
+    torch.manual_seed(1)
+    return model(ids, torch.randn(ids.shape[0], 4, 32, dtype=next(model.parameters()).dtype))
+
+
+def twin_gap(adapter) -> float:
+    """How far a float64 twin's logits lie from the run's when it runs as the session first runs it (default dtype
+    float64): taken for rounding, ROUNDING_FACTOR times that would be the threshold."""
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        run = draws_its_image(leaky, ids)
+        run = adapter(ImagePrefixLM(leak=0.02).eval(), ids)
         twin = ImagePrefixLM(leak=0.02).double().eval()
         torch.set_default_dtype(torch.float64)
         try:
-            exact = draws_its_image(twin, ids)
+            exact = adapter(twin, ids)
         finally:
             torch.set_default_dtype(torch.float32)
-    twin_gap = float((run.double() - exact).abs().max())
-    report = fwdcheck.check_model(leaky, ["future-token"], forward=draws_its_image, vocab_size=32)
+    return float((run.double() - exact).abs().max())
+
+
+def test_the_twin_draws_the_runs_random_tensors_and_the_leak_fails():
+    """The twin runs again with the default dtype as the run has it, draws the run's image, and measures rounding
+    alone: the threshold stays far below the leak."""
+    gap = twin_gap(draws_its_image)
+    report = fwdcheck.check_model(
+        ImagePrefixLM(leak=0.02).eval(), ["future-token"], forward=draws_its_image, vocab_size=32
+    )
     result = report.result("future-token")
-    assert result.metrics["max_change"] < ROUNDING_FACTOR * twin_gap  # the gap would have excused the leak
+    assert result.metrics["max_change"] < ROUNDING_FACTOR * gap  # the gap would have excused the leak
+    assert "FWD101" in {f.code for f in result.findings}, result.summary
+    assert 0 < result.metrics["rounding"] < gap / 1000
+    assert any(n.startswith("rounding measured with torch's default dtype left as the run's") for n in report.notes)
+
+
+def test_a_twin_that_computed_something_else_excuses_no_leak():
+    gap = twin_gap(draws_in_the_models_dtype)
+    model = ImagePrefixLM(leak=0.02).eval()
+    report = fwdcheck.check_model(model, ["future-token"], forward=draws_in_the_models_dtype, vocab_size=32)
+    result = report.result("future-token")
+    assert result.metrics["max_change"] < ROUNDING_FACTOR * gap  # the gap would have excused the leak
     assert "FWD101" in {f.code for f in result.findings}, result.summary
     assert "rounding" not in result.metrics
     assert any(n.startswith("rounding not used: the float64 twin's logits differ") for n in report.notes)

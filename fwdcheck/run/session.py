@@ -333,15 +333,11 @@ class Session:
             if isinstance(twin, str):
                 self.notes.append(f"rounding not measured: {twin}")
                 return 0.0
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float64)  # what the model makes as it runs, in the twin's precision
-            try:
-                exact = self.logits(self.inputs, model=twin)
+            try:  # what the model makes as it runs, in the twin's precision
+                exact = self._twin_logits(twin, torch.float64)
             except ModelRaised as exc:
                 self.notes.append(f"rounding not measured: the model does not run in float64 ({first_line(exc)})")
                 return 0.0
-            finally:
-                torch.set_default_dtype(default)
             change = float(position_change(baseline, exact).max())
             if not math.isfinite(change):  # the twin overflowed or broke where the model did not: no measurement
                 self.notes.append("rounding not measured: the float64 twin's logits are not finite")
@@ -349,17 +345,38 @@ class Session:
             scale = logit_scale(baseline)
             dtypes = {baseline.dtype, *(p.dtype for p in self.model.module.parameters() if p.is_floating_point())}
             bound = rounding_bound(scale, *dtypes)
-            if change > bound:  # a difference of computations, which must excuse no leak
+            if change <= bound:
+                return change
+            # Tensors the model draws in the default dtype (torch.randn) come out otherwise in float64: the twin
+            # again with the default dtype as the run has it draws the run's own values.
+            try:
+                again = float(position_change(baseline, self._twin_logits(twin, torch.get_default_dtype())).max())
+            except ModelRaised:
+                again = math.inf
+            if again <= bound:
                 self.notes.append(
-                    f"rounding not used: the float64 twin's logits differ from the run's by {change:.3g}, "
-                    f"{change / scale:.2g} of the logits' scale, more than rounding can be ({bound:.3g}): the twin "
-                    "computed something else (a tensor drawn or built in the default dtype, which the twin runs in "
-                    "float64; an input that changes from call to call), so it raises no threshold"
+                    "rounding measured with torch's default dtype left as the run's: with it at float64 the twin "
+                    f"drew other random tensors than the run (its logits {change:.3g} away)"
                 )
-                return 0.0
-            return change
+                return again
+            self.notes.append(
+                f"rounding not used: the float64 twin's logits differ from the run's by {change:.3g}, "
+                f"{change / scale:.2g} of the logits' scale, more than rounding can be ({bound:.3g}): the twin "
+                "computed something else (an input that changes from call to call, a tensor built in the default "
+                "dtype), so it raises no threshold"
+            )
+            return 0.0
 
         return self._once("rounding", compute)
+
+    def _twin_logits(self, twin: ModelUnderTest, default: torch.dtype) -> torch.Tensor:
+        """The float64 twin's logits of the session's inputs, run with torch's default dtype set to `default`."""
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            return self.logits(self.inputs, model=twin)
+        finally:
+            torch.set_default_dtype(before)
 
     def floors(self, largest_change: float, scale: float) -> tuple[float, float]:
         """(run-to-run noise, rounding) for judging changes up to `largest_change`: measured only when they could
