@@ -153,3 +153,35 @@ def test_a_dead_cross_attention_is_caught():
     assert "FWD212" not in codes(clean, "mask-audit")
     report = run(dead(bart()))
     assert "FWD212" in codes(report, "mask-audit")
+
+
+def test_prophetnet_n_gram_self_attention_is_not_taken_for_cross_attention():
+    """ProphetNet's decoder attends over its main and predicting streams with einsum: the keys are the tokens' own
+    (followed through the einsum's own operands, not a re-laid copy), so those calls are self-attention, judged
+    causal, and only its cross_attn reads the source. Before, the decoder layer's encoder_hidden_states made every
+    call cross-attention, and its causal main stream a false FWD211."""
+    config = {
+        "model_type": "prophetnet",
+        "vocab_size": V,
+        "hidden_size": 16,
+        "encoder_ffn_dim": 32,
+        "decoder_ffn_dim": 32,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+        "num_encoder_attention_heads": 2,
+        "num_decoder_attention_heads": 2,
+        "ngram": 2,
+        "max_position_embeddings": 64,
+    }
+    report = run_checks(
+        {"source": "hf", "class": "AutoModelForSeq2SeqLM", "config": config},
+        ["mask-audit"],
+        code_paths={"enabled": False},
+    )
+    audit = report.result("mask-audit")
+    assert audit.status.value == "pass", [f.message for f in audit.findings]
+    rows = audit.data["calls"]
+    own = [r for r in rows if r["module"].startswith("prophetnet.decoder.") and r["module"].endswith("self_attn")]
+    cross = [r for r in rows if r["module"].endswith("cross_attn")]
+    assert own and all(r["judged"] and r["pattern"].startswith("causal") for r in own)
+    assert cross and all(r["pattern"] == "cross-attention: every source position" for r in cross)
