@@ -65,7 +65,7 @@ LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary o
 HF_KEYS = extended(
     CONFIG_KEYS,
     L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
-    h=("encoder_attention_heads", "num_encoder_attention_heads"),
+    h=("encoder_attention_heads",),
     h_kv=("multi_query_group_num",),
     d_h=("d_kv", "d_head"),
     d_ff=(
@@ -76,10 +76,7 @@ HF_KEYS = extended(
         "decoder_ffn_dim",
     ),
 )
-DECODER_HEADS = (
-    ("encoder_attention_heads", "decoder_attention_heads"),
-    ("num_encoder_attention_heads", "num_decoder_attention_heads"),
-)
+DECODER_HEADS = (("encoder_attention_heads", "decoder_attention_heads"),)
 EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 ROTARY_KEYS = (
