@@ -3,7 +3,7 @@
 A bidirectional encoder (BertForMaskedLM) reads the future by design: it passes, said so, never a bare leak. An
 encoder-decoder (BART, T5, torch's nn.Transformer) driven with its source held fixed passes, its cross-attention
 judged as reading all of the source; with its decoder's causal mask dropped it fails future-token and mask-audit, and
-with a causal or truncated cross-attention mask mask-audit fails FWD211. Each planted bug is shown to move the logits
+with a causal or truncated cross-attention mask mask-audit fails FWD212. Each planted bug is shown to move the logits
 in plain torch first: the bug is real, not a pattern only fwdcheck objects to.
 
 Building transformers models costs seconds: the file is in the slow tier.
@@ -209,8 +209,8 @@ def test_a_restricted_cross_attention_is_caught(build, how):
     assert logits_move(build(), restrict_cross_attention(build(), how)) > 1e-4  # plain torch: the bug is real
     report = run(restrict_cross_attention(build(), how))
     audit = report.result("mask-audit")
-    assert "FWD211" in codes(report, "mask-audit"), audit.summary
-    finding = next(f for f in audit.findings if f.code == "FWD211")
+    assert "FWD212" in codes(report, "mask-audit"), audit.summary
+    finding = next(f for f in audit.findings if f.code == "FWD212")
     assert ("causal mask handed to cross-attention" in finding.message) == (how == "causal")
     assert report.result("future-token").status.value == "pass"  # still causal: only mask-audit sees it
 
@@ -250,7 +250,7 @@ def test_nn_transformer_passes_and_its_causal_memory_mask_is_caught():
             > 1e-4
         )
     planted = check_model(TorchSeq2Seq(True).eval(), CHECKS, forward=torch_reads, vocab_size=V)
-    assert "FWD211" in codes(planted, "mask-audit")
+    assert "FWD212" in codes(planted, "mask-audit")
 
 
 # -- a prefix-LM (x-transformers' PrefixDecoder) -----------------------------------------------------------------------

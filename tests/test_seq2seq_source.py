@@ -133,7 +133,7 @@ def test_a_causal_cross_attention_mask_is_caught_without_an_adapter():
 
     assert (logits(bart(), SOURCES[0], IDS) - logits(causal_cross(bart()), SOURCES[0], IDS)).abs().max() > 1e-4
     report = run(causal_cross(bart()))
-    assert "FWD211" in codes(report, "mask-audit")
+    assert "FWD212" in codes(report, "mask-audit")
     assert report.result("future-token").status.value == "pass"
 
 
@@ -150,16 +150,16 @@ def test_a_dead_cross_attention_is_caught():
     assert (logits(bart(), SOURCES[0], IDS) - logits(bart(), other, IDS)).abs().max() > 1e-4  # clean: reads it
     assert (logits(dead(bart()), SOURCES[0], IDS) - logits(dead(bart()), other, IDS)).abs().max() == 0  # planted
     clean = run(bart())
-    assert "FWD212" not in codes(clean, "mask-audit")
+    assert "FWD213" not in codes(clean, "mask-audit")
     report = run(dead(bart()))
-    assert "FWD212" in codes(report, "mask-audit")
+    assert "FWD213" in codes(report, "mask-audit")
 
 
 def test_prophetnet_n_gram_self_attention_is_not_taken_for_cross_attention():
     """ProphetNet's decoder attends over its main and predicting streams with einsum: the keys are the tokens' own
     (followed through the einsum's own operands, not a re-laid copy), so those calls are self-attention, judged
     causal, and only its cross_attn reads the source. Before, the decoder layer's encoder_hidden_states made every
-    call cross-attention, and its causal main stream a false FWD211."""
+    call cross-attention, and its causal main stream a false FWD212."""
     config = {
         "model_type": "prophetnet",
         "vocab_size": V,

@@ -147,7 +147,7 @@ def not_judged(
     """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
     ids were followed into some attention call of the pass, so a call they did not reach attends over another
     sequence (when they reached none, the following itself failed, and says nothing). An encoder-decoder's
-    cross-attention is judged: it must read all of the source (FWD211)."""
+    cross-attention is judged: it must read all of the source (FWD212)."""
     if call.cross and design.kind != "encoder-decoder":
         return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
     if call.cross and call.keys_read_input:
@@ -260,9 +260,9 @@ class MaskAudit(Check):
         "FWD208": "with left padding, real tokens may read the padding keys",
         "FWD209": "a flex_attention BlockMask built for other lengths than the call it is handed to",
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
-        "FWD211": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
+        "FWD212": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
         "truncated cross-attention mask)",
-        "FWD212": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
+        "FWD213": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
     }
     explain = """\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -308,8 +308,8 @@ its attention modules' is_causal) decides what each call may read instead of pla
   it, queries from P on are causal; the prefix reading the suffix is FWD204.   encoder-decoder: the decoder's
   self-attention is causal; the encoder's, over the source held fixed, is full attention and not judged; and
   cross-attention must let every decoder position read every source position it was given (the source is unpadded):
-  a causal or truncated cross-attention mask is FWD211. An encoder-decoder built from `source: hf` with its source
-  held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD212 (a dead
+  a causal or truncated cross-attention mask is FWD212. An encoder-decoder built from `source: hf` with its source
+  held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD213 (a dead
   cross-attention).
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
@@ -323,7 +323,7 @@ slice the rows of the causal mask by the query positions (causal_mask[None, None
 mask boolean, or turn it into 0/-inf with torch.zeros(T, T).masked_fill(~may_attend, float('-inf')). FWD207 -> pass
 dropout_p=self.p if self.training else 0.0. FWD210 -> q_idx >= kv_idx, not >; over a cache, align the causal
 mask bottom right (causal_lower_right, or slice the full causal mask by the query positions). FWD209 -> build the
-BlockMask for each call's lengths. FWD211 -> hand cross-attention the source's padding mask only
+BlockMask for each call's lengths. FWD212 -> hand cross-attention the source's padding mask only
 (encoder_attention_mask, memory_key_padding_mask), never the decoder's causal mask. A model without attention calls
 fwdcheck can read (custom kernels) is skipped here; future-token still tests its behaviour. For a cached forward whose
 calls are not judged, hand the positions to the attention module's forward as input_pos or cache_position."""
@@ -497,7 +497,7 @@ def _mask_findings(
 
 def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditData) -> list[Finding]:
     """An encoder-decoder whose source is held fixed: the session's tokens run once more beside another source, and
-    the decoder's logits must move beyond the run-to-run noise (FWD212 where they do not: the cross-attention reads
+    the decoder's logits must move beyond the run-to-run noise (FWD213 where they do not: the cross-attention reads
     nothing of the source, or its output is dropped). Not the dtype tolerance: a randomly initialised tiny decoder
     reads its source faintly (Marian's logits move by 2.5e-5 at a tolerance of 1e-5), while one that reads none of it
     computes the same logits bit for bit. The table's cross-attention calls say what each may read; this says that
@@ -513,7 +513,7 @@ def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditDa
         return []
     return [
         Finding(
-            "FWD212",
+            "FWD213",
             Status.FAIL,
             f"the decoder's logits moved by {moved:.3g} (run-to-run noise {noise:.3g}) when its source was replaced "
             "by another: the cross-attention reads nothing of the source (dead, or its output dropped)",
@@ -539,7 +539,7 @@ def _part_of_source(call: AttentionCall, api: str, where: str) -> Finding:
         else "a mask that closes some source positions to some decoder positions"
     )
     return Finding(
-        "FWD211",
+        "FWD212",
         Status.FAIL,
         f"cross-attention ({api}) keeps {rows} of {L} decoder positions from part of the {S} source positions they "
         f"were given: {how}; the decoder must read all of its source",
