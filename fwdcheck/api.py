@@ -11,7 +11,14 @@ from typing import Any
 import torch.nn as nn
 from pydantic import ValidationError
 
-from fwdcheck.config.schema import CodePaths, Inputs, RunConfig, describe_validation_error
+from fwdcheck.config.schema import (
+    AttentionSpec,
+    CodePaths,
+    Inputs,
+    RunConfig,
+    describe_validation_error,
+    pattern_agrees,
+)
 from fwdcheck.errors import UsageError
 from fwdcheck.model.sources import from_module
 from fwdcheck.report import Report
@@ -32,7 +39,8 @@ def check_model(
     seed: int = 0,
     vocab_size: int | None = None,
     max_positions: int | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
+    attention: dict[str, Any] | None = None,
     rope: dict[str, Any] | None = None,
     dims: dict[str, int] | None = None,
     forward: Any = None,
@@ -55,11 +63,13 @@ def check_model(
     declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
     `min_seq_len` the shortest sequence forward accepts. `window` declares the sliding attention window (keys a
     query may read, itself included; a list: one per layer, None for full attention) and `scale` the factor
-    attention applies to q . k when it is not 1/sqrt(d_h). Hugging Face models get the code-path matrix by default,
-    as from the command line; `code_paths` narrows it ({"enabled": False} turns it off; `paths` is its former name,
-    still taken). `options` are the checks' own, as a config's `options:` section ({"future-token": {"exhaustive":
-    True}}, which `exhaustive=True` still sets). The arguments are validated as a config file's keys are: a wrong
-    one is a UsageError naming it.
+    attention applies to q . k when it is not 1/sqrt(d_h). `attention` declares the attention pattern by design
+    ({"pattern": "bidirectional"}, {"pattern": "prefix", "prefix_length": 4}; `causal=False` is the former spelling of
+    the first); without it, a transformers model's own attributes say, else the model is taken as causal. Hugging Face
+    models get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
+    turns it off; `paths` is its former name, still taken). `options` are the checks' own, as a config's `options:`
+    section ({"future-token": {"exhaustive": True}}, which `exhaustive=True` still sets). The arguments are validated as
+    a config file's keys are: a wrong one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check_model needs a torch.nn.Module, not {type(model).__name__}")
@@ -76,8 +86,12 @@ def check_model(
             **({"exhaustive": True} if exhaustive else {}),  # the former key: each check's thorough variant
             **({"dtype": dtype} if dtype is not None else {}),  # none named: the model's own (Settings.in_own_dtype)
         )
+        pattern = AttentionSpec(**attention) if attention is not None else None
+        pattern_agrees(causal, pattern)
     except ValidationError as exc:
         raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
+    except ValueError as exc:
+        raise UsageError(f"check_model: {exc}") from None
     run = Run.build(resolve(config, Overrides(checks=checks, fail_on=fail_on)))
     return run.check(
         from_module(
@@ -85,6 +99,7 @@ def check_model(
             vocab_size=vocab_size,
             max_positions=max_positions,
             causal=causal,
+            attention=pattern,
             rope=rope,
             dims=dims,
             forward=forward,

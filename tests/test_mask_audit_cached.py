@@ -411,7 +411,8 @@ class EncoderDecoder(nn.Module):
 def test_encoder_over_a_fixed_source_is_not_read_as_the_tokens_self_attention():
     result = audit(EncoderDecoder())
     clean_pass(result)
-    assert f"{LAYERS} not judged: over another sequence" in result.summary
+    assert f"{LAYERS} not judged: encoder over the source" in result.summary
+    assert "cross-attention: every source position" in result.summary  # an encoder-decoder's: judged
     encoder = [c for c in result.data["calls"] if c["module"].startswith("transformer.encoder")]
     assert len(encoder) == LAYERS and not any(c["judged"] for c in encoder)
 

@@ -15,10 +15,9 @@ import fwdcheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
 
-transformers = pytest.importorskip("transformers")
-
 
 def mamba() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.MambaConfig(vocab_size=512, hidden_size=768, num_hidden_layers=2, state_size=16)
     return transformers.MambaForCausalLM(config).eval()
@@ -83,3 +82,82 @@ def test_no_twin_when_the_copy_would_not_fit(monkeypatch):
     assert isinstance(twin, ModelUnderTest) and twin.module is not module
     assert {p.dtype for p in twin.module.parameters()} == {torch.float64}
     assert {p.dtype for p in module.parameters()} == {torch.float32}
+
+
+class ImagePrefixLM(torch.nn.Module):
+    """A vision-language model in miniature: 4 image embeddings before the text, a causal encoder layer over both,
+    the text's logits out. `leak` gives each text embedding that much of the next one's: a real leak."""
+
+    def __init__(self, leak: float = 0.0, vocab: int = 32, width: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.layer = torch.nn.TransformerEncoderLayer(width, 2, 64, dropout=0.0, batch_first=True)
+        self.leak = leak
+
+    def forward(self, ids: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        text = self.embed(ids)  # (B, T, D)
+        text = text + self.leak * text.roll(-1, dims=1)
+        x = torch.cat([image.to(text.dtype), text], dim=1)  # (B, 4 + T, D)
+        n = x.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, dtype=x.dtype)
+        return self.head(self.layer(x, src_mask=mask, is_causal=True))[:, image.shape[1] :]
+
+
+def draws_its_image(model: torch.nn.Module, ids: torch.Tensor, **_) -> torch.Tensor:
+    """The adapter the issue met: a seeded image drawn with torch.randn in the default dtype, which the float64 twin
+    ran with the default dtype at float64, drawing other values."""
+    torch.manual_seed(1)
+    return model(ids, torch.randn(ids.shape[0], 4, 32))
+
+
+def draws_in_the_models_dtype(model: torch.nn.Module, ids: torch.Tensor, **_) -> torch.Tensor:
+    """A seeded image drawn in the dtype of the model's parameters: the float64 twin draws another one, whatever the
+    default dtype."""
+    torch.manual_seed(1)
+    return model(ids, torch.randn(ids.shape[0], 4, 32, dtype=next(model.parameters()).dtype))
+
+
+def twin_gap(adapter) -> float:
+    """How far a float64 twin's logits lie from the run's when it runs as the session first runs it (default dtype
+    float64): taken for rounding, ROUNDING_FACTOR times that would be the threshold."""
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        run = adapter(ImagePrefixLM(leak=0.02).eval(), ids)
+        twin = ImagePrefixLM(leak=0.02).double().eval()
+        torch.set_default_dtype(torch.float64)
+        try:
+            exact = adapter(twin, ids)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return float((run.double() - exact).abs().max())
+
+
+def test_the_twin_draws_the_runs_random_tensors_and_the_leak_fails():
+    """The twin runs again with the default dtype as the run has it, draws the run's image, and measures rounding
+    alone: the threshold stays far below the leak."""
+    gap = twin_gap(draws_its_image)
+    report = fwdcheck.check_model(
+        ImagePrefixLM(leak=0.02).eval(), ["future-token"], forward=draws_its_image, vocab_size=32
+    )
+    result = report.result("future-token")
+    assert result.metrics["max_change"] < ROUNDING_FACTOR * gap  # the gap would have excused the leak
+    assert "FWD101" in {f.code for f in result.findings}, result.summary
+    assert 0 < result.metrics["rounding"] < gap / 1000
+    assert any(n.startswith("rounding measured with torch's default dtype left as the run's") for n in report.notes)
+
+
+def test_a_twin_that_computed_something_else_excuses_no_leak():
+    gap = twin_gap(draws_in_the_models_dtype)
+    model = ImagePrefixLM(leak=0.02).eval()
+    report = fwdcheck.check_model(model, ["future-token"], forward=draws_in_the_models_dtype, vocab_size=32)
+    result = report.result("future-token")
+    assert result.metrics["max_change"] < ROUNDING_FACTOR * gap  # the gap would have excused the leak
+    assert "FWD101" in {f.code for f in result.findings}, result.summary
+    assert "rounding" not in result.metrics
+    assert any(n.startswith("rounding not used: the float64 twin's logits differ") for n in report.notes)
+
+
+def test_the_same_model_without_the_leak_passes():
+    report = fwdcheck.check_model(ImagePrefixLM().eval(), ["future-token"], forward=draws_its_image, vocab_size=32)
+    assert report.result("future-token").status.value == "pass", report.result("future-token").summary

@@ -584,3 +584,84 @@ def test_factory_kwargs_in_the_spellings_models_use():
     width_in_code = {"n_layers": 24, "d_model": 1024}  # no heads: the width cannot be cut safely
     shrink_sizes(width_in_code, KWARG_KEYS)
     assert width_in_code == {"n_layers": 2, "d_model": 1024}
+
+
+# -- configs made of configs: vision-language models and encoder-decoders -------------------------------------------
+
+
+def _parameters(model_type: str, model_class: str, config: dict) -> int:
+    import torch
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    built = transformers.AutoConfig.for_model(model_type, **rest)
+    with torch.device("meta"):
+        return sum(p.numel() for p in getattr(transformers, model_class).from_config(built).parameters())
+
+
+def _shrunk(tmp_path: Path, model_type: str, model_class: str | None) -> tuple[dict, list]:
+    from fwdcheck.model.sources.shrink import shrink_file
+
+    named = f"  class: {model_class}\n" if model_class else ""
+    path = tmp_path / f"{model_type}.yaml"
+    path.write_text(f"model:\n  source: hf\n{named}  config: {{model_type: {model_type}}}\n")
+    shrunk = shrink_file(path, tmp_path / "out.yaml")
+    return shrunk.document["model"]["config"], shrunk.changes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, model_class",
+    [
+        ("llava", "AutoModelForImageTextToText"),
+        ("paligemma", "AutoModelForImageTextToText"),
+        ("gemma3", "AutoModelForImageTextToText"),
+        ("qwen2_vl", "AutoModelForImageTextToText"),
+        ("bart", "AutoModelForSeq2SeqLM"),
+        ("t5", None),  # AutoModelForSeq2SeqLM by default: T5 has no causal LM class
+    ],
+)
+def test_every_sub_config_shrinks_and_the_parts_still_agree(tmp_path, model_type, model_class):
+    """LLaVA stayed 7.1B parameters and BART kept d_model 1024: their text_config, vision_config and decoder sizes
+    were not shrunk. Now each model is under 5M parameters (counted on the meta device), token ids the top level
+    names sit inside the text vocabulary and apart, and what the parts hand each other keeps one width."""
+    cls = model_class or "AutoModelForSeq2SeqLM"
+    before = _parameters(model_type, cls, {"model_type": model_type})
+    config, changes = _shrunk(tmp_path, model_type, model_class)
+    after = _parameters(model_type, cls, config)
+    assert before > 50e6 and after < 5e6, (before, after)
+    text = config.get("text_config", config)
+    vocab = text.get("vocab_size") or config["vocab_size"]
+    named = [v for k, v in config.items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)]
+    assert all(v < vocab for v in named), named
+    if "text_config" in config:  # a VLM's image, video and vision-boundary tokens stay apart
+        assert len(set(named)) == len(named), named
+        assert any(key == "text_config.hidden_size" for key, _, _ in changes)
+        assert "vision_config.num_hidden_layers" in {k for k, _, _ in changes} or "vision_config.depth" in {
+            k for k, _, _ in changes
+        }
+    if model_type == "bart":
+        assert config["d_model"] == 32 and config["decoder_attention_heads"] == config["encoder_attention_heads"]
+
+
+@pytest.mark.slow
+def test_multi_axis_rotary_sections_follow_the_head_size(tmp_path):
+    """Qwen2-VL's mrope_section comes from its modeling code's default ([16, 24, 24] for a head of 128): a smaller
+    head crashed the model until the sections, scaled to sum to half the new head, are written out."""
+    config, _ = _shrunk(tmp_path, "qwen2_vl", "AutoModelForImageTextToText")
+    text = config["text_config"]
+    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    sections = text["rope_parameters"]["mrope_section"]
+    assert sum(sections) == head // 2 and len(sections) == 3 and min(sections) >= 1
+    assert config["vision_config"]["hidden_size"] == text["hidden_size"]  # the patch merger hands the text width
+
+
+@pytest.mark.slow
+def test_a_shrunk_vision_language_model_runs_its_text_path(tmp_path, monkeypatch):
+    config, _ = _shrunk(tmp_path, "llava", "AutoModelForImageTextToText")
+    from tests.conftest import run_checks
+
+    report = run_checks(
+        {"source": "hf", "class": "AutoModelForImageTextToText", "config": config}, code_paths={"enabled": False}
+    )
+    statuses = {r.name: r.status.value for r in report.results}
+    assert statuses["future-token"] == "pass" and statuses["mask-audit"] == "pass", statuses

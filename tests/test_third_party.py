@@ -312,9 +312,9 @@ def test_additive_masks_read_as_causal(case_id):
 )
 def test_bidirectional_skips_causal_part(case_id):
     r = result(case_id, "future-token")
-    assert r.data.get("note") == "model.causal is false: part (a) skipped"
+    assert r.data.get("note", "").startswith("part (a) not judged: bidirectional by design")
     assert "max_change_before_cut" not in r.metrics and "prefix_max_change" not in r.metrics
-    assert {c["pattern"] for c in result(case_id, "mask-audit").data["calls"]} == {"bidirectional: every key"}
+    assert {c["pattern"] for c in result(case_id, "mask-audit").data["calls"]} == {"bidirectional by design: every key"}
 
 
 @pytest.mark.parametrize(

@@ -277,7 +277,7 @@ class FutureToken(Check, declared=SPEC):
         judged.add(_noise(session, noise, tolerance, threshold))
         if measured.padding is not None:
             judged.add(_padding(measured.padding, threshold))
-        cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, model.causal
+        cuts, prefix, alone, causal = measured.cuts, measured.prefix, False, plan.causal
         if cuts is not None:
             batch = _batch(plan, cuts, threshold)
             judged.add(batch)
@@ -295,8 +295,8 @@ class FutureToken(Check, declared=SPEC):
         if causal:
             judged.add(self._leaks(plan, cuts, prefix, measured.single, alone, threshold))
             self._locate(model, session, plan, judged)
-        elif not model.causal:
-            judged.data["note"] = "model.causal is false: part (a) skipped"
+        elif not plan.causal:
+            judged.data["note"] = _not_judged_by_design(model)
         if session.train:
             judged.add(self._train_against_eval(model, session))
         return judged
@@ -374,8 +374,10 @@ class FutureToken(Check, declared=SPEC):
             n = len(metrics.get("cuts", plan.cuts))  # the cuts that ran: the first forward's when it vouched alone
             ran = [JUDGED[name].format(cuts=n, s="s" if n != 1 else "") for name in judged_names]
             summary = f"{' + '.join(ran)}: max change {metrics['max_change']:.2g} vs threshold {threshold:.2g}"
-            if not model.causal:
-                summary += "; part (a) skipped: model.causal is false"
+            if not plan.causal:
+                summary += f"; {_not_judged_by_design(model)}"
+            elif model.pattern.kind == "prefix":
+                summary += f"; cuts from {plan.first} on: {model.pattern.describe()}"
         if refusals.notes:
             more = len(refusals.notes) - 1
             summary += f"; {refusals.notes[0]}" + (f" (+{more} more note{'s' if more > 1 else ''})" if more else "")
@@ -426,7 +428,7 @@ class FutureToken(Check, declared=SPEC):
             if rest is not None:
                 measured.cuts = torch.cat([measured.cuts, rest])
         if plan.causal:
-            measured.prefix = self._run_prefix(session, reference[:1], refusals)
+            measured.prefix = self._run_prefix(session, reference[:1], refusals, plan.first or 1)
             if plan.single_row_wanted:
                 measured.single = self._run_single_row(plan, session, measured.prefix, reference, refusals)
         return measured
@@ -439,7 +441,7 @@ class FutureToken(Check, declared=SPEC):
         changes = torch.zeros(len(plan.rows), session.inputs.shape[1])  # (rows, T); the control row is not rerun
         for i in plan.cut_rows:
             changes[i] = position_change(session.logits(plan.rows[i][None])[0], alone[plan.sources[i]][0])
-        return changes, FutureToken._run_prefix(session, alone[0], Refusals())
+        return changes, FutureToken._run_prefix(session, alone[0], Refusals(), plan.first or 1)
 
     def _nonfinite_baseline(self, findings: list[Finding], baseline: torch.Tensor) -> CheckResult:
         broken = nonfinite_positions(baseline)
@@ -511,14 +513,16 @@ class FutureToken(Check, declared=SPEC):
             return []
 
     @staticmethod
-    def _run_prefix(session, reference: torch.Tensor, refusals: Refusals) -> Prefix:
+    def _run_prefix(session, reference: torch.Tensor, refusals: Refusals, first: int = 1) -> Prefix:
         """The first k tokens of sample 0 run alone, compared with reference [1, T, V] there. A length the model
         refuses (code that asserts T > 1) is a note, and the ladder goes on with the longer ones. Keeps the logits
-        of the longest prefix of two or more tokens that ran, which the single-row pass compares with."""
+        of the longest prefix of two or more tokens that ran, which the single-row pass compares with. A prefix-LM's
+        rungs start at its prefix's length (`first`): a shorter run cuts into the prefix, which reads itself both
+        ways by design."""
         T = reference.shape[1]
         prefix = Prefix()
         refused = []
-        for k in prefix_lengths(T, session.min_seq_len, session.short_length):
+        for k in [k for k in prefix_lengths(T, session.min_seq_len, session.short_length) if k >= first]:
             try:
                 alone = session.prefix_logits(k)  # (1, k, V); the short length is shared with other checks
             except ModelRaised as exc:
@@ -547,7 +551,9 @@ class FutureToken(Check, declared=SPEC):
         row is the full sequence and is compared with the baseline."""
         against = prefix.longest if prefix.longest is not None else reference[:1]  # (1, L, V)
         L = against.shape[1]
-        cut = L // 2
+        cut = plan.single_cut(L)
+        if cut >= L:  # a prefix-LM whose prefix fills the row: nothing after it to change
+            return None
         row = plan.single_row(L)
         logits = refusals.attempt(lambda: session.row_logits(row), "single-row pass skipped", f"B=1, T={L}")
         if logits is None:
@@ -557,6 +563,15 @@ class FutureToken(Check, declared=SPEC):
 
 
 # -- each comparison judged against the threshold ----------------------------------------------------------------------
+
+
+def _not_judged_by_design(model: ModelUnderTest) -> str:
+    """Why part (a) did not run, and what was judged instead: the model's pattern lets every token (or, for a
+    prefix as long as the sequence, every prefix token) read the tokens after it."""
+    return (
+        f"part (a) not judged: {model.pattern.describe()}, so later tokens may move earlier logits; judged instead: "
+        "samples independent, deterministic forwards, left padding where the code paths add it"
+    )
 
 
 def _live_dropout(live_dropout: list[tuple[str, str | None]]) -> list[Finding]:

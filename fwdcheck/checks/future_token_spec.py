@@ -59,8 +59,13 @@ earlier position moved, and its file:line: the module's own forward when its inp
 the module that called it (a roll, a reshape or a norm over the sequence after the attention call).
 How to fix: read the leak map (query position x perturbed position). A full upper triangle means no causal mask; a
 band above the diagonal means a mask shifted by one; only some samples moving means a batch reshape. Then run
-`fwdcheck explain mask-audit` to see which attention call received which mask. For bidirectional encoders set
-`model.causal: false`: part (a) is then skipped, part (b) still runs. A leak shown only by the row run alone is a
+`fwdcheck explain mask-audit` to see which attention call received which mask.
+The attention pattern by design: a bidirectional encoder (read off a transformers model's is_causal flags or masked-LM
+class, or declared `model.attention: {pattern: bidirectional}`, formerly `causal: false`) reads the future by
+design: part (a) is not judged, and the summary says so; part (b), determinism and left padding still are. A
+prefix-LM (`attention: {pattern: prefix, prefix_length: P}`) is cut only at k >= P: the prefix must be blind to the
+suffix (the cut at P) and the suffix causal (the later cuts); the prefix ladder starts at P. An encoder-decoder's
+tokens under test are its decoder's, causal. A leak shown only by the row run alone is a
 shortcut taken for a single sequence; the code-path matrix (`code_paths:`) names such paths one by one.
 Sizes the model refuses: a forward that raises at some length or row count is noted ("prefix pass at k=1 skipped:
 the model raised AssertionError at T=1") and the other passes still judge; the prefix pass goes on with longer

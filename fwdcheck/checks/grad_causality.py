@@ -165,7 +165,7 @@ class GradCausality(Check, declared=SPEC):
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise DoesNotApply("the model is declared bidirectional (causal: false): later positions may reach earlier")
+            raise DoesNotApply(f"{model.pattern.describe()}: later positions may reach earlier ones by design")
         found = token_embedding(model)
         if found is None:
             raise DoesNotApply(

@@ -418,7 +418,7 @@ class KVCache(Check, declared=SPEC):
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         if not model.causal:
-            raise DoesNotApply("model.causal is false: a bidirectional model has no incremental decoding")
+            raise DoesNotApply(f"{model.pattern.describe()}: only a causal model decodes incrementally")
         decoder = decoder_for(model)
         plan = self._plan(session)
         compared = self._compare(decoder, model, session, plan)

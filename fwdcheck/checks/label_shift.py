@@ -48,7 +48,7 @@ WRONG = {
 def convention(model) -> Loss:
     """The model's loss interface, or DoesNotApply when it offers none that fwdcheck can trust."""
     if not model.causal:
-        raise DoesNotApply("the model is declared bidirectional (causal: false): its loss is not next-token prediction")
+        raise DoesNotApply(f"{model.pattern.describe()}: its loss is not next-token prediction on every token")
     if model.loss is None:
         raise DoesNotApply(
             model.why_not(

@@ -28,10 +28,12 @@ from fwdcheck.checks.mask_audit_spec import SPEC
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
 from fwdcheck.checks.window_band import judge_window
 from fwdcheck.errors import ModelRaised, SkipCheck
+from fwdcheck.model.capabilities import ASSUMED_CAUSAL, AttentionPattern
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
 from fwdcheck.run.code_paths import path_cells
+from fwdcheck.run.compare import position_change
 from fwdcheck.run.session import Session
 
 CONVENTIONS: list[Convention] = [
@@ -76,25 +78,45 @@ class MayRead(str, Enum):
     BIDIRECTIONAL = "bidirectional: every key"
     INVERTED = "inverted: the future only"
     LEAKY = "leaky: some future keys"
+    FULL = "bidirectional by design: every key"
+    PARTIAL = "bidirectional by design, restricted (padding, window or sparse)"
+    PREFIX = "prefix-LM: the prefix both ways, causal after it"
+    SOURCE = "cross-attention: every source position"
+    PART_OF_SOURCE = "cross-attention: part of the source only"
 
     @property
     def reads_future(self) -> bool:
-        return self not in (MayRead.CAUSAL, MayRead.RESTRICTED)
+        return self not in (
+            MayRead.CAUSAL,
+            MayRead.RESTRICTED,
+            MayRead.FULL,
+            MayRead.PARTIAL,
+            MayRead.PREFIX,
+            MayRead.SOURCE,
+            MayRead.PART_OF_SOURCE,
+        )
 
 
 def pattern(
-    allowed: torch.Tensor, positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+    allowed: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    prefix: int = 0,
 ) -> tuple[MayRead, list[tuple[int, int]]]:
     """Name the shape of an [L, S] may-read set; also the (query position, key slot) pairs that read the future.
 
     positions[i] is query i's own slot on the key axis (default 0..L-1, the square case): causal reads j <= p_i.
     key_positions[j], when given, is the position key slot j holds (a ring buffer past its wrap; -1 for a slot not
-    written yet): causal then reads the slots holding a position <= p_i."""
+    written yet): causal then reads the slots holding a position <= p_i. With a prefix of `prefix` positions (a
+    prefix-LM), a query inside it may also read the rest of the prefix, and nothing after it."""
     L, S = allowed.shape
     positions = torch.arange(L) if positions is None else positions
     held = torch.arange(S) if key_positions is None else key_positions
     held = held.to(allowed.device)
-    past_and_self = (held[None, :] >= 0) & (held[None, :] <= positions.to(allowed.device)[:, None])  # (L, S)
+    query = positions.to(allowed.device)[:, None]  # (L, 1)
+    past_and_self = (held[None, :] >= 0) & (held[None, :] <= query)  # (L, S)
+    if prefix:
+        past_and_self |= (query < prefix) & (held[None, :] >= 0) & (held[None, :] < prefix)  # the prefix both ways
     future = allowed & ~past_and_self
     pairs = [(int(positions[q]), k) for q, k in future.nonzero().tolist()]
     if not pairs:
@@ -116,16 +138,34 @@ class NotJudged:
 
     @property
     def in_summary(self) -> str:
-        return "over another sequence" if self.kind == "another sequence" else self.kind
+        return {"another sequence": "over another sequence", "encoder": "encoder over the source"}.get(
+            self.kind, self.kind
+        )
 
 
-def not_judged(call: AttentionCall, input_followed: bool) -> NotJudged | None:
+def not_judged(
+    call: AttentionCall, input_followed: bool, design: AttentionPattern = ASSUMED_CAUSAL
+) -> NotJudged | None:
     """Why the call's may-read set cannot be compared with causal, or None when it can. input_followed: the input
     ids were followed into some attention call of the pass, so a call they did not reach attends over another
-    sequence (when they reached none, the following itself failed, and says nothing)."""
-    if call.cross:
+    sequence (when they reached none, the following itself failed, and says nothing). An encoder-decoder's
+    cross-attention is judged: it must read all of the source (FWD212)."""
+    if call.cross and design.kind != "encoder-decoder":
         return NotJudged("cross-attention", "cross-attention: keys from another sequence, not judged for causality")
+    if call.cross and call.keys_read_input:
+        return NotJudged(
+            "cross-attention",
+            "cross-attention over the tokens' own streams (keys computed from the input tokens, not the source): "
+            "not judged",
+        )
+    if call.cross:
+        return None if call.unread is None else NotJudged("mask not read", f"not judged: {call.unread}")
     if input_followed and call.reads_input is False:
+        if design.kind == "encoder-decoder":
+            return NotJudged(
+                "encoder",
+                "encoder self-attention over the source held fixed: full attention by design, not judged for causality",
+            )
         return NotJudged(
             "another sequence",
             "another sequence: queries not computed from the input tokens (an "
@@ -157,6 +197,27 @@ def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
         key_positions=None if call.key_positions is None else call.key_positions[pad:] - pad,
     )
     return real, reads_padding
+
+
+def by_design(call: AttentionCall, design: AttentionPattern) -> tuple[MayRead, list[tuple[int, int]]]:
+    """The shape of a judged call's may-read set against the model's attention pattern, and the (query position, key
+    slot) pairs it may not read: an encoder-decoder's cross-attention reads every source position it was given
+    (the source is held fixed, unpadded); a bidirectional model's self-attention may read every key; a prefix-LM's
+    the prefix both ways and causal after it; a causal model's (and a decoder's) only its past and itself."""
+    if call.cross:
+        return (MayRead.SOURCE if bool(call.allowed.all()) else MayRead.PART_OF_SOURCE), []
+    if design.kind == "bidirectional":
+        return (MayRead.FULL if bool(call.allowed.all()) else MayRead.PARTIAL), []
+    prefix = design.prefix_length or 0 if design.kind == "prefix" else 0
+    shape, pairs = pattern(call.allowed, call.query_positions, call.key_positions, prefix)
+    if (
+        prefix
+        and shape is MayRead.CAUSAL
+        and call.query_positions is not None
+        and bool(call.query_positions.min() < prefix)
+    ):
+        shape = MayRead.PREFIX
+    return shape, pairs
 
 
 def _row(call: AttentionCall, reason: NotJudged | None, shape: MayRead | None) -> CallRow:
@@ -196,6 +257,8 @@ class MaskAudit(Check, declared=SPEC):
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
         findings, rows = self.audit(session.observation(), model)
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
+        if model.held is not None and model.forward_adapter is None and not session.train:
+            findings += _reads_its_source(model, session, data)
         B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Not on the train path: a
@@ -271,13 +334,11 @@ class MaskAudit(Check, declared=SPEC):
                             module=call.module,
                         )
                     )
-            reason = not_judged(call, input_followed)
-            shape, future_pairs = (
-                (None, []) if reason else pattern(call.allowed, call.query_positions, call.key_positions)
-            )
+            reason = not_judged(call, input_followed, model.pattern)
+            shape, future_pairs = (None, []) if reason else by_design(call, model.pattern)
             rows.append(_row(call, reason, shape))
             if shape is not None:
-                findings += self.judge(call, shape, future_pairs, model.causal)
+                findings += self.judge(call, shape, future_pairs, model.pattern.kind != "bidirectional")
             if shape is not None and model.causal and not shape.reads_future and model.windows is not None:
                 where = f"{call.module or 'model'} ({call.api})"
                 rows[-1]["window"], wrong = judge_window(call, model.windows, model.layer_of(call.module), where)
@@ -337,6 +398,8 @@ def _mask_findings(
                 where,
             )
         )
+    elif shape is MayRead.PART_OF_SOURCE:
+        findings.append(_part_of_source(call, api, where))
     elif causal and future_pairs:
         findings.append(_reads_future(call, shape, future_pairs, api, where))
     elif causal and (blind := _blind_to_themselves(call)) and (selection := _key_selection(call, blind)):
@@ -358,6 +421,58 @@ def _mask_findings(
             )
         )
     return findings
+
+
+def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditData) -> list[Finding]:
+    """An encoder-decoder whose source is held fixed: the session's tokens run once more beside another source, and
+    the decoder's logits must move beyond the run-to-run noise (FWD213 where they do not: the cross-attention reads
+    nothing of the source, or its output is dropped). Not the dtype tolerance: a randomly initialised tiny decoder
+    reads its source faintly (Marian's logits move by 2.5e-5 at a tolerance of 1e-5), while one that reads none of it
+    computes the same logits bit for bit. The table's cross-attention calls say what each may read; this says that
+    what they read reaches the logits."""
+    held = model.held
+    assert held is not None  # run() asks
+    logits = session.logits(session.inputs)  # (B, T, V) with the source held fixed
+    other = session.logits(session.inputs, model=dataclasses.replace(model, source_variant=1))  # another source
+    moved = float(position_change(logits, other).max())
+    noise = session.repeat_change()
+    data["source"] = {"held_fixed": held.description, "change_with_another_source": moved, "noise_floor": noise}
+    if moved > noise:
+        return []
+    return [
+        Finding(
+            "FWD213",
+            Status.FAIL,
+            f"the decoder's logits moved by {moved:.3g} (run-to-run noise {noise:.3g}) when its source was replaced "
+            "by another: the cross-attention reads nothing of the source (dead, or its output dropped)",
+            "the decoder's cross-attention",
+        )
+    ]
+
+
+def _part_of_source(call: AttentionCall, api: str, where: str) -> Finding:
+    """An encoder-decoder's cross-attention that keeps some decoder positions from some of the source they were
+    given: a causal mask handed to cross-attention (decoder position i reads source positions <= i), or a source
+    truncated or padded out by a mask built for another length."""
+    L, S = call.allowed.shape
+    closed = ~call.allowed  # (L, S)
+    rows = int(closed.any(-1).sum())
+    lower = bool(torch.equal(call.allowed, torch.ones_like(call.allowed).tril(diagonal=max(S - L, 0))))
+    upper = bool(torch.equal(call.allowed, torch.ones_like(call.allowed).tril())) if L <= S else False
+    how = (
+        "a causal mask handed to cross-attention (decoder position i reads source positions <= i)"
+        if lower or upper
+        else f"{int(closed.all(0).sum())} source position(s) closed to every decoder position"
+        if bool(closed.all(0).any())
+        else "a mask that closes some source positions to some decoder positions"
+    )
+    return Finding(
+        "FWD212",
+        Status.FAIL,
+        f"cross-attention ({api}) keeps {rows} of {L} decoder positions from part of the {S} source positions they "
+        f"were given: {how}; the decoder must read all of its source",
+        where,
+    )
 
 
 def _argument_findings(call: AttentionCall, api: str, where: str) -> list[Finding]:

@@ -19,6 +19,9 @@ SPEC = CheckInfo(
         "FWD210": "queries that may not read their own position (q > kv; causal aligned top left over a cache)",
         "FWD211": "a sliding-window layer's band is wider or narrower than the window the model declares (or a "
         "layer declared full attention reads a band)",
+        "FWD212": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
+        "truncated cross-attention mask)",
+        "FWD213": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
     },
     explain="""\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -57,6 +60,16 @@ For a causal model, query i may read key slot j only if j <= p_i, its own positi
   attention whose queries are not computed from the input ids (an encoder over a fixed source, followed op by op
   from the model's input): not judged for causality, reported as such; mask encoding (FWD203, FWD205-FWD207) is
   still checked.
+The model's attention pattern by design (model.attention, or read off the model: is_encoder_decoder, is_decoder,
+its attention modules' is_causal) decides what each call may read instead of plain causal:
+  bidirectional (an encoder: BERT, a masked LM): self-attention may read every key; only the mask's encoding and
+  padding are judged.   prefix (prefix_length P): queries before P read the prefix both ways and nothing after
+  it, queries from P on are causal; the prefix reading the suffix is FWD204.   encoder-decoder: the decoder's
+  self-attention is causal; the encoder's, over the source held fixed, is full attention and not judged; and
+  cross-attention must let every decoder position read every source position it was given (the source is unpadded):
+  a causal or truncated cross-attention mask is FWD212. An encoder-decoder built from `source: hf` with its source
+  held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD213 (a dead
+  cross-attention).
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
@@ -80,7 +93,9 @@ beside sliding ones must read every earlier key past the widest window. A kernel
 window_size, xformers' attn_bias) is measured as the band it allows: window_size=(W, 0) reads W + 1 keys. The width
 is "not judged" when the run's longest query does not reach past the window (raise inputs.seq_len above it); a model
 that declares no window is not judged on width. FWD211 -> build the band as the config says: keep key j when
-j > i - W (or flash-attn's window_size=(W - 1, 0)), and the sliding mask only on sliding layers.
+j > i - W (or flash-attn's window_size=(W - 1, 0)), and the sliding mask only on sliding layers. FWD212 -> hand
+cross-attention the source's padding mask only (encoder_attention_mask, memory_key_padding_mask), never the
+decoder's causal mask.
 A model without attention calls fwdcheck can read (custom kernels) is skipped here; future-token still tests its
 behaviour. For a cached forward whose calls are not judged, hand the positions to the attention module's forward as
 input_pos or cache_position.""",

@@ -66,6 +66,13 @@ class MaskAuditData(TypedDict, total=False):
     calls: list[CallRow]
     batch1: str  # "observed", or why the pass at batch size 1 did not run
     batch1_length: int
+    source: SourceRead  # an encoder-decoder with its source held fixed: whether the decoder reads it
+
+
+class SourceRead(TypedDict):
+    held_fixed: str  # what was held fixed
+    change_with_another_source: float  # the largest change of the logits when the source was replaced
+    noise_floor: float  # the largest change between two identical forwards
 
 
 def mask_table(r: CheckResult) -> RenderableType:

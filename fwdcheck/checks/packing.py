@@ -68,7 +68,7 @@ def isolation(model, session) -> Way:
     """The way this model offers to isolate packed documents (its packing capability), or SkipCheck naming why
     there is none to test."""
     if not model.causal:
-        raise DoesNotApply("the model is declared bidirectional (causal: false): packing is checked on causal models")
+        raise DoesNotApply(f"{model.pattern.describe()}: packing is checked on causal models")
     offered = model.packing
     if offered is None:
         raise DoesNotApply(

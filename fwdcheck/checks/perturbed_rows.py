@@ -31,9 +31,19 @@ class Plan:
 
     def __init__(self, model, session, exhaustive: bool):
         B, T = session.inputs.shape
-        self.causal = model.causal
+        # The first position a cut is judged at: 1 for a causal model, the prefix's length for a prefix-LM (a cut
+        # inside the prefix moves the prefix by design), None for a bidirectional one (the rows still show whether
+        # samples read each other).
+        self.first = model.pattern.first_causal_position(T)
+        self.causal = self.first is not None
         self.exhaustive = exhaustive
-        self.cuts = list(range(1, T)) if self.exhaustive else default_cuts(T)
+        first = self.first or 1
+        if self.exhaustive:
+            self.cuts = list(range(first, T))
+        elif first > 1:  # the prefix's own edge (the prefix blind to what follows), then the later cuts
+            self.cuts = list(dict.fromkeys([first] + [k for k in default_cuts(T) if k > first]))
+        else:
+            self.cuts = default_cuts(T)
         rows, sources = [], []
         for i, k in enumerate(self.cuts):
             sample = i % B
@@ -77,11 +87,15 @@ class Plan:
         compared = [changes[i, : self.cut_of[i]] if i in self.cut_of else changes[i] for i in range(len(changes))]
         return float(torch.cat(compared).max())
 
+    def single_cut(self, length: int) -> int:
+        """Where the single row of `length` tokens is cut: half way, or at the prefix's edge past it."""
+        return max(length // 2, self.first or 1)
+
     def single_row(self, length: int) -> torch.Tensor:
         """Sample 0's first `length` tokens with the later half replaced; drawn once per length."""
         if length not in self._single:
             row = self.session.inputs[0, :length].clone()
-            cut = length // 2
+            cut = self.single_cut(length)
             row[cut:] = self.session.random_ids((length - cut,), differ_from=row[cut:])
             self._single[length] = row
         return self._single[length]

@@ -177,6 +177,37 @@ class ReferenceModel(ModelSpec):
         return self
 
 
+class AttentionSpec(Strict):
+    """The attention pattern the model has by design, where the model cannot show it (fwdcheck reads it off a
+    transformers model: is_encoder_decoder, is_decoder, its attention modules' is_causal). Every check judges
+    against it."""
+
+    pattern: Literal["causal", "bidirectional", "prefix", "encoder-decoder"] = Field(
+        description="causal (a decoder), bidirectional (an encoder), prefix (a prefix-LM: the first prefix_length "
+        "tokens read each other, the rest is causal) or encoder-decoder (the decoder's tokens under test, causal, "
+        "reading all of a source held fixed)"
+    )
+    prefix_length: PositiveInt | None = Field(None, description="prefix: how many leading tokens form the prefix")
+
+    @model_validator(mode="after")
+    def _prefix_has_a_length(self) -> AttentionSpec:
+        if self.pattern == "prefix" and self.prefix_length is None:
+            raise ValueError("pattern 'prefix' needs a prefix_length (the leading tokens that read each other)")
+        if self.pattern != "prefix" and self.prefix_length is not None:
+            raise ValueError(f"prefix_length is for pattern 'prefix', not {self.pattern!r}")
+        return self
+
+
+def pattern_agrees(causal: bool | None, attention: AttentionSpec | None) -> None:
+    """`causal:` (the former key) and `attention.pattern` may both be given only when they agree."""
+    if causal is None or attention is None:
+        return
+    if causal != (attention.pattern in ("causal", "encoder-decoder")):
+        raise ValueError(
+            f"causal: {str(causal).lower()} contradicts attention.pattern {attention.pattern!r}; give one of them"
+        )
+
+
 class FactoryModel(ModelSpec):
     """A model built by the user's own callable: the fields `python` and `checkpoint` sources share."""
 
@@ -189,7 +220,10 @@ class FactoryModel(ModelSpec):
     )
     vocab_size: PositiveInt | None = None
     max_positions: PositiveInt | None = None
-    causal: bool = Field(True, description="false for bidirectional encoders: future-token then skips part (a)")
+    causal: bool | None = Field(
+        None, description="false for bidirectional encoders (attention.pattern's former spelling)"
+    )
+    attention: AttentionSpec | None = Field(None, description="the attention pattern by design (default: causal)")
     rope: RopeSpec | None = Field(None, description="declared rotary settings, compared with what is measured")
     rotary_function: str | None = Field(
         None, description="'module:callable' (x [B,h,T,d_h], positions [T]) -> rotated x, tested on its own"
@@ -209,6 +243,11 @@ class FactoryModel(ModelSpec):
         description="the factor attention applies to q . k when it is not 1/sqrt(d_h) (1 for a model that folds the "
         "scale into its weights, as T5); attention-stats judges the effective scale against it",
     )
+
+    @model_validator(mode="after")
+    def _one_pattern(self) -> FactoryModel:
+        pattern_agrees(self.causal, self.attention)
+        return self
 
     def code(self) -> list[tuple[str, str]]:
         named = [("the factory", self.factory), ("the forward adapter", self.forward)]
@@ -364,7 +403,12 @@ class HFModel(ModelSpec):
         None, alias="class", description="e.g. BertForMaskedLM; default AutoModelForCausalLM"
     )
     trust_remote_code: bool = False
-    causal: bool = True
+    causal: bool | None = Field(
+        None, description="false for bidirectional encoders (attention.pattern's former spelling)"
+    )
+    attention: AttentionSpec | None = Field(
+        None, description="the attention pattern by design (default: read off the model, else causal)"
+    )
     rope: RopeSpec | None = Field(None, description="override what the config declares about its rotary embedding")
     window: PositiveInt | list[PositiveInt | None] | None = Field(
         None, description="override the sliding window the config declares (as a python model's window:)"
@@ -379,6 +423,7 @@ class HFModel(ModelSpec):
             raise ValueError("give exactly one of 'path' (a directory with config.json) and 'config' (inline)")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("an inline 'config' needs a 'model_type' (e.g. llama, gpt2)")
+        pattern_agrees(self.causal, self.attention)
         return self
 
     def resolve_paths(self, base: Path) -> None:

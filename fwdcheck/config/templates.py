@@ -43,7 +43,7 @@ model:
   # `fwdcheck shrink` write a small copy of a model too big to run here.
   kwargs: {vocab_size: 16, d_model: 8, n_heads: 2, n_layers: 2}
   python_path: []          # directories put on sys.path first, relative to this file (its own folder always is)
-  causal: true             # false for bidirectional encoders: future-token then skips its causal part
+  # attention: {pattern: bidirectional}  # causal (default) | bidirectional | prefix (+ prefix_length) | encoder-decoder
   # vocab_size: 16         # when neither model.config.vocab_size nor an nn.Embedding tells it
   # forward: "mypkg.adapters:logits"     # (model, input_ids, **kw) -> logits, for another call convention
   # rope: {base: 10000, pairing: half}   # declared rotary settings, compared with what the rope check measures
@@ -63,7 +63,7 @@ model:
     num_key_value_heads: 2
     max_position_embeddings: 128
   # class: BertForMaskedLM # a class other than AutoModelForCausalLM
-  causal: true             # false for bidirectional encoders: future-token then skips its causal part
+  # attention: {pattern: bidirectional}  # read off the model (is_encoder_decoder, is_causal); declare to override
 # future-token and mask-audit run over every code path the model offers (attention implementation, output_attentions,
 # attention_mask, batch size); narrow them with e.g. `code_paths: {attention_mask: [ones], batch_size: [2]}`.
 """

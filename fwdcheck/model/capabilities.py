@@ -178,3 +178,87 @@ class Positions:
     def given(self) -> bool:
         """Whether fwdcheck may hand the model 0-based position_ids."""
         return self.form == "given"
+
+
+# Which keys each token may read, by the model's design:
+#   causal           every token reads itself and the tokens before it (a decoder-only language model)
+#   bidirectional    every token reads every token (an encoder: BERT, a masked LM)
+#   prefix           the first prefix_length tokens read each other and nothing after them; the tokens after read
+#                    every earlier token (a prefix-LM: PaliGemma's image and prompt, T5's prefix-LM objective)
+#   encoder-decoder  the tokens under test are the decoder's, causal over themselves, each reading all of a source
+#                    held fixed through cross-attention (T5, BART, nn.Transformer)
+PatternKind = Literal["causal", "bidirectional", "prefix", "encoder-decoder"]
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    """The attention pattern the model has by design, and where fwdcheck learnt it (the config, the model's own
+    attributes). Checks judge against it: a bidirectional encoder reading the future is no leak, a prefix-LM's
+    prefix reading itself both ways is none either, and an encoder-decoder's cross-attention must read all of its
+    source."""
+
+    kind: PatternKind
+    origin: str
+    prefix_length: int | None = None  # prefix: how many leading tokens form the prefix
+
+    @property
+    def causal(self) -> bool:
+        """Whether every token under test reads only itself and earlier tokens (the decoder's, for an
+        encoder-decoder)."""
+        return self.kind in ("causal", "encoder-decoder")
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.kind == "bidirectional"
+
+    def first_causal_position(self, length: int) -> int | None:
+        """The first position from which changing the tokens must leave every earlier position's logits alone: 1
+        for a causal model (any cut), the prefix's length for a prefix-LM (a cut inside the prefix moves the prefix
+        by design), None where no cut of `length` tokens is judged (bidirectional, or a prefix as long as the
+        sequence)."""
+        if self.kind == "bidirectional":
+            return None
+        if self.kind == "prefix":
+            start = max(self.prefix_length or 0, 1)
+            return start if start < length else None
+        return 1
+
+    def describe(self) -> str:
+        """How a report names it: 'bidirectional by design (BertSelfAttention.is_causal is False)'."""
+        what = {
+            "causal": "causal",
+            "bidirectional": "bidirectional by design",
+            "prefix": f"prefix-LM by design (the first {self.prefix_length} tokens read each other)",
+            "encoder-decoder": "encoder-decoder (the decoder causal over its tokens, reading all of the source)",
+        }[self.kind]
+        return f"{what} ({self.origin})"
+
+
+ASSUMED_CAUSAL = AttentionPattern("causal", "assumed: nothing declares or shows another attention pattern")
+
+
+def declared_pattern(causal: bool | None, attention: Any = None) -> AttentionPattern | None:
+    """The pattern a model section declares (`attention: {pattern: ..., prefix_length: N}`, or the former
+    `causal: false`), or None where it declares none and the model's own attributes decide."""
+    if attention is not None:
+        return AttentionPattern(attention.pattern, "model.attention in the config", attention.prefix_length)
+    if causal is None:
+        return None
+    if causal:
+        return AttentionPattern("causal", "model.causal: true in the config")
+    return AttentionPattern("bidirectional", "model.causal: false in the config")
+
+
+@dataclass(frozen=True)
+class HeldSource:
+    """An encoder-decoder driven without an adapter: the tokens under test are its decoder's, handed over as
+    `argument`, while its source goes in as `keyword`, held fixed. `draw(rows, variant)` gives the source for a
+    forward of that many rows: one row drawn once (seeded) and repeated, so that every decoder row reads the same
+    source wherever it sits in a batch; variant 1 is another source, to show that the decoder reads it."""
+
+    argument: str  # the keyword of the tokens under test: decoder_input_ids
+    keyword: str  # the keyword of the source: input_ids
+    mask_argument: str  # where an attention_mask for the tokens under test goes: decoder_attention_mask
+    draw: Callable[[int, int], Any]  # (rows, variant) -> the source [rows, S]
+    description: str  # what was held fixed, for the report
+    fixed: tuple[tuple[str, Any], ...] = ()  # keyword arguments every call takes as they are (use_cache=False)

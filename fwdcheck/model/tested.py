@@ -24,7 +24,17 @@ from fwdcheck.config.schema import RopeSpec
 from fwdcheck.errors import ModelRaised, UsageError, model_failure
 from fwdcheck.model.call_convention import adapter_hint
 from fwdcheck.model.calling import adapter_takes, call_convention_hint, call_forward
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions, Windows
+from fwdcheck.model.capabilities import (
+    ASSUMED_CAUSAL,
+    AttentionPattern,
+    AttentionSwitch,
+    Cache,
+    HeldSource,
+    Loss,
+    Packing,
+    Positions,
+    Windows,
+)
 from fwdcheck.model.default_device import global_default_device, set_global_default_device
 from fwdcheck.observe.frames import logits_in
 from fwdcheck.observe.observer import compiled_eagerly
@@ -62,7 +72,9 @@ class ModelUnderTest:
     source: str  # the config's `source:`, for the report only: checks ask the capabilities below, never this
     vocab_size: int
     max_positions: int | None = None
-    causal: bool = True
+    # The attention pattern by design (capabilities.AttentionPattern): declared by the config, read off the model by
+    # its source or detection, else assumed causal. Every check judges against it.
+    pattern: AttentionPattern = ASSUMED_CAUSAL
     dims: dict[str, int] = field(default_factory=dict)  # known symbolic dimensions: d, h, h_kv, d_h, V, d_ff, L
     # The dims the user declared; None: all of `dims`. The others were read off a library's config: the shape ledger
     # names axes by them, but a tensor that differs from them is no finding.
@@ -95,6 +107,10 @@ class ModelUnderTest:
     # (module, the mesh's {dimension: size}) -> the sharded module and how, in words
     tensor_parallel: Callable[[nn.Module, dict[str, int]], tuple[nn.Module, str]] | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # capability -> why the model does not offer it
+    # An encoder-decoder driven without an adapter: its decoder's tokens are under test, its source held fixed
+    # (capabilities.HeldSource); source_variant 1 runs it on another source.
+    held: HeldSource | None = None
+    source_variant: int = 0
 
     def using_attention(self, implementation: str | None) -> AbstractContextManager[None]:
         """The block runs this attention implementation (None: whichever runs now), the original put back after."""
@@ -108,6 +124,12 @@ class ModelUnderTest:
         if implementation in COMPILING_IMPLEMENTATIONS:
             return _both(self.attention.using(implementation), compiled_eagerly())
         return self.attention.using(implementation)
+
+    @property
+    def causal(self) -> bool:
+        """Whether every token under test reads only itself and earlier tokens: a causal model, or the decoder of
+        an encoder-decoder (not a bidirectional encoder, nor a prefix-LM's prefix)."""
+        return self.pattern.causal
 
     def why_not(self, capability: str, default: str) -> str:
         """Why the model does not offer a capability: its source's reason, else `default`."""
@@ -153,17 +175,32 @@ class ModelUnderTest:
         says what to do about it."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
         with model_code("the model raised", hint=call_convention_hint):
-            return call_forward(self.module, self.forward_adapter, input_ids, **kwargs)
+            if self.forward_adapter is not None:
+                return call_forward(self.module, self.forward_adapter, input_ids, **kwargs)
+            return self.drive(self.module, input_ids, **kwargs)
 
     def call(self, input_ids: torch.Tensor, **extras: Any) -> Any:
         """The model's forward with the extras a check passes (labels, document ids, a 4-D mask), through the
         config's `forward:` adapter when it takes them (fwdcheck/model/calling.py: the adapter contract), else the
-        module's own forward: the raw output, exceptions as forward() reports them."""
+        module's own forward (as `drive` calls it): the raw output, exceptions as forward() reports them."""
         adapter = self.forward_adapter
         if adapter is not None and not adapter_takes(adapter, extras):
             adapter = None  # a logits adapter would drop them: the module takes them itself, as without one
         with model_code("the model raised", hint=call_convention_hint):
-            return call_forward(self.module, adapter, input_ids, **extras)
+            if adapter is not None:
+                return call_forward(self.module, adapter, input_ids, **extras)
+            return self.drive(self.module, input_ids, **extras)
+
+    def drive(self, module: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """`module` called on the tokens under test: by its own call convention (fwdcheck/model/calling.py), or, for
+        an encoder-decoder whose source is held fixed, as its decoder's tokens beside that source (an attention_mask
+        then is the decoder's)."""
+        if self.held is None:
+            return call_forward(module, None, input_ids, **kwargs)
+        if "attention_mask" in kwargs:
+            kwargs[self.held.mask_argument] = kwargs.pop("attention_mask")
+        source = self.held.draw(input_ids.shape[0], self.source_variant).to(input_ids.device)  # (B, S)
+        return module(**{self.held.keyword: source, self.held.argument: input_ids}, **dict(self.held.fixed), **kwargs)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T], or ModelRaised saying why the output cannot be checked."""

@@ -360,10 +360,13 @@ def module_tracking(
     where: list[_Frame],
     keep_inputs_of: Collection[str] = frozenset(),
     from_input: _Identities | None = None,
+    tokens: torch.Tensor | None = None,
 ):
     """Forward hooks on every submodule: keep a stack of running modules (with the positions and key sources their
     forward was handed) and record in/out shapes; the root's input ids go into from_input, where the observer
-    follows what is computed from them."""
+    follows what is computed from them. The input ids are `tokens` (the ids under test) where the root is handed
+    that very tensor under any name (an encoder-decoder's decoder_input_ids, its input_ids a source held fixed);
+    else its decoder_input_ids, else its input_ids, else its first tensor."""
     handles = []
     running: dict[str, list[ModuleCall]] = {}  # module name -> its calls whose output has not come yet
     positions_of = _PositionsSeen()
@@ -372,7 +375,10 @@ def module_tracking(
         def hook(module, args, kwargs):
             x = first_tensor(args) if args else first_tensor(kwargs)
             if not name and from_input is not None:
-                ids = kwargs.get("input_ids", x)
+                given = [*args, *kwargs.values()]
+                # an encoder-decoder's decoder_input_ids are the tokens under test, its input_ids the source
+                fallback = kwargs.get("decoder_input_ids", kwargs.get("input_ids", x))
+                ids = tokens if any(a is tokens for a in given) else fallback
                 if isinstance(ids, torch.Tensor):
                     from_input[ids] = True
             # fwdcheck's own reading of the arguments: no op of the model's, so the observer's mode is off for it

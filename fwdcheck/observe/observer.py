@@ -50,15 +50,17 @@ def observing(
     keep_tensors: bool = False,
     zero_dropout: bool = False,
     keep_inputs_of: Collection[str] = frozenset(),
+    tokens: torch.Tensor | None = None,
 ):
-    """Everything inside runs observed; the Observation fills as it runs and is complete on exit."""
+    """Everything inside runs observed; the Observation fills as it runs and is complete on exit. `tokens`: the ids
+    under test, followed into the attention calls computed from them (module_tracking)."""
     record = Observation(seq_len=seq_len)
     where: list[_Frame] = []
     from_input = _Identities()
     observer = Observer(record, where, keep_tensors, zero_dropout, from_input)
     with ExitStack() as stack:
         stack.enter_context(compiled_eagerly())
-        stack.enter_context(module_tracking(model, record, where, keep_inputs_of, from_input))
+        stack.enter_context(module_tracking(model, record, where, keep_inputs_of, from_input, tokens))
         for wrapper in list(KERNELS.wrappers.values()):  # calls no torch function mode sees, wrapped for the pass
             stack.enter_context(wrapper(observer))
         stack.enter_context(observer)

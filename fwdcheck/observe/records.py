@@ -74,6 +74,9 @@ class AttentionCall:
     # Whether the queries were computed from the forward's input ids (followed op by op from the root module's first
     # input). False for an encoder over a fixed source; None when the input was not followed (no root call seen).
     reads_input: bool | None = None
+    # Whether the keys were computed from the input ids (None: not followed, or not told by this API): a
+    # cross-attention whose keys are the input's own streams (ProphetNet's n-gram attention) reads no source.
+    keys_read_input: bool | None = None
     # "path:line" of the model code that made the call (eager: the softmax), None when no model code did (a bare
     # nn.TransformerEncoder): what a finding about this call points at.
     source: str | None = None

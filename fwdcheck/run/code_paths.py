@@ -251,7 +251,7 @@ def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
             output = (
                 model.forward_adapter(module, input_ids, **kwargs)
                 if model.forward_adapter
-                else module(input_ids, **kwargs)
+                else model.drive(module, input_ids, **kwargs)
             )
         return extract_logits(output)[:, padding:]  # (B, T, V): the real tokens
 

@@ -16,6 +16,12 @@ tolerance (Session.noise_matters), as the run-to-run noise floor is. A model the
 without float64, a module that cannot be copied, too little memory for the copy, a model run across processes, whose
 copy would have to run the collectives again on every rank alike) has no rounding floor: the tolerance and the
 run-to-run noise stand alone, and the run's notes say why.
+
+The twin must compute the same thing, only more exactly. One that does not (an adapter that draws its image with
+torch.randn in the default dtype gets another image in float64; an input built from the clock) measures a difference
+of computations, not rounding, and would raise the threshold over a real leak. So what it measures is used only when
+it is small next to the logits' scale, at most ROUNDING_BOUND of it (1024 units of the run dtype's precision, capped
+at 1%: the tiny Mamba's rounding is 6e-6 of its scale); beyond that the twin is not used, and the notes say why.
 """
 
 from __future__ import annotations
@@ -31,6 +37,17 @@ from fwdcheck.model.tested import ModelUnderTest
 
 # How many times the measured rounding a change must exceed to count (see the module's docstring).
 ROUNDING_FACTOR = 4.0
+# The largest rounding, in units of the run dtype's precision (torch.finfo.eps) times the logits' scale, that the
+# twin's difference can be taken for; capped at ROUNDING_CAP of the scale (see the module's docstring).
+ROUNDING_BOUND = 1024
+ROUNDING_CAP = 0.01
+
+
+def rounding_bound(scale: float, *dtypes: torch.dtype) -> float:
+    """The largest difference from the float64 twin that can be rounding, for logits of this scale computed in the
+    coarsest of these dtypes."""
+    eps = max(torch.finfo(d).eps for d in dtypes if d.is_floating_point)
+    return min(ROUNDING_BOUND * eps, ROUNDING_CAP) * scale
 
 
 def float64_twin(model: ModelUnderTest, device: torch.device) -> ModelUnderTest | str:

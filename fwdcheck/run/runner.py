@@ -229,6 +229,7 @@ def model_summary(model: ModelUnderTest) -> dict:
         "vocab_size": model.vocab_size,
         "max_positions": model.max_positions,
         "causal": model.causal,
+        "attention_pattern": model.pattern.describe(),
         "dims": dict(model.dims),
     }
 

@@ -33,7 +33,7 @@ from fwdcheck.observe.records import Observation
 # live in fwdcheck/run/compare.py, as do the settings and the model's state in settings.py and model_state.py.
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change  # noqa: F401
 from fwdcheck.run.model_state import GlobalState, KeptBuffers, ModelState
-from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin
+from fwdcheck.run.rounding import ROUNDING_FACTOR, float64_twin, rounding_bound
 from fwdcheck.run.settings import DTYPES, Settings, own_dtype, resolve_device
 from fwdcheck.run.tolerances import TOLERANCES
 from fwdcheck.run.train_path import eval_path, gradients_or_not
@@ -352,22 +352,50 @@ class Session:
             if isinstance(twin, str):
                 self.notes.append(f"rounding not measured: {twin}")
                 return 0.0
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float64)  # what the model makes as it runs, in the twin's precision
-            try:
-                exact = self.logits(self.inputs, model=twin)
+            try:  # what the model makes as it runs, in the twin's precision
+                exact = self._twin_logits(twin, torch.float64)
             except ModelRaised as exc:
                 self.notes.append(f"rounding not measured: the model does not run in float64 ({first_line(exc)})")
                 return 0.0
-            finally:
-                torch.set_default_dtype(default)
             change = float(position_change(baseline, exact).max())
             if not math.isfinite(change):  # the twin overflowed or broke where the model did not: no measurement
                 self.notes.append("rounding not measured: the float64 twin's logits are not finite")
                 return 0.0
-            return change
+            scale = logit_scale(baseline)
+            dtypes = {baseline.dtype, *(p.dtype for p in self.model.module.parameters() if p.is_floating_point())}
+            bound = rounding_bound(scale, *dtypes)
+            if change <= bound:
+                return change
+            # Tensors the model draws in the default dtype (torch.randn) come out otherwise in float64: the twin
+            # again with the default dtype as the run has it draws the run's own values.
+            try:
+                again = float(position_change(baseline, self._twin_logits(twin, torch.get_default_dtype())).max())
+            except ModelRaised:
+                again = math.inf
+            if again <= bound:
+                self.notes.append(
+                    "rounding measured with torch's default dtype left as the run's: with it at float64 the twin "
+                    f"drew other random tensors than the run (its logits {change:.3g} away)"
+                )
+                return again
+            self.notes.append(
+                f"rounding not used: the float64 twin's logits differ from the run's by {change:.3g}, "
+                f"{change / scale:.2g} of the logits' scale, more than rounding can be ({bound:.3g}): the twin "
+                "computed something else (an input that changes from call to call, a tensor built in the default "
+                "dtype), so it raises no threshold"
+            )
+            return 0.0
 
         return self._once("rounding", compute)
+
+    def _twin_logits(self, twin: ModelUnderTest, default: torch.dtype) -> torch.Tensor:
+        """The float64 twin's logits of the session's inputs, run with torch's default dtype set to `default`."""
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            return self.logits(self.inputs, model=twin)
+        finally:
+            torch.set_default_dtype(before)
 
     def floors(self, largest_change: float, scale: float) -> tuple[float, float]:
         """(run-to-run noise, rounding) for judging changes up to `largest_change`: measured only when they could
@@ -437,7 +465,7 @@ class Session:
         def observed() -> tuple[Observation, torch.Tensor]:
             # on the train path dropout is zeroed inside the observer, which sees the calls as they then run
             with (
-                observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of) as seen,
+                observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of, tokens=ids) as seen,
                 ZeroAttentionDropout() if self.train else nullcontext(),
             ):
                 logits = self.model.logits(ids, position_ids)

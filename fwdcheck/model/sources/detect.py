@@ -2,7 +2,7 @@
 
 A transformers model built by a Python factory, loaded from a checkpoint or handed to check_model is driven as a
 transformers model; the reference transformer built by a factory is driven as the reference. What a config declares
-(`cache:`, `loss:`, `packing:`) is applied by its source after this, and wins.
+(`cache:`, `loss:`, `packing:`, `attention:`) is applied by its source after this, and wins.
 """
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ from __future__ import annotations
 from fwdcheck.model.capabilities import AttentionSwitch
 from fwdcheck.model.reference import ReferenceTransformer
 from fwdcheck.model.sources.hf import add_transformers_capabilities, is_transformers_model
+from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.sources.reference import add_reference_capabilities
 from fwdcheck.model.tested import ModelUnderTest
 
 
 def detect_capabilities(model: ModelUnderTest) -> ModelUnderTest:
     """Fill in what the module shows it can do. A `forward:` adapter drives the model its own way, so only the
-    attention switch (which works on the module, whatever calls it) is read then."""
+    attention switch and the attention pattern (the module's own, whatever calls it) are read then."""
     module = model.module
+    fill_pattern(model)
     if model.forward_adapter is None:
         if is_transformers_model(module):
             add_transformers_capabilities(model)

@@ -13,6 +13,7 @@ import torch.nn as nn
 from fwdcheck.config.callables import on_sys_path, resolve_callable
 from fwdcheck.config.schema import FactoryModel
 from fwdcheck.errors import ModelLoadError, model_failure
+from fwdcheck.model.capabilities import ASSUMED_CAUSAL, declared_pattern
 from fwdcheck.model.config_keys import CONFIG_KEYS, extended, head_widths
 from fwdcheck.model.sources.attention_declared import declare_attention
 from fwdcheck.model.sources.detect import detect_capabilities
@@ -103,7 +104,7 @@ def model_from_module(
             source=source,
             vocab_size=vocab,
             max_positions=max_positions,
-            causal=spec.causal,
+            pattern=declared_pattern(spec.causal, spec.attention) or ASSUMED_CAUSAL,
             dims=dims,
             rope=spec.rope,
             rotary=parts.rotary,

@@ -28,11 +28,22 @@ from pydantic import ValidationError
 
 from fwdcheck.config.reading import MAX_DEPTH, nesting_depth, regular_file
 from fwdcheck.config.schema import HF_WEIGHT_FILES, Config, HFModel, RopeSpec, describe_validation_error
-from fwdcheck.errors import ModelLoadError, UsageError, first_line
-from fwdcheck.model.capabilities import AttentionSwitch, Cache, Loss, Packing, Positions
+from fwdcheck.errors import ModelLoadError, first_line
+from fwdcheck.model.capabilities import (
+    ASSUMED_CAUSAL,
+    AttentionSwitch,
+    Cache,
+    Loss,
+    Packing,
+    Positions,
+    declared_pattern,
+)
 from fwdcheck.model.config_keys import CONFIG_KEYS, head_widths
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.sources.attention_declared import declare_attention, transformers_windows
+from fwdcheck.model.sources.hf_parallel import tensor_parallel
+from fwdcheck.model.sources.pattern import fill_pattern
+from fwdcheck.model.sources.seq2seq import hold_source, seq2seq_class
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
@@ -99,7 +110,7 @@ def load_hf(spec: HFModel, config: Config) -> ModelUnderTest:
         notes.append(f"trust_remote_code is on: Python code shipped with {spec.path or 'the config'} ran")
     with offline(), kept_as_notes(LOGGERS, notes), no_progress_bars(transformers):
         hf_config = _hf_config(spec, transformers)
-        cls = _model_class(spec, transformers)
+        cls = _model_class(spec, transformers, hf_config)
         has_weights = spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES)
         for name in HF_WEIGHT_FILES if has_weights else ():  # a FIFO would hold from_pretrained until someone writes
             assert spec.path is not None  # has_weights
@@ -151,7 +162,7 @@ def hf_model_under_test(
         source="hf",
         vocab_size=dims["V"],
         max_positions=max_positions,
-        causal=spec.causal,
+        pattern=declared_pattern(spec.causal, spec.attention) or ASSUMED_CAUSAL,
         dims={k: v for k, v in dims.items() if v},
         declared_dims=set(),  # all read off the config by fwdcheck
         rope=rope,
@@ -162,8 +173,10 @@ def hf_model_under_test(
         origins=origins,
         extra={"notes": notes, "model_type": top.model_type},
     )
+    fill_pattern(model)
     add_transformers_capabilities(model)
     declare_attention(model, spec)
+    hold_source(model)
     return model
 
 
@@ -342,8 +355,9 @@ def _config_code(cls: type) -> str:
     return "\n".join(texts)
 
 
-def _model_class(spec: HFModel, transformers):
-    name = spec.model_class or "AutoModelForCausalLM"
+def _model_class(spec: HFModel, transformers, hf_config: Any):
+    """The class the config names, else AutoModelForSeq2SeqLM for an encoder-decoder, else AutoModelForCausalLM."""
+    name = spec.model_class or seq2seq_class(hf_config) or "AutoModelForCausalLM"
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ModelLoadError(f"transformers {transformers.__version__} has no class '{name}'")
@@ -821,76 +835,3 @@ def windowed(config) -> str | None:
     if kinds - {"full_attention"}:
         return f"layer_types {sorted(kinds)}"
     return None
-
-
-# The mesh dimensions a Hugging Face model's own plans shard over, by the names transformers' DistributedConfig gives
-# them (dp_shard is its fsdp_size), in the order transformers builds its mesh: (dp_replicate, fsdp, tp).
-HF_MESH = {"dp_replicate": "dp_replicate_size", "dp_shard": "fsdp_size", "tp": "tp_size"}
-
-
-def tensor_parallel(module: nn.Module, mesh: dict[str, int]) -> tuple[nn.Module, str]:
-    """A transformers model sharded by its own plans over the mesh's dimensions {name: size}, the way
-    from_pretrained(distributed_config=DistributedConfig(...)) shards a loaded model: its tensor-parallel plan (its
-    config's base_model_tp_plan and the class's _tp_plan) over `tp` (over every rank for the 1-D mesh "ranks"), its
-    FSDP plan over `dp_shard`, replicas over `dp_replicate`."""
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        raise UsageError(
-            "this transformers has no tensor-parallel plans (transformers.distributed); name a "
-            "distributed.parallelize function"
-        ) from None
-    plan = getattr(module, "tp_plan", None) or {}
-    if not plan:
-        raise UsageError(
-            f"{type(module).__name__} has no tensor-parallel plan; name a distributed.parallelize function"
-        )
-    sizes = _plan_sizes(mesh)
-    cls: Any = type(module)  # a transformers PreTrainedModel class
-    over = (
-        " x ".join(f"{name} {size}" for name, size in mesh.items())
-        if list(mesh) != ["ranks"]
-        else f"{sizes['tp_size']} ranks"
-    )
-    try:
-        config, _, meshes = cls.prepare_distribute_model(
-            DistributedConfig(
-                tp_size=sizes["tp_size"],
-                fsdp_size=sizes.get("fsdp_size"),
-                dp_replicate_size=sizes.get("dp_replicate_size"),
-            )
-        )
-        sharded = cls.maybe_distribute_model(module, config, meshes)
-    except Exception as exc:  # transformers' own limits (a plan naming a tied weight): the run cannot be made
-        plans = "plans" if len(sizes) > 1 else "tensor-parallel plan"
-        raise ModelLoadError(
-            f"transformers could not apply {cls.__name__}'s {plans} over "
-            f"{over}: {type(exc).__name__}: {first_line(exc)}; name a "
-            "distributed.parallelize function instead"
-        ) from exc
-    how = f"its tensor-parallel plan ({len(plan)} rules)"
-    if sizes.get("fsdp_size", 1) > 1:
-        how += f" and its FSDP plan ({len(getattr(module, 'fsdp_plan', None) or {})} rules)"
-    return sharded, how
-
-
-def _plan_sizes(mesh: dict[str, int]) -> dict[str, int]:
-    """DistributedConfig's sizes for the mesh, or a usage error naming `parallelize` for a mesh transformers cannot
-    shard over as it stands."""
-    if list(mesh) == ["ranks"]:  # the 1-D mesh of every rank: tensor parallel over all of them
-        return {"tp_size": mesh["ranks"]}
-    unknown = [name for name in mesh if name not in HF_MESH]
-    if unknown or "tp" not in mesh:
-        what = f"dimension '{unknown[0]}'" if unknown else "no dimension 'tp'"
-        raise UsageError(
-            f"distributed.mesh: {what}: a Hugging Face model's own plans shard over 'tp' (its tensor-parallel "
-            f"plan), 'dp_shard' (its FSDP plan) and 'dp_replicate'; name a distributed.parallelize function for "
-            "other meshes"
-        )
-    order = [name for name in HF_MESH if name in mesh]
-    if list(mesh) != order:
-        raise UsageError(
-            f"distributed.mesh: list the dimensions as transformers lays its mesh out ({', '.join(order)}), so that "
-            "the ranks' groups are the ones it builds"
-        )
-    return {HF_MESH[name]: size for name, size in mesh.items()}

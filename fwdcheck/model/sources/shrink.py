@@ -46,6 +46,7 @@ from fwdcheck.config.schema import (
 from fwdcheck.config.sources import SOURCES, resolve
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.model.config_keys import CONFIG_KEYS, Spellings, extended
+from fwdcheck.model.sources.shrink_nested import shrink_sub_configs
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
 MAX_KV_HEADS = 2  # two kv groups: a head mixed into the wrong group shows
@@ -64,6 +65,7 @@ LEARNED_POSITIONS = 256  # learned absolute position tables are capped (rotary o
 HF_KEYS = extended(
     CONFIG_KEYS,
     L=("encoder_layers", "decoder_layers", "num_decoder_layers"),
+    h=("encoder_attention_heads",),
     h_kv=("multi_query_group_num",),
     d_h=("d_kv", "d_head"),
     d_ff=(
@@ -74,6 +76,7 @@ HF_KEYS = extended(
         "decoder_ffn_dim",
     ),
 )
+DECODER_HEADS = (("encoder_attention_heads", "decoder_attention_heads"),)
 EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 ROTARY_KEYS = (
@@ -284,6 +287,9 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     head_key, hidden_key = e.first(HF_KEYS["h"]), e.first(HF_KEYS["d"])
     old_hidden = data.get(hidden_key) if hidden_key else None
     old_head = _fewer_heads(e, head_key, old_hidden)
+    for encoder, decoder in DECODER_HEADS:  # an encoder-decoder's decoder heads as few as its encoder's
+        if head_key == encoder and isinstance(data.get(decoder), int):
+            e.set(decoder, shrink_heads(data[decoder], data[decoder])[0])
     partial = _partial_rotary(data)
     new_head = _smaller_heads(e, old_head, partial, head_key, hidden_key)
 
@@ -307,6 +313,7 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     _fewer_tokens_and_positions(e, seq_len)
     # Tied embeddings, activations, norms, biases, dropout, soft-capping: unchanged. Values in float32.
     e.set("dtype", "float32")
+    shrink_sub_configs(e, seq_len, shrink_hf_dict)  # text_config, vision_config, encoder, decoder, ...
     return e
 
 
@@ -543,7 +550,7 @@ def shrink_hf(original: Original) -> tuple[dict, Edits]:
         {k: v for k, v in data.items() if k != "model_type" and (k in listed or k not in before or v != before[k])}
     )
     block: dict[str, Any] = {"source": "hf"}
-    for key in ("class", "causal"):
+    for key in ("class", "causal", "attention"):
         if key in raw_model:
             block[key] = raw_model[key]
     if raw_model.get("rope") is not None:  # the user's own declaration: an absolute rotary dim scales as above
@@ -582,14 +589,16 @@ def verify_hf(config: dict, model_class: str | None) -> None:
     import torch  # on use: shrinking a reference or factory config needs none
 
     from fwdcheck.model.sources.hf import import_model_class, offline, require_transformers
+    from fwdcheck.model.sources.seq2seq import seq2seq_class
 
     transformers = require_transformers()
     rest = dict(config)
     model_type = rest.pop("model_type")
-    name = model_class or "AutoModelForCausalLM"
     try:
         with offline():
             hf_config = transformers.AutoConfig.for_model(model_type, **rest)
+            # the class `fwdcheck run` builds (hf.py's _model_class)
+            name = model_class or seq2seq_class(hf_config) or "AutoModelForCausalLM"
             cls = getattr(transformers, name)
             import_model_class(cls, hf_config)  # before the meta device: import-time tensors are real ones
             with torch.device("meta"):

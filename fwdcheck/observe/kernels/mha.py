@@ -59,4 +59,5 @@ def _mha(observer: Observer, a: dict, module: str) -> AttentionCall:
         dropout=dropout,
         cross=k is not q,
         reads_input=observer.reads_input(q),
+        keys_read_input=observer.reads_input(k),
     )

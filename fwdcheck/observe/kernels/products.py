@@ -35,6 +35,7 @@ class _Product:
     reads_input: bool | None  # q was computed from the input ids
     recorded: bool = False
     cross: bool = False  # k was computed from another sequence than q (Observer.cross)
+    keys_read_input: bool | None = None  # k was computed from the input ids
 
 
 @dataclass
@@ -102,17 +103,29 @@ def _product(observer: Observer, func, args, kwargs, out, module: str) -> None:
     if a.dim() < 3 or b.dim() < 3:
         return  # a projection by a weight matrix, not a product of two per-head tensors
     q, k_t, reads_input = a, b, observer.reads_input(a)
+    given_q, given_k = a, b  # the model's own tensors, which what the observer follows knows (not a re-laid copy)
     if equation:
         layout = _scores_layout(equation, a, b)
         if layout is None:
             return
         q, k_t, q_index = layout
-        reads_input = observer.reads_input((a, b)[q_index])
+        given_q, given_k = (a, b)[q_index], (a, b)[1 - q_index]
+        reads_input = observer.reads_input(given_q)
     # Only a softmax reading the result (or something made from it) makes this q @ k^T; until then, a candidate.
     call = MatmulCall(
         module, "scores", tuple(q.shape), tuple(k_t.shape), tuple(out.shape), seq=observer.record.tick(), op=op
     )
-    observer.origins[out] = _Origin("scores", product=_Product(call, q, k_t, reads_input, cross=observer.cross(q, k_t)))
+    observer.origins[out] = _Origin(
+        "scores",
+        product=_Product(
+            call,
+            q,
+            k_t,
+            reads_input,
+            cross=observer.cross(given_q, given_k),
+            keys_read_input=observer.reads_input(given_k),
+        ),
+    )
 
 
 # -- a softmax over scores: the attention call, its mask read off the scores ----------------------------------
@@ -174,6 +187,7 @@ def _softmax(
         written=written,
         matmul=matmul,
         reads_input=product.reads_input,
+        keys_read_input=product.keys_read_input,
         source=observer.model_line(),
     )
 

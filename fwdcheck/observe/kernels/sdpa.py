@@ -64,4 +64,5 @@ def _sdpa(observer: Observer, a: dict, module: str) -> AttentionCall:
         dropout=float(a.get("dropout_p", 0.0) or 0.0),
         cross=observer.cross(q, k),
         reads_input=observer.reads_input(q),
+        keys_read_input=observer.reads_input(k),
     )
