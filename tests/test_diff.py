@@ -352,6 +352,7 @@ def masked(tmp_path: Path, name: str, **kwargs) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.ordinary
 def test_a_masked_vocabulary_is_diffed_on_its_finite_entries(tmp_path):
     """-inf where both models hold -inf (a masked vocabulary) is equal, as future-token holds it: two copies of a
     model that masks a quarter of its vocabulary are equal (exit 0), where they were once refused as NaN or Inf."""
