@@ -13,7 +13,13 @@ gate say pass when it should not, or harm what it runs in (a reused logits buffe
 child's report, an output over the model's code, text no report format can hold; a model that exits or hangs under
 the pytest plugin or `fwdcheck diff`, two configs' same-named `models.py`, a `fwdcheck/` folder where the command
 runs, a process the model leaves running, torch's defaults moved, lazy modules, an attribute grown with its buffer),
-each run where it must pass and where it must fail.
+each run where it must pass and where it must fail. A fourth counts the cases marked `ordinary` (pytest -m ordinary
+over ORDINARY): correct models in hostile-but-ordinary situations that must not be failed (recurrent and every other
+form of dropout, spectral_norm and BatchNorm state a train forward updates, a model drawing nothing random, flex
+attention without a backward on the CPU, masked vocabularies in a run and in `fwdcheck diff`, dict, tuple and
+ModelOutput outputs, keyword-only forwards, adapters taking every check's extras, MLA value heads narrower than the
+query heads, code compiled at import, ASCII-only streams, interrupted output); each file also holds the same model
+with the bug planted, failing.
 """
 
 from __future__ import annotations
@@ -25,23 +31,48 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "reliability.md"  # where the lines are quoted; the tests hold it to them
 GATE = ("tests/test_gate.py", "tests/test_gate_supervised.py")
-TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py", *GATE]
+ORDINARY = (
+    "tests/test_train_state.py",
+    "tests/test_calling.py",
+    "tests/test_value_heads.py",
+    "tests/test_ascii_streams.py",
+    "tests/test_interrupted_writes.py",
+    "tests/test_diff.py",
+)
+TESTS = ["tests/test_bad_inputs.py", "tests/test_fuzz.py", "tests/test_model_failures.py", *GATE, *ORDINARY]
 
 
-def gate_count() -> int:
-    """The test cases of the GATE files, as pytest collects them (each parametrisation one case)."""
+def collected(paths: tuple[str, ...], *options: str) -> int:
+    """The test cases of `paths` pytest collects with `options` (each parametrisation one case)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *GATE],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *options, *paths],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
     )
-    return sum(1 for row in proc.stdout.splitlines() if row.startswith(tuple(f"{path}::" for path in GATE)))
+    return sum(1 for row in proc.stdout.splitlines() if row.startswith(tuple(f"{path}::" for path in paths)))
+
+
+def gate_count() -> int:
+    """The test cases of the GATE files, as pytest collects them (each parametrisation one case)."""
+    return collected(GATE)
 
 
 def gate_line(n: int | None = None) -> str:
     return f"and {n if n is not None else gate_count()} cases of an ordinary project that could fool the gate"
+
+
+def ordinary_count() -> int:
+    """The cases of ORDINARY marked `ordinary`: correct models in hostile-but-ordinary situations."""
+    return collected(ORDINARY, "-m", "ordinary")
+
+
+def ordinary_line(n: int | None = None) -> str:
+    return (
+        f"and {n if n is not None else ordinary_count()} correct models in hostile-but-ordinary situations "
+        "that must not be failed"
+    )
 
 
 def structure_counts() -> dict[str, int]:
@@ -91,6 +122,7 @@ def main(argv: list[str]) -> int:
     print(line())
     print(structure_line())
     print(gate_line())
+    print(ordinary_line())
     return 0
 
 

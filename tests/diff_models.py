@@ -68,3 +68,20 @@ class InfLogits(GeluModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * float("inf")
+
+
+class MaskedVocabulary(GeluModule):
+    """Logits of -inf on the vocabulary entries from `first_masked` on (a vocabulary padded past what the model emits),
+    and at every entry of position `dead` when it is given (a position with nothing left to predict). `shift` is
+    added to the finite entries: a change behind the mask that a comparison must still see."""
+
+    def __init__(self, first_masked: int = 24, shift: float = 0.0, dead: int | None = None):
+        super().__init__()
+        self.first_masked, self.shift, self.dead = first_masked, shift, dead
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(input_ids) + self.shift  # (B, T, V)
+        logits[..., self.first_masked :] = float("-inf")
+        if self.dead is not None:
+            logits[:, self.dead] = float("-inf")
+        return logits

@@ -37,6 +37,7 @@ def ascii_text(data: bytes) -> str:
 
 @pytest.mark.slow  # a new interpreter per case
 @pytest.mark.parametrize("fmt", ["rich", "json", "junit", "markdown", "github"])
+@pytest.mark.ordinary
 def test_every_format_of_a_passing_run_exits_0_on_an_ascii_stream(fmt):
     proc = fwdcheck_ascii("run", TOY, "--format", fmt)
     assert proc.returncode == 0, proc.stderr.decode("ascii", "replace")

@@ -85,6 +85,7 @@ class ReturnsModelOutput(Body):
 
 
 @pytest.mark.parametrize("model", [ReturnsMapping, ReturnsLossFirst])
+@pytest.mark.ordinary
 def test_every_check_reads_the_logits_by_one_rule(model):
     report = gate(model())
     assert report.exit_code == 0, not_passing(report)
@@ -94,6 +95,7 @@ def test_every_check_reads_the_logits_by_one_rule(model):
 
 
 @pytest.mark.slow  # imports transformers
+@pytest.mark.ordinary
 def test_a_model_output_object_is_read_by_the_same_rule():
     report = gate(ReturnsModelOutput())
     assert report.exit_code == 0, not_passing(report)
@@ -123,6 +125,7 @@ class TokensKeywordOnly(Body):
 
 
 @pytest.mark.parametrize("model", [KeywordOnly, TokensKeywordOnly])
+@pytest.mark.ordinary
 def test_a_keyword_only_forward_is_called_by_keyword(model):
     report = gate(model())
     assert report.exit_code == 0, not_passing(report)
@@ -224,6 +227,7 @@ def titan_config(leak: bool = False) -> dict:
     }
 
 
+@pytest.mark.ordinary
 def test_packing_and_label_shift_go_through_the_adapter():
     report = run_checks(titan_config(), ["future-token", "packing", "label-shift"])
     for check in ("future-token", "packing", "label-shift"):
@@ -321,6 +325,7 @@ class CallsCompiledCode(Body):
         return self.head(scaled(hidden))
 
 
+@pytest.mark.ordinary
 def test_code_compiled_at_import_runs_eagerly_in_every_check():
     COMPILES.clear()
     report = gate(CallsCompiledCode(), ["shape-ledger", "future-token", "mask-audit", "grad-causality"])

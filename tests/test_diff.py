@@ -344,3 +344,54 @@ def test_an_inf_both_models_hold_in_a_module_output_is_equal(tmp_path):
     code, report, _ = diff(a, a)
     pairs = {p["a"]: p for p in report["pairs"]}
     assert code == 0 and report["equal"] and pairs["mask"]["max_diff"] == 0 and pairs["mask"]["nonfinite"] == ""
+
+
+def masked(tmp_path: Path, name: str, **kwargs) -> Path:
+    model = {"source": "python", "path": [str(REPO)], "factory": "tests.diff_models:MaskedVocabulary", "kwargs": kwargs}
+    return write(tmp_path, name, model)
+
+
+@pytest.mark.slow
+@pytest.mark.ordinary
+def test_a_masked_vocabulary_is_diffed_on_its_finite_entries(tmp_path):
+    """-inf where both models hold -inf (a masked vocabulary) is equal, as future-token holds it: two copies of a
+    model that masks a quarter of its vocabulary are equal (exit 0), where they were once refused as NaN or Inf."""
+    a = masked(tmp_path, "a.yaml")
+    code, report, _ = diff(a, a)
+    logits = {p["a"]: p for p in report["pairs"]}["(logits)"]
+    assert code == 0 and report["equal"] and logits["max_diff"] == 0 and logits["nonfinite"] == ""
+    shown = plain(runner.invoke(app, ["diff", str(a), str(a)], catch_exceptions=False).stdout)
+    assert "equal within tolerance" in " ".join(shown.split())
+
+
+@pytest.mark.parametrize(
+    "b, largest",
+    [
+        ({"first_masked": 20}, None),  # entries 20..23 -inf in B only: a difference as large as they come
+        ({"shift": 0.5}, 0.5),  # the finite entries moved behind the same mask
+    ],
+)
+@pytest.mark.slow
+def test_a_change_behind_a_masked_vocabulary_parts_at_the_logits(tmp_path, b, largest):
+    a = masked(tmp_path, "a.yaml")
+    code, report, _ = diff(a, masked(tmp_path, "b.yaml", **b))
+    first = report["first_parting"]
+    assert code == 1 and first["a"] == "(logits)" and first["nonfinite"] == ""
+    if largest is None:  # infinite (the JSON report's null), never the largest float
+        assert first["max_diff"] is None
+    else:
+        assert first["max_diff"] == pytest.approx(largest)
+    shown = " ".join(plain(runner.invoke(app, ["diff", str(a), str(tmp_path / "b.yaml")]).stdout).split())
+    assert f"they part at A (logits): max |a - b| {'inf' if largest is None else '0.5'}" in shown
+
+
+@pytest.mark.slow
+def test_a_position_with_every_entry_masked_is_still_refused(tmp_path):
+    """A position whose logits are all -inf predicts nothing: no comparison vouches for it, in B alone or in both."""
+    a, dead = masked(tmp_path, "a.yaml"), masked(tmp_path, "dead.yaml", dead=3)
+    for first_config, sides in ((a, "B"), (dead, "A and B")):
+        code, report, _ = diff(first_config, dead)
+        assert code == 1 and not report["equal"]
+        assert report["first_parting"]["a"] == "(logits)" and report["first_parting"]["nonfinite"] == sides
+    shown = " ".join(plain(runner.invoke(app, ["diff", str(a), str(dead)]).stdout).split())
+    assert "they part at A (logits): B holds NaN or Inf there (NaN, +inf, or a position with every entry -inf)" in shown

@@ -55,6 +55,7 @@ MOMENTS = [
 
 @pytest.mark.slow  # a new interpreter per moment
 @pytest.mark.parametrize("moment, signame, exit_code, replaced", MOMENTS)
+@pytest.mark.ordinary
 def test_an_interruption_leaves_no_temporary_file_and_a_whole_output(tmp_path, moment, signame, exit_code, replaced):
     output = tmp_path / "report.json"
     output.write_text(PREVIOUS)

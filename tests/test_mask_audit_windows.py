@@ -75,6 +75,32 @@ def test_a_window_per_layer_judges_each_layer():
     assert "read only 4" in finding.message
 
 
+class NumberedBlocks(Banded):
+    """The layers in an nn.ModuleDict keyed by layer number, as OLMo-core and torchtitan keep them; layer 0 slides over
+    4 keys, layer 1 over `second` (64: full causal attention at these lengths)."""
+
+    def __init__(self, second: int):
+        super().__init__(4)
+        self.layers = nn.ModuleDict({"0": BandedAttention(4, 0), "1": BandedAttention(second, 0)})  # type: ignore[assignment]
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)  # (B, T, C)
+        for attention in self.layers.values():
+            x = x + attention(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("second", "code"), [(64, None), (4, "FWD211")])
+def test_layers_kept_in_a_dict_by_number_are_judged_per_layer(second, code):
+    """Each call finds its layer in a ModuleDict of numbered blocks too: judged, not "layer index is None"."""
+    r = fwdcheck.check_model(NumberedBlocks(second), [CHECK], window=[4, None], seq_len=8).results[0]
+    assert [c["window"]["layer"] for c in r.data["calls"][:2]] == [0, 1]
+    if code is None:
+        assert r.status.value == "pass" and "sliding windows as declared at 2 call(s)" in r.summary, r.findings
+    else:
+        assert [(f.code, f.message.split(" declares")[0]) for f in r.findings] == [(code, "layer 1")]
+
+
 def test_no_window_declared_is_not_judged_on_width():
     r = fwdcheck.check_model(Banded(4, 1), [CHECK], seq_len=8).results[0]
     assert r.status.value == "pass", r.findings

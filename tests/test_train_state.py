@@ -86,6 +86,7 @@ class RecurrentLM(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.ordinary
 def test_recurrent_dropout_is_zeroed_on_the_train_path_and_put_back(kind):
     model = RecurrentLM(kind)
     report = gate(model)
@@ -151,6 +152,7 @@ class Transposed(nn.Module):
 
 
 @pytest.mark.parametrize("form", [*MODULE_FORMS, *FUNCTIONAL_FORMS])
+@pytest.mark.ordinary
 def test_every_dropout_form_is_zeroed_on_the_train_path(form):
     between = MODULE_FORMS[form]() if form in MODULE_FORMS else FunctionalDropout(form)
     report = gate(LM(between), ["future-token"])
@@ -207,6 +209,7 @@ def test_fwd103_reads_as_what_it_means_on_each_path():
 @pytest.mark.parametrize(
     "spectral_norm", [nn.utils.spectral_norm, nn.utils.parametrizations.spectral_norm], ids=["hook", "parametrization"]
 )
+@pytest.mark.ordinary
 def test_spectral_norm_is_neither_random_nor_a_shape_bug(spectral_norm):
     model = LM()
     spectral_norm(model.head)
@@ -233,6 +236,7 @@ class Normed(nn.Module):
         return self.norm(x.transpose(1, 2)).transpose(1, 2)  # over (B, d, T)
 
 
+@pytest.mark.ordinary
 def test_batchnorm_running_statistics_are_put_back_after_every_train_forward():
     model = LM(Normed())
     found = {name: b.clone() for name, b in model.named_buffers()}
@@ -265,6 +269,7 @@ class CountsAndScales(nn.Module):
         return x * torch.clamp(self.steps.float() / 1000, max=1.0) + x
 
 
+@pytest.mark.ordinary
 def test_a_step_counter_is_put_back_and_no_randomness():
     model = LM(CountsAndScales())
     report = gate(model, ["future-token"])
@@ -294,6 +299,7 @@ class NoBackwardHere(LM):
         return self.head(x + self.attn(x))
 
 
+@pytest.mark.ordinary
 def test_gradient_checks_skip_a_kernel_without_a_backward_here_saying_why():
     report = gate(NoBackwardHere(), ["grad-causality", "grad-reach", "future-token"])
     for check in ("grad-causality", "grad-reach"):
@@ -338,6 +344,7 @@ class MaskedVocabulary(nn.Module):
         return logits
 
 
+@pytest.mark.ordinary
 def test_a_masked_vocabulary_is_compared_on_its_finite_entries():
     report = gate(MaskedVocabulary())
     assert report.exit_code == 0, failing(report)

@@ -85,6 +85,7 @@ def v_rows(result) -> list[dict]:
     return [row for row in result.data["entries"] if row["name"].endswith(" v")]
 
 
+@pytest.mark.ordinary
 def test_mla_read_from_its_config_passes_with_d_v_apart_from_d_h():
     result = ledger(MLAModel())
     assert result.status.value == "pass", result.findings
@@ -92,11 +93,13 @@ def test_mla_read_from_its_config_passes_with_d_v_apart_from_d_h():
     assert all(row["dims"][-1] == "d_v" for row in v_rows(result))
 
 
+@pytest.mark.ordinary
 def test_mla_declared_in_dims_passes():
     result = ledger(MLAModel(with_config=False), dims={"d": 32, "h": 4, "d_h": 12, "d_v": 6})
     assert result.status.value == "pass", result.findings
 
 
+@pytest.mark.ordinary
 def test_mla_value_width_read_off_the_tensors_when_nothing_states_it():
     result = ledger(MLAModel(with_config=False), dims={"d": 32, "h": 4, "d_h": 12})
     assert result.status.value == "pass", result.findings
@@ -110,6 +113,7 @@ def test_a_declared_value_width_the_tensors_contradict_fails():
 
 
 @pytest.mark.slow  # builds a transformers model
+@pytest.mark.ordinary
 def test_transformers_deepseek_v3_names_its_value_heads():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

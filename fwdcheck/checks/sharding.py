@@ -266,7 +266,10 @@ def _bar(session, scale: float) -> float:
 
 
 def _blocks(module: nn.Module, stack: str | None) -> list[nn.Module]:
-    return list(cast(Iterable[nn.Module], module.get_submodule(stack))) if stack else []  # a ModuleList
+    if not stack:
+        return []
+    blocks = module.get_submodule(stack)  # a ModuleList, or a ModuleDict keyed by layer number
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(cast(Iterable[nn.Module], blocks))
 
 
 def _hooked(blocks: list[nn.Module], run: Callable[[], torch.Tensor]):

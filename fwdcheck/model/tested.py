@@ -54,15 +54,20 @@ def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iter
 
 
 def layer_stack_of(module: nn.Module) -> str | None:
-    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None. A parametrization's list
-    (torch.nn.utils.parametrize: spectral_norm, weight_norm, orthogonal) computes a weight, not the hidden states:
-    never the layer stack."""
-    lists = [
-        (n, len(m))
-        for n, m in module.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) and not isinstance(m, ParametrizationList)
-    ]
+    """Dotted name of the nn.ModuleList holding the most blocks in `module`, or None. An nn.ModuleDict keyed by layer
+    numbers ("0", "1", ...: OLMo-core's and torchtitan's `blocks`/`layers`, kept by number so that pipeline stages can
+    drop some) is a layer stack too. A parametrization's list (torch.nn.utils.parametrize: spectral_norm,
+    weight_norm, orthogonal) computes a weight, not the hidden states: never the layer stack."""
+    lists = [(n, len(m)) for n, m in module.named_modules() if _numbered_blocks(m) and len(m)]
     return max(lists, key=lambda item: item[1])[0] if lists else None
+
+
+def _numbered_blocks(m: nn.Module) -> bool:
+    """Whether `m` holds modules by number: an nn.ModuleList (not a parametrization's), or an nn.ModuleDict whose
+    keys are all numbers."""
+    if isinstance(m, nn.ModuleList):
+        return not isinstance(m, ParametrizationList)
+    return isinstance(m, nn.ModuleDict) and all(key.isdigit() for key in m)
 
 
 @dataclass

@@ -435,6 +435,11 @@ def _diff_verdict(diff: dict) -> list[Text]:
     if first.get("nonfinite"):  # NaN (or Inf in the logits): nothing to compare, not equal
         holds = "hold" if " and " in first["nonfinite"] else "holds"
         by = f"{first['nonfinite']} {holds} NaN or Inf there, which no comparison vouches for"
+        if first["a"] == "(logits)":  # -inf beside finite entries is a masked vocabulary, compared
+            by = (
+                f"{first['nonfinite']} {holds} NaN or Inf there (NaN, +inf, or a position with every entry -inf), "
+                "which no comparison vouches for"
+            )
         return [
             legend,
             Text.assemble(("they part", "bold red"), f" at A {first['a']}{b}: {by} (exit {diff['exit_code']})"),

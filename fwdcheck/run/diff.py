@@ -38,6 +38,7 @@ from fwdcheck.config.rename import Rule, renamed
 from fwdcheck.config.schema import Config
 from fwdcheck.errors import UsageError, about_config
 from fwdcheck.observe.activations import LOGITS, recorded_forward
+from fwdcheck.run.compare import nonfinite_positions
 from fwdcheck.run.overrides import Overrides
 from fwdcheck.run.plan import resolve
 from fwdcheck.run.runner import Run
@@ -60,7 +61,8 @@ class Pair:
     max_diff: float
     tolerance: float
     by_name: bool  # paired by name (after renaming); False: by order among outputs of its shape
-    # which side holds values no comparison can vouch for ("A", "B", "A and B"): NaN anywhere, Inf in the logits
+    # which side holds values no comparison can vouch for ("A", "B", "A and B"): NaN anywhere; in the logits a
+    # position with NaN, +inf or nothing but -inf (-inf beside finite entries is a masked vocabulary)
     nonfinite: str = ""
 
     @property
@@ -411,13 +413,15 @@ def difference(
 
     NaN is never equal to anything, NaN included: two models that both give NaN are not shown to compute the same
     thing, so a NaN on either side is an infinite difference. An Inf equal in both is equal (a float mask's -inf
-    is an exact value) except in the logits, where NaN or Inf on either side is an infinite difference: the verdict
-    "equal" is never given over logits that hold no numbers."""
+    is an exact value). The logits follow future-token's rule (fwdcheck/run/compare.py): -inf where both sides hold
+    -inf is a masked vocabulary entry, equal, and the finite entries are compared; a position holding NaN or +inf, or
+    nothing but -inf, is a side no comparison vouches for, so the verdict "equal" is never given over logits that
+    hold no numbers. -inf on one side only is a difference as large as they come."""
     a64, b64 = a.double(), b.double()
     finite = a64[a64.isfinite()]
     tolerance = atol + rtol * (float(finite.abs().max()) if finite.numel() else 0.0)
-    unverifiable = (lambda t: ~t.isfinite()) if logits else (lambda t: t.isnan())
-    sides = " and ".join(side for side, t in (("A", a64), ("B", b64)) if bool(unverifiable(t).any()))
+    unverifiable = _broken_logits if logits else (lambda t: bool(t.isnan().any()))
+    sides = " and ".join(side for side, t in (("A", a64), ("B", b64)) if unverifiable(t))
     if a64.shape != b64.shape:
         if [s for s in a64.shape if s != 1] != [s for s in b64.shape if s != 1]:
             return math.inf, tolerance, sides
@@ -427,5 +431,15 @@ def difference(
     if not a64.numel():
         return 0.0, tolerance, ""
     same = a64 == b64  # the same Inf in both is the same value
-    change = torch.where(same, 0.0, (a64 - b64).abs().nan_to_num(nan=math.inf))
+    change = torch.where(same, 0.0, (a64 - b64).abs().nan_to_num(nan=math.inf, posinf=math.inf))
     return float(change.max()), tolerance, ""
+
+
+def _broken_logits(logits: torch.Tensor) -> bool:
+    """Whether logits hold a position no comparison vouches for: NaN or +inf anywhere, or every entry -inf. -inf
+    beside finite entries is a masked vocabulary (compare.nonfinite_positions), not a broken logit."""
+    if not logits.numel():
+        return False
+    if logits.dim() == 0:
+        return not bool(logits.isfinite())
+    return bool(nonfinite_positions(logits.reshape(-1, 1, logits.shape[-1])))
