@@ -34,12 +34,42 @@ MAX_PARAMETERS = 120_000_000
 SEQ_LEN = 8
 
 
-@functools.cache
-def architectures() -> tuple[str, ...]:
-    """Every model_type transformers' AutoModelForCausalLM can build, sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+@dataclass(frozen=True)
+class Sweep:
+    """One of transformers' auto mappings swept: which mapping, the class that builds its models, and how a user
+    names that class in a config (None where `fwdcheck run` builds it by default)."""
 
-    return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    mapping: str
+    auto_class: str
+    named_class: str | None
+    what: str  # what the page calls its architectures
+
+
+# The causal-LM sweep is this module's own (its section of docs/compatibility.md below); the other families' sweeps
+# (tests/family_sweep.py) build and run their models through the same functions, by kind.
+SWEEPS = {
+    "causal-lm": Sweep("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", None, "causal-LM"),
+    "seq2seq": Sweep(
+        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", "AutoModelForSeq2SeqLM", "seq2seq"
+    ),
+    "image-text-to-text": Sweep(
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+        "AutoModelForImageTextToText",
+        "AutoModelForImageTextToText",
+        "image-text-to-text",
+    ),
+    "masked-lm": Sweep(
+        "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", "AutoModelForMaskedLM", "masked-LM"
+    ),
+}
+
+
+@functools.cache
+def architectures(kind: str = "causal-lm") -> tuple[str, ...]:
+    """Every model_type the sweep's transformers auto class can build (its mapping's keys), sorted."""
+    from transformers.models.auto import modeling_auto
+
+    return tuple(sorted(getattr(modeling_auto, SWEEPS[kind].mapping)))
 
 
 # Mixtures of experts keep routing (more experts than each token takes) at four experts, two per token.
@@ -49,15 +79,22 @@ EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k
 EXPERT_GROUP_KEYS = ("n_group", "num_expert_group")
 
 
-def _shrunk(data: dict[str, Any]) -> dict[str, Any]:
+def _shrunk(data: dict[str, Any], parts_first: bool = True) -> dict[str, Any]:
     """A config dictionary and every model config nested in it, shrunk by fwdcheck shrink's rules, read through the
-    config class's own spellings (attribute_map), with fewer experts and per-layer settings of the layers kept."""
+    config class's own spellings (attribute_map), with fewer experts and per-layer settings of the layers kept.
+
+    parts_first (the causal-LM sweep's order) shrinks each nested config before the whole; otherwise the whole is
+    shrunk first, so that shrink's own rules for a config made of configs (shrink_nested.py: the projector following
+    the text width, the image token inside the vocabulary, rotary sections scaled) see the parts' sizes change, and
+    the nested configs get this module's further rules afterwards."""
     from transformers import CONFIG_MAPPING
 
     data = {k: v for k, v in data.items() if k not in DROPPED_KEYS}
-    for key, value in data.items():
-        if isinstance(value, dict) and value.get("model_type") in CONFIG_MAPPING:
-            data[key] = _shrunk(value)
+    nested = [k for k, v in data.items() if isinstance(v, dict) and v.get("model_type") in CONFIG_MAPPING]
+    if not parts_first:
+        shrink_hf_dict(data, SEQ_LEN)
+    for key in nested:
+        data[key] = _shrunk(data[key], parts_first)
     for key in EXPERT_KEYS:
         if isinstance(data.get(key), int) and data[key] > 4:
             data[key] = 4
@@ -146,14 +183,20 @@ class Built:
     left_out: str | None = None
 
 
+def auto_class(kind: str):
+    import transformers
+
+    return getattr(transformers, SWEEPS[kind].auto_class)
+
+
 @functools.cache
-def tiny(model_type: str) -> Built:
+def tiny(model_type: str, kind: str = "causal-lm") -> Built:
     """The architecture's config class's defaults, shrunk, checked to build on the meta device within
     MAX_PARAMETERS; where that config does not build or run, once more with the sizes it derives rederived
     (_rederived)."""
-    built = _tiny(model_type, rederive=False)
+    built = _tiny(model_type, kind, rederive=False)
     if built.config is None and "shrunk default config" in (built.left_out or ""):
-        again = _tiny(model_type, rederive=True)
+        again = _tiny(model_type, kind, rederive=True)
         return again if again.config is not None else built
     return built
 
@@ -178,33 +221,35 @@ def _rederived(model_type: str, data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _tiny(model_type: str, rederive: bool) -> Built:
+def _tiny(model_type: str, kind: str, rederive: bool) -> Built:
     import torch
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     from fwdcheck.model.sources.hf import offline
 
+    cls = auto_class(kind)
     with offline(), warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
         try:
-            data = _shrunk(_stated(CONFIG_MAPPING[model_type]().to_dict()))
+            data = _shrunk(_stated(CONFIG_MAPPING[model_type]().to_dict()), parts_first=kind == "causal-lm")
             if rederive:
                 data = _rederived(model_type, data)
-            # The flag that makes an architecture's causal-LM head causal, as a user building one sets it: the
-            # encoder families' is_decoder, XLM's causal, XLNet's unidirectional attention.
-            for flag in ("is_decoder", "causal"):
-                if data.get(flag) is False:
-                    data[flag] = True
-            if data.get("attn_type") == "bi":
-                data["attn_type"] = "uni"
+            if kind == "causal-lm":
+                # The flag that makes an architecture's causal-LM head causal, as a user building one sets it: the
+                # encoder families' is_decoder, XLM's causal, XLNet's unidirectional attention.
+                for flag in ("is_decoder", "causal"):
+                    if data.get(flag) is False:
+                        data[flag] = True
+                if data.get("attn_type") == "bi":
+                    data["attn_type"] = "uni"
             if data.get("default_language") is None and data.get("languages"):  # X-MOD runs one language adapter
                 data["default_language"] = data["languages"][0]
             rest = {k: v for k, v in data.items() if k != "model_type"}
             hf_config = AutoConfig.for_model(model_type, **rest)
             with torch.device("meta"):
-                module = AutoModelForCausalLM.from_config(hf_config)
+                module = cls.from_config(hf_config)
         except Exception as exc:
-            if not _defaults_build(model_type):
+            if not _defaults_build(model_type, kind):
                 return Built(
                     model_type,
                     None,
@@ -224,9 +269,9 @@ def _tiny(model_type: str, rederive: bool) -> Built:
         # break a constraint its config class does not check (a head size the rotary part no longer fits).
         try:
             torch.manual_seed(0)
-            module = AutoModelForCausalLM.from_config(hf_config).eval()
+            module = cls.from_config(hf_config).eval()
             with torch.no_grad():
-                module(torch.randint(0, 8, (2, SEQ_LEN)))
+                module(**own_inputs(module, torch.randint(0, 8, (2, SEQ_LEN))))
         except Exception as exc:
             return Built(
                 model_type,
@@ -251,14 +296,27 @@ def _stated(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _defaults_build(model_type: str) -> bool:
+def own_inputs(module, ids) -> dict[str, Any]:
+    """The tokens as the model's forward takes them: an encoder-decoder's decoder reads them (decoder_input_ids),
+    beside the same ids as its source; every other model reads input_ids."""
+    import inspect
+
+    if (
+        getattr(module.config, "is_encoder_decoder", False)
+        and "decoder_input_ids" in inspect.signature(module.forward).parameters
+    ):
+        return {"input_ids": ids, "decoder_input_ids": ids}
+    return {"input_ids": ids}
+
+
+def _defaults_build(model_type: str, kind: str = "causal-lm") -> bool:
     """Whether the config class's own defaults, nothing shrunk, build the model (on the meta device)."""
     import torch
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING
 
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())
+            auto_class(kind).from_config(CONFIG_MAPPING[model_type]())
     except Exception:
         return False
     return True
@@ -293,18 +351,26 @@ CHECKS = ("shape-ledger", "future-token", "mask-audit", "rope")
 CODE_PATHS = {"output_attentions": [False], "batch_size": [2]}
 
 
+def model_section(model_type: str, kind: str = "causal-lm") -> dict[str, Any]:
+    """The config's model section a user writes for the tiny model: source hf, the class where fwdcheck run would
+    not build it by default, the inline config."""
+    built = tiny(model_type, kind)
+    assert built.config is not None, built.left_out
+    named = SWEEPS[kind].named_class
+    return {"source": "hf", **({"class": named} if named else {}), "config": built.config}
+
+
 @functools.cache
-def sweep_report(model_type: str):
-    """The sweep's four checks on the tiny model, as `fwdcheck run` runs an inline hf config."""
+def sweep_report(model_type: str, kind: str = "causal-lm", code_paths: tuple[tuple[str, Any], ...] | None = None):
+    """The sweep's four checks (CHECKS) on the tiny model, as `fwdcheck run` runs an inline hf config (the code-path
+    matrix narrowed to CODE_PATHS, or to the cells given)."""
     from tests.conftest import run_checks
 
-    built = tiny(model_type)
-    assert built.config is not None, built.left_out
     return run_checks(
-        {"source": "hf", "config": built.config},
+        model_section(model_type, kind),
         list(CHECKS),
         inputs={"batch_size": 2, "seq_len": SEQ_LEN},
-        code_paths=CODE_PATHS,
+        code_paths=dict(code_paths) if code_paths is not None else CODE_PATHS,
     )
 
 
@@ -342,16 +408,19 @@ class Expected:
 KNOWN: dict[tuple[str, str], Expected] = {}
 
 
-def _plain(model_type: str):
+def plain(model_type: str, kind: str = "causal-lm"):
     """The tiny model built by transformers alone, seeded, in eval mode."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    built = tiny(model_type)
+    built = tiny(model_type, kind)
     assert built.config is not None, built.left_out
     rest = {k: v for k, v in built.config.items() if k != "model_type"}
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **rest)).eval()
+    return auto_class(kind).from_config(AutoConfig.for_model(model_type, **rest)).eval()
+
+
+_plain = plain
 
 
 def future_leak(model_type: str) -> bool:

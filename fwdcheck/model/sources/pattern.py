@@ -29,6 +29,9 @@ def read_pattern(module: nn.Module) -> AttentionPattern | None:
     if config is None or modeling is None or not isinstance(module, modeling.PreTrainedModel):
         return None
     config_name = type(config).__name__
+    if getattr(config, "causal", None) is False and _in_mapping(name, "MODEL_FOR_MASKED_LM_MAPPING_NAMES"):
+        # XLM's one LM head class is both transformers' causal and masked LM: its config's causal flag says which
+        return AttentionPattern("bidirectional", f"{config_name}.causal is False")
     if _in_mapping(name, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):  # BartForCausalLM: the decoder alone
         return AttentionPattern("causal", f"{name} is one of transformers' causal language models")
     if getattr(config, "is_encoder_decoder", False) is True:

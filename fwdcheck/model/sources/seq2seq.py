@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fwdcheck.errors import ModelLoadError
 from fwdcheck.model.capabilities import HeldSource, Positions
 from fwdcheck.model.tested import ModelUnderTest
 
@@ -64,7 +65,7 @@ def hold_source(model: ModelUnderTest) -> None:
             "(model, input_ids, **kw) that holds the source fixed and hands input_ids to the decoder"
         )
         return
-    vocabulary = int(getattr(config, "src_vocab_size", None) or config.vocab_size)
+    vocabulary = _source_vocabulary(config)
     sources = _draw_sources(vocabulary, _special_ids(config))
 
     def draw(rows: int, variant: int) -> torch.Tensor:
@@ -94,6 +95,17 @@ def _parameters(module: nn.Module) -> set[str]:
         return set(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         return set()
+
+
+def _source_vocabulary(config: Any) -> int:
+    """The encoder's vocabulary: FSMT's src_vocab_size, a shared vocab_size, else the encoder's own config's (a
+    transformers EncoderDecoderModel pairs two configs and states none of its own)."""
+    for holder in (config, getattr(config, "encoder", None)):
+        for key in ("src_vocab_size", "vocab_size"):
+            value = getattr(holder, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ModelLoadError(f"{type(config).__name__} gives no vocabulary for its encoder's input_ids")
 
 
 def _special_ids(config: Any) -> set[int]:
