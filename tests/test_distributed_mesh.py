@@ -27,6 +27,7 @@ def test_tensor_parallel_times_fsdp2_over_a_2d_mesh_passes_every_check(tmp_path)
     splits over a 1-D mesh, and the sharding check says it did not, judging the rest."""
     config = mesh_config("tp_fsdp")
     config["distributed"]["context_parallel"] = True
+    config["checks"] = ["shape-ledger", "future-token", "mask-audit", "rope"]  # the sharded forward's own checks
     code, report, stderr = launch(tmp_path, config)
     assert code == 0, stderr
     got = checks(report)
@@ -77,7 +78,7 @@ def llama_with_every_check(parallelize: str | None = None) -> dict:
     arguments of their own (a cache, document positions, labels) selected."""
     config = yaml.safe_load((REPO / "examples" / "distributed" / "llama-tp.yaml").read_text())
     config["code_paths"] = {"enabled": True}
-    config["checks"] = ["default", "kv-cache", "packing", "label-shift"]
+    config["checks"] = ["shape-ledger", "future-token", "mask-audit", "rope", "kv-cache", "packing", "label-shift"]
     if parallelize:
         config["distributed"]["parallelize"] = f"tests.distributed_models:{parallelize}"
         config["timeout_s"] = 120  # a run whose ranks fall out of step would wait here, not 600 s

@@ -189,6 +189,9 @@ def test_explain_lists_its_codes():
 def test_transformers_architectures_train_every_weight_or_say_which_not(model_type):
     report = arch_sweep.one_check_report(model_type, CHECK)
     r = report.result(CHECK)
+    if r.status.value == "skip":  # a model that refuses train mode at this length (Reformer's axial positions)
+        assert r.summary.startswith("the model cannot run in train mode"), r.summary
+        return
     assert r.status.value in ("pass", "warn"), (r.status, r.summary)  # nothing fails: no NaN gradient, no error
     assert codes(report, CHECK) <= {"FWD124"}
     if r.status.value == "warn":  # the parameters named, and whether their module ran

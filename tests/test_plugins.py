@@ -27,7 +27,19 @@ from fwdcheck.cli import app
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "examples" / "plugin"
 TOY = REPO / "sample_configs" / "toy.yaml"
-BUILTINS = ["shape-ledger", "future-token", "mask-audit", "rope"]
+BUILTINS = [  # the default checks, in their order
+    "shape-ledger",
+    "future-token",
+    "mask-audit",
+    "rope",
+    "kv-cache",
+    "packing",
+    "label-shift",
+    "grad-causality",
+    "backends",
+    "rope-precision",
+    "attention-stats",
+]
 LABEL = "fwdcheck-logit-bound[logit-bound]"
 TIMEOUT = 180
 

@@ -79,13 +79,13 @@ def test_a_failing_run_ends_with_one_line_per_finding():
     assert lines[-1] == "failed (exit 1)"
     # every finding that failed the run, and nothing else: check, code, then the module and file:line when known
     assert [line.split(" - ")[0] for line in summary] == [
-        "FAIL future-token FWD101 layers.0.attn fwdcheck/model/reference.py:224",  # the call the leak comes through
+        "FAIL future-token FWD101 layers.0.attn fwdcheck/model/reference.py:227",  # the call the leak comes through
         "FAIL future-token FWD105",
-        "FAIL mask-audit FWD201 layers.0.attn fwdcheck/model/reference.py:224",
+        "FAIL mask-audit FWD201 layers.0.attn fwdcheck/model/reference.py:227",
         "FAIL kv-cache FWD503",  # the cached decode reads the future too
         "FAIL kv-cache FWD501",
         # torch's nn.Linear: the model's code that calls it
-        "FAIL grad-causality FWD121 layers.0.attn.o_proj fwdcheck/model/reference.py:189",
+        "FAIL grad-causality FWD121 layers.0.attn.o_proj fwdcheck/model/reference.py:190",
     ]
 
 

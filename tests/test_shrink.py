@@ -189,7 +189,14 @@ def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp
 
     code, report = run_json(out)
     assert code == 0, report
-    assert statuses(report) == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "pass"}
+    got = statuses(report)
+    assert {k: got[k] for k in ("shape-ledger", "future-token", "mask-audit", "rope")} == {
+        "shape-ledger": "pass",
+        "future-token": "pass",
+        "mask-audit": "pass",
+        "rope": "pass",
+    }
+    assert set(got.values()) <= {"pass", "skip"}, got  # every other default check passes or does not apply
     assert report["model"]["dims"] == {"V": 512, "d": 128, "h": 8, "h_kv": 2, "d_h": 16, "d_ff": 448, "L": 2}
 
 
@@ -240,7 +247,14 @@ def test_gpt2_caps_learned_positions(tmp_path):
 
     code, report = run_json(out)
     assert code == 0, report
-    assert statuses(report) == {"shape-ledger": "pass", "future-token": "pass", "mask-audit": "pass", "rope": "skip"}
+    got = statuses(report)
+    assert {k: got[k] for k in ("shape-ledger", "future-token", "mask-audit", "rope")} == {
+        "shape-ledger": "pass",
+        "future-token": "pass",
+        "mask-audit": "pass",
+        "rope": "skip",
+    }
+    assert set(got.values()) <= {"pass", "skip"}, got  # every other default check passes or does not apply
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def assert_laid_out(report: Report, text: str, width: int, verbosity: Verbosity,
     assert re.search(r"module\s.*\smask\s.*\sflags\s.*\smay read", text), text
     words = set(re.findall(r"[^\s│,]+", text))
     for call in report.result("mask-audit").data["calls"]:
-        cells = [call["mask"], call["pattern"].split()[0]] + ([call["module"]] if modules_whole else [])
+        cells = [call["mask"], call["pattern"].split()[0].rstrip(",")] + ([call["module"]] if modules_whole else [])
         cells += ["is_causal"] if call.get("is_causal") else []
         cells += [f"dropout_p={call['dropout_p']:g}"] if call.get("dropout_p") else []
         for cell in cells:

@@ -27,7 +27,7 @@ import torch
 from fwdcheck.checks.grad_reach_spec import SPEC
 from fwdcheck.checks.gradients import logits_with_graph
 from fwdcheck.checks.wording import listed
-from fwdcheck.errors import SkipCheck, first_line
+from fwdcheck.errors import ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.model_state import ModelState
@@ -56,6 +56,9 @@ class GradReach(Check, declared=SPEC):
         params = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
         if not params:
             raise SkipCheck("no parameter requires grad: nothing of this model trains")
+        # The eval path first (the session's shared logits): a model whose forward raises there too is the model's
+        # error, as every check reports it, not a train path it cannot run
+        session.reference()
         ids = session.inputs  # (B, T)
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)
         called: set[str] = set()
@@ -67,7 +70,10 @@ class GradReach(Check, declared=SPEC):
                     for name, module in model.module.named_modules()
                     if next(module.parameters(recurse=False), None) is not None  # to tell a layer never called
                 ]
-                logits = logits_with_graph(model, session, ids, handles)  # (B, T, V)
+                try:
+                    logits = logits_with_graph(model, session, ids, handles)  # (B, T, V)
+                except ModelRaised as exc:  # as the train cell and grad-causality: no verdict on a path it cannot run
+                    raise SkipCheck(f"the model cannot run in train mode (dropout off): {exc}") from None
                 if not logits.requires_grad:
                     raise SkipCheck("the logits carry no gradient: the forward is detached or run under no_grad")
                 direction = torch.randn(logits.shape[-1], generator=generator).to(logits.device)  # (V,)

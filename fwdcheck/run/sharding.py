@@ -259,10 +259,12 @@ class RankZeroLogits:
             dist.broadcast(shared[name], src=0)
         return _with_tensors(output, shared)
 
-    def __call__(self, module: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def __call__(self, module: nn.Module, input_ids: torch.Tensor, **_kwargs) -> torch.Tensor:
+        # A logits adapter (fwdcheck/model/calling.py): `**_kwargs` says it returns the logits alone, so a check's
+        # call with extras of its own (labels, document ids) goes to the module, whose output share_output shares.
         self.forwarding = True  # the module's own output, for the broadcast below: share_output leaves it alone
         try:
-            output = call_forward(module, self.adapter, input_ids, **kwargs)  # the one call convention
+            output = call_forward(module, self.adapter, input_ids, **_kwargs)  # the one call convention
         except BaseException as exc:
             if not model_failure(exc):
                 raise

@@ -30,12 +30,26 @@ FULL_KINDS = {"full_attention", "attention", "global"}
 SLIDING_KINDS = {"sliding_attention", "local"}
 
 
+PER_LAYER = object()  # a setting a heterogeneous config keeps per layer and refuses to read globally
+
+
+def _read(config: Any, name: str, default: Any = None) -> Any:
+    """config.name, or PER_LAYER where transformers' heterogeneous configs refuse a global read of a per-layer
+    attribute (AmbiguousGlobalPerLayerAttributeError: read it off config.per_layer_config[i] instead)."""
+    try:
+        return getattr(config, name, default)
+    except Exception:
+        return PER_LAYER
+
+
 def transformers_windows(config: Any, where: str) -> Windows | None:
     """The windows the config declares, or None when it declares none (every layer full causal attention)."""
-    width = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
+    width = _read(config, "sliding_window")
+    if width is PER_LAYER:
+        return _per_layer_windows(config, where)
+    if _read(config, "use_sliding_window", True) is False:
         width = None
-    kinds = getattr(config, "layer_types", None)
+    kinds = _read(config, "layer_types")
     if not isinstance(kinds, (list, tuple)):
         kinds = getattr(config, "attention_layers", None)  # GPT-Neo
         width = getattr(config, "window_size", None) if isinstance(kinds, (list, tuple)) else width
@@ -54,6 +68,22 @@ def transformers_windows(config: Any, where: str) -> Windows | None:
     if not any(isinstance(w, int) for w in layers):
         return None
     return Windows(f"{where}: sliding_window {width} on the layers its layer kinds call sliding", layers=tuple(layers))
+
+
+def _per_layer_windows(config: Any, where: str) -> Windows | None:
+    """The windows of a heterogeneous config, layer by layer from its per_layer_config (a layer whose kind is full
+    attention, or whose width is unset, has none); None when it has no such list or no layer slides."""
+    per_layer = _read(config, "per_layer_config")
+    if not isinstance(per_layer, (list, tuple)):
+        return None
+    layers: list[int | str | None] = []
+    for layer in per_layer:
+        width, kind = _read(layer, "sliding_window"), _read(layer, "layer_type")
+        slides = isinstance(width, int) and not isinstance(width, bool) and width > 0 and kind not in FULL_KINDS
+        layers.append(width if slides else None)
+    if not any(isinstance(w, int) for w in layers):
+        return None
+    return Windows(f"{where}: sliding_window per layer (per_layer_config)", layers=tuple(layers))
 
 
 def declare_attention(model: ModelUnderTest, spec: Any) -> None:
