@@ -184,7 +184,7 @@ def test_nproc_on_the_command_line_must_agree_with_the_mesh(tmp_path):
 )
 def test_a_hugging_face_model_needs_parallelize_for_a_mesh_its_plans_do_not_name(mesh, says):
     from fwdcheck.errors import UsageError
-    from fwdcheck.model.sources.hf import _plan_sizes
+    from fwdcheck.model.sources.hf_parallel import _plan_sizes
 
     with pytest.raises(UsageError, match="distributed.mesh") as raised:
         _plan_sizes(mesh)

@@ -96,8 +96,11 @@ def test_architecture(kind, model_type):
 @pytest.mark.parametrize("key", sorted(FINDINGS))
 def test_each_true_finding_is_shown_in_plain_torch(key):
     finding = FINDINGS[key]
-    assert finding.evidence(), f"{key}: the plain-torch evidence does not show {finding.what}"
     kind, model_type, check = key
+    built = tiny(model_type, kind)
+    if built.config is None:  # the sweep leaves it out (its table says why): nothing of it to show here
+        pytest.skip(f"{model_type} is left out of the {kind} sweep: {built.left_out}")
+    assert finding.evidence(), f"{key}: the plain-torch evidence does not show {finding.what}"
     result = report(model_type, kind).result(check)
     assert result.status.value == ("error" if finding.codes == {"FWD002"} else "fail")
     assert {f.code for f in result.findings} <= finding.codes

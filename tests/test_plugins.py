@@ -157,7 +157,7 @@ def test_installed_plugin_is_listed(installed):
     assert row[1] == LABEL
     assert "finite" in " ".join(row[2:])
     named = [r[0] for r in rows[1:] if len(r) > 1 and "[" in r[1]]  # rows that start a check (name, label, ...)
-    assert named[: len(BUILTINS)] == BUILTINS  # the default built-ins first, in their order
+    assert [n for n in named if n in BUILTINS] == BUILTINS  # the default built-ins in their order
     builtins = [r[0] for r in rows[1:] if len(r) > 1 and r[1].startswith("fwdcheck[")]
     assert named.index("logit-bound") == len(builtins)  # a plugin after every built-in
 
@@ -330,8 +330,10 @@ def test_broken_plugins_error_by_name_and_the_rest_runs(broken_plugins, tmp_path
     result = invoke("run", path, "--format", "json")
     assert result.exit_code == 1, result.output
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
-    for name in BUILTINS:
-        assert checks[name]["status"] == "pass", checks[name]["summary"]
+    for name in BUILTINS:  # the toy's 4 tokens are too short to pack three documents: packing skips, saying so
+        assert checks[name]["status"] in ("pass", "skip"), checks[name]["summary"]
+        assert checks[name]["status"] == "pass" or checks[name]["summary"], name
+    assert {checks[name]["status"] for name in BUILTINS[:4]} == {"pass"}
     expected = {
         "acme-missing": "No module named 'acme_missing_module'",
         "acme-raises": "RuntimeError: plugin bug at import time",
