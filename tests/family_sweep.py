@@ -265,7 +265,8 @@ def section(kind: str) -> str:
         f"transformers {transformers.__version__}: {len(names)} {sweep.what} architectures enumerated "
         f"(`{sweep.mapping}`), {len(run)} built tiny from their config class's defaults as `{sweep.auto_class}` and "
         f"run with no adapter, {len(names) - len(run)} left out (last table). An architecture listed alone passed "
-        f"every default check; {KNOWN_MARK} marks a known misreading of fwdcheck's, {FINDING_MARK} a true finding.",
+        f"the four checks ({', '.join(CHECKS)}); {KNOWN_MARK} marks a known misreading of fwdcheck's, "
+        f"{FINDING_MARK} a true finding.",
         "",
         "| family | architectures |",
         "| --- | --- |",
