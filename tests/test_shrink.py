@@ -189,14 +189,7 @@ def test_llama3_8b_shrinks_keeping_gqa_ratio_and_rope_and_every_check_passes(tmp
 
     code, report = run_json(out)
     assert code == 0, report
-    got = statuses(report)
-    assert {k: got[k] for k in ("shape-ledger", "future-token", "mask-audit", "rope")} == {
-        "shape-ledger": "pass",
-        "future-token": "pass",
-        "mask-audit": "pass",
-        "rope": "pass",
-    }
-    assert set(got.values()) <= {"pass", "skip"}, got  # every other default check passes or does not apply
+    assert_shrunk_run_passes(report, rope="pass")
     assert report["model"]["dims"] == {"V": 512, "d": 128, "h": 8, "h_kv": 2, "d_h": 16, "d_ff": 448, "L": 2}
 
 
@@ -247,14 +240,7 @@ def test_gpt2_caps_learned_positions(tmp_path):
 
     code, report = run_json(out)
     assert code == 0, report
-    got = statuses(report)
-    assert {k: got[k] for k in ("shape-ledger", "future-token", "mask-audit", "rope")} == {
-        "shape-ledger": "pass",
-        "future-token": "pass",
-        "mask-audit": "pass",
-        "rope": "skip",
-    }
-    assert set(got.values()) <= {"pass", "skip"}, got  # every other default check passes or does not apply
+    assert_shrunk_run_passes(report, rope="skip")
 
 
 @pytest.mark.slow
@@ -679,3 +665,16 @@ def test_a_shrunk_vision_language_model_runs_its_text_path(tmp_path, monkeypatch
     )
     statuses = {r.name: r.status.value for r in report.results}
     assert statuses["future-token"] == "pass" and statuses["mask-audit"] == "pass", statuses
+
+
+def assert_shrunk_run_passes(report: dict, rope: str) -> None:
+    """The shrunk model's default run: the four causal checks as expected (rope passing, or skipping where the model
+    has no rotary embedding), every other default check passing or not applying."""
+    got = statuses(report)
+    assert {k: got[k] for k in ("shape-ledger", "future-token", "mask-audit", "rope")} == {
+        "shape-ledger": "pass",
+        "future-token": "pass",
+        "mask-audit": "pass",
+        "rope": rope,
+    }
+    assert set(got.values()) <= {"pass", "skip"}, got
