@@ -51,8 +51,9 @@ SCALE_ATTRIBUTES = ("scaling", "softmax_scale", "inv_norm_factor")
 # TensorFlow initialisation), as transformers' configs name them: their declared scale is 1.
 FOLDED_SCALE = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"}
 
-# Tokens of the one row observed: enough key positions for the statistics, a fraction of a forward of long inputs.
-LENGTH = 64
+# Tokens of the one row observed: a scale shows at any length, and 16 queries per head and layer are enough rows for
+# the statistics; a short row costs a fraction of a forward of long inputs.
+LENGTH = 16
 
 
 @dataclass

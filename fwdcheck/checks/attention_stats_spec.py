@@ -40,7 +40,7 @@ Declared scales, first found first: the config's `scale:` (model.scale); the att
 scale_attn_weights=False (1) and scale_attn_by_inverse_layer_idx (1/(sqrt(d_h) (layer + 1))), Granite's
 attention_multiplier; 1 for T5-family models, which fold 1/sqrt(d_h) into their initialisation. A rotary
 embedding that scales cos and sin (YaRN's attention_scaling) scales q and k both: the declared scale times its
-square passes too. One observed forward of the first row (64 tokens, or seq_len if shorter) with q, k and the
+square passes too. One observed forward of the first row (16 tokens, or seq_len if shorter) with q, k and the
 linear layers' outputs kept.
   FWD955 applied twice: q . k reaches the softmax scaled by the declared scale squared (1/d_h for 1/sqrt(d_h)): q
     pre-multiplied and handed to a kernel that scales again (OPT), or `/ head_dim` for `/ sqrt(head_dim)`; attention

@@ -4,7 +4,7 @@ Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
     model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex:
     true}}`), switched as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention),
-    on the session's inputs
+    on the session's rows cut to compared_length() tokens (longer than any window the model declares)
     and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
@@ -44,6 +44,21 @@ KERNELS = {
 }
 FLEX = "flex_attention"
 
+# Tokens of the rows the implementations are compared on. A path that drops, inverts or misreads a mask, scales
+# otherwise or repeats its kv heads otherwise does so at any length of a few tokens (as the code-path matrix's cells,
+# fwdcheck.run.code_paths); a dropped sliding window shows once a row is longer than the window, so rows are cut
+# below the session's length only past every declared window. Each implementation then costs a fraction of a
+# forward (2 x 16 tokens of a 2 x 128 run: an eighth of its tokens).
+COMPARED_LENGTH = 16
+
+
+def compared_length(model: ModelUnderTest, session: Session) -> int:
+    """The tokens per row the implementations are compared on: COMPARED_LENGTH, longer than the widest window the
+    model declares (by CELL_LENGTH keys a band drops), at least the session's shortest length, at most its own."""
+    widest = model.windows.widest if model.windows is not None else None
+    wanted = max(COMPARED_LENGTH, session.min_seq_len, (widest or 0) + CELL_LENGTH)
+    return min(session.inputs.shape[1], wanted)
+
 
 def switchable(model) -> tuple[list[str], str | None]:
     """The attention implementations the model can be switched between, the one it runs now first; or no list and
@@ -74,9 +89,9 @@ class Backends(Check, declared=SPEC):
         compared: list[str] = []
         if len(implementations) >= 2:
             compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
-        if not recorder.calls:  # no forward ran SDPA under the recorder yet: one row, on the default path
+        if not recorder.calls:  # no forward ran SDPA under the recorder yet: one short row, on the default path
             with recorder:
-                session.logits(session.inputs[:1])
+                session.logits(session.inputs[:1, : compared_length(model, session)])
         if model.attention is None and not recorder.calls:
             raise DoesNotApply(
                 f"{data['implementations']}, and no scaled_dot_product_attention call to compare kernels on"
@@ -151,15 +166,21 @@ class Backends(Check, declared=SPEC):
     def _implementations(self, model, session, implementations, padded, recorder, findings, data, metrics) -> list[str]:
         """Logits of every implementation against the default one's; the implementations that ran."""
         default = implementations[0]
-        # The default implementation's logits: the observation pass's while every implementation agrees with them
-        # within the bar (they cost no forward), the untouched baseline's once one does not (session.reference()).
-        base = session.reference()  # (B, T, V)
-        plain, pads = self._run_each(model, session, implementations, padded, recorder, base, data)
+        rows = session.inputs[:, : compared_length(model, session)]  # (B, L)
+        # The default implementation's logits: when the rows are the session's own, the observation pass's while
+        # every implementation agrees with them within the bar (they cost no forward), the untouched baseline's once
+        # one does not (session.reference()); of rows cut shorter, one forward of the default path.
+        base = session.reference() if rows.shape[1] == session.inputs.shape[1] else None  # (B, T, V)
+        plain, pads = self._run_each(model, session, implementations, rows, padded, recorder, base, data)
+        base = plain[default]
         ran = list(plain)
         rtol, atol = TOLERANCES[session.dtype].backends
         scale = logit_scale(base)
         changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
-        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not session.reference_untouched:
+        cut = rows.shape[1] < session.inputs.shape[1]
+        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not (
+            cut or session.reference_untouched
+        ):
             base = plain[default] = session.baseline()  # judged against the untouched model
             scale = logit_scale(base)
             changes = {i: position_change(plain[i], base) for i in ran if i != default}
@@ -171,6 +192,7 @@ class Backends(Check, declared=SPEC):
         data["implementations"] = {
             "default": default,
             "compared": ran,
+            "tokens": list(rows.shape),
             "left_padding": LEFT_PADDING
             if padded
             else "not compared: forward takes no attention_mask and position_ids",
@@ -185,14 +207,15 @@ class Backends(Check, declared=SPEC):
         model: ModelUnderTest,
         session: Session,
         implementations: list[str],
+        rows: torch.Tensor,
         padded: bool,
         recorder: RecordSdpa,
-        base: torch.Tensor,
+        base: torch.Tensor | None,
         data: dict,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The logits of every implementation: of the session's inputs (the default's are `base`), and, when
-        `padded`, of the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels. An
-        implementation that cannot run here (flex_attention without a compiler) is noted in data["not_run"]."""
+        """The logits of every implementation: of `rows` [B, L] (the default's are `base` when it is given), and,
+        when `padded`, of the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels.
+        An implementation that cannot run here (flex_attention without a compiler) is noted in data["not_run"]."""
         default = implementations[0]
         # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
         # drops, inverts or misreads the padding mask does so at any length of a few tokens (fwdcheck.run.code_paths),
@@ -201,16 +224,16 @@ class Backends(Check, declared=SPEC):
         T = session.inputs.shape[1]
         real = min(T - LEFT_PADDING, max(CELL_LENGTH, session.min_seq_len - LEFT_PADDING))
         row = session.inputs[:1, :real]  # run only when padded
-        plain: dict[str, torch.Tensor] = {default: base}
+        plain: dict[str, torch.Tensor] = {default: base} if base is not None else {}
         pads: dict[str, torch.Tensor] = {}
         skipped = {}
         for implementation in implementations:
             record = implementation == "sdpa" and not recorder.calls
             try:
                 with model.using_attention(implementation if implementation != default else None):
-                    if implementation != default:
+                    if implementation not in plain:
                         with recorder if record and not padded else nullcontext():
-                            plain[implementation] = session.logits(session.inputs)
+                            plain[implementation] = session.logits(rows)  # (B, L, V)
                     if padded:
                         with recorder if record else nullcontext():
                             pads[implementation] = session.logits(row, model=view)  # (1, real, V): real tokens
@@ -305,7 +328,7 @@ def _mask_kind(arguments: dict) -> str:
 def _implementations_apart(
     default: str, changes: dict[str, torch.Tensor], pad_changes: dict[str, torch.Tensor], bar: float, data: dict
 ) -> list[Finding]:
-    """FWD801 for an implementation whose logits of the session's inputs differ from the default's beyond the bar;
+    """FWD801 for an implementation whose logits of the session's rows differ from the default's beyond the bar;
     FWD802 for one that differs only on the real tokens of the left-padded row (data["padded_also_differs"] when
     both do)."""
     findings = []
@@ -315,7 +338,9 @@ def _implementations_apart(
                 Finding(
                     "FWD801",
                     Status.FAIL,
-                    _message(default, implementation, change, bar, "the session's inputs"),
+                    _message(
+                        default, implementation, change, bar, f"the session's rows (first {change.shape[-1]} tokens)"
+                    ),
                     _where(change, bar),
                 )
             )

@@ -12,7 +12,7 @@ backward multiplies by it, so the gradient is exactly 0.0. Any nonzero bit is a 
 enabled or only in train mode (`if self.training:`), a kernel whose backward reads what its forward did not. There is
 no threshold to tune and no noise floor to measure.
 
-What runs, for a correct model: one forward of the session's inputs (B rows, at most 64 tokens each) and one
+What runs, for a correct model: one forward of the session's inputs (B rows, at most 16 tokens each) and one
 backward. Row b's loss is a random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given
 to the rows in turn (as
 future-token's cuts: every position against the last token, position 0 against every later one, the first half
@@ -146,10 +146,11 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     return ((grad != 0) & grad.isfinite()).any(-1)
 
 
-# Rows of at most this many tokens: a leak into earlier positions through the gradient shows at any length (the cuts
-# at T - 1, 1 and T/2 over the rows), and a forward with gradients and its backward cost two forwards' tokens; a
-# default check runs in every default run (at T = 128, B = 2: one forward's tokens).
-MAX_LENGTH = 64
+# Rows of at most this many tokens: a leak into earlier positions through the gradient is exact, any nonzero bit, and
+# shows at any length (the cuts at T - 1, 1 and T/2 over the rows), while a forward with gradients and its backward
+# cost two forwards' tokens; a default check runs in every default run (at T = 128, B = 2: a quarter of a forward's
+# tokens). A leak that opens only past this many positions is future-token's to see, over the session's whole rows.
+MAX_LENGTH = 16
 
 
 class GradCausality(Check, declared=SPEC):
