@@ -66,8 +66,9 @@ class ModelState:
                     state.tensors.append((module, "buffer", name, b, None, None))
             # _forward_hooks, _forward_pre_hooks, their with_kwargs and always_called companions, backward and
             # state-dict hooks: every dict of hooks a module keeps, whatever this torch version names them
+            # (most are empty: an empty one is kept without a copy, and restore() empties it again)
             state.hooks += [
-                (hooks, hooks.copy())
+                (hooks, hooks.copy() if hooks else {})
                 for key, hooks in vars(module).items()
                 if "_hooks" in key and isinstance(hooks, dict)
             ]
