@@ -199,7 +199,8 @@ class Backends(Check, declared=SPEC):
         }
         data["changes"] = {i: float(c.max()) for i, c in changes.items()}
         data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
-        findings += _implementations_apart(default, changes, pad_changes, bar, data)
+        compared_on = f"the session's rows (their first {rows.shape[1]} tokens)" if cut else "the session's inputs"
+        findings += _implementations_apart(default, changes, pad_changes, bar, compared_on, data)
         return ran
 
     @staticmethod
@@ -326,7 +327,12 @@ def _mask_kind(arguments: dict) -> str:
 
 
 def _implementations_apart(
-    default: str, changes: dict[str, torch.Tensor], pad_changes: dict[str, torch.Tensor], bar: float, data: dict
+    default: str,
+    changes: dict[str, torch.Tensor],
+    pad_changes: dict[str, torch.Tensor],
+    bar: float,
+    compared_on: str,
+    data: dict,
 ) -> list[Finding]:
     """FWD801 for an implementation whose logits of the session's rows differ from the default's beyond the bar;
     FWD802 for one that differs only on the real tokens of the left-padded row (data["padded_also_differs"] when
@@ -338,9 +344,7 @@ def _implementations_apart(
                 Finding(
                     "FWD801",
                     Status.FAIL,
-                    _message(
-                        default, implementation, change, bar, f"the session's rows (first {change.shape[-1]} tokens)"
-                    ),
+                    _message(default, implementation, change, bar, compared_on),
                     _where(change, bar),
                 )
             )
