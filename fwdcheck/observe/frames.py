@@ -371,43 +371,52 @@ def module_tracking(
     running: dict[str, list[ModuleCall]] = {}  # module name -> its calls whose output has not come yet
     positions_of = _PositionsSeen()
 
+    # Both hooks are fwdcheck's own reading of a module's arguments and output (a shape, a dtype, a dim), no op of
+    # the model's: the observer's mode is off for them. Read through the mode, those reads were half of the calls an
+    # observed forward made to it (786 of 1,552 in one of transformers' GPT-2 small).
     def pre(name, reading):
         def hook(module, args, kwargs):
-            x = first_tensor(args) if args else first_tensor(kwargs)
-            if not name and from_input is not None:
-                given = [*args, *kwargs.values()]
-                # an encoder-decoder's decoder_input_ids are the tokens under test, its input_ids the source
-                fallback = kwargs.get("decoder_input_ids", kwargs.get("input_ids", x))
-                ids = tokens if any(a is tokens for a in given) else fallback
-                if isinstance(ids, torch.Tensor):
-                    from_input[ids] = True
-            # fwdcheck's own reading of the arguments: no op of the model's, so the observer's mode is off for it
             with torch._C.DisableTorchFunction():
-                frame = _frame(name, reading, args, kwargs, from_input, positions_of)
-            if name and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 3:
-                _follow_sequences(frame, x, args, kwargs)
-            where.append(frame)
-            call = _module_call(name, module, x, keep=name in keep_inputs_of)
-            record.modules.append(call)
-            running.setdefault(name, []).append(call)
+                entered(name, reading, module, args, kwargs)
 
         return hook
+
+    def entered(name, reading, module, args, kwargs) -> None:
+        x = first_tensor(args) if args else first_tensor(kwargs)
+        if not name and from_input is not None:
+            given = [*args, *kwargs.values()]
+            # an encoder-decoder's decoder_input_ids are the tokens under test, its input_ids the source
+            fallback = kwargs.get("decoder_input_ids", kwargs.get("input_ids", x))
+            ids = tokens if any(a is tokens for a in given) else fallback
+            if isinstance(ids, torch.Tensor):
+                from_input[ids] = True
+        frame = _frame(name, reading, args, kwargs, from_input, positions_of)
+        if name and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 3:
+            _follow_sequences(frame, x, args, kwargs)
+        where.append(frame)
+        call = _module_call(name, module, x, keep=name in keep_inputs_of)
+        record.modules.append(call)
+        running.setdefault(name, []).append(call)
 
     def post(name):
         def hook(module, args, kwargs, output):
-            if where and where[-1].name == name:
-                done = where.pop()
-                if where:  # the writes of a child (a cache module's update) are its caller's too
-                    where[-1].writes.extend(done.writes)
-            calls = running.get(name)
-            if calls:  # the innermost call of this module still waiting for its output
-                call = calls.pop()
-                y = output_tensor(output)
-                call.output_shape = tuple(y.shape) if y is not None else ()
-                call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
-                call.seq = record.tick()
+            with torch._C.DisableTorchFunction():
+                completed(name, output)
 
         return hook
+
+    def completed(name, output) -> None:
+        if where and where[-1].name == name:
+            done = where.pop()
+            if where:  # the writes of a child (a cache module's update) are its caller's too
+                where[-1].writes.extend(done.writes)
+        calls = running.get(name)
+        if calls:  # the innermost call of this module still waiting for its output
+            call = calls.pop()
+            y = output_tensor(output)
+            call.output_shape = tuple(y.shape) if y is not None else ()
+            call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
+            call.seq = record.tick()
 
     try:
         for name, module in model.named_modules():
