@@ -60,9 +60,12 @@ def test_the_declared_layout_is_the_modeling_codes(family, sections, layout):
     assert axes.pair_axes(8, layout) == axes_of_pairs(rotary, 8)
 
 
-def rotated(rotary, modeling, axes: RotaryAxes, axis: int | None, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotated(
+    rotary, modeling, axes: RotaryAxes, axis: int | None, P: int, k_time_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k (P, d_h), the same vector at each position, rotated by the module: `axis` walking 0..P-1 and the
-    others held at 3 (every axis walking together when None)."""
+    others held at 3 (every axis walking together when None). k_time_only plants a k rotated by the time axis's
+    positions on every axis, as a path that hands k one row of positions would."""
     g = torch.Generator().manual_seed(0)
     d = rotary.inv_freq.numel() * 2
     q, k = torch.randn(2, 1, 1, 1, d, generator=g).expand(2, 1, 1, P, d)
@@ -72,15 +75,18 @@ def rotated(rotary, modeling, axes: RotaryAxes, axis: int | None, P: int) -> tup
         positions = axis_positions(axes, axis, P, 3, torch.device("cpu"))
     cos, sin = rotary(q, positions)
     q_rot, k_rot = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    if k_time_only:
+        cos, sin = rotary(k, positions[:1].expand(3, 1, P))
+        k_rot = modeling.apply_rotary_pos_emb(k, k, cos, sin)[1]
     return q_rot[0, 0], k_rot[0, 0]
 
 
-def judged(rotary, modeling, sections) -> tuple[list, dict]:
+def judged(rotary, modeling, sections, k_time_only: bool = False) -> tuple[list, dict]:
     axes = RotaryAxes(NAMES, tuple(sections), None, "test")
     P, tol = 32, 1e-4
-    q_all, k_all = rotated(rotary, modeling, axes, None, P)
+    q_all, k_all = rotated(rotary, modeling, axes, None, P, k_time_only)
     call = AxisCall("layer", analyze(q_all, tol), analyze(k_all, tol), 8)
-    seen = [{"layer": rotated(rotary, modeling, axes, a, P)} for a in range(3)]
+    seen = [{"layer": rotated(rotary, modeling, axes, a, P, k_time_only)} for a in range(3)]
     data: dict = {}
     return judge_axes(axes, [call], seen, P, 3, tol, data), data
 
@@ -99,6 +105,18 @@ def test_sections_of_a_rotary_module_judged_per_axis_both_ways():
     assert [f.code for f in findings] == [
         "FWD309"
     ] and "the time section (pairs 0-2): pair 2 turns with the height axis" in findings[0].message
+
+
+def test_k_rotated_by_one_row_of_positions_fails_along_the_other_axes():
+    """k turned by the time axis's positions on every axis, q by all three: with every axis at one position they
+    agree, so only the per-axis probe sees it: FWD302 along every axis (along time k turns every pair, q only the
+    time section's; along height and width k turns none)."""
+    rotary, modeling = text_rotary("qwen2_vl", 16, [2, 3, 3])
+    findings, _ = judged(rotary, modeling, [2, 3, 3], k_time_only=True)
+    assert [f.message.split(" (")[0] for f in findings] == [f"along the {axis} axis" for axis in NAMES]
+    assert {f.code for f in findings} == {"FWD302"}
+    assert "q turns pairs 0-1, k pairs 0-7" in findings[0].message
+    assert "q turns pairs 2-4, k pairs none" in findings[1].message
 
 
 # -- whole models, text-only input -------------------------------------------------------------------------------
