@@ -32,6 +32,7 @@ def text_rotary(family: str, head_dim: int, sections: list[int] | None):
         "qwen2_vl": "Qwen2VLTextConfig",
         "qwen2_5_vl": "Qwen2_5_VLTextConfig",
         "qwen3_vl": "Qwen3VLTextConfig",
+        "ernie4_5_vl_moe": "Ernie4_5_VLMoeTextConfig",
     }
     params = {"rope_type": "default", "rope_theta": 10000.0, **({"mrope_section": sections} if sections else {})}
     config = getattr(transformers, config_classes[family])(
@@ -117,6 +118,24 @@ def test_k_rotated_by_one_row_of_positions_fails_along_the_other_axes():
     assert {f.code for f in findings} == {"FWD302"}
     assert "q turns pairs 0-1, k pairs 0-7" in findings[0].message
     assert "q turns pairs 2-4, k pairs none" in findings[1].message
+
+
+def test_a_layout_of_the_modeling_codes_own_is_not_judged():
+    """Ernie 4.5-VL lays its sections out in height, width, time order, height and width interleaved: held against
+    the standard layouts its correct rotary fails FWD309, so the hf source says it lays them out its own way and rope
+    says the sections are not judged."""
+    import torch.nn as nn
+
+    from fwdcheck.model.sources.hf_rotary import rotary_axes
+
+    rotary, modeling = text_rotary("ernie4_5_vl_moe", 16, [3, 3, 2])
+    findings, _ = judged(rotary, modeling, [3, 3, 2])
+    assert [f.code for f in findings] == ["FWD309"]  # what judging it would say of a correct model
+    holder = nn.Module()
+    holder.rotary_emb = rotary
+    axes = rotary_axes(holder, rotary.config, "config.json")
+    assert axes is not None and axes.sections == (3, 3, 2)
+    assert axes.own_layout is not None and "height, width, time order" in axes.own_layout
 
 
 # -- whole models, text-only input -------------------------------------------------------------------------------

@@ -385,6 +385,9 @@ class Rope(Check, declared=SPEC):
                 f"not judged: forward takes no position_ids, so its {', '.join(axes.names)} axes cannot be driven apart"
             )
             return []
+        if axes.own_layout:
+            data["axes"] = f"not judged: {axes.own_layout}, which fwdcheck does not model"
+            return []
         turning = [r for r in results if r.q.rotates and r.k.rotates and r.q.pairing and r.q.pairing == r.k.pairing]
         if not turning:
             data["axes"] = "not judged: no attention call turns q and k as one rotation with every axis together"

@@ -48,7 +48,9 @@ Otherwise:
     laid out one after the other (Qwen2-VL) or interleaved (Qwen3-VL, mrope_interleaved; either when the config does
     not say), else FWD309 names the section and the axis its pairs turn with. Pairs too slow to turn visibly within
     the probe are listed as not judged; where the axes cannot be driven apart (forward takes no position_ids, or
-    refuses [3, 1, P]) the sections are "not judged", with the reason, and nothing fails.
+    refuses [3, 1, P]), or the modeling code lays its sections out its own way (Ernie 4.5-VL's height, width, time
+    order; HunYuan-VL's sections of the doubled table), the sections are "not judged", with the reason, and nothing
+    fails.
 A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
 not be held and q, k do not turn as rotations, its key slots cannot be told apart) and no logits shift was measured,
 it skips with the reason; a rotary function tested alone says nothing of how the model uses it.

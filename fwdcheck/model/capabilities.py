@@ -197,6 +197,8 @@ class RotaryAxes:
     sections: tuple[int, ...] | None  # rotary pairs per axis, as declared; None: not stated
     layout: SectionLayout | None  # None: not stated, and either layout of the sections is accepted
     origin: str  # where the sections (and the layout, when stated) were read
+    # Why the sections cannot be judged per axis (a modeling code that lays them out its own way); None: they can
+    own_layout: str | None = None
 
     def pair_axes(self, pairs: int, layout: SectionLayout) -> list[int] | None:
         """The axis each of `pairs` rotary pairs turns with under this layout of the declared sections, as the

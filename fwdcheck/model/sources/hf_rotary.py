@@ -20,6 +20,14 @@ from fwdcheck.model.capabilities import RotaryAxes, SectionLayout
 
 # M-RoPE's axes, in position_ids' order, for three sections (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and their kin).
 AXIS_NAMES = {3: ("time", "height", "width"), 2: ("row", "column")}
+# transformers' text rotary embeddings that lay their sections out in neither standard way (one after the other in
+# time, height, width order, or interleaved as Qwen3-VL's): judged against either, a correct model would fail.
+OWN_LAYOUTS = {
+    "Ernie4_5_VLMoeTextRotaryEmbedding": "its sections are in height, width, time order, height and width pairs "
+    "interleaved, over pre-rotated frequencies",
+    "HunYuanVLRotaryEmbedding": "its sections count dims of the doubled frequency table, so one rotary pair may "
+    "read two axes",
+}
 
 
 def text_rotary(module: nn.Module, text_config: Any) -> tuple[str, nn.Module] | None:
@@ -93,4 +101,6 @@ def rotary_axes(module: nn.Module, text_config: Any, config_file: str) -> Rotary
     if layout is not None:
         origin += f", mrope_interleaved {bool(interleaved)}"
     names = AXIS_NAMES.get(len(sections), tuple(f"axis {i}" for i in range(len(sections))))
-    return RotaryAxes(names=names, sections=tuple(sections), layout=layout, origin=origin)
+    own = OWN_LAYOUTS.get(type(rotary_emb).__name__)
+    own_layout = f"{type(rotary_emb).__name__} lays its sections out its own way ({own})" if own else None
+    return RotaryAxes(names, tuple(sections), layout, origin, own_layout)
