@@ -1,6 +1,6 @@
 """rope: rotated query . key must depend only on n - m; measure the pairing and the frequencies actually used.
 
-Three views, each catching what the others cannot:
+Four views, each catching what the others cannot:
   probe (the model's own attention path): feed one token repeated, and hold the hidden state entering each attention
     module the same at every position; what q and k hold at the attention call is then the rotation alone. From it:
     which dims rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies,
@@ -10,6 +10,8 @@ Three views, each catching what the others cannot:
     on a short row run alone at both sets of positions.
   component (the reference model, or a rotary function named in the config): the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random vectors, norms preserved, position 0 the identity.
+  axes (a multi-axis rotary embedding, M-RoPE, as the model's rotary_axes declares it): the probe once more per
+    position axis, that axis walking and the others held; each section judged against its own axis (rope_axes.py).
 
 The probe measures q and k only where it knows what they were computed from: a call counts when the input of the
 module around it was held position-independent (or its block's input already was, or q and k turn as clean rotations
