@@ -192,31 +192,6 @@ KNOWN: dict[tuple[str, str, str], Expected] = {
         "attention weights are [B, h, T/2, T] by design, which the ledger takes for a misplaced axis",
     ),
     **{
-        ("image-text-to-text", name, "rope"): Expected(
-            frozenset({"FWD308"}),
-            "the rotary function fwdcheck discovers on the module is probed alone as a one-axis rotary and fails its "
-            "identity (FWD308): these models' rotaries are multi-axis (M-RoPE's time, height and width sections) or "
-            "a vision tower's two-axis rotary, which rope does not judge per axis yet",
-        )
-        for name in (
-            "cosmos3_omni",
-            "exaone4_5",
-            "hyperclovax_vision_v2",
-            "lighton_ocr",
-            "mistral3",
-            "mistral_large4",
-            "muse_glimmer",
-            "muse_spark",
-            "qwen2_5_vl",
-            "qwen2_vl",
-            "qwen3_5",
-            "qwen3_5_moe",
-            "qwen3_omni_moe_thinker",
-            "qwen3_vl",
-            "qwen3_vl_moe",
-        )
-    },
-    **{
         (kind, "t5gemma2", "mask-audit"): Expected(
             frozenset({"FWD204"}),
             "T5Gemma 2's decoder attends over its own tokens and the source in one call (merged self- and "

@@ -656,6 +656,30 @@ def test_multi_axis_rotary_sections_follow_the_head_size(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hand_shrunk_multi_axis_config_gets_sections_that_fit_its_head(tmp_path):
+    """A Qwen2-VL config written small by hand (head 16) that states no mrope_section raised in the model: the
+    modeling code's default [16, 24, 24] does not split 8 rotary pairs. Shrunk, the default is written out scaled
+    (the head keeps its size), and rope judges the sections per axis."""
+    from fwdcheck.model.sources.shrink import shrink_file
+    from tests.conftest import run_checks
+
+    path = tmp_path / "hand.yaml"
+    path.write_text(
+        "model:\n  source: hf\n  class: AutoModelForImageTextToText\n  config:\n    model_type: qwen2_vl\n"
+        "    text_config: {model_type: qwen2_vl_text, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2,"
+        " intermediate_size: 128, num_hidden_layers: 2, vocab_size: 256}\n"
+        "    vision_config: {depth: 1, embed_dim: 32, hidden_size: 64, num_heads: 2, mlp_ratio: 2}\n"
+        "    image_token_id: 250\n    video_token_id: 251\n    vision_start_token_id: 252\n"
+    )
+    shrunk = shrink_file(path, tmp_path / "out.yaml")
+    model = shrunk.document["model"]
+    assert model["config"]["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert ("text_config.rope_parameters.mrope_section", [16, 24, 24], [2, 3, 3]) in shrunk.changes
+    rope = run_checks(model, ["rope"], code_paths={"enabled": False}).result("rope")
+    assert rope.status.value == "pass" and rope.data["axes"]["layout"] == "contiguous", rope.summary
+
+
+@pytest.mark.slow
 def test_a_shrunk_vision_language_model_runs_its_text_path(tmp_path, monkeypatch):
     config, _ = _shrunk(tmp_path, "llava", "AutoModelForImageTextToText")
     from tests.conftest import run_checks

@@ -1,6 +1,6 @@
 """rope: rotated query . key must depend only on n - m; measure the pairing and the frequencies actually used.
 
-Three views, each catching what the others cannot:
+Four views, each catching what the others cannot:
   probe (the model's own attention path): feed one token repeated, and hold the hidden state entering each attention
     module the same at every position; what q and k hold at the attention call is then the rotation alone. From it:
     which dims rotate, in which pairing (half: i with i + r/2; interleaved: 2i with 2i+1), at which frequencies,
@@ -10,6 +10,8 @@ Three views, each catching what the others cannot:
     on a short row run alone at both sets of positions.
   component (the reference model, or a rotary function named in the config): the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random vectors, norms preserved, position 0 the identity.
+  axes (a multi-axis rotary embedding, M-RoPE, as the model's rotary_axes declares it): the probe once more per
+    position axis, that axis walking and the others held; each section judged against its own axis (rope_axes.py).
 
 The probe measures q and k only where it knows what they were computed from: a call counts when the input of the
 module around it was held position-independent (or its block's input already was, or q and k turn as clean rotations
@@ -28,9 +30,10 @@ import torch.nn as nn
 
 from fwdcheck.checks.held_input import Hold, hold_points, relative_spread
 from fwdcheck.checks.observed_qk import attention_qk, key_slots, merge_steps, written_slots
+from fwdcheck.checks.rope_axes import AxisCall, axis_positions, judge_axes
 from fwdcheck.checks.rope_spec import SPEC
-from fwdcheck.checks.rotation import Rotation, analyze, pair_indices, toeplitz_error, well_measured
-from fwdcheck.errors import DoesNotApply, SkipCheck
+from fwdcheck.checks.rotation import Rotation, analyze, same_turns, toeplitz_error, well_measured
+from fwdcheck.errors import DoesNotApply, ModelRaised, SkipCheck, first_line
 from fwdcheck.model.tested import ModelUnderTest, model_code
 from fwdcheck.observe.records import Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, first_per_code
@@ -306,6 +309,8 @@ class Rope(Check, declared=SPEC):
             )
         else:
             summary = "relative identity holds"
+        if not bad and model_axes(data):
+            summary += f"; {model_axes(data)}"
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
 
     # -- the model's own attention path ------------------------------------------------------------------------------
@@ -368,7 +373,47 @@ class Rope(Check, declared=SPEC):
                 )
             if model.accepts_position_ids and probe.rotates:
                 findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
+            if model.rotary_axes is not None and probe.rotates:
+                findings += self._axes(model, session, token, look, results, P, tol, points, hold, blocks, data)
         return probe
+
+    def _axes(self, model, session, token, look, results, P, tol, points, hold, blocks, data) -> list[Finding]:
+        """Each section of a multi-axis rotary embedding against its own axis (rope_axes): the probe once more per
+        axis, from the same held rows, with position_ids [axes, 1, P] walking that axis and holding the others."""
+        axes = model.rotary_axes
+        shape = f"[{len(axes.names)}, 1, {P}]"
+        if not model.accepts_position_ids:
+            data["axes"] = (
+                f"not judged: forward takes no position_ids, so its {', '.join(axes.names)} axes cannot be driven apart"
+            )
+            return []
+        if axes.own_layout:
+            data["axes"] = f"not judged: {axes.own_layout}, which fwdcheck does not model"
+            return []
+        turning = [r for r in results if r.q.rotates and r.k.rotates and r.q.pairing and r.q.pairing == r.k.pairing]
+        if not turning:
+            data["axes"] = "not judged: no attention call turns q and k as one rotation with every axis together"
+            return []
+        declared = (model.rope.rotary_dim if model.rope else None) or model.dims.get("d_h")
+        calls = [AxisCall(r.where, r.q, r.k, _declared_pairs(r.q, declared)) for r in turning]
+        held_at = max(0, min(SHIFT, (model.max_positions or P + SHIFT) - P))
+        before = {c.where: c for c in look.calls if c.judged}
+        seen = []
+        for axis in range(len(axes.names)):
+            positions = axis_positions(axes, axis, P, held_at, token.device)
+            try:
+                again = self._look(model, session, token, None, P, tol, points, hold, blocks, look.rows, positions)
+            except ModelRaised as exc:
+                data["axes"] = f"not judged: forward refused position_ids {shape} ({first_line(exc)})"
+                return []
+            seen.append(
+                {
+                    c.where: (c.q[0], c.k[0])
+                    for c in again.calls
+                    if c.q is not None and c.k is not None and c.where in before and _same_rows(before[c.where], c, tol)
+                }
+            )
+        return _first_per_code(judge_axes(axes, calls, seen, P, held_at, tol, data), len(calls))
 
     def _measure(self, calls: list[QK], tol: float, prefer: str | None) -> list[Measured]:
         """The rotation of q and of k (head 0 of each) at every judged call, and how far q_m . k_n is from depending
@@ -398,14 +443,15 @@ class Rope(Check, declared=SPEC):
             results.append(Measured(c.where, q, k, error, c.q[0], c.k[0]))
         return results
 
-    def _look(self, model, session, token, offset, P, tol, points, hold, keep, replay=None) -> Look:
-        """One observed forward of the token repeated at positions offset..offset+P-1 (0.. when offset is None),
-        the held modules given `replay`'s rows when there are any.
+    def _look(self, model, session, token, offset, P, tol, points, hold, keep, replay=None, positions=None) -> Look:
+        """One observed forward of the token repeated at positions offset..offset+P-1 (the model's own when offset
+        is None; `positions` as given, when given), the held modules given `replay`'s rows when there are any.
 
         Where a call reads more key slots than it has queries (a KV cache), a second forward with another token at
         the same positions tells which slots the probe wrote: exactly those change, whatever the cache layout."""
         ids = token.expand(1, P).contiguous()
-        positions = None if offset is None else torch.arange(offset, offset + P, device=ids.device)[None]
+        if positions is None and offset is not None:
+            positions = torch.arange(offset, offset + P, device=ids.device)[None]  # (1, P)
         hold.start(replay)
         seen = session.observe(ids, positions, keep_tensors=True, keep_inputs_of=keep)
         rows, moved = dict(hold.rows), dict(hold.moved)
@@ -469,10 +515,7 @@ class Rope(Check, declared=SPEC):
             # (with a KV cache the shifted queries also read what earlier runs left there): no finding about the
             # rotation can come from different content. Not compare.relative_error, whose inf for a NaN row would skip
             # the call as different content: a row that cannot be compared is no reason to judge less.
-            if len(before.rows) != len(after.rows) or any(
-                float((a - b).abs().max()) > tol * (float(a.abs().max()) + 1e-30)
-                for a, b in zip(before.rows, after.rows, strict=True)
-            ):
+            if not _same_rows(before, after, tol):
                 continue
             compared += 1
             q, k, q2, k2 = before.q, before.k, after.q, after.k
@@ -598,6 +641,36 @@ def _compare_qk(results: list[Measured], tol: float, positions: int) -> list[Fin
                 Finding("FWD302", Status.FAIL, _frequency_difference(q, k, tol, positions), where, module=where)
             )
     return _first_per_code(findings, len(results))
+
+
+def _same_rows(before: QK, after: QK, tol: float) -> bool:
+    """Whether two probes computed a call's q and k from the same position-free rows."""
+    return len(before.rows) == len(after.rows) and all(
+        float((a - b).abs().max()) <= tol * (float(a.abs().max()) + 1e-30)
+        for a, b in zip(before.rows, after.rows, strict=True)
+    )
+
+
+def _declared_pairs(q: Rotation, declared_dim: int | None) -> int:
+    """The rotary pairs the sections lay out over: the measured ones, or the declared ones where interleaved pairs
+    past the measured slice turn too slowly to be seen (their dims then look still)."""
+    measured = q.rotary_dim // 2
+    if declared_dim and q.pairing == "interleaved" and q.rotary_start == 0 and declared_dim // 2 > measured:
+        return declared_dim // 2
+    return measured
+
+
+def model_axes(data: dict) -> str:
+    """The summary's words for a multi-axis rotary judged per axis without a finding; '' when it was not."""
+    axes = data.get("axes")
+    if not isinstance(axes, dict):
+        return f"multi-axis sections {axes}" if axes else ""
+    sections = "; ".join(
+        f"{name} {','.join(map(str, v['pairs'])) or 'none judged'}" for name, v in axes["sections"].items()
+    )
+    slow = axes["not_judged_pairs"]
+    too_slow = f"; pairs {','.join(map(str, slow))} too slow to judge" if slow else ""
+    return f"each M-RoPE section turns with its own axis ({axes['layout']}, pairs: {sections}{too_slow})"
 
 
 def _component(model, session, tol, noise, findings, data) -> Rotation | None:
@@ -774,24 +847,12 @@ def _frequency_difference(q: Rotation, k: Rotation, tol: float, positions: int) 
 
 
 def _same_frequencies(q: Rotation, k: Rotation, q_seen: torch.Tensor, k_seen: torch.Tensor, tol: float) -> bool:
-    """Whether q and k turn by the same angle, pair by pair, at every position (their pairing agrees).
-
-    Compared as measured, not as fitted frequencies: a slow pair of small magnitude may stay below the rounding on
-    one side and count as still there, and angles that are not linear in the position (FWD303's business) fit no
-    frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
-    smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
+    """Whether q and k turn by the same angle, pair by pair, at every position (their pairing agrees), over the
+    slice either rotates (rotation.same_turns)."""
     start = min(q.rotary_start, k.rotary_start)
     rotary_dim = max(q.rotary_start + q.rotary_dim, k.rotary_start + k.rotary_dim) - start
     assert q.pairing is not None  # the caller took the rotations without a pairing apart (FWD306)
-    i, j = pair_indices(q.pairing, rotary_dim, start)
-    weights = []
-    angles = []
-    for X in (q_seen.double(), k_seen.double()):
-        # A tensor of weights, not one number: no compare.relative_error.
-        weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
-        angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
-    difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
-    return float((difference.abs() * torch.minimum(*weights)).max()) <= 10 * tol
+    return same_turns(q_seen, k_seen, q.pairing, rotary_dim, start, tol)
 
 
 def _first_per_code(findings: list[Finding], calls: int) -> list[Finding]:

@@ -15,6 +15,8 @@ SPEC = CheckInfo(
         "FWD306": "q/k change with position, no pairing keeps pair norms constant and q.k depends on more than n - m",
         "FWD307": "the model declares a rotary embedding but q and k do not change with position",
         "FWD308": "the rotary function on its own breaks the identity, the norms or position 0 = identity",
+        "FWD309": "a multi-axis rotary (M-RoPE) turns a section with another position axis than the declared "
+        "sections give it (sections split in the wrong order, an axis read for another)",
     },
     explain="""\
 Skips, with the reason, when the model has no rotary embedding: q and k do not turn with position in the probe and
@@ -38,6 +40,17 @@ Otherwise:
     would read what the cache holds below them).
   component: for the reference model, or a `rotary_function` named in the config, the identity
     <R(m)q, R(n)k> = <q, R(n-m)k> on random q, k, norm preservation and R(0) = identity.
+  axes: a multi-axis rotary embedding (M-RoPE, position_ids [3, B, T] over time, height and width; declared by a
+    Hugging Face config's mrope_section, or the sections its modeling code holds) turns every pair by the same
+    angle for text tokens, whose axes all hold one position: the probe runs once more per axis, that axis walking
+    0..P-1 and the others held at one position. Along each axis q and k must turn alike (FWD302) and q_m . k_n
+    depend on n - m alone (FWD303); each rotary pair must turn with exactly the axis the declared sections give it,
+    laid out one after the other (Qwen2-VL) or interleaved (Qwen3-VL, mrope_interleaved; either when the config does
+    not say), else FWD309 names the section and the axis its pairs turn with. Pairs too slow to turn visibly within
+    the probe are listed as not judged; where the axes cannot be driven apart (forward takes no position_ids, or
+    refuses [3, 1, P]), or the modeling code lays its sections out its own way (Ernie 4.5-VL's height, width, time
+    order; HunYuan-VL's sections of the doubled table), the sections are "not judged", with the reason, and nothing
+    fails.
 A check that measured nothing does not pass: when no attention call can be judged (none observed, its input could
 not be held and q, k do not turn as rotations, its key slots cannot be told apart) and no logits shift was measured,
 it skips with the reason; a rotary function tested alone says nothing of how the model uses it.
@@ -51,7 +64,8 @@ long as q . k depends on n - m only.
 How to fix: FWD301 -> apply the rotation to both q and k. FWD302 -> use one rotate function, with the same
 positions and sign, for both. FWD303 -> rotate by angles linear in the position (no wrapped or restarted
 positions). FWD304 -> pass the same positions (offset included) to q and k. FWD307 -> apply the rotary embedding,
-or correct the declaration.""",
+or correct the declaration. FWD309 -> split the frequencies by the declared sections, in order, each section reading
+its own row of position_ids.""",
     order=40,
     detail_view="fwdcheck.checks.rope_view:rope_numbers",
 )

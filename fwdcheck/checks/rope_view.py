@@ -38,6 +38,25 @@ class Component(Rotation, total=False):
     position0_error: float
 
 
+class AxisSection(TypedDict):
+    pairs: list[int]  # the rotary pairs that turn with this axis alone
+    thetas: list[float]  # their frequencies along it, radians per position
+
+
+class Axes(TypedDict, total=False):
+    """A multi-axis rotary embedding judged per axis (rope_axes): the sections each axis turns."""
+
+    names: list[str]
+    declared: dict[str, Any]  # sections, layout (None: not stated), origin
+    held_at: int  # where the other axes were held while one walked
+    pairing: str
+    pairs: int
+    sections: dict[str, AxisSection]
+    not_judged_pairs: list[int]  # too slow to turn visibly within the probe
+    layout: str  # the layout held against, or why none was
+    calls: int
+
+
 class RopeData(TypedDict, total=False):
     probe: Probe | str  # str: why it did not run
     probe_calls: list[dict[str, Any]]
@@ -49,6 +68,7 @@ class RopeData(TypedDict, total=False):
     declared_from: str | None  # where the declaration came from (ModelUnderTest.origins["rope"])
     absolute_positions: str
     logits_shift: str
+    axes: Axes | str  # str: why the axes were not judged
 
 
 def rope_numbers(r: CheckResult) -> RenderableType:
@@ -164,6 +184,23 @@ def _ropenotes(data: dict) -> list[str]:
         notes.append(f"positions also enter absolutely: {data['absolute_positions']}")
     if isinstance(data.get("logits_shift"), str):
         notes.append(f"logits shift: {data['logits_shift']}")
+    axes = data.get("axes")
+    if isinstance(axes, dict):
+        turned = "; ".join(
+            f"{name} pairs {', '.join(map(str, v['pairs'])) or 'none judged'}"
+            + (f" ({', '.join(f'{t:.3g}' for t in v['thetas'][:3])} rad/position)" if v["thetas"] else "")
+            for name, v in axes["sections"].items()
+        )
+        slow = axes.get("not_judged_pairs") or []
+        notes.append(
+            f"multi-axis sections, each axis walked with the others held at {axes['held_at']} over "
+            f"{axes['calls']} call(s), layout {axes['layout']}: {turned}"
+            + (f"; pairs {', '.join(map(str, slow))} too slow to judge" if slow else "")
+        )
+        declared = axes["declared"]
+        notes.append(f"declared sections {declared['sections']}: {declared['origin']}")
+    elif axes:
+        notes.append(f"multi-axis sections: {axes}")
     if data.get("component_scale"):
         notes.append(f"rotary function scales by {data['component_scale']:.4g} (an attention factor, divided out)")
     return notes

@@ -71,18 +71,46 @@ def analyze(X: torch.Tensor, tol: float, prefer: str | None = None, noise: float
         return Rotation(rotates=True, pairing=None, rotary_dim=rotary_dim, norm_error=drift, rotary_start=start)
     # The smallest rotary dim that works (pairs that never turn are not rotary), the declared pairing on a tie.
     drift, pairing, rotary_dim, start = min(valid, key=lambda c: (c[2], c[1] != prefer, c[3] != 0, c[0]))
-    i, j = pair_indices(pairing, rotary_dim, start)
-    angle = torch.atan2(X[:, j], X[:, i])  # (P, r/2)
-    step = torch.remainder(angle[1:] - angle[:-1] + math.pi, 2 * math.pi) - math.pi  # per-position turn, unwrapped
-    turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
-    m = torch.arange(1, P, dtype=X.dtype)[:, None]
-    thetas = ((m * turned).sum(0) / (m * m).sum()).tolist()  # least squares through the origin
+    thetas = pair_thetas(X, pairing, rotary_dim, start)
     # theta_p = base^(-2p/r) = exp(-decay p): the decay comes from the pairs that turned enough to measure, the base
     # from the decay and the rotary dim.
     decays = sorted(-math.log(abs(t)) / p for p, t in enumerate(thetas) if p > 0 and well_measured(t, P, tol))
     decay = decays[len(decays) // 2] if decays else None
     base = math.exp(decay * rotary_dim / 2) if decay else None
     return Rotation(True, pairing, rotary_dim, thetas, base, decay=decay, norm_error=drift, rotary_start=start)
+
+
+def pair_thetas(X: torch.Tensor, pairing: str, rotary_dim: int, start: int = 0) -> list[float]:
+    """X: (P, D), one vector at positions 0..P-1 (or along one axis of them). The angle each pair turns by per
+    position: its turns unwrapped step by step and fitted by least squares through the origin."""
+    X = X.double()
+    P = X.shape[0]
+    i, j = pair_indices(pairing, rotary_dim, start)
+    angle = torch.atan2(X[:, j], X[:, i])  # (P, r/2)
+    step = torch.remainder(angle[1:] - angle[:-1] + math.pi, 2 * math.pi) - math.pi  # per-position turn, unwrapped
+    turned = step.cumsum(0)  # (P-1, r/2): total angle at positions 1..P-1
+    m = torch.arange(1, P, dtype=X.dtype)[:, None]
+    return ((m * turned).sum(0) / (m * m).sum()).tolist()
+
+
+def same_turns(
+    q_seen: torch.Tensor, k_seen: torch.Tensor, pairing: str, rotary_dim: int, start: int, tol: float
+) -> bool:
+    """Whether q and k (P, D) turn by the same angle, pair by pair, at every position, under one pairing.
+
+    Compared as measured, not as fitted frequencies: a slow pair of small magnitude may stay below the rounding on
+    one side and count as still there, and angles that are not linear in the position (FWD303's business) fit no
+    frequency at all. A pair's angle is only as precise as its radius allows, so each difference is weighted by the
+    smaller of the two radii, relative to its vector's scale: rounding then weighs about the same in every pair."""
+    i, j = pair_indices(pairing, rotary_dim, start)
+    weights = []
+    angles = []
+    for X in (q_seen.double(), k_seen.double()):
+        # A tensor of weights, not one number: no compare.relative_error.
+        weights.append(torch.hypot(X[:, i], X[:, j]).mean(0) / (X.abs().max() + 1e-30))  # (r/2,)
+        angles.append(torch.atan2(X[:, j], X[:, i]) - torch.atan2(X[:1, j], X[:1, i]))  # (P, r/2): turned since 0
+    difference = torch.remainder(angles[0] - angles[1] + math.pi, 2 * math.pi) - math.pi  # (P, r/2)
+    return float((difference.abs() * torch.minimum(*weights)).max()) <= 10 * tol
 
 
 def well_measured(theta: float, positions: int, tol: float) -> bool:

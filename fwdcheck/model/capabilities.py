@@ -180,6 +180,41 @@ class Positions:
         return self.form == "given"
 
 
+# How a multi-axis rotary embedding lays its sections over the rotary pairs (pair p: frequency index p):
+#   contiguous   the sections one after the other: pairs 0..s0-1 turn with axis 0, the next s1 with axis 1, ...
+#                (Qwen2-VL and Qwen2.5-VL's M-RoPE)
+#   interleaved  pair p turns with axis p mod n while p < n * s[p mod n], else with axis 0 (Qwen3-VL's M-RoPE)
+SectionLayout = Literal["contiguous", "interleaved"]
+
+
+@dataclass(frozen=True)
+class RotaryAxes:
+    """A rotary embedding over several position axes (M-RoPE: time, height and width), as the model declares it:
+    forward takes position_ids [axes, B, T], and each axis turns its own section of the rotary pairs. For text
+    tokens every axis holds the same positions, so the sections only show when the axes are driven apart."""
+
+    names: tuple[str, ...]  # the axes, in the order of position_ids' first dimension
+    sections: tuple[int, ...] | None  # rotary pairs per axis, as declared; None: not stated
+    layout: SectionLayout | None  # None: not stated, and either layout of the sections is accepted
+    origin: str  # where the sections (and the layout, when stated) were read
+    # Why the sections cannot be judged per axis (a modeling code that lays them out its own way); None: they can
+    own_layout: str | None = None
+
+    def pair_axes(self, pairs: int, layout: SectionLayout) -> list[int] | None:
+        """The axis each of `pairs` rotary pairs turns with under this layout of the declared sections, as the
+        modeling code lays them out; None when the sections do not lay out over that many pairs (contiguous
+        sections that do not sum to it)."""
+        sections = self.sections
+        if not sections or len(sections) != len(self.names):
+            return None
+        if layout == "contiguous":
+            if sum(sections) != pairs:
+                return None
+            return [axis for axis, size in enumerate(sections) for _ in range(size)]
+        n = len(sections)
+        return [p % n if p % n and p < n * sections[p % n] else 0 for p in range(pairs)]
+
+
 # Which keys each token may read, by the model's design:
 #   causal           every token reads itself and the tokens before it (a decoder-only language model)
 #   bidirectional    every token reads every token (an encoder: BERT, a masked LM)

@@ -33,6 +33,7 @@ from fwdcheck.model.capabilities import (
     Loss,
     Packing,
     Positions,
+    RotaryAxes,
     Windows,
 )
 from fwdcheck.model.default_device import global_default_device, set_global_default_device
@@ -102,6 +103,7 @@ class ModelUnderTest:
     packing: Packing | None = None  # documents packed into one row, isolated
     positions: Positions | None = None  # how forward learns positions; None: position_ids when forward takes them
     rotary_in_layers: Rotary | None = None  # the rotation as the layers apply it (their precision), when exposed
+    rotary_axes: RotaryAxes | None = None  # a rotary embedding over several position axes (M-RoPE), as declared
     windows: Windows | None = None  # the sliding attention window it declares; None: full causal attention
     # The factor attention should apply to q . k when it is not 1/sqrt(d_h) (a config's `scale:`), where it came from
     # in origins["scale"]; None: what the model's own config says, else 1/sqrt(d_h)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fwdcheck.model.capabilities import AttentionSwitch
 from fwdcheck.model.reference import ReferenceTransformer
-from fwdcheck.model.sources.hf import add_transformers_capabilities, is_transformers_model
+from fwdcheck.model.sources.hf import add_transformers_capabilities, is_transformers_model, text_config
+from fwdcheck.model.sources.hf_rotary import rotary_axes
 from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.sources.reference import add_reference_capabilities
 from fwdcheck.model.tested import ModelUnderTest
@@ -17,9 +18,12 @@ from fwdcheck.model.tested import ModelUnderTest
 
 def detect_capabilities(model: ModelUnderTest) -> ModelUnderTest:
     """Fill in what the module shows it can do. A `forward:` adapter drives the model its own way, so only the
-    attention switch and the attention pattern (the module's own, whatever calls it) are read then."""
+    attention switch, the attention pattern and a multi-axis rotary embedding's axes (the module's own, whatever
+    calls it) are read then."""
     module = model.module
     fill_pattern(model)
+    if model.rotary_axes is None and is_transformers_model(module):
+        model.rotary_axes = rotary_axes(module, text_config(module.config), f"{type(module).__name__}'s config")
     if model.forward_adapter is None:
         if is_transformers_model(module):
             add_transformers_capabilities(model)

@@ -42,6 +42,7 @@ from fwdcheck.model.config_keys import CONFIG_KEYS, head_widths
 from fwdcheck.model.library_logs import kept_as_notes
 from fwdcheck.model.sources.attention_declared import declare_attention, transformers_windows
 from fwdcheck.model.sources.hf_parallel import tensor_parallel
+from fwdcheck.model.sources.hf_rotary import find_rotary, rotary_axes
 from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.sources.seq2seq import hold_source, seq2seq_class
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
@@ -166,13 +167,14 @@ def hf_model_under_test(
         dims={k: v for k, v in dims.items() if v},
         declared_dims=set(),  # all read off the config by fwdcheck
         rope=rope,
-        rotary=find_rotary(module),
+        rotary=find_rotary(module, cfg),
         rotary_discovered=True,
         forward_kwargs={"position_ids", "attention_mask", "output_attentions"},
         weights_at_init=weights_at_init,
         origins=origins,
         extra={"notes": notes, "model_type": top.model_type},
     )
+    model.rotary_axes = rotary_axes(module, cfg, config_file)
     fill_pattern(model)
     add_transformers_capabilities(model)
     declare_attention(model, spec)
@@ -533,24 +535,6 @@ def builds_rotary(module: nn.Module) -> bool:
     """Whether a transformers model built a rotary embedding: a module whose class names it, as every modeling file
     that rotates calls it (LlamaRotaryEmbedding, GPTJRotaryEmbedding, ...)."""
     return any("rotary" in type(m).__name__.lower() for m in module.modules())
-
-
-def find_rotary(module: nn.Module):
-    """The model's rotary embedding as a function (x [B,h,T,d_h], positions [T]) -> rotated x, when the modeling
-    file follows the common layout: a *RotaryEmbedding module returning (cos, sin) and apply_rotary_pos_emb(q, k,
-    cos, sin) beside the attention class. None otherwise (the probe through the model still runs)."""
-    rotary_emb = next((m for m in module.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-    attention = next((m for m in module.modules() if type(m).__name__.endswith("Attention")), None)
-    apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
-    if rotary_emb is None or apply is None:
-        return None
-
-    def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_emb(x, positions[None].expand(x.shape[0], -1))
-        rotated, _ = apply(x, x, cos, sin)
-        return rotated
-
-    return rotary
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -92,18 +92,20 @@ def _sections(e: Any, name: str, old: dict[str, Any], sub: dict[str, Any]) -> No
     """A multi-axis rotary embedding's mrope_section (one count of rotary pairs per axis: time, height, width) sums
     to half the head size: scaled to the new head size, each section kept at one pair or more. Where the config
     leaves it to the modeling code's default (Qwen2-VL's [16, 24, 24], for a head of 128), that default is written
-    out, scaled."""
-    old_head, new_head = _head(old), _head(sub)
-    if not old_head or not new_head or old_head == new_head:
+    out, scaled, also when the head already had its small size (a config shrunk by hand, whose model raises on the
+    default's split); sections the config states for the head it keeps are its own, and kept."""
+    new_head = _head(sub)
+    if not new_head:
         return
-    for key in ("rope_parameters", "rope_scaling"):
-        params = sub.get(key)
-        if not isinstance(params, dict):
-            continue
-        sections = params.get("mrope_section")
-        if sections is None and key == "rope_parameters":
-            sections = MROPE_DEFAULTS.get(str(sub.get("model_type")))
+    default = MROPE_DEFAULTS.get(str(sub.get("model_type")))
+    keys = [key for key in ("rope_parameters", "rope_scaling") if isinstance(sub.get(key), dict)]
+    for key in keys or (["rope_parameters"] if default else []):
+        params = sub.get(key) or {}
+        stated = params.get("mrope_section")
+        sections = stated if stated is not None else default if key == "rope_parameters" else None
         if not isinstance(sections, list) or not all(isinstance(s, int) for s in sections):
+            continue
+        if sum(sections) == new_head // 2 or (stated is not None and _head(old) == new_head):
             continue
         scaled = _scaled_sections(sections, new_head // 2)
         e.changes.append((f"{name}.{key}.mrope_section", sections, scaled))
