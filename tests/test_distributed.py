@@ -184,6 +184,23 @@ def test_a_leak_sharding_introduces_fails_future_token_on_the_sharded_model(tmp_
     assert leak["source"] == mask["source"] and leak["source"].endswith("distributed_models.py:43")
 
 
+@pytest.mark.parametrize("bug", [None, "mask-dropped-when-sharded"])
+def test_grad_causality_backpropagates_through_the_shards(tmp_path, bug):
+    """Every rank keeps its own graph behind rank 0's logits: the backward runs through each rank's shards and the
+    sharded forward's collectives, and a mask that only the sharded path drops gets gradient from later tokens."""
+    config = gpt_config("tensor_parallel", bug)
+    config["checks"] = ["grad-causality"]
+    code, report, stderr = launch(tmp_path, config)
+    grad = checks(report)["grad-causality"]
+    if bug is None:
+        assert code == 0, stderr
+        assert grad["status"] == "pass", grad["summary"]
+        assert grad["metrics"]["max_gradient_after_cut"] == 0.0
+    else:
+        assert code == 1, stderr
+        assert "FWD121" in codes(grad), grad["summary"]
+
+
 def test_fully_sharded_model_passes(tmp_path):
     """FSDP2 gathers every parameter for the forward: nothing the model computes changes, and the swapped-in
     gathered parameters are no write (FWD006)."""

@@ -281,7 +281,8 @@ class RankZeroLogits:
             raise
         finally:
             self.forwarding = False
-        logits = full(extract_logits(output)).detach()
+        graph = full(extract_logits(output, keep_graph=True))  # its autograd graph, when run with gradients
+        logits = graph.detach()
         shapes: list = [None] * self.world
         dist.all_gather_object(shapes, tuple(logits.shape))
         if len(set(shapes)) > 1:  # every rank knows it: every rank raises here, and they stay in step
@@ -292,6 +293,11 @@ class RankZeroLogits:
         self.own = logits
         shared = logits.float().clone()  # a copy: the broadcast writes into it, and `own` stays this rank's
         dist.broadcast(shared, src=0)
+        if graph.requires_grad:
+            # A forward with gradients (grad-causality, grad-reach): rank 0's values, as every forward gives, with
+            # this rank's own graph behind them, so that a backward runs through this rank's shards and the
+            # collectives of the sharded forward, on every rank alike.
+            return graph.float() + (shared - graph.float()).detach()
         return shared
 
     def take_agreed_raises(self) -> int:
