@@ -45,6 +45,7 @@ def check_model(
     dims: dict[str, int] | None = None,
     forward: Any = None,
     window: int | list[int | None] | None = None,
+    chunk: int | list[int | None] | None = None,
     scale: float | None = None,
     exhaustive: bool = False,
     options: dict[str, dict[str, Any]] | None = None,
@@ -62,13 +63,15 @@ def check_model(
     for other call conventions, which every check calls (docs/configuration.md: the adapter contract). `dims`
     declares sizes fwdcheck cannot read off a config object ({"h": 12, "h_kv": 4});
     `min_seq_len` the shortest sequence forward accepts. `window` declares the sliding attention window (keys a
-    query may read, itself included; a list: one per layer, None for full attention) and `scale` the factor
-    attention applies to q . k when it is not 1/sqrt(d_h). `attention` declares the attention pattern by design
-    ({"pattern": "bidirectional"}, {"pattern": "prefix", "prefix_length": 4}; `causal=False` is the former spelling of
-    the first); without it, a transformers model's own attributes say, else the model is taken as causal. Hugging Face
-    models get the code-path matrix by default, as from the command line; `code_paths` narrows it ({"enabled": False}
-    turns it off; `paths` is its former name, still taken). `options` are the checks' own, as a config's `options:`
-    section ({"future-token": {"exhaustive": True}}, which `exhaustive=True` still sets). The arguments are validated as
+    query may read, itself included; a list: one per layer, None for full attention), `chunk` the chunk size of
+    chunked attention (a query reads its own chunk's keys up to itself; a list: one per layer, None where a layer
+    is not chunked) and `scale` the factor attention applies to q . k when it is not 1/sqrt(d_h). `attention`
+    declares the attention pattern by design ({"pattern": "bidirectional"}, {"pattern": "prefix",
+    "prefix_length": 4}; `causal=False` is the former spelling of the first); without it, a transformers model's own
+    attributes say, else the model is taken as causal. Hugging Face models get the code-path matrix by default, as
+    from the command line; `code_paths` narrows it ({"enabled": False} turns it off; `paths` is its former name,
+    still taken). `options` are the checks' own, as a config's `options:` section ({"future-token": {"exhaustive":
+    True}}, which `exhaustive=True` still sets). The arguments are validated as
     a config file's keys are: a wrong one is a UsageError naming it.
     """
     if not isinstance(model, nn.Module):
@@ -93,8 +96,8 @@ def check_model(
     except ValueError as exc:
         raise UsageError(f"check_model: {exc}") from None
     run = Run.build(resolve(config, Overrides(checks=checks, fail_on=fail_on)))
-    return run.check(
-        from_module(
+    try:
+        under_test = from_module(
             model,
             vocab_size=vocab_size,
             max_positions=max_positions,
@@ -104,6 +107,9 @@ def check_model(
             dims=dims,
             forward=forward,
             window=window,
+            chunk=chunk,
             scale=scale,
         )
-    )
+    except ValidationError as exc:  # a declaration (window, chunk, dims, ...) refused as a config file's would be
+        raise UsageError(f"check_model: {describe_validation_error(exc)}") from None
+    return run.check(under_test)

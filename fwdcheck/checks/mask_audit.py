@@ -24,11 +24,12 @@ from typing import cast
 
 import torch
 
+from fwdcheck.checks.chunk_band import judge_chunk
 from fwdcheck.checks.mask_audit_spec import SPEC
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
 from fwdcheck.checks.window_band import judge_window
 from fwdcheck.errors import ModelRaised, SkipCheck
-from fwdcheck.model.capabilities import ASSUMED_CAUSAL, AttentionPattern
+from fwdcheck.model.capabilities import ASSUMED_CAUSAL, AttentionPattern, Chunks, Windows
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.records import Api, AttentionCall, Observation
 from fwdcheck.result import Check, CheckResult, Finding, Status, grouped
@@ -340,8 +341,7 @@ class MaskAudit(Check, declared=SPEC):
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, model.pattern.kind != "bidirectional")
             if shape is not None and model.causal and not shape.reads_future and model.windows is not None:
-                where = f"{call.module or 'model'} ({call.api})"
-                rows[-1]["window"], wrong = judge_window(call, model.windows, model.layer_of(call.module), where)
+                wrong = _declared(call, model.windows, model.layer_of(call.module), rows[-1])
                 if wrong is not None:
                     wrong.source, wrong.module = call.source, call.module
                     findings.append(wrong)
@@ -369,6 +369,18 @@ class MaskAudit(Check, declared=SPEC):
         for f in findings:  # each is about this call: it points at the line of model code that made it
             f.source, f.module = call.source, call.module
         return findings
+
+
+def _declared(call: AttentionCall, windows: Windows, layer: int | None, row: CallRow) -> Finding | None:
+    """The call against what its layer declares: a chunk (chunk_band), else a sliding window or full attention
+    (window_band); its record in the row, and the finding when the mask is otherwise."""
+    where = f"{call.module or 'model'} ({call.api})"
+    declared = windows.of(layer)
+    if isinstance(declared, Chunks):
+        row["chunk"], wrong = judge_chunk(call, declared, layer, where, windows.origin)
+    else:
+        row["window"], wrong = judge_window(call, windows, layer, where)
+    return wrong
 
 
 def _mask_findings(
@@ -625,16 +637,20 @@ def _patterns(rows: list[CallRow]) -> str:
 
 
 def _widths(rows: list[CallRow]) -> str:
-    """What the declared windows showed, when the model declares any: how many calls were judged on width, and why
-    the others were not (the first reason)."""
+    """What the declared windows and chunks showed, when the model declares any: how many calls were judged on
+    width and on chunks, and why the others were not (the first reason)."""
     bands = [r["window"] for r in rows if r.get("window")]
-    judged = [b for b in bands if b["judged"]]
-    waiting = [b["note"] for b in bands if not b["judged"] and b["note"].startswith("width not judged")]
-    if not bands:
-        return ""
-    said = f"; sliding windows as declared at {len(judged)} call(s)" if judged else ""
-    if waiting:
-        said += f"; {len(waiting)} call(s) {waiting[0]}"
+    chunks = [r["chunk"] for r in rows if r.get("chunk")]
+    sliding = any(b["declared"] for b in bands if b["judged"])  # else only full layers beside chunked ones
+    said = ""
+    for records, as_declared, not_judged in (
+        (bands, "sliding windows as declared" if sliding else "full attention as declared", "width not judged"),
+        (chunks, "chunks as declared", "chunks not judged"),
+    ):
+        judged = [r for r in records if r["judged"]]
+        waiting = [r["note"] for r in records if not r["judged"] and r["note"].startswith(not_judged)]
+        said += f"; {as_declared} at {len(judged)} call(s)" if judged else ""
+        said += f"; {len(waiting)} call(s) {waiting[0]}" if waiting else ""
     return said
 
 

@@ -22,6 +22,8 @@ SPEC = CheckInfo(
         "FWD212": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
         "truncated cross-attention mask)",
         "FWD213": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
+        "FWD214": "a chunked-attention layer's mask is not the chunk the model declares (full causal, chunks of "
+        "another size, boundaries elsewhere)",
     },
     explain="""\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -96,6 +98,16 @@ that declares no window is not judged on width. FWD211 -> build the band as the 
 j > i - W (or flash-attn's window_size=(W - 1, 0)), and the sliding mask only on sliding layers. FWD212 -> hand
 cross-attention the source's padding mask only (encoder_attention_mask, memory_key_padding_mask), never the
 decoder's causal mask.
+Declared chunks (FWD214): where the model declares chunked attention (transformers' attention_chunk_size on the
+layers its layer_types call chunked_attention, as Llama 4's; a config's `chunk:`), the sequence is cut into chunks
+of C tokens from its first, and the query at position p must read exactly the keys at positions C * (p // C) .. p,
+itself included. Each judged call of such a layer is compared query by query and key by key; a query that reads
+otherwise fails, naming the layer, the declared chunk and what the mask is (full causal attention, chunks of another
+size, chunk boundaries at other positions, a sliding band) with the first query that reads otherwise. Chunks are
+"not judged" when no query of the run holds a key of an earlier chunk (raise inputs.seq_len above C); the layers
+declared full attention beside chunked ones must read every earlier key past the largest chunk (FWD211). FWD214 ->
+build the chunked mask on the chunked layers (keep key j for query i when j // C == i // C, counted from the first
+real token), with the config's chunk size.
 A model without attention calls fwdcheck can read (custom kernels) is skipped here; future-token still tests its
 behaviour. For a cached forward whose calls are not judged, hand the positions to the attention module's forward as
 input_pos or cache_position.""",

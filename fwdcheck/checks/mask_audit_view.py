@@ -36,6 +36,16 @@ class WindowRow(TypedDict):
     note: str  # as declared, or what differs, or why it was not judged
 
 
+class ChunkRow(TypedDict):
+    """A call's may-read sets against its layer's declared attention chunk."""
+
+    layer: int | None
+    declared: int  # the chunk size: a query reads its own chunk's keys up to itself
+    measured: str | None  # what the mask allows, in words ("chunks of 4", "is full causal attention, ...")
+    judged: bool
+    note: str  # as declared, or what differs, or why it was not judged
+
+
 class CallRow(TypedDict, total=False):
     """One attention call as the audit saw it."""
 
@@ -59,6 +69,7 @@ class CallRow(TypedDict, total=False):
     may_read: list[list[int]] | None  # [L, S]: 1 where the query may read the key slot (None past 64 x 64)
     source: str | None
     window: WindowRow  # the band against the layer's declared window, when the model declares one
+    chunk: ChunkRow  # the may-read sets against the layer's declared chunk, on a chunked-attention layer
 
 
 class MaskAuditData(TypedDict, total=False):
@@ -125,6 +136,11 @@ def mask_table(r: CheckResult) -> RenderableType:
     if bands:
         judged = sum(b["judged"] for b in bands)
         parts += notes([f"declared windows: {judged} of {len(bands)} calls judged on width", *widths])
+    chunked = [c["chunk"] for c in rows if c.get("chunk")]
+    if chunked:
+        judged = sum(b["judged"] for b in chunked)
+        off = sorted({b["note"] for b in chunked if not b["judged"] or b["measured"] != f"chunks of {b['declared']}"})
+        parts += notes([f"declared chunks: {judged} of {len(chunked)} calls judged", *off])
     sources = sorted({c["positions_from"] for c in rows if c.get("positions_from") not in (None, "", "square")})
     if sources:
         parts += notes([f"query positions (L x S at ...) from: {', '.join(sources)}"])

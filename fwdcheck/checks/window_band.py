@@ -7,8 +7,9 @@ band shows only in rows with h > W, where a correct mask reads exactly W: one ke
 W - 1 (those show from h = W on). A run whose rows never reach past the window cannot tell a window from full
 causal attention, nor a band one key wider: the call is "not judged" on width, with the length it would take.
 
-A layer that declares full attention in a model whose other layers slide reads every earlier key: a band there (the
-sliding mask handed to every layer) is a finding too, seen in rows longer than the widest declared window.
+A layer that declares full attention in a model whose other layers slide (or are chunked: chunk_band.py) reads every
+earlier key: a band there (the sliding or chunked mask handed to every layer) is a finding too, seen in rows longer
+than the widest declared window or chunk (Windows.widest).
 
 The band is read off the call's may-read set, whatever built it: a mask tensor, is_causal, a flex BlockMask, or a
 kernel's own window argument (flash-attn's window_size, xformers' attn_bias), which the observer turned into the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fwdcheck.checks.mask_audit_view import WindowRow
-from fwdcheck.model.capabilities import Windows
+from fwdcheck.model.capabilities import Chunks, Windows
 from fwdcheck.observe.records import AttentionCall
 from fwdcheck.result import Finding, Status
 
@@ -42,6 +43,9 @@ def judge_window(
     if isinstance(declared, str):
         row["note"] = f"width not judged: {declared}"
         return row, None
+    if isinstance(declared, Chunks):  # no band: chunk_band.py judges a chunked layer
+        row["note"] = f"width not judged: a chunked layer (chunks of {declared.size})"
+        return row, None
     if call.query_positions is None or call.allowed.is_meta:
         row["note"] = "width not judged: the mask's values or the queries' positions are unknown"
         return row, None
@@ -51,10 +55,11 @@ def judge_window(
         row["note"] = "no window declared"
         return row, None
     longest = int(history.max()) if history.numel() else 0
+    widest = "widest declared window or chunk" if windows.chunked else "widest declared window"
     if longest <= bound:
         row["note"] = (
             f"width not judged: the longest query here reads {longest} keys at most, not more than the "
-            f"{'declared window' if declared is not None else 'widest declared window'} of {bound}, so a band "
+            f"{'declared window' if declared is not None else widest} of {bound}, so a band "
             f"cannot show (a sequence of {bound + 1} tokens or more can)"
         )
         return row, None
@@ -88,8 +93,8 @@ def judge_window(
     else:
         said = (
             f"{name} declares full causal attention ({windows.origin}), but its mask lets a query with "
-            f"{int(expected[off][worst])} earlier keys and itself read only {measured}: a sliding band where none is "
-            "declared"
+            f"{int(expected[off][worst])} earlier keys and itself read only {measured}: "
+            f"{'a band or chunk' if windows.chunked else 'a sliding band'} where none is declared"
         )
     row["note"] = said
     return row, Finding("FWD211", Status.FAIL, said, where)

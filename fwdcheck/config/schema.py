@@ -208,6 +208,27 @@ def pattern_agrees(causal: bool | None, attention: AttentionSpec | None) -> None
         )
 
 
+def declared_attention_agrees(window: int | list | None, chunk: int | list | None) -> None:
+    """`window:` and `chunk:` may both be given only as lists of one entry per layer that never name one layer
+    twice: a layer slides, is chunked, or is neither (full attention)."""
+    if window is None or chunk is None:
+        return
+    if not isinstance(window, list) or not isinstance(chunk, list):
+        key, value, other = ("window", window, "chunk") if not isinstance(window, list) else ("chunk", chunk, "window")
+        raise ValueError(
+            f"{key}: {value} is one {key} for every layer, and {other}: is given too: give both as lists, one entry "
+            "per layer, null where the other (or full attention) holds it"
+        )
+    if len(window) != len(chunk):
+        raise ValueError(f"window: has {len(window)} entries and chunk: {len(chunk)}; give one per layer in each")
+    both = [i for i, (w, c) in enumerate(zip(window, chunk, strict=True)) if w is not None and c is not None]
+    if both:
+        raise ValueError(
+            f"layer {both[0]} is given both a window ({window[both[0]]}) and a chunk ({chunk[both[0]]}): a layer "
+            "slides or is chunked, not both (null in one of the lists)"
+        )
+
+
 class FactoryModel(ModelSpec):
     """A model built by the user's own callable: the fields `python` and `checkpoint` sources share."""
 
@@ -236,6 +257,12 @@ class FactoryModel(ModelSpec):
         description="the sliding attention window: the keys a query may read, itself included (a list: one per "
         "layer, null for full causal attention); mask-audit compares each layer's mask with it",
     )
+    chunk: PositiveInt | list[PositiveInt | None] | None = Field(
+        None,
+        description="chunked attention's chunk size: the sequence cut into chunks of this many tokens, a query "
+        "reading its own chunk's keys up to itself (a list: one per layer, null for a layer that is not chunked); "
+        "mask-audit compares each layer's mask with it",
+    )
     scale: float | None = Field(
         None,
         gt=0.0,
@@ -247,6 +274,7 @@ class FactoryModel(ModelSpec):
     @model_validator(mode="after")
     def _one_pattern(self) -> FactoryModel:
         pattern_agrees(self.causal, self.attention)
+        declared_attention_agrees(self.window, self.chunk)
         return self
 
     def code(self) -> list[tuple[str, str]]:
@@ -413,6 +441,11 @@ class HFModel(ModelSpec):
     window: PositiveInt | list[PositiveInt | None] | None = Field(
         None, description="override the sliding window the config declares (as a python model's window:)"
     )
+    chunk: PositiveInt | list[PositiveInt | None] | None = Field(
+        None,
+        description="override the attention chunk the config declares (as a python model's chunk:); a window: or "
+        "chunk: replaces both of the config's declarations",
+    )
     scale: float | None = Field(
         None, gt=0.0, allow_inf_nan=False, description="override the attention scale (as a python model's scale:)"
     )
@@ -424,6 +457,7 @@ class HFModel(ModelSpec):
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("an inline 'config' needs a 'model_type' (e.g. llama, gpt2)")
         pattern_agrees(self.causal, self.attention)
+        declared_attention_agrees(self.window, self.chunk)
         return self
 
     def resolve_paths(self, base: Path) -> None:

@@ -15,7 +15,7 @@ import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 
 @dataclass(frozen=True)
@@ -105,20 +105,30 @@ class Loss:
 
 
 @dataclass(frozen=True)
+class Chunks:
+    """Chunked attention: the sequence cut into chunks of `size` tokens from its first, each query reading the keys of
+    its own chunk up to itself (positions size * (p // size) .. p), none of an earlier chunk. Llama 4's
+    `attention_chunk_size` on its "chunked_attention" layers; a config's own `chunk:`."""
+
+    size: int
+
+
+@dataclass(frozen=True)
 class Windows:
-    """The sliding attention window the model declares, per layer (mask-audit compares the band each call's mask
-    allows with it). A width counts the keys a query may read, itself included: transformers' `sliding_window` (its
-    masks keep key j for query i when j > i - sliding_window), GPT-Neo's `window_size`, flash-attn's window_size
-    left + 1, and a config's own `window:`."""
+    """The sliding attention window or the attention chunk the model declares, per layer (mask-audit compares the
+    keys each call's mask allows with it). A width counts the keys a query may read, itself included: transformers'
+    `sliding_window` (its masks keep key j for query i when j > i - sliding_window), GPT-Neo's `window_size`,
+    flash-attn's window_size left + 1, and a config's own `window:`. A chunk (Chunks) is no band: a query reads
+    back to its chunk's first token, however near."""
 
     origin: str  # where fwdcheck read it, for the report
-    every: int | None = None  # one width for every attention layer (layers left empty)
-    # Per layer index: a width, None for full causal attention, or a str saying why the layer's pattern is no band
-    # fwdcheck judges (chunked attention, a recurrent layer).
-    layers: tuple[int | str | None, ...] = ()
+    every: int | Chunks | None = None  # one width (or chunk) for every attention layer (layers left empty)
+    # Per layer index: a width, a chunk, None for full causal attention, or a str saying why the layer's pattern is
+    # nothing fwdcheck judges (a recurrent layer, a chunked layer without its size).
+    layers: tuple[int | Chunks | str | None, ...] = ()
 
-    def of(self, layer: int | None) -> int | str | None:
-        """The declared width of a layer (None: full attention; a str: why it is not judged)."""
+    def of(self, layer: int | None) -> int | Chunks | str | None:
+        """The declared width or chunk of a layer (None: full attention; a str: why it is not judged)."""
         if not self.layers:
             return self.every
         if layer is None or not 0 <= layer < len(self.layers):
@@ -126,15 +136,32 @@ class Windows:
         return self.layers[layer]
 
     @classmethod
-    def declared(cls, window: int | list[int | None], origin: str) -> Windows:
-        """A config's `window:`: one width for every layer, or a list of one per layer."""
-        return cls(origin, every=window) if isinstance(window, int) else cls(origin, layers=tuple(window))
+    def declared(
+        cls, window: int | list[int | None] | None, origin: str, chunk: int | list[int | None] | None = None
+    ) -> Windows:
+        """A config's `window:` and `chunk:`: one width (or chunk size) for every layer, or a list of one per layer
+        (None where the other list, or full attention, holds the layer). The config's validation keeps the two from
+        declaring one layer twice (config.schema.declared_attention_agrees)."""
+        widths = window if isinstance(window, list) else None
+        sizes = chunk if isinstance(chunk, list) else None
+        if widths is None and sizes is None:  # one for every layer
+            return cls(origin, every=Chunks(chunk) if isinstance(chunk, int) else cast(int | None, window))
+        layers = len(widths if widths is not None else sizes or [])
+        widths, sizes = widths or [None] * layers, sizes or [None] * layers
+        return cls(origin, layers=tuple(Chunks(c) if c is not None else w for w, c in zip(widths, sizes, strict=True)))
 
     @property
     def widest(self) -> int | None:
-        """The widest window any layer declares."""
-        widths = [w for w in (self.every, *self.layers) if isinstance(w, int)]
-        return max(widths, default=None)
+        """The most keys a query may read under any layer's declared restriction: the widest window, or the largest
+        chunk (its last query reads all of it). A row longer than this reaches past every band the model declares
+        and crosses a boundary of every chunk; None when the model declares neither."""
+        spans = [w.size if isinstance(w, Chunks) else w for w in (self.every, *self.layers)]
+        return max((s for s in spans if isinstance(s, int)), default=None)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether any layer declares chunked attention."""
+        return any(isinstance(w, Chunks) for w in (self.every, *self.layers))
 
 
 # How forward is told where packed documents are:

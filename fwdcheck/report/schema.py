@@ -38,7 +38,8 @@ CHECK = {
             "type": "object",
             "description": "structured detail; shape-ledger: entries [{name, shape, dims}], "
             "future-token: leak_map, mask-audit: calls (with window {layer, declared, measured, judged, note} "
-            "where the model declares one), attention-stats: calls (with scale, q_factor, k_factor, "
+            "where the model declares one, chunk {layer, declared, measured, judged, note} on a chunked layer), "
+            "attention-stats: calls (with scale, q_factor, k_factor, "
             "effective_scale, chain, declared), code-path checks: paths [{path, status, summary, codes}]",
         },
         "duration_s": {"type": "number"},

@@ -79,6 +79,7 @@ def from_module(
     dims: dict[str, int] | None = None,
     forward: Callable[..., Any] | None = None,
     window: int | list[int | None] | None = None,
+    chunk: int | list[int | None] | None = None,
     scale: float | None = None,
 ) -> ModelUnderTest:
     """A ModelUnderTest for a module handed over directly (fwdcheck.check_model): a transformers model keeps its
@@ -97,6 +98,7 @@ def from_module(
             attention=attention,
             rope=declared_rope,
             window=window,
+            chunk=chunk,
             scale=scale,
         )
         return hf_model_under_test(module, hf_spec, notes=[])
@@ -109,6 +111,7 @@ def from_module(
         rope=declared_rope,
         dims=Dims(**dims) if dims else None,
         window=window,
+        chunk=chunk,
         scale=scale,
     )
     parts = FactoryParts(factory=lambda: module, forward=forward, rotary=None)
