@@ -318,3 +318,24 @@ def test_transformers_llama4_declaring_no_chunk_is_not_judged_on_chunks():
     r = run_checks(_llama4(chunk=None), [CHECK], code_paths={"enabled": False}).result(CHECK)
     assert r.status.value == "pass", r.findings
     assert all("chunk" not in c and "window" not in c for c in r.data["calls"])
+
+
+@pytest.mark.slow
+def test_backends_compares_rows_that_cross_the_declared_chunk(monkeypatch):
+    """backends cuts its rows past the largest declared chunk as past the widest window: an SDPA path that drops the
+    chunk (transformers' is_causal shortcut planted to ignore the chunk size, as a window was once ignored) parts
+    from eager on rows of 16 + 8 tokens, where rows of 16 would sit inside one chunk and agree."""
+    import transformers.masking_utils as masking
+
+    shipped = masking._ignore_causal_mask_sdpa
+
+    def ignoring_the_chunk(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return shipped(padding_mask, q_length, kv_length, q_offset, kv_offset, None)
+
+    inputs = {"batch_size": 2, "seq_len": 32}
+    shipped_run = run_checks(_llama4(16), ["backends"], inputs=inputs, code_paths={"enabled": False})
+    assert shipped_run.results[0].status.value == "pass", shipped_run.results[0].findings
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", ignoring_the_chunk)
+    r = run_checks(_llama4(16), ["backends"], inputs=inputs, code_paths={"enabled": False}).results[0]
+    assert r.data["implementations"]["tokens"] == [2, 24]
+    assert "FWD801" in {f.code for f in r.findings}, r.summary

@@ -53,8 +53,9 @@ COMPARED_LENGTH = 16
 
 
 def compared_length(model: ModelUnderTest, session: Session) -> int:
-    """The tokens per row the implementations are compared on: COMPARED_LENGTH, longer than the widest window the
-    model declares (by CELL_LENGTH keys a band drops), at least the session's shortest length, at most its own."""
+    """The tokens per row the implementations are compared on: COMPARED_LENGTH, longer than the widest window or
+    chunk the model declares (by CELL_LENGTH keys a band or chunk drops), at least the session's shortest length, at
+    most its own."""
     widest = model.windows.widest if model.windows is not None else None
     wanted = max(COMPARED_LENGTH, session.min_seq_len, (widest or 0) + CELL_LENGTH)
     return min(session.inputs.shape[1], wanted)
