@@ -22,6 +22,8 @@ SPEC = CheckInfo(
         "FWD212": "an encoder-decoder's cross-attention reads only part of the source it was given (a causal or "
         "truncated cross-attention mask)",
         "FWD213": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
+        "FWD214": "a vision-language model's text logits do not move when its image changes: it does not read its "
+        "image",
     },
     explain="""\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -70,6 +72,12 @@ its attention modules' is_causal) decides what each call may read instead of pla
   a causal or truncated cross-attention mask is FWD212. An encoder-decoder built from `source: hf` with its source
   held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD213 (a dead
   cross-attention).
+A vision-language model from `source: hf` runs its text path once more with an image fwdcheck draws (the code-path
+cell "with an image"): the image's ids come first and are judged as a prefix (what they read among themselves is
+the model's design, PaliGemma's and Gemma 3's image block reading itself both ways; they must not read the text
+after them, FWD204), the text reads them and is causal over itself. The text runs once more after another image:
+logits that do not move beyond the run-to-run noise are FWD214 (the image's features not merged into the sequence,
+zeroed, or overwritten).
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
@@ -95,7 +103,8 @@ is "not judged" when the run's longest query does not reach past the window (rai
 that declares no window is not judged on width. FWD211 -> build the band as the config says: keep key j when
 j > i - W (or flash-attn's window_size=(W - 1, 0)), and the sliding mask only on sliding layers. FWD212 -> hand
 cross-attention the source's padding mask only (encoder_attention_mask, memory_key_padding_mask), never the
-decoder's causal mask.
+decoder's causal mask. FWD214 -> merge the image's features where its tokens stand (inputs_embeds.masked_scatter of
+the projected features at the image token's positions), and check that the projector's output reaches them.
 A model without attention calls fwdcheck can read (custom kernels) is skipped here; future-token still tests its
 behaviour. For a cached forward whose calls are not judged, hand the positions to the attention module's forward as
 input_pos or cache_position.""",

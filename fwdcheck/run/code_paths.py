@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from fwdcheck.config.schema import CodePaths
+from fwdcheck.model.capabilities import AttentionPattern, Positions
 from fwdcheck.model.library_logs import asked_for
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.observe.records import Observation
@@ -93,10 +94,12 @@ class CodePath:
     attention_mask: str  # absent | ones | left-pad
     batch_size: int
     train: bool = False  # the train path: train() mode, dropout zeroed, gradients on (fwdcheck/run/train_path.py)
+    image: bool = False  # the image run: an image held fixed before the tokens under test (fwdcheck/run/image_run.py)
 
     @property
     def label(self) -> str:
         parts = ["train mode"] if self.train else []
+        parts += ["with an image"] if self.image else []
         parts += [self.attn_implementation or "default attention", f"mask {self.attention_mask}"]
         if self.output_attentions is not None:
             parts.append(f"output_attentions={self.output_attentions}")
@@ -200,7 +203,8 @@ def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, short
     wanted = settings.code_paths.seq_len or CELL_LENGTH
     length = min(settings.inputs.seq_len, max(wanted, shortest))
     if model.max_positions:
-        length = min(length, model.max_positions - cell.padding)
+        held = model.image.prefix_length() if cell.image and model.image is not None else 0
+        length = min(length, max(model.max_positions - cell.padding - held, 2))
     return length
 
 
@@ -223,7 +227,21 @@ def cell_settings(
 
 
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
-    """The same module, with a forward that takes this path. Its logits are those of the real tokens only."""
+    """The same module, with a forward that takes this path. Its logits are those of the real tokens only. The image
+    run's cell is the model driven with its image (image_variant 0), through its own forward, so that a check can
+    run it on another image (image_variant 1); it counts positions over the image and the text itself."""
+    if path.image:
+        suffix = model.image.suffix() if model.image is not None else None
+        design = model.pattern
+        if suffix is not None and design.kind == "bidirectional":  # a prefix-LM whose prefix the token types mark
+            design = AttentionPattern("causal", suffix)
+        return dataclasses.replace(
+            model,
+            image_variant=0,
+            pattern=design,
+            positions=Positions("own", "the image's tokens come first: the model counts positions over them"),
+            label=f"{model.label} [{path.label}]",
+        )
     padding = path.padding
     pad_id = getattr(getattr(model.module, "config", None), "pad_token_id", None) or 0
 
