@@ -216,13 +216,15 @@ def cell_settings(
     min_seq_len is the cell's length: a cell is one shape, and a check asking for a shorter forward there (a prefix)
     would test another shape than the cell names. max_rows keeps the run's budget in tokens per forward (max_rows
     rows of inputs.seq_len, the run's own session's), so the shorter rows of a cell go through in fewer forwards
-    without any forward holding more than the run's."""
+    without any forward holding more than the run's (the image run's rows hold the image's ids too)."""
     length = cell_length(settings, model, cell, shortest)
     rows = max_rows or settings.max_rows or max(settings.inputs.batch_size, 2)
     inputs = settings.inputs.model_copy(
         update={"batch_size": cell.batch_size, "seq_len": length, "min_seq_len": length}
     )
-    budget = max(rows * settings.inputs.seq_len // length, 1)  # rows of this length in the run's tokens per forward
+    held = model.image.prefix_length() if cell.image and model.image is not None else 0  # the image's ids, each row
+    # rows in the run's tokens per forward; never fewer than the cell's batch, which its baseline runs at once
+    budget = max(rows * settings.inputs.seq_len // (length + held), cell.batch_size if held else 1)
     return dataclasses.replace(settings.with_config(inputs=inputs), max_rows=budget)
 
 

@@ -54,6 +54,15 @@ MODALITY_WORDS = ("image", "video", "vision", "audio", "boi", "eoi", "boa", "eoa
 # draw an image for, and the notes say so.
 OTHER_INPUTS = ("pixel_values_videos", "image_patches", "input_features", "input_values", "pixel_values_images")
 TEXT_AFTER = 2  # text tokens after the image in the forwards that try a layout
+# The most image tokens the image run holds before the tokens under test: every forward of the run's cell carries
+# them, and mask-audit reads each attention call's whole [P + T, P + T] mask. LLaVA's 576 and Gemma 3's 256 fit;
+# Pixtral's 3025 at its declared 1540 pixels do not (the text path then runs alone, and the notes say why).
+MAX_IMAGE_TOKENS = 1024
+PATCHES_PER_TOKEN = 4  # a vision tower merging 2 x 2 patches into one token (Pixtral's, Qwen2-VL's) at the most
+
+
+class TooLong(Exception):
+    """An image that takes more tokens than the image run holds."""
 
 
 @dataclass
@@ -166,10 +175,21 @@ class ImageDrive:
         if not callable(getattr(module, "get_image_features", None)):
             raise ImageNotDrawn(f"{self.name} has no get_image_features to count an image's tokens with")
         why = []
-        for what, images in self._candidates(vision):
+        try:
+            candidates = self._candidates(vision)
+        except TooLong as exc:
+            raise ImageNotDrawn(str(exc)) from None
+        if not candidates:
+            raise ImageNotDrawn(
+                f"{type(vision).__name__} gives no image_size of one or two integers to draw an image of, and "
+                f"{self.name}'s forward takes no image_grid_thw"
+            )
+        for what, images in candidates:
             try:
                 with torch.no_grad():
                     layout = self._fit(module, what, images)
+            except TooLong as exc:
+                raise ImageNotDrawn(str(exc)) from None  # another layout of the same image is no shorter
             except Exception as exc:
                 if not model_failure(exc):
                     raise
@@ -207,6 +227,12 @@ class ImageDrive:
         else:
             return []
         shape = (channels, height, width_px)
+        patches = (height // patch) * (width_px // patch)
+        if patches > PATCHES_PER_TOKEN * MAX_IMAGE_TOKENS:  # not run: the vision tower alone would hold the run up
+            raise TooLong(
+                f"an image of {channels} x {height} x {width_px} pixels is {patches} patches of {patch}, more than "
+                f"the image run holds ({MAX_IMAGE_TOKENS} tokens, at most {PATCHES_PER_TOKEN} patches each)"
+            )
 
         def image(seed: int, tiles: bool, sizes: bool) -> dict[str, torch.Tensor]:
             pixels = _pixels(shape, seed)[None]  # (1, C, H, W): one image of the row
@@ -237,6 +263,10 @@ class ImageDrive:
         count = _features(features)
         if count <= 0:
             raise ImageNotDrawn(f"get_image_features returned no features for {what}")
+        if count > MAX_IMAGE_TOKENS:
+            raise TooLong(
+                f"an image of {what} takes {count} tokens, more than the image run holds ({MAX_IMAGE_TOKENS})"
+            )
         opening = [int(getattr(self.config, k)) for k in OPEN_KEYS if isinstance(getattr(self.config, k, None), int)]
         closing = [int(getattr(self.config, k)) for k in CLOSE_KEYS if isinstance(getattr(self.config, k, None), int)]
         prefix = torch.tensor(opening[:1] + [self.token] * count + closing[:1])
