@@ -271,7 +271,7 @@ class ImageDrive:
         closing = [int(getattr(self.config, k)) for k in CLOSE_KEYS if isinstance(getattr(self.config, k, None), int)]
         prefix = torch.tensor(opening[:1] + [self.token] * count + closing[:1])
         layout = Layout(what, images, prefix, count)
-        text = torch.full((1, TEXT_AFTER), self.substitute)
+        text = torch.full((1, TEXT_AFTER), self.substitute, device=device)  # where the model is, as a run's ids
         logits = self.call(module, text, 0, layout=layout)
         if tuple(logits.shape[:2]) != (1, TEXT_AFTER):
             raise ImageNotDrawn(f"forward returned logits {list(logits.shape)} for {len(prefix) + TEXT_AFTER} ids")
@@ -286,6 +286,7 @@ class ImageDrive:
         first, last, other = ((self.substitute + k) % self.vocabulary for k in (1, 2, 3))
         ids = torch.tensor([[first, last], [first, other]] * 2)
         ids = torch.where(torch.isin(ids, torch.tensor(sorted(self.reserved))), self.substitute, ids)
+        ids = ids.to(_placement(module)[0])  # where the model is, as a run's ids
         conventions = [(1, 0), (0, 1)]
         types = [c for c in conventions for _ in range(2)]
         logits = self.call(module, ids, 0, layout=layout, types=types)  # (4, 2, V)
