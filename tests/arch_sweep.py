@@ -649,6 +649,23 @@ def reads_past_window(model_type: str) -> bool:
     return bool((after[:, reach + 1 :] - before[:, reach + 1 :]).abs().max() > 1e-4 * before.abs().max())
 
 
+def image_moves_nothing(model_type: str, kind: str = "causal-lm") -> bool:
+    """Whether the text after an image gives the same logits after another image: the inputs assembled by
+    fwdcheck's image drive (the image's tokens, its pixels), the comparison this module's own."""
+    import torch
+
+    from fwdcheck.model.sources.vlm_image import IMAGE_TOKEN_KEYS, ImageDrive, _parameters
+
+    model = plain(model_type, kind)
+    config = model.config
+    token = next(getattr(config, k) for k in IMAGE_TOKEN_KEYS if isinstance(getattr(config, k, None), int))
+    drive = ImageDrive(type(model).__name__, config, _parameters(model), token, config.get_text_config().vocab_size)
+    with torch.no_grad():
+        drive.prepare(model)
+        ids = torch.tensor([[3, 4, 5, 6]])
+        return bool(torch.equal(drive.call(model, ids, 0), drive.call(model, ids, 1)))
+
+
 # True findings about transformers: behaviour of the model itself, each shown by its plain-torch evidence.
 CPMANT_PREFIX = (
     "CPM-Ant's forward marks every input token as context, and context tokens attend to each other both ways: "
@@ -674,7 +691,16 @@ MOSHI_WINDOW = (
     "Moshi's config declares sliding_window (3000 by default) and its attention keeps it, but its decoder builds the "
     "plain causal mask (create_causal_mask): every layer reads every earlier key, tokens past the window included"
 )
+GOT_OCR2_IMAGE = (
+    "GOT-OCR2's architecture built at random from its config: its patch embedding's output is about 1e-8 and the "
+    "image features "
+    "that reach the text about 1e-20, so the text after another image gives the same logits bit for bit (plain "
+    "torch): at initialisation the model reads nothing of its image"
+)
 FINDINGS: dict[tuple[str, str], Expected] = {
+    ("got_ocr2", "mask-audit"): Expected(
+        frozenset({"FWD215"}), GOT_OCR2_IMAGE, lambda: image_moves_nothing("got_ocr2")
+    ),
     ("moshi", "mask-audit"): Expected(frozenset({"FWD211"}), MOSHI_WINDOW, lambda: reads_past_window("moshi")),
     ("cpmant", "future-token"): Expected(frozenset({"FWD101", "FWD105"}), CPMANT_PREFIX, lambda: future_leak("cpmant")),
     ("cpmant", "mask-audit"): Expected(

@@ -7,7 +7,8 @@ by kind), with one code-path cell (no matrix) to keep the slow tier cheap. What 
 
 - an encoder-decoder is judged on its decoder: its pattern is encoder-decoder and the source was held fixed;
 - a masked-LM encoder is never reported as a bare leak: its pattern is bidirectional by design, and FWD101 never shows;
-- an image-text-to-text model runs its text path (no image) and is judged as its attention is designed.
+- an image-text-to-text model runs its text path (no image) and is judged as its attention is designed, and again
+  with an image fwdcheck draws (the code-path cell "with an image"), or says in its notes why no image was drawn.
 
     python -m tests.family_sweep            # print the sections of docs/compatibility.md
     python -m tests.family_sweep --write    # rewrite them between their markers
@@ -26,6 +27,7 @@ from typing import Any
 from tests.arch_sweep import (
     CHECKS,
     FINDING_MARK,
+    GOT_OCR2_IMAGE,
     KNOWN_MARK,
     PAGE,
     SEQ_LEN,
@@ -33,6 +35,7 @@ from tests.arch_sweep import (
     Expected,
     architectures,
     family,
+    image_moves_nothing,
     plain,
     skip_reason,
     sweep_report,
@@ -179,6 +182,14 @@ FINDINGS: dict[tuple[str, str, str], Expected] = {
     ("seq2seq", "prophetnet", "future-token"): Expected(
         frozenset({"FWD105"}), PROPHETNET_PREFIX, lambda: prefix_alone_differs(plain("prophetnet", "seq2seq"))
     ),
+    **{
+        ("image-text-to-text", name, "mask-audit"): Expected(
+            frozenset({"FWD215"}),
+            GOT_OCR2_IMAGE,
+            lambda name=name: image_moves_nothing(name, "image-text-to-text"),
+        )
+        for name in ("got_ocr2", "pp_chart2table")
+    },
 }
 KNOWN: dict[tuple[str, str, str], Expected] = {
     ("seq2seq", "prophetnet", "mask-audit"): Expected(
@@ -219,6 +230,43 @@ def entry(kind: str, model_type: str, rep) -> str:
     return f"{model_type} ({', '.join(shown)})" if shown else model_type
 
 
+IMAGE_CELL = "with an image"
+NO_IMAGE = "no image drawn: "
+
+
+def image_run(rep) -> tuple[str, str]:
+    """How the image run went: ("ran", the per-path checks' verdicts with the image) or ("not drawn", why), from
+    the report's code-path rows and notes."""
+    verdicts = []
+    for check in CHECKS:
+        paths = rep.result(check).paths
+        for row in paths.rows if paths is not None else ():
+            if row.path.startswith(IMAGE_CELL):
+                verdicts.append(f"{check} {row.status.value}{' ' + ' '.join(row.codes) if row.codes else ''}")
+    if verdicts:
+        return "ran", ", ".join(verdicts)
+    why = next((n[len(NO_IMAGE) :] for n in rep.notes if n.startswith(NO_IMAGE)), "no image run")
+    return "not drawn", why.split("; the text path ran alone")[0]
+
+
+def _image_lines(run: dict[str, Any]) -> list[str]:
+    """The image run's tables: the architectures that ran with an image, and why the others did not."""
+    ran: dict[str, list[str]] = {}
+    not_drawn: list[tuple[str, str]] = []
+    for name, rep in sorted(run.items()):
+        how, what = image_run(rep)
+        if how == "ran":
+            ran.setdefault(what, []).append(name)
+        else:
+            not_drawn.append((name, what.replace("|", "/")))
+    lines = ["", "| with an image | architectures |", "| --- | --- |"]
+    lines += [f"| {what} | {', '.join(names)} |" for what, names in sorted(ran.items(), key=lambda i: -len(i[1]))]
+    if not_drawn:
+        lines += ["", "| text path alone | why no image was drawn |", "| --- | --- |"]
+        lines += [f"| {name} | {why} |" for name, why in not_drawn]
+    return lines
+
+
 def section(kind: str) -> str:
     import transformers
 
@@ -253,6 +301,8 @@ def section(kind: str) -> str:
             f"| {check} | {reason} | {', '.join(sorted(archs))} |"
             for (check, reason), archs in sorted(skips.items(), key=lambda item: (item[0][0], -len(item[1])))
         ]
+    if kind == "image-text-to-text":
+        lines += _image_lines(run)
     if planted:
         lines += ["", "| planted bug | architectures | caught by |", "| --- | --- | --- |"]
         grouped: dict[tuple[str, str], list[str]] = {}

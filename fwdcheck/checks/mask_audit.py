@@ -211,6 +211,10 @@ def by_design(call: AttentionCall, design: AttentionPattern) -> tuple[MayRead, l
         return (MayRead.FULL if bool(call.allowed.all()) else MayRead.PARTIAL), []
     prefix = design.prefix_length or 0 if design.kind == "prefix" else 0
     shape, pairs = pattern(call.allowed, call.query_positions, call.key_positions, prefix)
+    if prefix and shape is MayRead.RESTRICTED:
+        plain, _ = pattern(call.allowed, call.query_positions, call.key_positions)
+        if plain is MayRead.CAUSAL:  # the prefix read causally (LLaVA's image block): within the design, and causal
+            return plain, pairs
     if (
         prefix
         and shape is MayRead.CAUSAL
@@ -260,6 +264,8 @@ class MaskAudit(Check, declared=SPEC):
         data: MaskAuditData = {"conventions": CONVENTIONS, "calls": rows}
         if model.held is not None and model.forward_adapter is None and not session.train:
             findings += _reads_its_source(model, session, data)
+        if model.image_variant == 0 and model.forward_adapter is None and not session.train:
+            findings += _reads_its_image(model, session, data)
         B = session.inputs.shape[0]
         # A fast path taken only for a single sequence (a `B == 1` shortcut that forgets the mask) is a real bug class:
         # observe one row alone too, unless the code-path matrix runs batch size 1 itself. Not on the train path: a
@@ -306,8 +312,14 @@ class MaskAudit(Check, declared=SPEC):
                 f"{rows[0]['module']} ({rows[0]['api']}) {rows[0]['pattern']}"
             )
         also = " (alike at B=1)" if data.get("batch1") == "observed" and len(rows) == len(data["calls"]) else ""
+        image = data.get("image")
+        reads = (
+            f"; the text reads its image (another moved its logits by {image['change_with_another_image']:.3g})"
+            if image is not None and image["change_with_another_image"] > image["noise_floor"]
+            else ""
+        )
         summary = (
-            f"{len(rows)} attention call(s){also}: {_patterns(rows)}{_widths(rows)}"
+            f"{len(rows)} attention call(s){also}: {_patterns(rows)}{_widths(rows)}{reads}"
             if not bad
             else f"{self.codes[bad[0].code]} ({bad[0].where})"
         )
@@ -320,6 +332,7 @@ class MaskAudit(Check, declared=SPEC):
         findings: list[Finding] = []
         rows: list[CallRow] = []
         pad = model.padding  # a left-padded path view: judge real queries against real keys
+        design = judged_pattern(model)
         input_followed = any(call.reads_input for call in observation.attention)
         for call in observation.attention:
             if pad and call.self_attention and call.unread is None:
@@ -335,11 +348,11 @@ class MaskAudit(Check, declared=SPEC):
                             module=call.module,
                         )
                     )
-            reason = not_judged(call, input_followed, model.pattern)
-            shape, future_pairs = (None, []) if reason else by_design(call, model.pattern)
+            reason = not_judged(call, input_followed, design)
+            shape, future_pairs = (None, []) if reason else by_design(call, design)
             rows.append(_row(call, reason, shape))
             if shape is not None:
-                findings += self.judge(call, shape, future_pairs, model.pattern.kind != "bidirectional")
+                findings += self.judge(call, shape, future_pairs, design.kind != "bidirectional")
             if shape is not None and model.causal and not shape.reads_future and model.windows is not None:
                 wrong = _declared(call, model.windows, model.layer_of(call.module), rows[-1])
                 if wrong is not None:
@@ -458,6 +471,48 @@ def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditDa
             f"the decoder's logits moved by {moved:.3g} (run-to-run noise {noise:.3g}) when its source was replaced "
             "by another: the cross-attention reads nothing of the source (dead, or its output dropped)",
             "the decoder's cross-attention",
+        )
+    ]
+
+
+def judged_pattern(model: ModelUnderTest) -> AttentionPattern:
+    """The pattern the calls are judged by: the model's, or, with an image held fixed before the tokens under test
+    (the image run), a prefix of the image's ids: what they read among themselves is the model's design (PaliGemma's
+    and Gemma 3's image block reads itself both ways, LLaVA's is causal), they must not read the text after them, and
+    the text reads them and is causal over itself (after a prefix of its own, for a model that declares one)."""
+    held = model.held_prefix
+    design = model.pattern
+    if not held or design.kind not in ("causal", "prefix"):
+        return design
+    own = (design.prefix_length or 0) if design.kind == "prefix" else 0
+    return AttentionPattern(
+        "prefix", f"the image's {held} ids held fixed before the tokens under test; {design.describe()}", held + own
+    )
+
+
+def _reads_its_image(model: ModelUnderTest, session: Session, data: MaskAuditData) -> list[Finding]:
+    """A vision-language model run with an image held fixed: the session's tokens run once more after another image,
+    and the text's logits must move beyond the run-to-run noise (FWD215 where they do not: the image's features are
+    not merged into the sequence, zeroed, or overwritten). The bar is the noise, as for an encoder-decoder's source
+    (_reads_its_source): a randomly initialised tiny model reads its image faintly, one that reads none of it computes
+    the same logits bit for bit."""
+    image = model.image
+    assert image is not None  # run() asks
+    logits = session.logits(session.inputs)  # (B, T, V) after the image held fixed
+    other = session.logits(session.inputs, model=dataclasses.replace(model, image_variant=1))  # another image
+    moved = float(position_change(logits, other).max())
+    noise = session.repeat_change()
+    data["image"] = {"held_fixed": image.description(), "change_with_another_image": moved, "noise_floor": noise}
+    if moved > noise:
+        return []
+    return [
+        Finding(
+            "FWD215",
+            Status.FAIL,
+            f"the text's logits moved by {moved:.3g} (run-to-run noise {noise:.3g}) when its image was replaced by "
+            "another: the model reads nothing of its image (its features not merged into the sequence, zeroed, or "
+            "overwritten)",
+            "the image's features",
         )
     ]
 

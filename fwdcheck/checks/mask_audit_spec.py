@@ -24,6 +24,8 @@ SPEC = CheckInfo(
         "FWD213": "an encoder-decoder's logits do not move when its source changes: the cross-attention is dead",
         "FWD214": "a chunked-attention layer's mask is not the chunk the model declares (full causal, chunks of "
         "another size, boundaries elsewhere)",
+        "FWD215": "a vision-language model's text logits do not move when its image changes: it does not read its "
+        "image",
     },
     explain="""\
 Observes every scaled_dot_product_attention, multi_head_attention_forward and eager attention (a q @ k^T product by
@@ -72,6 +74,12 @@ its attention modules' is_causal) decides what each call may read instead of pla
   a causal or truncated cross-attention mask is FWD212. An encoder-decoder built from `source: hf` with its source
   held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD213 (a dead
   cross-attention).
+A vision-language model from `source: hf` runs its text path once more with an image fwdcheck draws (the code-path
+cell "with an image"): the image's ids come first and are judged as a prefix (what they read among themselves is
+the model's design, PaliGemma's and Gemma 3's image block reading itself both ways; they must not read the text
+after them, FWD204), the text reads them and is causal over itself. The text runs once more after another image:
+logits that do not move beyond the run-to-run noise are FWD215 (the image's features not merged into the sequence,
+zeroed, or overwritten).
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
@@ -107,7 +115,9 @@ size, chunk boundaries at other positions, a sliding band) with the first query 
 "not judged" when no query of the run holds a key of an earlier chunk (raise inputs.seq_len above C); the layers
 declared full attention beside chunked ones must read every earlier key past the largest chunk (FWD211). FWD214 ->
 build the chunked mask on the chunked layers (keep key j for query i when j // C == i // C, counted from the first
-real token), with the config's chunk size.
+real token), with the config's chunk size. FWD215 -> merge the image's features where its tokens stand
+(inputs_embeds.masked_scatter of the projected features at the image token's positions), and check that the
+projector's output reaches them.
 A model without attention calls fwdcheck can read (custom kernels) is skipped here; future-token still tests its
 behaviour. For a cached forward whose calls are not judged, hand the positions to the attention module's forward as
 input_pos or cache_position.""",

@@ -78,6 +78,13 @@ class MaskAuditData(TypedDict, total=False):
     batch1: str  # "observed", or why the pass at batch size 1 did not run
     batch1_length: int
     source: SourceRead  # an encoder-decoder with its source held fixed: whether the decoder reads it
+    image: ImageRead  # a vision-language model's image run: whether the text reads its image
+
+
+class ImageRead(TypedDict):
+    held_fixed: str  # what was held fixed
+    change_with_another_image: float  # the largest change of the text's logits when the image was replaced
+    noise_floor: float  # the largest change between two identical forwards
 
 
 class SourceRead(TypedDict):

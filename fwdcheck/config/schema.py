@@ -506,15 +506,23 @@ def _model_by_source(classes: tuple[type[ModelSpec], ...]) -> TypeAdapter[Any]:
 class CodePaths(Strict):
     """The matrix of code paths the checks that declare per_code_path run over (future-token and mask-audit among the
     built-ins). A list narrows one axis; omitted axes take every value the model offers (Hugging Face models) or just
-    the default path (other models). The train path is one more cell for every model, unless `train: false`. A cell
+    the default path (other models). The train path is one more cell for every model, unless `train: false`; a
+    vision-language model's image run is one more, unless `image: false`. A cell
     whose path the model cannot run (its forward raises there) is not judged, with the model's reason, and the other
     cells still count; the model raising on the default path stays an error."""
 
     enabled: bool | None = Field(
-        None, description="default: on for source hf, off otherwise (then only the train path runs); false: no cell"
+        None,
+        description="default: on for source hf, off otherwise (then only the train path runs); false: no cell of "
+        "the matrix nor the train path (a vision-language model's image run stays, unless image: false)",
     )
     train: bool = Field(
         True, description="the train path as one more cell: train() mode, every dropout zeroed, gradients on"
+    )
+    image: bool = Field(
+        True,
+        description="a vision-language model from source hf: the text path run once more with an image held fixed "
+        "before it (one more cell, also with enabled: false)",
     )
     attn_implementation: list[Literal["eager", "sdpa", "flex_attention"]] | None = None
     output_attentions: list[bool] | None = None

@@ -324,3 +324,27 @@ class HeldSource:
     draw: Callable[[int, int], Any]  # (rows, variant) -> the source [rows, S]
     description: str  # what was held fixed, for the report
     fixed: tuple[tuple[str, Any], ...] = ()  # keyword arguments every call takes as they are (use_cache=False)
+
+
+class ImageNotDrawn(Exception):
+    """Why a vision-language model's image path cannot be driven without an adapter (its text path still runs)."""
+
+
+@dataclass
+class HeldImage:
+    """A vision-language model driven with an image and no adapter: the image's tokens (and the ids a processor
+    puts around them) come before the tokens under test, its pixels go in beside them, both held fixed, and the
+    logits are those of the tokens under test. `prepare(module)` finds, once, how the model takes an image (it runs
+    model code, so it is called where the model is placed for the run); it raises ImageNotDrawn with the reason where
+    no image can be driven. `call(module, input_ids, variant, **kwargs)` runs forward on input_ids [B, T] with the
+    image of that variant (0: the one held fixed; 1: another, to show that the text reads its image) and returns the
+    logits [B, T, V] of the tokens under test."""
+
+    prepare: Callable[[Any], None]
+    call: Callable[..., Any]
+    prefix_length: Callable[[], int]  # ids put before the tokens under test, once prepared
+    description: Callable[[], str]  # what was held fixed, for the report, once prepared
+    # Why the text after the image is causal by design in the image run, where the token types it is handed make it
+    # a causal suffix (PaliGemma's prefix-LM: its attention modules say is_causal False, its mask is causal after
+    # the prefix the token types mark); None where they say nothing of it
+    suffix: Callable[[], str | None] = lambda: None

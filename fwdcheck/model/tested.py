@@ -29,6 +29,7 @@ from fwdcheck.model.capabilities import (
     AttentionPattern,
     AttentionSwitch,
     Cache,
+    HeldImage,
     HeldSource,
     Loss,
     Packing,
@@ -118,6 +119,11 @@ class ModelUnderTest:
     # (capabilities.HeldSource); source_variant 1 runs it on another source.
     held: HeldSource | None = None
     source_variant: int = 0
+    # A vision-language model that can be driven with an image (capabilities.HeldImage). image_variant None: its
+    # text path alone (the default run); 0: with the image held fixed before the tokens under test (the image run's
+    # cell); 1: with another image.
+    image: HeldImage | None = None
+    image_variant: int | None = None
 
     def using_attention(self, implementation: str | None) -> AbstractContextManager[None]:
         """The block runs this attention implementation (None: whichever runs now), the original put back after."""
@@ -149,6 +155,12 @@ class ModelUnderTest:
         if self.forward_adapter is not None:
             return False
         return _accepts(self.module.forward, name)
+
+    @property
+    def held_prefix(self) -> int:
+        """Ids the module sees before the tokens under test that are held fixed, not drawn (an image's tokens):
+        they are read by the tokens under test, and what they read among themselves is the model's design."""
+        return self.image.prefix_length() if self.image is not None and self.image_variant is not None else 0
 
     @property
     def layer_stack(self) -> str | None:
@@ -201,7 +213,10 @@ class ModelUnderTest:
     def drive(self, module: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         """`module` called on the tokens under test: by its own call convention (fwdcheck/model/calling.py), or, for
         an encoder-decoder whose source is held fixed, as its decoder's tokens beside that source (an attention_mask
-        then is the decoder's)."""
+        then is the decoder's); for a vision-language model run with its image, after the image's tokens, beside its
+        pixels (the logits then are the tokens under test's)."""
+        if self.image is not None and self.image_variant is not None:
+            return self.image.call(module, input_ids, self.image_variant, **kwargs)
         if self.held is None:
             return call_forward(module, None, input_ids, **kwargs)
         if "attention_mask" in kwargs:

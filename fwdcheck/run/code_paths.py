@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from fwdcheck.config.schema import CodePaths
+from fwdcheck.model.capabilities import AttentionPattern, Positions
 from fwdcheck.model.library_logs import asked_for
 from fwdcheck.model.tested import ModelUnderTest, extract_logits
 from fwdcheck.observe.records import Observation
@@ -93,10 +94,12 @@ class CodePath:
     attention_mask: str  # absent | ones | left-pad
     batch_size: int
     train: bool = False  # the train path: train() mode, dropout zeroed, gradients on (fwdcheck/run/train_path.py)
+    image: bool = False  # the image run: an image held fixed before the tokens under test (fwdcheck/run/image_run.py)
 
     @property
     def label(self) -> str:
         parts = ["train mode"] if self.train else []
+        parts += ["with an image"] if self.image else []
         parts += [self.attn_implementation or "default attention", f"mask {self.attention_mask}"]
         if self.output_attentions is not None:
             parts.append(f"output_attentions={self.output_attentions}")
@@ -200,7 +203,8 @@ def cell_length(settings: Settings, model: ModelUnderTest, cell: CodePath, short
     wanted = settings.code_paths.seq_len or CELL_LENGTH
     length = min(settings.inputs.seq_len, max(wanted, shortest))
     if model.max_positions:
-        length = min(length, model.max_positions - cell.padding)
+        held = model.image.prefix_length() if cell.image and model.image is not None else 0
+        length = min(length, max(model.max_positions - cell.padding - held, 2))
     return length
 
 
@@ -212,18 +216,34 @@ def cell_settings(
     min_seq_len is the cell's length: a cell is one shape, and a check asking for a shorter forward there (a prefix)
     would test another shape than the cell names. max_rows keeps the run's budget in tokens per forward (max_rows
     rows of inputs.seq_len, the run's own session's), so the shorter rows of a cell go through in fewer forwards
-    without any forward holding more than the run's."""
+    without any forward holding more than the run's (the image run's rows hold the image's ids too)."""
     length = cell_length(settings, model, cell, shortest)
     rows = max_rows or settings.max_rows or max(settings.inputs.batch_size, 2)
     inputs = settings.inputs.model_copy(
         update={"batch_size": cell.batch_size, "seq_len": length, "min_seq_len": length}
     )
-    budget = max(rows * settings.inputs.seq_len // length, 1)  # rows of this length in the run's tokens per forward
+    held = model.image.prefix_length() if cell.image and model.image is not None else 0  # the image's ids, each row
+    # rows in the run's tokens per forward; never fewer than the cell's batch, which its baseline runs at once
+    budget = max(rows * settings.inputs.seq_len // (length + held), cell.batch_size if held else 1)
     return dataclasses.replace(settings.with_config(inputs=inputs), max_rows=budget)
 
 
 def path_view(model: ModelUnderTest, path: CodePath) -> ModelUnderTest:
-    """The same module, with a forward that takes this path. Its logits are those of the real tokens only."""
+    """The same module, with a forward that takes this path. Its logits are those of the real tokens only. The image
+    run's cell is the model driven with its image (image_variant 0), through its own forward, so that a check can
+    run it on another image (image_variant 1); it counts positions over the image and the text itself."""
+    if path.image:
+        suffix = model.image.suffix() if model.image is not None else None
+        design = model.pattern
+        if suffix is not None and design.kind == "bidirectional":  # a prefix-LM whose prefix the token types mark
+            design = AttentionPattern("causal", suffix)
+        return dataclasses.replace(
+            model,
+            image_variant=0,
+            pattern=design,
+            positions=Positions("own", "the image's tokens come first: the model counts positions over them"),
+            label=f"{model.label} [{path.label}]",
+        )
     padding = path.padding
     pad_id = getattr(getattr(model.module, "config", None), "pad_token_id", None) or 0
 

@@ -44,6 +44,7 @@ from fwdcheck.run.code_paths import (
     verdict_from_logits,
     verdicts_for,
 )
+from fwdcheck.run.image_run import image_cell, with_image_cell
 from fwdcheck.run.limits import CheckTimeout, time_limit
 from fwdcheck.run.matrix import (
     CellRun,
@@ -157,6 +158,8 @@ def _run_model(model, settings, entries, config_path, fail_on, progress, on_resu
                 results.append(run_one(entry, model, session))
                 if on_result:
                     on_result(results[-1])
+            if any(per_code_path(entry) for entry in entries):
+                cells = with_image_cell(cells, image_cell(model, settings, session))
             if cells:
                 results = run_code_paths(entries, results, model, settings, cells, session, progress)
             written = watch.written()

@@ -460,7 +460,7 @@ class Session:
         return self._observe(ids, position_ids, keep_tensors, keep_inputs_of)[0]
 
     def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of) -> tuple[Observation, torch.Tensor]:
-        seq_len = ids.shape[1] + self.model.padding  # what the module itself sees
+        seq_len = ids.shape[1] + self.model.padding + self.model.held_prefix  # what the module itself sees
 
         def observed() -> tuple[Observation, torch.Tensor]:
             # on the train path dropout is zeroed inside the observer, which sees the calls as they then run

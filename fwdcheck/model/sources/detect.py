@@ -1,7 +1,8 @@
 """Capabilities read off the module itself, whichever source built it.
 
 A transformers model built by a Python factory, loaded from a checkpoint or handed to check_model is driven as a
-transformers model; the reference transformer built by a factory is driven as the reference. What a config declares
+transformers model (a vision-language model with an image too: vlm_image.py); the reference transformer built by a
+factory is driven as the reference. What a config declares
 (`cache:`, `loss:`, `packing:`, `attention:`) is applied by its source after this, and wins.
 """
 
@@ -13,6 +14,7 @@ from fwdcheck.model.sources.hf import add_transformers_capabilities, is_transfor
 from fwdcheck.model.sources.hf_rotary import rotary_axes
 from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.sources.reference import add_reference_capabilities
+from fwdcheck.model.sources.vlm_image import hold_image
 from fwdcheck.model.tested import ModelUnderTest
 
 
@@ -27,6 +29,7 @@ def detect_capabilities(model: ModelUnderTest) -> ModelUnderTest:
     if model.forward_adapter is None:
         if is_transformers_model(module):
             add_transformers_capabilities(model)
+            hold_image(model)  # a vision-language model runs its text path with an image too
         elif isinstance(module, ReferenceTransformer):
             add_reference_capabilities(model)
     if model.attention is None:

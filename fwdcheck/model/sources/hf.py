@@ -45,6 +45,7 @@ from fwdcheck.model.sources.hf_parallel import tensor_parallel
 from fwdcheck.model.sources.hf_rotary import find_rotary, rotary_axes
 from fwdcheck.model.sources.pattern import fill_pattern
 from fwdcheck.model.sources.seq2seq import hold_source, seq2seq_class
+from fwdcheck.model.sources.vlm_image import hold_image
 from fwdcheck.model.tested import ModelUnderTest, extract_logits, layer_stack_of
 
 LOGGERS = ("transformers",)  # the library's root logger: what it logs while the model runs becomes the run's notes
@@ -179,6 +180,7 @@ def hf_model_under_test(
     add_transformers_capabilities(model)
     declare_attention(model, spec)
     hold_source(model)
+    hold_image(model)
     return model
 
 
