@@ -190,6 +190,9 @@ def test_packed_rows_are_a_few_tokens_and_longer_than_a_declared_window(referenc
     assert windowed.data["documents"] == {"document 1": [0, 1], "document 2": [1, 6], "document 3": [6, 11]}
     leaking = result(reference(window=4, bugs=["packing-no-document-mask"]), inputs={"batch_size": 2, "seq_len": 32})
     assert {f.code for f in leaking.findings} == {"FWD601"}
+    # a window rows of 16 cannot hold two documents past: nothing to show, the rows stay at 8
+    wide = result(reference(window=8), inputs={"batch_size": 2, "seq_len": 16})
+    assert wide.data["documents"]["document 3"] == [5, 8]
 
 
 def test_registered_in_pyproject():

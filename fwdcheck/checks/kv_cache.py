@@ -3,7 +3,8 @@
 The same tokens run incrementally through the cache, one chain of three calls on the session's first rows (at most
 two, rows beside each other as batched generation runs them):
   prefill         the first P tokens with the cache on (P = 4, or one more than the widest sliding window the
-                  model declares, so that the steps after it read a cache the window has cut);
+                  model declares where it is narrower than the rows, so that the steps after it read a cache the
+                  window has cut);
   token-by-token  position P, one new token, as generation runs;
   chunked         positions P+1 and P+2 in one call (speculative decoding, chunked prefill): the queries are fewer
                   than the keys, where a causal mask aligned top-left instead of bottom-right reads the wrong keys;
@@ -66,9 +67,10 @@ class Plan:
 
     @classmethod
     def for_length(cls, T: int, window: int | None = None) -> Plan:
-        """The plan for rows of T tokens: a prefill of PREFILL tokens, or of one more than a declared window (so that
-        the decoded tokens read a cache the window has cut), as long as T leaves room for the decoded positions."""
-        wanted = max(PREFILL, window + 1 if window else 0)
+        """The plan for rows of T tokens: a prefill of PREFILL tokens, or of one more than a declared window narrower
+        than the rows (so that the decoded tokens read a cache the window has cut; a window of T or more cuts
+        nothing in T tokens), as long as T leaves room for the decoded positions."""
+        wanted = max(PREFILL, window + 1) if window is not None and window < T else PREFILL
         return cls(min(wanted, T - DECODED))
 
     @property

@@ -18,7 +18,8 @@ SPEC = CheckInfo(
 Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
 forward. On the session's first two rows, one chain of three calls, each over the cache the calls before it filled:
 a prefill of the first P tokens with the cache on (P = 4, or one more than the widest sliding window the model
-declares, so that the decoded tokens read a cache the window has cut; at most T - 3), position P one token per call
+declares where it is narrower than T, so that the decoded tokens read a cache the window has cut; at most T - 3),
+position P one token per call
 (as generation runs), then positions P+1 and P+2 as one chunk (speculative decoding, chunked prefill: fewer new
 queries than keys). Every position must agree with the full forward within the session's threshold (the dtype
 tolerance, or 10x the noise floor or 4x the model's own rounding against a float64 copy, where measured). The full

@@ -154,8 +154,9 @@ class Packing(Check, declared=SPEC):
         if T < 5:
             raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
         window = model.windows.widest if model.windows is not None else None
-        # documents 2 and 3 of window + 1 tokens each, past the band, where a window is declared
-        T = min(T, max(LENGTH, 2 * (window + 1) + 1 if window else 0, session.min_seq_len))
+        # documents 2 and 3 of window + 1 tokens each, past the band, where a declared window fits in the rows
+        windowed = 2 * (window + 1) + 1 if window is not None and 2 * (window + 1) + 1 <= T else 0
+        T = min(T, max(LENGTH, windowed, session.min_seq_len))
         b = (T - 1) // 2
         a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
         other = 1 % B  # the session's second row, or the first again for batch size 1
