@@ -158,9 +158,10 @@ def test_low_precision_tolerances_follow_the_dtype(reference, dtype, bug):
         reference(bugs=[bug] if bug else [], dropout=0.1), dtype=dtype, inputs={"batch_size": 2, "seq_len": 16}
     )
     failing = {name for name, status in statuses(report).items() if status == "fail"}
-    # In half precision, rows mixed by batch-mix move the loss by less than the dtype's bar: label-shift's FWD703 is
-    # a float32 finding (future-token, packing and grad-causality see the mixing in every dtype)
-    missed = {"label-shift"} if bug == "batch-mix" else set()
+    # In bfloat16, rows mixed by batch-mix move the loss (by 0.006 on label-shift's 8-token rows, as in float32) by
+    # less than the dtype's bar: label-shift's FWD703 is a float32 and float16 finding (future-token, packing and
+    # grad-causality see the mixing in every dtype)
+    missed = {"label-shift"} if bug == "batch-mix" and dtype == "bfloat16" else set()
     assert failing == (set(EXPECTED[bug]) - missed if bug else set())
 
 

@@ -59,7 +59,9 @@ def clean_pass(res) -> None:
 def test_reference_passes(reference, attention, variant):
     res = result(reference(attention=attention, **variant))
     clean_pass(res)
-    assert res.metrics["calls"] == 5 and res.metrics["prefill"] == 4
+    # a prefill of 4, one token, one chunk of 2: three calls on the first two rows, the last of the 8 tokens unread
+    metrics = res.metrics
+    assert (metrics["calls"], metrics["prefill"], metrics["rows"], metrics["tokens_run"]) == (3, 4, 2, 14)
     assert res.metrics["max_change"] <= res.metrics["threshold"]
 
 
@@ -79,12 +81,16 @@ def test_reference_bugs_fail_at_the_first_decoded_position(reference, bug, atten
     assert res.status.value == "fail"
     assert failing(res) == {PLANTED[bug]}, res.findings
     finding = res.findings[0]
-    assert "position 4" in finding.where and "first parts at layers.0" in finding.where
+    # the one-token step decodes position 4, the chunk after it 5 and 6
+    first = 5 if bug == "kv-cache-mask-top-left" else 4
+    assert f"position {first}" in finding.where and "first parts at layers.0" in finding.where
     if bug == "kv-cache-mask-top-left":
         assert "one token at a time agrees" in finding.message and "top-left" in finding.message
         assert res.metrics["token_max_change"] <= res.metrics["threshold"] < res.metrics["chunked_max_change"]
+        # decoded again straight after the prefill, the chunk still parts: the mask, not what the step cached
+        assert res.metrics["chunk_after_prefill_max_change"] > res.metrics["threshold"]
     else:
-        assert "in chunks of 2+2 from position 4 too" in finding.message
+        assert "the chunk of 2 after it parts too, from position 5" in finding.message
 
 
 def test_position_bug_without_positions_is_no_bug(reference):
@@ -95,10 +101,18 @@ def test_position_bug_without_positions_is_no_bug(reference):
 def test_short_sequences_shape_the_plan(reference):
     res = result(reference(), seq_len=4)
     clean_pass(res)
-    assert (res.metrics["prefill"], res.data["chunks"], res.metrics["calls"]) == (2, [2], 4)
-    assert result(reference(), seq_len=7).data["chunks"] == [3]
+    assert (res.metrics["prefill"], res.data["chunks"], res.metrics["calls"]) == (1, [2], 3)
+    assert result(reference(), seq_len=6).metrics["prefill"] == 3
     res = result(reference(), seq_len=16)
-    assert (res.metrics["prefill"], res.data["chunks"]) == (12, [2, 2])
+    assert (res.metrics["prefill"], res.data["chunks"], res.metrics["tokens_run"]) == (4, [2], 14)
+
+
+def test_a_declared_window_makes_the_prefill_longer_than_it(reference):
+    """The decoded tokens read a cache the window has cut: a prefill of window + 1, as far as seq_len allows."""
+    assert result(reference(window=6), seq_len=16).metrics["prefill"] == 7
+    clean_pass(result(reference(window=6), seq_len=16))
+    assert result(reference(window=6), seq_len=8).metrics["prefill"] == 5  # positions 5-7 read past the band
+    assert result(reference(window=8), seq_len=8).metrics["prefill"] == 4  # no band cuts 8 tokens: nothing to show
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -267,30 +281,96 @@ class LockedCache(KVCache):
         self.lock = threading.Lock()
 
 
-class LockedCacheModel(torch.nn.Module):
-    def __init__(self, bugs: list[str]):
+class ForgetfulCache(KVCache):
+    """The reference's cache whose one-token steps read the cached keys beside their own but keep none of theirs:
+    the write-back skipped on the decoding path, as a cache that concatenates into a local for a single new token
+    does. The step itself is right; the call after it reads a cache one token short (and counts its length from it)."""
+
+    def update(self, k, v, layer_idx):
+        if k.shape[2] == 1 and layer_idx < len(self.keys):
+            return torch.cat([self.keys[layer_idx], k], dim=2), torch.cat([self.values[layer_idx], v], dim=2)
+        return super().update(k, v, layer_idx)
+
+
+class OwnCacheModel(torch.nn.Module):
+    """The reference transformer making its cache of the given class when forward is handed none."""
+
+    def __init__(self, cache_class: type[KVCache], bugs: list[str]):
         super().__init__()
+        self.cache_class = cache_class
         self.inner = build(vocab_size=32, d_model=16, n_heads=4, bugs=bugs)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         if use_cache and past_key_values is None:
-            past_key_values = LockedCache()
+            past_key_values = self.cache_class()
         return self.inner(input_ids, past_key_values=past_key_values, use_cache=use_cache)
 
 
 def locked_cache(bugs: list[str] | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
-    return LockedCacheModel(bugs or [])
+    return OwnCacheModel(LockedCache, bugs or [])
 
 
-def test_a_cache_that_cannot_be_copied_is_decoded_from_a_prefill_of_its_own():
-    """deepcopy refuses the lock: the second way of decoding runs the prefill again instead of copying its cache,
-    and still judges both ways (a rope restarted at the decoded tokens fails at the first of them)."""
+def forgetful_cache() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return OwnCacheModel(ForgetfulCache, [])
+
+
+def test_a_cache_that_cannot_be_copied_is_decoded_all_the_same():
+    """deepcopy refuses the lock; the cached run is one chain of calls, which copies nothing: it judges both ways
+    (a rope restarted at the decoded tokens fails at the first of them)."""
     with pytest.raises(TypeError):
         copy.deepcopy(LockedCache())
     model = {"source": "python", "factory": "tests.test_kv_cache:locked_cache", "cache": {"style": "hf"}}
     clean_pass(result(model))
     assert failing(result({**model, "kwargs": {"bugs": ["kv-cache-rope-restart"]}})) == {"FWD501"}
+
+
+def test_a_one_token_step_that_keeps_nothing_fails_as_the_one_token_step():
+    """The one-token step agrees and the chunk after it parts; the same chunk straight after the prefill agrees: the
+    step cached the wrong keys (FWD501), not a mask of several queries over the cache (FWD502)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (2, 7))
+    forgetful = forgetful_cache().eval()
+    with torch.no_grad():  # in plain torch: the step is right, the chunk after it is not
+        full = forgetful(ids)  # (2, 7, V)
+        _, cache = forgetful(ids[:, :4], use_cache=True)
+        step, cache = forgetful(ids[:, 4:5], past_key_values=cache, use_cache=True)
+        chunk, _ = forgetful(ids[:, 5:7], past_key_values=cache, use_cache=True)
+    assert torch.allclose(step, full[:, 4:5], atol=1e-5) and not torch.allclose(chunk, full[:, 5:7], atol=1e-2)
+    res = result({"source": "python", "factory": "tests.test_kv_cache:forgetful_cache", "cache": {"style": "hf"}})
+    assert failing(res) == {"FWD501"}, res.findings
+    assert res.metrics["token_max_change"] <= res.metrics["threshold"] < res.metrics["chunked_max_change"]
+    assert res.metrics["chunk_after_prefill_max_change"] <= res.metrics["threshold"]
+    assert "the one-token step caches the wrong keys" in res.findings[0].message
+    assert "position 5" in res.findings[0].where
+
+
+class LongRowsShifted(torch.nn.Module):
+    """The reference transformer whose logits move by 0.01 on rows of 16 tokens or more, cached ones counted (another
+    kernel chosen by length): its logits depend on the row's length, future-token's FWD105, not on any later token."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = build(vocab_size=32, d_model=16, n_heads=4)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        out = self.inner(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        logits, cache = out if use_cache else (out, None)
+        length = cache.get_seq_length() if cache is not None else input_ids.shape[1]
+        logits = logits + 0.01 * (length >= 16)
+        return (logits, cache) if use_cache else logits
+
+
+def test_a_model_whose_logits_depend_on_the_length_is_judged_at_the_length_it_decoded():
+    """The session's 32-token rows are shifted, the 7 decoded tokens are not: the change from the session's logits
+    is confirmed against a forward of exactly the decoded tokens, which the cached run matches (no false finding)."""
+    model = {"source": "python", "factory": "tests.test_kv_cache:LongRowsShifted", "cache": {"style": "hf"}}
+    res = result(model, seq_len=32)
+    clean_pass(res)
+    assert res.data["full_forward"] == "a forward of the decoded tokens"
+    assert result(model, seq_len=8).data["full_forward"].startswith("the session's logits")
 
 
 def test_reference_through_the_python_api():

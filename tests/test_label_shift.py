@@ -175,3 +175,68 @@ def test_registered_in_pyproject():
 
 def codes_of(got) -> set[str]:
     return {f.code for f in got.findings}
+
+
+# =====================================================================================================================
+# What runs: one call where the session's logits stand in for the rows in another order
+
+
+def test_one_call_on_the_session_rows_with_the_other_order_predicted(reference):
+    """A correct loss on the session's rows: the rows in another order are the session's own forward of them, and
+    forward is called once."""
+    report = run_checks(reference(), [CHECK], inputs={"batch_size": 2, "seq_len": 32})
+    got = report.results[0]
+    assert got.status.value == "pass", got.summary
+    assert got.data["row_source"] == "the session's first rows, rolled by one" and got.data["seq_len"] == 8
+    assert got.data["other_order"].startswith("predicted from the session's logits")
+    assert got.metrics["rolled_rows_loss"] == pytest.approx(got.metrics["loss"], abs=got.metrics["threshold"])
+
+
+def test_rows_that_read_each_other_move_the_predicted_loss_and_a_call_confirms_it(reference):
+    """Heads taking another sample's queries (batch-mix): the call's logits of a row beside another neighbour are not
+    the session's, the predicted loss moves, and the call with the rows in another order shows the loss moving."""
+    got = result(reference(bugs=["batch-mix"]))
+    assert codes_of(got) == {"FWD703"}, got.findings
+    assert got.data["other_order"] == "a call with the rows rolled by one"
+
+
+def test_a_session_of_one_row_draws_its_rows_and_runs_the_other_order(reference):
+    clean = result(reference(), inputs={"batch_size": 1, "seq_len": 8})
+    assert clean.status.value == "pass", clean.summary
+    assert clean.data["row_source"] == "drawn" and clean.data["other_order"] == "a call with the rows rolled by one"
+    broken = result(reference(bugs=["label-double-shift"]), inputs={"batch_size": 1, "seq_len": 8})
+    assert codes_of(broken) == {"FWD702", "FWD703"}
+
+
+class SoftCappedLoss(nn.Module):
+    """The reference transformer whose forward with labels soft-caps the logits it scores and returns them
+    (cap * tanh(logits / cap), as Gemma 2 caps its final logits), while the plain forward does not: the loss call's
+    logits are not the session's. The loss itself is right."""
+
+    def __init__(self):
+        super().__init__()
+        from fwdcheck.model.reference import build
+
+        torch.manual_seed(0)
+        self.inner = build(vocab_size=32, d_model=16, n_heads=4)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.inner(input_ids)  # (B, T, V)
+        if labels is None:
+            return logits
+        cap = float(logits.abs().max())  # a cap the logits reach: tanh bends them visibly
+        capped = cap * torch.tanh(logits / cap)
+        loss = F.cross_entropy(capped[:, :-1].reshape(-1, capped.size(-1)), labels[:, 1:].reshape(-1))
+        return capped, loss
+
+
+def soft_capped_loss() -> nn.Module:
+    return SoftCappedLoss()
+
+
+def test_a_loss_call_with_logits_of_its_own_is_judged_by_a_call_not_by_the_prediction():
+    """The prediction from the session's logits parts from the loss by the cap's change: not a finding, but a reason
+    to run the rows in another order, whose loss agrees (no false FWD703)."""
+    got = result({"source": "python", "factory": "tests.test_label_shift:soft_capped_loss", "loss": {"output": 1}})
+    assert got.status.value == "pass", (got.summary, got.findings)
+    assert got.data["other_order"] == "a call with the rows rolled by one"

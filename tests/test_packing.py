@@ -179,6 +179,22 @@ def test_short_rows_skip(reference):
     assert got.status.value == "skip"
 
 
+def test_packed_rows_are_a_few_tokens_and_longer_than_a_declared_window(reference):
+    """Eight tokens at any seq_len (documents of 2, 3 and 3); with a window of 4, documents 2 and 3 of 5 tokens, one
+    past the band, so that the window runs over packed documents."""
+    got = result(reference(), inputs={"batch_size": 2, "seq_len": 32})
+    assert got.status.value == "pass", got.summary
+    assert got.data["documents"] == {"document 1": [0, 2], "document 2": [2, 5], "document 3": [5, 8]}
+    windowed = result(reference(window=4), inputs={"batch_size": 2, "seq_len": 32})
+    assert windowed.status.value == "pass", windowed.summary
+    assert windowed.data["documents"] == {"document 1": [0, 1], "document 2": [1, 6], "document 3": [6, 11]}
+    leaking = result(reference(window=4, bugs=["packing-no-document-mask"]), inputs={"batch_size": 2, "seq_len": 32})
+    assert {f.code for f in leaking.findings} == {"FWD601"}
+    # a window rows of 16 cannot hold two documents past: nothing to show, the rows stay at 8
+    wide = result(reference(window=8), inputs={"batch_size": 2, "seq_len": 16})
+    assert wide.data["documents"]["document 3"] == [5, 8]
+
+
 def test_registered_in_pyproject():
     entries = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["entry-points"]
     check = CheckEntry("packing", entries["fwdcheck.checks"]["packing"], "fwdcheck 0.1.0").load()

@@ -1,16 +1,20 @@
 """kv-cache: decoding through the model's KV cache gives the logits of the full forward.
 
-The full forward of the session's inputs (the shared baseline) is the truth. The same tokens then run incrementally:
-a prefill of the first P = T - D tokens (D = min(T/2, 4)), then two ways from that prefill's cache (the first
-from a copy that keeps the model's own modules as they are, or, where no copy can be made, from a prefill of its
-own):
-  token-by-token  the next 2 positions, one new token per call, as generation runs;
-  chunked         the last D positions, 2-3 new tokens per call (speculative decoding, chunked prefill): the queries
-                  are fewer than the keys, where a causal mask aligned top-left instead of bottom-right reads the
-                  wrong keys.
-Every position's logits must agree with the full forward's within the session's threshold. Where they part, the
-first position is reported and, replaying the run with forward hooks on the layer stack, the first layer whose
-output parts.
+The same tokens run incrementally through the cache, one chain of three calls on the session's first rows (at most
+two, rows beside each other as batched generation runs them):
+  prefill         the first P tokens with the cache on (P = 4, or one more than the widest sliding window the
+                  model declares where it is narrower than the rows, so that the steps after it read a cache the
+                  window has cut);
+  token-by-token  position P, one new token, as generation runs;
+  chunked         positions P+1 and P+2 in one call (speculative decoding, chunked prefill): the queries are fewer
+                  than the keys, where a causal mask aligned top-left instead of bottom-right reads the wrong keys;
+                  it reads what the prefill and the one-token step cached.
+Every position's logits must agree with the full forward's within the session's threshold: the session's own
+logits (a causal model's logits at a prefix are those of the full rows' first positions), and, once a change goes
+beyond what can pass unexamined, a fresh full forward of exactly the decoded tokens. Where they part, the first
+position is reported and, replaying the run with forward hooks on the layer stack, the first layer whose output
+parts. A chunk that parts while the one-token step agrees is decoded again straight after the prefill, to tell a
+mask of several queries over the cache from a one-token step that cached the wrong keys.
 
 Models it drives: Hugging Face transformers models (a DynamicCache with use_cache=True and the inputs generate
 passes), the reference transformer, and python models whose config declares `cache:` (style hf: past_key_values in,
@@ -23,7 +27,7 @@ import copy
 import inspect
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,17 +43,15 @@ from fwdcheck.result import Check, CheckResult, Finding, Status
 from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_change
 from fwdcheck.run.session import Session
 
-# Calls bound the cost: each costs about a forward while the weights, not the tokens, dominate (short sequences, one
-# token per call). A prefill, two one-token steps (the second reads what the first cached) and two chunks of two (the
-# second reads what the first cached): 5 calls, about the tokens of 1.5 forwards at T = 8 and of 1 at long T.
-MAX_DECODED = 4  # positions decoded in chunks, at the end of the sequence
-TOKEN_STEPS = 2  # of them decoded one token at a time
-MIN_LENGTH = 4  # a prefill of 2 and 2 decoded positions: the shortest run with a chunk of 2 over a cache
-# The decoded rows are the session's rows cut to at most this many tokens: a position off by one, rotary angles
-# restarted at 0 or a top-left mask over the cache show after any prefill, and the prefill, the one call that costs a
-# forward's tokens, then costs half of one at T = 128 (a default check runs in every default run). The full forward's
-# logits at these positions are the session's: a causal model's earlier logits do not depend on what follows.
-MAX_LENGTH = 64
+# Each call costs about a forward's reading of every weight whatever its length, the tokens little beside it: the
+# check runs the fewest calls that show each class of bug. A prefill, the one-token path generation takes (a position
+# off by one, rotary angles restarted at 0, a cache that hands back the wrong keys), and a chunk of two over the cache
+# both filled (a mask aligned top-left; and what the one-token step cached, read back).
+PREFILL = 4  # tokens of the prefill: any prefill shows those bugs; a declared window asks for more
+CHUNK = 2  # new tokens of the chunked call: the fewest that are fewer queries than keys
+DECODED = 1 + CHUNK  # positions decoded after the prefill
+MIN_LENGTH = 1 + DECODED  # a prefill of 1, then the token and the chunk
+ROWS = 2  # the session's first rows, decoded side by side: a cache that mixes or drops rows shows with two
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -58,36 +60,37 @@ MAX_LENGTH = 64
 
 @dataclass
 class Plan:
-    """Prefill the first `prefill` tokens; from its cache decode the next `tokens` positions one at a time, and
-    positions prefill .. T-1 in `chunks`."""
+    """Prefill the first `prefill` tokens; then position `prefill` alone, then the CHUNK positions after it in one
+    call, each over the cache the calls before it filled."""
 
-    length: int
     prefill: int
-    tokens: int
-    chunks: list[int]
 
     @classmethod
-    def for_length(cls, T: int) -> Plan:
-        decoded = min(T // 2, MAX_DECODED)
-        n = decoded // 2  # chunks of 2, the last of 3 when the count is odd: 2 -> 2, 3 -> 3, 4 -> 2 + 2
-        chunks = [2] * (n - 1) + [decoded - 2 * (n - 1)]
-        return cls(T, T - decoded, min(decoded, TOKEN_STEPS), chunks)
+    def for_length(cls, T: int, window: int | None = None) -> Plan:
+        """The plan for rows of T tokens: a prefill of PREFILL tokens, or of one more than a declared window narrower
+        than the rows (so that the decoded tokens read a cache the window has cut; a window of T or more cuts
+        nothing in T tokens), as long as T leaves room for the decoded positions."""
+        wanted = max(PREFILL, window + 1) if window is not None and window < T else PREFILL
+        return cls(min(wanted, T - DECODED))
 
-    def steps(self, variant: str) -> list[tuple[int, int]]:
-        """(start, length) of each call after the prefill."""
-        if variant == "token-by-token":
-            return [(self.prefill + i, 1) for i in range(self.tokens)]
-        starts = [self.prefill + sum(self.chunks[:i]) for i in range(len(self.chunks))]
-        return list(zip(starts, self.chunks, strict=True))
+    @property
+    def length(self) -> int:
+        """Tokens of each row the run decodes: the prefill and the positions after it."""
+        return self.prefill + DECODED
 
-    def positions(self, variant: str) -> str:
-        """'4-5': the positions a variant decodes."""
-        last = self.prefill + (self.tokens if variant == "token-by-token" else sum(self.chunks)) - 1
-        return f"{self.prefill}-{last}" if last > self.prefill else f"{self.prefill}"
+    @property
+    def parts(self) -> dict[str, tuple[int, int]]:
+        """(start, length) of each call: the prefill, the one-token step, the chunk."""
+        return {"prefill": (0, self.prefill), "token-by-token": (self.prefill, 1), "chunked": (self.prefill + 1, CHUNK)}
+
+    def positions(self, part: str) -> str:
+        """'5-6': the positions a part decodes."""
+        start, n = self.parts[part]
+        return f"{start}-{start + n - 1}" if n > 1 else f"{start}"
 
     @property
     def calls(self) -> int:
-        return 1 + self.tokens + len(self.chunks)
+        return len(self.parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -117,9 +120,6 @@ def logits_of(output: Any, ids: torch.Tensor, what: str) -> torch.Tensor:
     return logits.float()
 
 
-UNCOPIED = object()  # Decoder.fork's answer for a state that cannot be copied
-
-
 class Decoder:
     """Runs a model incrementally: begin(rows, length) once, prefill, then step() for the tokens that follow."""
 
@@ -134,24 +134,6 @@ class Decoder:
     def step(self, state: Any, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, Any]:
         """Logits [B, n, V] of ids [B, n] at positions start .. start + n - 1, after what `state` holds."""
         raise NotImplementedError
-
-    def fork(self, state: Any) -> Any:
-        """An independent copy of the state after the prefill, for another way of decoding from it; UNCOPIED when
-        the state cannot be copied, and the prefill is run again instead.
-
-        The model's own objects (its modules, parameters and buffers) are kept as they are, never copied: a cache
-        keyed by the modules that fill it (OpenAI Whisper's, a dict from each attention's key and value nn.Linear to
-        their tensors) must still find them, and a cache that refers to the model must refer to the model run."""
-        kept: dict[int, Any] = {id(obj): obj for obj in model_objects(self.module)}
-        try:
-            return copy.deepcopy(state, kept)
-        except (TypeError, RuntimeError, copy.Error):  # a lock, a generator, a tensor deepcopy refuses
-            return UNCOPIED
-
-
-def model_objects(module: nn.Module) -> list[Any]:
-    """The module's submodules, parameters and buffers: what a copy of its cache must share, not duplicate."""
-    return [*module.modules(), *module.parameters(), *module.buffers()]
 
 
 class PastKeyValues(Decoder):
@@ -301,8 +283,8 @@ def returned_cache(output: Any) -> Any:
 
 class InputPos(Decoder):
     """gpt-fast style: model.<setup>(max_batch_size, max_seq_length) allocates the cache, then forward(idx, input_pos)
-    writes the tokens' keys and values at input_pos and reads the slots up to them. The state is the positions
-    written: decoding again from the prefill overwrites the same slots."""
+    writes the tokens' keys and values at input_pos and reads the slots up to them. The state lives in the model's
+    own modules: step() hands back None."""
 
     def __init__(self, module: nn.Module, setup: str):
         super().__init__(module)
@@ -320,9 +302,6 @@ class InputPos(Decoder):
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # input_pos [n]
         what = f"forward(input_ids, input_pos={start}..{start + ids.shape[1] - 1})"
         return logits_of(call_model(what, self.module, ids, positions), ids, what), None
-
-    def fork(self, state):
-        return state
 
 
 def decoder_for(model) -> Decoder:
@@ -368,33 +347,26 @@ def attributes_restored(module: nn.Module):
 
 @dataclass
 class Decoded:
-    """Logits [B, n, V] of each part of a cached run, in the order of the positions."""
+    """Logits [R, n, V] of each part of a cached run (Plan.parts), in the order of the positions."""
 
-    prefill: torch.Tensor
-    token: torch.Tensor
-    chunked: torch.Tensor
+    parts: dict[str, torch.Tensor]
     tokens: int = 0  # rows x positions run
 
 
 @dataclass
 class Changes:
-    """Per row and position, the largest |change| from the full forward's logits: [B, n] each."""
+    """Per row and position, the largest |change| of each part from the full forward's logits: [R, n] each."""
 
-    prefill: torch.Tensor
-    token: torch.Tensor
-    chunked: torch.Tensor
-    parts: dict[str, torch.Tensor] = field(init=False)
-
-    def __post_init__(self):
-        self.parts = {"prefill": self.prefill, "token-by-token": self.token, "chunked": self.chunked}
+    parts: dict[str, torch.Tensor]
 
     @classmethod
-    def of(cls, decoded: Decoded, reference: torch.Tensor, plan: Plan) -> Changes:
-        P = plan.prefill
+    def of(cls, decoded: Decoded, truth: torch.Tensor, plan: Plan) -> Changes:
+        """Against `truth`, the full forward's logits [R, L, V] of the decoded rows."""
         return cls(
-            position_change(decoded.prefill, reference[:, :P]),
-            position_change(decoded.token, reference[:, P : P + plan.tokens]),
-            position_change(decoded.chunked, reference[:, P : plan.length]),
+            {
+                name: position_change(decoded.parts[name], truth[:, start : start + n])
+                for name, (start, n) in plan.parts.items()
+            }
         )
 
     def largest(self) -> float:
@@ -407,10 +379,13 @@ class Compared:
 
     decoded: Decoded
     changes: Changes
+    truth: torch.Tensor  # the full forward's logits [R, L, V] the changes are from
+    fresh: bool  # whether `truth` is a forward of exactly the decoded tokens, not the session's logits
     scale: float  # the full forward's largest |logit|
     noise: float | None  # the noise floor; None: not measured, since nothing moved beyond the tolerance
     tolerance: float
     threshold: float
+    chunk_after_prefill: torch.Tensor | None = None  # [R, CHUNK]: the chunk decoded straight after the prefill
 
 
 class KVCache(Check, declared=SPEC):
@@ -420,66 +395,81 @@ class KVCache(Check, declared=SPEC):
         if not model.causal:
             raise DoesNotApply(f"{model.pattern.describe()}: only a causal model decodes incrementally")
         decoder = decoder_for(model)
-        plan = self._plan(session)
-        compared = self._compare(decoder, model, session, plan)
-        findings = self._findings(compared.decoded, compared.changes, plan, compared.threshold)
+        plan = self._plan(model, session)
+        rows = session.inputs[:ROWS, : plan.length]  # (R, L): the session's first rows, cut to what is decoded
+        compared = self._compare(decoder, model, session, plan, rows)
+        parted = {name: first_parting(c, compared.threshold) for name, c in compared.changes.parts.items()}
+        if parted["chunked"] is not None and parted["token-by-token"] is None:
+            # the chunk alone parts: the mask of its queries over the cache, or what the one-token step cached
+            compared.chunk_after_prefill = self._chunk_after_prefill(decoder, model, session, plan, rows, compared)
+        findings = self._findings(compared, plan)
         failing = [f for f in findings if f.status == Status.FAIL]
         if failing:
-            layer = self._first_layer(decoder, model, session, plan, compared.changes, compared.threshold)
+            layer = self._first_layer(decoder, model, session, plan, rows, compared.changes, compared.threshold)
             if layer:
                 for finding in failing:
                     finding.where = f"{finding.where}; {layer}"
-        return self._summarise(decoder, plan, compared, findings)
+        return self._summarise(decoder, plan, rows, compared, findings)
 
     @staticmethod
-    def _plan(session: Session) -> Plan:
-        """The prefill and the decoding steps at the session's length (at most MAX_LENGTH); SkipCheck when the
-        sequence is too short, or the model refuses one-token forwards."""
+    def _plan(model: ModelUnderTest, session: Session) -> Plan:
+        """The prefill and the decoded positions at the session's length, the prefill longer than a declared window;
+        SkipCheck when the sequence is too short, or the model refuses one-token forwards."""
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
             raise SkipCheck(
-                f"seq_len {T} is too short: decoding needs a prefill and 2 positions after it (seq_len >= {MIN_LENGTH})"
+                f"seq_len {T} is too short: decoding needs a prefill and {DECODED} positions after it "
+                f"(seq_len >= {MIN_LENGTH})"
             )
-        plan = Plan.for_length(min(T, MAX_LENGTH))
         if session.min_seq_len > 1:
             raise SkipCheck(
                 f"the model refuses sequences shorter than {session.min_seq_len} tokens: one-token "
                 "decoding steps cannot run"
             )
-        return plan
+        return Plan.for_length(T, model.windows.widest if model.windows is not None else None)
 
-    def _compare(self, decoder: Decoder, model: ModelUnderTest, session: Session, plan: Plan) -> Compared:
-        """The cached run against the full forward's logits: the observation pass's, the untouched baseline's once
-        a change goes beyond the tolerance, with the noise floor where it can change the verdict. SkipCheck when
-        the full forward's logits hold NaN or Inf."""
-        reference = session.reference()  # (B, T, V)
-        if nonfinite_positions(reference) and not session.reference_untouched:
-            reference = session.baseline()
-        if nonfinite_positions(reference):
+    def _compare(
+        self, decoder: Decoder, model: ModelUnderTest, session: Session, plan: Plan, rows: torch.Tensor
+    ) -> Compared:
+        """The cached run against the full forward's logits: the session's at the decoded positions (a causal
+        model's logits of a prefix are those of the whole rows' first positions), and, once a change goes beyond
+        what can pass unexamined, those of a fresh untouched forward of exactly the decoded tokens (a model whose
+        logits depend on the row's length is judged at the length it decoded), with the noise floor where it can
+        change the verdict. SkipCheck when the full forward's logits hold NaN or Inf."""
+        R, L = rows.shape
+        truth = session.reference()[:R, :L]  # (R, L, V)
+        fresh = tuple(rows.shape) == tuple(session.inputs.shape) and session.reference_untouched
+        if nonfinite_positions(truth) and not fresh:
+            truth, fresh = session.logits(rows), True
+        if nonfinite_positions(truth):
             raise SkipCheck(
                 "the full forward's logits hold NaN or Inf: there is nothing to compare the cached "
                 "decoding with (shape-ledger and future-token report the NaN)"
             )
-        decoded = self._decode(decoder, model, session, plan)
-        changes = Changes.of(decoded, reference, plan)
-        scale = logit_scale(reference)
-        if session.noise_matters(changes.largest(), scale) and not session.reference_untouched:
-            reference = session.baseline()  # a change beyond the tolerance is judged against the untouched forward
-            scale = logit_scale(reference)
-            changes = Changes.of(decoded, reference, plan)
+        decoded = self._decode(decoder, model, session, plan, rows)
+        changes = Changes.of(decoded, truth, plan)
+        scale = logit_scale(truth)
+        if session.noise_matters(changes.largest(), scale) and not fresh:
+            truth, fresh = session.logits(rows), True  # (R, L, V): the untouched forward of the decoded tokens
+            scale = logit_scale(truth)
+            changes = Changes.of(decoded, truth, plan)
         # Decoding one token at a time reorders the arithmetic: the model's rounding is allowed beside the noise.
         noise, rounding = session.floors(changes.largest(), scale)
         measured = session.noise_matters(changes.largest(), scale)
         return Compared(
             decoded,
             changes,
+            truth,
+            fresh,
             scale,
             noise if measured else None,
             session.tolerance(scale),
             session.threshold(scale, noise, rounding),
         )
 
-    def _summarise(self, decoder: Decoder, plan: Plan, compared: Compared, findings: list[Finding]) -> CheckResult:
+    def _summarise(
+        self, decoder: Decoder, plan: Plan, rows: torch.Tensor, compared: Compared, findings: list[Finding]
+    ) -> CheckResult:
         """Each part's largest change and the run's size in the metrics; the failing codes, or what matched."""
         threshold, noise = compared.threshold, compared.noise
         largest = {name: float(c.max()) for name, c in compared.changes.parts.items()}
@@ -492,16 +482,23 @@ class KVCache(Check, declared=SPEC):
             "token_max_change": largest["token-by-token"],
             "chunked_max_change": largest["chunked"],
             "prefill": plan.prefill,
-            "decoded": sum(plan.chunks),
+            "decoded": DECODED,
+            "rows": rows.shape[0],
             "calls": plan.calls,
             "tokens_run": compared.decoded.tokens,
         }
+        if compared.chunk_after_prefill is not None:
+            metrics["chunk_after_prefill_max_change"] = float(compared.chunk_after_prefill.max())
         if noise is not None:
             metrics["noise_floor"] = noise
-        chunks = "+".join(map(str, plan.chunks))
         data = {
             "cache_call": decoder.label,
-            "chunks": plan.chunks,
+            "chunks": [CHUNK],
+            "full_forward": (
+                "a forward of the decoded tokens"
+                if compared.fresh
+                else "the session's logits at the decoded positions (a causal model's prefix)"
+            ),
             "noise_floor": "measured"
             if noise is not None
             else ("not measured: nothing moved beyond the tolerance, where no noise floor can change the verdict"),
@@ -511,8 +508,8 @@ class KVCache(Check, declared=SPEC):
             summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
         else:
             summary = (
-                f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a "
-                f"time and {plan.positions('chunked')} in chunks of {chunks}: max change "
+                f"prefill {plan.prefill}, then position {plan.positions('token-by-token')} one token at a time and "
+                f"{plan.positions('chunked')} as one chunk over the cache: max change "
                 f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             )
         return CheckResult.from_findings(self.name, findings, summary, metrics=metrics, data=data)
@@ -526,68 +523,76 @@ class KVCache(Check, declared=SPEC):
 
     # -- running ----------------------------------------------------------------------------------------------------
 
-    def _decode(self, decoder: Decoder, model, session, plan: Plan) -> Decoded:
-        """The cached run over every row of the session's inputs, in row groups no larger than the baseline's."""
-        parts: dict[str, list[torch.Tensor]] = {"prefill": [], "token-by-token": [], "chunked": []}
-        tokens = 0
-        for start in range(0, session.inputs.shape[0], session.max_rows):
-            rows = session.inputs[start : start + session.max_rows]
-            run = self._replay(decoder, model, session, plan, rows, ["token-by-token", "chunked"])
-            for name, logits in run.items():
+    def _decode(self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor) -> Decoded:
+        """The cached run over the rows, in row groups no larger than the baseline's: the prefill, the one-token
+        step, the chunk, each call over the cache the ones before it filled."""
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in plan.parts}
+        steps = [plan.parts["token-by-token"], plan.parts["chunked"]]
+        for start in range(0, rows.shape[0], session.max_rows):
+            group = rows[start : start + session.max_rows]
+            called = self._replay(decoder, model, session, plan.prefill, steps, group)
+            for name, logits in zip(plan.parts, called, strict=True):
                 parts[name].append(logits)
-            tokens += rows.shape[0] * (plan.prefill + plan.tokens + sum(plan.chunks))
-        session.forward_tokens += tokens
-        joined = {name: torch.cat(chunks) for name, chunks in parts.items()}
-        return Decoded(joined["prefill"], joined["token-by-token"], joined["chunked"], tokens)
+        session.forward_tokens += rows.numel()
+        return Decoded({name: torch.cat(chunks) for name, chunks in parts.items()}, rows.numel())
+
+    def _chunk_after_prefill(
+        self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor, compared: Compared
+    ) -> torch.Tensor:
+        """Per row and position, the change [R, CHUNK] of the chunk decoded straight after the prefill (positions
+        prefill .. prefill + CHUNK - 1) from the full forward's: the same mask over the cache, without what a
+        one-token step cached."""
+        step = (plan.prefill, CHUNK)
+        logits = [
+            self._replay(decoder, model, session, plan.prefill, [step], rows[start : start + session.max_rows])[1]
+            for start in range(0, rows.shape[0], session.max_rows)
+        ]
+        session.forward_tokens += rows.shape[0] * (plan.prefill + CHUNK)
+        return position_change(torch.cat(logits), compared.truth[:, plan.prefill : plan.prefill + CHUNK])
 
     def _replay(
         self,
         decoder: Decoder,
         model,
         session,
-        plan: Plan,
+        prefill: int,
+        steps: list[tuple[int, int]],
         rows: torch.Tensor,
-        variants: list[str],
         until: int | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Prefill, then each variant's steps from a copy of the prefill's state (up to position `until`); logits
-        [B, n, V] per part, positions in order."""
+    ) -> list[torch.Tensor]:
+        """The prefill of the rows' first `prefill` tokens, then each (start, n) of `steps` over the cache the
+        calls before it filled (up to position `until`): logits [B, n, V] of each call, in order."""
         dropout_off = ZeroAttentionDropout() if session.force_zero_dropout else nullcontext()
-        out: dict[str, torch.Tensor] = {}
+        length = max([prefill] + [start + n for start, n in steps])
         with torch.no_grad(), dropout_off, attributes_restored(model.module):
-            decoder.begin(rows.shape[0], plan.length)
-            out["prefill"], prefilled = decoder.step(None, rows[:, : plan.prefill], 0)
-            for i, variant in enumerate(variants):
-                # the last way of decoding takes the prefill's own state; the others a copy, or a prefill of their own
-                state = prefilled if i == len(variants) - 1 else decoder.fork(prefilled)
-                if state is UNCOPIED:
-                    _, state = decoder.step(None, rows[:, : plan.prefill], 0)
-                logits = []
-                for start, n in plan.steps(variant):
-                    if until is not None and start > until:
-                        break
-                    step_logits, state = decoder.step(state, rows[:, start : start + n], start)
-                    logits.append(step_logits)
-                out[variant] = torch.cat(logits, dim=1)
+            decoder.begin(rows.shape[0], length)
+            logits, state = decoder.step(None, rows[:, :prefill], 0)
+            out = [logits]
+            for start, n in steps:
+                if until is not None and start > until:
+                    break
+                logits, state = decoder.step(state, rows[:, start : start + n], start)
+                out.append(logits)
         return out
 
     # -- judging ----------------------------------------------------------------------------------------------------
 
-    def _findings(self, decoded: Decoded, changes: Changes, plan: Plan, threshold: float) -> list[Finding]:
-        """One finding per cause: the prefill (FWD503); one token at a time (FWD501), which says whether the chunks
-        part too; the chunks alone (FWD502), where only the queries-fewer-than-keys path is wrong; NaN (FWD504)."""
+    def _findings(self, compared: Compared, plan: Plan) -> list[Finding]:
+        """One finding per cause: the prefill (FWD503); the one-token step (FWD501), which says whether the chunk
+        after it parts too; the chunk alone (FWD502), where only the queries-fewer-than-keys path is wrong, or
+        FWD501 when the same chunk straight after the prefill agrees (the one-token step cached the wrong keys);
+        NaN (FWD504)."""
         findings = []
-        logits = {"prefill": decoded.prefill, "token-by-token": decoded.token, "chunked": decoded.chunked}
-        offsets = {"prefill": 0, "token-by-token": plan.prefill, "chunked": plan.prefill}
+        changes, threshold = compared.changes, compared.threshold
         parted = {name: first_parting(change, threshold) for name, change in changes.parts.items()}
-        for name in ("prefill", "token-by-token", "chunked"):
+        for name, (offset, _) in plan.parts.items():
             parting = parted[name]
             if parting is None or (name == "chunked" and parted["token-by-token"] is not None):
                 continue
             row, index = parting
-            position = offsets[name] + index
+            position = offset + index
             change = changes.parts[name]
-            nonfinite = nonfinite_positions(logits[name])
+            nonfinite = nonfinite_positions(compared.decoded.parts[name])
             if nonfinite:
                 row, index = nonfinite[0]
                 findings.append(
@@ -596,7 +601,7 @@ class KVCache(Check, declared=SPEC):
                         Status.FAIL,
                         f"{name} decoding gives NaN or Inf at "
                         f"{len(nonfinite)} position(s) where the full forward is finite",
-                        f"{name}, sample {row}, position {offsets[name] + index}",
+                        f"{name}, sample {row}, position {offset + index}",
                     )
                 )
                 continue
@@ -606,25 +611,25 @@ class KVCache(Check, declared=SPEC):
                 f"position {position}'s logits differ from the full forward by {value:.3g} (threshold "
                 f"{threshold:.3g}); {moved} of {change.shape[1]} positions part"
             )
-            code, message = _parted(name, base, plan, parted["chunked"])
+            after_prefill = compared.chunk_after_prefill
+            cached_wrong = after_prefill is not None and bool((after_prefill <= threshold).all())
+            code, message = _parted(name, base, plan, parted["chunked"], cached_wrong)
             findings.append(Finding(code, Status.FAIL, message, f"{name}, sample {row}, position {position}"))
         if not findings:
-            chunks = "+".join(map(str, plan.chunks))
             findings.append(
                 Finding(
                     "FWD501",
                     Status.PASS,
-                    f"positions {plan.positions('token-by-token')} one token "
-                    "at a time match the full forward (max change "
-                    f"{float(changes.token.max()):.2g})",
+                    f"position {plan.positions('token-by-token')} one token at a time matches the full forward "
+                    f"(max change {float(changes.parts['token-by-token'].max()):.2g})",
                 )
             )
             findings.append(
                 Finding(
                     "FWD502",
                     Status.PASS,
-                    f"positions {plan.positions('chunked')} in chunks of "
-                    f"{chunks} match it (max change {float(changes.chunked.max()):.2g})",
+                    f"positions {plan.positions('chunked')} as one chunk of {CHUNK} over the cache match it (max "
+                    f"change {float(changes.parts['chunked'].max()):.2g})",
                 )
             )
         return findings
@@ -632,33 +637,33 @@ class KVCache(Check, declared=SPEC):
     # -- where it parts ---------------------------------------------------------------------------------------------
 
     def _first_layer(
-        self, decoder: Decoder, model, session, plan: Plan, changes: Changes, threshold: float
+        self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor, changes: Changes, threshold: float
     ) -> str | None:
         """The first block of the layer stack whose output parts from the full forward's at the first parting
-        position of the first failing part: one hooked full forward of that row, and a replay of the cached run up
-        to that position. None when the model has no layer stack or no block output parts beyond rounding."""
+        position of the first failing part: one hooked full forward of that row's decoded tokens, and a replay of
+        the cached run up to that position. None when the model has no layer stack or no block output parts beyond
+        rounding."""
         stack = model.layer_stack
         if stack is None:
             return None
         name, row, position = None, 0, 0
-        for part in ("prefill", "token-by-token", "chunked"):
+        for part, (offset, _) in plan.parts.items():
             first = first_parting(changes.parts[part], threshold)
             if first is not None:
-                offset = 0 if part == "prefill" else plan.prefill
                 name, row, position = part, first[0], offset + first[1]
                 break
         if name is None:
             return None
         blocks = list(model.module.get_submodule(stack))
-        sample = session.inputs[row : row + 1]  # (1, T)
+        sample = rows[row : row + 1]  # (1, L)
         full = self._block_outputs(blocks, lambda: session.logits(sample))  # per block, per call: (1, n, C)
+        steps = [] if name == "prefill" else [plan.parts["token-by-token"], plan.parts["chunked"]]
         cached = self._block_outputs(
-            blocks,
-            lambda: self._replay(decoder, model, session, plan, sample, [] if name == "prefill" else [name], position),
+            blocks, lambda: self._replay(decoder, model, session, plan.prefill, steps, sample, position)
         )
         if full is None or cached is None:
             return None
-        starts = [0] + [start for start, _ in ([] if name == "prefill" else plan.steps(name)) if start <= position]
+        starts = [0] + [start for start, _ in steps if start <= position]
         call, start = len(starts) - 1, starts[-1]
         for i, (whole, calls) in enumerate(zip(full, cached, strict=True)):
             if len(whole) != 1 or len(calls) <= call:
@@ -693,32 +698,41 @@ class KVCache(Check, declared=SPEC):
         return seen
 
 
-def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None) -> tuple[str, str]:
+def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None, cached_wrong: bool) -> tuple[str, str]:
     """(code, message) of a part of the cached run whose logits part from the full forward's: `base` says where and
-    by how much; `chunked`, where the chunks part (None: they agree), for the token-by-token part's message."""
-    chunks = "+".join(map(str, plan.chunks))
+    by how much; `chunked`, where the chunk parts (None: it agrees), for the one-token step's message;
+    `cached_wrong`, whether the chunk that parts agrees when decoded straight after the prefill."""
+    P = plan.prefill
     if name == "prefill":
         return (
             "FWD503",
-            f"the prefill of {plan.prefill} tokens with the cache on: {base}. The cache flag changes how "
+            f"the prefill of {P} tokens with the cache on: {base}. The cache flag changes how "
             "the prompt is computed (or the full forward reads future tokens: see future-token)",
         )
     if name == "token-by-token":
         also = (
-            f"in chunks of {chunks} from position {plan.prefill + chunked[1]} too"
+            f"the chunk of {CHUNK} after it parts too, from position {P + 1 + chunked[1]}"
             if chunked is not None
-            else f"in chunks of {chunks} they agree"
+            else f"the chunk of {CHUNK} after it agrees"
         )
         return (
             "FWD501",
-            f"decoding one token at a time after a prefill of {plan.prefill}: {base}; {also}. Check the "
+            f"decoding one token at a time after a prefill of {P}: {base}; {also}. Check the "
             "position the new tokens get (the cache length: not one more, nor restarted at 0 for the "
             "rotary embedding) and what the cache hands back",
         )
+    if cached_wrong:
+        return (
+            "FWD501",
+            f"the chunk of {CHUNK} decoded after the one-token step at position {P}: {base}, while position {P} "
+            f"itself agrees, and so does the same chunk decoded straight after the prefill: the one-token step "
+            "caches the wrong keys or values (does not append them, stores them before rotation or at another "
+            "slot)",
+        )
     return (
         "FWD502",
-        f"decoding in chunks of {chunks} after a prefill of {plan.prefill}: {base}, while one token at "
-        "a time agrees: the mask of several new queries over the cached keys is likely aligned "
+        f"decoding a chunk of {CHUNK} over the cache after a prefill of {P} and one token: {base}, while one token "
+        "at a time agrees: the mask of several new queries over the cached keys is likely aligned "
         "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
         "cache) instead of bottom-right",
     )

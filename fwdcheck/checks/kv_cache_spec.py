@@ -6,21 +6,26 @@ from fwdcheck.config.registry import CheckInfo
 SPEC = CheckInfo(
     order=50,  # after the other default built-ins, before plugins
     applies_when="causal models that decode through a KV cache (a transformers model, a declared `cache:`)",
-    description="decoding through the KV cache (token by token and in chunks) matches the full forward",
+    description="decoding through the KV cache (one token, then a chunk of two) matches the full forward",
     codes={
-        "FWD501": "decoding one token at a time through the cache gives other logits than the full forward",
-        "FWD502": "decoding 2-3 tokens at a time through the cache gives other logits, one at a time does not",
+        "FWD501": "decoding one token at a time through the cache gives other logits than the full forward, or "
+        "caches what makes the next call's differ",
+        "FWD502": "decoding a chunk of 2 tokens over the cache gives other logits, one at a time does not",
         "FWD503": "the prefill with the cache on gives other logits than the full forward at the prompt's positions",
         "FWD504": "decoding through the cache gives NaN or Inf where the full forward is finite",
     },
     explain="""\
 Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
-forward. On the session's rows cut to L = min(T, 64) tokens, a prefill of the first P = L - D tokens
-(D = min(L/2, 4)) with the cache on, then, from copies of its cache,
-the next 2 positions one token per call (as generation runs) and the last D positions in chunks of 2-3 tokens
-(speculative decoding, chunked prefill: fewer new queries than keys). Every position must agree with the full
-forward within the session's threshold (the dtype tolerance, or 10x the noise floor or 4x the model's own
-rounding against a float64 copy, where measured).
+forward. On the session's first two rows, one chain of three calls, each over the cache the calls before it filled:
+a prefill of the first P tokens with the cache on (P = 4, or one more than the widest sliding window the model
+declares where it is narrower than T, so that the decoded tokens read a cache the window has cut; at most T - 3),
+position P one token per call
+(as generation runs), then positions P+1 and P+2 as one chunk (speculative decoding, chunked prefill: fewer new
+queries than keys). Every position must agree with the full forward within the session's threshold (the dtype
+tolerance, or 10x the noise floor or 4x the model's own rounding against a float64 copy, where measured). The full
+forward's logits are the session's at those positions (a causal model's logits of a prefix are the whole rows'
+first positions); a change beyond what can pass unexamined is judged against a fresh forward of exactly the P + 3
+decoded tokens, so that a model whose logits depend on the row's length is judged at the length it decoded.
 Why it matters: the cache path is the one generation takes, and the forward that training and evaluation run never
 exercises it. A position off by one, RoPE restarted at 0 for the new tokens, or a causal mask aligned top-left over
 the cache generates plausible text from wrong logits, and no loss curve shows it.
@@ -38,24 +43,27 @@ forward they are compared with (the shared baseline), as a prefill through the c
 Attributes, modules and buffers a cache setup adds are removed afterwards.
 Findings (each names the first sample and position that parts and, from a replay with forward hooks on the layer
 stack, the first layer whose output parts there):
-  FWD501  one token at a time differs (the message says whether the chunks do too): the new token's position (the
-          cache length + 1, or 0 for the rotary embedding: `freqs[:T]` instead of `freqs[start:start + T]`), or what
-          the cache hands back (keys stored before rotation, a step that does not append). Compare the positions
-          forward uses with the cache length.
-  FWD502  chunks of 2-3 differ while one token at a time agrees: the mask of several new queries over the cached
-          keys is aligned top-left (tril over (T_new, T_total) without the past_len offset, or torch's
-          is_causal=True with a cache); build it bottom-right, tril(diagonal=past_len). A ring-buffer cache (sliding
-          window) whose mask ignores the wrap fails the same way.
+  FWD501  one token at a time differs (the message says whether the chunk after it does too): the new token's
+          position (the cache length + 1, or 0 for the rotary embedding: `freqs[:T]` instead of
+          `freqs[start:start + T]`), or what the cache hands back (keys stored before rotation). Compare the
+          positions forward uses with the cache length. Also when the one-token step agrees but the chunk after it
+          parts while the same chunk decoded straight after the prefill (a second prefill, on failure only) agrees:
+          the step cached the wrong keys or values (a step that does not append).
+  FWD502  the chunk of 2 differs while one token at a time agrees, straight after the prefill too: the mask of
+          several new queries over the cached keys is aligned top-left (tril over (T_new, T_total) without the
+          past_len offset, or torch's is_causal=True with a cache); build it bottom-right, tril(diagonal=past_len).
+          A ring-buffer cache (sliding window) whose mask ignores the wrap fails the same way.
   FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
           (or the full forward reads future tokens: see future-token).
   FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
-Cost: 1 + 2 + D/2 calls (5 at T >= 8: a prefill of L - 4 tokens, 2 of one token, 2 of two), about the tokens of
-1.5 forwards at T = 8, of 1 up to T = 64 and of 64/T beyond; while the weights dominate (short T) each call costs
-about a forward. The noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked
-forward of one row and a replay, to name the layer.
+Cost: 3 calls of 2 rows (P + 3 tokens a row, 7 without a window), each about the reading of every weight that a
+forward's fixed cost is: 0.23 of a forward at T = 128 on a GPT-2-small-sized model. A fresh forward of the decoded
+tokens and the noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward
+of one row and a replay, to name the layer, and where the chunk alone parts, a second prefill and the chunk.
 Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
 4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
-paths share is not its to see (future-token, rope). Decoding starts from one prefill length (at most 60), in the
-session's batch (rows in forwards of at most the baseline's), with the given tokens (teacher forcing), not sampled
-ones: a cache that goes wrong only past 64 positions is not seen.""",
+paths share is not its to see (future-token, rope). Decoding starts from one prefill length, on the session's first
+two rows (in forwards of at most the baseline's rows), with the given tokens (teacher forcing), not sampled ones: a
+cache that goes wrong only past P + 3 positions (a preallocated cache overflowing, a window the model does not
+declare wrapping later) is not seen, nor what the chunk caches, which no later call reads.""",
 )

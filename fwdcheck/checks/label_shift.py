@@ -9,7 +9,10 @@ position of each row is scored against the next row's first token. All three tra
 The check calls forward with labels, reads back the loss and the logits, and recomputes in float64, from those same
 logits, the mean cross-entropy for the shifts 0, 1 and 2 (and for two known mistakes: labels shifted across rows, and
 positions labelled ignore_index counted in the mean). The loss must equal shift 1 and be told apart from the others.
-The same rows then run in another order: a loss of rows that do not mix cannot change with their order.
+A loss of rows that do not mix cannot change with their order: the rows are the session's first rows in another
+order than the session's forward ran them, and that forward's logits of the same rows give the loss they would
+have; a second call with the rows in another order runs when they cannot (rows drawn for a session of one row, a
+loss no candidate explains, a wrong shift, or a predicted loss that moves).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from fwdcheck.run.compare import logit_scale
 from fwdcheck.run.session import Session
 
 SHIFTS = (0, 1, 2)  # how far ahead of its position each position's logits are scored; 1 is right
-# Tokens per row of the calls, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does
-# not depend on the length, and the fewer the positions, the more a row's boundary (labels crossing rows) weighs in
-# the mean; each call then costs a fraction of a forward of the session's inputs.
-LENGTH = 32
+# Tokens per row of the call, unless seq_len is shorter or the model needs more. Where a loss shifts its labels does
+# not depend on the length, and the fewer the positions, the more a row's boundary (labels crossing rows) and the
+# ignored column weigh in the mean; the call then costs little more than reading the weights once.
+LENGTH = 8
 RIGHT = "shift 1"
 # What each wrong candidate means, and the finding it makes when the loss matches it.
 WRONG = {
@@ -150,10 +153,12 @@ class Look:
 
 @dataclass
 class Rows:
-    """The rows every call runs: input ids [N, T], and the labels drawn for them in the model's convention."""
+    """The rows the call runs: input ids [N, T], the labels for them in the model's convention, and, when they are
+    the session's rows, the session's logits of them [N, T, V] (its forward ran them in another order)."""
 
     input_ids: torch.Tensor  # (N, T)
     labels: torch.Tensor  # (N, T)
+    shared: torch.Tensor | None = None  # (N, T, V)
 
 
 @dataclass
@@ -164,6 +169,7 @@ class Measured:
     looks: list[Look]  # the drawn labels first; then labels chosen from the logits, when drawn ones told too little
     rolled_loss: float
     threshold: float
+    order: str  # how the loss of the rows in another order was had: "predicted" or "run"
 
     @property
     def loss(self) -> float:
@@ -199,8 +205,10 @@ class LabelShift(Check, declared=SPEC):
 
     @staticmethod
     def _rows(model: ModelUnderTest, session: Session, way: Loss) -> Rows:
-        """Rows of random tokens, drawn from the check's own generator, with labels in the model's convention and
-        one column of ignore_index; SkipCheck when too short, or the vocabulary too small, to tell the shifts apart."""
+        """The session's first rows in another order (rolled by one), cut to the check's length, or, for a session
+        with fewer rows than a call takes, rows of random tokens drawn from the check's own generator; labels in the
+        model's convention with one column of ignore_index. SkipCheck when too short, or the vocabulary too small,
+        to tell the shifts apart."""
         T = min(session.inputs.shape[1], max(LENGTH, session.min_seq_len))
         if T < 4:
             raise SkipCheck(f"seq_len {T} is too short: shifts 0-2 need at least 4 tokens to be told apart")
@@ -209,25 +217,46 @@ class LabelShift(Check, declared=SPEC):
         N = session.max_rows  # at least 2: rows beside each other are what a label crossing rows needs
         # Own draws: the session's shared generator stays where the other checks expect it.
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)
-        tokens = torch.randint(0, model.vocab_size, (N, T + 1), generator=generator).to(session.device)  # (N, T+1)
-        input_ids = tokens[:, :T]  # (N, T)
-        labels = (tokens[:, 1:] if way.caller_shifts else input_ids).clone()  # (N, T)
+        drawn = torch.randint(0, model.vocab_size, (N, T + 1), generator=generator).to(session.device)  # (N, T+1)
+        shared = None
+        if N >= 2 and session.inputs.shape[0] >= N:
+            # each row beside another neighbour than in the session's forward, whose logits of them stand for a
+            # call with the rows in that other order
+            order = torch.arange(N, device=session.device).roll(1)  # (N,)
+            input_ids = session.inputs[order, :T]  # (N, T)
+            shared = session.reference()[order, :T]  # (N, T, V)
+            following = torch.cat([input_ids[:, 1:], drawn[:, T:]], dim=1)  # (N, T): the next token, one drawn last
+        else:
+            input_ids, following = drawn[:, :T], drawn[:, 1:]  # (N, T) each
+        labels = (following if way.caller_shifts else input_ids).clone()  # (N, T)
         labels[:, T // 2] = way.ignore_index  # a counted column in every candidate, the same in every row
-        return Rows(input_ids, labels)
+        return Rows(input_ids, labels, shared)
 
     def _measure(self, session: Session, way: Loss, rows: Rows) -> Measured:
-        """The calls with labels: the drawn labels, the same rows rolled by one, and, when the drawn labels leave
-        some shift too close to call, labels chosen from the logits; the threshold, with the noise floor measured
-        where it can change the verdict."""
+        """The call with labels; the loss of the same rows in another order, predicted or run; and, when the drawn
+        labels leave some shift too close to call, a call with labels chosen from the logits; the threshold, with
+        the noise floor measured where it can change the verdict."""
         input_ids, labels = rows.input_ids, rows.labels
         loss, logits = self._forward(session, way, input_ids, labels)
         looks = [Look("drawn", loss, candidate_losses(logits, labels, way.ignore_index, way.caller_shifts))]
-        # The same rows rolled by one: each row gets another neighbour; the mean over per-row terms stays the same.
-        rolled_loss, _ = self._forward(session, way, input_ids.roll(1, 0), labels.roll(1, 0))
-        order_change = abs(rolled_loss - loss)
-        scale = max(abs(loss), abs(rolled_loss), logit_scale(logits))
+        scale = max(abs(loss), logit_scale(logits))
         threshold = session.tolerance(scale)
-        if looks[0].verdict(threshold)[1] != set(WRONG):
+        matched, apart = looks[0].verdict(threshold)
+        # The same rows in another order: each row gets another neighbour; the mean over per-row terms stays the
+        # same. Where the loss is shift 1's cross-entropy, the session's logits of these rows (run in another order)
+        # give the loss forward would return for them: a row whose logits depend on its neighbour moves it. A call
+        # with the rows rolled by one runs where no prediction can be made or it moves (a shortcut only ever makes a
+        # pass cheaper), and where the loss is wrong, so that every finding rests on what forward returned.
+        rolled_loss, order = None, "run"
+        if rows.shared is not None and matched == RIGHT:
+            predicted = candidate_losses(rows.shared, labels, way.ignore_index, way.caller_shifts)[RIGHT]
+            if not session.noise_matters(abs(predicted - loss), scale):
+                rolled_loss, order = predicted, "predicted"
+        if rolled_loss is None:
+            rolled_loss, _ = self._forward(session, way, input_ids.roll(1, 0), labels.roll(1, 0))
+        order_change = abs(rolled_loss - loss)
+        scale = max(scale, abs(rolled_loss))
+        if apart != set(WRONG):
             # Drawn labels left some shift too close to call (weak logits, low precision): a third call with labels
             # chosen from these logits, which the right shift scores far better than the wrong ones.
             chosen = telling_labels(logits, labels, way.caller_shifts)
@@ -240,7 +269,7 @@ class LabelShift(Check, declared=SPEC):
             scale = max(scale, abs(chosen_loss), logit_scale(chosen_logits))
         largest = max([order_change] + [abs(look.loss - look.candidates[RIGHT]) for look in looks])
         # The run-to-run noise and the model's rounding of its logits bound the loss's too.
-        return Measured(looks, rolled_loss, session.threshold(scale, *session.floors(largest, scale)))
+        return Measured(looks, rolled_loss, session.threshold(scale, *session.floors(largest, scale)), order)
 
     @staticmethod
     def _judge(measured: Measured, where: str) -> tuple[list[Finding], set[str], str]:
@@ -328,6 +357,12 @@ class LabelShift(Check, declared=SPEC):
             "shifted_by": way.shifted_by,
             "rows": N,
             "seq_len": T,
+            "row_source": "the session's first rows, rolled by one" if rows.shared is not None else "drawn",
+            "other_order": (
+                "predicted from the session's logits of the same rows, which ran in another order"
+                if measured.order == "predicted"
+                else "a call with the rows rolled by one"
+            ),
             "looks": [{"labels": look.labels, "loss": look.loss, "candidates": look.candidates} for look in looks],
             "told_apart": sorted(told),
         }

@@ -17,8 +17,8 @@ SPEC = CheckInfo(
         "FWD706": "the loss or the logits returned with it are NaN or Inf",
     },
     explain="""\
-Calls forward(input_ids, <labels>=labels) on rows of random tokens (the session's row count, 32 tokens or seq_len if
-shorter) and reads back the loss and the logits. Some
+Calls forward(input_ids, <labels>=labels) once, on the session's first rows in another order (rolled by one; rows of
+random tokens for a session of one row), 8 tokens or seq_len if shorter, and reads back the loss and the logits. Some
 labels are set to ignore_index (the same columns in every row, so that a mean over tokens and a mean of row means
 agree). From the returned logits, in float64, it computes the mean cross-entropy for each candidate pairing:
   shift 0, 1, 2: position t scored against token t + k (Hugging Face: logits[:, :-1] vs labels[:, 1:] is shift 1);
@@ -26,13 +26,17 @@ agree). From the returned logits, in float64, it computes the mean cross-entropy
   ignored counted: shift 1 with the ignored positions in the denominator.
 The loss must equal shift 1 within the dtype's tolerance (scaled by the larger of the loss and the largest |logit|),
 and the verdict names the candidate it matches. A candidate closer than twice the tolerance to shift 1 cannot be
-told apart from it and is not judged; if none can be, the check skips. The same rows then run again in another order
-(rolled by one): the mean of per-row losses does not depend on the order, so a change is labels crossing rows.
+told apart from it and is not judged; if none can be, the check skips. The mean of per-row losses does not depend on
+the rows' order, so a change with it is labels crossing rows (or rows reading each other): where the loss is shift
+1's, the session's own forward, which ran the same rows in another order, gives the loss they would have (shift 1's
+cross-entropy of its logits); a second call with the rows rolled by one runs where it cannot (drawn rows, a loss no
+candidate explains or at a wrong shift) or where that prediction moves beyond the tolerance, and every FWD703 rests
+on the two calls' losses.
 Conventions: Hugging Face causal LMs (the classes AutoModelForCausalLM builds): labels = input ids, loss at .loss,
 ignore_index -100. The reference model: the same, returning (logits, loss). Python models declare it in the model
 section, e.g. nanoGPT (targets already shifted by the data loader, returns (logits, loss), ignore_index -1):
   loss: {argument: targets, shifted_by: caller, output: 1, ignore_index: -1}
-For shifted_by: caller the check draws one token more than seq_len and passes targets[t] = token t + 1. The call goes
+For shifted_by: caller it passes targets[t] = token t + 1 (the last one drawn). The call goes
 through the config's `forward:` adapter when it names one, as every check's does (labels as an extra, under
 loss.argument; the adapter returns the loss beside the logits). Without a known or declared convention the check skips.
 Why: a loss on the wrong shift trains without an error to a plausible curve; shift 0 even reaches a near-zero loss

@@ -111,10 +111,11 @@ class Packed:
     alone_rows: dict[str, int]  # document -> the session row whose prefix it is
 
 
-# Packed rows of at most this many tokens: documents that read each other or whose positions do not restart show at
-# any length, and a default check runs in every default run (two rows of 64 tokens: half a forward's tokens at
-# T = 128, B = 2). Each document alone is still a prefix of a session row, whose logits the session has.
-MAX_LENGTH = 64
+# Packed rows of this many tokens (at most seq_len): documents that read each other or whose positions do not restart
+# show at any length, and the forward then costs little more than reading the weights once; a declared sliding window
+# makes the later documents longer than it (a window over packed documents is then exercised). Each document alone is
+# still a prefix of a session row, whose logits the session has.
+LENGTH = 8
 
 
 class Packing(Check, declared=SPEC):
@@ -152,7 +153,10 @@ class Packing(Check, declared=SPEC):
         B, T = session.inputs.shape
         if T < 5:
             raise SkipCheck(f"seq_len {T} is too short: three documents need at least 5 tokens")
-        T = min(T, MAX_LENGTH)
+        window = model.windows.widest if model.windows is not None else None
+        # documents 2 and 3 of window + 1 tokens each, past the band, where a declared window fits in the rows
+        windowed = 2 * (window + 1) + 1 if window is not None and 2 * (window + 1) + 1 <= T else 0
+        T = min(T, max(LENGTH, windowed, session.min_seq_len))
         b = (T - 1) // 2
         a = T - 2 * b  # document 1 at 0..a-1, 2 at a..a+b-1, 3 at a+b..T-1
         other = 1 % B  # the session's second row, or the first again for batch size 1

@@ -19,7 +19,8 @@ SPEC = CheckInfo(
         "FWD604": "the packed forward gives NaN or Inf",
     },
     explain="""\
-Builds two packed rows of L = min(T, 64) tokens and three documents each, from the session's inputs: document 1 =
+Builds two packed rows of L = min(T, 8) tokens and three documents each (2w + 3 when the model declares a sliding
+window of w and T holds them: documents 2 and 3 one token longer than the band), from the session's inputs: document 1 =
 row 0's first a tokens, document 2 = row 1's first b tokens, document 3 = row 0's first b tokens (a = L - 2b,
 b = (L-1)//2); the second row
 changes every token of document 1. Both run in one forward, told where the documents are the way the model offers:
