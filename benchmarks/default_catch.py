@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's
 
 from fwdcheck.config.bugs import BUGS  # noqa: E402
 from tests.conftest import run_checks  # noqa: E402
+from tests.test_bug_matrix import BUG_RUN  # noqa: E402 -- (model fields, dtype) where a bug needs them to show
 
 FORMER_DEFAULT = ["shape-ledger", "future-token", "mask-audit", "rope"]
 
@@ -41,12 +42,9 @@ CLASSES = {
     "rope angles in half precision": ["rope-angles-in-model-dtype"],
     "labels shifted twice or not at all": ["label-no-shift", "label-double-shift"],
     "packed documents not kept apart": ["packing-no-document-mask", "packing-positions-not-reset"],
+    "sliding window one key wider": ["sliding-window-one-wider"],
+    "scale applied twice, OPT-style": ["scale-applied-twice"],
     "every shape kept (heads swapped)": ["heads-swapped"],
-}
-# (model fields, dtype) where the bug needs them to show (tests/test_bug_matrix.py's BUG_RUN)
-BUG_RUN = {
-    "rope-angles-in-model-dtype": ({"max_seq_len": 4096}, "bfloat16"),
-    "packing-positions-not-reset": ({"positional": "learned"}, "float32"),
 }
 MODEL = {"source": "reference", "vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2, "dropout": 0.1}
 
