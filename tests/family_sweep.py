@@ -216,15 +216,6 @@ KNOWN: dict[tuple[str, str, str], Expected] = {
             "qwen3_vl_moe",
         )
     },
-    **{
-        (kind, "t5gemma2", "mask-audit"): Expected(
-            frozenset({"FWD204"}),
-            "T5Gemma 2's decoder attends over its own tokens and the source in one call (merged self- and "
-            "cross-attention, keys [T + S]): the source's keys are read as future positions; future-token finds no "
-            "leak",
-        )
-        for kind in ("seq2seq", "image-text-to-text")
-    },
 }
 
 

@@ -59,6 +59,7 @@ class CallRow(TypedDict, total=False):
     may_read: list[list[int]] | None  # [L, S]: 1 where the query may read the key slot (None past 64 x 64)
     source: str | None
     window: WindowRow  # the band against the layer's declared window, when the model declares one
+    merged: str  # one block of a call over the tokens' own keys and the source's together: which block, which keys
 
 
 class MaskAuditData(TypedDict, total=False):
