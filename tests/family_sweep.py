@@ -186,11 +186,6 @@ KNOWN: dict[tuple[str, str, str], Expected] = {
         "ProphetNet's n-gram self-attention (its predicting streams read the main stream's keys) is taken for a "
         "cross-attention reading part of the source",
     ),
-    ("masked-lm", "funnel", "shape-ledger"): Expected(
-        frozenset({"FWD401"}),
-        "Funnel Transformer pools the sequence between blocks, queries only (pool_q_only): its second block's "
-        "attention weights are [B, h, T/2, T] by design, which the ledger takes for a misplaced axis",
-    ),
     **{
         ("image-text-to-text", name, "rope"): Expected(
             frozenset({"FWD308"}),
