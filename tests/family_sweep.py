@@ -181,11 +181,6 @@ FINDINGS: dict[tuple[str, str, str], Expected] = {
     ),
 }
 KNOWN: dict[tuple[str, str, str], Expected] = {
-    ("seq2seq", "prophetnet", "mask-audit"): Expected(
-        frozenset({"FWD212"}),
-        "ProphetNet's n-gram self-attention (its predicting streams read the main stream's keys) is taken for a "
-        "cross-attention reading part of the source",
-    ),
     **{
         ("image-text-to-text", name, "rope"): Expected(
             frozenset({"FWD308"}),

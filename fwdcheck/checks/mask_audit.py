@@ -190,13 +190,15 @@ def merged_blocks(call: AttentionCall, model: ModelUnderTest) -> list[tuple[Atte
     self- and cross-attention: keys [T + S], the source's S keys after the tokens' own) as its two blocks: the
     self block, judged as the decoder's self-attention (causal), and the source block, judged as a cross-attention
     (every source position readable; a causal mask over it is FWD212). Told by its keys: the queries are the tokens
-    under test, and past their own T keys come exactly as many as the source fwdcheck held fixed. Any other call is
-    itself alone, with no block named."""
+    under test, its keys were computed from both the module's own input and the other sequence it was handed, and
+    past the tokens' own T keys come exactly as many as the source fwdcheck held fixed (ProphetNet's n-gram streams,
+    [T + T] keys all the tokens' own, are not). Any other call is itself alone, with no block named."""
     held = model.held
     if (
         held is None
         or model.pattern.kind != "encoder-decoder"
         or call.cross
+        or not call.keys_of_both
         or call.reads_input is not True
         or call.unread is not None
         or call.key_positions is not None

@@ -69,7 +69,8 @@ its attention modules' is_causal) decides what each call may read instead of pla
   cross-attention must let every decoder position read every source position it was given (the source is unpadded):
   a causal or truncated cross-attention mask is FWD212. An encoder-decoder built from `source: hf` with its source
   held fixed by fwdcheck also runs once beside another source: logits that do not move are FWD213 (a dead
-  cross-attention).
+  cross-attention). A decoder call over its own keys and the source's together (T5Gemma 2's merged self- and
+  cross-attention, keys [T + S], the keys computed from both) is judged as those two blocks.
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and
