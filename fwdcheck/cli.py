@@ -541,7 +541,6 @@ def shrink(
             STILL_TOO_BIG,
             default_output,
             shrink_file,
-            size_changes,
         )
 
         target = output if output is not None else default_output(config)
@@ -551,7 +550,7 @@ def shrink(
         console = Console()
         counted = shrunk.parameters
         limit = _parameters(MAX_SHRUNK_PARAMETERS)
-        if not size_changes(shrunk.changes):  # nothing cut: a copy would only be the original again
+        if not shrunk.cut:  # a copy would only be the original again
             if counted is not None and counted.too_big:
                 console.print(
                     escape(

@@ -42,7 +42,7 @@ class Outcome:
 def outcome(model_type: str, kind: str) -> Outcome:
     """The architecture's defaults shrunk as `fwdcheck shrink` shrinks them, and what that came to."""
     from fwdcheck.errors import UsageError
-    from fwdcheck.model.sources.shrink import shrink_file, size_changes
+    from fwdcheck.model.sources.shrink import shrink_file
 
     named = SWEEPS[kind].named_class
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(), _quiet():
@@ -60,7 +60,7 @@ def outcome(model_type: str, kind: str) -> Outcome:
     if counted.before is None:
         return Outcome(model_type, kind, "not built", after=counted.after)
     verdict = "too big" if counted.too_big else "shrunk"
-    if not size_changes(shrunk.changes):
+    if not shrunk.cut:
         verdict = "unchanged"
     return Outcome(model_type, kind, verdict, counted.before, counted.after, counted.largest)
 

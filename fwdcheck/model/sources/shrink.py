@@ -119,6 +119,7 @@ class Shrunk:
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     parameters: Counted | None = None
+    cut: bool = True  # whether anything was cut (False: only what follows the cuts, or nothing, changed)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,9 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
         f"Run it with `fwdcheck run {output.name}`.\n"
     )
     text = header + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
-    return Shrunk(document, text, changes, notes, edits.parameters)
+    # Cut: a change that is a size, or, from rules that record none, a model section other than the original's.
+    cut = bool(size_changes(changes)) or (not changes and block != raw["model"])
+    return Shrunk(document, text, changes, notes, edits.parameters, cut)
 
 
 class _Dumper(yaml.SafeDumper):
