@@ -498,9 +498,10 @@ def init(
 
 
 @app.command(
-    epilog="Exit codes: 0 written · 2 usage error (a python or checkpoint config whose kwargs name no "
-    "sizes, an existing output without "
-    "--force, a config transformers cannot build) · 3 internal error of fwdcheck."
+    epilog="Exit codes: 0 written, or nothing to shrink (the model is already small: nothing written) · 2 usage "
+    "error (a python or checkpoint config whose kwargs name no sizes, an existing output without --force, a config "
+    "transformers cannot build) · 3 internal error of fwdcheck · 4 still too big: the shrunk model keeps over 120M "
+    "parameters in a part the rules do not cut (written when something was cut; nothing written when nothing was)."
 )
 def shrink(
     config: Annotated[
@@ -528,22 +529,53 @@ def shrink(
 
     Kept: the query heads per kv head, RoPE settings, the sliding window (cut to 3), tied embeddings, planted bugs.
 
-    Cut: depth (2), head size (16), widths, vocabulary (512), learned position tables (256). Weights are not carried.
+    Cut: depth (2), head size (16), widths, vocabulary (512), learned position tables (256), in every sub-config.
+    Weights are not carried. It lists each value it changed and, for a Hugging Face config, the parameters before
+    and after; a model already small gets one line and nothing is written.
     """
     from rich.table import Table
 
     def action():
-        from fwdcheck.model.sources.shrink import default_output, shrink_file
+        from fwdcheck.model.sources.shrink import (
+            MAX_SHRUNK_PARAMETERS,
+            STILL_TOO_BIG,
+            default_output,
+            shrink_file,
+        )
 
         target = output if output is not None else default_output(config)
         if target.exists() and target.resolve() == config.resolve():
             raise UsageError(f"{target} is the config being shrunk; give another --output")
+        shrunk = shrink_file(config, target)
+        console = Console()
+        counted = shrunk.parameters
+        limit = _parameters(MAX_SHRUNK_PARAMETERS)
+        if not shrunk.cut:  # a copy would only be the original again
+            if counted is not None and counted.too_big:
+                console.print(
+                    escape(
+                        f"nothing to shrink that the rules can cut: {config} has {_parameters(counted.after)} "
+                        f"parameters (over the limit of {limit}){_largest(counted)}; lower its sizes by "
+                        "hand; nothing written"
+                    ),
+                    soft_wrap=True,
+                )
+                return STILL_TOO_BIG
+            size = f" ({_parameters(counted.after)} parameters)" if counted is not None else ""
+            console.print(
+                escape(f"nothing to shrink: {config} is already small{size}; run it as it is: `fwdcheck run {config}`"),
+                soft_wrap=True,
+            )
+            return 0
         if target.exists() and not force:
             raise UsageError(f"{target} exists; pass --force to overwrite it")
-        shrunk = shrink_file(config, target)
         write_whole(target, shrunk.text)
-        console = Console()
-        table = Table(box=None, pad_edge=False, title=f"shrunk {escape(str(config))}", title_justify="left")
+        title = f"shrunk {escape(str(config))}"
+        if counted is not None and counted.before is not None:
+            title += f": {_parameters(counted.before)} → {_parameters(counted.after)} parameters"
+        elif counted is not None:
+            title += f": {_parameters(counted.after)} parameters"
+        table = Table(box=None, pad_edge=False, title=title, title_justify="left")
         table.add_column("key", no_wrap=True)
         table.add_column("old")
         table.add_column("new")
@@ -553,9 +585,31 @@ def shrink(
         for note in shrunk.notes:  # soft_wrap: paths stay whole, to copy
             console.print(escape(f"note: {note}"), soft_wrap=True)
         console.print(escape(f"wrote {target}; run it with `fwdcheck run {target}`"), soft_wrap=True)
+        if counted is not None and counted.too_big:
+            console.print(
+                escape(
+                    f"still too big: {_parameters(counted.after)} parameters after shrinking (over the limit of "
+                    f"{limit}){_largest(counted)}; lower its sizes by hand in {target}"
+                ),
+                soft_wrap=True,
+            )
+            return STILL_TOO_BIG
         return 0
 
     raise typer.Exit(_guarded(action, debug))
+
+
+def _parameters(count: int) -> str:
+    """A parameter count in millions: 7,063M, 120M, 0.12M."""
+    return f"{count / 1e6:,.0f}M" if count >= 10e6 else f"{count / 1e6:.2g}M"
+
+
+def _largest(counted) -> str:
+    """ ", most of it in model.vision_model (248M)", naming where the parameters the rules did not cut are."""
+    if counted.largest is None:
+        return ""
+    name, count = counted.largest
+    return f", most of it in {name} ({_parameters(count)}), which spells its sizes in a way shrink does not read"
 
 
 def _shown(value) -> str:

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fwdcheck.model.sources.shrink import DROPPED_KEYS, shrink_hf_dict
+from fwdcheck.model.sources.shrink_built import MAX_SHRUNK_PARAMETERS
 from tests.doc_sections import DOCS, read_section, write_sections
 
 # A tiny model is at most this many parameters: past it a shrunk default config kept something wide (a vision tower,
-# a byte-level patcher) that the rules do not know how to cut, and the forward passes would cost minutes on a CPU.
-MAX_PARAMETERS = 120_000_000
+# a byte-level patcher) that the rules do not know how to cut, and the forward passes would cost minutes on a CPU;
+# `fwdcheck shrink` exits 4 past the same limit.
+MAX_PARAMETERS = MAX_SHRUNK_PARAMETERS
 SEQ_LEN = 8
 
 

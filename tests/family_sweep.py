@@ -191,27 +191,7 @@ FINDINGS: dict[tuple[str, str, str], Expected] = {
         for name in ("got_ocr2", "pp_chart2table")
     },
 }
-KNOWN: dict[tuple[str, str, str], Expected] = {
-    ("seq2seq", "prophetnet", "mask-audit"): Expected(
-        frozenset({"FWD212"}),
-        "ProphetNet's n-gram self-attention (its predicting streams read the main stream's keys) is taken for a "
-        "cross-attention reading part of the source",
-    ),
-    ("masked-lm", "funnel", "shape-ledger"): Expected(
-        frozenset({"FWD401"}),
-        "Funnel Transformer pools the sequence between blocks, queries only (pool_q_only): its second block's "
-        "attention weights are [B, h, T/2, T] by design, which the ledger takes for a misplaced axis",
-    ),
-    **{
-        (kind, "t5gemma2", "mask-audit"): Expected(
-            frozenset({"FWD204"}),
-            "T5Gemma 2's decoder attends over its own tokens and the source in one call (merged self- and "
-            "cross-attention, keys [T + S]): the source's keys are read as future positions; future-token finds no "
-            "leak",
-        )
-        for kind in ("seq2seq", "image-text-to-text")
-    },
-}
+KNOWN: dict[tuple[str, str, str], Expected] = {}
 
 
 def expected(kind: str, model_type: str, check: str) -> Expected | None:

@@ -186,6 +186,56 @@ def not_judged(
     return None
 
 
+def merged_blocks(call: AttentionCall, model: ModelUnderTest) -> list[tuple[AttentionCall, str]]:
+    """An encoder-decoder's decoder attending over its own tokens and its source in one call (T5Gemma 2's merged
+    self- and cross-attention: keys [T + S], the source's S keys after the tokens' own) as its two blocks: the
+    self block, judged as the decoder's self-attention (causal), and the source block, judged as a cross-attention
+    (every source position readable; a causal mask over it is FWD212). Told by its keys: the queries are the tokens
+    under test, its keys were computed from both the module's own input and the other sequence it was handed, and
+    past the tokens' own T keys come exactly as many as the source fwdcheck held fixed (ProphetNet's n-gram streams,
+    [T + T] keys all the tokens' own, are not). Any other call is itself alone, with no block named."""
+    held = model.held
+    if (
+        held is None
+        or model.pattern.kind != "encoder-decoder"
+        or call.cross
+        or not call.keys_of_both
+        or call.reads_input is not True
+        or call.unread is not None
+        or call.key_positions is not None
+        or call.allowed.is_meta
+    ):
+        return [(call, "")]
+    L, S = call.allowed.shape
+    source = int(held.draw(1, 0).shape[-1])
+    if S != L + source:
+        return [(call, "")]
+    lead = tuple(call.weights_shape[:-2])
+    own = dataclasses.replace(
+        call, allowed=call.allowed[:, :L], weights_shape=(*lead, L, L), key_positions=None, positions_from="square"
+    )
+    if call.query_positions is None:
+        own = dataclasses.replace(own, query_positions=torch.arange(L))
+    read = dataclasses.replace(
+        call,
+        allowed=call.allowed[:, L:],
+        weights_shape=(*lead, L, source),
+        cross=True,
+        keys_read_input=False,  # the held source's keys, told apart by their number
+        query_positions=None,
+        positions_from="",
+        is_causal=False,  # the call's own arguments are judged once, on the self block
+        dropout_p=0.0,
+        empty_rows=0,
+        float_01=False,
+        mask_lengths=None,
+    )
+    return [
+        (own, f"self block of a merged call: keys 0..{L - 1}, the tokens' own"),
+        (read, f"source block of a merged call: keys {L}..{S - 1}, the {source} source positions held fixed"),
+    ]
+
+
 def _real_tokens(call: AttentionCall, pad: int) -> tuple[AttentionCall, bool]:
     """A self-attention call of a left-padded path as its real tokens see it: the queries and keys after the `pad`
     padding tokens, at positions from 0; and whether real tokens may read the padding keys."""
@@ -334,7 +384,8 @@ class MaskAudit(Check, declared=SPEC):
         pad = model.padding  # a left-padded path view: judge real queries against real keys
         design = judged_pattern(model)
         input_followed = any(call.reads_input for call in observation.attention)
-        for call in observation.attention:
+        calls = [part for call in observation.attention for part in merged_blocks(call, model)]
+        for call, merged in calls:
             if pad and call.self_attention and call.unread is None:
                 call, reads_padding = _real_tokens(call, pad)
                 if reads_padding:
@@ -351,9 +402,11 @@ class MaskAudit(Check, declared=SPEC):
             reason = not_judged(call, input_followed, design)
             shape, future_pairs = (None, []) if reason else by_design(call, design)
             rows.append(_row(call, reason, shape))
+            if merged:
+                rows[-1]["merged"] = merged
             if shape is not None:
                 findings += self.judge(call, shape, future_pairs, design.kind != "bidirectional")
-            if shape is not None and model.causal and not shape.reads_future and model.windows is not None:
+            if shape is not None and model.causal and not call.cross and not shape.reads_future and model.windows:
                 wrong = _declared(call, model.windows, model.layer_of(call.module), rows[-1])
                 if wrong is not None:
                     wrong.source, wrong.module = call.source, call.module

@@ -80,6 +80,8 @@ the model's design, PaliGemma's and Gemma 3's image block reading itself both wa
 after them, FWD204), the text reads them and is causal over itself. The text runs once more after another image:
 logits that do not move beyond the run-to-run noise are FWD215 (the image's features not merged into the sequence,
 zeroed, or overwritten).
+  cross-attention). A decoder call over its own keys and the source's together (T5Gemma 2's merged self- and
+  cross-attention, keys [T + S], the keys computed from both) is judged as those two blocks.
 Besides the session's batch, the first row's first 16 tokens run alone (unless the code-path matrix runs batch size
 1): a fast path taken only for a single sequence that forgets the mask is found there, and named "at B=1".
 If no call could be judged and nothing else is wrong, the check skips with the reason. Findings name the module and

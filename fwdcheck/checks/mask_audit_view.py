@@ -70,6 +70,7 @@ class CallRow(TypedDict, total=False):
     source: str | None
     window: WindowRow  # the band against the layer's declared window, when the model declares one
     chunk: ChunkRow  # the may-read sets against the layer's declared chunk, on a chunked-attention layer
+    merged: str  # one block of a call over the tokens' own keys and the source's together: which block, which keys
 
 
 class MaskAuditData(TypedDict, total=False):

@@ -438,12 +438,18 @@ class Axis:
     follows: str | None = None  # B, T or B*T: it changed exactly as that input size did
     per_batch: int | None = None  # it followed B times this constant: batch and heads flattened (B*h)
     unseen: bool = False  # the naming pass did not show this tensor: only its size is known
+    pooled: int | None = None  # it was T / k, rounded up, in both passes: the sequence pooled by k (Funnel's queries)
 
     @property
     def constant(self) -> bool:
         """Not tied to the inputs. An axis that changed without following them counts too: the naming pass took
-        another code path there (a sliding window wider than it), or the axis is a chunk of the sequence."""
-        return self.follows is None and self.per_batch is None
+        another code path there (a sliding window wider than it), or the axis is a chunk of the sequence. A pooled
+        sequence is tied to T: never a head count or a width."""
+        return self.follows is None and self.per_batch is None and self.pooled is None
+
+    @property
+    def pooled_name(self) -> str | None:
+        return f"T/{self.pooled}" if self.pooled else None
 
 
 class Namer:
@@ -497,7 +503,7 @@ class Namer:
             elif size != other and size % B == 0 and other % B2 == 0 and size // B == other // B2 > 1:
                 axes.append(Axis(size, per_batch=size // B))
             else:
-                axes.append(Axis(size))
+                axes.append(Axis(size, pooled=_pooled(size, other, T, T2)))
         return axes
 
     def is_sequence(self, axis: Axis, strict: bool = False) -> bool:
@@ -588,6 +594,10 @@ class Namer:
 
     def _slot(self, symbol: str, axis: Axis, scope, read: dict, chunk: bool, heads_shown: bool) -> str | None:
         size = axis.size
+        if symbol in ("T", "S") and axis.pooled:
+            # The sequence pooled by the model's design (Funnel's queries, pool_q_only: [B, h, T/2, T] weights):
+            # T / k in both passes, where queries or keys go. Anywhere else it is no head count and no width.
+            return axis.pooled_name
         if self.cross and symbol in ("T", "S") and axis.follows != "T" and axis.per_batch is None:
             # Cross-attention: one side is another sequence (patches read by bytes, bytes by patches), of its own
             # length, which need not follow the input's: named by its size.
@@ -651,8 +661,8 @@ class Namer:
         names = []
         for i, axis in enumerate(axes):
             want = expected[i] if i < len(expected) else None
-            if axis.follows:
-                names.append(axis.follows)
+            if axis.follows or axis.pooled:
+                names.append(axis.follows or str(axis.pooled_name))
             elif axis.per_batch:
                 names.append(
                     "B*"
@@ -703,6 +713,15 @@ class Namer:
                 "for them: a chunk of the sequence, an embedding's own width); that is no finding"
             )
         return notes
+
+
+def _pooled(size: int, other: int, T: int, T2: int) -> int | None:
+    """k where an axis was T / k rounded up in the first pass and T2 / k in the second (k > 1, the smallest that
+    fits both): the sequence pooled by a fixed factor, as a model designed to pool it does at any length; None for
+    an axis that changed otherwise, or stayed put."""
+    if size == other or size >= T or other >= T2:
+        return None
+    return next((k for k in range(2, T + 1) if -(-T // k) == size and -(-T2 // k) == other), None)
 
 
 def _ratio(known: dict[str, int], a: str, b: str) -> int | None:

@@ -308,6 +308,7 @@ class Observer(TorchFunctionMode):
         cross: bool,
         reads_input: bool | None,
         keys_read_input: bool | None = None,
+        keys_of_both: bool = False,
         mask_lengths: tuple[int, int] | None = None,
         unread: str | None = None,
         placed: tuple[torch.Tensor, str] | None = None,
@@ -348,6 +349,7 @@ class Observer(TorchFunctionMode):
             written=written,
             reads_input=reads_input,
             keys_read_input=keys_read_input,
+            keys_of_both=keys_of_both,
             source=self.model_line(),
             mask_lengths=mask_lengths,
             unread=unread,
@@ -358,6 +360,14 @@ class Observer(TorchFunctionMode):
     def reads_input(self, q: torch.Tensor) -> bool | None:
         """Whether q was computed from the input ids; None while no input has been followed."""
         return q in self.from_input if self.from_input else None
+
+    def keys_of_both(self, k: torch.Tensor) -> bool:
+        """Whether k was computed from both the innermost followed module's own input and another sequence it was
+        handed (its keys and the source's concatenated: a merged self- and cross-attention)."""
+        for frame in reversed(self.where):
+            if frame.own is not None and frame.others is not None:
+                return k in frame.own and k in frame.others
+        return False
 
     def cross(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether the running attention took its keys from another sequence. What k was computed from says so:

@@ -77,6 +77,9 @@ class AttentionCall:
     # Whether the keys were computed from the input ids (None: not followed, or not told by this API): a
     # cross-attention whose keys are the input's own streams (ProphetNet's n-gram attention) reads no source.
     keys_read_input: bool | None = None
+    # Whether the keys were computed both from the attention module's own input and from another sequence it was
+    # handed: a decoder's keys and its source's side by side in one call (T5Gemma 2's merged self- and cross-attention).
+    keys_of_both: bool = False
     # "path:line" of the model code that made the call (eager: the softmax), None when no model code did (a bare
     # nn.TransformerEncoder): what a finding about this call points at.
     source: str | None = None

@@ -99,8 +99,9 @@ def _parameters(module: nn.Module) -> set[str]:
 
 def _source_vocabulary(config: Any) -> int:
     """The encoder's vocabulary: FSMT's src_vocab_size, a shared vocab_size, else the encoder's own config's (a
-    transformers EncoderDecoderModel pairs two configs and states none of its own)."""
-    for holder in (config, getattr(config, "encoder", None)):
+    transformers EncoderDecoderModel pairs two configs and states none of its own), else its text model's (Florence-2
+    states its vocabulary in text_config only)."""
+    for holder in (config, getattr(config, "encoder", None), getattr(config, "text_config", None)):
         for key in ("src_vocab_size", "vocab_size"):
             value = getattr(holder, key, None)
             if isinstance(value, int) and value > 0:

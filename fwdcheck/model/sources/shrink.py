@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ from fwdcheck.config.schema import (
 from fwdcheck.config.sources import SOURCES, resolve
 from fwdcheck.errors import ConfigError, UsageError
 from fwdcheck.model.config_keys import CONFIG_KEYS, Spellings, extended
+from fwdcheck.model.sources.shrink_built import MAX_SHRUNK_PARAMETERS as MAX_SHRUNK_PARAMETERS
+from fwdcheck.model.sources.shrink_built import STILL_TOO_BIG as STILL_TOO_BIG
+from fwdcheck.model.sources.shrink_built import Counted, count_hf, verify_hf
 from fwdcheck.model.sources.shrink_nested import shrink_sub_configs
 
 LAYERS = 2  # enough for one layer to feed another (and for one of each layer type, usually two)
@@ -76,8 +80,12 @@ HF_KEYS = extended(
         "decoder_ffn_dim",
     ),
 )
-DECODER_HEADS = (("encoder_attention_heads", "decoder_attention_heads"),)
 EMBED_KEYS = ("word_embed_proj_dim", "embedding_size")  # embedding widths that follow the hidden size
+# Sizes by what their names say, whatever the architecture: the depth of a stack (ProphetNet's num_encoder_layers,
+# Mllama's num_global_layers) and the head count of another attention (num_decoder_attention_heads), each cut as the
+# model's own.
+STACK_DEPTH = re.compile(r"(num_|n_)?(encoder_|decoder_|global_)(hidden_)?layers")
+OTHER_HEADS = re.compile(r"(num_|n_)?(encoder_|decoder_|cross_)?attention_heads")
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 ROTARY_KEYS = (
     "rope_parameters",
@@ -103,12 +111,15 @@ DROPPED_KEYS = (
 
 @dataclass
 class Shrunk:
-    """The new config (as a YAML document and as text), what changed (key, old, new) and notes for the user."""
+    """The new config (as a YAML document and as text), what changed (key, old, new), notes for the user, and the
+    parameter counts where the source's rules counted them (a Hugging Face config, built on the meta device)."""
 
     document: dict[str, Any]
     text: str
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    parameters: Counted | None = None
+    cut: bool = True  # whether anything was cut (False: only what follows the cuts, or nothing, changed)
 
 
 @dataclass(frozen=True)
@@ -128,16 +139,24 @@ class Original:
 
 
 class Edits:
-    """A config dictionary being rewritten, remembering every value it changes."""
+    """A config dictionary being rewritten, remembering every value it changes; `keys` are the spellings its sizes
+    are read under (a Hugging Face config's own first, from its class's attribute_map)."""
 
-    def __init__(self, data: dict[str, Any]):
+    def __init__(self, data: dict[str, Any], keys: Spellings | None = None):
         self.data = data
+        self.keys: Spellings = keys or HF_KEYS
         self.changes: list[tuple[str, Any, Any]] = []
         self.notes: list[str] = []
+        self.parameters: Counted | None = None  # the model's parameters before and after, where they were counted
 
     def first(self, keys: tuple[str, ...]) -> str | None:
         """The first of these keys the config sets (to anything but null)."""
         return next((k for k in keys if self.data.get(k) is not None), None)
+
+    def first_count(self, keys: tuple[str, ...]) -> str | None:
+        """The first of these keys the config sets to one positive number (not a list per stage, as a hierarchical
+        vision tower's num_heads: [3, 6, 12, 24])."""
+        return next((k for k in keys if _count(self.data.get(k))), None)
 
     def set(self, key: str, value: Any) -> None:
         old = self.data.get(key)
@@ -155,6 +174,16 @@ def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
         if old.get(sub) != new.get(sub):
             rows.extend(_differences(f"{key}.{sub}", old.get(sub), new.get(sub)))
     return rows
+
+
+# Changes that follow the others, or say how the copy runs, but cut nothing: a config whose only changes are these
+# had nothing to shrink (an already small Hugging Face config is only written in float32).
+FOLLOWING_KEYS = ("dtype", "meta", "source", "python_path")
+
+
+def size_changes(changes: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """The changes that cut the model: every one but FOLLOWING_KEYS (at any sub-config's level)."""
+    return [change for change in changes if change[0].rsplit(".", 1)[-1] not in FOLLOWING_KEYS]
 
 
 def default_output(config_path: Path) -> Path:
@@ -196,7 +225,9 @@ def shrink_file(config_path: Path, output: Path) -> Shrunk:
         f"Run it with `fwdcheck run {output.name}`.\n"
     )
     text = header + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
-    return Shrunk(document, text, changes, notes)
+    # Cut: a change that is a size, or, from rules that record none, a model section other than the original's.
+    cut = bool(size_changes(changes)) or (not changes and block != raw["model"])
+    return Shrunk(document, text, changes, notes, edits.parameters, cut)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -282,22 +313,27 @@ def keep_layers(layer_types: list | None, count: int) -> list[int]:
 
 def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     """Shrink a Hugging Face config dictionary in place (the keys as config.json spells them), rule by rule."""
-    e = Edits(data)
+    e = Edits(data, own_spellings(data))
+    before_layers = {k: v for k, v in data.items() if isinstance(v, list) and "layer" in k}
     _fewer_layers(e)
-    head_key, hidden_key = e.first(HF_KEYS["h"]), e.first(HF_KEYS["d"])
+    head_key, hidden_key = e.first_count(e.keys["h"]), e.first_count(e.keys["d"])
     old_hidden = data.get(hidden_key) if hidden_key else None
+    old_heads = data.get(head_key) if head_key else None
     old_head = _fewer_heads(e, head_key, old_hidden)
-    for encoder, decoder in DECODER_HEADS:  # an encoder-decoder's decoder heads as few as its encoder's
-        if head_key == encoder and isinstance(data.get(decoder), int):
-            e.set(decoder, shrink_heads(data[decoder], data[decoder])[0])
+    # Another attention's heads (a decoder's): as many as the model's own when they were as many, else as few.
+    for key in [k for k in data if k != head_key and OTHER_HEADS.fullmatch(k) and _count(data[k])]:
+        own = data[head_key] if head_key is not None and data[key] == old_heads else None
+        e.set(key, own or shrink_heads(data[key], data[key])[0])
     partial = _partial_rotary(data)
     new_head = _smaller_heads(e, old_head, partial, head_key, hidden_key)
 
-    # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8).
+    # Feed-forward and embedding widths keep their ratio to the hidden size (rounded up to a multiple of 8), and a
+    # width handed on that is a multiple of it keeps the multiple.
     if old_hidden and hidden_key:
-        for key in HF_KEYS["d_ff"] + EMBED_KEYS:
+        for key in e.keys["d_ff"] + EMBED_KEYS:
             if isinstance(data.get(key), int):
                 e.set(key, scaled_width(data[key], old_hidden, data[hidden_key]))
+        _concatenated_outputs(e, before_layers, old_hidden, data[hidden_key])
 
     # RoPE: theta, scaling type and factors, partial factor: unchanged. An absolute rotary_dim (GPT-J, CodeGen)
     # scales with the head size; longrope's per-frequency factors are resampled to the new number of pairs.
@@ -317,11 +353,52 @@ def shrink_hf_dict(data: dict[str, Any], seq_len: int = 8) -> Edits:
     return e
 
 
+def own_spellings(data: dict[str, Any]) -> Spellings:
+    """HF_KEYS with the config's own spellings first: those its transformers config class maps the standard names to
+    (attribute_map: Mllama's vision tower says attention_heads, ProphetNet num_encoder_attention_heads), and the
+    depths of its stacks (STACK_DEPTH). The standard name a config does not hold is read under its own."""
+    own: dict[str, tuple[str, ...]] = {}
+    try:
+        from transformers import CONFIG_MAPPING  # on use: configs of other sources need none
+
+        cls = CONFIG_MAPPING[data["model_type"]]
+    except (ImportError, KeyError):
+        cls = None
+    # standard name -> symbol; not the head size: a class may map head_dim to a part of the head (DeepSeek-style
+    # latent attention's qk_rope_head_dim), which the whole head's rules would cut out of step with the rest
+    symbols = {names[0]: symbol for symbol, names in HF_KEYS.items() if symbol != "d_h"}
+    for standard, spelled in (getattr(cls, "attribute_map", None) or {}).items():
+        if standard in symbols and spelled in data and standard not in data:
+            own[symbols[standard]] = (spelled,)
+    depths = tuple(k for k in data if STACK_DEPTH.fullmatch(k) and _count(data[k]))
+    keys = {symbol: (*own.get(symbol, ()), *names) for symbol, names in HF_KEYS.items()}
+    keys["L"] = (*keys["L"], *depths)
+    return {symbol: tuple(dict.fromkeys(names)) for symbol, names in keys.items()}  # each spelling once
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _concatenated_outputs(e: Edits, layer_lists: dict[str, list], old_hidden: int, new_hidden: int) -> None:
+    """A width that is the hidden states of some listed layers and the last one side by side: (1 + the list's
+    length) x the hidden size before (Mllama's vision_output_dim, 7680 = 6 x 1280 for intermediate_layers_indices
+    [3, 7, 15, 23, 30]), the same after."""
+    for key, value in list(e.data.items()):
+        if not _count(value) or "layer" in key or value == old_hidden:
+            continue
+        for name, layers in layer_lists.items():
+            now = e.data.get(name)
+            if value == old_hidden * (1 + len(layers)) and isinstance(now, list):
+                e.set(key, new_hidden * (1 + len(now)))
+                break
+
+
 def _fewer_layers(e: Edits) -> None:
     """Depth: 2 layers (a 1-layer model stays 1). Per-layer lists (layer_types, ...) keep the same layers, and one
     layer of each type when the model mixes them (sliding and full attention, say), even if that takes a few more."""
     data = e.data
-    layer_key = e.first(HF_KEYS["L"])
+    layer_key = e.first(e.keys["L"])
     if not layer_key:
         return
     old_layers = data[layer_key]
@@ -331,7 +408,7 @@ def _fewer_layers(e: Edits) -> None:
     if pattern:  # one of each block in a repeating pattern (Recurrent Gemma: recurrent, recurrent, attention)
         depth = min(old_layers, max(depth, max(pattern.index(t) for t in pattern) + 1))
     kept = keep_layers(types, depth)
-    for key in HF_KEYS["L"]:
+    for key in e.keys["L"]:
         if isinstance(data.get(key), int):
             e.set(key, min(data[key], len(kept)))
     if old_layers <= len(kept):
@@ -347,7 +424,11 @@ def _fewer_layers(e: Edits) -> None:
                 kept_values = [renumbered[v] for v in kept_values]
             e.set(key, kept_values)
         elif _layer_indices(key, value, old_layers):  # which layers do something (index_layers: [4, 14, 19, 29])
-            e.set(key, [renumbered[i] for i in value if i in renumbered])
+            among_kept = [renumbered[i] for i in value if i in renumbered]
+            # None of them kept: each moves to the last layer kept before it, so that some layer still does it
+            # (Mllama's cross-attention layers), and a list whose length sets a width keeps its length (the vision
+            # layers whose outputs Mllama's projector reads side by side).
+            e.set(key, among_kept or [renumbered[max(k for k in kept if k <= i)] for i in value])
     _layer_counts(e, layer_key, old_layers, len(kept))
 
 
@@ -394,7 +475,7 @@ def _layer_counts(e: Edits, layer_key: str, old_layers: int, new_layers: int) ->
         k
         for k, v in data.items()
         if k != layer_key
-        and k not in HF_KEYS["L"]
+        and k not in e.keys["L"]
         and k.endswith("_layers")
         and isinstance(v, int)
         and not isinstance(v, bool)
@@ -449,7 +530,7 @@ def _fewer_heads(e: Edits, head_key: str | None, old_hidden: int | None) -> int 
     data = e.data
     if not head_key:
         return None
-    kv_key = e.first(HF_KEYS["h_kv"])
+    kv_key = e.first_count(e.keys["h_kv"])
     heads = data[head_key]
     old_head = data.get("head_dim") or data.get("d_kv") or (old_hidden // heads if old_hidden else None)
     multi_query = data.get("multi_query") and not data.get("new_decoder_architecture")  # Falcon, GPT-BigCode
@@ -470,7 +551,7 @@ def _smaller_heads(
     if not old_head:
         return old_head
     new_head = shrunk_head_size(old_head, partial)
-    for key in HF_KEYS["d_h"]:
+    for key in e.keys["d_h"]:
         if data.get(key) is not None:
             e.set(key, new_head)
     if data.get("query_pre_attn_scalar") == old_head:  # Gemma's attention scale, the head size by default
@@ -501,7 +582,7 @@ def _fewer_tokens_and_positions(e: Edits, seq_len: int) -> None:
     # Positions: rotary models keep max_position_embeddings (it costs nothing and rope scaling may depend on it);
     # learned absolute tables (GPT-2, OPT, BERT) are capped at 256, never below the test sequence.
     if not _rotary(data):
-        for key in HF_KEYS["max_positions"]:
+        for key in e.keys["max_positions"]:
             if isinstance(data.get(key), int):
                 e.set(key, min(data[key], max(LEARNED_POSITIONS, seq_len)))
 
@@ -563,15 +644,17 @@ def shrink_hf(original: Original) -> tuple[dict, Edits]:
             rope["rotary_dim"] = new_rotary
         block["rope"] = rope
     block["config"] = config
-    verify_hf(config, spec.model_class)
+    after, largest = verify_hf(config, spec.model_class)
+    edits.parameters = Counted(count_hf(hf_config, spec.model_class), after, largest)
     if spec.path is not None and any((spec.path / f).exists() for f in HF_WEIGHT_FILES):
         edits.notes.append(f"the weights in {spec.path} are not carried over: the shrunk model is randomly initialised")
     return block, edits
 
 
 def _head_of(data: dict) -> int | None:
-    heads = next((data[k] for k in HF_KEYS["h"] if data.get(k)), None)
-    hidden = next((data[k] for k in HF_KEYS["d"] if data.get(k)), None)
+    keys = own_spellings(data)
+    heads = next((data[k] for k in keys["h"] if data.get(k)), None)
+    hidden = next((data[k] for k in keys["d"] if data.get(k)), None)
     return hidden // heads if heads and hidden else None
 
 
@@ -582,33 +665,6 @@ def load_hf_config(spec: HFModel):
     transformers = require_transformers()
     with offline():
         return _hf_config(spec, transformers)
-
-
-def verify_hf(config: dict, model_class: str | None) -> None:
-    """Refuse to write a shrunk config transformers cannot build: read it back and build it on the meta device."""
-    import torch  # on use: shrinking a reference or factory config needs none
-
-    from fwdcheck.model.sources.hf import import_model_class, offline, require_transformers
-    from fwdcheck.model.sources.seq2seq import seq2seq_class
-
-    transformers = require_transformers()
-    rest = dict(config)
-    model_type = rest.pop("model_type")
-    try:
-        with offline():
-            hf_config = transformers.AutoConfig.for_model(model_type, **rest)
-            # the class `fwdcheck run` builds (hf.py's _model_class)
-            name = model_class or seq2seq_class(hf_config) or "AutoModelForCausalLM"
-            cls = getattr(transformers, name)
-            import_model_class(cls, hf_config)  # before the meta device: import-time tensors are real ones
-            with torch.device("meta"):
-                cls.from_config(hf_config) if hasattr(cls, "from_config") else cls(hf_config)
-    except Exception as exc:
-        raise UsageError(
-            f"transformers {transformers.__version__} cannot build the shrunk {model_type} config "
-            f"({type(exc).__name__}: {exc}); nothing written — lower the original's sizes by hand "
-            "instead"
-        ) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class _Product:
     recorded: bool = False
     cross: bool = False  # k was computed from another sequence than q (Observer.cross)
     keys_read_input: bool | None = None  # k was computed from the input ids
+    keys_of_both: bool = (
+        False  # k was computed from the module's own input and another sequence (Observer.keys_of_both)
+    )
 
 
 @dataclass
@@ -124,6 +127,7 @@ def _product(observer: Observer, func, args, kwargs, out, module: str) -> None:
             reads_input,
             cross=observer.cross(given_q, given_k),
             keys_read_input=observer.reads_input(given_k),
+            keys_of_both=observer.keys_of_both(given_k),
         ),
     )
 
@@ -188,6 +192,7 @@ def _softmax(
         matmul=matmul,
         reads_input=product.reads_input,
         keys_read_input=product.keys_read_input,
+        keys_of_both=product.keys_of_both,
         source=observer.model_line(),
     )
 

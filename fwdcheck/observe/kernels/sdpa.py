@@ -65,4 +65,5 @@ def _sdpa(observer: Observer, a: dict, module: str) -> AttentionCall:
         cross=observer.cross(q, k),
         reads_input=observer.reads_input(q),
         keys_read_input=observer.reads_input(k),
+        keys_of_both=observer.keys_of_both(k),
     )
