@@ -4,8 +4,9 @@ Two layers of the same question:
   implementations (Hugging Face models, the reference model, any model with a Hugging Face-style switch): the
     model's forward under `attn_implementation` eager and sdpa (flex_attention with `options: {backends: {flex:
     true}}`), switched as the code-path matrix switches it (the model's attention switch, ModelUnderTest.attention),
-    on the session's rows cut to compared_length() tokens (longer than any window the model declares)
-    and, when forward takes attention_mask and position_ids, on a left-padded row (its real tokens only).
+    on the session's first row at its whole length (the other implementations' forwards; the default's logits are
+    the observation pass's until one differs) and, when forward takes attention_mask and position_ids, on a
+    left-padded row (its real tokens only).
   SDPA kernels: each scaled_dot_product_attention call of one forward replayed under
     torch.nn.attention.sdpa_kernel with each kernel (math, flash, efficient, cuDNN); every kernel that runs on this
     device, dtype and call must give the math kernel's output. Kernels that cannot run are named, not judged.
@@ -44,20 +45,17 @@ KERNELS = {
 }
 FLEX = "flex_attention"
 
-# Tokens of the rows the implementations are compared on. A path that drops, inverts or misreads a mask, scales
-# otherwise or repeats its kv heads otherwise does so at any length of a few tokens (as the code-path matrix's cells,
-# fwdcheck.run.code_paths); a dropped sliding window shows once a row is longer than the window, so rows are cut
-# below the session's length only past every declared window. Each implementation then costs a fraction of a
-# forward (2 x 16 tokens of a 2 x 128 run: an eighth of its tokens).
-COMPARED_LENGTH = 16
+# Tokens of the row whose SDPA calls are recorded for the kernels, when no forward of the implementations recorded
+# them (the default path is SDPA's): a kernel that misreads a mask does so at any length of a few tokens, and a
+# sliding window or chunk shows once the row is longer than it, so the row reaches past every declared one.
+KERNEL_ROW = 16
 
 
-def compared_length(model: ModelUnderTest, session: Session) -> int:
-    """The tokens per row the implementations are compared on: COMPARED_LENGTH, longer than the widest window or
-    chunk the model declares (by CELL_LENGTH keys a band or chunk drops), at least the session's shortest length, at
-    most its own."""
+def kernel_row_length(model: ModelUnderTest, session: Session) -> int:
+    """The tokens of the row recorded for the kernels: KERNEL_ROW, longer than the widest window or chunk the model
+    declares (by CELL_LENGTH keys a band or chunk drops), at least the session's shortest length, at most its own."""
     widest = model.windows.widest if model.windows is not None else None
-    wanted = max(COMPARED_LENGTH, session.min_seq_len, (widest or 0) + CELL_LENGTH)
+    wanted = max(KERNEL_ROW, session.min_seq_len, (widest or 0) + CELL_LENGTH)
     return min(session.inputs.shape[1], wanted)
 
 
@@ -92,7 +90,7 @@ class Backends(Check, declared=SPEC):
             compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
         if not recorder.calls:  # no forward ran SDPA under the recorder yet: one short row, on the default path
             with recorder:
-                session.logits(session.inputs[:1, : compared_length(model, session)])
+                session.logits(session.inputs[:1, : kernel_row_length(model, session)])
         if model.attention is None and not recorder.calls:
             raise DoesNotApply(
                 f"{data['implementations']}, and no scaled_dot_product_attention call to compare kernels on"
@@ -142,7 +140,7 @@ class Backends(Check, declared=SPEC):
         if len(compared) >= 2:
             padding = " and a left-padded row" if isinstance(data["implementations"].get("left_padding"), int) else ""
             said.append(
-                f"{' vs '.join(compared)} on the inputs{padding}: max change "
+                f"{' vs '.join(compared)} on the first row{padding}: max change "
                 f"{metrics['implementation_change']:.3g} (bar {metrics['implementation_bar']:.3g})"
             )
         else:
@@ -167,22 +165,20 @@ class Backends(Check, declared=SPEC):
     def _implementations(self, model, session, implementations, padded, recorder, findings, data, metrics) -> list[str]:
         """Logits of every implementation against the default one's; the implementations that ran."""
         default = implementations[0]
-        rows = session.inputs[:, : compared_length(model, session)]  # (B, L)
-        # The default implementation's logits: when the rows are the session's own, the observation pass's while
-        # every implementation agrees with them within the bar (they cost no forward), the untouched baseline's once
-        # one does not (session.reference()); of rows cut shorter, one forward of the default path.
-        base = session.reference() if rows.shape[1] == session.inputs.shape[1] else None  # (B, T, V)
+        # One row at the session's length: a path that breaks only past some length shows (the code-path matrix's
+        # cells run every implementation on several rows, at a few tokens). The default implementation's logits of
+        # it are the observation pass's of the same row beside the others, which cost no forward, while every
+        # implementation agrees with them within the bar; once one does not, the default runs the row alone,
+        # untouched, and every implementation is judged against that.
+        rows = session.inputs[:1]  # (1, T)
+        base = session.reference()[:1]  # (1, T, V)
         plain, pads = self._run_each(model, session, implementations, rows, padded, recorder, base, data)
-        base = plain[default]
         ran = list(plain)
         rtol, atol = TOLERANCES[session.dtype].backends
         scale = logit_scale(base)
-        changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (B, T) each
-        cut = rows.shape[1] < session.inputs.shape[1]
-        if any(float(c.max()) > atol + rtol * scale for c in changes.values()) and not (
-            cut or session.reference_untouched
-        ):
-            base = plain[default] = session.baseline()  # judged against the untouched model
+        changes = {i: position_change(plain[i], base) for i in ran if i != default}  # (1, T) each
+        if any(float(c.max()) > atol + rtol * scale for c in changes.values()):
+            base = plain[default] = session.logits(rows)  # the default path on the row alone, no observer
             scale = logit_scale(base)
             changes = {i: position_change(plain[i], base) for i in ran if i != default}
         pad_changes = {i: position_change(pads[i], pads[default]) for i in pads if i != default}  # (1, T - P)
@@ -200,8 +196,7 @@ class Backends(Check, declared=SPEC):
         }
         data["changes"] = {i: float(c.max()) for i, c in changes.items()}
         data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
-        compared_on = f"the session's rows (their first {rows.shape[1]} tokens)" if cut else "the session's inputs"
-        findings += _implementations_apart(default, changes, pad_changes, bar, compared_on, data)
+        findings += _implementations_apart(default, changes, pad_changes, bar, "the session's first row", data)
         return ran
 
     @staticmethod

@@ -22,11 +22,11 @@ Verifies that every way the model can compute attention gives the same result: t
 offers (Hugging Face's attn_implementation eager vs sdpa; the reference model's `attention: sdpa|eager`; any model
 with a Hugging Face-style switch, config._attn_implementation and set_attn_implementation) and the kernels behind
 scaled_dot_product_attention (math, flash, efficient, cuDNN).
-  implementations: the session's rows cut to 16 tokens (longer than the widest sliding window or chunk the model
-    declares, by 8: a path that drops either shows) under each implementation, against the logits of the one the model
-    runs by default (the observation pass's when the rows are not cut, which cost no forward, or the untouched
-    baseline's once an implementation differs from them by more than the bar); a path that drops, inverts or
-    misreads a mask, scales otherwise or repeats its kv heads otherwise does so at any length of a few tokens;
+  implementations: the session's first row at its whole length under each implementation other than the default
+    (one row: a path that breaks only past some length shows; the code-path matrix runs every implementation on
+    several rows at a few tokens), against the default implementation's logits of that row: the observation pass's,
+    which cost no forward, while every implementation agrees with them within the bar, else the row run alone on
+    the default path, untouched;
     and, when forward takes attention_mask and position_ids, the first row's first 8 tokens left-padded by 3
     pad tokens (positions counting real tokens from 0, as generate() does) under each implementation: only the real
     tokens' logits are compared, padding is never judged.

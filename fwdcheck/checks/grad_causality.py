@@ -12,12 +12,12 @@ backward multiplies by it, so the gradient is exactly 0.0. Any nonzero bit is a 
 enabled or only in train mode (`if self.training:`), a kernel whose backward reads what its forward did not. There is
 no threshold to tune and no noise floor to measure.
 
-What runs, for a correct model: one forward of the session's inputs (B rows, at most 16 tokens each) and one
-backward. Row b's loss is a random projection of its logits at positions < k_b, with the cuts k = T-1, 1, T/2 given
-to the rows in turn (as
-future-token's cuts: every position against the last token, position 0 against every later one, the first half
-against the second). The one backward asks for the gradient of the summed losses with respect to the embeddings
-alone: no weight's gradient is computed, which is most of a training step's backward (grad-reach asks for those).
+What runs, for a correct model: one forward of the session's inputs (B rows, cut to a quarter of their length, at
+least 16 tokens) and one backward. Row b's loss is a random projection of its logits at positions < k_b, with the
+cuts k = T-1, 1, T/2 given to the rows in turn (as future-token's cuts: every position against the last token,
+position 0 against every later one, the first half against the second). The one backward asks for the gradient of
+the summed losses with respect to the embeddings alone: no weight's gradient is computed, which is most of a
+training step's backward (grad-reach asks for those).
 The embeddings of row b at positions >= k_b must get exactly zero: from row b itself (a later
 token read) and from every other row (samples read each other: row 0's outputs before T-1 reach row 1's positions
 from 1 on, where row 1's own loss reaches nothing). Only when something is nonzero does the check take the rows
@@ -146,11 +146,20 @@ def reached(grad: torch.Tensor) -> torch.Tensor:
     return ((grad != 0) & grad.isfinite()).any(-1)
 
 
-# Rows of at most this many tokens: a leak into earlier positions through the gradient is exact, any nonzero bit, and
-# shows at any length (the cuts at T - 1, 1 and T/2 over the rows), while a forward with gradients and its backward
-# cost two forwards' tokens; a default check runs in every default run (at T = 128, B = 2: a quarter of a forward's
-# tokens). A leak that opens only past this many positions is future-token's to see, over the session's whole rows.
-MAX_LENGTH = 16
+# The rows are cut to a quarter of the session's length, at least SHORTEST tokens: a leak into earlier positions
+# through the gradient is exact, any nonzero bit, and shows at any length (the cuts at T - 1, 1 and T/2 over the
+# rows), while a forward with gradients and its backward cost two forwards' tokens; a default check runs in every
+# default run. A quarter keeps its cost a fixed share of a forward at any length (about half a forward), and a train
+# path that breaks only past some length is seen up to T/4 of the session's (a leak in eval past it is
+# future-token's, over the whole rows).
+SHORTEST = 16
+
+
+def rows_length(session: Session) -> int:
+    """Tokens of the rows the check runs: a quarter of the session's, at least SHORTEST and the shortest length the
+    model takes (inputs.min_seq_len, or learned from a refusal), at most the session's."""
+    T = session.inputs.shape[1]
+    return min(T, max(SHORTEST, T // 4, session.min_seq_len))
 
 
 class GradCausality(Check, declared=SPEC):
@@ -177,7 +186,7 @@ class GradCausality(Check, declared=SPEC):
         # The eval path first (the session's shared logits): a model whose forward raises there too is the model's
         # error, as every check reports it, not a train path it cannot run
         session.reference()
-        ids = session.inputs[:, :MAX_LENGTH]  # (B, T), T at most MAX_LENGTH
+        ids = session.inputs[:, : rows_length(session)]  # (B, T): T a quarter of the session's, at least 16
         B, T = ids.shape
         cuts = cuts_for(B, T)
         generator = torch.Generator().manual_seed(session.settings.inputs.seed)

@@ -19,7 +19,7 @@ SPEC = CheckInfo(
 Verifies causality exactly, on the path that trains: the model in train() mode with every dropout forced to zero
 (dropout modules at p=0, dropout_p of attention calls and F.dropout zeroed) and gradients enabled, the token
 embedding's output made a leaf of the autograd graph by a forward hook. Row b of the session's inputs (cut to its
-first 16 tokens) backpropagates
+first quarter, at least 16 tokens and the model's min_seq_len) backpropagates
 a random projection of its logits at positions < k (k = T-1, 1, T/2 in turn over the rows); the input embeddings at
 positions >= k of that row, and every position of the other rows no loss reached, must get a gradient of exactly
 0.0. There is no threshold: a causal mask's weights are exactly 0.0 (exp of -inf or finfo.min), and the backward
@@ -44,9 +44,10 @@ a model without one, a model declared bidirectional (causal: false), and a model
 skip, saying why. Batch reading is seen where one row's loss reaches another row's later positions (row 0 reads row
 1 from position 1 on): a mix that only reads backward through the batch at the same position is left to
 future-token. A NaN or Inf at an earlier position's gradient is reported as such (FWD123), never as a pass. A leak
-that opens only past 16 positions is future-token's to see.
+that opens only past a quarter of the session's length is future-token's to see on the eval path, and not seen
+on the train path.
 Cost: one forward with gradients and one backward to the input embeddings alone, no weight's gradient, on rows of
-at most 16 tokens (about 0.4 forward passes at T=128, 2.3 uncut); where the train logits part from the eval
-logits at those positions, one eval forward of the same tokens to tell; a leak adds one backward per row, up to 32
-for the map, and one forward and up to 64 partial backwards to find where it enters.""",
+a quarter of the session's length (about half a forward pass at any length, 2.3 uncut); where the train logits
+part from the eval logits at those positions, one eval forward of the same tokens to tell; a leak adds one backward
+per row, up to 32 for the map, and one forward and up to 64 partial backwards to find where it enters.""",
 )

@@ -1,14 +1,16 @@
 """kv-cache: decoding through the model's KV cache gives the logits of the full forward.
 
-The same tokens run incrementally through the cache, one chain of three calls on the session's first rows (at most
+The same tokens run incrementally through the cache, one chain of four calls on the session's first rows (at most
 two, rows beside each other as batched generation runs them):
-  prefill         the first P tokens with the cache on (P = 4, or one more than the widest sliding window the
-                  model declares where it is narrower than the rows, so that the steps after it read a cache the
-                  window has cut);
-  token-by-token  position P, one new token, as generation runs;
-  chunked         positions P+1 and P+2 in one call (speculative decoding, chunked prefill): the queries are fewer
+  prefill         the first P tokens with the cache on (P = 4, or the widest sliding window the model declares
+                  where it is narrower than the rows, so that the steps after it read a cache the window has cut:
+                  the token at position W already drops key 0, and a cache that refuses a prefill longer than its
+                  window, as litgpt's does, still takes it);
+  token-by-token  positions P and P+1, one new token a call, as generation runs: a decode step that caches its key
+                  at a slot it never advances shows only at the second;
+  chunked         positions P+2 and P+3 in one call (speculative decoding, chunked prefill): the queries are fewer
                   than the keys, where a causal mask aligned top-left instead of bottom-right reads the wrong keys;
-                  it reads what the prefill and the one-token step cached.
+                  it reads what the prefill and the one-token steps cached.
 Every position's logits must agree with the full forward's within the session's threshold: the session's own
 logits (a causal model's logits at a prefix are those of the full rows' first positions), and, once a change goes
 beyond what can pass unexamined, a fresh full forward of exactly the decoded tokens. Where they part, the first
@@ -44,13 +46,14 @@ from fwdcheck.run.compare import logit_scale, nonfinite_positions, position_chan
 from fwdcheck.run.session import Session
 
 # Each call costs about a forward's reading of every weight whatever its length, the tokens little beside it: the
-# check runs the fewest calls that show each class of bug. A prefill, the one-token path generation takes (a position
-# off by one, rotary angles restarted at 0, a cache that hands back the wrong keys), and a chunk of two over the cache
-# both filled (a mask aligned top-left; and what the one-token step cached, read back).
+# check runs the fewest calls that show each class of bug. A prefill, the one-token path generation takes twice (a
+# position off by one, rotary angles restarted at 0, a cache that hands back the wrong keys; a step that writes where
+# the step before it wrote), and a chunk of two over the cache all filled (a mask aligned top-left; and what the
+# one-token steps cached, read back).
 PREFILL = 4  # tokens of the prefill: any prefill shows those bugs; a declared window asks for more
+TOKENS = 2  # one-token steps: the second reads what the first cached, through the path that cached it
 CHUNK = 2  # new tokens of the chunked call: the fewest that are fewer queries than keys
-DECODED = 1 + CHUNK  # positions decoded after the prefill
-MIN_LENGTH = 1 + DECODED  # a prefill of 1, then the token and the chunk
+MIN_LENGTH = 2 + CHUNK  # a prefill of 1, one token and the chunk (rows of 4 tokens take one one-token step)
 ROWS = 2  # the session's first rows, decoded side by side: a cache that mixes or drops rows shows with two
 
 
@@ -60,28 +63,44 @@ ROWS = 2  # the session's first rows, decoded side by side: a cache that mixes o
 
 @dataclass
 class Plan:
-    """Prefill the first `prefill` tokens; then position `prefill` alone, then the CHUNK positions after it in one
-    call, each over the cache the calls before it filled."""
+    """Prefill the first `prefill` tokens; then positions `prefill` .. `prefill` + `tokens` - 1 one at a time, then
+    the CHUNK positions after them in one call, each over the cache the calls before it filled."""
 
     prefill: int
+    tokens: int = TOKENS
 
     @classmethod
     def for_length(cls, T: int, window: int | None = None) -> Plan:
-        """The plan for rows of T tokens: a prefill of PREFILL tokens, or of one more than a declared window narrower
-        than the rows (so that the decoded tokens read a cache the window has cut; a window of T or more cuts
-        nothing in T tokens), as long as T leaves room for the decoded positions."""
-        wanted = max(PREFILL, window + 1) if window is not None and window < T else PREFILL
-        return cls(min(wanted, T - DECODED))
+        """The plan for rows of T tokens: a prefill of PREFILL tokens, or of a declared window narrower than the rows
+        (the decoded tokens then read a cache the window has cut; a window of T or more cuts nothing in T tokens),
+        as long as T leaves room for the decoded positions (TOKENS one-token steps where T allows, else one)."""
+        wanted = max(PREFILL, window) if window is not None and window < T else PREFILL
+        tokens = max(1, min(TOKENS, T - 1 - CHUNK))
+        return cls(min(wanted, T - tokens - CHUNK), tokens)
+
+    @property
+    def decoded(self) -> int:
+        """Positions decoded after the prefill: the one-token steps and the chunk."""
+        return self.tokens + CHUNK
 
     @property
     def length(self) -> int:
         """Tokens of each row the run decodes: the prefill and the positions after it."""
-        return self.prefill + DECODED
+        return self.prefill + self.decoded
 
     @property
     def parts(self) -> dict[str, tuple[int, int]]:
-        """(start, length) of each call: the prefill, the one-token step, the chunk."""
-        return {"prefill": (0, self.prefill), "token-by-token": (self.prefill, 1), "chunked": (self.prefill + 1, CHUNK)}
+        """(start, length) of each part: the prefill, the one-token steps, the chunk."""
+        return {
+            "prefill": (0, self.prefill),
+            "token-by-token": (self.prefill, self.tokens),
+            "chunked": (self.prefill + self.tokens, CHUNK),
+        }
+
+    @property
+    def steps(self) -> list[tuple[int, int]]:
+        """(start, length) of each call after the prefill: the one-token steps, then the chunk."""
+        return [(self.prefill + i, 1) for i in range(self.tokens)] + [self.parts["chunked"]]
 
     def positions(self, part: str) -> str:
         """'5-6': the positions a part decodes."""
@@ -90,7 +109,7 @@ class Plan:
 
     @property
     def calls(self) -> int:
-        return len(self.parts)
+        return 1 + len(self.steps)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -418,7 +437,7 @@ class KVCache(Check, declared=SPEC):
         T = session.inputs.shape[1]
         if T < MIN_LENGTH:
             raise SkipCheck(
-                f"seq_len {T} is too short: decoding needs a prefill and {DECODED} positions after it "
+                f"seq_len {T} is too short: decoding needs a prefill and {1 + CHUNK} positions after it "
                 f"(seq_len >= {MIN_LENGTH})"
             )
         if session.min_seq_len > 1:
@@ -482,7 +501,7 @@ class KVCache(Check, declared=SPEC):
             "token_max_change": largest["token-by-token"],
             "chunked_max_change": largest["chunked"],
             "prefill": plan.prefill,
-            "decoded": DECODED,
+            "decoded": plan.decoded,
             "rows": rows.shape[0],
             "calls": plan.calls,
             "tokens_run": compared.decoded.tokens,
@@ -508,7 +527,7 @@ class KVCache(Check, declared=SPEC):
             summary = "; ".join(dict.fromkeys(self.codes[f.code] for f in failing))
         else:
             summary = (
-                f"prefill {plan.prefill}, then position {plan.positions('token-by-token')} one token at a time and "
+                f"prefill {plan.prefill}, then positions {plan.positions('token-by-token')} one token at a time and "
                 f"{plan.positions('chunked')} as one chunk over the cache: max change "
                 f"{metrics['max_change']:.2g} vs threshold {threshold:.2g}"
             )
@@ -525,13 +544,12 @@ class KVCache(Check, declared=SPEC):
 
     def _decode(self, decoder: Decoder, model, session, plan: Plan, rows: torch.Tensor) -> Decoded:
         """The cached run over the rows, in row groups no larger than the baseline's: the prefill, the one-token
-        step, the chunk, each call over the cache the ones before it filled."""
+        steps, the chunk, each call over the cache the ones before it filled."""
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in plan.parts}
-        steps = [plan.parts["token-by-token"], plan.parts["chunked"]]
         for start in range(0, rows.shape[0], session.max_rows):
             group = rows[start : start + session.max_rows]
-            called = self._replay(decoder, model, session, plan.prefill, steps, group)
-            for name, logits in zip(plan.parts, called, strict=True):
+            prefill, *tokens, chunk = self._replay(decoder, model, session, plan.prefill, plan.steps, group)
+            for name, logits in zip(plan.parts, (prefill, torch.cat(tokens, dim=1), chunk), strict=True):
                 parts[name].append(logits)
         session.forward_tokens += rows.numel()
         return Decoded({name: torch.cat(chunks) for name, chunks in parts.items()}, rows.numel())
@@ -620,7 +638,7 @@ class KVCache(Check, declared=SPEC):
                 Finding(
                     "FWD501",
                     Status.PASS,
-                    f"position {plan.positions('token-by-token')} one token at a time matches the full forward "
+                    f"positions {plan.positions('token-by-token')} one token at a time match the full forward "
                     f"(max change {float(changes.parts['token-by-token'].max()):.2g})",
                 )
             )
@@ -657,7 +675,7 @@ class KVCache(Check, declared=SPEC):
         blocks = list(model.module.get_submodule(stack))
         sample = rows[row : row + 1]  # (1, L)
         full = self._block_outputs(blocks, lambda: session.logits(sample))  # per block, per call: (1, n, C)
-        steps = [] if name == "prefill" else [plan.parts["token-by-token"], plan.parts["chunked"]]
+        steps = [] if name == "prefill" else plan.steps
         cached = self._block_outputs(
             blocks, lambda: self._replay(decoder, model, session, plan.prefill, steps, sample, position)
         )
@@ -711,7 +729,7 @@ def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None, c
         )
     if name == "token-by-token":
         also = (
-            f"the chunk of {CHUNK} after it parts too, from position {P + 1 + chunked[1]}"
+            f"the chunk of {CHUNK} after it parts too, from position {P + plan.tokens + chunked[1]}"
             if chunked is not None
             else f"the chunk of {CHUNK} after it agrees"
         )
@@ -724,15 +742,16 @@ def _parted(name: str, base: str, plan: Plan, chunked: tuple[int, int] | None, c
     if cached_wrong:
         return (
             "FWD501",
-            f"the chunk of {CHUNK} decoded after the one-token step at position {P}: {base}, while position {P} "
-            f"itself agrees, and so does the same chunk decoded straight after the prefill: the one-token step "
+            f"the chunk of {CHUNK} decoded after the one-token steps at {plan.positions('token-by-token')}: {base}, "
+            "while those positions agree, and so does the same chunk decoded straight after the prefill: a one-token "
+            "step "
             "caches the wrong keys or values (does not append them, stores them before rotation or at another "
             "slot)",
         )
     return (
         "FWD502",
-        f"decoding a chunk of {CHUNK} over the cache after a prefill of {P} and one token: {base}, while one token "
-        "at a time agrees: the mask of several new queries over the cached keys is likely aligned "
+        f"decoding a chunk of {CHUNK} over the cache after a prefill of {P} and {plan.tokens} tokens: {base}, "
+        "while one token at a time agrees: the mask of several new queries over the cached keys is likely aligned "
         "top-left (tril over (T_new, T_total) without the past_len offset, or is_causal=True with a "
         "cache) instead of bottom-right",
     )

@@ -16,16 +16,16 @@ SPEC = CheckInfo(
     },
     explain="""\
 Verifies that running the session's inputs incrementally through the model's KV cache gives the logits of the full
-forward. On the session's first two rows, one chain of three calls, each over the cache the calls before it filled:
-a prefill of the first P tokens with the cache on (P = 4, or one more than the widest sliding window the model
-declares where it is narrower than T, so that the decoded tokens read a cache the window has cut; at most T - 3),
-position P one token per call
-(as generation runs), then positions P+1 and P+2 as one chunk (speculative decoding, chunked prefill: fewer new
-queries than keys). Every position must agree with the full forward within the session's threshold (the dtype
-tolerance, or 10x the noise floor or 4x the model's own rounding against a float64 copy, where measured). The full
-forward's logits are the session's at those positions (a causal model's logits of a prefix are the whole rows'
-first positions); a change beyond what can pass unexamined is judged against a fresh forward of exactly the P + 3
-decoded tokens, so that a model whose logits depend on the row's length is judged at the length it decoded.
+forward. On the session's first two rows, one chain of four calls, each over the cache the calls before it filled:
+a prefill of the first P tokens with the cache on (P = 4, or the widest sliding window the model declares where it
+is narrower than T, so that the decoded tokens read a cache the window has cut; at most T - 4), positions P and P+1
+one token per call (as generation runs: the second reads what the first cached through the same path), then
+positions P+2 and P+3 as one chunk (speculative decoding, chunked prefill: fewer new queries than keys). Every
+position must agree with the full forward within the session's threshold (the dtype tolerance, or 10x the noise
+floor or 4x the model's own rounding against a float64 copy, where measured). The full forward's logits are the
+session's at those positions (a causal model's logits of a prefix are the whole rows' first positions); a change
+beyond what can pass unexamined is judged against a fresh forward of exactly the P + 4 decoded tokens, so that a
+model whose logits depend on the row's length is judged at the length it decoded.
 Why it matters: the cache path is the one generation takes, and the forward that training and evaluation run never
 exercises it. A position off by one, RoPE restarted at 0 for the new tokens, or a causal mask aligned top-left over
 the cache generates plausible text from wrong logits, and no loss curve shows it.
@@ -56,14 +56,14 @@ stack, the first layer whose output parts there):
   FWD503  the prefill with the cache on differs from the forward without: the cache flag changes the computation
           (or the full forward reads future tokens: see future-token).
   FWD504  NaN or Inf from the cached path: a mask that leaves a query no key (eager softmax over all -inf).
-Cost: 3 calls of 2 rows (P + 3 tokens a row, 7 without a window), each about the reading of every weight that a
-forward's fixed cost is: 0.23 of a forward at T = 128 on a GPT-2-small-sized model. A fresh forward of the decoded
+Cost: 4 calls of 2 rows (P + 4 tokens a row, 8 without a window), each about the reading of every weight that a
+forward's fixed cost is: about 0.3 of a forward at T = 128 on a GPT-2-small-sized model. A fresh forward of the decoded
 tokens and the noise floor (two forwards) only when a change exceeds the tolerance; on a failure, one hooked forward
 of one row and a replay, to name the layer, and where the chunk alone parts, a second prefill and the chunk.
 Limits: skips models with no cache path it knows (declare `cache:`), bidirectional models, sequences shorter than
 4, models that refuse one-token forwards, and --meta. It compares against the model's own full forward: a bug both
 paths share is not its to see (future-token, rope). Decoding starts from one prefill length, on the session's first
 two rows (in forwards of at most the baseline's rows), with the given tokens (teacher forcing), not sampled ones: a
-cache that goes wrong only past P + 3 positions (a preallocated cache overflowing, a window the model does not
+cache that goes wrong only past P + 4 positions (a preallocated cache overflowing, a window the model does not
 declare wrapping later) is not seen, nor what the chunk caches, which no later call reads.""",
 )

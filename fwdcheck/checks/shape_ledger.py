@@ -622,7 +622,10 @@ class Namer:
             told_by_size = axis.unseen or (not self.batch_varied and axis.constant)
             factor = axis.per_batch or (size // self.B if told_by_size and size % self.B == 0 else None)
             return symbol if factor and self._agrees(symbol[2:], factor, scope, read, heads_shown) else None
-        if not axis.constant:
+        if not axis.constant and not (axis.pooled and self.value(symbol, scope) == size):
+            # An axis tied to the inputs is no head count or width; one that only fell as T / k in both passes is,
+            # where its size is the one the model states for the symbol: the second pass took another code path (kv
+            # heads repeated at one length only) and the sizes fell so by chance.
             return None
         if symbol == "*":
             return str(size)

@@ -371,18 +371,19 @@ def module_tracking(
     running: dict[str, list[ModuleCall]] = {}  # module name -> its calls whose output has not come yet
     positions_of = _PositionsSeen()
 
-    # Both hooks are fwdcheck's own reading of a module's arguments and output (a shape, a dtype, a dim), no op of
-    # the model's: the observer's mode is off for them. Read through the mode, those reads were half of the calls an
-    # observed forward made to it (786 of 1,552 in one of transformers' GPT-2 small).
+    # Both hooks read a module's arguments and output for fwdcheck (a shape, a dtype, a dim), no op of the model's:
+    # the observer's mode is off for those reads. Read through the mode, they were half of the calls an observed
+    # forward made to it (786 of 1,552 in one of transformers' GPT-2 small). Finding the tensor is the model's code,
+    # though (a model output's `logits` may be a property that computes them), and runs with the mode on.
     def pre(name, reading):
         def hook(module, args, kwargs):
+            x = first_tensor(args) if args else first_tensor(kwargs)
             with torch._C.DisableTorchFunction():
-                entered(name, reading, module, args, kwargs)
+                entered(name, reading, module, x, args, kwargs)
 
         return hook
 
-    def entered(name, reading, module, args, kwargs) -> None:
-        x = first_tensor(args) if args else first_tensor(kwargs)
+    def entered(name, reading, module, x, args, kwargs) -> None:
         if not name and from_input is not None:
             given = [*args, *kwargs.values()]
             # an encoder-decoder's decoder_input_ids are the tokens under test, its input_ids the source
@@ -400,12 +401,13 @@ def module_tracking(
 
     def post(name):
         def hook(module, args, kwargs, output):
+            y = output_tensor(output) if running.get(name) else None
             with torch._C.DisableTorchFunction():
-                completed(name, output)
+                completed(name, y)
 
         return hook
 
-    def completed(name, output) -> None:
+    def completed(name, y: torch.Tensor | None) -> None:
         if where and where[-1].name == name:
             done = where.pop()
             if where:  # the writes of a child (a cache module's update) are its caller's too
@@ -413,7 +415,6 @@ def module_tracking(
         calls = running.get(name)
         if calls:  # the innermost call of this module still waiting for its output
             call = calls.pop()
-            y = output_tensor(output)
             call.output_shape = tuple(y.shape) if y is not None else ()
             call.output_dtype = str(y.dtype).removeprefix("torch.") if y is not None else ""
             call.seq = record.tick()
