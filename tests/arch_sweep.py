@@ -27,6 +27,7 @@ from typing import Any
 
 from fwdcheck.model.sources.shrink import DROPPED_KEYS, shrink_hf_dict
 from fwdcheck.model.sources.shrink_built import MAX_SHRUNK_PARAMETERS
+from fwdcheck.model.sources.shrink_image import fit_image_path
 from tests.doc_sections import DOCS, read_section, write_sections
 
 # A tiny model is at most this many parameters: past it a shrunk default config kept something wide (a vision tower,
@@ -144,6 +145,8 @@ def _shrunk(data: dict[str, Any], parts_first: bool = True) -> dict[str, Any]:
             data[period], data[offset] = 2, 1
     _per_layer_kept(data)
     _axial_positions_fit(data)
+    if not parts_first:  # the parts shrunk again above: their image path made to agree again, as shrink's last rule
+        fit_image_path(data)
     return data
 
 

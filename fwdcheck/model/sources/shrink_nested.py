@@ -7,13 +7,16 @@ together is made to agree again: a width elsewhere that was the text model's hid
 PaliGemma's top-level hidden_size and its vision tower's projection_dim) follows it; token ids the top level names
 (image_token_id, boi_token_index, ...) that fall outside the shrunk vocabulary move to distinct ids at its end; and
 a multi-axis rotary embedding's sections (Qwen2-VL's mrope_section, which must sum to half the head size) are scaled
-to the new head size. Image and patch sizes are kept: a small image already has few patches.
+to the new head size. The image path's own sizes (image and patch sizes, token counts, the merger's width) are made
+to agree by shrink_image.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from fwdcheck.model.sources.shrink_image import fit_image_path
 
 # The keys holding a sub-config, as transformers' to_dict() writes them.
 SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config", "encoder", "decoder")
@@ -47,6 +50,7 @@ def shrink_sub_configs(e: Any, seq_len: int, shrink_one: Callable[[dict[str, Any
         _follow_text_width(e, before["text_config"], text)
         _sections(e, "text_config", before["text_config"], text)
         _tokens_inside(e, int(text.get("vocab_size") or data.get("vocab_size") or 0))
+    e.changes.extend(fit_image_path(data))  # image and patch sizes, token counts, the merger's width
 
 
 def _follow_text_width(e: Any, old_text: dict[str, Any], text: dict[str, Any]) -> None:
@@ -129,17 +133,41 @@ def _head(config: dict[str, Any]) -> int | None:
 
 
 def _tokens_inside(e: Any, vocab: int) -> None:
-    """Token ids the top level names past the shrunk vocabulary move to distinct ids at its end (the image token
-    and the begin/end-of-image tokens must stay apart)."""
+    """Token ids the top level names past the shrunk vocabulary move to distinct ids at its end (the image token,
+    the begin/end-of-image tokens and a list of visual indicator ids must stay apart). Read as the config stated
+    them: where the whole config's own rule already clamped them onto its last id (Ovis 2 states a vocab_size at
+    its top level), the clamp is undone, so ids that were apart are not merged into one."""
     if vocab <= 0:
         return
-    named = [*e.data.items(), *(e.data.get("text_config") or {}).items()]  # the text model's own ids too
-    taken = {v for k, v in named if k.endswith(TOKEN_SUFFIXES) and isinstance(v, int) and v < vocab}
+    stated = {key: old for key, old, _ in reversed(e.changes) if key in e.data}  # each key's first old value
+    keys = [k for k in e.data if k.endswith(TOKEN_SUFFIXES) or k.endswith("_token_ids")]
+    values = {k: stated.get(k, e.data[k]) for k in keys}
+    named = [*values.items(), *(e.data.get("text_config") or {}).items()]  # the text model's own ids too
+    taken = {v for _, value in named for v in _ids(value) if v < vocab}
     free = (i for i in range(vocab - 1, -1, -1) if i not in taken)
     moved: dict[int, int] = {}
-    for key in [k for k in e.data if k.endswith(TOKEN_SUFFIXES)]:
-        value = e.data[key]
-        if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
-            if value not in moved:
-                moved[value] = next(free)
-            e.set(key, moved[value])
+
+    def inside(value: int) -> int:
+        if value < vocab:
+            return value
+        if value not in moved:
+            moved[value] = next(free)
+        return moved[value]
+
+    for key, value in values.items():
+        ids = _ids(value)
+        if not ids or all(v < vocab for v in ids):
+            continue
+        new = inside(value) if isinstance(value, int) else [inside(v) for v in ids]
+        e.changes[:] = [row for row in e.changes if row[0] != key]
+        e.data[key] = value
+        e.set(key, new)
+
+
+def _ids(value: Any) -> list[int]:
+    """A token id, or a list of them, as a list (empty for anything else)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return []
