@@ -52,7 +52,14 @@ CLOSE_KEYS = ("vision_end_token_id", "image_end_token_id", "eoi_token_id", "eoi_
 MODALITY_WORDS = ("image", "video", "vision", "audio", "boi", "eoi", "boa", "eoa")
 # Inputs of other modalities: a model whose forward takes some of these but not pixel_values is one fwdcheck cannot
 # draw an image for, and the notes say so.
-OTHER_INPUTS = ("pixel_values_videos", "image_patches", "input_features", "input_values", "pixel_values_images")
+OTHER_INPUTS = (
+    "pixel_values_videos",
+    "image_patches",
+    "flattened_patches",
+    "input_features",
+    "input_values",
+    "pixel_values_images",
+)
 TEXT_AFTER = 2  # text tokens after the image in the forwards that try a layout
 # The most image tokens the image run holds before the tokens under test: every forward of the run's cell carries
 # them, and mask-audit reads each attention call's whole [P + T, P + T] mask. LLaVA's 576 and Gemma 3's 256 fit;
