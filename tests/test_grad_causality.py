@@ -442,7 +442,8 @@ def test_transformers_architectures_fail_only_with_a_leak_shown_in_plain_torch(m
     assert "FWD123" not in codes(report, CHECK), r.findings  # nor has NaN gradients at these sizes
     if r.status.value == "fail":
         assert codes(report, CHECK) <= {"FWD121"}
-        assert arch_sweep.future_leak(model_type), r.summary  # prophetnet's n-gram stream: a leak by design
+        # prophetnet's n-gram stream: a leak by design, of any size (the gradient test is exact, and so is this)
+        assert arch_sweep.future_leak(model_type, relative=0.0), r.summary
 
 
 # =====================================================================================================================

@@ -322,9 +322,9 @@ def test_transformers_llama4_declaring_no_chunk_is_not_judged_on_chunks():
 
 @pytest.mark.slow
 def test_backends_compares_rows_that_cross_the_declared_chunk(monkeypatch):
-    """backends cuts its rows past the largest declared chunk as past the widest window: an SDPA path that drops the
-    chunk (transformers' is_causal shortcut planted to ignore the chunk size, as a window was once ignored) parts
-    from eager on rows of 16 + 8 tokens, where rows of 16 would sit inside one chunk and agree."""
+    """backends compares the implementations on a whole row, which crosses the declared chunk: an SDPA path that
+    drops the chunk (transformers' is_causal shortcut planted to ignore the chunk size, as a window was once ignored)
+    parts from eager, where a row of 16 tokens would sit inside one chunk and agree."""
     import transformers.masking_utils as masking
 
     shipped = masking._ignore_causal_mask_sdpa
@@ -337,5 +337,5 @@ def test_backends_compares_rows_that_cross_the_declared_chunk(monkeypatch):
     assert shipped_run.results[0].status.value == "pass", shipped_run.results[0].findings
     monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", ignoring_the_chunk)
     r = run_checks(_llama4(16), ["backends"], inputs=inputs, code_paths={"enabled": False}).results[0]
-    assert r.data["implementations"]["tokens"] == [2, 24]
+    assert r.data["implementations"]["tokens"] == [1, 32]
     assert "FWD801" in {f.code for f in r.findings}, r.summary
