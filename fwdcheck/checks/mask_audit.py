@@ -510,10 +510,7 @@ def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditDa
     what they read reaches the logits."""
     held = model.held
     assert held is not None  # run() asks
-    logits = session.logits(session.inputs)  # (B, T, V) with the source held fixed
-    other = session.logits(session.inputs, model=dataclasses.replace(model, source_variant=1))  # another source
-    moved = float(position_change(logits, other).max())
-    noise = session.repeat_change()
+    moved, noise = _moved_by_another(session, dataclasses.replace(model, source_variant=1))  # another source
     data["source"] = {"held_fixed": held.description, "change_with_another_source": moved, "noise_floor": noise}
     if moved > noise:
         return []
@@ -526,6 +523,14 @@ def _reads_its_source(model: ModelUnderTest, session: Session, data: MaskAuditDa
             "the decoder's cross-attention",
         )
     ]
+
+
+def _moved_by_another(session: Session, other: ModelUnderTest) -> tuple[float, float]:
+    """How far the logits of the session's tokens move when the model holds another of what it holds fixed (`other`:
+    the same model with another source or image), and the run-to-run noise that is the bar."""
+    logits = session.logits(session.inputs)  # (B, T, V) with what is held fixed
+    moved = float(position_change(logits, session.logits(session.inputs, model=other)).max())
+    return moved, session.repeat_change()
 
 
 def judged_pattern(model: ModelUnderTest) -> AttentionPattern:
@@ -551,10 +556,7 @@ def _reads_its_image(model: ModelUnderTest, session: Session, data: MaskAuditDat
     the same logits bit for bit."""
     image = model.image
     assert image is not None  # run() asks
-    logits = session.logits(session.inputs)  # (B, T, V) after the image held fixed
-    other = session.logits(session.inputs, model=dataclasses.replace(model, image_variant=1))  # another image
-    moved = float(position_change(logits, other).max())
-    noise = session.repeat_change()
+    moved, noise = _moved_by_another(session, dataclasses.replace(model, image_variant=1))  # another image
     data["image"] = {"held_fixed": image.description(), "change_with_another_image": moved, "noise_floor": noise}
     if moved > noise:
         return []
