@@ -196,7 +196,7 @@ class Backends(Check, declared=SPEC):
         }
         data["changes"] = {i: float(c.max()) for i, c in changes.items()}
         data["padded_changes"] = {i: float(c.max()) for i, c in pad_changes.items()}
-        findings += _implementations_apart(default, changes, pad_changes, bar, "the session's first row", data)
+        findings += _implementations_apart(default, changes, pad_changes, bar, data)
         return ran
 
     @staticmethod
@@ -207,11 +207,11 @@ class Backends(Check, declared=SPEC):
         rows: torch.Tensor,
         padded: bool,
         recorder: RecordSdpa,
-        base: torch.Tensor | None,
+        base: torch.Tensor,
         data: dict,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The logits of every implementation: of `rows` [B, L] (the default's are `base` when it is given), and,
-        when `padded`, of the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels.
+        """The logits of every implementation: of `rows` [1, T] (the default's are `base`), and, when `padded`, of
+        the real tokens of a left-padded row. The first SDPA forward is recorded for the kernels.
         An implementation that cannot run here (flex_attention without a compiler) is noted in data["not_run"]."""
         default = implementations[0]
         # The left-padded row: P pads before the first row's first tokens, at most CELL_LENGTH of them. A path that
@@ -221,16 +221,16 @@ class Backends(Check, declared=SPEC):
         T = session.inputs.shape[1]
         real = min(T - LEFT_PADDING, max(CELL_LENGTH, session.min_seq_len - LEFT_PADDING))
         row = session.inputs[:1, :real]  # run only when padded
-        plain: dict[str, torch.Tensor] = {default: base} if base is not None else {}
+        plain: dict[str, torch.Tensor] = {default: base}
         pads: dict[str, torch.Tensor] = {}
         skipped = {}
         for implementation in implementations:
             record = implementation == "sdpa" and not recorder.calls
             try:
                 with model.using_attention(implementation if implementation != default else None):
-                    if implementation not in plain:
+                    if implementation != default:
                         with recorder if record and not padded else nullcontext():
-                            plain[implementation] = session.logits(rows)  # (B, L, V)
+                            plain[implementation] = session.logits(rows)  # (1, T, V)
                     if padded:
                         with recorder if record else nullcontext():
                             pads[implementation] = session.logits(row, model=view)  # (1, real, V): real tokens
@@ -323,14 +323,9 @@ def _mask_kind(arguments: dict) -> str:
 
 
 def _implementations_apart(
-    default: str,
-    changes: dict[str, torch.Tensor],
-    pad_changes: dict[str, torch.Tensor],
-    bar: float,
-    compared_on: str,
-    data: dict,
+    default: str, changes: dict[str, torch.Tensor], pad_changes: dict[str, torch.Tensor], bar: float, data: dict
 ) -> list[Finding]:
-    """FWD801 for an implementation whose logits of the session's rows differ from the default's beyond the bar;
+    """FWD801 for an implementation whose logits of the session's first row differ from the default's beyond the bar;
     FWD802 for one that differs only on the real tokens of the left-padded row (data["padded_also_differs"] when
     both do)."""
     findings = []
@@ -340,7 +335,7 @@ def _implementations_apart(
                 Finding(
                     "FWD801",
                     Status.FAIL,
-                    _message(default, implementation, change, bar, compared_on),
+                    _message(default, implementation, change, bar, "the session's first row"),
                     _where(change, bar),
                 )
             )
