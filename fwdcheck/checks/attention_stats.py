@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fwdcheck.checks.attention_stats_spec import SPEC
-from fwdcheck.checks.scale_chain import factor, keep_projections
-from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
+from fwdcheck.checks.scale_chain import factor
+from fwdcheck.checks.sdpa_calls import SdpaCall
+from fwdcheck.checks.short_row import short_row
 from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
@@ -51,10 +52,6 @@ SCALE_ATTRIBUTES = ("scaling", "softmax_scale", "inv_norm_factor")
 # TensorFlow initialisation), as transformers' configs name them: their declared scale is 1.
 FOLDED_SCALE = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"}
 
-# Tokens of the one row observed: a scale shows at any length, and 16 queries per head and layer are enough rows for
-# the statistics; a short row costs a fraction of a forward of long inputs.
-LENGTH = 16
-
 
 @dataclass
 class Calls:
@@ -71,8 +68,9 @@ class AttentionStats(Check, declared=SPEC):
     name = "attention-stats"
 
     def run(self, model: ModelUnderTest, session: Session) -> CheckResult:
-        seen, sdpa, projections = self._observe(model, session)
-        calls = self._calls(model, session, seen, sdpa, projections)
+        row = short_row(model, session)  # the first row's short length, observed once for several checks
+        seen = row.seen
+        calls = self._calls(model, session, seen, row.sdpa, row.projections)
         if not seen.attention:
             raise DoesNotApply("the observation pass saw no attention call (no SDPA, softmax or attention kernel)")
         if not any(row["scale"] is not None for row in calls.rows):
@@ -80,23 +78,6 @@ class AttentionStats(Check, declared=SPEC):
             raise SkipCheck(f"no attention call's scale could be measured: {why}")
         findings = calls.findings + (self._saturation(calls.rows) if model.weights_at_init else [])
         return self._summarise(model, seen, calls, first_per_code(findings, more=_more_calls))
-
-    @staticmethod
-    def _observe(model: ModelUnderTest, session: Session) -> tuple[Observation, list[SdpaCall], dict]:
-        """One observed forward of the first row with q and k kept: the observation, SDPA's own arguments (scale,
-        mask) in the order the observer sees the calls, and the output of every linear layer (scale_chain.py)."""
-        recorder = RecordSdpa()
-        projections, handles = keep_projections(model.module, model.vocab_size)
-        # The first row, at most LENGTH tokens: a scale shows at any length, and keeping q, k and every weight of
-        # the session's whole batch would cost more than the forward itself at long sequences.
-        ids = session.inputs[:1, : max(LENGTH, session.min_seq_len)]
-        try:
-            with recorder:
-                seen = session.observe(ids, keep_tensors=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return seen, recorder.calls, projections
 
     def _calls(
         self,

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fwdcheck.checks.backends_spec import SPEC
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
+from fwdcheck.checks.short_row import short_row
 from fwdcheck.errors import DoesNotApply, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
@@ -88,15 +89,25 @@ class Backends(Check, declared=SPEC):
         compared: list[str] = []
         if len(implementations) >= 2:
             compared = self._implementations(model, session, implementations, padded, recorder, findings, data, metrics)
-        if not recorder.calls:  # no forward ran SDPA under the recorder yet: one short row, on the default path
-            with recorder:
-                session.logits(session.inputs[:1, : kernel_row_length(model, session)])
-        if model.attention is None and not recorder.calls:
+        calls = recorder.calls or self._default_path_calls(model, session, recorder)
+        if model.attention is None and not calls:
             raise DoesNotApply(
                 f"{data['implementations']}, and no scaled_dot_product_attention call to compare kernels on"
             )
-        kernels = self._kernels(recorder.calls, session, findings, data, metrics)
-        return self._summarise(compared, kernels, len(recorder.calls), findings, data, metrics)
+        kernels = self._kernels(calls, session, findings, data, metrics)
+        return self._summarise(compared, kernels, len(calls), findings, data, metrics)
+
+    @staticmethod
+    def _default_path_calls(model: ModelUnderTest, session: Session, recorder: RecordSdpa) -> list[SdpaCall]:
+        """The SDPA calls of one short row on the default path, when no forward of the implementations recorded them
+        (the default path is SDPA's): those of the short row other checks observe (short_row.py), unless a declared
+        window or chunk needs a longer row, which then runs here."""
+        length = kernel_row_length(model, session)
+        if length == session.short_length:
+            return short_row(model, session).sdpa
+        with recorder:
+            session.logits(session.inputs[:1, :length])
+        return recorder.calls
 
     def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:
         """The attention implementations to compare, the one the model runs now first: flex_attention only when

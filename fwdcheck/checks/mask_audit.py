@@ -27,6 +27,7 @@ import torch
 from fwdcheck.checks.chunk_band import judge_chunk
 from fwdcheck.checks.mask_audit_spec import SPEC
 from fwdcheck.checks.mask_audit_view import CallRow, Convention, MaskAuditData
+from fwdcheck.checks.short_row import short_row
 from fwdcheck.checks.window_band import judge_window
 from fwdcheck.errors import ModelRaised, SkipCheck
 from fwdcheck.model.capabilities import ASSUMED_CAUSAL, AttentionPattern, Chunks, Windows
@@ -332,10 +333,10 @@ class MaskAudit(Check, declared=SPEC):
         """The first row observed alone: its findings (said "at B=1") added to `findings`, the calls that differ
         there to `rows` (which data["calls"] holds); what the full batch showed stands when the model refuses the
         pass. Such a shortcut shows at any length of two tokens or more, so the row is the session's short length
-        (16 tokens), not the full sequence."""
+        (16 tokens), not the full sequence: the short row other checks observe too (short_row.py)."""
         length = session.short_length
         try:
-            single_findings, single_rows = self.audit(session.observe(session.inputs[:1, :length]), model)
+            single_findings, single_rows = self.audit(short_row(model, session).seen, model)
         except ModelRaised as exc:  # what the full batch showed stands
             data["batch1"] = f"the pass at B=1 was skipped: {exc}"
             return

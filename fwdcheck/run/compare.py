@@ -21,19 +21,31 @@ def position_change(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
     NaN survives the subtraction and amax, and so does inf (inf - inf is NaN), so one pass over the difference finds
     both; NaN is then reported as inf so that no comparison can pass it. The difference is taken a slice of the
-    vocabulary at a time (torch.maximum keeps NaN), so it never holds another [N, T, V] beside the logits."""
+    vocabulary at a time (torch.maximum keeps NaN), so it never holds another [N, T, V] beside the logits. Masked
+    entries are looked for only when that pass finds something that is not finite: logits without them, nearly all,
+    are read once."""
+    change = _largest_difference(new, reference, masked=False)
+    if not bool(torch.isfinite(change).all()):
+        change = _largest_difference(new, reference, masked=True)
+    return change.nan_to_num_(nan=float("inf"))
+
+
+def _largest_difference(new: torch.Tensor, reference: torch.Tensor, masked: bool) -> torch.Tensor:
+    """max |new - reference| over the vocabulary, (..); with `masked`, entries -inf on both sides count as equal
+    (-inf - -inf is NaN otherwise)."""
     V = new.shape[-1]
     positions = max(1, max(new[..., 0].numel(), reference[..., 0].numel()))
     step = max(1, DIFFERENCE_BLOCK // positions)
     change = None
     for start in range(0, V, step):
         a, b = new[..., start : start + step], reference[..., start : start + step]
-        difference = (a - b).abs_()  # -inf - -inf is NaN: a masked entry masked on both sides is equal, below
-        difference.masked_fill_(torch.isneginf(a) & torch.isneginf(b), 0.0)
+        difference = (a - b).abs_()
+        if masked:
+            difference.masked_fill_(torch.isneginf(a) & torch.isneginf(b), 0.0)
         part = difference.amax(-1)  # (N, T)
         change = part if change is None else torch.maximum(change, part)
     assert change is not None  # a vocabulary of at least one
-    return change.nan_to_num_(nan=float("inf"))
+    return change
 
 
 def nonfinite_positions(logits: torch.Tensor) -> list[tuple[int, int]]:

@@ -263,6 +263,11 @@ class Session:
 
         return self._once("eval", compute)
 
+    def shared(self, key: str, compute):
+        """A pass several checks share (fwdcheck/checks/short_row.py), computed by the first that asks; every later
+        call gets its value, or what the model raised on it, again."""
+        return self._once(f"shared: {key}", compute)
+
     def _once(self, key: str, compute):
         """compute() on the first call; every later call gets its value, or the ModelRaised (or ObservationFailed)
         it raised, again."""
