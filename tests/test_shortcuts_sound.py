@@ -209,3 +209,35 @@ def test_dropout_in_a_lazy_logits_property_is_observed():
     model = {"source": "python", "factory": "tests.test_shortcuts_sound:LazyLM"}
     res = run_checks(model, ["mask-audit"], code_paths=NO_PATHS).result("mask-audit")
     assert "FWD207" in failing(res), res.summary
+
+
+# -- one observed short row for mask-audit, attention-stats and backends' kernels -------------------------------------
+
+
+def test_one_observed_short_row_serves_mask_audit_attention_stats_and_backends():
+    """The three checks that look at the first row's short length alone read one observed forward of it (short_row.py)
+    instead of one each, and each still finds its own bug there: the scale applied twice (attention-stats), q and k
+    as SDPA was handed them (backends' kernels), the batch-size-1 pass of mask-audit."""
+    from fwdcheck.config.registry import select
+    from fwdcheck.config.schema import config_from_dict
+    from fwdcheck.model.sources import load_model
+    from fwdcheck.run.runner import run_model
+    from fwdcheck.run.settings import Settings
+
+    fields = {"source": "reference", "vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2}
+    config = config_from_dict(
+        {
+            "model": {**fields, "bugs": ["scale-applied-twice"]},
+            "inputs": {"batch_size": 2, "seq_len": 64},
+            "code_paths": NO_PATHS,
+        }
+    )
+    model = load_model(config)
+    shapes: list[tuple[int, ...]] = []
+    model.module.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    report = run_model(model, Settings.from_config(config), select(["mask-audit", "attention-stats", "backends"]))
+    assert shapes.count((1, 16)) == 1, shapes  # the short row, observed once
+    assert report.result("mask-audit").data["batch1"] == "observed"
+    assert "FWD955" in failing(report.result("attention-stats"))
+    backends = report.result("backends")
+    assert backends.data["kernels_ran"]["math"] == 2, backends.data  # both layers' SDPA calls replayed

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from fwdcheck.checks.backends_spec import SPEC
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.checks.short_row import short_row
-from fwdcheck.errors import DoesNotApply, SkipCheck
+from fwdcheck.errors import DoesNotApply, ObservationFailed, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -101,10 +101,11 @@ class Backends(Check, declared=SPEC):
     def _default_path_calls(model: ModelUnderTest, session: Session, recorder: RecordSdpa) -> list[SdpaCall]:
         """The SDPA calls of one short row on the default path, when no forward of the implementations recorded them
         (the default path is SDPA's): those of the short row other checks observe (short_row.py), unless a declared
-        window or chunk needs a longer row, which then runs here."""
+        window or chunk needs a longer row (or the observer cannot follow the model), which then runs here."""
         length = kernel_row_length(model, session)
         if length == session.short_length:
-            return short_row(model, session).sdpa
+            with suppress(ObservationFailed):  # a model the observer cannot follow runs the row untouched, below
+                return short_row(model, session).sdpa
         with recorder:
             session.logits(session.inputs[:1, :length])
         return recorder.calls
