@@ -25,7 +25,6 @@ from fwdcheck.run.session import Session
 class ShortRow:
     """What the observed short row showed."""
 
-    ids: torch.Tensor  # (1, L): the first sample's first L = session.short_length tokens
     seen: Observation  # q and k of every attention call kept
     sdpa: list[SdpaCall]  # SDPA's own arguments (scale, mask), in the order the observer saw the calls
     projections: dict[str, torch.Tensor]  # the output of every linear layer but the output head (scale_chain.py)
@@ -39,11 +38,11 @@ def short_row(model: ModelUnderTest, session: Session) -> ShortRow:
 def _observe(model: ModelUnderTest, session: Session) -> ShortRow:
     recorder = RecordSdpa()
     projections, handles = keep_projections(model.module, model.vocab_size)
-    ids = session.inputs[:1, : session.short_length]
+    ids = session.inputs[:1, : session.short_length]  # (1, L)
     try:
         with recorder:
             seen = session.observe(ids, keep_tensors=True)
     finally:
         for handle in handles:
             handle.remove()
-    return ShortRow(ids, seen, recorder.calls, projections)
+    return ShortRow(seen, recorder.calls, projections)
