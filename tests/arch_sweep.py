@@ -765,6 +765,43 @@ def skip_reason(report, check: str) -> str:
     return summary.replace(cls[0], "the model") if cls else summary
 
 
+# What a failure of an untouched architecture may be: a finding about the model's numbers, or (the model's own error)
+# an error.
+OUTCOMES = {False: ("fail", "warn"), True: ("error",)}
+
+
+def assert_skips_listed(documented: str, report, model_type: str, stale: str) -> None:
+    """Every check the report skipped lists the architecture under the skip's reason on the page."""
+    for check in CHECKS:
+        if report.result(check).status.value == "skip":
+            line = f"| {check} | {skip_reason(report, check)} | "
+            listed = next((x for x in documented.splitlines() if x.startswith(line)), "")
+            assert model_type in listed[len(line) :].rstrip(" |").split(", "), stale
+
+
+def assert_written_down(report, model_type: str, written) -> None:
+    """Every check of the report passes, skips saying why, or fails as `written(check)` (a true finding or a known
+    misreading, with its codes) says it may: with those codes, and as an error only where the model's own forward
+    raised (FWD002)."""
+    for check in CHECKS:
+        result = report.result(check)
+        status, codes = result.status.value, {f.code for f in result.findings}
+        if status == "skip":
+            assert result.summary.strip(), f"{model_type} {check}: a skip must say why"
+            continue
+        if status == "pass":
+            continue
+        expected = written(check)
+        assert expected is not None, f"{model_type} {check}: {status} {sorted(codes)}: {result.summary}"
+        assert status in OUTCOMES[expected.codes == {"FWD002"}] and codes <= expected.codes, (
+            model_type,
+            check,
+            status,
+            codes,
+            result.summary,
+        )
+
+
 def section() -> str:
     import transformers
 

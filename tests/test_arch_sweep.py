@@ -13,7 +13,6 @@ import re
 import pytest
 
 from tests.arch_sweep import (
-    CHECKS,
     FINDINGS,
     KNOWN,
     KV_CACHE_FINDINGS,
@@ -22,6 +21,8 @@ from tests.arch_sweep import (
     NOT_JUDGED,
     SPARSE_SELECTION,
     architectures,
+    assert_skips_listed,
+    assert_written_down,
     documented_section,
     entry,
     family,
@@ -29,13 +30,10 @@ from tests.arch_sweep import (
     one_check_report,
     selection_report,
     selection_skips_itself,
-    skip_reason,
     sweep_report,
     tiny,
 )
 
-# What a failure may be: a finding about the model's numbers, or (the model's own error) an error.
-_OUTCOMES = {False: ("fail", "warn"), True: ("error",)}
 STALE = "the sweep section of docs/compatibility.md is stale: run `python -m tests.arch_sweep --write` and commit it"
 
 
@@ -67,30 +65,10 @@ def test_architecture(model_type):
     # The page lists the architecture as it ran, and each of its skips under its reason.
     row = next((line for line in documented.splitlines() if line.startswith(f"| {family(model_type)} |")), "")
     assert re.search(rf"(\| |, ){re.escape(entry(model_type, report))}(,| \|)", row), STALE
-    for check in CHECKS:
-        if report.result(check).status.value == "skip":
-            line = f"| {check} | {skip_reason(report, check)} | "
-            listed = next((x for x in documented.splitlines() if x.startswith(line)), "")
-            assert model_type in listed[len(line) :].rstrip(" |").split(", "), STALE
-    for check in CHECKS:
-        result = report.result(check)
-        status, codes = result.status.value, {f.code for f in result.findings}
-        if status == "skip":
-            assert result.summary.strip(), f"{model_type} {check}: a skip must say why"
-            continue
-        if status == "pass":
-            continue
-        expected = FINDINGS.get((model_type, check)) or KNOWN.get((model_type, check))
-        assert expected is not None, f"{model_type} {check}: {status} {sorted(codes)}: {result.summary}"
-        # a layout fwdcheck cannot name may be a warning rather than a failure; a model whose own forward raises on
-        # some inputs is that error (FWD002)
-        assert status in _OUTCOMES[expected.codes == {"FWD002"}] and codes <= expected.codes, (
-            model_type,
-            check,
-            status,
-            codes,
-            result.summary,
-        )
+    assert_skips_listed(documented, report, model_type, STALE)
+    assert_written_down(
+        report, model_type, lambda check: FINDINGS.get((model_type, check)) or KNOWN.get((model_type, check))
+    )
 
 
 @pytest.mark.slow

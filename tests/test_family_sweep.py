@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.arch_sweep import CHECKS, SWEEPS, architectures, family, skip_reason, tiny
+from tests.arch_sweep import CHECKS, SWEEPS, architectures, assert_skips_listed, assert_written_down, family, tiny
 from tests.doc_sections import DOCS
 from tests.family_sweep import (
     FINDINGS,
@@ -31,7 +31,6 @@ from tests.family_sweep import (
     report,
 )
 
-_OUTCOMES = {False: ("fail", "warn"), True: ("error",)}
 STALE = "a sweep section of docs/compatibility.md is stale: run `python -m tests.family_sweep --write` and commit it"
 CASES = [(kind, name) for kind in KINDS for name in architectures(kind)]
 
@@ -56,11 +55,7 @@ def test_architecture(kind, model_type):
     rep = report(model_type, kind)
     row = next((line for line in documented.splitlines() if line.startswith(f"| {family(model_type)} |")), "")
     assert re.search(rf"(\| |, ){re.escape(entry(kind, model_type, rep))}(,| \|)", row), STALE
-    for check in CHECKS:
-        if rep.result(check).status.value == "skip":
-            line = f"| {check} | {skip_reason(rep, check)} | "
-            listed = next((x for x in documented.splitlines() if x.startswith(line)), "")
-            assert model_type in listed[len(line) :].rstrip(" |").split(", "), STALE
+    assert_skips_listed(documented, rep, model_type, STALE)
 
     pattern = rep.model["attention_pattern"]
     if built.config.get("is_encoder_decoder"):
@@ -73,23 +68,7 @@ def test_architecture(kind, model_type):
     for check in CHECKS:
         assert "FWD101" not in {f.code for f in rep.result(check).findings} or not pattern.startswith("bidirectional")
 
-    for check in CHECKS:
-        result = rep.result(check)
-        status, codes = result.status.value, {f.code for f in result.findings}
-        if status == "skip":
-            assert result.summary.strip(), f"{model_type} {check}: a skip must say why"
-            continue
-        if status == "pass":
-            continue
-        known = expected(kind, model_type, check)
-        assert known is not None, f"{kind} {model_type} {check}: {status} {sorted(codes)}: {result.summary}"
-        assert status in _OUTCOMES[known.codes == {"FWD002"}] and codes <= known.codes, (
-            model_type,
-            check,
-            status,
-            codes,
-            result.summary,
-        )
+    assert_written_down(rep, model_type, lambda check: expected(kind, model_type, check))
 
 
 @pytest.mark.slow
