@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from fwdcheck.checks.backends_spec import SPEC
 from fwdcheck.checks.equivalence_bar import tolerance
 from fwdcheck.checks.sdpa_calls import RecordSdpa, SdpaCall
 from fwdcheck.checks.short_row import short_row
-from fwdcheck.errors import DoesNotApply, ObservationFailed, SkipCheck
+from fwdcheck.errors import DoesNotApply, ModelRaised, ObservationFailed, SkipCheck
 from fwdcheck.model.tested import ModelUnderTest
 from fwdcheck.observe.masks import MASKED_BELOW
 from fwdcheck.result import Check, CheckResult, Finding, Status
@@ -103,11 +103,19 @@ class Backends(Check, declared=SPEC):
         (the default path is SDPA's): those of the short row other checks observe (short_row.py), unless a declared
         window or chunk needs a longer row (or the observer cannot follow the model), which then runs here."""
         length = kernel_row_length(model, session)
+        broken = None
         if length == session.short_length:
-            with suppress(ObservationFailed):  # a model the observer cannot follow runs the row untouched, below
+            try:
                 return short_row(model, session).sdpa
-        with recorder:
-            session.logits(session.inputs[:1, :length])
+            except ObservationFailed as exc:  # the observer cannot follow the model: the row runs recorded alone
+                broken = exc
+        try:
+            with recorder:
+                session.logits(session.inputs[:1, :length])
+        except ModelRaised:
+            if broken is not None:  # it runs untouched (the observation said so): recording broke it too
+                raise broken from None
+            raise
         return recorder.calls
 
     def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:

@@ -40,8 +40,7 @@ def _observe(model: ModelUnderTest, session: Session) -> ShortRow:
     projections, handles = keep_projections(model.module, model.vocab_size)
     ids = session.inputs[:1, : session.short_length]  # (1, L)
     try:
-        with recorder:
-            seen = session.observe(ids, keep_tensors=True)
+        seen = session.observe(ids, keep_tensors=True, under=recorder)
     finally:
         for handle in handles:
             handle.remove()

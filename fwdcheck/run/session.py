@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from fwdcheck.errors import DeviceError, ModelRaised, ObservationFailed, UsageError, first_line
 from fwdcheck.model.library_logs import kept_as_notes
@@ -458,18 +459,22 @@ class Session:
         position_ids: torch.Tensor | None = None,
         keep_tensors: bool = False,
         keep_inputs_of: Collection[str] = frozenset(),
+        under: TorchFunctionMode | None = None,
     ) -> Observation:
         """One forward under the attention observer. Its logits are dropped (the mode can change code paths): it
         tells what the model did, not what it computes untouched. Only the session's own observation pass keeps
-        them, as a reference that stands while untouched forwards agree with it (see reference())."""
-        return self._observe(ids, position_ids, keep_tensors, keep_inputs_of)[0]
+        them, as a reference that stands while untouched forwards agree with it (see reference()). `under`: a
+        torch function mode of a check's own the forward runs under too, outside the observer (RecordSdpa); what
+        raises under either is the observation's doing when the forward runs untouched."""
+        return self._observe(ids, position_ids, keep_tensors, keep_inputs_of, under)[0]
 
-    def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of) -> tuple[Observation, torch.Tensor]:
+    def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of, under=None) -> tuple[Observation, torch.Tensor]:
         seq_len = ids.shape[1] + self.model.padding + self.model.held_prefix  # what the module itself sees
 
         def observed() -> tuple[Observation, torch.Tensor]:
             # on the train path dropout is zeroed inside the observer, which sees the calls as they then run
             with (
+                under if under is not None else nullcontext(),
                 observing(self.model.module, seq_len, keep_tensors, False, keep_inputs_of, tokens=ids) as seen,
                 ZeroAttentionDropout() if self.train else nullcontext(),
             ):
