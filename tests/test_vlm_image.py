@@ -231,3 +231,22 @@ def test_a_model_whose_image_cannot_be_sized_says_why():
     report = run_hf("fuyu", config=built_fuyu.config)
     assert any(n.startswith("no image drawn") and "no vision_config" in n for n in report.notes), report.notes
     assert all(r.status.value != "error" for r in report.results)
+
+
+def test_the_image_runs_short_row_keeps_no_tensors(monkeypatch):
+    """mask-audit's batch-size-1 pass reads the short row in the image run too, where the module sees the image's
+    576 tokens before the row: there only the observation is kept (q, k, SDPA's arguments and every linear output
+    of the whole image would be kept for checks that never run there), on the default path everything."""
+    import fwdcheck.checks.short_row as short_row
+
+    kept = []
+
+    def keep_projections(module, vocab_size):
+        kept.append(module)
+        return {}, []
+
+    monkeypatch.setattr(short_row, "keep_projections", keep_projections)
+    report = run_hf("llava")
+    assert report.result("mask-audit").data["batch1"] == "observed"
+    assert image_row(report, "mask-audit").status.value == "pass"
+    assert len(kept) == 1  # the default path's short row alone

@@ -6,6 +6,11 @@ backends replays its SDPA calls under every kernel: one forward where each ran i
 Sixteen tokens are enough for each of them: a `B == 1` shortcut that forgets the mask shows at any length of two
 tokens, a scale at any length, a kernel that misreads a mask within a few keys; and a short row costs a fraction of a
 forward of long inputs, whose fixed part, reading every weight, each forward pays again.
+
+What is kept is bounded by those 16 tokens: where the module sees more than the row (a code-path cell's held image of
+up to 1,024 tokens before it, or its pads), only the observation is kept, which is all mask-audit reads there:
+attention-stats and backends run on the default path alone, and q, k, SDPA's arguments and every linear layer's
+output of a thousand tokens would weigh gigabytes on a large model.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ def short_row(model: ModelUnderTest, session: Session) -> ShortRow:
 
 
 def _observe(model: ModelUnderTest, session: Session) -> ShortRow:
+    ids = session.inputs[:1, : session.short_length]  # (1, L)
+    if model.held_prefix or model.padding:  # the module sees more than the row: the observation alone (see above)
+        return ShortRow(session.observe(ids), [], {})
     recorder = RecordSdpa()
     projections, handles = keep_projections(model.module, model.vocab_size)
-    ids = session.inputs[:1, : session.short_length]  # (1, L)
     try:
         seen = session.observe(ids, keep_tensors=True, under=recorder)
     finally:
