@@ -273,7 +273,16 @@ def test_a_model_that_raises_only_under_observation_is_not_blamed():
     for name in ("shape-ledger", "mask-audit", "attention-stats", "backends"):
         codes_here = {f.code for f in results[name].findings}
         assert results[name].status.value == "error" and codes_here == {"FWD003"}, (name, results[name].summary)
-        assert "fwdcheck's observation pass broke a forward that runs untouched" in results[name].summary
+        assert "broke a forward that runs untouched" in results[name].summary  # the observer's or the recorder's
+
+
+def test_recording_sdpa_on_a_longer_row_that_breaks_the_model_is_not_blamed_on_it():
+    """A declared window wider than the short row gives backends a recorded row of its own: a model that refuses to
+    run under the recorder (a torch function mode) there is fwdcheck's failure too, not the model's error."""
+    result = fwdcheck.check_model(RaisesUnderAnyMode(), ["backends"], vocab_size=VOCAB, window=12, seq_len=32)
+    backends = result.results[0]
+    assert backends.status.value == "error" and {f.code for f in backends.findings} == {"FWD003"}, backends.summary
+    assert "recording SDPA's calls broke a forward that runs untouched" in backends.summary
 
 
 # -- transformers' flex_attention path, in the code-path matrix ---------------------------------------------------

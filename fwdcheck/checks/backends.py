@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.nn.functional as F
@@ -103,19 +103,19 @@ class Backends(Check, declared=SPEC):
         (the default path is SDPA's): those of the short row other checks observe (short_row.py), unless a declared
         window or chunk needs a longer row (or the observer cannot follow the model), which then runs here."""
         length = kernel_row_length(model, session)
-        broken = None
         if length == session.short_length:
-            try:
+            with suppress(ObservationFailed):  # the observer cannot follow the model: the row runs recorded alone
                 return short_row(model, session).sdpa
-            except ObservationFailed as exc:  # the observer cannot follow the model: the row runs recorded alone
-                broken = exc
+        row = session.inputs[:1, :length]  # (1, L)
         try:
             with recorder:
-                session.logits(session.inputs[:1, :length])
-        except ModelRaised:
-            if broken is not None:  # it runs untouched (the observation said so): recording broke it too
-                raise broken from None
-            raise
+                session.logits(row)
+        except ModelRaised as exc:
+            session.logits(row)  # untouched: the model's own error where it raises here too
+            raise ObservationFailed(
+                f"recording SDPA's calls broke a forward that runs untouched ({exc}): fwdcheck's failure, not the "
+                "model's; please report it"
+            ) from exc
         return recorder.calls
 
     def _offered(self, model: ModelUnderTest, session: Session, data: dict) -> list[str]:

@@ -465,7 +465,9 @@ class Session:
         tells what the model did, not what it computes untouched. Only the session's own observation pass keeps
         them, as a reference that stands while untouched forwards agree with it (see reference()). `under`: a
         torch function mode of a check's own the forward runs under too, outside the observer (RecordSdpa); what
-        raises under either is the observation's doing when the forward runs untouched."""
+        raises under either is the observation's doing when the forward runs untouched. Eval path only: a train
+        path's forward that raises with gradients runs again without them, and the mode would see both."""
+        assert under is None or not self.train, "observe(under=...) runs on the eval path"
         return self._observe(ids, position_ids, keep_tensors, keep_inputs_of, under)[0]
 
     def _observe(self, ids, position_ids, keep_tensors, keep_inputs_of, under=None) -> tuple[Observation, torch.Tensor]:
