@@ -241,3 +241,41 @@ def test_one_observed_short_row_serves_mask_audit_attention_stats_and_backends()
     assert "FWD955" in failing(report.result("attention-stats"))
     backends = report.result("backends")
     assert backends.data["kernels_ran"]["math"] == 2, backends.data  # both layers' SDPA calls replayed
+
+
+# -- rope: a model that claims no rotary embedding is screened at 16 positions first -----------------------------------
+
+
+class Undeclared(nn.Module):
+    """The reference transformer behind a plain module: nothing tells fwdcheck whether it has a rotary embedding."""
+
+    def __init__(self, positional: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = build(vocab_size=32, d_model=32, n_heads=2, n_layers=2, positional=positional)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.inner(input_ids, position_ids=position_ids)
+
+
+@pytest.mark.parametrize("positional", ["rope", "learned"])
+def test_rope_screens_a_model_that_claims_nothing_at_16_positions(positional):
+    """A model with learned positions is probed once, at 16 positions, and said to have no rotary embedding; one
+    whose rotary embedding nobody declared is probed again at the full 32 and judged as a declared one is: the
+    screen finds the rotation, it does not judge it."""
+    import fwdcheck
+
+    module = Undeclared(positional)
+    probes: list[int] = []
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: probes.append((args[0] if args else kwargs["input_ids"]).shape[1]), with_kwargs=True
+    )
+    rope = fwdcheck.check_model(module, ["rope"], vocab_size=32, seq_len=64, code_paths={"enabled": False})
+    result = rope.results[0]
+    if positional == "learned":
+        assert result.status.value == "skip" and "no rotary embedding" in result.summary, result.summary
+        assert 32 not in probes and 16 in probes, probes
+    else:
+        assert result.status.value == "pass", result.summary
+        assert result.data["probe"]["q"]["pairing"] == "half", result.data["probe"]
+        assert probes.count(32) >= 2, probes  # the probe and its shift, at the full length

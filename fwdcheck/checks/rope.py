@@ -45,6 +45,9 @@ from fwdcheck.run.tolerances import TOLERANCES
 # probe: at 32 positions in float32, theta > 6.5e-5, down to base 10000's slowest pair at head size 128); more only
 # costs time, two observed forwards of this length.
 PROBE_LENGTH = (16, 32)
+# A model that declares no rotary embedding and holds no rotary function is first probed at the shorter length:
+# whether q and k turn at all shows within 16 positions (one position turns the fastest pair by a radian), and most
+# such models (learned or sinusoidal tables, ALiBi) turn nothing. One that does is probed again at the full length.
 SHIFT = 17  # positions added in the shift tests; any offset works for a relative encoding
 
 
@@ -170,7 +173,7 @@ class Rope(Check, declared=SPEC):
             "declared_from": model.origins.get("rope"),
         }
 
-        probe = self._probe(model, session, tol, findings, data)
+        probe = self._screened_probe(model, session, tol, findings, data)
         component = self._rotary_alone(model, session, tol, findings, data)
         self._judge_presence(model, probe, component, findings)
         measured = probe.q if probe.rotates else component
@@ -315,10 +318,27 @@ class Rope(Check, declared=SPEC):
 
     # -- the model's own attention path ------------------------------------------------------------------------------
 
-    def _probe(self, model, session, tol, findings, data) -> Probe:
-        """q and k rotations of the judged attention calls, with the findings they support."""
+    def _screened_probe(self, model, session, tol, findings, data) -> Probe:
+        """The probe, first at the shorter length where the model claims no rotary embedding (PROBE_LENGTH's
+        comment); kept when q and k turn nowhere, else made again at the full length."""
+        if model.rope is not None or model.rotary is not None or model.rotary_axes is not None:
+            return self._probe(model, session, tol, findings, data)
+        screen_findings: list[Finding] = []
+        screen_data: dict = {}
+        probe = self._probe(model, session, tol, screen_findings, screen_data, longest=PROBE_LENGTH[0])
+        if probe.rotates:
+            return self._probe(model, session, tol, findings, data)
+        findings += screen_findings
+        data.update(screen_data)
+        return probe
+
+    def _probe(self, model, session, tol, findings, data, longest: int = PROBE_LENGTH[1]) -> Probe:
+        """q and k rotations of the judged attention calls, with the findings they support; the probe at most
+        `longest` positions. At fewer than the full length (a screen) a rotation is only found: the shift and the
+        axes are left to the probe at the full length."""
         T = session.inputs.shape[1]
-        shortest, longest = PROBE_LENGTH
+        shortest = PROBE_LENGTH[0]
+        screen = longest < PROBE_LENGTH[1]
         P = min(max(T, shortest), longest, model.max_positions or longest)
         if model.max_positions and model.max_positions - P < SHIFT and P > shortest:
             P = max(shortest, model.max_positions - SHIFT)  # leave room for the shifted probe
@@ -371,6 +391,8 @@ class Rope(Check, declared=SPEC):
                         module=where0,
                     )
                 )
+            if screen and probe.rotates:
+                return probe
             if model.accepts_position_ids and probe.rotates:
                 findings += self._probe_shift(model, session, token, look, P, tol, points, hold, blocks, data)
             if model.rotary_axes is not None and probe.rotates:
