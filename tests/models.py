@@ -10,6 +10,7 @@ Shapes use B (batch), T (sequence), C (model width), nh (query heads), nkv (key/
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -692,3 +693,21 @@ class PathBugModel(nn.Module):
 def path_bug(bug: str = "none") -> nn.Module:
     torch.manual_seed(0)
     return PathBugModel(bug)
+
+
+class AttentionLM(nn.Module):
+    """The smallest LM around attention layers of a test's own (width 16, a vocabulary of 32): embed, each layer added
+    to the stream, head. `layers` makes them after the embedding, so a model seeded before it draws its weights in
+    the same order whichever test builds it."""
+
+    def __init__(self, layers: Callable[[], Iterable[nn.Module]]):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(layers())
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)  # (B, T, C)
+        for attention in self.layers:
+            x = x + attention(x)
+        return self.head(x)

@@ -17,6 +17,7 @@ from fwdcheck.config.schema import config_from_dict
 from fwdcheck.errors import UsageError
 from fwdcheck.model.capabilities import Chunks, Windows
 from tests.conftest import codes, run_checks
+from tests.models import AttentionLM
 
 CHECK = "mask-audit"
 DECLARED = "layer 0 declares chunked attention in chunks of 4 tokens"
@@ -53,21 +54,12 @@ class MaskedAttention(nn.Module):
         return out.transpose(1, 2).reshape(B, T, C)
 
 
-class Layered(nn.Module):
+class Layered(AttentionLM):
     """One attention layer per mask builder."""
 
     def __init__(self, *builds):
-        super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(MaskedAttention(b) for b in builds)
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)  # (B, T, C)
-        for attention in self.layers:
-            x = x + attention(x)
-        return self.head(x)
+        super().__init__(lambda: (MaskedAttention(b) for b in builds))
 
 
 def chunks(size: int | None, shift: int = 0):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fwdcheck
 from tests.conftest import codes, run_checks
+from tests.models import AttentionLM
 
 CHECK = "mask-audit"
 
@@ -32,20 +33,11 @@ class BandedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=band).transpose(1, 2).reshape(B, T, C)
 
 
-class Banded(nn.Module):
+class Banded(AttentionLM):
     """Two layers of banded attention."""
 
     def __init__(self, window: int, wider: int = 0):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(BandedAttention(window, wider) for _ in range(2))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)  # (B, T, C)
-        for attention in self.layers:
-            x = x + attention(x)
-        return self.head(x)
+        super().__init__(lambda: (BandedAttention(window, wider) for _ in range(2)))
 
 
 def test_a_declared_window_kept_passes():
